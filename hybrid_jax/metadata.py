@@ -1,0 +1,447 @@
+"""Forward metadata: one pytree per (mode, bucket), built by one function for every path.
+
+``build_metadata`` turns a host-side description of a batch (``RowSpec`` per row) into a
+``ForwardMetadata`` padded to a bucket of the ``BucketPolicy``. The same function, called
+with ``rows=()`` and an explicit bucket (``example_metadata``), gives the all-padding
+metadata that ahead-of-time compilation traces with, so the compiled and the served shapes
+cannot drift apart. What each mode's rows may carry and how its token axis is sized is data,
+one ``_Layout`` per mode in ``_LAYOUTS``; a mode missing there raises
+``UnsupportedForwardModeError`` before anything is built.
+
+Padding rules (DESIGN.md): padded rows have length 0 (query_start_loc repeats), slot 0 (the
+pad slot) and no initial state; padded tokens sit after ``query_start_loc[num_rows]``, at
+position 0, in row ``batch_size`` (one past the last row, so a segment op drops them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from types import MappingProxyType
+
+import jax
+import numpy as np
+
+from hybrid_jax.modes import TOKEN_LAYOUTS, ForwardMode, TokenLayout, UnsupportedForwardModeError
+
+__all__ = [
+    "BUILDABLE_MODES",
+    "BucketPolicy",
+    "ForwardMetadata",
+    "MAX_DRAFT_TOKENS",
+    "MetadataError",
+    "RowSpec",
+    "build_metadata",
+    "describe",
+    "example_metadata",
+]
+
+MAX_DRAFT_TOKENS = 8
+
+
+class MetadataError(ValueError):
+    """A batch, a bucket or a policy that cannot be turned into forward metadata."""
+
+
+def _default_batch_buckets(max_batch: int) -> tuple[int, ...]:
+    # Powers of two and 3 * 2**k (12, 24, 48, ...): at most 33% padding above 8 rows.
+    ladder = {1 << k for k in range(max_batch.bit_length())}
+    ladder |= {3 << k for k in range(2, max_batch.bit_length())}
+    return tuple(sorted({b for b in ladder if b < max_batch} | {max_batch}))
+
+
+def _default_token_buckets(max_tokens: int) -> tuple[int, ...]:
+    powers = {1 << k for k in range(4, max_tokens.bit_length())}
+    return tuple(sorted({t for t in powers if t < max_tokens} | {max_tokens}))
+
+
+def _check_buckets(name: str, buckets: tuple[int, ...]) -> None:
+    ok = bool(buckets) and all(isinstance(b, int) and not isinstance(b, bool) for b in buckets)
+    ok = ok and buckets[0] >= 1 and all(a < b for a, b in zip(buckets, buckets[1:], strict=False))
+    if not ok:
+        raise MetadataError(
+            f"{name}={buckets!r} must be a non-empty, increasing tuple of distinct positive ints; "
+            f"BucketPolicy.default(max_batch=..., max_tokens=...) builds a valid one"
+        )
+
+
+def _bucket(buckets: tuple[int, ...], n: int) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPolicy:
+    """The padded shapes every call is rounded up to, so that all of them compile ahead of time.
+
+    ``batch_buckets``: row counts (DECODE, TARGET_VERIFY and DRAFT_EXTEND compile one
+    executable per batch bucket). ``token_buckets``: token-axis lengths (EXTEND and MIXED
+    compile one executable per token bucket, see ``buckets``). ``num_draft_tokens``: D, the
+    tokens per row of TARGET_VERIFY and the most tokens per row of DRAFT_EXTEND.
+    """
+
+    batch_buckets: tuple[int, ...] = _default_batch_buckets(256)
+    token_buckets: tuple[int, ...] = _default_token_buckets(8192)
+    num_draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch_buckets", tuple(self.batch_buckets))
+        object.__setattr__(self, "token_buckets", tuple(self.token_buckets))
+        _check_buckets("batch_buckets", self.batch_buckets)
+        _check_buckets("token_buckets", self.token_buckets)
+        d = self.num_draft_tokens
+        if isinstance(d, bool) or not isinstance(d, int) or not 2 <= d <= MAX_DRAFT_TOKENS:
+            raise MetadataError(
+                f"num_draft_tokens={d!r} is outside 2..{MAX_DRAFT_TOKENS}: a verify step checks "
+                f"the root plus at least one draft, and the speculative paths are built for at "
+                f"most {MAX_DRAFT_TOKENS} tokens per row"
+            )
+
+    @classmethod
+    def default(
+        cls, max_batch: int = 256, max_tokens: int = 8192, num_draft_tokens: int = 4
+    ) -> BucketPolicy:
+        """Batch buckets 1, 2, 4, 8, 12, 16, 24, ... and token buckets 16, 32, 64, ...
+
+        Each ladder stops at (and includes) its maximum.
+        """
+        for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MetadataError(f"{name}={value!r} must be a positive int")
+        return cls(
+            _default_batch_buckets(max_batch), _default_token_buckets(max_tokens), num_draft_tokens
+        )
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_buckets[-1]
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token_buckets[-1]
+
+    def batch_bucket(self, num_rows: int) -> int:
+        """The smallest batch bucket that holds ``num_rows`` rows."""
+        if num_rows > self.max_batch:
+            raise MetadataError(
+                f"batch of {num_rows} rows exceeds the largest batch bucket {self.max_batch}; "
+                f"raise BucketPolicy.max_batch or split the batch"
+            )
+        return _bucket(self.batch_buckets, num_rows)
+
+    def token_bucket(self, num_tokens: int) -> int:
+        """The smallest token bucket that holds ``num_tokens`` tokens."""
+        if num_tokens > self.max_tokens:
+            raise MetadataError(
+                f"batch of {num_tokens} tokens exceeds the largest token bucket "
+                f"{self.max_tokens}; raise BucketPolicy.max_tokens or split the batch "
+                f"(prefill long prompts in chunks)"
+            )
+        return _bucket(self.token_buckets, num_tokens)
+
+    def rows_for_tokens(self, num_tokens: int) -> int:
+        """Rows of the EXTEND/MIXED bucket whose token axis is ``num_tokens`` long.
+
+        Every ragged row carries at least one token, so ``min(T, max_batch)`` rows always
+        suffice: one executable per token bucket instead of one per (rows, tokens) pair.
+        Empty rows cost only their int32 metadata; kernels skip length-0 rows.
+        """
+        return self.batch_bucket(min(num_tokens, self.max_batch))
+
+    def bucket(self, mode: ForwardMode, num_rows: int, num_tokens: int) -> tuple[int, int]:
+        """The (rows, tokens) bucket ``build_metadata`` pads a batch of this size to."""
+        return _choose_bucket(mode, _layout(mode, self), self, num_rows, num_tokens, None, None)
+
+    def buckets(self, mode: ForwardMode) -> list[tuple[int, int]]:
+        """Every (rows, tokens) shape ``mode`` compiles for, i.e. every ``bucket`` it can return.
+
+        DECODE: (bs, bs); TARGET_VERIFY and DRAFT_EXTEND: (bs, bs*D), for every batch bucket.
+        EXTEND and MIXED: (rows_for_tokens(T), T) for every token bucket T. IDLE: (0, 0).
+        """
+        layout = _layout(mode, self)
+        if not layout.has_rows:
+            return [(0, 0)]
+        if layout.tokens_per_row is None:
+            return [(self.rows_for_tokens(t), t) for t in self.token_buckets]
+        return [(bs, bs * layout.tokens_per_row) for bs in self.batch_buckets]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+    """One request's row in a step: its pool slot, tokens already in its state, new tokens."""
+
+    slot: int
+    prefix_len: int
+    num_tokens: int
+
+
+def _static() -> dataclasses.Field:
+    return dataclasses.field(metadata={"static": True})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardMetadata:
+    """Everything a layer needs to know about a padded batch; one structure per (mode, bucket).
+
+    Static (part of the compile key): ``mode``; ``batch_size`` bs, the rows of the bucket;
+    ``num_tokens`` T, its token-axis length; ``num_draft_tokens``, D for TARGET_VERIFY and
+    DRAFT_EXTEND, 1 for DECODE, 0 otherwise.
+
+    Arrays (always present, never None):
+      query_start_loc   int32 [bs+1]  row r owns tokens [qsl[r], qsl[r+1]); padded rows repeat
+      state_indices     int32 [bs]    pool slot of each row; 0 (pad slot) for padded rows
+      has_initial_state bool  [bs]    the row continues a state (prefix_len > 0)
+      seq_lens          int32 [bs]    new tokens of each row; 0 for padded rows
+      context_lens      int32 [bs]    prefix + new tokens; 0 for padded rows
+      positions         int32 [T]     absolute position of each token in its request; 0 at padding
+      token_rows        int32 [T]     row of each token; bs at padding
+      num_rows          int32 []      real rows n (rows n..bs-1 are padding)
+    """
+
+    mode: ForwardMode = _static()
+    batch_size: int = _static()
+    num_tokens: int = _static()
+    num_draft_tokens: int = _static()
+    query_start_loc: jax.Array
+    state_indices: jax.Array
+    has_initial_state: jax.Array
+    seq_lens: jax.Array
+    context_lens: jax.Array
+    positions: jax.Array
+    token_rows: jax.Array
+    num_rows: jax.Array
+
+    @property
+    def token_layout(self) -> TokenLayout:
+        return TOKEN_LAYOUTS[self.mode]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What one mode's rows may carry and how its token axis is sized."""
+
+    min_row_tokens: int
+    max_row_tokens: int | None  # None: bounded only by the token bucket
+    tokens_per_row: int | None  # token axis = bs * tokens_per_row; None: a token bucket
+    num_draft_tokens: int  # ForwardMetadata.num_draft_tokens
+    hint: str  # the fix, for a row that breaks the rule
+    has_rows: bool = True  # False: the mode's single bucket is (0, 0)
+
+
+def _ragged(d: int) -> _Layout:
+    return _Layout(1, None, None, 0, "leave requests without new tokens out of the batch")
+
+
+_LAYOUTS = MappingProxyType(
+    {
+        ForwardMode.DECODE: lambda d: _Layout(1, 1, 1, 1, "send longer rows as EXTEND or MIXED"),
+        ForwardMode.TARGET_VERIFY: lambda d: _Layout(
+            d, d, d, d, "pad every draft to D tokens (BucketPolicy.num_draft_tokens)"
+        ),
+        ForwardMode.DRAFT_EXTEND: lambda d: _Layout(
+            1, d, d, d, "a draft-extend row carries the accepted drafts plus one token"
+        ),
+        ForwardMode.EXTEND: _ragged,
+        ForwardMode.MIXED: _ragged,
+        ForwardMode.IDLE: lambda d: _Layout(0, 0, 0, 0, "", has_rows=False),
+    }
+)
+
+BUILDABLE_MODES: frozenset[ForwardMode] = frozenset(_LAYOUTS)
+"""The modes ``build_metadata`` has a layout for."""
+
+
+def _layout(mode: ForwardMode, policy: BucketPolicy) -> _Layout:
+    mode = ForwardMode(mode)
+    if mode not in _LAYOUTS:
+        raise UnsupportedForwardModeError(
+            mode, BUILDABLE_MODES, what=f"no metadata builder for forward mode {mode.name}"
+        )
+    return _LAYOUTS[mode](policy.num_draft_tokens)
+
+
+def _slot_range(num_slots: int) -> str:
+    return f"slots 1..{num_slots - 1}" if num_slots > 1 else f"no real slots: num_slots={num_slots}"
+
+
+def _check_rows(
+    mode: ForwardMode, layout: _Layout, rows: Sequence[RowSpec], num_slots: int
+) -> None:
+    if rows and not layout.has_rows:
+        raise MetadataError(
+            f"{mode.name} steps carry no rows, got {len(rows)}; a rank with work runs DECODE, "
+            f"EXTEND or MIXED"
+        )
+    seen: dict[int, int] = {}
+    for i, row in enumerate(rows):
+        for name in ("slot", "prefix_len", "num_tokens"):
+            value = getattr(row, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise MetadataError(f"rows[{i}].{name}={value!r} must be an int")
+        if row.slot == 0:
+            raise MetadataError(
+                f"rows[{i}].slot=0 is the pad slot; real rows use {_slot_range(num_slots)} "
+                f"(allocate them with SlotAllocator)"
+            )
+        if not 0 < row.slot < num_slots:
+            raise MetadataError(
+                f"rows[{i}].slot={row.slot} is outside the pool ({_slot_range(num_slots)})"
+            )
+        if row.slot in seen:
+            raise MetadataError(
+                f"rows[{i}].slot={row.slot} repeats rows[{seen[row.slot]}].slot: two rows of one "
+                f"batch would write one state; give each request its own slot"
+            )
+        seen[row.slot] = i
+        if row.prefix_len < 0:
+            raise MetadataError(
+                f"rows[{i}].prefix_len={row.prefix_len} is negative; it counts the tokens "
+                f"already folded into the slot's state (0 for a new request)"
+            )
+        if row.num_tokens < 0:
+            raise MetadataError(f"rows[{i}].num_tokens={row.num_tokens} is negative")
+        lo, hi = layout.min_row_tokens, layout.max_row_tokens
+        if row.num_tokens < lo or (hi is not None and row.num_tokens > hi):
+            allowed = (
+                f"exactly {lo}" if lo == hi else f"at least {lo}" if hi is None else f"{lo}..{hi}"
+            )
+            raise MetadataError(
+                f"rows[{i}].num_tokens={row.num_tokens}, but {mode.name} rows carry {allowed} "
+                f"tokens; {layout.hint}"
+            )
+
+
+def _choose_bucket(
+    mode: ForwardMode,
+    layout: _Layout,
+    policy: BucketPolicy,
+    n: int,
+    t: int,
+    batch_size: int | None,
+    num_tokens: int | None,
+) -> tuple[int, int]:
+    """(bs, T) for n rows and t tokens; explicit values are checked, missing ones looked up."""
+    if not layout.has_rows:
+        if batch_size not in (None, 0) or num_tokens not in (None, 0):
+            raise MetadataError(
+                f"{mode.name} has the single bucket (0, 0), got batch_size={batch_size}, "
+                f"num_tokens={num_tokens}; leave them unset"
+            )
+        return 0, 0
+    if batch_size is not None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < n:
+            raise MetadataError(
+                f"batch_size={batch_size!r} is smaller than the {n} rows of this batch; leave "
+                f"batch_size unset to pick the bucket from the policy"
+            )
+        if batch_size < 1:
+            raise MetadataError(f"batch_size={batch_size} must be >= 1 for {mode.name}")
+    if layout.tokens_per_row is not None:
+        bs = policy.batch_bucket(n) if batch_size is None else batch_size
+        fixed = bs * layout.tokens_per_row
+        if num_tokens is not None and num_tokens != fixed:
+            raise MetadataError(
+                f"num_tokens={num_tokens} does not fit the {mode.name} layout of {bs} rows x "
+                f"{layout.tokens_per_row} tokens = {fixed}; leave num_tokens unset"
+            )
+        return bs, fixed
+    if num_tokens is None:
+        policy.batch_bucket(n)  # rejects too many rows before the token count does
+        num_tokens = policy.token_bucket(t)
+    elif isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < max(t, 1):
+        raise MetadataError(
+            f"num_tokens={num_tokens!r} is smaller than the {max(t, 1)} tokens this batch needs; "
+            f"leave num_tokens unset to pick the bucket from the policy"
+        )
+    bs = policy.rows_for_tokens(num_tokens) if batch_size is None else batch_size
+    return bs, num_tokens
+
+
+def build_metadata(
+    mode: ForwardMode,
+    rows: Sequence[RowSpec],
+    policy: BucketPolicy,
+    *,
+    num_slots: int,
+    batch_size: int | None = None,
+    num_tokens: int | None = None,
+) -> ForwardMetadata:
+    """The padded metadata of one step: ``rows`` (n of them) in the bucket of ``policy``.
+
+    ``num_slots`` is the pool's slot count S (real slots 1..S-1). ``batch_size`` and
+    ``num_tokens`` pin the bucket (ahead-of-time compilation: ``rows=()``); left unset they
+    come from ``policy.bucket``. Every input is validated before anything is built
+    (``MetadataError``; ``UnsupportedForwardModeError`` for a mode without a layout).
+    Positions are ``prefix_len + offset``; ``has_initial_state`` is ``prefix_len > 0``.
+    """
+    mode = ForwardMode(mode)
+    layout = _layout(mode, policy)
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise MetadataError(f"num_slots={num_slots!r} must be a positive int (the pool's S)")
+    rows = tuple(rows)
+    _check_rows(mode, layout, rows, num_slots)
+    n, t = len(rows), sum(int(row.num_tokens) for row in rows)
+    bs, T = _choose_bucket(mode, layout, policy, n, t, batch_size, num_tokens)
+
+    seq_lens = np.zeros(bs, np.int32)
+    prefix = np.zeros(bs, np.int32)
+    slots = np.zeros(bs, np.int32)
+    seq_lens[:n] = [row.num_tokens for row in rows]
+    prefix[:n] = [row.prefix_len for row in rows]
+    slots[:n] = [row.slot for row in rows]
+    qsl = np.zeros(bs + 1, np.int32)
+    np.cumsum(seq_lens, out=qsl[1:])
+    token_rows = np.full(T, bs, np.int32)
+    token_rows[:t] = np.repeat(np.arange(bs, dtype=np.int32), seq_lens)
+    positions = np.zeros(T, np.int32)
+    real = token_rows[:t]
+    positions[:t] = prefix[real] + np.arange(t, dtype=np.int32) - qsl[real]
+    arrays = jax.device_put(
+        {
+            "query_start_loc": qsl,
+            "state_indices": slots,
+            "has_initial_state": prefix > 0,
+            "seq_lens": seq_lens,
+            "context_lens": prefix + seq_lens,
+            "positions": positions,
+            "token_rows": token_rows,
+            "num_rows": np.int32(n),
+        }
+    )
+    return ForwardMetadata(
+        mode=mode, batch_size=bs, num_tokens=T, num_draft_tokens=layout.num_draft_tokens, **arrays
+    )
+
+
+def example_metadata(
+    mode: ForwardMode, batch_size: int, num_tokens: int, policy: BucketPolicy
+) -> ForwardMetadata:
+    """All-padding metadata of one bucket (no real rows), for ahead-of-time compilation.
+
+    ``for bs, T in policy.buckets(mode): step.lower(..., example_metadata(mode, bs, T, policy))``
+    """
+    return build_metadata(
+        mode, (), policy, num_slots=1, batch_size=batch_size, num_tokens=num_tokens
+    )
+
+
+def describe(meta: ForwardMetadata) -> str:
+    """A short table of the real rows, for notebooks and error reports."""
+    n = int(meta.num_rows)
+    columns = {
+        "slot": meta.state_indices,
+        "prefix": np.asarray(meta.context_lens) - np.asarray(meta.seq_lens),
+        "new": meta.seq_lens,
+        "start": np.asarray(meta.query_start_loc)[:-1],
+        "initial": meta.has_initial_state,
+    }
+    lines = [
+        f"{meta.mode.name}: bucket {meta.batch_size} rows x {meta.num_tokens} tokens "
+        f"(D={meta.num_draft_tokens}), {n} real rows, "
+        f"{int(np.asarray(meta.query_start_loc)[n])} real tokens",
+        "row " + " ".join(f"{name:>7}" for name in columns),
+    ]
+    values = {name: np.asarray(array)[:n].tolist() for name, array in columns.items()}
+    for r in range(n):
+        lines.append(f"{r:>3} " + " ".join(f"{values[name][r]!s:>7}" for name in columns))
+    return "\n".join(lines)
