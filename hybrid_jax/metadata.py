@@ -16,6 +16,7 @@ position 0, in row ``batch_size`` (one past the last row, so a segment op drops 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from types import MappingProxyType
 
@@ -44,7 +45,8 @@ class MetadataError(ValueError):
 
 
 def _default_batch_buckets(max_batch: int) -> tuple[int, ...]:
-    # Powers of two and 3 * 2**k (12, 24, 48, ...): at most 33% padding above 8 rows.
+    # Powers of two and 3 * 2**k (12, 24, 48, ...): above 8 rows, padding stays under a
+    # third of the bucket with only two executables per doubling.
     ladder = {1 << k for k in range(max_batch.bit_length())}
     ladder |= {3 << k for k in range(2, max_batch.bit_length())}
     return tuple(sorted({b for b in ladder if b < max_batch} | {max_batch}))
@@ -57,7 +59,7 @@ def _default_token_buckets(max_tokens: int) -> tuple[int, ...]:
 
 def _check_buckets(name: str, buckets: tuple[int, ...]) -> None:
     ok = bool(buckets) and all(isinstance(b, int) and not isinstance(b, bool) for b in buckets)
-    ok = ok and buckets[0] >= 1 and all(a < b for a, b in zip(buckets, buckets[1:], strict=False))
+    ok = ok and buckets[0] >= 1 and all(a < b for a, b in itertools.pairwise(buckets))
     if not ok:
         raise MetadataError(
             f"{name}={buckets!r} must be a non-empty, increasing tuple of distinct positive ints; "
