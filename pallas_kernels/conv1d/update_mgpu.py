@@ -1,0 +1,219 @@
+"""Causal depthwise conv1d on rows of D tokens (decode and verify) as Mosaic GPU kernels (sm_90).
+
+One program per (row ``n``, block of 128 channels): thread ``i`` of the warpgroup owns channel
+``c0 + i``. It loads the row's saved window ``pool[idx[n], c, :]``, its D inputs, the W taps
+and the bias straight from GMEM into registers (every array in the same one-value-per-thread
+``WG_STRIDED`` layout, so the whole convolution is element-wise), computes the D outputs and
+stores them, then stores the shifted window back into the pool (update) or every window to
+``windows`` (verify).
+
+Why no TMA here: the window axis is innermost and only ``W-1`` (3) elements long, so a
+channel block of the pool is a ``[128, 3]`` box whose rows are 6 bytes, under TMA's 16-byte
+minimum. Strided register loads (stride ``W-1``) hit the same few cache sectors for all taps,
+and the whole op moves only ``~4 (W-1) C`` bytes per row.
+
+Padded rows (``state_indices[n] == 0``) read and write no pool memory; their outputs (and
+windows) are zeros, as the reference does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["causal_conv1d_update", "causal_conv1d_verify", "unsupported_reason"]
+
+BLOCK_C = 128  # one channel per thread of the warpgroup
+MAX_TOKENS = 16
+MAX_WIDTH = 8
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+_LANE = plgpu.Layout.WG_STRIDED((BLOCK_C,), 1)
+
+
+def _interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:
+    return plgpu.InterpretGPUParams() if interpret else False
+
+
+def unsupported_reason(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    conv_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    activation: str | None = "silu",
+) -> str | None:
+    """Why the kernels of this module cannot take this call, in one sentence; None if they can.
+
+    Covers update and verify alike (same arguments).
+    """
+    if x.ndim != 3:
+        return f"x {x.shape} must be [N, D, C]"
+    n_rows, n_tokens, channels = x.shape
+    if weight.ndim != 2 or weight.shape[0] != channels:
+        return f"weight {weight.shape} must be [C, W] with C={channels}"
+    width = weight.shape[1]
+    if not 2 <= width <= MAX_WIDTH:
+        return f"W={width} taps is outside 2..{MAX_WIDTH}"
+    if channels % BLOCK_C:
+        return f"C={channels} is not a multiple of {BLOCK_C} (one channel per thread)"
+    if not 1 <= n_tokens <= MAX_TOKENS:
+        return f"D={n_tokens} tokens per row is outside 1..{MAX_TOKENS}"
+    if x.dtype not in _DTYPES:
+        return f"x is {x.dtype}; the kernel takes bfloat16 or float32"
+    if not jnp.issubdtype(weight.dtype, jnp.floating) or (
+        bias is not None and not jnp.issubdtype(bias.dtype, jnp.floating)
+    ):
+        return "weight and bias must be floating point"
+    if bias is not None and bias.shape != (channels,):
+        return f"bias {bias.shape} must be [C] = [{channels}]"
+    if conv_pool.shape[1:] != (channels, width - 1) or conv_pool.dtype != x.dtype:
+        got = f"{conv_pool.dtype}{list(conv_pool.shape)}"
+        return f"conv_pool {got} must be {x.dtype} [S, {channels}, {width - 1}]"
+    if state_indices.shape != (n_rows,) or state_indices.dtype != jnp.int32:
+        got = f"{state_indices.dtype}{list(state_indices.shape)}"
+        return f"state_indices {got} must be int32 [{n_rows}]"
+    if activation not in ("silu", None):
+        return f"activation={activation!r} is not 'silu' or None"
+    if n_rows == 0:
+        return "N=0 rows: nothing to launch"
+    return None
+
+
+def _check(reason: str | None) -> None:
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def _rows(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    conv_pool: jax.Array | jax.Ref,
+    state_indices: jax.Array,
+    *,
+    activation: str | None,
+    write_pool: bool,
+    interpret: bool,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The kernel call: ``y`` (update; the pool is a mutable ref written in place) or
+    ``(y, windows)`` (verify; the pool is only read)."""
+    n_rows, n_tokens, channels = x.shape
+    width = weight.shape[1]
+    has_bias = bias is not None
+
+    def load(ref) -> jax.Array:
+        return plgpu.load(ref, layout=_LANE).astype(jnp.float32)
+
+    def body(*refs):
+        idx_ref, x_ref, w_ref = refs[:3]
+        refs = refs[3:]
+        b_ref = refs[0] if has_bias else None
+        refs = refs[1:] if has_bias else refs
+        pool_ref, y_ref = refs[:2]
+        win_ref = None if write_pool else refs[2]
+
+        n = lax.axis_index("n")
+        chans = pl.ds(lax.axis_index("c") * BLOCK_C, BLOCK_C)
+        slot = idx_ref[n]
+
+        def store_windows(ext):
+            """ext: the W-1+D inputs of the row, oldest first (the window, then x)."""
+            if write_pool:
+                for w in range(width - 1):
+                    pool_ref[slot, chans, w] = ext[n_tokens + w].astype(pool_ref.dtype)
+            else:
+                for t in range(n_tokens):
+                    for w in range(width - 1):
+                        win_ref[n, t, chans, w] = ext[t + 1 + w].astype(win_ref.dtype)
+
+        @pl.when(slot != 0)
+        def _real_row():
+            ext = [load(pool_ref.at[slot, chans, w]) for w in range(width - 1)]
+            ext += [load(x_ref.at[n, t, chans]) for t in range(n_tokens)]
+            taps = [load(w_ref.at[chans, w]) for w in range(width)]
+            for t in range(n_tokens):
+                acc = load(b_ref.at[chans]) if has_bias else None
+                for w in range(width):
+                    term = taps[w] * ext[t + w]
+                    acc = term if acc is None else acc + term
+                if activation == "silu":
+                    acc = acc / (1.0 + jnp.exp(-acc))
+                y_ref[n, t, chans] = acc.astype(y_ref.dtype)
+            store_windows(ext)
+
+        @pl.when(slot == 0)
+        def _padded_row():
+            # Padded rows all name slot 0: no pool access, zeros out (and no race on slot 0).
+            zeros = plgpu.layout_cast(jnp.zeros((BLOCK_C,), jnp.float32), _LANE)
+            for t in range(n_tokens):
+                y_ref[n, t, chans] = zeros.astype(y_ref.dtype)
+            if not write_pool:
+                store_windows([zeros] * (width - 1 + n_tokens))
+
+    y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    out_type = y_type
+    if not write_pool:
+        windows_shape = (n_rows, n_tokens, channels, width - 1)
+        out_type = (y_type, jax.ShapeDtypeStruct(windows_shape, conv_pool.dtype))
+    kernel = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(n_rows, channels // BLOCK_C),
+        grid_names=("n", "c"),
+        interpret=_interpret_params(interpret),
+    )
+    operands = (state_indices, x, weight) + ((bias,) if has_bias else ()) + (conv_pool,)
+    return kernel(*operands)
+
+
+def causal_conv1d_update(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    conv_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    activation: str | None = "silu",
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """D tokens per row after the row's saved window; the window moves on by D tokens.
+
+    x ``[N, D, C]``; weight ``[C, W]``; bias ``[C]`` or None; conv_pool ``[S, C, W-1]`` in x's
+    dtype; state_indices int32 ``[N]`` (0 = padded row). Returns (y ``[N, D, C]`` in x's
+    dtype, zeros on padded rows; conv_pool). Under ``jit`` with the pool donated the update is
+    in place; slot 0 is never touched.
+    """
+    _check(unsupported_reason(x, weight, bias, conv_pool, state_indices, activation=activation))
+    pool_ref = jax.new_ref(conv_pool)
+    y = _rows(
+        x, weight, bias, pool_ref, state_indices,
+        activation=activation, write_pool=True, interpret=interpret,
+    )  # fmt: skip
+    return y, jax.freeze(pool_ref)
+
+
+def causal_conv1d_verify(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    conv_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    activation: str | None = "silu",
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """D draft tokens per row, pool read-only.
+
+    Arguments as ``causal_conv1d_update``. Returns (y ``[N, D, C]``; windows
+    ``[N, D, C, W-1]`` in the pool's dtype, ``windows[n, t]`` = the window after token ``t``);
+    both zeros on padded rows.
+    """
+    _check(unsupported_reason(x, weight, bias, conv_pool, state_indices, activation=activation))
+    return _rows(
+        x, weight, bias, conv_pool, state_indices,
+        activation=activation, write_pool=False, interpret=interpret,
+    )  # fmt: skip

@@ -1,0 +1,165 @@
+"""The Mosaic GPU conv1d update/verify kernels against the float64 oracle.
+
+Each kernel runs under the Mosaic GPU CPU interpreter (values; fresh buffers start as NaN, so
+an unwritten output shows) and through the Pallas -> Mosaic GPU lowering for ``cuda``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.conv1d import reference as conv_reference
+from pallas_kernels.conv1d import update_mgpu
+
+
+def _rel(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def _bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.itemsize == 2 else np.uint32)
+
+
+def _case(seed, *, n, d, c, width, slots, dtype, padded, bias=True):
+    """Fresh random inputs; rows in ``padded`` use slot 0, the others distinct random slots.
+    Slot 0 and every slot no row names hold NaN: reading a wrong slot shows."""
+    rng = np.random.default_rng(seed)
+    real = rng.permutation(np.arange(1, slots))[:n]
+    idx = np.where(np.isin(np.arange(n), padded), 0, real).astype(np.int32)
+    pool = rng.standard_normal((slots, c, width - 1)).astype(np.float32)
+    pool[np.setdiff1d(np.arange(slots), idx[idx > 0])] = np.nan
+    args = dict(
+        x=jnp.asarray(rng.standard_normal((n, d, c)), dtype),
+        weight=jnp.asarray(rng.standard_normal((c, width)) * 0.5, dtype),
+        bias=jnp.asarray(rng.standard_normal(c), dtype) if bias else None,
+        conv_pool=jnp.asarray(pool, dtype),
+        state_indices=jnp.asarray(idx),
+    )
+    return args, idx
+
+
+def _oracle(fn, args, activation):
+    with jax.enable_x64(True):
+        wide = {
+            name: None if x is None else jnp.asarray(np.asarray(x, np.float64))
+            for name, x in args.items()
+            if name != "state_indices"
+        }
+        out = fn(**wide, state_indices=args["state_indices"], activation=activation)
+        return jax.tree.map(np.asarray, out)
+
+
+def _check_rows(y, y_ref, idx, tol):
+    real = idx != 0
+    assert np.isfinite(np.asarray(y, np.float32)).all(), "an output was never written (NaN)"
+    assert _rel(y[real], y_ref[real]) < tol
+    assert not np.asarray(y, np.float32)[~real].any(), "padded rows must give zeros"
+
+
+@pytest.mark.parametrize(
+    "dtype, d, width, bias, activation, tol",
+    [
+        (jnp.bfloat16, 1, 4, True, "silu", 1e-2),
+        (jnp.float32, 3, 3, False, None, 1e-6),
+    ],
+    ids=["bf16-D1-W4-silu", "f32-D3-W3-nobias"],
+)
+def test_update_matches_oracle_and_moves_only_named_windows(dtype, d, width, bias, activation, tol):
+    args, idx = _case(0, n=4, d=d, c=256, width=width, slots=7, dtype=dtype, padded=[1], bias=bias)
+    y, pool = jax.jit(
+        functools.partial(update_mgpu.causal_conv1d_update, activation=activation, interpret=True)
+    )(**args)
+    y_ref, pool_ref = _oracle(conv_reference.causal_conv1d_update, args, activation)
+    _check_rows(y, y_ref, idx, tol)
+    named = idx[idx != 0]
+    # Windows hold raw inputs: they move exactly, in any dtype.
+    np.testing.assert_array_equal(_bits(pool[named]), _bits(pool_ref[named].astype(dtype)))
+    others = np.setdiff1d(np.arange(pool.shape[0]), named)  # slot 0 included: never touched
+    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["conv_pool"][others]))
+
+
+def test_verify_returns_window_after_every_token_and_leaves_pool_untouched():
+    args, idx = _case(1, n=3, d=4, c=128, width=4, slots=6, dtype=jnp.bfloat16, padded=[2])
+    before = _bits(args["conv_pool"]).copy()
+    y, windows = jax.jit(functools.partial(update_mgpu.causal_conv1d_verify, interpret=True))(
+        **args
+    )
+    y_ref, windows_ref = _oracle(conv_reference.causal_conv1d_verify, args, "silu")
+    _check_rows(y, y_ref, idx, 1e-2)
+    real = idx != 0
+    assert windows.shape == (3, 4, 128, 3) and windows.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        _bits(windows[real]), _bits(windows_ref[real].astype(jnp.bfloat16))
+    )
+    assert not np.asarray(windows, np.float32)[~real].any(), "padded rows' windows must be zeros"
+    np.testing.assert_array_equal(_bits(args["conv_pool"]), before)
+
+
+def _production(n, d, c=8192, width=4, dtype=jnp.bfloat16, bias=True):
+    return dict(
+        x=jax.ShapeDtypeStruct((n, d, c), dtype),
+        weight=jax.ShapeDtypeStruct((c, width), dtype),
+        bias=jax.ShapeDtypeStruct((c,), dtype) if bias else None,
+        conv_pool=jax.ShapeDtypeStruct((64, c, width - 1), dtype),
+        state_indices=jax.ShapeDtypeStruct((n,), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("n, d, bias", [(1, 1, True), (256, 1, False), (16, 4, True)], ids=str)
+def test_update_lowers_for_cuda_with_the_pool_aliased(n, d, bias):
+    args = _production(n, d, bias=bias)
+    text = (
+        jax.jit(update_mgpu.causal_conv1d_update, donate_argnames=("conv_pool",))
+        .trace(**args)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert re.search(r"tensor<64x8192x3xbf16> \{tf.aliasing_output = 1 ", main)
+
+
+@pytest.mark.parametrize("n, d, dtype", [(16, 4, jnp.bfloat16), (64, 2, jnp.float32)], ids=str)
+def test_verify_lowers_for_cuda(n, d, dtype):
+    jax.jit(update_mgpu.causal_conv1d_verify).trace(**_production(n, d, dtype=dtype)).lower(
+        lowering_platforms=("cuda",)
+    )
+
+
+def test_unsupported_reason_accepts_production_shapes():
+    assert update_mgpu.unsupported_reason(**_production(256, 1)) is None
+    assert update_mgpu.unsupported_reason(**_production(16, 4, bias=False)) is None
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(c=200), "multiple of 128"),
+        (dict(d=update_mgpu.MAX_TOKENS + 1), "tokens per row"),
+        (dict(dtype=jnp.float16), "bfloat16 or float32"),
+        (dict(pool_dtype=jnp.float32), "conv_pool"),
+        (dict(activation="gelu"), "activation"),
+    ],
+    ids=["C200", "D17", "f16", "f32-pool", "gelu"],
+)
+def test_unsupported_reason_names_the_rule(change, words):
+    n, d, c, dtype = 2, change.get("d", 1), change.get("c", 256), change.get("dtype", jnp.bfloat16)
+    args = dict(
+        x=jnp.ones((n, d, c), dtype),
+        weight=jnp.ones((c, 4), dtype),
+        bias=None,
+        conv_pool=jnp.ones((3, c, 3), change.get("pool_dtype", dtype)),
+        state_indices=jnp.ones((n,), jnp.int32),
+    )
+    activation = change.get("activation", "silu")
+    reason = update_mgpu.unsupported_reason(**args, activation=activation)
+    assert reason is not None and words in reason
+    with pytest.raises(ValueError, match=words):
+        update_mgpu.causal_conv1d_update(**args, activation=activation, interpret=True)
