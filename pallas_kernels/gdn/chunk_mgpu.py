@@ -1,0 +1,581 @@
+"""Chunked Gated DeltaNet prefill for Hopper in Mosaic GPU: two kernels over packed varlen tokens.
+
+Math, per value head and 64-token chunk (state ``S`` ``[K, V]`` float32, ``gc`` the chunk-local
+cumulative log decay, ``k``/``q`` l2-normalised):
+
+    A = strictly_lower(beta_i (k_i . k_j) exp(gc_i - gc_j)),   T = (I + A)^-1
+    M = T diag(beta),   v' = M (v - diag(exp(gc)) k S)          (the WY/UT form: u - w S)
+    o = scale diag(exp(gc)) q S + tril(scale (q k^T) exp(gc_i - gc_j)) v'
+    S <- exp(gc_last) S + k^T diag(exp(gc_last - gc)) v'
+
+Kernel 1 (``_intra``, one CTA per (chunk, value head), fully parallel) forms everything that
+does not depend on the state: ``M`` and ``P = tril(...)`` as bf16 ``[64, 64]`` tiles and four
+float32 row vectors (``rk exp(gc)``, ``scale rq exp(gc)``, ``rk exp(gc_last - gc)``,
+``exp(gc_last)``; ``rq``/``rk`` the inverse l2 norms, so q and k are never rewritten). ``T``
+is built by block doubling: from the 2x2 blocks ``T = I - A``, each level merges diagonal
+blocks of size ``b`` into ``2b`` with ``T <- T - T (L T)`` (``L`` the strictly-lower
+off-diagonal ``b x b`` blocks of ``A``), two bf16 wgmmas per level. Block doubling is exact
+forward substitution at block level; the Neumann product ``(I - A)(I + A^2)...`` is not used
+because its terms grow like binomials for correlated keys and cancel catastrophically.
+
+Kernel 2 (``_state``, one CTA per (sequence, value head, ``block_v`` value columns)) walks
+the sequence's chunks in order with ``S`` in registers, five wgmmas per chunk (``kS``,
+``qS``, ``M Y``, ``k^T v'``, ``P v'``), the next chunk's tiles prefetched by TMA.
+Splitting the value columns is what gives a single long sequence more than ``HV`` CTAs.
+
+Chunks start at 8-aligned token positions: a TMA into a swizzled SMEM tile needs its first
+row to be a multiple of the 8-row tiling (layout inference refuses an unproven start). A
+sequence starting at ``a`` therefore owns chunks ``floor8(a) + 64 j``; rows of a chunk that
+belong to a neighbour (``< lo`` or ``>= hi``) get ``g = beta = 0``, which makes their ``v'``
+rows exactly zero, so they change neither the state nor the valid rows. A chunk that would
+run past the (8-padded) token axis is shifted back to end on it instead, which only adds
+leading masked rows. Full chunks are stored with one TMA; chunks with masked rows store
+their valid rows one by one (a TMA per row from an unswizzled tile), so a sequence never
+writes a neighbour's outputs. Tokens at ``t >= qsl[N]`` form an extra segment whose chunks
+store zeros.
+
+Precision: q, k, v, ``M`` and ``P`` enter the tensor cores as bf16 (float32 inputs are
+rounded to bf16 first); accumulation, the decays, the norms and the state are float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["CHUNK", "Config", "chunk_gated_delta_rule", "unsupported_reason"]
+
+CHUNK = 64
+ALIGN = 8  # rows of the SMEM tiling: every chunk's first token is a multiple of this
+EPS = 1e-6  # inside the l2 norm's square root
+HEAD_DIMS = (64, 128)
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+WG = plgpu.Layout.WGMMA
+ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
+COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static tuning of the state pass.
+
+    block_v: value columns per CTA of the state pass (32, 64 or the full V). Fewer columns
+      give more CTAs (a single sequence gets ``HV * V / block_v`` of them) at the price of
+      re-reading q, k, M and P once per column block.
+    """
+
+    block_v: int = 64
+
+
+def _smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
+    """SMEM tile tiled (8 rows) and swizzled as TMA and wgmma want it (minor dim = last)."""
+    dtype = jnp.dtype(dtype)
+    swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
+    transforms = (
+        plgpu.TilingTransform((ALIGN, swizzle // dtype.itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def _rows(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """``vec[i]`` along row ``i`` (``vec`` in the ROWS layout)."""
+    return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def _cols(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """``vec[j]`` along column ``j`` (``vec`` in the COLS layout)."""
+    return lax.broadcast_in_dim(vec, shape, [1])
+
+
+def _matmuls(*products: tuple) -> tuple[jax.Array, ...]:
+    """``a @ b`` for each ``(a, b, shape)`` on the tensor cores, issued together, float32.
+
+    Only ``run_scoped`` accumulators: the GPU interpreter does not run ``run_state`` (0.11.2),
+    so an accumulator is never initialised from registers and sums are formed afterwards.
+    The optimization barrier keeps LLVM from using the registers before the wgmma wait.
+    """
+
+    def body(*accs):
+        for acc, (a, b, _) in zip(accs, products, strict=True):
+            plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
+
+    accs = [plgpu.ACC(shape, F32) for _, _, shape in products]
+    return lax.optimization_barrier(pl.run_scoped(body, *accs))
+
+
+def _chunk_table(qsl: jax.Array, num_tokens: int, num_chunks: int) -> tuple[jax.Array, jax.Array]:
+    """Chunks of the N sequences and of the padding segment ``[qsl[N], T)``.
+
+    Returns ``table`` int32 ``[3, num_chunks]`` (first token, first valid row, end of the
+    valid rows; ``0, 0, 0`` for unused entries) and ``first`` int32 ``[N + 2]``: segment
+    ``n`` owns chunks ``first[n] .. first[n + 1] - 1`` (segment N is the padding).
+    """
+    n = qsl.shape[0] - 1
+    qsl = qsl.astype(jnp.int32)
+    lo_tok = qsl  # segment n covers [qsl[n], qsl[n + 1]) and segment N covers [qsl[N], T)
+    hi_tok = jnp.concatenate([qsl[1:], jnp.array([num_tokens], jnp.int32)])
+    base = lo_tok - lo_tok % ALIGN
+    counts = jnp.where(hi_tok > lo_tok, (hi_tok - base + CHUNK - 1) // CHUNK, 0)
+    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    c = jnp.arange(num_chunks, dtype=jnp.int32)
+    seg = jnp.clip(jnp.searchsorted(first, c, side="right").astype(jnp.int32) - 1, 0, n)
+    nominal = base[seg] + CHUNK * (c - first[seg])
+    start = jnp.minimum(nominal, max(num_tokens, CHUNK) - CHUNK)
+    used = c < first[n + 1]
+    lo = jnp.where(used, jnp.maximum(lo_tok[seg], nominal) - start, 0)
+    hi = jnp.where(used, jnp.minimum(hi_tok[seg], nominal + CHUNK) - start, 0)
+    table = jnp.stack([jnp.where(used, start, 0), lo, hi])
+    return table, first
+
+
+def _unit_lower_inverse(a: jax.Array, l_s, t_s, n_s) -> jax.Array:
+    """``(I + A)^-1`` of a strictly lower float32 ``[64, 64]`` tile by block doubling.
+
+    ``l_s``, ``t_s``, ``n_s``: bf16 ``[64, 64]`` SMEM scratch for the wgmma operands.
+    """
+    shape = (CHUNK, CHUNK)
+    ri = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WG)
+    ci = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WG)
+
+    def off_diagonal(b: int) -> jax.Array:  # row block 2, column block 1 of each 2b block
+        return (
+            (lax.div(ri, 2 * b) == lax.div(ci, 2 * b))
+            & (lax.rem(ri, 2 * b) >= b)
+            & (lax.rem(ci, 2 * b) < b)
+        )
+
+    t = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(off_diagonal(1), a, 0.0)
+    b = 2
+    while b < CHUNK:
+        l_s[...] = jnp.where(off_diagonal(b), a, 0.0).astype(BF16)
+        t_s[...] = t.astype(BF16)
+        plgpu.commit_smem()
+        (lt,) = _matmuls((l_s, t_s, shape))
+        n_s[...] = lt.astype(BF16)
+        plgpu.commit_smem()
+        (tlt,) = _matmuls((t_s, n_s, shape))
+        t = t - tlt
+        b *= 2
+    return t
+
+
+def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interpret):
+    """Kernel 1: per (chunk, value head) ``M``, ``P`` (bf16 ``[NC, HV, 64, 64]``) and the
+    row vectors (float32 ``[NC, HV, 4, 64]``); see the module docstring."""
+    _, kv_heads, key_dim = q.shape
+    heads = g_t.shape[0]
+    group = heads // kv_heads
+    num_chunks = table.shape[1]
+    shape = (CHUNK, CHUNK)
+    vec = plgpu.SMEM((CHUNK,), F32)
+
+    def body(q_ref, k_ref, g_ref, b_ref, tab_ref, first_ref, m_ref, p_ref, v_ref, *scratch):
+        q_s, k_s, g_r, g_c, b_r, b_c, m_s, p_s, n_s, vec_s, bar = scratch
+        c, h = lax.axis_index("c"), lax.axis_index("h")
+        hk = lax.div(h, group)
+        start = pl.multiple_of(tab_ref[0, c], ALIGN)
+        lo, hi = tab_ref[1, c], tab_ref[2, c]
+
+        @pl.when((c < first_ref[n_seqs]) & (hi > lo))
+        def _():
+            rows = pl.ds(start, CHUNK)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s, bar)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s, bar)
+            # A vector is loaded once per layout it is read in (layout inference).
+            for src, dst in ((g_ref, g_r), (g_ref, g_c), (b_ref, b_r), (b_ref, b_c)):
+                plgpu.copy_gmem_to_smem(src.at[h, rows], dst, bar)
+            plgpu.barrier_wait(bar)
+
+            kk, qk = _matmuls((k_s, k_s.T, shape), (q_s, k_s.T, shape))
+            ri = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WG)
+            ci = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WG)
+            iv_r = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROWS)
+            iv_c = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=COLS)
+            in_r = (iv_r >= lo) & (iv_r < hi)
+            in_c = (iv_c >= lo) & (iv_c < hi)
+            # Masked rows decay by nothing and write nothing (beta = 0 zeroes their v').
+            g_row = jnp.where(in_r, plgpu.load(g_r, layout=ROWS), 0.0)
+            g_col = jnp.where(in_c, plgpu.load(g_c, layout=COLS), 0.0)
+            beta_row = jnp.where(in_r, plgpu.load(b_r, layout=ROWS), 0.0)
+            beta_col = jnp.where(in_c, plgpu.load(b_c, layout=COLS), 0.0)
+            gc_row = jnp.where(ci <= ri, _cols(g_col, shape), 0.0).sum(axis=1)
+            gc_col = jnp.where(ri <= ci, _rows(g_row, shape), 0.0).sum(axis=0)
+            g_last = _cols(g_col, shape).sum(axis=1)  # the chunk's total, on every row
+            # |k_i|^2 is the diagonal of k k^T (exact bf16 products, float32 sums).
+            diag = jnp.where(ri == ci, kk, 0.0)
+            rk_row = lax.rsqrt(diag.sum(axis=1) + EPS)
+            rk_col = lax.rsqrt(diag.sum(axis=0) + EPS)
+            qf = plgpu.load(q_s, layout=WG).astype(F32)
+            rq_row = lax.rsqrt((qf * qf).sum(axis=1) + EPS)
+            # Exponents are masked before exp: acausal pairs have gc_i - gc_j > 0.
+            expo = _rows(gc_row, shape) - _cols(gc_col, shape)
+            decay_strict = jnp.exp(jnp.where(ri > ci, expo, -jnp.inf))
+            decay_causal = jnp.exp(jnp.where(ri >= ci, expo, -jnp.inf))
+            a = kk * _rows(beta_row * rk_row, shape) * _cols(rk_col, shape) * decay_strict
+            t = _unit_lower_inverse(a, m_s, p_s, n_s)
+            m = t * _cols(beta_col, shape)
+            p = qk * _rows(scale * rq_row, shape) * _cols(rk_col, shape) * decay_causal
+            m_s[...] = m.astype(BF16)
+            p_s[...] = p.astype(BF16)
+            vec_s[0] = rk_row * jnp.exp(gc_row)
+            vec_s[1] = scale * rq_row * jnp.exp(gc_row)
+            vec_s[2] = rk_row * jnp.exp(g_last - gc_row)
+            vec_s[3] = jnp.exp(g_last)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(m_s, m_ref.at[c, h], commit_group=False)
+            plgpu.copy_smem_to_gmem(p_s, p_ref.at[c, h], commit_group=False)
+            plgpu.copy_smem_to_gmem(vec_s, v_ref.at[c, h], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
+
+    out_type = (
+        jax.ShapeDtypeStruct((num_chunks, heads, CHUNK, CHUNK), BF16),
+        jax.ShapeDtypeStruct((num_chunks, heads, CHUNK, CHUNK), BF16),
+        jax.ShapeDtypeStruct((num_chunks, heads, 4, CHUNK), F32),
+    )
+    scratch = (
+        _smem((CHUNK, key_dim), BF16),
+        _smem((CHUNK, key_dim), BF16),
+        vec,
+        vec,
+        vec,
+        vec,
+        _smem(shape, BF16),
+        _smem(shape, BF16),
+        _smem(shape, BF16),
+        plgpu.SMEM((4, CHUNK), F32),
+        plgpu.Barrier(num_arrivals=6),
+    )
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(num_chunks, heads),
+        grid_names=("c", "h"),
+        interpret=interpret,
+        kernel_name="gdn_chunk_intra",
+    )(q, k, g_t, beta_t, table, first)
+
+
+def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, cfg, interpret):
+    """Kernel 2: the in-order walk over each sequence's chunks; returns ``o [T, HV, V]``.
+
+    ``pool`` is a mutable ref: each non-empty sequence reads its initial state from it (when
+    ``has_init``) and writes its final state back; nothing else touches it.
+    """
+    tokens, kv_heads, key_dim = q.shape
+    heads, value_dim = v.shape[1], v.shape[2]
+    group = heads // kv_heads
+    bv = cfg.block_v
+    out_dtype = v.dtype
+    sq = (CHUNK, CHUNK)
+    tile = (CHUNK, bv)
+    state = (key_dim, bv)
+
+    def body(
+        q_ref,
+        k_ref,
+        v_ref,
+        m_ref,
+        p_ref,
+        w_ref,
+        tab_ref,
+        first_ref,
+        slot_ref,
+        init_ref,
+        pool_ref,
+        o_ref,
+        *scratch,
+    ):
+        (q_s, k_s, v_s, m_s, p_s, w_s, s_bf, y_s, vp_s, vc_s, o_s, o_p, st_s, bar, st_bar) = scratch
+        n, h, iv = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("v")
+        hk = lax.div(h, group)
+        cols = pl.ds(iv * bv, bv)
+        c0 = first_ref[n]
+        num = first_ref[n + 1] - c0
+        real = n < n_seqs
+        seq = jnp.minimum(n, n_seqs - 1)  # the padding segment reads no slot
+        slot = slot_ref[seq]
+
+        def store_rows(src, start, lo, hi):
+            """Valid rows ``lo..hi-1`` of a chunk, one TMA each (never a neighbour's rows)."""
+
+            @pl.loop(lo, hi)
+            def _(i):
+                plgpu.copy_smem_to_gmem(src.at[pl.ds(i, 1)], o_ref.at[pl.ds(start + i, 1), h, cols])
+
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(~real)
+        def _padding():
+            zeros = plgpu.layout_cast(jnp.zeros(tile, out_dtype), WG)
+            o_s[0] = zeros
+            o_p[...] = zeros
+            plgpu.commit_smem()
+
+            @pl.loop(0, num)
+            def _(j):
+                start = pl.multiple_of(tab_ref[0, c0 + j], ALIGN)
+                lo, hi = tab_ref[1, c0 + j], tab_ref[2, c0 + j]
+                full = (lo == 0) & (hi == CHUNK)
+
+                @pl.when(full)
+                def _():
+                    plgpu.copy_smem_to_gmem(o_s.at[0], o_ref.at[pl.ds(start, CHUNK), h, cols])
+
+                @pl.when(~full)
+                def _():
+                    store_rows(o_p, start, lo, hi)
+
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(real & (num > 0))
+        def _sequence():
+            def issue(j, stage):
+                c = c0 + j
+                rows = pl.ds(pl.multiple_of(tab_ref[0, c], ALIGN), CHUNK)
+                b = bar.at[stage]
+                plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s.at[stage], b)
+                plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s.at[stage], b)
+                plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols], v_s.at[stage], b)
+                plgpu.copy_gmem_to_smem(m_ref.at[c, h], m_s.at[stage], b)
+                plgpu.copy_gmem_to_smem(p_ref.at[c, h], p_s.at[stage], b)
+                plgpu.copy_gmem_to_smem(w_ref.at[c, h], w_s.at[stage], b)
+
+            issue(0, 0)
+
+            @pl.when(init_ref[seq] != 0)
+            def _():
+                plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, :, cols], st_s, st_bar)
+                plgpu.barrier_wait(st_bar)
+
+            @pl.when(init_ref[seq] == 0)
+            def _():
+                st_s[...] = plgpu.layout_cast(jnp.zeros(state, F32), WG)
+
+            plgpu.commit_smem()
+            s0 = plgpu.load(st_s, layout=WG, optimized=False)
+
+            def step(j, s):
+                stage = lax.rem(j, 2)
+                c = c0 + j
+                start = pl.multiple_of(tab_ref[0, c], ALIGN)
+                lo, hi = tab_ref[1, c], tab_ref[2, c]
+                plgpu.barrier_wait(bar.at[stage])
+
+                # The other stage was last read by chunk j - 1, which has finished.
+                @pl.when(j + 1 < num)
+                def _():
+                    issue(j + 1, 1 - stage)
+
+                a = plgpu.load(w_s.at[stage, 0], layout=ROWS)
+                b = plgpu.load(w_s.at[stage, 1], layout=ROWS)
+                e = plgpu.load(w_s.at[stage, 2], layout=ROWS)
+                d = w_s[stage, 3, 0]
+                s_bf[...] = s.astype(BF16)
+                plgpu.commit_smem()
+                ks, qs = _matmuls((k_s.at[stage], s_bf, tile), (q_s.at[stage], s_bf, tile))
+                vt = plgpu.load(v_s.at[stage], layout=WG).astype(F32)
+                y_s[...] = (vt - _rows(a, tile) * ks).astype(BF16)
+                plgpu.commit_smem()
+                (vnew,) = _matmuls((m_s.at[stage], y_s, tile))
+                vp_s[...] = vnew.astype(BF16)
+                vc_s[...] = (_rows(e, tile) * vnew).astype(BF16)
+                plgpu.commit_smem()
+                upd, pv = _matmuls((k_s.at[stage].T, vc_s, state), (p_s.at[stage], vp_s, tile))
+                out = (_rows(b, tile) * qs + pv).astype(out_dtype)
+                full = (lo == 0) & (hi == CHUNK)
+                # o_s[stage] was last sent two chunks ago; at most one store is in flight.
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                o_s[stage] = out
+
+                @pl.when(~full)
+                def _():
+                    o_p[...] = out
+
+                plgpu.commit_smem()
+
+                @pl.when(full)
+                def _():
+                    plgpu.copy_smem_to_gmem(o_s.at[stage], o_ref.at[pl.ds(start, CHUNK), h, cols])
+
+                @pl.when(~full)
+                def _():
+                    store_rows(o_p, start, lo, hi)
+
+                return d * s + upd
+
+            s = lax.fori_loop(0, num, step, s0)
+            st_s[...] = s
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(st_s, pool_ref.at[slot, h, :, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+    scratch = (
+        _smem((2, CHUNK, key_dim), BF16),
+        _smem((2, CHUNK, key_dim), BF16),
+        _smem((2, *tile), BF16),
+        _smem((2, *sq), BF16),
+        _smem((2, *sq), BF16),
+        plgpu.SMEM((2, 4, CHUNK), F32),
+        _smem(state, BF16),
+        _smem(tile, BF16),
+        _smem(tile, BF16),
+        _smem(tile, BF16),
+        _smem((2, *tile), out_dtype),
+        plgpu.SMEM(tile, out_dtype),
+        plgpu.SMEM(state, F32),
+        plgpu.Barrier(num_arrivals=6, num_barriers=2),
+        plgpu.Barrier(),
+    )
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((tokens, heads, value_dim), out_dtype),
+        scratch_types=scratch,
+        grid=(n_seqs + 1, heads, value_dim // bv),
+        grid_names=("n", "h", "v"),
+        interpret=interpret,
+        kernel_name="gdn_chunk_state",
+    )(q, k, v, m, p, vecs, table, first, slots, has_init, pool)
+
+
+def unsupported_reason(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    ssm_pool: jax.Array,
+    qsl: jax.Array,
+    state_indices: jax.Array,
+    has_initial_state: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    interpret: object = False,
+    config: Config = Config(),
+) -> str | None:
+    """One sentence on why this kernel cannot take the call, or None when it can."""
+    del scale, g, beta, state_indices, has_initial_state, interpret
+    if not use_qk_l2norm:
+        return "the kernel always l2-normalises q and k (use_qk_l2norm=False is not built)"
+    if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[0] != q.shape[0]:
+        return f"q, k [T, H, K] and v [T, HV, V] expected, got {q.shape}, {k.shape}, {v.shape}"
+    key_dim, value_dim = q.shape[2], v.shape[2]
+    if key_dim not in HEAD_DIMS or value_dim not in HEAD_DIMS:
+        return f"head dims K={key_dim}, V={value_dim} must be in {HEAD_DIMS}"
+    if v.shape[1] % q.shape[1]:
+        return f"HV={v.shape[1]} is not a multiple of H={q.shape[1]}"
+    if value_dim % config.block_v or config.block_v not in (32, 64):
+        return f"block_v={config.block_v} must be 32 or 64 and divide V={value_dim}"
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1 or not dtypes <= {jnp.dtype(BF16), jnp.dtype(F32)}:
+        return f"q, k, v must share one dtype of bf16 or float32, got {sorted(map(str, dtypes))}"
+    if jnp.dtype(ssm_pool.dtype) != jnp.dtype(F32):
+        return f"the ssm pool must be float32, got {ssm_pool.dtype}"
+    if ssm_pool.shape[1:] != (v.shape[1], key_dim, value_dim):
+        return f"ssm_pool {ssm_pool.shape} does not match [S, HV={v.shape[1]}, K, V]"
+    if qsl.ndim != 1 or qsl.shape[0] < 2:
+        return f"query_start_loc must be [N+1] with N >= 1, got shape {qsl.shape}"
+    return None
+
+
+def chunk_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    ssm_pool: jax.Array,
+    qsl: jax.Array,
+    state_indices: jax.Array,
+    has_initial_state: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    interpret: object = False,
+    config: Config = Config(),
+) -> tuple[jax.Array, jax.Array]:
+    """Chunked Gated DeltaNet over packed sequences (the Mosaic GPU kernels).
+
+    Args:
+      q, k: ``[T, H, K]`` bf16 or float32 (l2-normalised inside); v: ``[T, HV, V]``,
+        ``HV % H == 0``, value head ``h`` reads key head ``h // (HV // H)``.
+      g: float32 ``[T, HV]`` log decay (<= 0); beta: float32 ``[T, HV]``.
+      ssm_pool: float32 ``[S, HV, K, V]``; qsl: int32 ``[N+1]`` sequence starts;
+        state_indices: int32 ``[N]`` slots; has_initial_state: bool ``[N]``.
+      scale: defaults to ``K ** -0.5``. interpret: False for the GPU, True (or
+        ``plgpu.InterpretGPUParams``) for the Mosaic GPU CPU interpreter.
+      config: static tuning (value columns per CTA of the state pass).
+
+    Returns:
+      ``o [T, HV, V]`` (v's dtype; zeros at ``t >= qsl[N]``) and the pool with each non-empty
+      sequence's final state at ``pool[state_indices[n]]`` (an empty sequence leaves its
+      slot as it was). Donate the pool under ``jit`` for an in-place update.
+    """
+    reason = unsupported_reason(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        ssm_pool,
+        qsl,
+        state_indices,
+        has_initial_state,
+        use_qk_l2norm=use_qk_l2norm,
+        config=config,
+    )
+    if reason is not None:
+        raise ValueError(f"chunk_mgpu.chunk_gated_delta_rule: {reason}")
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    interpret = interpret or None
+    tokens, _, key_dim = q.shape
+    n_seqs = qsl.shape[0] - 1
+    scale = key_dim**-0.5 if scale is None else float(scale)
+    out_dtype = v.dtype
+    # Tokens padded to the 8-row tiling and at least one chunk: a copy only when T is
+    # not already a multiple of 8 (or shorter than a chunk).
+    padded = max(CHUNK, -(-tokens // ALIGN) * ALIGN)
+    pad = padded - tokens
+
+    def prepare(x):
+        return jnp.pad(x.astype(BF16), [(0, pad), (0, 0), (0, 0)])
+
+    q, k, v = prepare(q), prepare(k), prepare(v)
+    g_t = jnp.pad(g.astype(F32).T, [(0, 0), (0, pad)])
+    beta_t = jnp.pad(beta.astype(F32).T, [(0, 0), (0, pad)])
+    # Segments: the N sequences plus the padding [qsl[N], T); each takes at most
+    # ceil((len + 7) / 64) chunks, which sums to at most this bound.
+    num_chunks = -(-padded // CHUNK) + 2 * (n_seqs + 1)
+    table, first = _chunk_table(qsl, padded, num_chunks)
+    m, p, vecs = _intra(
+        q, k, g_t, beta_t, table, first, n_seqs=n_seqs, scale=scale, interpret=interpret
+    )
+    pool = jax.new_ref(ssm_pool)
+    o = _state(
+        q,
+        k,
+        v,
+        m,
+        p,
+        vecs,
+        table,
+        first,
+        state_indices.astype(jnp.int32),
+        has_initial_state.astype(jnp.int32),
+        pool,
+        n_seqs=n_seqs,
+        cfg=config,
+        interpret=interpret,
+    )
+    return o[:tokens].astype(out_dtype), jax.freeze(pool)
