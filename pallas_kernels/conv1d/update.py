@@ -1,0 +1,101 @@
+"""Causal conv1d on rows of D tokens: decode (``causal_conv1d_update``, writes the pool) and
+speculative verification (``causal_conv1d_verify``, returns the window after every token and
+leaves the pool alone).
+
+Kernel plug-in point: the Mosaic GPU kernels live in ``update_mgpu.py`` and expose
+``unsupported_reason(x, weight, bias, conv_pool, state_indices, *, activation) -> str | None``
+(update and verify alike), ``causal_conv1d_update(<same>, interpret: bool)`` and
+``causal_conv1d_verify(<same>, interpret: bool)`` (inputs already checked).
+Plugging them in is replacing ``_kernel = None`` below with
+``from pallas_kernels.conv1d import update_mgpu as _kernel``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import jax
+
+from pallas_kernels._common import resolve_impl
+from pallas_kernels.conv1d import reference
+from pallas_kernels.conv1d._checks import check_rows
+
+__all__ = ["causal_conv1d_update", "causal_conv1d_verify"]
+
+_kernel: ModuleType | None = None
+
+
+def _resolve(op: str, impl: str, args: tuple, activation: str | None) -> str:
+    if _kernel is None:
+        reason = f"no Pallas kernel for {op} yet"
+    else:
+        reason = _kernel.unsupported_reason(*args, activation=activation)
+    return resolve_impl(op, impl, reason)
+
+
+def causal_conv1d_update(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    conv_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    activation: str | None = "silu",
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """D tokens per row after the row's saved window; the window moves on by D tokens.
+
+    Args:
+      x: ``[N, D, C]`` inputs (decode: D=1).
+      weight: ``[C, W]`` taps; bias: ``[C]`` or None.
+      conv_pool: ``[S, C, W-1]`` in x's dtype; row n continues ``pool[state_indices[n]]``.
+        Donate it under jit for an in-place update.
+      state_indices: int32 ``[N]`` slots, distinct among real rows. A row at the pad slot 0
+        is a padded row: its outputs are zeros and it writes nothing.
+      activation: ``"silu"`` or None.
+      impl: ``"auto" | "pallas" | "interpret" | "reference"``.
+
+    Returns:
+      y ``[N, D, C]`` in x's dtype, and the pool with each row's window after its last token.
+    """
+    op = "causal_conv1d_update"
+    args = (x, weight, bias, conv_pool, state_indices)
+    check_rows(op, *args, activation)
+    which = _resolve(op, impl, args, activation)
+    if which == "reference":
+        return reference.causal_conv1d_update(*args, activation=activation)
+    return _kernel.causal_conv1d_update(
+        *args, activation=activation, interpret=which == "interpret"
+    )
+
+
+def causal_conv1d_verify(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    conv_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    activation: str | None = "silu",
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """D draft tokens per row after the row's saved window, keeping every window.
+
+    Arguments as ``causal_conv1d_update``: x ``[N, D, C]``, weight ``[C, W]``, bias ``[C]`` or
+    None, conv_pool ``[S, C, W-1]``, state_indices int32 ``[N]``.
+
+    Returns:
+      y ``[N, D, C]`` in x's dtype, and windows ``[N, D, C, W-1]`` in the pool's dtype:
+      ``windows[n, t]`` is row n's window after its token t (zeros on padded rows, slot 0).
+      The pool is not written;
+      ``commit_windows`` stores the accepted window afterwards.
+    """
+    op = "causal_conv1d_verify"
+    args = (x, weight, bias, conv_pool, state_indices)
+    check_rows(op, *args, activation)
+    which = _resolve(op, impl, args, activation)
+    if which == "reference":
+        return reference.causal_conv1d_verify(*args, activation=activation)
+    return _kernel.causal_conv1d_verify(
+        *args, activation=activation, interpret=which == "interpret"
+    )

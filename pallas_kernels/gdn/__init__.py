@@ -1,0 +1,17 @@
+"""Gated DeltaNet ops: gating, chunked prefill, recurrent decode/verify, commit."""
+
+from pallas_kernels.gdn.chunk import chunk_gated_delta_rule
+from pallas_kernels.gdn.commit import commit_states
+from pallas_kernels.gdn.fused_recurrent import (
+    fused_recurrent_gated_delta_rule,
+    verify_gated_delta_rule,
+)
+from pallas_kernels.gdn.gating import gdn_gating
+
+__all__ = [
+    "chunk_gated_delta_rule",
+    "commit_states",
+    "fused_recurrent_gated_delta_rule",
+    "gdn_gating",
+    "verify_gated_delta_rule",
+]

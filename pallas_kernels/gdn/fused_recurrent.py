@@ -1,0 +1,111 @@
+"""Gated DeltaNet on rows of D tokens: decode (``fused_recurrent_gated_delta_rule``, writes the
+pool) and speculative verification (``verify_gated_delta_rule``, returns the state after every
+token and leaves the pool alone).
+
+Kernel plug-in point: the Mosaic GPU kernels live in ``recurrent_mgpu.py`` and expose
+``unsupported_reason(q, k, v, g, beta, ssm_pool, state_indices, *, scale, use_qk_l2norm)
+-> str | None`` (decode and verify alike), ``fused_recurrent_gated_delta_rule(<same>,
+interpret: bool)`` and ``verify_gated_delta_rule(<same>, interpret: bool)`` (inputs already
+checked, ``scale`` a float). Plugging them in is replacing ``_kernel = None`` below with
+``from pallas_kernels.gdn import recurrent_mgpu as _kernel``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import jax
+
+from pallas_kernels._common import resolve_impl
+from pallas_kernels.gdn import reference
+from pallas_kernels.gdn._checks import check_rows, default_scale
+
+__all__ = ["fused_recurrent_gated_delta_rule", "verify_gated_delta_rule"]
+
+_kernel: ModuleType | None = None
+
+
+def _resolve(op: str, impl: str, args: tuple, options: dict) -> str:
+    if _kernel is None:
+        reason = f"no Pallas kernel for {op} yet"
+    else:
+        reason = _kernel.unsupported_reason(*args, **options)
+    return resolve_impl(op, impl, reason)
+
+
+def fused_recurrent_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """D tokens per row from the row's slot; the state after the last one is written back.
+
+    Args:
+      q, k: ``[N, D, H, K]`` queries and keys (decode: D=1), L2-normalized inside when
+        ``use_qk_l2norm``.
+      v: ``[N, D, HV, V]`` values, ``HV % H == 0``.
+      g: float32 ``[N, D, HV]`` log-space decay (<= 0); beta: float32 ``[N, D, HV]`` in (0, 1).
+      ssm_pool: float32 ``[S, HV, K, V]``; row n starts from ``pool[state_indices[n]]``.
+        Donate it under jit for an in-place update.
+      state_indices: int32 ``[N]`` slots, distinct among real rows. A row at the pad slot 0
+        is a padded row: its outputs are zeros and it writes nothing.
+      scale: query scale, default ``K ** -0.5``.
+      use_qk_l2norm: normalize q and k per head (Qwen3-Next: True).
+      impl: ``"auto" | "pallas" | "interpret" | "reference"``.
+
+    Returns:
+      o ``[N, D, HV, V]`` in v's dtype, and the pool with each row's final state in its slot.
+    """
+    op = "fused_recurrent_gated_delta_rule"
+    args = (q, k, v, g, beta, ssm_pool, state_indices)
+    check_rows(op, *args)
+    options = {"scale": default_scale(op, q.shape[-1], scale), "use_qk_l2norm": use_qk_l2norm}
+    which = _resolve(op, impl, args, options)
+    if which == "reference":
+        return reference.fused_recurrent_gated_delta_rule(*args, **options)
+    return _kernel.fused_recurrent_gated_delta_rule(
+        *args, **options, interpret=which == "interpret"
+    )
+
+
+def verify_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """D draft tokens per row from the row's slot, keeping every intermediate state.
+
+    Arguments as ``fused_recurrent_gated_delta_rule``: q, k ``[N, D, H, K]``, v
+    ``[N, D, HV, V]``, g, beta float32 ``[N, D, HV]``, ssm_pool float32 ``[S, HV, K, V]``,
+    state_indices int32 ``[N]``.
+
+    Returns:
+      o ``[N, D, HV, V]`` in v's dtype, and intermediates float32 ``[N, D, HV, K, V]``:
+      ``intermediates[n, t]`` is row n's state after its token t (zeros on padded rows, slot
+      0). The pool is not written;
+      ``commit_states`` stores the accepted state afterwards.
+    """
+    op = "verify_gated_delta_rule"
+    args = (q, k, v, g, beta, ssm_pool, state_indices)
+    check_rows(op, *args)
+    options = {"scale": default_scale(op, q.shape[-1], scale), "use_qk_l2norm": use_qk_l2norm}
+    which = _resolve(op, impl, args, options)
+    if which == "reference":
+        return reference.verify_gated_delta_rule(*args, **options)
+    return _kernel.verify_gated_delta_rule(*args, **options, interpret=which == "interpret")

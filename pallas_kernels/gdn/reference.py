@@ -1,0 +1,407 @@
+"""Plain-jnp Gated DeltaNet: the token-by-token oracle and the chunked fallback.
+
+Semantics (per value head ``h``, key head ``h // (HV // H)``, state ``S`` in ``[K, V]``)::
+
+    q, k <- x / sqrt(|x|^2 + 1e-6)                     (when use_qk_l2norm)
+    S = exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S = S + k_t u^T;  o_t = S^T (scale q_t)
+
+Entries (same arguments and results as the public ops, which validate them; nothing is
+checked here):
+
+* ``chunk_gated_delta_rule_recurrent``: THE oracle. A ``lax.scan`` over the packed tokens, one
+  token per step; it carries the running state and the pool, resets the state at each
+  sequence's first token and writes the pool at its last one.
+* ``chunk_gated_delta_rule_chunked``: the same contract in chunks of 64 tokens, the
+  ``impl="reference"`` path of ``chunk_gated_delta_rule`` and the plain-jnp baseline of the
+  benchmarks.
+* ``fused_recurrent_gated_delta_rule`` / ``verify_gated_delta_rule``: the ``[N, D]`` rows
+  layout of decode and verify, token by token over ``D`` (a Python loop: ``D`` is static and
+  small), so they are oracles too. ``commit_states``: the scatter that ends speculation.
+  A row whose slot is the pad slot 0 is a padded row: its outputs (and intermediates) are
+  zeros and it writes nothing, so the padded rows of a bucket cannot race on slot 0.
+
+How the chunked version is laid out (static shapes, ``qsl`` dynamic): each sequence is cut
+into chunks of 64 aligned to its own first token, and the chunks of all sequences are
+numbered one after the other. ``sum_n ceil(L_n / 64) <= (T + 63 N) // 64`` whatever the
+lengths, so that many ``[64]`` token tiles (also at most ``T``) is a static bound; tokens
+are gathered into the tiles with a mask (masked tokens get ``k = v = q = beta = g = 0``,
+which makes them no-ops), unused tiles at the end are all masked. Then
+
+1. every tile at once (batched): the WY/UT form of the delta rule inside a chunk. With
+   ``G`` the in-chunk cumulative sum of ``g`` and ``A[i, j] = beta_i (k_i . k_j)
+   exp(G_i - G_j)`` for ``j < i``, a chunk that starts from state ``S0`` has corrected
+   values ``U = u - w S0`` where ``(I + A) [w | u] = [beta exp(G) k | beta v]``; outputs
+   ``o = (exp(G) q) S0 + (tril(q k^T exp(G_i - G_j))) U`` and end state
+   ``exp(G_last) S0 + (k exp(G_last - G))^T U``. ``(I + A)^-1`` comes from block doubling
+   (``_unit_lower_inverse``).
+2. one ``lax.scan`` over the tiles carrying the running state and the pool: a tile that
+   starts a sequence loads ``pool[idx[n]]`` (or zeros), a tile that ends one writes its end
+   state to ``pool[idx[n]]``. Only the ``S0``-dependent products are in the loop.
+3. each token reads its output back from its (tile, position).
+
+Runs of short sequences waste tile rows (a length-1 sequence still takes a 64-row tile);
+this is a reference, not a kernel.
+
+Computation is in float32, or float64 when an input is float64 (oracles under
+``jax_enable_x64``); outputs take ``v``'s dtype, pools keep theirs. Matmuls ask for HIGHEST
+precision so that on a GPU the reference is not silently TF32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "CHUNK",
+    "chunk_gated_delta_rule_chunked",
+    "chunk_gated_delta_rule_recurrent",
+    "commit_states",
+    "fused_recurrent_gated_delta_rule",
+    "verify_gated_delta_rule",
+]
+
+CHUNK = 64
+_PRECISION = lax.Precision.HIGHEST
+
+
+def _as_arrays(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """NumPy inputs become jax arrays: the references are called directly by tests."""
+    return tuple(jnp.asarray(x) for x in xs)
+
+
+def _compute_dtype(*arrays: jax.Array) -> jnp.dtype:
+    return jnp.result_type(jnp.float32, *(a.dtype for a in arrays))
+
+
+def _einsum(spec: str, *operands: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, *operands, precision=_PRECISION)
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _heads_qk(
+    q: jax.Array, k: jax.Array, hv: int, scale: float, use_qk_l2norm: bool, dtype: jnp.dtype
+) -> tuple[jax.Array, jax.Array]:
+    """``[..., H, K]`` -> ``[..., HV, K]`` in ``dtype``: normalized, q scaled, heads repeated."""
+    q, k = q.astype(dtype), k.astype(dtype)
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    groups = hv // q.shape[-2]
+    return jnp.repeat(q * scale, groups, axis=-2), jnp.repeat(k, groups, axis=-2)
+
+
+def _step(
+    state: jax.Array,
+    q_t: jax.Array,
+    k_t: jax.Array,
+    v_t: jax.Array,
+    g_t: jax.Array,
+    beta_t: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """One token, every head. state ``[..., HV, K, V]``; q_t, k_t ``[..., HV, K]`` (prepared);
+    v_t ``[..., HV, V]``; g_t, beta_t ``[..., HV]``. Returns (new state, o_t ``[..., HV, V]``)."""
+    state = jnp.exp(g_t)[..., None, None] * state
+    u = beta_t[..., None] * (v_t - _einsum("...hk,...hkv->...hv", k_t, state))
+    state = state + k_t[..., :, None] * u[..., None, :]
+    return state, _einsum("...hk,...hkv->...hv", q_t, state)
+
+
+def _write_where(
+    pool: jax.Array, slots: jax.Array, values: jax.Array, keep: jax.Array
+) -> jax.Array:
+    """``pool[slots[i]] = values[i]`` where ``keep[i]`` (scalars or ``[N]``); other rows are
+    sent out of range and dropped, so they cannot touch any slot."""
+    target = jnp.where(keep, slots, pool.shape[0])
+    return pool.at[target].set(values.astype(pool.dtype), mode="drop")
+
+
+def _initial_state(
+    pool: jax.Array, slot: jax.Array, has_initial_state: jax.Array, dtype: jnp.dtype
+) -> jax.Array:
+    # where, not a multiply: the pad slot may hold NaN, and 0 * NaN is NaN.
+    return jnp.where(has_initial_state, pool[slot].astype(dtype), 0)
+
+
+def _token_segments(qsl: jax.Array, t_total: int) -> tuple[jax.Array, ...]:
+    """Per packed token ``[T]``: its sequence, whether it is that sequence's first and last
+    token, whether it is a real token (``t < qsl[N]``). Empty sequences own no token."""
+    n_seq = qsl.shape[0] - 1
+    t = jnp.arange(t_total, dtype=qsl.dtype)
+    seq = jnp.clip(jnp.searchsorted(qsl, t, side="right") - 1, 0, n_seq - 1).astype(qsl.dtype)
+    valid = t < qsl[n_seq]
+    first = valid & (t == qsl[seq])
+    last = valid & (t == qsl[seq + 1] - 1)
+    return seq, first, last, valid
+
+
+def _empty_call(v: jax.Array, ssm_pool: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jnp.zeros_like(v), ssm_pool
+
+
+def chunk_gated_delta_rule_recurrent(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    ssm_pool: jax.Array,
+    qsl: jax.Array,
+    state_indices: jax.Array,
+    has_initial_state: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Token-by-token oracle of ``chunk_gated_delta_rule`` (same arguments and results)."""
+    q, k, v, g, beta, ssm_pool, qsl, state_indices, has_initial_state = _as_arrays(
+        q, k, v, g, beta, ssm_pool, qsl, state_indices, has_initial_state
+    )
+    t_total, hv = v.shape[:2]
+    if t_total == 0 or state_indices.shape[0] == 0:
+        return _empty_call(v, ssm_pool)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = _compute_dtype(q, k, v, g, beta, ssm_pool)
+    qh, kh = _heads_qk(q, k, hv, scale, use_qk_l2norm, dtype)
+    seq, first, last, valid = _token_segments(qsl, t_total)
+
+    def token(carry, xs):
+        state, pool = carry
+        q_t, k_t, v_t, g_t, beta_t, n, first_t, last_t = xs
+        slot = state_indices[n]
+        init = _initial_state(pool, slot, has_initial_state[n], dtype)
+        state = jnp.where(first_t, init, state)
+        state, o_t = _step(state, q_t, k_t, v_t, g_t, beta_t)
+        return (state, _write_where(pool, slot, state, last_t)), o_t
+
+    state0 = jnp.zeros(ssm_pool.shape[1:], dtype)
+    xs = (qh, kh, v.astype(dtype), g.astype(dtype), beta.astype(dtype), seq, first, last)
+    (_, pool), o = lax.scan(token, (state0, ssm_pool), xs)
+    return jnp.where(valid[:, None, None], o, 0).astype(v.dtype), pool
+
+
+def _num_tiles(t_total: int, n_seq: int) -> int:
+    """Static bound on ``sum_n ceil(L_n / CHUNK)`` given ``sum_n L_n <= T``."""
+    return max(1, min(t_total, (t_total + (CHUNK - 1) * n_seq) // CHUNK))
+
+
+def _tile_layout(qsl: jax.Array, t_total: int, n_tiles: int) -> dict[str, jax.Array]:
+    """Where each tile's tokens come from and where each token's output lands."""
+    lengths = qsl[1:] - qsl[:-1]
+    n_chunks = (lengths + CHUNK - 1) // CHUNK
+    chunk_end = jnp.cumsum(n_chunks)
+    chunk_start = chunk_end - n_chunks
+    tile = jnp.arange(n_tiles, dtype=qsl.dtype)
+    used = tile < chunk_end[-1]
+    tile_seq = jnp.clip(jnp.searchsorted(chunk_end, tile, side="right"), 0, lengths.shape[0] - 1)
+    j = tile - chunk_start[tile_seq]
+    offset = jnp.arange(CHUNK, dtype=qsl.dtype)
+    in_seq = offset[None, :] < lengths[tile_seq, None] - CHUNK * j[:, None]
+    token_seq, _, _, valid = _token_segments(qsl, t_total)
+    position = jnp.arange(t_total, dtype=qsl.dtype) - qsl[token_seq]
+    return {
+        "seq": tile_seq,
+        "first": used & (j == 0),
+        "last": used & (j == n_chunks[tile_seq] - 1),
+        "token": jnp.clip(qsl[tile_seq, None] + CHUNK * j[:, None] + offset, 0, t_total - 1),
+        "mask": used[:, None] & in_seq,
+        "out_tile": chunk_start[token_seq] + position // CHUNK,
+        "out_row": position % CHUNK,
+        "valid": valid,
+    }
+
+
+def _unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """``(I + a)^-1`` for strictly lower-triangular ``a [..., C, C]``, C a power of two.
+
+    Block doubling: with ``D`` the inverse of the diagonal blocks of size b and ``E`` the
+    blocks of ``a`` that join two of them into one of size 2b, the inverse of the 2b blocks
+    is ``D - D E D`` (exact, since ``(D E)^2 = 0`` inside a 2b block). log2(C) levels of
+    batched matmuls; XLA's triangular solve is far slower on the CPU, and row-by-row
+    substitution would be C dependent steps.
+    """
+    size = a.shape[-1]
+    rows = jnp.arange(size)
+    inverse = jnp.broadcast_to(jnp.eye(size, dtype=a.dtype), a.shape)
+    block = 1
+    while block < size:
+        same_pair = rows[:, None] // (2 * block) == rows[None, :] // (2 * block)
+        joining = same_pair & (rows[:, None] // block != rows[None, :] // block)
+        e = jnp.where(joining, a, 0)
+        inverse = inverse - _einsum(
+            "...ij,...jk->...ik", inverse, _einsum("...ij,...jk->...ik", e, inverse)
+        )
+        block *= 2
+    return inverse
+
+
+def _intra_chunk(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
+) -> tuple[jax.Array, ...]:
+    """The state-independent part of every tile, batched over ``[..., HV]``.
+
+    q, k ``[..., C, K]`` (prepared), v ``[..., C, V]``, g, beta ``[..., C]``, masked rows zero.
+    Returns w ``[..., C, K]``, u ``[..., C, V]``, q_decayed ``[..., C, K]``, qk ``[..., C, C]``,
+    k_to_end ``[..., C, K]``, decay_to_end ``[...]`` (see the module docstring).
+    """
+    cum = jnp.cumsum(g, axis=-1)
+    diff = cum[..., :, None] - cum[..., None, :]
+    rows = jnp.arange(CHUNK)
+    strict = rows[:, None] > rows[None, :]
+    causal = rows[:, None] >= rows[None, :]
+    # The masked exponent is zeroed before exp: above the diagonal it is positive and may
+    # overflow, and inf * 0 would be NaN.
+    strict_decay = jnp.where(strict, jnp.exp(jnp.where(strict, diff, 0)), 0)
+    causal_decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0)), 0)
+    a = beta[..., :, None] * _einsum("...ik,...jk->...ij", k, k) * strict_decay
+    rhs = jnp.concatenate([(beta * jnp.exp(cum))[..., None] * k, beta[..., None] * v], axis=-1)
+    wu = _einsum("...ij,...jk->...ik", _unit_lower_inverse(a), rhs)
+    w, u = wu[..., : k.shape[-1]], wu[..., k.shape[-1] :]
+    q_decayed = jnp.exp(cum)[..., None] * q
+    qk = _einsum("...ik,...jk->...ij", q, k) * causal_decay
+    k_to_end = jnp.exp(cum[..., -1:] - cum)[..., None] * k
+    return w, u, q_decayed, qk, k_to_end, jnp.exp(cum[..., -1])
+
+
+def chunk_gated_delta_rule_chunked(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    ssm_pool: jax.Array,
+    qsl: jax.Array,
+    state_indices: jax.Array,
+    has_initial_state: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Chunked (WY form, 64-token tiles) ``chunk_gated_delta_rule``; same arguments and results."""
+    q, k, v, g, beta, ssm_pool, qsl, state_indices, has_initial_state = _as_arrays(
+        q, k, v, g, beta, ssm_pool, qsl, state_indices, has_initial_state
+    )
+    t_total, hv = v.shape[:2]
+    n_seq = state_indices.shape[0]
+    if t_total == 0 or n_seq == 0:
+        return _empty_call(v, ssm_pool)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = _compute_dtype(q, k, v, g, beta, ssm_pool)
+    qh, kh = _heads_qk(q, k, hv, scale, use_qk_l2norm, dtype)
+    lay = _tile_layout(qsl, t_total, _num_tiles(t_total, n_seq))
+
+    def tiles(x: jax.Array) -> jax.Array:
+        """``[T, HV, ...]`` -> ``[tiles, HV, C, ...]``, zero where masked."""
+        mask = lay["mask"].reshape(lay["mask"].shape + (1,) * (x.ndim - 1))
+        x = jnp.where(mask, x.astype(dtype)[lay["token"]], 0)
+        return jnp.moveaxis(x, 1, 2)
+
+    per_tile = _intra_chunk(tiles(qh), tiles(kh), tiles(v), tiles(g), tiles(beta))
+
+    def chunk(carry, xs):
+        state, pool = carry
+        (w, u, q_decayed, qk, k_to_end, decay_to_end), n, first, last = xs
+        slot = state_indices[n]
+        init = _initial_state(pool, slot, has_initial_state[n], dtype)
+        s0 = jnp.where(first, init, state)
+        u = u - _einsum("hck,hkv->hcv", w, s0)
+        o = _einsum("hck,hkv->hcv", q_decayed, s0) + _einsum("hcj,hjv->hcv", qk, u)
+        s1 = decay_to_end[:, None, None] * s0 + _einsum("hck,hcv->hkv", k_to_end, u)
+        return (s1, _write_where(pool, slot, s1, last)), o
+
+    state0 = jnp.zeros(ssm_pool.shape[1:], dtype)
+    xs = (per_tile, lay["seq"], lay["first"], lay["last"])
+    (_, pool), o_tiles = lax.scan(chunk, (state0, ssm_pool), xs)
+    o = o_tiles[lay["out_tile"], :, lay["out_row"]]
+    return jnp.where(lay["valid"][:, None, None], o, 0).astype(v.dtype), pool
+
+
+def _rows(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    scale: float | None,
+    use_qk_l2norm: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """D tokens of every row from its slot; padded rows (slot 0) are zeroed.
+
+    Returns o ``[N, D, HV, V]`` and the states after each token ``[N, D, HV, K, V]``, both in
+    the computation dtype.
+    """
+    q, k, v, g, beta, ssm_pool, state_indices = _as_arrays(
+        q, k, v, g, beta, ssm_pool, state_indices
+    )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    dtype = _compute_dtype(q, k, v, g, beta, ssm_pool)
+    qh, kh = _heads_qk(q, k, v.shape[2], scale, use_qk_l2norm, dtype)
+    v, g, beta = v.astype(dtype), g.astype(dtype), beta.astype(dtype)
+    state = ssm_pool[state_indices].astype(dtype)
+    outs, states = [], []
+    for d in range(v.shape[1]):
+        state, o = _step(state, qh[:, d], kh[:, d], v[:, d], g[:, d], beta[:, d])
+        outs.append(o)
+        states.append(state)
+    real = (state_indices != 0)[:, None, None, None]
+    o = jnp.where(real, jnp.stack(outs, axis=1), 0)
+    return o, jnp.where(real[..., None], jnp.stack(states, axis=1), 0)
+
+
+def fused_recurrent_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Token-by-token ``fused_recurrent_gated_delta_rule`` (same arguments and results)."""
+    o, states = _rows(q, k, v, g, beta, ssm_pool, state_indices, scale, use_qk_l2norm)
+    ssm_pool, state_indices = _as_arrays(ssm_pool, state_indices)
+    pool = _write_where(ssm_pool, state_indices, states[:, -1], state_indices != 0)
+    return o.astype(v.dtype), pool
+
+
+def verify_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """Token-by-token ``verify_gated_delta_rule`` (same arguments and results)."""
+    o, states = _rows(q, k, v, g, beta, ssm_pool, state_indices, scale, use_qk_l2norm)
+    return o.astype(v.dtype), states.astype(ssm_pool.dtype)
+
+
+def commit_states(
+    ssm_pool: jax.Array,
+    intermediates: jax.Array,
+    state_indices: jax.Array,
+    accepted_steps: jax.Array,
+) -> jax.Array:
+    """``pool[idx[n]] = intermediates[n, accepted_steps[n]]`` where ``accepted_steps[n] >= 0``
+    and ``idx[n] != 0``."""
+    ssm_pool, intermediates, state_indices, accepted_steps = _as_arrays(
+        ssm_pool, intermediates, state_indices, accepted_steps
+    )
+    n_rows, n_steps = intermediates.shape[:2]
+    step = jnp.clip(accepted_steps, 0, n_steps - 1)
+    chosen = intermediates[jnp.arange(n_rows), step]
+    keep = (accepted_steps >= 0) & (state_indices != 0)
+    return _write_where(ssm_pool, state_indices, chosen, keep)
