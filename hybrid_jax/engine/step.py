@@ -1,0 +1,134 @@
+"""Jitted step functions: one executable per (mode, bucket), the mode a static argument.
+
+``StepFunctions`` wraps a model (an NNX module with ``layer_kinds`` and
+``__call__(x, pool, meta, impl=...)``). ``lower`` checks every layer kind against the
+capability table while tracing, so an unsupported mode fails at ``.lower()`` and nothing
+runs. ``compile_all`` compiles every (mode, bucket) of a ``BucketPolicy`` ahead of time from
+the same metadata builder the real calls use; after that, ``__call__`` only looks executables
+up, and ``trace_count`` tells whether anything was traced again.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybrid_jax.backend import VerifyStates
+from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, example_metadata
+from hybrid_jax.modes import ForwardMode, check_supported
+from hybrid_jax.state_pool import StatePool
+from pallas_kernels import conv1d, gdn
+
+__all__ = ["CompileRecord", "StepFunctions", "commit_verified"]
+
+
+class CompileRecord(NamedTuple):
+    mode: ForwardMode
+    batch_size: int
+    num_tokens: int
+    compile_ms: float
+
+
+def commit_verified(
+    pool: StatePool,
+    verify: tuple[VerifyStates, ...],
+    state_indices: jax.Array,
+    accepted_steps: jax.Array,
+) -> StatePool:
+    """Writes, for every linear layer, the conv window and state after draft token
+    ``accepted_steps[n]`` (0-based) into slot ``state_indices[n]``; rows with a negative
+    ``accepted_steps`` keep their slot as it was."""
+    if len(verify) != len(pool.ssm):
+        raise ValueError(f"{len(verify)} verify states for a pool of {len(pool.ssm)} layers")
+    conv = tuple(
+        conv1d.commit_windows(c, v.windows, state_indices, accepted_steps)
+        for c, v in zip(pool.conv, verify, strict=True)
+    )
+    ssm = tuple(
+        gdn.commit_states(s, v.ssm, state_indices, accepted_steps)
+        for s, v in zip(pool.ssm, verify, strict=True)
+    )
+    return dataclasses.replace(pool, conv=conv, ssm=ssm)
+
+
+class StepFunctions:
+    """The jitted forward step of ``model`` for every mode, and the commit after a verify."""
+
+    def __init__(self, model: nnx.Module, *, impl: str = "auto"):
+        self.graphdef, self.params = nnx.split(model)
+        self.layer_kinds = tuple(model.layer_kinds)
+        self.impl = impl
+        self.trace_count: collections.Counter[ForwardMode] = collections.Counter()
+        self._compiled: dict[tuple[ForwardMode, int, int], Any] = {}
+        self._jitted = jax.jit(self._forward, static_argnums=0, donate_argnums=2)
+        self.commit = jax.jit(commit_verified, donate_argnums=0)
+
+    def _forward(self, mode: ForwardMode, params, pool: StatePool, x, meta: ForwardMetadata):
+        self.trace_count[mode] += 1
+        for kind in dict.fromkeys(self.layer_kinds):
+            check_supported(kind, mode)
+        if meta.mode is not mode:
+            raise ValueError(f"metadata built for {meta.mode.name} passed to a {mode.name} step")
+        if x.shape[0] != meta.num_tokens:
+            raise ValueError(
+                f"x has {x.shape[0]} tokens but the {mode.name} bucket has {meta.num_tokens}; "
+                "pad x to meta.num_tokens"
+            )
+        model = nnx.merge(self.graphdef, params)
+        return model(x, pool, meta, impl=self.impl)
+
+    def lower(self, mode: ForwardMode, pool: StatePool, x: jax.Array, meta: ForwardMetadata):
+        """Traces and lowers the step of ``mode`` (raises UnsupportedForwardModeError here)."""
+        return self._jitted.lower(ForwardMode(mode), self.params, pool, x, meta)
+
+    def compile_all(
+        self,
+        policy: BucketPolicy,
+        pool: StatePool,
+        modes: Iterable[ForwardMode],
+        *,
+        hidden_size: int,
+        dtype: Any = jnp.float32,
+        progress: Callable[[CompileRecord], None] | None = None,
+    ) -> list[CompileRecord]:
+        """Compiles every (mode, bucket) of ``policy`` for ``modes`` ahead of time, from
+        all-padding metadata of each bucket. Calls ``progress`` after each executable."""
+        records = []
+        for mode in modes:
+            mode = ForwardMode(mode)
+            for batch_size, num_tokens in policy.buckets(mode):
+                key = (mode, batch_size, num_tokens)
+                if key in self._compiled:
+                    continue
+                meta = example_metadata(mode, batch_size, num_tokens, policy)
+                x = jax.ShapeDtypeStruct((num_tokens, hidden_size), dtype)
+                pool_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), pool)
+                start = time.perf_counter()
+                self._compiled[key] = self.lower(mode, pool_shape, x, meta).compile()
+                record = CompileRecord(
+                    mode, batch_size, num_tokens, 1e3 * (time.perf_counter() - start)
+                )
+                records.append(record)
+                if progress is not None:
+                    progress(record)
+        return records
+
+    def __call__(self, pool: StatePool, x: jax.Array, meta: ForwardMetadata):
+        """Runs one step; ``pool`` is donated (do not use it afterwards). Uses the executable
+        compiled ahead of time for (mode, bucket) when there is one, else jit (a trace)."""
+        key = (meta.mode, meta.batch_size, meta.num_tokens)
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            return compiled(self.params, pool, x, meta)
+        return self._jitted(meta.mode, self.params, pool, x, meta)
+
+    @property
+    def total_traces(self) -> int:
+        return sum(self.trace_count.values())
