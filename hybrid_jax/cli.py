@@ -126,7 +126,9 @@ def demo(args: argparse.Namespace) -> int:
 
         run_ms = _time_ms(run, args.repeats)
         pool = state["pool"]
-        print(f"{mode.name:<14}{bs:>6}{t:>8}{len(rows):>11}{record.compile_ms:>12.1f}{run_ms:>9.2f}")
+        print(
+            f"{mode.name:<14}{bs:>6}{t:>8}{len(rows):>11}{record.compile_ms:>12.1f}{run_ms:>9.2f}"
+        )
     retraced = steps.total_traces - traces_after_warmup
     print(f"\nretraces after warm-up: {retraced}")
 

@@ -160,7 +160,7 @@ def test_padded_rows_never_change_a_real_slot(setup, mode):
             np.testing.assert_array_equal(got, want, err_msg=f"slot {slot} changed")
     if mode is not M.TARGET_VERIFY:
         pairs = zip(slot_states(out.pool, 6), slot_states(before, 6), strict=True)
-        assert all(not np.array_equal(a, b) for a, b in pairs), "the real row's slot was not written"
+        assert all(not np.array_equal(a, b) for a, b in pairs), "real slot not written"
 
 
 def test_idle_step_runs_and_changes_nothing(setup):
