@@ -198,6 +198,19 @@ def test_metadata_of_another_mode_is_refused(setup):
         steps.lower(M.DECODE, pool, jnp.zeros((3, hidden)), meta)
 
 
+def test_rejected_step_leaves_the_pool_usable_and_unchanged(setup):
+    model, steps, hidden = setup
+    pool = fresh_pool(model)
+    before = host(pool)
+    meta = build_metadata(M.DECODE, [RowSpec(3, 2, 1)], POLICY, num_slots=NUM_SLOTS)
+    with pytest.raises(ValueError, match="pad x to meta.num_tokens"):
+        steps(pool, jnp.zeros((meta.num_tokens + 1, hidden)), meta)
+    for got, want in zip(jax.tree.leaves(host(pool)), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(got, want)
+    out = steps(pool, jnp.ones((meta.num_tokens, hidden)), meta)
+    assert np.isfinite(np.asarray(out.hidden)).all()
+
+
 def test_batches_of_many_sizes_in_one_bucket_compile_once(setup):
     model = GDNStack(tiny_gdn_stack_config(), rngs=nnx.Rngs(1))
     steps = StepFunctions(model, impl="reference")
