@@ -185,9 +185,6 @@ def _rows(
 
     Returns y ``[N, D, C]`` in x's dtype and ext ``[N, C, W-1+D]`` = (window, x) along time.
     """
-    x, weight, bias, conv_pool, state_indices = _as_arrays(
-        x, weight, bias, conv_pool, state_indices
-    )
     width = weight.shape[1]
     n_steps = x.shape[1]
     dtype = _compute_dtype(x, weight, bias)
@@ -211,9 +208,11 @@ def causal_conv1d_update(
     activation: str | None = "silu",
 ) -> tuple[jax.Array, jax.Array]:
     """``causal_conv1d_update`` (same arguments and results)."""
+    x, weight, bias, conv_pool, state_indices = _as_arrays(
+        x, weight, bias, conv_pool, state_indices
+    )
     y, ext = _rows(x, weight, bias, conv_pool, state_indices, activation)
     window = ext[:, :, x.shape[1] :]
-    conv_pool, state_indices = _as_arrays(conv_pool, state_indices)
     return y, _write_where(conv_pool, state_indices, window, state_indices != 0)
 
 
@@ -227,6 +226,9 @@ def causal_conv1d_verify(
     activation: str | None = "silu",
 ) -> tuple[jax.Array, jax.Array]:
     """``causal_conv1d_verify`` (same arguments and results)."""
+    x, weight, bias, conv_pool, state_indices = _as_arrays(
+        x, weight, bias, conv_pool, state_indices
+    )
     y, ext = _rows(x, weight, bias, conv_pool, state_indices, activation)
     width = weight.shape[1]
     windows = jnp.stack([ext[:, :, d + 1 : d + width] for d in range(x.shape[1])], axis=1)

@@ -329,15 +329,13 @@ def _rows(
     state_indices: jax.Array,
     scale: float | None,
     use_qk_l2norm: bool,
+    keep_all: bool,
 ) -> tuple[jax.Array, jax.Array]:
     """D tokens of every row from its slot; padded rows (slot 0) are zeroed.
 
-    Returns o ``[N, D, HV, V]`` and the states after each token ``[N, D, HV, K, V]``, both in
-    the computation dtype.
+    Returns o ``[N, D, HV, V]`` and the states after each token ``[N, D, HV, K, V]`` (only
+    the last one, ``[N, 1, HV, K, V]``, unless ``keep_all``), both in the computation dtype.
     """
-    q, k, v, g, beta, ssm_pool, state_indices = _as_arrays(
-        q, k, v, g, beta, ssm_pool, state_indices
-    )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = _compute_dtype(q, k, v, g, beta, ssm_pool)
     qh, kh = _heads_qk(q, k, v.shape[2], scale, use_qk_l2norm, dtype)
@@ -349,8 +347,8 @@ def _rows(
         outs.append(o)
         states.append(state)
     real = (state_indices != 0)[:, None, None, None]
-    o = jnp.where(real, jnp.stack(outs, axis=1), 0)
-    return o, jnp.where(real[..., None], jnp.stack(states, axis=1), 0)
+    kept = jnp.stack(states if keep_all else states[-1:], axis=1)
+    return jnp.where(real, jnp.stack(outs, axis=1), 0), jnp.where(real[..., None], kept, 0)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -366,9 +364,10 @@ def fused_recurrent_gated_delta_rule(
     use_qk_l2norm: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Token-by-token ``fused_recurrent_gated_delta_rule`` (same arguments and results)."""
-    o, states = _rows(q, k, v, g, beta, ssm_pool, state_indices, scale, use_qk_l2norm)
-    ssm_pool, state_indices = _as_arrays(ssm_pool, state_indices)
-    pool = _write_where(ssm_pool, state_indices, states[:, -1], state_indices != 0)
+    args = _as_arrays(q, k, v, g, beta, ssm_pool, state_indices)
+    o, last = _rows(*args, scale, use_qk_l2norm, keep_all=False)
+    ssm_pool, state_indices = args[5:]
+    pool = _write_where(ssm_pool, state_indices, last[:, 0], state_indices != 0)
     return o.astype(v.dtype), pool
 
 
@@ -385,7 +384,8 @@ def verify_gated_delta_rule(
     use_qk_l2norm: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Token-by-token ``verify_gated_delta_rule`` (same arguments and results)."""
-    o, states = _rows(q, k, v, g, beta, ssm_pool, state_indices, scale, use_qk_l2norm)
+    args = _as_arrays(q, k, v, g, beta, ssm_pool, state_indices)
+    o, states = _rows(*args, scale, use_qk_l2norm, keep_all=True)
     return o.astype(v.dtype), states.astype(ssm_pool.dtype)
 
 
