@@ -68,9 +68,12 @@ class Config:
     block_v: value columns per CTA of the state pass (32, 64 or the full V). Fewer columns
       give more CTAs (a single sequence gets ``HV * V / block_v`` of them) at the price of
       re-reading q, k, M and P once per column block.
+    kmajor: store the state pass's B operands transposed (None: only when block_v < 64,
+      where it is required).
     """
 
     block_v: int = 64
+    kmajor: bool | None = None
 
 
 def _smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
@@ -94,21 +97,21 @@ def _cols(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
     return lax.broadcast_in_dim(vec, shape, [1])
 
 
-def _matmuls(*products: tuple) -> tuple[jax.Array, ...]:
-    """``a @ b`` for each ``(a, b, shape)`` on the tensor cores, issued together, float32.
+def _matmul(a, b, shape: tuple[int, int]) -> jax.Array:
+    """``a @ b`` on the tensor cores (bf16 SMEM operands), float32 ``shape``.
 
-    Only ``run_scoped`` accumulators: the GPU interpreter does not run ``run_state`` (0.11.2),
-    so an accumulator is never initialised from registers and sums are formed afterwards.
-    The optimization barrier keeps LLVM from using the registers before the wgmma wait.
+    One wgmma per scoped accumulator, read at once: with two accumulators in one scope the
+    second product came out wrong on the H200 (JAX 0.11.2; the interpreter was right).
+    Only ``run_scoped`` accumulators: the GPU interpreter does not run ``run_state``, so an
+    accumulator is never initialised from registers and sums are formed afterwards. The
+    optimization barrier keeps LLVM from reading the registers before the wgmma wait.
     """
 
-    def body(*accs):
-        for acc, (a, b, _) in zip(accs, products, strict=True):
-            plgpu.wgmma(acc, a, b)
-        return tuple(acc[...] for acc in accs)
+    def body(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
 
-    accs = [plgpu.ACC(shape, F32) for _, _, shape in products]
-    return lax.optimization_barrier(pl.run_scoped(body, *accs))
+    return lax.optimization_barrier(pl.run_scoped(body, plgpu.ACC(shape, F32)))
 
 
 def _chunk_table(qsl: jax.Array, num_tokens: int, num_chunks: int) -> tuple[jax.Array, jax.Array]:
@@ -158,11 +161,9 @@ def _unit_lower_inverse(a: jax.Array, l_s, t_s, n_s) -> jax.Array:
         l_s[...] = jnp.where(off_diagonal(b), a, 0.0).astype(BF16)
         t_s[...] = t.astype(BF16)
         plgpu.commit_smem()
-        (lt,) = _matmuls((l_s, t_s, shape))
-        n_s[...] = lt.astype(BF16)
+        n_s[...] = _matmul(l_s, t_s, shape).astype(BF16)
         plgpu.commit_smem()
-        (tlt,) = _matmuls((t_s, n_s, shape))
-        t = t - tlt
+        t = t - _matmul(t_s, n_s, shape)
         b *= 2
     return t
 
@@ -194,9 +195,14 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
                 plgpu.copy_gmem_to_smem(src.at[h, rows], dst, bar)
             plgpu.barrier_wait(bar)
 
-            kk, qk = _matmuls((k_s, k_s.T, shape), (q_s, k_s.T, shape))
+            # Ordered so that few [64, 64] float32 tiles are live at once (no spills).
+            kk = _matmul(k_s, k_s.T, shape)
             ri = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WG)
             ci = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WG)
+            # |k_i|^2 is the diagonal of k k^T (exact bf16 products, float32 sums).
+            diag = jnp.where(ri == ci, kk, 0.0)
+            rk_row = lax.rsqrt(diag.sum(axis=1) + EPS)
+            rk_col = lax.rsqrt(diag.sum(axis=0) + EPS)
             iv_r = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROWS)
             iv_c = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=COLS)
             in_r = (iv_r >= lo) & (iv_r < hi)
@@ -204,33 +210,30 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
             # Masked rows decay by nothing and write nothing (beta = 0 zeroes their v').
             g_row = jnp.where(in_r, plgpu.load(g_r, layout=ROWS), 0.0)
             g_col = jnp.where(in_c, plgpu.load(g_c, layout=COLS), 0.0)
-            beta_row = jnp.where(in_r, plgpu.load(b_r, layout=ROWS), 0.0)
-            beta_col = jnp.where(in_c, plgpu.load(b_c, layout=COLS), 0.0)
             gc_row = jnp.where(ci <= ri, _cols(g_col, shape), 0.0).sum(axis=1)
             gc_col = jnp.where(ri <= ci, _rows(g_row, shape), 0.0).sum(axis=0)
             g_last = _cols(g_col, shape).sum(axis=1)  # the chunk's total, on every row
-            # |k_i|^2 is the diagonal of k k^T (exact bf16 products, float32 sums).
-            diag = jnp.where(ri == ci, kk, 0.0)
-            rk_row = lax.rsqrt(diag.sum(axis=1) + EPS)
-            rk_col = lax.rsqrt(diag.sum(axis=0) + EPS)
-            qf = plgpu.load(q_s, layout=WG).astype(F32)
-            rq_row = lax.rsqrt((qf * qf).sum(axis=1) + EPS)
+            beta_row = jnp.where(in_r, plgpu.load(b_r, layout=ROWS), 0.0)
             # Exponents are masked before exp: acausal pairs have gc_i - gc_j > 0.
             expo = _rows(gc_row, shape) - _cols(gc_col, shape)
-            decay_strict = jnp.exp(jnp.where(ri > ci, expo, -jnp.inf))
-            decay_causal = jnp.exp(jnp.where(ri >= ci, expo, -jnp.inf))
-            a = kk * _rows(beta_row * rk_row, shape) * _cols(rk_col, shape) * decay_strict
+            decay = jnp.exp(jnp.where(ri > ci, expo, -jnp.inf))
+            a = kk * _rows(beta_row * rk_row, shape) * _cols(rk_col, shape) * decay
             t = _unit_lower_inverse(a, m_s, p_s, n_s)
-            m = t * _cols(beta_col, shape)
-            p = qk * _rows(scale * rq_row, shape) * _cols(rk_col, shape) * decay_causal
-            m_s[...] = m.astype(BF16)
+            beta_col = jnp.where(in_c, plgpu.load(b_c, layout=COLS), 0.0)
+            m_s[...] = (t * _cols(beta_col, shape)).astype(BF16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(m_s, m_ref.at[c, h])
+            qk = _matmul(q_s, k_s.T, shape)
+            qf = plgpu.load(q_s, layout=WG).astype(F32)
+            rq_row = lax.rsqrt((qf * qf).sum(axis=1) + EPS)
+            decay = jnp.exp(jnp.where(ri >= ci, expo, -jnp.inf))
+            p = qk * _rows(scale * rq_row, shape) * _cols(rk_col, shape) * decay
             p_s[...] = p.astype(BF16)
             vec_s[0] = rk_row * jnp.exp(gc_row)
             vec_s[1] = scale * rq_row * jnp.exp(gc_row)
             vec_s[2] = rk_row * jnp.exp(g_last - gc_row)
             vec_s[3] = jnp.exp(g_last)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(m_s, m_ref.at[c, h], commit_group=False)
             plgpu.copy_smem_to_gmem(p_s, p_ref.at[c, h], commit_group=False)
             plgpu.copy_smem_to_gmem(vec_s, v_ref.at[c, h], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
@@ -279,6 +282,22 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
     sq = (CHUNK, CHUNK)
     tile = (CHUNK, bv)
     state = (key_dim, bv)
+    # wgmma takes one swizzle for both operands; a B operand of 32 columns can only have a
+    # 64-byte swizzle in its natural [K, N] layout, so narrow value blocks keep their B
+    # operands transposed ([N, K], K contiguous, 128-byte swizzle) and store them so.
+    kmajor = cfg.kmajor if cfg.kmajor is not None else bv < 64
+
+    def put(ref, x):
+        if kmajor:
+            ref.T[...] = x.astype(BF16)
+        else:
+            ref[...] = x.astype(BF16)
+
+    def view(ref):
+        return ref.T if kmajor else ref
+
+    def b_operand(shape):
+        return _smem(shape[::-1] if kmajor else shape, BF16)
 
     def body(
         q_ref,
@@ -380,17 +399,19 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
                 b = plgpu.load(w_s.at[stage, 1], layout=ROWS)
                 e = plgpu.load(w_s.at[stage, 2], layout=ROWS)
                 d = w_s[stage, 3, 0]
-                s_bf[...] = s.astype(BF16)
+                put(s_bf, s)
                 plgpu.commit_smem()
-                ks, qs = _matmuls((k_s.at[stage], s_bf, tile), (q_s.at[stage], s_bf, tile))
+                ks = _matmul(k_s.at[stage], view(s_bf), tile)
                 vt = plgpu.load(v_s.at[stage], layout=WG).astype(F32)
-                y_s[...] = (vt - _rows(a, tile) * ks).astype(BF16)
+                put(y_s, vt - _rows(a, tile) * ks)
                 plgpu.commit_smem()
-                (vnew,) = _matmuls((m_s.at[stage], y_s, tile))
-                vp_s[...] = vnew.astype(BF16)
-                vc_s[...] = (_rows(e, tile) * vnew).astype(BF16)
+                vnew = _matmul(m_s.at[stage], view(y_s), tile)
+                put(vp_s, vnew)
+                put(vc_s, _rows(e, tile) * vnew)
                 plgpu.commit_smem()
-                upd, pv = _matmuls((k_s.at[stage].T, vc_s, state), (p_s.at[stage], vp_s, tile))
+                upd = _matmul(k_s.at[stage].T, view(vc_s), state)
+                qs = _matmul(q_s.at[stage], view(s_bf), tile)
+                pv = _matmul(p_s.at[stage], view(vp_s), tile)
                 out = (_rows(b, tile) * qs + pv).astype(out_dtype)
                 full = (lo == 0) & (hi == CHUNK)
                 # o_s[stage] was last sent two chunks ago; at most one store is in flight.
@@ -426,10 +447,10 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
         _smem((2, *sq), BF16),
         _smem((2, *sq), BF16),
         plgpu.SMEM((2, 4, CHUNK), F32),
-        _smem(state, BF16),
-        _smem(tile, BF16),
-        _smem(tile, BF16),
-        _smem(tile, BF16),
+        b_operand(state),
+        b_operand(tile),
+        b_operand(tile),
+        b_operand(tile),
         _smem((2, *tile), out_dtype),
         plgpu.SMEM(tile, out_dtype),
         plgpu.SMEM(state, F32),
