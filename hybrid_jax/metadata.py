@@ -11,6 +11,10 @@ one ``_Layout`` per mode in ``_LAYOUTS``; a mode missing there raises
 Padding rules (DESIGN.md): padded rows have length 0 (query_start_loc repeats), slot 0 (the
 pad slot) and no initial state; padded tokens sit after ``query_start_loc[num_rows]``, at
 position 0, in row ``batch_size`` (one past the last row, so a segment op drops them).
+
+Full-attention layers keep their keys and values in a paged cache (``kv_cache.py``); each row
+names its pages (``RowSpec.pages``) and the metadata carries them as a ``PageTable``, padded
+with page 0, the pad page, exactly as the linear layers' rows are padded with slot 0.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ __all__ = [
     "ForwardMetadata",
     "MAX_DRAFT_TOKENS",
     "MetadataError",
+    "PageTable",
     "RowSpec",
     "build_metadata",
     "describe",
@@ -79,11 +84,17 @@ class BucketPolicy:
     executable per batch bucket). ``token_buckets``: token-axis lengths (EXTEND and MIXED
     compile one executable per token bucket, see ``buckets``). ``num_draft_tokens``: D, the
     tokens per row of TARGET_VERIFY and the most tokens per row of DRAFT_EXTEND.
+    ``page_size`` and ``max_context``: the paged KV cache of full-attention layers; a row
+    spans at most ``max_context`` tokens (prefix plus new), so its page table has
+    ``max_pages = max_context // page_size`` entries. ``max_context=0`` (the default) pages
+    nothing: models without full-attention layers need no page table.
     """
 
     batch_buckets: tuple[int, ...] = _default_batch_buckets(256)
     token_buckets: tuple[int, ...] = _default_token_buckets(8192)
     num_draft_tokens: int = 4
+    page_size: int = 16
+    max_context: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_buckets", tuple(self.batch_buckets))
@@ -97,20 +108,43 @@ class BucketPolicy:
                 f"the root plus at least one draft, and the speculative paths are built for at "
                 f"most {MAX_DRAFT_TOKENS} tokens per row"
             )
+        size, context = self.page_size, self.max_context
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise MetadataError(f"page_size={size!r} must be a positive int (tokens per page)")
+        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+            raise MetadataError(
+                f"max_context={context!r} must be an int >= 0 (0: no paged KV cache)"
+            )
+        if context % size:
+            raise MetadataError(
+                f"max_context={context} is not a multiple of page_size={size}; round it up to "
+                f"{-(-context // size) * size}"
+            )
 
     @classmethod
     def default(
-        cls, max_batch: int = 256, max_tokens: int = 8192, num_draft_tokens: int = 4
+        cls,
+        max_batch: int = 256,
+        max_tokens: int = 8192,
+        num_draft_tokens: int = 4,
+        *,
+        page_size: int = 16,
+        max_context: int = 0,
     ) -> BucketPolicy:
         """Batch buckets 1, 2, 4, 8, 12, 16, 24, ... and token buckets 16, 32, 64, ...
 
-        Each ladder stops at (and includes) its maximum.
+        Each ladder stops at (and includes) its maximum. ``page_size`` and ``max_context``
+        size the page table of full-attention layers (0: none).
         """
         for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MetadataError(f"{name}={value!r} must be a positive int")
         return cls(
-            _default_batch_buckets(max_batch), _default_token_buckets(max_tokens), num_draft_tokens
+            _default_batch_buckets(max_batch),
+            _default_token_buckets(max_tokens),
+            num_draft_tokens,
+            page_size,
+            max_context,
         )
 
     @property
@@ -120,6 +154,11 @@ class BucketPolicy:
     @property
     def max_tokens(self) -> int:
         return self.token_buckets[-1]
+
+    @property
+    def max_pages(self) -> int:
+        """Entries of each row's page table (0 when the policy pages nothing)."""
+        return self.max_context // self.page_size
 
     def batch_bucket(self, num_rows: int) -> int:
         """The smallest batch bucket that holds ``num_rows`` rows."""
@@ -169,15 +208,42 @@ class BucketPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class RowSpec:
-    """One request's row in a step: its pool slot, tokens already in its state, new tokens."""
+    """One request's row in a step: its pool slot, tokens already in its state, new tokens,
+    and, for models with full-attention layers, the KV-cache pages that hold its positions
+    in order (position p lives in ``pages[p // page_size]``); they must cover
+    ``prefix_len + num_tokens`` positions."""
 
     slot: int
     prefix_len: int
     num_tokens: int
+    pages: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pages", tuple(self.pages))
 
 
 def _static() -> dataclasses.Field:
     return dataclasses.field(metadata={"static": True})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageTable:
+    """The KV-cache pages of every row, for full-attention layers.
+
+    ``page_size`` (static): tokens per page. ``table`` int32 ``[bs, max_pages]``: position p of
+    row r lives at offset ``p % page_size`` of page ``table[r, p // page_size]``; 0, the pad
+    page, where a row has no page (its unused tail, and every entry of a padded row). Padded
+    tokens write their keys and values into page 0, which no real row ever reads.
+    ``max_pages`` is 0 when the bucket policy pages nothing.
+    """
+
+    page_size: int = _static()
+    table: jax.Array
+
+    @property
+    def max_pages(self) -> int:
+        return self.table.shape[-1]
 
 
 @jax.tree_util.register_dataclass
@@ -198,6 +264,7 @@ class ForwardMetadata:
       positions         int32 [T]     absolute position of each token in its request; 0 at padding
       token_rows        int32 [T]     row of each token; bs at padding
       num_rows          int32 []      real rows n (rows n..bs-1 are padding)
+      pages             PageTable     KV-cache pages per row (full-attention layers)
     """
 
     mode: ForwardMode = _static()
@@ -212,6 +279,7 @@ class ForwardMetadata:
     positions: jax.Array
     token_rows: jax.Array
     num_rows: jax.Array
+    pages: PageTable
 
     @property
     def token_layout(self) -> TokenLayout:
@@ -313,6 +381,55 @@ def _check_rows(
             )
 
 
+def _check_pages(rows: Sequence[RowSpec], policy: BucketPolicy, num_pages: int | None) -> None:
+    size, context = policy.page_size, policy.max_context
+    owner: dict[int, int] = {}
+    for i, row in enumerate(rows):
+        if not policy.max_pages:
+            if row.pages:
+                raise MetadataError(
+                    f"rows[{i}].pages={row.pages!r}, but the bucket policy pages nothing "
+                    f"(max_context=0); set BucketPolicy(max_context=...) for a model with "
+                    f"full-attention layers"
+                )
+            continue
+        end = row.prefix_len + row.num_tokens
+        if end > context:
+            raise MetadataError(
+                f"rows[{i}] reaches position {end} (prefix {row.prefix_len} + {row.num_tokens} "
+                f"new tokens), past max_context={context}; shorten the request or raise "
+                f"BucketPolicy.max_context"
+            )
+        need = -(-end // size)
+        if len(row.pages) < need:
+            raise MetadataError(
+                f"rows[{i}] has {len(row.pages)} pages for {end} positions; it needs {need} "
+                f"pages of {size} tokens (allocate them with PageAllocator)"
+            )
+        if len(row.pages) > policy.max_pages:
+            raise MetadataError(
+                f"rows[{i}] has {len(row.pages)} pages, more than max_pages={policy.max_pages} "
+                f"(max_context {context} / page_size {size}); free the pages past its context"
+            )
+        for j, page in enumerate(row.pages):
+            if isinstance(page, bool) or not isinstance(page, int | np.integer):
+                raise MetadataError(f"rows[{i}].pages[{j}]={page!r} must be an int")
+            if page == 0:
+                raise MetadataError(
+                    f"rows[{i}].pages[{j}]=0 is the pad page; real rows use pages 1.. "
+                    f"(allocate them with PageAllocator)"
+                )
+            if page < 0 or (num_pages is not None and page >= num_pages):
+                top = f"pages 1..{num_pages - 1}" if num_pages is not None else "pages >= 1"
+                raise MetadataError(f"rows[{i}].pages[{j}]={page} is outside the cache ({top})")
+            if page in owner:
+                raise MetadataError(
+                    f"rows[{i}].pages[{j}]={page} is also a page of rows[{owner[page]}]: two "
+                    f"positions would share one page entry; give each request its own pages"
+                )
+            owner[page] = i
+
+
 def _choose_bucket(
     mode: ForwardMode,
     layout: _Layout,
@@ -367,10 +484,12 @@ def build_metadata(
     num_slots: int,
     batch_size: int | None = None,
     num_tokens: int | None = None,
+    num_pages: int | None = None,
 ) -> ForwardMetadata:
     """The padded metadata of one step: ``rows`` (n of them) in the bucket of ``policy``.
 
-    ``num_slots`` is the pool's slot count S (real slots 1..S-1). ``batch_size`` and
+    ``num_slots`` is the pool's slot count S (real slots 1..S-1); ``num_pages``, when given,
+    the KV cache's page count P (real pages 1..P-1). ``batch_size`` and
     ``num_tokens`` pin the bucket (ahead-of-time compilation: ``rows=()``); left unset they
     come from ``policy.bucket``. Every input is validated before anything is built
     (``MetadataError``; ``UnsupportedForwardModeError`` for a mode without a layout).
@@ -382,6 +501,7 @@ def build_metadata(
         raise MetadataError(f"num_slots={num_slots!r} must be a positive int (the pool's S)")
     rows = tuple(rows)
     _check_rows(mode, layout, rows, num_slots)
+    _check_pages(rows, policy, num_pages)
     n, t = len(rows), sum(int(row.num_tokens) for row in rows)
     bs, T = _choose_bucket(mode, layout, policy, n, t, batch_size, num_tokens)
 
@@ -398,6 +518,9 @@ def build_metadata(
     positions = np.zeros(T, np.int32)
     real = token_rows[:t]
     positions[:t] = prefix[real] + np.arange(t, dtype=np.int32) - qsl[real]
+    page_table = np.zeros((bs, policy.max_pages), np.int32)
+    for r, row in enumerate(rows):
+        page_table[r, : len(row.pages)] = row.pages
     arrays = jax.device_put(
         {
             "query_start_loc": qsl,
@@ -408,10 +531,17 @@ def build_metadata(
             "positions": positions,
             "token_rows": token_rows,
             "num_rows": np.int32(n),
+            "page_table": page_table,
         }
     )
+    pages = PageTable(page_size=policy.page_size, table=arrays.pop("page_table"))
     return ForwardMetadata(
-        mode=mode, batch_size=bs, num_tokens=T, num_draft_tokens=layout.num_draft_tokens, **arrays
+        mode=mode,
+        batch_size=bs,
+        num_tokens=T,
+        num_draft_tokens=layout.num_draft_tokens,
+        pages=pages,
+        **arrays,
     )
 
 
