@@ -36,8 +36,9 @@ which makes them no-ops), unused tiles at the end are all masked. Then
    (``_unit_lower_inverse``).
 2. one ``lax.scan`` over the tiles carrying the running state and the pool: a tile that
    starts a sequence loads ``pool[idx[n]]`` (or zeros), a tile that ends one writes its end
-   state to ``pool[idx[n]]``. Only the ``S0``-dependent products are in the loop.
-3. each token reads its output back from its (tile, position).
+   state to ``pool[idx[n]]``. Only ``U`` and the end state are in the loop, which returns
+   every tile's ``S0`` and ``U``.
+3. every tile's outputs at once; each token reads its own back from its (tile, position).
 
 Runs of short sequences waste tile rows (a length-1 sequence still takes a 64-row tile);
 this is a reference, not a kernel.
@@ -103,11 +104,19 @@ def _step(
     beta_t: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """One token, every head. state ``[..., HV, K, V]``; q_t, k_t ``[..., HV, K]`` (prepared);
-    v_t ``[..., HV, V]``; g_t, beta_t ``[..., HV]``. Returns (new state, o_t ``[..., HV, V]``)."""
+    v_t ``[..., HV, V]``; g_t, beta_t ``[..., HV]``. Returns (new state, o_t ``[..., HV, V]``).
+
+    ``o_t = S_new^T q`` is taken as ``S^T q + u (k . q)`` with ``S`` the decayed state, so both
+    products read the old state in one pass and the new state is only written. The products
+    are broadcast-and-sum, not einsums: exact float32 on any backend, and XLA fuses them into
+    memory-bound loops instead of launching batched matrix-vector products.
+    """
     state = jnp.exp(g_t)[..., None, None] * state
-    u = beta_t[..., None] * (v_t - _einsum("...hk,...hkv->...hv", k_t, state))
-    state = state + k_t[..., :, None] * u[..., None, :]
-    return state, _einsum("...hk,...hkv->...hv", q_t, state)
+    k_state = jnp.sum(k_t[..., :, None] * state, axis=-2)
+    q_state = jnp.sum(q_t[..., :, None] * state, axis=-2)
+    u = beta_t[..., None] * (v_t - k_state)
+    o = q_state + u * jnp.sum(k_t * q_t, axis=-1, keepdims=True)
+    return state + k_t[..., :, None] * u[..., None, :], o
 
 
 def _write_where(
@@ -299,22 +308,26 @@ def chunk_gated_delta_rule_chunked(
         x = jnp.where(mask, x.astype(dtype)[lay["token"]], 0)
         return jnp.moveaxis(x, 1, 2)
 
-    per_tile = _intra_chunk(tiles(qh), tiles(kh), tiles(v), tiles(g), tiles(beta))
+    w, u, q_decayed, qk, k_to_end, decay_to_end = _intra_chunk(
+        tiles(qh), tiles(kh), tiles(v), tiles(g), tiles(beta)
+    )
 
+    # Only what the next chunk needs is in the sequential loop; the outputs, which need the
+    # chunk's start state and corrected values, are computed for all tiles afterwards.
     def chunk(carry, xs):
         state, pool = carry
-        (w, u, q_decayed, qk, k_to_end, decay_to_end), n, first, last = xs
+        w, u, k_to_end, decay_to_end, n, first, last = xs
         slot = state_indices[n]
         init = _initial_state(pool, slot, has_initial_state[n], dtype)
         s0 = jnp.where(first, init, state)
         u = u - _einsum("hck,hkv->hcv", w, s0)
-        o = _einsum("hck,hkv->hcv", q_decayed, s0) + _einsum("hcj,hjv->hcv", qk, u)
         s1 = decay_to_end[:, None, None] * s0 + _einsum("hck,hcv->hkv", k_to_end, u)
-        return (s1, _write_where(pool, slot, s1, last)), o
+        return (s1, _write_where(pool, slot, s1, last)), (s0, u)
 
     state0 = jnp.zeros(ssm_pool.shape[1:], dtype)
-    xs = (per_tile, lay["seq"], lay["first"], lay["last"])
-    (_, pool), o_tiles = lax.scan(chunk, (state0, ssm_pool), xs)
+    xs = (w, u, k_to_end, decay_to_end, lay["seq"], lay["first"], lay["last"])
+    (_, pool), (s0, u) = lax.scan(chunk, (state0, ssm_pool), xs)
+    o_tiles = _einsum("nhck,nhkv->nhcv", q_decayed, s0) + _einsum("nhcj,nhjv->nhcv", qk, u)
     o = o_tiles[lay["out_tile"], :, lay["out_row"]]
     return jnp.where(lay["valid"][:, None, None], o, 0).astype(v.dtype), pool
 
