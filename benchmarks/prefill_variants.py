@@ -5,7 +5,7 @@ checks the kernel against the float32 chunked reference (outputs and the written
 slots), then times the whole op (both kernels, pool donated) and the intra-chunk kernel
 alone. Prints a table last; ``--out DIR`` also writes the numbers as JSON.
 
-    python benchmarks/prefill_variants.py [--out DIR] [--shapes 1x8192,varlen] [--block-v 64]
+    python benchmarks/prefill_variants.py [--out DIR] [--shapes 1x8192] [--variants 64,32,64k]
 """
 
 from __future__ import annotations
@@ -69,11 +69,34 @@ def _time(fn, args: tuple, pool: jax.Array, calls: int = 20, repeats: int = 3) -
     return float(np.median(per_call))
 
 
-def run_shape(name: str, config: chunk_mgpu.Config) -> dict:
+def _variant(spec: str) -> chunk_mgpu.Config:
+    """``"64"`` -> block_v 64; a trailing ``k`` forces K-major B operands (``"64k"``)."""
+    kmajor = True if spec.endswith("k") else None
+    return chunk_mgpu.Config(block_v=int(spec.rstrip("k")), kmajor=kmajor)
+
+
+def run_shape(name: str, specs: list[str]) -> list[dict]:
     lens, pooled = SHAPES[name]
     q, k, v, g, beta, pool, qsl, idx, init = _inputs(lens, pooled)
+    ref = jax.jit(reference.chunk_gated_delta_rule_chunked)
+    ro, rpool = ref(q, k, v, g, beta, pool, qsl, idx, init)
+    rows = []
+    for spec in specs:
+        try:
+            row = _run_variant(name, spec, (q, k, v, g, beta, pool, qsl, idx, init), ro, rpool)
+        except Exception as e:  # keep the other variants' numbers
+            row = {"shape": name, "variant": spec, "error": f"{type(e).__name__}: {e}"[:400]}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _run_variant(name: str, spec: str, inputs: tuple, ro: jax.Array, rpool: jax.Array) -> dict:
+    q, k, v, g, beta, pool, qsl, idx, init = inputs
+    lens = SHAPES[name][0]
+    config = _variant(spec)
     tokens = q.shape[0]
-    row = {"shape": name, "block_v": config.block_v, "tokens": tokens}
+    row = {"shape": name, "variant": spec, "tokens": tokens}
 
     def op(q, k, v, g, beta, qsl, idx, init, pool):
         return chunk_mgpu.chunk_gated_delta_rule(
@@ -81,8 +104,6 @@ def run_shape(name: str, config: chunk_mgpu.Config) -> dict:
         )
 
     fn = jax.jit(op, donate_argnums=8)
-    ref = jax.jit(reference.chunk_gated_delta_rule_chunked)
-    ro, rpool = ref(q, k, v, g, beta, pool, qsl, idx, init)
     o, kpool = fn(q, k, v, g, beta, qsl, idx, init, jnp.array(pool))
     touched = np.asarray(idx)
     untouched = np.setdiff1d(np.arange(pool.shape[0]), touched)
@@ -121,32 +142,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--block-v", default="64")
+    parser.add_argument("--variants", default="64,32", help="block_v per variant, k: K-major")
     args = parser.parse_args()
     rows = []
-    for bv in (int(x) for x in args.block_v.split(",")):
-        for name in args.shapes.split(","):
-            try:
-                row = run_shape(name, chunk_mgpu.Config(block_v=bv))
-            except Exception as e:  # keep the other variants' numbers
-                row = {"shape": name, "block_v": bv, "error": f"{type(e).__name__}: {e}"[:400]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.out is not None:
-                args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / "prefill_variants.json").write_text(json.dumps(rows, indent=1))
+    for name in args.shapes.split(","):
+        rows += run_shape(name, args.variants.split(","))
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "prefill_variants.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}")
     print(
-        f"{'shape':9} {'bv':>3} {'us':>9} {'Mtok/s':>7} {'intra us':>9} {'rel o':>8} "
+        f"{'shape':9} {'var':>4} {'us':>9} {'Mtok/s':>7} {'intra us':>9} {'rel o':>8} "
         f"{'rel S':>8} ok"
     )
     for r in rows:
         if "error" in r:
-            print(f"{r['shape']:9} {r['block_v']:>3} ERROR {r['error'][:90]}")
+            print(f"{r['shape']:9} {r['variant']:>4} ERROR {r['error'][:90]}")
             continue
         ok = r["untouched_equal"] and r["finite"]
         print(
-            f"{r['shape']:9} {r['block_v']:>3} {r['us']:9.1f} {r['mtok_s']:7.1f} "
+            f"{r['shape']:9} {r['variant']:>4} {r['us']:9.1f} {r['mtok_s']:7.1f} "
             f"{r['intra_us']:9.1f} {r['rel_o']:8.1e} {r['rel_state']:8.1e} {ok}"
         )
 
