@@ -1,0 +1,150 @@
+"""The Mosaic GPU chunked prefill of Gated DeltaNet (chunk_mgpu) against the float64 oracle.
+
+The kernels run under the Mosaic GPU CPU interpreter (values; fresh buffers start as NaN, so
+an unwritten output shows) and through the lowering for ``cuda`` at the production head dims
+(layouts, swizzles and TMA shapes, which the interpreter does not check).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.gdn import chunk_mgpu
+from pallas_kernels.gdn import reference as gdn_reference
+
+
+def _rel(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def _bits(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint32)
+
+
+def _case(seed, lens, tokens, *, h, hv, kd, vd, slots):
+    """Packed sequences ``lens`` in ``tokens`` rows (the rest is padding), distinct random
+    slots, has_initial_state alternating. The pool is NaN wherever the kernel must not read:
+    slots no sequence names and slots of sequences that start from zeros."""
+    rng = np.random.default_rng(seed)
+    n = len(lens)
+    idx = rng.permutation(np.arange(1, slots))[:n].astype(np.int32)
+    init = np.arange(n) % 2 == 0
+    pool = rng.standard_normal((slots, hv, kd, vd)).astype(np.float32) * 0.3
+    pool[np.setdiff1d(np.arange(slots), idx[init])] = np.nan
+    args = dict(
+        q=jnp.asarray(rng.standard_normal((tokens, h, kd)), jnp.bfloat16),
+        k=jnp.asarray(rng.standard_normal((tokens, h, kd)), jnp.bfloat16),
+        v=jnp.asarray(rng.standard_normal((tokens, hv, vd)), jnp.bfloat16),
+        g=jnp.asarray(-np.log1p(np.exp(rng.standard_normal((tokens, hv)) - 1)), jnp.float32),
+        beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((tokens, hv)))), jnp.float32),
+        ssm_pool=jnp.asarray(pool),
+        qsl=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
+        state_indices=jnp.asarray(idx),
+        has_initial_state=jnp.asarray(init),
+    )
+    return args
+
+
+def _oracle(args):
+    """The token-by-token reference on float64 copies of the inputs."""
+    with jax.enable_x64(True):
+        wide = {
+            name: jnp.asarray(np.asarray(x, np.float64)) if x.dtype.kind == "f" else x
+            for name, x in args.items()
+        }
+        return jax.tree.map(np.asarray, gdn_reference.chunk_gated_delta_rule_recurrent(**wide))
+
+
+@pytest.mark.parametrize("block_v", [64, 32], ids=["bv64", "bv32-kmajor"])
+def test_varlen_prefill_matches_oracle_and_writes_only_its_slots(block_v):
+    # Starts at 0, 100 and 137 (unaligned: leading masked rows), an empty sequence, lengths
+    # not multiples of 64, 13 padding tokens, T=300 not a multiple of 8 (the last chunk is
+    # shifted back), GVA (2 value heads per key head).
+    lens = [100, 0, 37, 150]
+    args = _case(0, lens, 300, h=1, hv=2, kd=64, vd=64, slots=9)
+    o, pool = jax.jit(
+        lambda a: chunk_mgpu.chunk_gated_delta_rule(
+            **a, interpret=True, config=chunk_mgpu.Config(block_v=block_v)
+        )
+    )(args)
+    o_ref, pool_ref = _oracle(args)
+    o = np.asarray(o, np.float32)
+    end = int(np.asarray(args["qsl"])[-1])
+    assert np.isfinite(o).all(), "an output was never written (NaN) or a NaN slot was read"
+    assert not o[end:].any(), "padding tokens must give zeros"
+    assert _rel(o[:end], o_ref[:end]) < 1e-2
+    idx = np.asarray(args["state_indices"])
+    written = idx[np.asarray(lens) > 0]
+    assert _rel(pool[written], pool_ref[written]) < 1e-2
+    kept = np.setdiff1d(np.arange(pool.shape[0]), written)  # incl. the empty sequence's slot
+    np.testing.assert_array_equal(_bits(pool[kept]), _bits(args["ssm_pool"][kept]))
+
+
+def test_chunk_table_covers_every_token_once_from_aligned_starts():
+    lens = [100, 0, 37, 150, 1, 64, 7]
+    tokens = 376  # 17 padding tokens
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    n_chunks = tokens // 64 + 1 + 2 * (len(lens) + 1)
+    table, first = map(np.asarray, chunk_mgpu._chunk_table(qsl, tokens, n_chunks))
+    seen = np.zeros(tokens, int)
+    owner = np.full(tokens, -1)
+    for seg in range(len(lens) + 1):
+        for c in range(first[seg], first[seg + 1]):
+            start, lo, hi = table[:, c]
+            assert start % chunk_mgpu.ALIGN == 0 and 0 <= start <= tokens - chunk_mgpu.CHUNK
+            assert 0 <= lo < hi <= chunk_mgpu.CHUNK
+            seen[start + lo : start + hi] += 1
+            owner[start + lo : start + hi] = seg
+    np.testing.assert_array_equal(seen, 1)
+    bounds = np.concatenate([np.asarray(qsl), [tokens]])
+    np.testing.assert_array_equal(owner, np.repeat(np.arange(len(lens) + 1), np.diff(bounds)))
+    assert first[-1] <= n_chunks
+
+
+@pytest.mark.parametrize("block_v", [64, 32])
+def test_kernels_lower_for_cuda_at_qwen3_next_shapes(block_v):
+    shape = jax.ShapeDtypeStruct
+    tokens, n, h, hv, d = 4096, 3, 16, 32, 128
+    args = (
+        shape((tokens, h, d), jnp.bfloat16),
+        shape((tokens, h, d), jnp.bfloat16),
+        shape((tokens, hv, d), jnp.bfloat16),
+        shape((tokens, hv), jnp.float32),
+        shape((tokens, hv), jnp.float32),
+        shape((8, hv, d, d), jnp.float32),
+        shape((n + 1,), jnp.int32),
+        shape((n,), jnp.int32),
+        shape((n,), jnp.bool_),
+    )
+    config = chunk_mgpu.Config(block_v=block_v)
+    fn = jax.jit(lambda *a: chunk_mgpu.chunk_gated_delta_rule(*a, config=config), donate_argnums=5)
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "gdn_chunk_intra" in text and "gdn_chunk_state" in text
+
+
+def _shapes(t=128, h=2, hv=4, kd=128, vd=128, dtype=jnp.bfloat16):
+    return [
+        jnp.zeros((t, h, kd), dtype),
+        jnp.zeros((t, h, kd), dtype),
+        jnp.zeros((t, hv, vd), dtype),
+        jnp.zeros((t, hv), jnp.float32),
+        jnp.zeros((t, hv), jnp.float32),
+        jnp.zeros((3, hv, kd, vd), jnp.float32),
+        jnp.zeros((3,), jnp.int32),
+        jnp.zeros((2,), jnp.int32),
+        jnp.zeros((2,), bool),
+    ]
+
+
+def test_unsupported_reason_accepts_the_contract_and_names_what_it_refuses():
+    assert chunk_mgpu.unsupported_reason(*_shapes()) is None
+    assert chunk_mgpu.unsupported_reason(*_shapes(kd=64, vd=64, dtype=jnp.float32)) is None
+    assert "K=96" in chunk_mgpu.unsupported_reason(*_shapes(kd=96))
+    assert "use_qk_l2norm" in chunk_mgpu.unsupported_reason(*_shapes(), use_qk_l2norm=False)
+    assert "HV=3" in chunk_mgpu.unsupported_reason(*_shapes(hv=3))
+    with pytest.raises(ValueError, match="K=96"):
+        chunk_mgpu.chunk_gated_delta_rule(*_shapes(kd=96))
