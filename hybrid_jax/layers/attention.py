@@ -1,0 +1,125 @@
+"""Qwen3-Next's gated full attention as a Flax NNX module, over the paged KV cache.
+
+Weights follow Hugging Face's Qwen3-Next layout: ``q_proj`` yields, per head, the query
+(head_dim) followed by its output gate (head_dim); ``q_norm`` / ``k_norm`` are zero-centred
+RMSNorms over head_dim; rotary embedding turns only the first ``partial_rotary_factor`` of
+each head (the two halves of that part rotated together, as in GPT-NeoX); the attention
+output is multiplied by ``sigmoid(gate)`` before ``o_proj``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybrid_jax.kv_cache import KVCacheSpec
+from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
+from hybrid_jax.metadata import ForwardMetadata
+from hybrid_jax.paged_attention import paged_attention
+
+__all__ = ["AttentionConfig", "AttentionOutput", "GatedAttention", "apply_rotary"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Shape of one gated full-attention layer. ``num_heads`` must be a multiple of
+    ``num_kv_heads`` (grouped-query attention); the rotary part of a head,
+    ``int(head_dim * partial_rotary_factor)``, must be even."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                f"{self.num_kv_heads}; query heads share key/value heads in equal groups"
+            )
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} gives a rotary part of "
+                f"{self.rotary_dim} of head_dim={self.head_dim}; it must be even and in "
+                f"2..head_dim"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def kv_spec(self) -> KVCacheSpec:
+        """Per-page cache layout of one layer."""
+        return KVCacheSpec(self.num_kv_heads, self.head_dim, jnp.dtype(self.dtype))
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """Rotary embedding on the first ``rotary_dim`` features of each head.
+
+    x: ``[T, heads, head_dim]``; positions: int32 ``[T]``. Feature i < rotary_dim/2 pairs
+    with i + rotary_dim/2 (NeoX layout); frequencies ``theta ** (-2i / rotary_dim)``. The angles
+    are float32 and cos/sin are cast to x's dtype before use, as the reference does.
+    """
+    half = rotary_dim // 2
+    inv_freq = 1.0 / theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, half]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    turned = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([rot * cos + turned * sin, rest], axis=-1)
+
+
+class AttentionOutput(NamedTuple):
+    """y: ``[T, hidden]``; the layer's key and value pages after the step."""
+
+    y: jax.Array
+    k_pages: jax.Array
+    v_pages: jax.Array
+
+
+class GatedAttention(nnx.Module):
+    """q/gate, k, v projections -> q/k norms -> partial rotary -> paged causal GQA ->
+    ``* sigmoid(gate)`` -> o_proj."""
+
+    def __init__(self, config: AttentionConfig, *, rngs: nnx.Rngs):
+        c = config
+        dtype = jnp.dtype(c.dtype)
+        linear = dict(use_bias=c.attention_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.config = c
+        self.q_proj = nnx.Linear(c.hidden_size, 2 * c.num_heads * c.head_dim, **linear)
+        self.k_proj = nnx.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, **linear)
+        self.v_proj = nnx.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, **linear)
+        self.o_proj = nnx.Linear(c.num_heads * c.head_dim, c.hidden_size, **linear)
+        self.q_norm = ZeroCenteredRMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(c.head_dim, eps=c.rms_norm_eps)
+
+    def __call__(
+        self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: ForwardMetadata
+    ) -> AttentionOutput:
+        """x: ``[T, hidden]`` packed tokens of ``meta``; k_pages, v_pages:
+        ``[P, page_size, KVH, head_dim]``."""
+        c = self.config
+        t = x.shape[0]
+        q_gate = self.q_proj(x).reshape(t, c.num_heads, 2 * c.head_dim)
+        q, gate = q_gate[..., : c.head_dim], q_gate[..., c.head_dim :]
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).reshape(t, c.num_kv_heads, c.head_dim))
+        v = self.v_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
+        q = apply_rotary(q, meta.positions, c.rotary_dim, c.rope_theta)
+        k = apply_rotary(k, meta.positions, c.rotary_dim, c.rope_theta)
+        out, k_pages, v_pages = paged_attention(
+            q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5
+        )
+        out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+        out = out.reshape(t, c.num_heads * c.head_dim)  # explicit: t == 0 when IDLE
+        return AttentionOutput(self.o_proj(out), k_pages, v_pages)

@@ -1,0 +1,111 @@
+"""Qwen3-Next's feed-forward blocks: the dense SwiGLU MLP and the sparse MoE with a shared expert.
+
+The MoE routes each token to its ``top_k`` experts by softmax probability (renormalised over
+the chosen ones when ``norm_topk_prob``), runs the chosen experts as grouped matmuls over the
+tokens sorted by expert (``jax.lax.ragged_dot``: each expert multiplies only its own tokens),
+and adds a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
+
+Expert weights are stacked in ``[E, in, out]`` order (``gate_proj``, ``up_proj``: ``[E, hidden,
+I]``; ``down_proj``: ``[E, I, hidden]``); the loader transposes Hugging Face's per-expert
+``[out, in]`` matrices into them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["MLP", "MoEConfig", "SparseMoE"]
+
+
+class MLP(nnx.Module):
+    """``down(silu(gate(x)) * up(x))``; x: ``[T, hidden]`` -> ``[T, hidden]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: str, rngs: nnx.Rngs):
+        dt = jnp.dtype(dtype)
+        linear = dict(use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)
+        self.gate_proj = nnx.Linear(hidden_size, intermediate_size, **linear)
+        self.up_proj = nnx.Linear(hidden_size, intermediate_size, **linear)
+        self.down_proj = nnx.Linear(intermediate_size, hidden_size, **linear)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Shape of one sparse MoE block: ``num_experts`` experts of width ``intermediate_size``,
+    ``top_k`` per token, and a shared expert of width ``shared_intermediate_size``."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    shared_intermediate_size: int
+    norm_topk_prob: bool = True
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.top_k} must be in 1..num_experts={self.num_experts}"
+            )
+
+
+def _expert_weights(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
+    # LeCun-normal over each expert's input dimension, like nnx.Linear's default.
+    return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * shape[1] ** -0.5)
+
+
+class SparseMoE(nnx.Module):
+    """Top-k routed experts plus a sigmoid-gated shared expert; x ``[T, hidden]`` -> same."""
+
+    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+        c = config
+        dtype = jnp.dtype(c.dtype)
+        self.config = c
+        self.gate = nnx.Linear(
+            c.hidden_size, c.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+        self.gate_proj = _expert_weights(
+            rngs, (c.num_experts, c.hidden_size, c.intermediate_size), dtype
+        )
+        self.up_proj = _expert_weights(
+            rngs, (c.num_experts, c.hidden_size, c.intermediate_size), dtype
+        )
+        self.down_proj = _expert_weights(
+            rngs, (c.num_experts, c.intermediate_size, c.hidden_size), dtype
+        )
+        self.shared_expert = MLP(
+            c.hidden_size, c.shared_intermediate_size, dtype=c.dtype, rngs=rngs
+        )
+        self.shared_expert_gate = nnx.Linear(
+            c.hidden_size, 1, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(weights ``[T, top_k]`` in x's dtype, experts int32 ``[T, top_k]``) of each token."""
+        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.config.top_k)
+        if self.config.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights.astype(x.dtype), experts.astype(jnp.int32)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        weights, experts = self.route(x)
+        flat = experts.reshape(-1)  # [T * top_k], token-major
+        order = jnp.argsort(flat, stable=True)
+        tokens = order // c.top_k
+        group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
+        xs = x[tokens]
+        hidden = jax.nn.silu(jax.lax.ragged_dot(xs, self.gate_proj[...], group_sizes))
+        hidden = hidden * jax.lax.ragged_dot(xs, self.up_proj[...], group_sizes)
+        ys = jax.lax.ragged_dot(hidden, self.down_proj[...], group_sizes)
+        ys = ys * weights.reshape(-1)[order][:, None]
+        routed = jnp.zeros_like(x).at[tokens].add(ys)
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared

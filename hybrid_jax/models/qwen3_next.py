@@ -1,0 +1,388 @@
+"""The Qwen3-Next hybrid decoder: GDN and gated full-attention layers, MoE feed-forward blocks.
+
+``Qwen3NextConfig`` reads a Hugging Face ``config.json`` (field names as there; the layer
+pattern from ``layer_types`` or ``full_attention_interval``). ``Qwen3Next`` is the causal LM:
+token embedding, ``num_hidden_layers`` pre-norm residual blocks (token mixer, then MLP or
+sparse MoE), final norm and LM head (tied to the embedding or not). Linear (GDN) layers keep
+their state in the slot pool (``state_pool.StatePool``), full-attention layers in the paged
+KV cache (``kv_cache.KVCache``); both are indexed by the layer's position among layers of
+its kind. ``tiny_qwen3_next_config`` is the built-in model that needs no download.
+
+Qwen3.5's text model is not covered: its GDN layers project q/k/v, z, b and a with separate
+matrices (``in_proj_qkv``, ``in_proj_z``, ...) and its rotary embedding is multimodal, so it
+differs from Qwen3-Next in weights, not only in configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from hybrid_jax.backend import VerifyStates
+from hybrid_jax.kv_cache import KVCache, KVCacheSpec
+from hybrid_jax.layers.attention import AttentionConfig, GatedAttention
+from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
+from hybrid_jax.layers.moe import MLP, MoEConfig, SparseMoE
+from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
+from hybrid_jax.metadata import ForwardMetadata
+from hybrid_jax.modes import LayerKind
+from hybrid_jax.state_pool import LinearStateSpec, StatePool
+
+__all__ = [
+    "ConfigError",
+    "Qwen3Next",
+    "Qwen3NextConfig",
+    "Qwen3NextOutput",
+    "tiny_qwen3_next_config",
+]
+
+_LAYER_TYPES = {"linear_attention": LayerKind.GDN, "full_attention": LayerKind.FULL_ATTENTION}
+
+
+class ConfigError(ValueError):
+    """A model configuration this implementation cannot build, with the field that says so."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3NextConfig:
+    """Qwen3-Next hyper-parameters, named as in Hugging Face's ``config.json``.
+
+    ``dtype`` is the dtype of weights and activations here (norms and recurrent states stay
+    float32). ``layer_types[i]`` is ``"linear_attention"`` (GDN) or ``"full_attention"``.
+    Layer i has a sparse MoE block when ``num_experts > 0``, ``i`` is not in
+    ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``, else a dense MLP of
+    ``intermediate_size``.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    eos_token_id: tuple[int, ...] = ()
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"layer_types has {len(self.layer_types)} entries for num_hidden_layers="
+                f"{self.num_hidden_layers}; give one type per layer"
+            )
+        for i, kind in enumerate(self.layer_types):
+            if kind not in _LAYER_TYPES:
+                raise ConfigError(
+                    f"layer_types[{i}]={kind!r} is not a Qwen3-Next layer type; use one of "
+                    f"{sorted(_LAYER_TYPES)}"
+                )
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ConfigError(
+                f"num_experts={self.num_experts} needs moe_intermediate_size >= 1, got "
+                f"{self.moe_intermediate_size}"
+            )
+        if self.num_experts and self.shared_expert_intermediate_size < 1:
+            raise ConfigError(
+                "Qwen3-Next MoE blocks have a shared expert: shared_expert_intermediate_size "
+                f"must be >= 1, got {self.shared_expert_intermediate_size}"
+            )
+        for layer in self.mlp_only_layers:
+            if not 0 <= layer < self.num_hidden_layers:
+                raise ConfigError(
+                    f"mlp_only_layers names layer {layer}, outside 0..{self.num_hidden_layers - 1}"
+                )
+        # Building the per-layer configs validates heads, groups and the rotary part.
+        self.attention_config()
+        self.gdn_config()
+        if self.num_experts:
+            self.moe_config()
+
+    @classmethod
+    def from_hf_dict(
+        cls, config: Mapping[str, Any], *, dtype: str | None = None
+    ) -> Qwen3NextConfig:
+        """From a Hugging Face Qwen3-Next ``config.json`` as a dict; unknown keys are ignored.
+
+        ``dtype`` overrides the checkpoint's (``dtype`` / ``torch_dtype``, else float32).
+        Raises ``ConfigError`` naming the field for a model type, activation or rotary
+        scaling this implementation does not have.
+        """
+        model_type = config.get("model_type", "qwen3_next")
+        if model_type != "qwen3_next":
+            raise ConfigError(
+                f"model_type={model_type!r}: this loader builds Qwen3-Next ('qwen3_next') models"
+            )
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act={act!r}: Qwen3-Next blocks are built with 'silu'")
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(
+                f"rope type {rope_type!r}: only the default rotary embedding is implemented; "
+                f"remove the rope scaling or serve a shorter context"
+            )
+        missing = [
+            key
+            for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+            if key not in config
+        ]
+        if missing:
+            raise ConfigError(f"config.json lacks {', '.join(missing)}")
+        layers = config["num_hidden_layers"]
+        layer_types = config.get("layer_types")
+        if layer_types is None:
+            interval = config.get("full_attention_interval", 4)
+            layer_types = [
+                "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                for i in range(layers)
+            ]
+        eos = config.get("eos_token_id")
+        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        fields = {f.name for f in dataclasses.fields(cls)} - {
+            "layer_types", "eos_token_id", "dtype", "rope_theta", "partial_rotary_factor",
+        }  # fmt: skip
+        values = {key: config[key] for key in fields if key in config}
+        if values.get("head_dim") is None:
+            values["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+        if values.get("mlp_only_layers") is None:
+            values.pop("mlp_only_layers", None)
+        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+        chosen = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
+        try:
+            return cls(
+                **values,
+                layer_types=tuple(layer_types),
+                eos_token_id=eos,
+                rope_theta=float(theta),
+                partial_rotary_factor=float(factor),
+                dtype=chosen,
+            )
+        except TypeError as err:
+            raise ConfigError(f"config.json: {err}") from err
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3NextConfig:
+        """From a ``config.json`` file (see ``from_hf_dict``)."""
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f), dtype=dtype)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The ``config.json`` contents of this configuration (Hugging Face field names)."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("dtype",)}
+        out["layer_types"] = list(self.layer_types)
+        out["mlp_only_layers"] = list(self.mlp_only_layers)
+        out["eos_token_id"] = list(self.eos_token_id) or None
+        out.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"])
+        out.update(hidden_act="silu", dtype=self.dtype)
+        return out
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        return tuple(_LAYER_TYPES[kind] for kind in self.layer_types)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    def attention_config(self) -> AttentionConfig:
+        try:
+            return AttentionConfig(
+                hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
+                num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                rope_theta=self.rope_theta, partial_rotary_factor=self.partial_rotary_factor,
+                rms_norm_eps=self.rms_norm_eps, attention_bias=self.attention_bias,
+                dtype=self.dtype,
+            )  # fmt: skip
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+
+    def gdn_config(self) -> GDNConfig:
+        try:
+            return GDNConfig(
+                hidden_size=self.hidden_size, num_key_heads=self.linear_num_key_heads,
+                num_value_heads=self.linear_num_value_heads, head_k_dim=self.linear_key_head_dim,
+                head_v_dim=self.linear_value_head_dim, conv_kernel=self.linear_conv_kernel_dim,
+                rms_norm_eps=self.rms_norm_eps, dtype=self.dtype,
+            )  # fmt: skip
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+
+    def moe_config(self) -> MoEConfig:
+        try:
+            return MoEConfig(
+                hidden_size=self.hidden_size, num_experts=self.num_experts,
+                top_k=self.num_experts_per_tok, intermediate_size=self.moe_intermediate_size,
+                shared_intermediate_size=self.shared_expert_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob, dtype=self.dtype,
+            )  # fmt: skip
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+
+
+def tiny_qwen3_next_config(dtype: str = "float32") -> Qwen3NextConfig:
+    """The built-in model: byte vocabulary (256), hidden 64, four layers alternating GDN and
+    full attention, MoE of 4 experts (top 2) with a shared expert, and a dense MLP in layer 2."""
+    return Qwen3NextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        layer_types=("linear_attention", "full_attention") * 2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, mlp_only_layers=(2,), partial_rotary_factor=0.5,
+        max_position_embeddings=1024, dtype=dtype,
+    )  # fmt: skip
+
+
+class Qwen3NextOutput(NamedTuple):
+    """logits: float32 ``[T, vocab]`` (rows at padded tokens mean nothing); the pool and KV
+    cache after the step; per-GDN-layer verify states (TARGET_VERIFY, for
+    ``engine.step.commit_verified``) or an empty tuple."""
+
+    logits: jax.Array
+    pool: StatePool
+    kv: KVCache
+    verify: tuple[VerifyStates, ...]
+
+
+class DecoderLayer(nnx.Module):
+    """``x + mixer(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
+
+    def __init__(self, config: Qwen3NextConfig, index: int, *, rngs: nnx.Rngs):
+        c = config
+        self.kind = c.layer_kinds[index]
+        self.input_layernorm = ZeroCenteredRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        if self.kind is LayerKind.GDN:
+            self.linear_attn = GatedDeltaNet(c.gdn_config(), rngs=rngs)
+        else:
+            self.self_attn = GatedAttention(c.attention_config(), rngs=rngs)
+        if c.is_moe_layer(index):
+            self.mlp = SparseMoE(c.moe_config(), rngs=rngs)
+        else:
+            self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=c.dtype, rngs=rngs)
+
+
+class Qwen3Next(nnx.Module):
+    """The Qwen3-Next causal LM over packed tokens, every forward mode through ``meta``."""
+
+    def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
+        c = config
+        dtype = jnp.dtype(c.dtype)
+        self.config = c
+        self.embed_tokens = nnx.Embed(
+            c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs) for i in range(c.num_hidden_layers)])
+        self.norm = ZeroCenteredRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        if not c.tie_word_embeddings:
+            self.lm_head = nnx.Linear(
+                c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+                rngs=rngs,
+            )  # fmt: skip
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        return self.config.layer_kinds
+
+    def state_specs(self) -> tuple[LinearStateSpec, ...]:
+        """The slot-pool layout: one spec per GDN layer, in layer order."""
+        spec = self.config.gdn_config().state_spec()
+        return tuple(spec for kind in self.layer_kinds if kind is LayerKind.GDN)
+
+    def kv_specs(self) -> tuple[KVCacheSpec, ...]:
+        """The KV-cache layout: one spec per full-attention layer, in layer order."""
+        spec = self.config.attention_config().kv_spec()
+        return tuple(spec for kind in self.layer_kinds if kind is LayerKind.FULL_ATTENTION)
+
+    def hidden_states(
+        self,
+        tokens: jax.Array,
+        pool: StatePool,
+        kv: KVCache,
+        meta: ForwardMetadata,
+        *,
+        impl: str = "auto",
+    ) -> tuple[jax.Array, StatePool, KVCache, tuple[VerifyStates, ...]]:
+        """The final-normed hidden states ``[T, hidden]`` and the updated pool and cache."""
+        if len(pool.ssm) != len(self.state_specs()) or len(kv.k) != len(self.kv_specs()):
+            raise ValueError(
+                f"the pool has {len(pool.ssm)} linear layers and the KV cache "
+                f"{len(kv.k)} attention layers, but the model has {len(self.state_specs())} "
+                f"and {len(self.kv_specs())}; build them from model.state_specs() and "
+                f"model.kv_specs()"
+            )
+        conv, ssm, keys, values = list(pool.conv), list(pool.ssm), list(kv.k), list(kv.v)
+        verify = []
+        x = self.embed_tokens(tokens)
+        linear = attention = 0
+        for layer in self.layers:
+            h = layer.input_layernorm(x)
+            if layer.kind is LayerKind.GDN:
+                i, linear = linear, linear + 1
+                out = layer.linear_attn(h, conv[i], ssm[i], meta, impl=impl)
+                conv[i], ssm[i] = out.conv_state, out.ssm_state
+                if out.verify:
+                    verify.append(out.verify)
+            else:
+                i, attention = attention, attention + 1
+                out = layer.self_attn(h, keys[i], values[i], meta)
+                keys[i], values[i] = out.k_pages, out.v_pages
+            x = x + out.y
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        pool = dataclasses.replace(pool, conv=tuple(conv), ssm=tuple(ssm))
+        kv = dataclasses.replace(kv, k=tuple(keys), v=tuple(values))
+        return self.norm(x), pool, kv, tuple(verify)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 ``[T, vocab]`` logits of final hidden states ``[T, hidden]``."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        pool: StatePool,
+        kv: KVCache,
+        meta: ForwardMetadata,
+        *,
+        impl: str = "auto",
+    ) -> Qwen3NextOutput:
+        """tokens: int32 ``[T]`` packed as ``meta`` lays them out (any id at padding);
+        pool: the GDN layers' slot pool; kv: the attention layers' paged cache."""
+        hidden, pool, kv, verify = self.hidden_states(tokens, pool, kv, meta, impl=impl)
+        return Qwen3NextOutput(self.logits(hidden), pool, kv, verify)

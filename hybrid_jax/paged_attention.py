@@ -1,0 +1,109 @@
+"""Causal attention over the paged KV cache, one path for every token layout (plain jnp).
+
+The step's new keys and values are first written into the pages of their rows (padded
+tokens into the pad page 0); then every query token attends to positions ``0..p`` of its
+own row, read back through the row's page table. Because a token's row and position are in
+``ForwardMetadata`` for every layout (``token_rows``, ``positions``), ragged EXTEND / MIXED /
+DRAFT_EXTEND, DECODE and TARGET_VERIFY share this one function; IDLE has no tokens.
+
+TARGET_VERIFY writes the D draft tokens' keys and values into the row's pages like any other
+step. Nothing needs undoing when drafts are rejected: their entries sit at positions past
+the accepted context, no later query reads a position it has not written first (a step
+writes before it attends, and the next step starts where the accepted context ends), so the
+next steps overwrite them. Pages that only the rejected drafts used may simply be freed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from hybrid_jax.metadata import ForwardMetadata
+from hybrid_jax.modes import LayerKind, check_supported
+
+__all__ = ["paged_attention", "write_pages"]
+
+# Query tokens attended per vectorised batch: bounds the gathered keys to
+# TOKEN_BLOCK x (max_pages * page_size) x KVH x head_dim while a kernel does not exist.
+TOKEN_BLOCK = 64
+
+
+def _token_pages(meta: ForwardMetadata) -> jax.Array:
+    """``[T, max_pages]`` page table of each token's row; all zeros (pad page) at padding."""
+    table = meta.pages.table
+    table = jnp.concatenate([table, jnp.zeros((1, table.shape[1]), table.dtype)])
+    return table[meta.token_rows]
+
+
+def write_pages(
+    pages: jax.Array, new: jax.Array, meta: ForwardMetadata, token_pages: jax.Array
+) -> jax.Array:
+    """pages ``[P, page_size, KVH, hd]`` with ``new`` ``[T, KVH, hd]`` written at each token's
+    (page, offset); padded tokens land in the pad page."""
+    size = meta.pages.page_size
+    page = jnp.take_along_axis(token_pages, (meta.positions // size)[:, None], axis=1)[:, 0]
+    flat = pages.reshape(-1, *pages.shape[2:])
+    flat = flat.at[page * size + meta.positions % size].set(new.astype(pages.dtype))
+    return flat.reshape(pages.shape)
+
+
+def paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    meta: ForwardMetadata,
+    *,
+    scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Writes this step's keys and values, then causal grouped-query attention per row.
+
+    q: ``[T, H, hd]``; k, v: ``[T, KVH, hd]`` with ``H % KVH == 0`` (query head h reads key
+    head ``h // (H // KVH)``); k_pages, v_pages: ``[P, page_size, KVH, hd]``. Returns
+    ``(out [T, H, hd], k_pages, v_pages)``; out is zero at padded tokens. Scores and softmax
+    are float32. Raises ``UnsupportedForwardModeError`` while tracing for a mode that full
+    attention has no path for, and ``ValueError`` when the metadata carries no page table.
+    """
+    check_supported(LayerKind.FULL_ATTENTION, meta.mode)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if meta.pages.max_pages == 0 and num_tokens:
+        raise ValueError(
+            "the metadata has no page table (BucketPolicy.max_context=0) but the model has "
+            "full-attention layers; build the policy with max_context > 0"
+        )
+    if meta.pages.page_size != k_pages.shape[1]:
+        raise ValueError(
+            f"the metadata pages {meta.pages.page_size} tokens per page but the KV cache "
+            f"{k_pages.shape[1]}; build BucketPolicy and KV cache with one page_size"
+        )
+    if num_tokens == 0:
+        return jnp.zeros_like(q), k_pages, v_pages
+    token_pages = _token_pages(meta)
+    k_pages = write_pages(k_pages, k, meta, token_pages)
+    v_pages = write_pages(v_pages, v, meta, token_pages)
+
+    size = meta.pages.page_size
+    groups = num_heads // num_kv_heads
+    span = jnp.arange(token_pages.shape[1] * size)
+    k_flat = k_pages.reshape(-1, num_kv_heads, head_dim)
+    v_flat = v_pages.reshape(-1, num_kv_heads, head_dim)
+
+    def attend(args):
+        q_t, pages_t, pos_t = args  # [H, hd], [max_pages], []
+        index = (pages_t[:, None] * size + jnp.arange(size)).reshape(-1)
+        seen = span <= pos_t
+        # Unwritten or stale entries may hold anything (even NaN): mask values as well as
+        # scores, since 0 * NaN would still poison the sum.
+        keys = jnp.where(seen[:, None, None], k_flat[index], 0).astype(jnp.float32)
+        values = jnp.where(seen[:, None, None], v_flat[index], 0).astype(jnp.float32)
+        q_g = q_t.reshape(num_kv_heads, groups, head_dim).astype(jnp.float32)
+        scores = jnp.einsum("kgd,lkd->kgl", q_g, keys) * scale
+        scores = jnp.where(seen, scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        return jnp.einsum("kgl,lkd->kgd", probs, values).reshape(num_heads, head_dim)
+
+    out = jax.lax.map(attend, (q, token_pages, meta.positions), batch_size=TOKEN_BLOCK)
+    real = (meta.token_rows < meta.batch_size)[:, None, None]
+    return jnp.where(real, out, 0).astype(q.dtype), k_pages, v_pages
