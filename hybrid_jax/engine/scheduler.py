@@ -1,0 +1,349 @@
+"""Continuous batching on the host: which requests run in the next step, and with which tokens.
+
+``Scheduler`` keeps a waiting queue (first come, first served) and a running set. Each
+``schedule()`` call describes one step as ``(mode, rows)`` for ``metadata.build_metadata``:
+
+* every running request that is decoding gets one row of one token;
+* running requests still prefilling get their next prompt chunk (``chunk_size`` tokens at
+  most), within the step's token budget (``max_step_tokens``);
+* then waiting requests are admitted in order while the running cap (``max_running``), the
+  token budget, a free slot and enough free KV pages allow. A request that does not fit waits
+  at the head of the queue (later ones wait behind it, so none starves); nothing fails.
+
+The mode follows from the rows: only decodes is DECODE, only prompt chunks is EXTEND, both is
+MIXED, none is IDLE. A request's first chunk is never a DECODE row, even when it is one token
+long: a DECODE row continues its slot's state, and a new request's slot holds a stale one.
+
+A request reserves at admission every KV page it can ever need (prompt plus its token budget,
+capped by the context), so a running request never runs out of pages and nothing has to be
+preempted. ``commit`` records the sampled tokens after the step and finishes requests (a stop
+token, their token budget, or the context); finishing and ``abort`` return the slot and pages.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from collections.abc import Iterable, Sequence
+
+from hybrid_jax.kv_cache import PageAllocator, pages_needed
+from hybrid_jax.metadata import BucketPolicy, RowSpec
+from hybrid_jax.modes import ForwardMode
+from hybrid_jax.state_pool import SlotAllocator
+
+__all__ = [
+    "FinishReason",
+    "Request",
+    "RequestError",
+    "ScheduledRow",
+    "ScheduledStep",
+    "Scheduler",
+    "SchedulerConfig",
+]
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (empty, too long, tokens outside the vocabulary...)."""
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # produced one of its stop tokens
+    LENGTH = "length"  # reached max_new_tokens or the context
+    ABORT = "abort"  # aborted by the caller
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request as the scheduler tracks it.
+
+    ``token_ids`` is the prompt followed by the generated tokens; ``num_computed`` counts the
+    tokens already folded into its slot and pages (the next row's ``prefix_len``).
+    ``max_new_tokens`` is already capped so that the request fits the context.
+    """
+
+    request_id: int
+    token_ids: list[int]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    prompt_len: int = dataclasses.field(init=False)
+    num_computed: int = 0
+    slot: int = 0
+    pages: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        self.prompt_len = len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_decoding(self) -> bool:
+        """The prompt is in the state; only the last sampled token is left to feed."""
+        return self.num_computed >= self.prompt_len
+
+    @property
+    def max_context(self) -> int:
+        """Positions this request can occupy: its last token is sampled, never fed."""
+        return self.prompt_len + self.max_new_tokens - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledRow:
+    """One row of a step: ``request`` feeds ``token_ids`` from position ``start``.
+
+    ``samples`` is True when the step's output at this row is the request's next token (its
+    last prompt chunk or a decode); an earlier prompt chunk's output is dropped.
+    """
+
+    request: Request
+    start: int
+    token_ids: tuple[int, ...]
+    samples: bool
+
+    @property
+    def spec(self) -> RowSpec:
+        req = self.request
+        return RowSpec(req.slot, self.start, len(self.token_ids), req.pages)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledStep:
+    """One step: its forward mode and its rows, in the order of the packed token axis."""
+
+    mode: ForwardMode
+    rows: tuple[ScheduledRow, ...]
+
+    @property
+    def row_specs(self) -> list[RowSpec]:
+        """The rows as ``build_metadata`` takes them."""
+        return [row.spec for row in self.rows]
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The step's tokens, packed row after row."""
+        return [t for row in self.rows for t in row.token_ids]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(row.token_ids) for row in self.rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step. ``max_running``: requests running at once (rows of a step; at
+    most the policy's largest batch bucket). ``max_step_tokens``: tokens of a step (at most
+    the largest token bucket, at least ``max_running`` so every decode fits). ``chunk_size``:
+    prompt tokens one request feeds per step (chunked prefill)."""
+
+    max_running: int
+    max_step_tokens: int
+    chunk_size: int
+
+    @classmethod
+    def for_policy(
+        cls,
+        policy: BucketPolicy,
+        max_running: int | None = None,
+        max_step_tokens: int | None = None,
+        chunk_size: int | None = None,
+    ) -> SchedulerConfig:
+        """Defaults from ``policy`` (largest batch and token buckets), checked against it."""
+        max_running = policy.max_batch if max_running is None else max_running
+        max_step_tokens = policy.max_tokens if max_step_tokens is None else max_step_tokens
+        chunk_size = max_step_tokens if chunk_size is None else chunk_size
+        for name, value in (
+            ("max_running", max_running),
+            ("max_step_tokens", max_step_tokens),
+            ("chunk_size", chunk_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if max_running > policy.max_batch:
+            raise ValueError(
+                f"max_running={max_running} exceeds the largest batch bucket "
+                f"{policy.max_batch}; lower it or build the BucketPolicy with a larger max_batch"
+            )
+        if max_step_tokens > policy.max_tokens:
+            raise ValueError(
+                f"max_step_tokens={max_step_tokens} exceeds the largest token bucket "
+                f"{policy.max_tokens}; lower it or raise BucketPolicy max_tokens"
+            )
+        if max_step_tokens < max_running:
+            raise ValueError(
+                f"max_step_tokens={max_step_tokens} is below max_running={max_running}: a step "
+                f"could not carry one decode token per running request; raise max_step_tokens"
+            )
+        return cls(max_running, max_step_tokens, chunk_size)
+
+
+class Scheduler:
+    """Waiting and running requests, and the step each ``schedule()`` call proposes.
+
+    ``slots`` hands out linear-state slots; ``pages`` KV pages (None for a model without
+    full-attention layers). ``max_context`` bounds every request's positions.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        slots: SlotAllocator,
+        pages: PageAllocator | None,
+        *,
+        max_context: int,
+    ) -> None:
+        self.config = config
+        self.slots = slots
+        self.pages = pages
+        self.max_context = max_context
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self._ids: dict[int, Request] = {}
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pages_for(self, request: Request) -> int:
+        if self.pages is None:
+            return 0
+        return pages_needed(request.max_context, self.pages.page_size)
+
+    def add(self, request: Request) -> None:
+        """Queues ``request``; raises ``RequestError`` (nothing queued) if it can never run."""
+        if request.request_id in self._ids:
+            raise RequestError(f"request_id={request.request_id} is already queued or running")
+        if request.prompt_len < 1:
+            raise RequestError(f"request {request.request_id} has an empty prompt")
+        if request.max_context > self.max_context:
+            raise RequestError(
+                f"request {request.request_id} spans {request.max_context} positions (prompt "
+                f"{request.prompt_len} + {request.max_new_tokens} new - 1), past "
+                f"max_context={self.max_context}; shorten it or lower max_new_tokens"
+            )
+        need = self.pages_for(request)
+        if self.pages is not None and need > self.pages.capacity:
+            raise RequestError(
+                f"request {request.request_id} needs {need} KV pages but the cache has "
+                f"{self.pages.capacity}; it could never be admitted, build a larger cache"
+            )
+        self.waiting.append(request)
+        self._ids[request.request_id] = request
+
+    def abort(self, request_id: int) -> Request | None:
+        """Removes the request, frees what it holds; returns it (None if unknown/finished)."""
+        request = self._ids.get(request_id)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return request
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.finish_reason = reason
+        if request.slot:
+            self.slots.free([request.slot])
+            request.slot = 0
+        if request.pages and self.pages is not None:
+            self.pages.free(request.pages)
+            request.pages = ()
+        del self._ids[request.request_id]
+
+    def _can_admit(self, request: Request) -> bool:
+        if self.slots.num_free < 1:
+            return False
+        return self.pages is None or self.pages.num_free >= self.pages_for(request)
+
+    def _admit(self, request: Request) -> None:
+        (request.slot,) = self.slots.allocate(1)
+        if self.pages is not None:
+            request.pages = tuple(self.pages.allocate(self.pages_for(request)))
+        self.running.append(request)
+
+    def _chunk(self, request: Request, budget: int) -> ScheduledRow | None:
+        n = min(request.prompt_len - request.num_computed, self.config.chunk_size, budget)
+        if n < 1:
+            return None
+        start = request.num_computed
+        ids = tuple(request.token_ids[start : start + n])
+        return ScheduledRow(request, start, ids, samples=start + n == request.prompt_len)
+
+    def schedule(self) -> ScheduledStep:
+        """The next step. Admits waiting requests (allocating their slot and pages) but
+        changes nothing else; call ``commit`` with the step's sampled tokens afterwards."""
+        budget = self.config.max_step_tokens
+        decodes, chunks = [], []
+        for req in self.running:
+            if req.is_decoding:
+                decodes.append(ScheduledRow(req, req.num_computed, (req.token_ids[-1],), True))
+        budget -= len(decodes)
+        for req in self.running:
+            if not req.is_decoding and (row := self._chunk(req, budget)) is not None:
+                chunks.append(row)
+                budget -= len(row.token_ids)
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_running
+            and self._can_admit(self.waiting[0])
+        ):
+            req = self.waiting.popleft()
+            self._admit(req)
+            row = self._chunk(req, budget)
+            chunks.append(row)
+            budget -= len(row.token_ids)
+        mode = (
+            ForwardMode.MIXED
+            if decodes and chunks
+            else ForwardMode.DECODE
+            if decodes
+            else ForwardMode.EXTEND
+            if chunks
+            else ForwardMode.IDLE
+        )
+        return ScheduledStep(mode, (*decodes, *chunks))
+
+    def commit(self, step: ScheduledStep, sampled: Sequence[int]) -> list[Request]:
+        """Folds ``step`` in: advances every row, appends ``sampled[i]`` to row i's request
+        when the row samples, and finishes requests. Returns the requests finished now.
+
+        Rows whose request was aborted after ``schedule`` are skipped.
+        """
+        if len(sampled) < len(step.rows):
+            raise ValueError(f"{len(sampled)} sampled tokens for a step of {len(step.rows)} rows")
+        finished = []
+        for row, token in zip(step.rows, sampled, strict=False):
+            req = row.request
+            if req.finish_reason is not None:
+                continue
+            req.num_computed = row.start + len(row.token_ids)
+            if not row.samples:
+                continue
+            req.token_ids.append(int(token))
+            if int(token) in req.stop_token_ids:
+                reason = FinishReason.STOP
+            elif req.num_generated >= req.max_new_tokens:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            self.running.remove(req)
+            self._finish(req, reason)
+            finished.append(req)
+        return finished
+
+    def requests(self) -> Iterable[Request]:
+        """Every unfinished request, waiting ones first."""
+        return (*self.waiting, *self.running)

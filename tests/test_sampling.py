@@ -1,0 +1,134 @@
+"""Sampling: parameter validation, top-k / top-p masks, greedy, seeds, batch invariance."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybrid_jax.engine.sampling import (
+    Sampler,
+    SamplingBatch,
+    SamplingParams,
+    SamplingParamsError,
+    sample,
+    top_k_mask,
+    top_p_mask,
+)
+
+V = 32
+
+
+def logits(rows, seed=0):
+    return np.random.default_rng(seed).standard_normal((rows, V)).astype(np.float32) * 3
+
+
+def draw(x, params, seeds, steps):
+    b = SamplingBatch.pack(params, seeds, steps, len(x))
+    args = (b.temperature, b.top_k, b.top_p, b.seeds, b.steps)
+    return np.asarray(sample(jnp.asarray(x), *map(jnp.asarray, args)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(max_new_tokens=0), "max_new_tokens=0"),
+        (dict(max_new_tokens=2.0), "max_new_tokens=2.0"),
+        (dict(temperature=-0.5), "temperature=-0.5"),
+        (dict(temperature=float("nan")), "temperature=nan"),
+        (dict(temperature=True), "temperature=True"),
+        (dict(top_k=-1), "top_k=-1"),
+        (dict(top_p=0.0), "top_p=0.0"),
+        (dict(top_p=1.5), "top_p=1.5"),
+        (dict(seed=-1), "seed=-1"),
+        (dict(seed=2**32), "seed=4294967296"),
+        (dict(stop_token_ids=(3, -2)), r"stop_token_ids\[1\]=-2"),
+        (dict(stop_token_ids="ab"), "stop_token_ids='ab'"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(SamplingParamsError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_vocab_dependent_params_are_checked_against_the_vocabulary():
+    SamplingParams(top_k=V, stop_token_ids=(V - 1,)).check_vocab(V)
+    with pytest.raises(SamplingParamsError, match=f"top_k={V + 1}"):
+        SamplingParams(top_k=V + 1).check_vocab(V)
+    with pytest.raises(SamplingParamsError, match=rf"stop_token_ids\[0\]={V}"):
+        SamplingParams(stop_token_ids=(V,)).check_vocab(V)
+
+
+def test_top_k_mask_keeps_exactly_the_k_largest():
+    x = logits(4)
+    k = np.array([1, 5, 0, V])
+    mask = np.asarray(top_k_mask(jnp.asarray(x), jnp.asarray(k)))
+    for row, kk in enumerate(k):
+        want = np.zeros(V, bool)
+        want[np.argsort(-x[row])[: kk or V]] = True
+        np.testing.assert_array_equal(mask[row], want)
+
+
+def test_top_p_mask_keeps_the_smallest_nucleus():
+    x = logits(3, seed=1)
+    p = np.array([0.3, 0.9, 1e-6])
+    mask = np.asarray(top_p_mask(jnp.asarray(x), jnp.asarray(p, np.float32)))
+    for row in range(3):
+        probs = np.exp(x[row] - x[row].max())
+        probs /= probs.sum()
+        order = np.argsort(-probs)
+        n = int(np.searchsorted(np.cumsum(probs[order]), p[row])) + 1
+        want = np.zeros(V, bool)
+        want[order[:n]] = True
+        np.testing.assert_array_equal(mask[row], want)
+
+
+def test_greedy_takes_the_argmax():
+    x = logits(3)
+    out = draw(x, [SamplingParams()] * 3, [0, 1, 2], [0, 0, 0])
+    np.testing.assert_array_equal(out, x.argmax(-1))
+
+
+def test_sampled_tokens_stay_inside_top_k():
+    x = logits(1)
+    params = SamplingParams(temperature=5.0, top_k=3, seed=0)
+    allowed = set(np.argsort(-x[0])[:3].tolist())
+    tokens = {int(draw(x, [params], [0], [s])[0]) for s in range(64)}
+    assert tokens <= allowed and len(tokens) > 1
+
+
+def test_same_seed_and_step_reproduce_and_other_seeds_differ():
+    x = np.repeat(logits(1), 8, axis=0)
+    params = [SamplingParams(temperature=2.0)] * 8
+    a = draw(x, params, [7] * 8, list(range(8)))
+    b = draw(x, params, [7] * 8, list(range(8)))
+    c = draw(x, params, [8] * 8, list(range(8)))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+
+
+def test_a_row_samples_the_same_token_in_any_batch():
+    x = logits(4, seed=3)
+    params = [
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=1.3),
+    ]
+    seeds, steps = [11, 12, 13, 14], [0, 3, 5, 2]
+    together = draw(x, params, seeds, steps)
+    for i in range(4):
+        alone = draw(x[i : i + 1], params[i : i + 1], seeds[i : i + 1], steps[i : i + 1])
+        assert together[i] == alone[0]
+
+
+def test_sampler_compiled_per_batch_size_does_not_retrace():
+    sampler = Sampler()
+    sampler.compile(2, V)
+    traces = sampler.trace_count
+    batch = SamplingBatch.pack([SamplingParams()] * 2, [0, 0], [0, 0], 2)
+    out = sampler(jnp.asarray(logits(2)), batch)
+    np.testing.assert_array_equal(np.asarray(out), logits(2).argmax(-1))
+    assert sampler.trace_count == traces
+    sampler(jnp.asarray(logits(3)), SamplingBatch.pack([], [], [], 3))
+    assert sampler.trace_count == traces + 1
