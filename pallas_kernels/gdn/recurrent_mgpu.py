@@ -55,9 +55,15 @@ _NUM_SMS = 132  # H100/H200 SXM
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentConfig:
-    """Static tiling of one call. ``block_v`` value columns per program (divides V, 16..128)."""
+    """Static tiling of one call.
+
+    ``block_v`` value columns per program (divides V; 16..128). ``swizzle``: 0, or the SMEM
+    swizzle in bytes (32, 64, 128) of the state tile, which spreads the rows of a register
+    load/store over the banks (unswizzled, rows of 64 fp32 are 256 B apart: same banks).
+    """
 
     block_v: int = 64
+    swizzle: int = 0
 
 
 def pick_config(n_rows: int, hv: int, v_dim: int) -> RecurrentConfig:
@@ -191,13 +197,17 @@ def _recurrent(
     if not write_pool:
         inter_shape = (n_rows, n_tokens, hv, k_dim, v_dim)
         out_type = (o_type, jax.ShapeDtypeStruct(inter_shape, jnp.float32))
+    transforms = ()
+    if config.swizzle:
+        tile_cols = config.swizzle // 4  # fp32: one swizzle row
+        transforms = (plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(config.swizzle))
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
         grid=(n_rows, hv, v_dim // bv),
         grid_names=("n", "h", "j"),
         scratch_types=[
-            plgpu.SMEM((1 if write_pool else 2, k_dim, bv), jnp.float32),
+            plgpu.SMEM((1 if write_pool else 2, k_dim, bv), jnp.float32, transforms=transforms),
             plgpu.SMEM((n_tokens, k_dim), q.dtype),
             plgpu.SMEM((n_tokens, k_dim), k.dtype),
             plgpu.SMEM((n_tokens, bv), v.dtype),

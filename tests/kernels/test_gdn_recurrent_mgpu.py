@@ -85,6 +85,23 @@ def test_decode_matches_oracle_and_writes_only_named_slots(dtype, kd, vd, d, tol
     np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
 
 
+@pytest.mark.parametrize(
+    "config",
+    [recurrent_mgpu.RecurrentConfig(64, 0), recurrent_mgpu.RecurrentConfig(32, 128)],
+    ids=["bv64", "bv32-swizzle128"],
+)
+def test_decode_tilings_agree_with_oracle(config):
+    args, idx = _case(5, n=2, d=2, h=1, hv=1, kd=64, vd=64, slots=5, dtype=jnp.float32, padded=[])
+    o, pool = jax.jit(
+        functools.partial(
+            recurrent_mgpu.fused_recurrent_gated_delta_rule, config=config, interpret=True
+        )
+    )(**args)
+    o_ref, pool_ref = _oracle(gdn_reference.fused_recurrent_gated_delta_rule, args)
+    _check_rows(o, o_ref, idx, 1e-5)
+    assert _rel(pool[idx], pool_ref[idx]) < 1e-5
+
+
 def test_verify_returns_state_after_every_token_and_leaves_pool_untouched():
     args, idx = _case(1, n=3, d=3, h=1, hv=2, kd=64, vd=64, slots=7, dtype=jnp.bfloat16, padded=[0])
     before = np.asarray(args["ssm_pool"]).copy()

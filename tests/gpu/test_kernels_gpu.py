@@ -1,0 +1,189 @@
+"""The Mosaic GPU token-path kernels compiled and run on an sm_90 GPU, at production shapes.
+
+Qwen3-Next TP1: H=16, HV=32, K=V=128, conv channels C=8192 with W=4, bf16 activations, fp32
+ssm pool. Every kernel is compared with the float64 oracle (on the same GPU, x64 enabled only
+inside ``_oracle``) by ``|out - ref| / |ref|``; pools are poisoned with NaN in every slot no
+row names (and the pad slot 0), so a wrong slot read shows as NaN and a stray write as a
+changed bit. Skipped where there is no sm_90 GPU (``-m gpu`` selects them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels._common import on_hopper_gpu
+from pallas_kernels.conv1d import reference as conv_reference
+from pallas_kernels.conv1d import update_mgpu
+from pallas_kernels.gdn import recurrent_mgpu
+from pallas_kernels.gdn import reference as gdn_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not on_hopper_gpu(), reason="needs an sm_90 GPU"),
+]
+
+H, HV, K, V = 16, 32, 128, 128
+CHANNELS, WIDTH = 8192, 4
+SLOTS = 512
+
+
+def _rel(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def _bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.itemsize])
+
+
+def _slots(rng, n, n_padded):
+    """Distinct random real slots; the last ``n_padded`` rows are padding (slot 0)."""
+    idx = rng.permutation(np.arange(1, SLOTS))[:n].astype(np.int32)
+    idx[n - n_padded :] = 0
+    return idx
+
+
+def _poisoned(pool: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    pool[np.setdiff1d(np.arange(pool.shape[0]), idx[idx > 0])] = np.nan
+    return pool
+
+
+def _gdn_case(seed, n, d, n_padded):
+    rng = np.random.default_rng(seed)
+    idx = _slots(rng, n, n_padded)
+    pool = _poisoned(rng.standard_normal((SLOTS, HV, K, V), np.float32) * 0.3, idx)
+    bf16 = jnp.bfloat16
+    return (
+        dict(
+            q=jnp.asarray(rng.standard_normal((n, d, H, K)), bf16),
+            k=jnp.asarray(rng.standard_normal((n, d, H, K)), bf16),
+            v=jnp.asarray(rng.standard_normal((n, d, HV, V)), bf16),
+            g=jnp.asarray(-np.logaddexp(0, rng.standard_normal((n, d, HV))), jnp.float32),
+            beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((n, d, HV)))), jnp.float32),
+            ssm_pool=jnp.asarray(pool),
+            state_indices=jnp.asarray(idx),
+        ),
+        idx,
+    )
+
+
+def _oracle(fn, args, **options):
+    """The reference on float64 copies of the inputs, run row block by row block."""
+    with jax.enable_x64(True):
+        wide = {
+            name: x if x is None or name == "state_indices" else jnp.asarray(x, jnp.float64)
+            for name, x in args.items()
+        }
+        return jax.tree.map(np.asarray, jax.jit(functools.partial(fn, **options))(**wide))
+
+
+def _check_outputs(o, o_ref, idx, tol):
+    o = np.asarray(o, np.float32)
+    real = idx != 0
+    assert np.isfinite(o).all(), "NaN/inf in the output"
+    assert _rel(o[real], o_ref[real]) < tol
+    assert not o[~real].any(), "padded rows must give zeros"
+
+
+@pytest.mark.parametrize("n, n_padded", [(1, 0), (256, 7)], ids=["batch1", "batch256"])
+def test_gdn_decode_on_gpu_matches_oracle_in_place(n, n_padded):
+    args, idx = _gdn_case(0, n, 1, n_padded)
+    before = np.asarray(args["ssm_pool"])
+    o_ref, pool_ref = _oracle(gdn_reference.fused_recurrent_gated_delta_rule, args)
+    step = jax.jit(recurrent_mgpu.fused_recurrent_gated_delta_rule, donate_argnames="ssm_pool")
+    pointer = args["ssm_pool"].unsafe_buffer_pointer()
+    o, pool = step(**args)
+    assert pool.unsafe_buffer_pointer() == pointer, "the donated pool was copied, not aliased"
+    _check_outputs(o, o_ref, idx, 1e-2)
+    named = idx[idx != 0]
+    pool = np.asarray(pool)
+    assert _rel(pool[named], pool_ref[named]) < 1e-5
+    others = np.setdiff1d(np.arange(SLOTS), named)
+    np.testing.assert_array_equal(_bits(pool[others]), _bits(before[others]))
+
+
+@pytest.mark.parametrize("n", [16, 64])
+def test_gdn_verify_on_gpu_matches_oracle_and_leaves_pool(n):
+    args, idx = _gdn_case(1, n, 4, 3)
+    before = _bits(args["ssm_pool"]).copy()
+    o, inter = jax.jit(recurrent_mgpu.verify_gated_delta_rule)(**args)
+    o_ref, inter_ref = _oracle(gdn_reference.verify_gated_delta_rule, args)
+    _check_outputs(o, o_ref, idx, 1e-2)
+    real = idx != 0
+    inter = np.asarray(inter)
+    for t in range(4):
+        assert _rel(inter[real, t], inter_ref[real, t]) < 1e-5, f"state after token {t}"
+    assert not inter[~real].any()
+    np.testing.assert_array_equal(_bits(args["ssm_pool"]), before)
+
+
+def test_gdn_fused_gating_decode_on_gpu_matches_oracle():
+    args, idx = _gdn_case(2, 64, 1, 4)
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.standard_normal((64, 1, HV)) * 2, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((64, 1, HV)) * 2, jnp.bfloat16)
+    a_log = rng.standard_normal(HV).astype(np.float32)
+    dt_bias = rng.standard_normal(HV).astype(np.float32)
+    x = np.asarray(a, np.float64) + dt_bias
+    args["g"] = -np.exp(a_log.astype(np.float64)) * np.logaddexp(0.0, x)
+    args["beta"] = 1 / (1 + np.exp(-np.asarray(b, np.float64)))
+    o_ref, pool_ref = _oracle(gdn_reference.fused_recurrent_gated_delta_rule, args)
+    kernel_args = {name: x for name, x in args.items() if name not in ("g", "beta")}
+    o, pool = jax.jit(recurrent_mgpu.fused_gating_recurrent_gated_delta_rule)(
+        A_log=jnp.asarray(a_log), a=a, dt_bias=jnp.asarray(dt_bias), b=b, **kernel_args
+    )
+    _check_outputs(o, o_ref, idx, 1e-2)
+    named = idx[idx != 0]
+    assert _rel(np.asarray(pool)[named], pool_ref[named]) < 1e-5
+
+
+def _conv_case(seed, n, d, n_padded):
+    rng = np.random.default_rng(seed)
+    idx = _slots(rng, n, n_padded)
+    pool = _poisoned(rng.standard_normal((SLOTS, CHANNELS, WIDTH - 1)).astype(np.float32), idx)
+    bf16 = jnp.bfloat16
+    return (
+        dict(
+            x=jnp.asarray(rng.standard_normal((n, d, CHANNELS)), bf16),
+            weight=jnp.asarray(rng.standard_normal((CHANNELS, WIDTH)) * 0.5, bf16),
+            bias=jnp.asarray(rng.standard_normal(CHANNELS), bf16),
+            conv_pool=jnp.asarray(pool, bf16),
+            state_indices=jnp.asarray(idx),
+        ),
+        idx,
+    )
+
+
+def test_conv1d_update_on_gpu_matches_oracle_in_place():
+    args, idx = _conv_case(4, 256, 1, 5)
+    before = np.asarray(args["conv_pool"])
+    y_ref, pool_ref = _oracle(conv_reference.causal_conv1d_update, args)
+    step = jax.jit(update_mgpu.causal_conv1d_update, donate_argnames="conv_pool")
+    pointer = args["conv_pool"].unsafe_buffer_pointer()
+    y, pool = step(**args)
+    assert pool.unsafe_buffer_pointer() == pointer, "the donated pool was copied, not aliased"
+    _check_outputs(y, y_ref, idx, 1e-2)
+    named = idx[idx != 0]
+    pool = np.asarray(pool)
+    np.testing.assert_array_equal(_bits(pool[named]), _bits(pool_ref[named].astype(jnp.bfloat16)))
+    others = np.setdiff1d(np.arange(SLOTS), named)
+    np.testing.assert_array_equal(_bits(pool[others]), _bits(before[others]))
+
+
+def test_conv1d_verify_on_gpu_matches_oracle():
+    args, idx = _conv_case(5, 64, 4, 2)
+    y, windows = jax.jit(update_mgpu.causal_conv1d_verify)(**args)
+    y_ref, windows_ref = _oracle(conv_reference.causal_conv1d_verify, args)
+    _check_outputs(y, y_ref, idx, 1e-2)
+    real = idx != 0
+    windows = np.asarray(windows)
+    np.testing.assert_array_equal(
+        _bits(windows[real]), _bits(windows_ref[real].astype(jnp.bfloat16))
+    )
+    assert not windows[~real].astype(np.float32).any()
