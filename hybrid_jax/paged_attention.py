@@ -62,8 +62,9 @@ def paged_attention(
     q: ``[T, H, hd]``; k, v: ``[T, KVH, hd]`` with ``H % KVH == 0`` (query head h reads key
     head ``h // (H // KVH)``); k_pages, v_pages: ``[P, page_size, KVH, hd]``. Returns
     ``(out [T, H, hd], k_pages, v_pages)``; out is zero at padded tokens. Scores and softmax
-    are float32. Raises ``UnsupportedForwardModeError`` while tracing for a mode that full
-    attention has no path for, and ``ValueError`` when the metadata carries no page table.
+    are float32 (q's dtype when wider). Raises ``UnsupportedForwardModeError`` while tracing
+    for a mode that full attention has no path for, and ``ValueError`` when the metadata
+    carries no page table.
     """
     check_supported(LayerKind.FULL_ATTENTION, meta.mode)
     num_tokens, num_heads, head_dim = q.shape
@@ -89,6 +90,7 @@ def paged_attention(
     span = jnp.arange(token_pages.shape[1] * size)
     k_flat = k_pages.reshape(-1, num_kv_heads, head_dim)
     v_flat = v_pages.reshape(-1, num_kv_heads, head_dim)
+    acc = jnp.promote_types(q.dtype, jnp.float32)  # float32 at least; float64 oracles stay so
 
     def attend(args):
         q_t, pages_t, pos_t = args  # [H, hd], [max_pages], []
@@ -96,9 +98,9 @@ def paged_attention(
         seen = span <= pos_t
         # Unwritten or stale entries may hold anything (even NaN): mask values as well as
         # scores, since 0 * NaN would still poison the sum.
-        keys = jnp.where(seen[:, None, None], k_flat[index], 0).astype(jnp.float32)
-        values = jnp.where(seen[:, None, None], v_flat[index], 0).astype(jnp.float32)
-        q_g = q_t.reshape(num_kv_heads, groups, head_dim).astype(jnp.float32)
+        keys = jnp.where(seen[:, None, None], k_flat[index], 0).astype(acc)
+        values = jnp.where(seen[:, None, None], v_flat[index], 0).astype(acc)
+        q_g = q_t.reshape(num_kv_heads, groups, head_dim).astype(acc)
         scores = jnp.einsum("kgd,lkd->kgl", q_g, keys) * scale
         scores = jnp.where(seen, scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)

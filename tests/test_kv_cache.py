@@ -1,0 +1,257 @@
+"""Paged KV cache: page allocator, page tables in the metadata, paged attention and the MoE
+block against float64 oracles."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybrid_jax.kv_cache import (
+    KVCacheSpec,
+    PageAllocator,
+    PageError,
+    PagesExhaustedError,
+    init_kv_cache,
+    pages_needed,
+)
+from hybrid_jax.layers.moe import MoEConfig, SparseMoE
+from hybrid_jax.metadata import BucketPolicy, MetadataError, RowSpec, build_metadata
+from hybrid_jax.modes import ForwardMode, LayerKind, UnsupportedForwardModeError
+from hybrid_jax.paged_attention import paged_attention
+
+M = ForwardMode
+PAGE = 4
+POLICY = BucketPolicy(
+    batch_buckets=(1, 2, 4), token_buckets=(8, 16, 32), num_draft_tokens=3, page_size=PAGE,
+    max_context=24,
+)  # fmt: skip
+NUM_PAGES = 16
+
+
+# ---------------------------------------------------------------- page allocator
+
+
+def test_allocator_hands_out_lowest_free_pages_and_never_the_pad_page():
+    alloc = PageAllocator(6, PAGE)
+    assert alloc.allocate(3) == [1, 2, 3]
+    alloc.free([2])
+    assert alloc.allocate(2) == [2, 4]
+    assert alloc.used_pages == (1, 2, 3, 4)
+    assert (alloc.capacity, alloc.num_free) == (5, 1)
+
+
+def test_allocator_exhaustion_names_counts_and_changes_nothing():
+    alloc = PageAllocator(4, PAGE)
+    alloc.allocate(2)
+    with pytest.raises(
+        PagesExhaustedError, match=r"cannot allocate 2 pages: .* 3 real pages .* 1 free"
+    ):
+        alloc.allocate(2)
+    assert alloc.num_free == 1
+    assert alloc.allocate(1) == [3]
+
+
+@pytest.mark.parametrize(
+    "pages, message",
+    [
+        ([0], "pad page"),
+        ([9], r"outside the cache \(pages 1..5\)"),
+        ([1, 1], "appears twice"),
+        ([1, 2], "pages\\[1\\]=2 is not allocated"),
+        (["1"], "not an int page"),
+    ],
+)
+def test_free_rejects_bad_pages_atomically(pages, message):
+    alloc = PageAllocator(6, PAGE)
+    alloc.allocate(1)
+    with pytest.raises(PageError, match=message):
+        alloc.free(pages)
+    assert alloc.used_pages == (1,)
+
+
+def test_grow_adds_only_the_missing_pages():
+    alloc = PageAllocator(8, PAGE)
+    pages = alloc.grow([], 5)
+    assert pages == [1, 2]
+    assert alloc.grow(pages, 8) == [1, 2]
+    assert alloc.grow(pages, 9) == [1, 2, 3]
+    assert pages_needed(0, PAGE) == 0 and pages_needed(4, PAGE) == 1
+
+
+def test_cache_geometry_is_validated():
+    with pytest.raises(PageError, match="no real page"):
+        init_kv_cache([KVCacheSpec(2, 8)], 1, PAGE)
+    with pytest.raises(PageError, match="page_size=0"):
+        PageAllocator(4, 0)
+    cache = init_kv_cache([KVCacheSpec(2, 8, jnp.float32)] * 3, 5, PAGE)
+    assert [k.shape for k in cache.k] == [(5, PAGE, 2, 8)] * 3
+
+
+# ---------------------------------------------------------------- page tables
+
+
+def test_page_table_holds_each_rows_pages_and_pads_with_page_zero():
+    rows = [RowSpec(1, 5, 2, (7, 3)), RowSpec(2, 0, 9, (1, 2, 4))]
+    meta = build_metadata(M.EXTEND, rows, POLICY, num_slots=4, num_pages=NUM_PAGES)
+    table = np.asarray(meta.pages.table)
+    assert table.shape == (meta.batch_size, POLICY.max_pages) == (4, 6)
+    np.testing.assert_array_equal(table[0], [7, 3, 0, 0, 0, 0])
+    np.testing.assert_array_equal(table[1], [1, 2, 4, 0, 0, 0])
+    np.testing.assert_array_equal(table[2:], 0)
+    assert meta.pages.page_size == PAGE
+
+
+def test_policy_without_context_has_an_empty_page_table():
+    policy = BucketPolicy(batch_buckets=(1, 2), token_buckets=(8,))
+    meta = build_metadata(M.DECODE, [RowSpec(1, 3, 1)], policy, num_slots=4)
+    assert meta.pages.table.shape == (1, 0)
+    with pytest.raises(MetadataError, match="pages nothing"):
+        build_metadata(M.DECODE, [RowSpec(1, 3, 1, (1,))], policy, num_slots=4)
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        (RowSpec(1, 6, 3, (1, 2)), r"has 2 pages for 9 positions; it needs 3"),
+        (RowSpec(1, 0, 3, (0,)), "pad page"),
+        (RowSpec(1, 0, 3, (16,)), r"outside the cache \(pages 1..15\)"),
+        (RowSpec(1, 0, 3, (2, 2)), "also a page of rows\\[0\\]"),
+        (RowSpec(1, 20, 5, (1, 2, 3, 4, 5, 6, 7)), "past max_context=24"),
+        (RowSpec(1, 0, 3, (1, 2, 3, 4, 5, 6, 7)), "more than max_pages=6"),
+    ],
+)
+def test_bad_pages_raise_naming_value_and_rule(row, message):
+    with pytest.raises(MetadataError, match=message):
+        build_metadata(M.EXTEND, [row], POLICY, num_slots=4, num_pages=NUM_PAGES)
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(page_size=0), "page_size=0"),
+        (dict(max_context=-4), "max_context=-4"),
+        (dict(max_context=10), "round it up to 12"),
+    ],
+)
+def test_policy_rejects_bad_paging(kw, message):
+    with pytest.raises(MetadataError, match=message):
+        BucketPolicy(**{"page_size": 4, "max_context": 0, **kw})
+
+
+# ---------------------------------------------------------------- paged attention
+
+
+def _oracle(q, keys, values, scale):
+    """Causal GQA in float64 for one row: q [n, H, d] are the last n of the row's positions."""
+    n, heads, _ = q.shape
+    group = heads // keys.shape[1]
+    total = keys.shape[0]
+    out = np.zeros(q.shape)
+    for t in range(n):
+        pos = total - n + t
+        for h in range(heads):
+            s = keys[: pos + 1, h // group] @ q[t, h] * scale
+            p = np.exp(s - s.max())
+            out[t, h] = (p / p.sum()) @ values[: pos + 1, h // group]
+    return out
+
+
+@pytest.mark.parametrize("mode", [M.EXTEND, M.MIXED, M.DRAFT_EXTEND, M.DECODE, M.TARGET_VERIFY])
+def test_paged_attention_matches_dense_causal_oracle_and_writes_only_its_pages(mode):
+    rng = np.random.default_rng(0)
+    heads, kv_heads, dim = 4, 2, 8
+    new = {M.DECODE: (1, 1), M.TARGET_VERIFY: (3, 3), M.DRAFT_EXTEND: (2, 3)}.get(mode, (5, 3))
+    prefix = (6, 2)
+    # Scattered, non-contiguous pages; the cache is poisoned everywhere else (NaN).
+    rows = [RowSpec(1, prefix[0], new[0], (9, 2, 14)), RowSpec(2, prefix[1], new[1], (5, 11))]
+    meta = build_metadata(mode, rows, POLICY, num_slots=4, num_pages=NUM_PAGES, batch_size=4)
+    with jax.enable_x64(True):
+        k_pages = np.full((NUM_PAGES, PAGE, kv_heads, dim), np.nan)
+        v_pages = np.full((NUM_PAGES, PAGE, kv_heads, dim), np.nan)
+        full_k, full_v = [], []
+        for row in rows:
+            total = row.prefix_len + row.num_tokens
+            keys = rng.standard_normal((total, kv_heads, dim))
+            values = rng.standard_normal((total, kv_heads, dim))
+            for p in range(row.prefix_len):
+                k_pages[row.pages[p // PAGE], p % PAGE] = keys[p]
+                v_pages[row.pages[p // PAGE], p % PAGE] = values[p]
+            full_k.append(keys)
+            full_v.append(values)
+        q = rng.standard_normal((meta.num_tokens, heads, dim))
+        k = np.full((meta.num_tokens, kv_heads, dim), 7.0)  # padded tokens: finite junk
+        v = np.full((meta.num_tokens, kv_heads, dim), 7.0)
+        qsl = np.asarray(meta.query_start_loc)
+        for r, row in enumerate(rows):
+            k[qsl[r] : qsl[r + 1]] = full_k[r][row.prefix_len :]
+            v[qsl[r] : qsl[r + 1]] = full_v[r][row.prefix_len :]
+        out, k_after, v_after = jax.jit(paged_attention, static_argnames="scale")(
+            *map(jnp.asarray, (q, k, v, k_pages, v_pages)), meta, scale=dim**-0.5
+        )
+        out, k_after = np.asarray(out), np.asarray(k_after)
+    for r, row in enumerate(rows):
+        want = _oracle(q[qsl[r] : qsl[r + 1]], full_k[r], full_v[r], dim**-0.5)
+        got = out[qsl[r] : qsl[r + 1]]
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-12
+        for p in range(row.prefix_len + row.num_tokens):
+            np.testing.assert_array_equal(k_after[row.pages[p // PAGE], p % PAGE], full_k[r][p])
+    np.testing.assert_array_equal(out[qsl[len(rows)] :], 0)
+    untouched = sorted(set(range(1, NUM_PAGES)) - {p for row in rows for p in row.pages})
+    assert np.isnan(k_after[untouched]).all() and np.isnan(np.asarray(v_after)[untouched]).all()
+
+
+def test_paged_attention_refuses_a_mode_at_trace_time_and_a_missing_page_table():
+    meta = build_metadata(M.DECODE, [RowSpec(1, 0, 1, (1,))], POLICY, num_slots=4)
+    pages = jnp.zeros((4, PAGE, 1, 8))
+    x = jnp.zeros((1, 1, 8))
+    bad = dataclasses.replace(meta, mode=M.SPLIT_PREFILL)
+    with pytest.raises(UnsupportedForwardModeError, match="SPLIT_PREFILL") as err:
+        jax.eval_shape(lambda m: paged_attention(x, x, x, pages, pages, m, scale=1.0), bad)
+    assert err.value.layer_kind is LayerKind.FULL_ATTENTION
+    flat = build_metadata(M.DECODE, [RowSpec(1, 0, 1)], BucketPolicy(batch_buckets=(1,)),
+                          num_slots=4)  # fmt: skip
+    with pytest.raises(ValueError, match="max_context > 0"):
+        paged_attention(x, x, x, pages, pages, flat, scale=1.0)
+    with pytest.raises(ValueError, match="one page_size"):
+        paged_attention(x, x, x, jnp.zeros((4, 8, 1, 8)), jnp.zeros((4, 8, 1, 8)), meta, scale=1.0)
+
+
+# ---------------------------------------------------------------- MoE
+
+
+@pytest.mark.parametrize("norm_topk", [True, False])
+def test_sparse_moe_matches_per_token_oracle(norm_topk):
+    config = MoEConfig(hidden_size=16, num_experts=5, top_k=2, intermediate_size=8,
+                       shared_intermediate_size=12, norm_topk_prob=norm_topk)  # fmt: skip
+    moe = SparseMoE(config, rngs=nnx.Rngs(3))
+    x = np.random.default_rng(1).standard_normal((9, 16)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda m, a: m(a))(moe, jnp.asarray(x)))
+    params = {k: np.asarray(v, np.float64) for k, v in {
+        "router": moe.gate.kernel[...], "gate": moe.gate_proj[...], "up": moe.up_proj[...],
+        "down": moe.down_proj[...], "sg": moe.shared_expert.gate_proj.kernel[...],
+        "su": moe.shared_expert.up_proj.kernel[...], "sd": moe.shared_expert.down_proj.kernel[...],
+        "sgate": moe.shared_expert_gate.kernel[...],
+    }.items()}  # fmt: skip
+
+    def silu(a):
+        return a / (1 + np.exp(-a))
+
+    want = np.zeros(x.shape)
+    for t, xt in enumerate(x.astype(np.float64)):
+        logits = xt @ params["router"]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        top = np.argsort(-probs)[:2]
+        weights = probs[top] / (probs[top].sum() if norm_topk else 1.0)
+        for e, w in zip(top, weights, strict=True):
+            h = silu(xt @ params["gate"][e]) * (xt @ params["up"][e])
+            want[t] += w * (h @ params["down"][e])
+        shared = (silu(xt @ params["sg"]) * (xt @ params["su"])) @ params["sd"]
+        want[t] += shared / (1 + np.exp(-(xt @ params["sgate"])))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    assert np.asarray(moe(jnp.zeros((0, 16)))).shape == (0, 16)
