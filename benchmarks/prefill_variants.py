@@ -70,9 +70,11 @@ def _time(fn, args: tuple, pool: jax.Array, calls: int = 20, repeats: int = 3) -
 
 
 def _variant(spec: str) -> chunk_mgpu.Config:
-    """``"64"`` -> block_v 64; a trailing ``k`` forces K-major B operands (``"64k"``)."""
+    """``"64"``: block_v 64; ``k`` forces K-major B operands, ``sN`` N input stages
+    (``"64k"``, ``"32s3"``)."""
+    spec, _, stages = spec.partition("s")
     kmajor = True if spec.endswith("k") else None
-    return chunk_mgpu.Config(block_v=int(spec.rstrip("k")), kmajor=kmajor)
+    return chunk_mgpu.Config(block_v=int(spec.rstrip("k")), kmajor=kmajor, stages=int(stages or 2))
 
 
 def run_shape(name: str, specs: list[str]) -> list[dict]:

@@ -41,6 +41,7 @@ rounded to bf16 first); accumulation, the decays, the norms and the state are fl
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -70,10 +71,13 @@ class Config:
       re-reading q, k, M and P once per column block.
     kmajor: store the state pass's B operands transposed (None: only when block_v < 64,
       where it is required).
+    stages: input buffers of the state pass (chunks in flight ahead of the one computed
+      is ``stages - 1``); 3 fits the 227 KB of SMEM only with block_v=32.
     """
 
     block_v: int = 64
     kmajor: bool | None = None
+    stages: int = 2
 
 
 def _smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
@@ -149,11 +153,8 @@ def _unit_lower_inverse(a: jax.Array, l_s, t_s, n_s) -> jax.Array:
     ci = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WG)
 
     def off_diagonal(b: int) -> jax.Array:  # row block 2, column block 1 of each 2b block
-        return (
-            (lax.div(ri, 2 * b) == lax.div(ci, 2 * b))
-            & (lax.rem(ri, 2 * b) >= b)
-            & (lax.rem(ci, 2 * b) < b)
-        )
+        # Bit tests instead of div/rem: b is a power of two.
+        return ((ri ^ ci) < 2 * b) & ((ri & b) != 0) & ((ci & b) == 0)
 
     t = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(off_diagonal(1), a, 0.0)
     b = 2
@@ -237,7 +238,8 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
             plgpu.copy_smem_to_gmem(p_s, p_ref.at[c, h], commit_group=False)
             plgpu.copy_smem_to_gmem(vec_s, v_ref.at[c, h], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
-            plgpu.wait_smem_to_gmem(0)
+            # Only the SMEM reads must finish before the CTA exits, not the writes.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     out_type = (
         jax.ShapeDtypeStruct((num_chunks, heads, CHUNK, CHUNK), BF16),
@@ -278,6 +280,7 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
     heads, value_dim = v.shape[1], v.shape[2]
     group = heads // kv_heads
     bv = cfg.block_v
+    stages = cfg.stages
     out_dtype = v.dtype
     sq = (CHUNK, CHUNK)
     tile = (CHUNK, bv)
@@ -369,7 +372,8 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
                 plgpu.copy_gmem_to_smem(p_ref.at[c, h], p_s.at[stage], b)
                 plgpu.copy_gmem_to_smem(w_ref.at[c, h], w_s.at[stage], b)
 
-            issue(0, 0)
+            for i in range(stages - 1):
+                pl.when(i < num)(functools.partial(issue, i, i))
 
             @pl.when(init_ref[seq] != 0)
             def _():
@@ -384,16 +388,19 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
             s0 = plgpu.load(st_s, layout=WG, optimized=False)
 
             def step(j, s):
-                stage = lax.rem(j, 2)
+                stage = lax.rem(j, stages)
+                ostage = lax.rem(j, 2)
                 c = c0 + j
                 start = pl.multiple_of(tab_ref[0, c], ALIGN)
                 lo, hi = tab_ref[1, c], tab_ref[2, c]
                 plgpu.barrier_wait(bar.at[stage])
 
-                # The other stage was last read by chunk j - 1, which has finished.
-                @pl.when(j + 1 < num)
+                # That stage was last read by chunk j - 1, which has finished.
+                ahead = j + stages - 1
+
+                @pl.when(ahead < num)
                 def _():
-                    issue(j + 1, 1 - stage)
+                    issue(ahead, lax.rem(ahead, stages))
 
                 a = plgpu.load(w_s.at[stage, 0], layout=ROWS)
                 b = plgpu.load(w_s.at[stage, 1], layout=ROWS)
@@ -414,9 +421,9 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
                 pv = _matmul(p_s.at[stage], view(vp_s), tile)
                 out = (_rows(b, tile) * qs + pv).astype(out_dtype)
                 full = (lo == 0) & (hi == CHUNK)
-                # o_s[stage] was last sent two chunks ago; at most one store is in flight.
+                # o_s[ostage] was last sent two chunks ago; at most one store is in flight.
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                o_s[stage] = out
+                o_s[ostage] = out
 
                 @pl.when(~full)
                 def _():
@@ -426,7 +433,7 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
 
                 @pl.when(full)
                 def _():
-                    plgpu.copy_smem_to_gmem(o_s.at[stage], o_ref.at[pl.ds(start, CHUNK), h, cols])
+                    plgpu.copy_smem_to_gmem(o_s.at[ostage], o_ref.at[pl.ds(start, CHUNK), h, cols])
 
                 @pl.when(~full)
                 def _():
@@ -441,12 +448,12 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
             plgpu.wait_smem_to_gmem(0)
 
     scratch = (
-        _smem((2, CHUNK, key_dim), BF16),
-        _smem((2, CHUNK, key_dim), BF16),
-        _smem((2, *tile), BF16),
-        _smem((2, *sq), BF16),
-        _smem((2, *sq), BF16),
-        plgpu.SMEM((2, 4, CHUNK), F32),
+        _smem((stages, CHUNK, key_dim), BF16),
+        _smem((stages, CHUNK, key_dim), BF16),
+        _smem((stages, *tile), BF16),
+        _smem((stages, *sq), BF16),
+        _smem((stages, *sq), BF16),
+        plgpu.SMEM((stages, 4, CHUNK), F32),
         b_operand(state),
         b_operand(tile),
         b_operand(tile),
@@ -454,7 +461,7 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
         _smem((2, *tile), out_dtype),
         plgpu.SMEM(tile, out_dtype),
         plgpu.SMEM(state, F32),
-        plgpu.Barrier(num_arrivals=6, num_barriers=2),
+        plgpu.Barrier(num_arrivals=6, num_barriers=stages),
         plgpu.Barrier(),
     )
     return plgpu.kernel(
