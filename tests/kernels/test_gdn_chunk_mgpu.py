@@ -60,18 +60,18 @@ def _oracle(args):
 
 
 @pytest.mark.parametrize(
-    "block_v, stages", [(64, 2), (32, 3)], ids=["bv64-2stages", "bv32-kmajor-3stages"]
+    "config",
+    [chunk_mgpu.Config(64, stages=2, intra_wgs=2), chunk_mgpu.Config(32, stages=3, intra_wgs=1)],
+    ids=["bv64-2stages-2wgs", "bv32-kmajor-3stages-1wg"],
 )
-def test_varlen_prefill_matches_oracle_and_writes_only_its_slots(block_v, stages):
+def test_varlen_prefill_matches_oracle_and_writes_only_its_slots(config):
     # Starts at 0, 100 and 137 (unaligned: leading masked rows), an empty sequence, lengths
     # not multiples of 64, 13 padding tokens, T=300 not a multiple of 8 (the last chunk is
     # shifted back), GVA (2 value heads per key head).
     lens = [100, 0, 37, 150]
     args = _case(0, lens, 300, h=1, hv=2, kd=64, vd=64, slots=9)
     o, pool = jax.jit(
-        lambda a: chunk_mgpu.chunk_gated_delta_rule(
-            **a, interpret=True, config=chunk_mgpu.Config(block_v=block_v, stages=stages)
-        )
+        lambda a: chunk_mgpu.chunk_gated_delta_rule(**a, interpret=True, config=config)
     )(args)
     o_ref, pool_ref = _oracle(args)
     o = np.asarray(o, np.float32)
@@ -107,8 +107,10 @@ def test_chunk_table_covers_every_token_once_from_aligned_starts():
     assert first[-1] <= n_chunks
 
 
-@pytest.mark.parametrize("block_v, stages", [(64, 2), (32, 3)])
-def test_kernels_lower_for_cuda_at_qwen3_next_shapes(block_v, stages):
+@pytest.mark.parametrize(
+    "config", [chunk_mgpu.Config(64, stages=2), chunk_mgpu.Config(32, stages=3, intra_wgs=1)]
+)
+def test_kernels_lower_for_cuda_at_qwen3_next_shapes(config):
     shape = jax.ShapeDtypeStruct
     tokens, n, h, hv, d = 4096, 3, 16, 32, 128
     args = (
@@ -122,7 +124,6 @@ def test_kernels_lower_for_cuda_at_qwen3_next_shapes(block_v, stages):
         shape((n,), jnp.int32),
         shape((n,), jnp.bool_),
     )
-    config = chunk_mgpu.Config(block_v=block_v, stages=stages)
     fn = jax.jit(lambda *a: chunk_mgpu.chunk_gated_delta_rule(*a, config=config), donate_argnums=5)
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "gdn_chunk_intra" in text and "gdn_chunk_state" in text
