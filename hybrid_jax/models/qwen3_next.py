@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from hybrid_jax.backend import VerifyStates
@@ -40,6 +41,7 @@ __all__ = [
     "Qwen3Next",
     "Qwen3NextConfig",
     "Qwen3NextOutput",
+    "tiny_qwen3_next",
     "tiny_qwen3_next_config",
 ]
 
@@ -386,3 +388,36 @@ class Qwen3Next(nnx.Module):
         pool: the GDN layers' slot pool; kv: the attention layers' paged cache."""
         hidden, pool, kv, verify = self.hidden_states(tokens, pool, kv, meta, impl=impl)
         return Qwen3NextOutput(self.logits(hidden), pool, kv, verify)
+
+
+def _seeded_value(path: tuple, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """One parameter of the built-in model: matrices ~ N(0, 1/fan_in), norm weights near
+    their identity, GDN decay and time-step bias in their usual ranges."""
+    name = path[-1]
+    if name == "A_log":
+        return np.log(rng.uniform(1.0, 16.0, shape))
+    if name == "dt_bias":
+        return rng.uniform(0.5, 1.5, shape)
+    if name == "conv_weight":
+        bound = shape[-1] ** -0.5
+        return rng.uniform(-bound, bound, shape)
+    if len(shape) == 1:  # norm weights: zero-centred ones around 0, GDN's gated one around 1
+        centre = 1.0 if path[-3:-1] == ("linear_attn", "norm") else 0.0
+        return centre + 0.1 * rng.standard_normal(shape)
+    fan_in = shape[-1] if name == "embedding" else shape[-2]
+    return rng.standard_normal(shape) * fan_in**-0.5
+
+
+def tiny_qwen3_next(seed: int = 0, dtype: str = "float32") -> Qwen3Next:
+    """The built-in model with seeded random weights (pair it with ``ByteTokenizer``).
+
+    Weights come from numpy's generator seeded with ``seed``, filled into the model's
+    abstract shapes: no per-parameter device random calls, so it builds in milliseconds.
+    """
+    model = nnx.eval_shape(lambda: Qwen3Next(tiny_qwen3_next_config(dtype), rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(seed)
+    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        abstract = param.get_value()
+        value = _seeded_value(path, abstract.shape, rng)
+        param.set_value(jnp.asarray(value, abstract.dtype))
+    return model

@@ -89,7 +89,11 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def write_tensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) -> None:
-    """Writes ``tensors`` to ``path`` in the safetensors format, in the given order."""
+    """Writes ``tensors`` to ``path`` in the safetensors format, in the given order.
+
+    The file is written beside ``path`` and renamed over it at the end, so a reader never
+    sees half a file, and arrays still mapped from the old file (``read_tensors``) stay valid.
+    """
     header, offset = {}, 0
     arrays = {}
     for name, array in tensors.items():
@@ -105,8 +109,10 @@ def write_tensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]) ->
         arrays[name] = array
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # keeps the data buffer 8-byte aligned
-    with open(path, "wb") as f:
+    partial = f"{os.fspath(path)}.partial"
+    with open(partial, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for array in arrays.values():
             f.write(array.tobytes())
+    os.replace(partial, path)
