@@ -1,10 +1,10 @@
 """causal_conv1d: causal depthwise conv1d over packed variable-length sequences (prefill, extend).
 
-Kernel plug-in point: the Mosaic GPU kernel lives in ``causal_conv1d_mgpu.py`` and exposes
+Kernel plug-in point: the Mosaic GPU kernel lives in ``prefill_mgpu.py`` and exposes
 ``unsupported_reason(x, weight, bias, conv_pool, qsl, state_indices, has_initial_state, *,
 activation) -> str | None`` and ``causal_conv1d(<same>, interpret: bool)`` (inputs already
 checked). Plugging it in is replacing ``_kernel = None`` below with
-``from pallas_kernels.conv1d import causal_conv1d_mgpu as _kernel``.
+``from pallas_kernels.conv1d import prefill_mgpu as _kernel``.
 """
 
 from __future__ import annotations
