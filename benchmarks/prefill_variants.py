@@ -70,17 +70,9 @@ def _time(fn, args: tuple, pool: jax.Array, calls: int = 20, repeats: int = 3) -
 
 
 def _variant(spec: str) -> chunk_mgpu.Config:
-    """``"64"``: block_v 64; ``k`` forces K-major B operands, ``sN`` N input stages, ``wN``
-    N warpgroups in the intra-chunk kernel (``"64k"``, ``"32s3"``, ``"64w1"``)."""
-    spec, _, wgs = spec.partition("w")
-    spec, _, stages = spec.partition("s")
+    """``"64"`` -> block_v 64; a trailing ``k`` forces K-major B operands (``"64k"``)."""
     kmajor = True if spec.endswith("k") else None
-    return chunk_mgpu.Config(
-        block_v=int(spec.rstrip("k")),
-        kmajor=kmajor,
-        stages=int(stages or 2),
-        intra_wgs=int(wgs or 2),
-    )
+    return chunk_mgpu.Config(block_v=int(spec.rstrip("k")), kmajor=kmajor)
 
 
 def run_shape(name: str, specs: list[str]) -> list[dict]:
@@ -134,16 +126,7 @@ def _run_variant(name: str, spec: str, inputs: tuple, ro: jax.Array, rpool: jax.
     @jax.jit
     def intra(q, k, g, beta):
         return chunk_mgpu._intra(
-            q,
-            k,
-            g.T,
-            beta.T,
-            table,
-            first,
-            n_seqs=len(lens),
-            scale=K**-0.5,
-            wgs=config.intra_wgs,
-            interpret=None,
+            q, k, g.T, beta.T, table, first, n_seqs=len(lens), scale=K**-0.5, interpret=None
         )
 
     intra(q, k, g, beta)

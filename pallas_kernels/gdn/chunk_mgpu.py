@@ -41,7 +41,6 @@ rounded to bf16 first); accumulation, the decays, the norms and the state are fl
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -71,15 +70,10 @@ class Config:
       re-reading q, k, M and P once per column block.
     kmajor: store the state pass's B operands transposed (None: only when block_v < 64,
       where it is required).
-    stages: input buffers of the state pass (chunks in flight ahead of the one computed
-      is ``stages - 1``); 3 fits the 227 KB of SMEM only with block_v=32.
-    intra_wgs: warpgroups of the intra-chunk kernel sharing a key head's value heads.
     """
 
     block_v: int = 64
     kmajor: bool | None = None
-    stages: int = 2
-    intra_wgs: int = 2
 
 
 def _smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
@@ -155,8 +149,11 @@ def _unit_lower_inverse(a: jax.Array, l_s, t_s, n_s) -> jax.Array:
     ci = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WG)
 
     def off_diagonal(b: int) -> jax.Array:  # row block 2, column block 1 of each 2b block
-        # Bit tests instead of div/rem: b is a power of two.
-        return ((ri ^ ci) < 2 * b) & ((ri & b) != 0) & ((ci & b) == 0)
+        return (
+            (lax.div(ri, 2 * b) == lax.div(ci, 2 * b))
+            & (lax.rem(ri, 2 * b) >= b)
+            & (lax.rem(ci, 2 * b) < b)
+        )
 
     t = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(off_diagonal(1), a, 0.0)
     b = 2
@@ -171,47 +168,31 @@ def _unit_lower_inverse(a: jax.Array, l_s, t_s, n_s) -> jax.Array:
     return t
 
 
-def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, wgs: int, interpret):
+def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interpret):
     """Kernel 1: per (chunk, value head) ``M``, ``P`` (bf16 ``[NC, HV, 64, 64]``) and the
-    row vectors (float32 ``[NC, HV, 4, 64]``); see the module docstring.
-
-    One CTA per (chunk, key head): q and k are loaded once for the key head's group of value
-    heads, which ``wgs`` warpgroups share out (two give the SM two independent dependency
-    chains of the inverse to interleave).
-    """
+    row vectors (float32 ``[NC, HV, 4, 64]``); see the module docstring."""
     _, kv_heads, key_dim = q.shape
     heads = g_t.shape[0]
     group = heads // kv_heads
-    wgs = min(wgs, group)
-    per_wg = group // wgs
     num_chunks = table.shape[1]
     shape = (CHUNK, CHUNK)
-    vecs = plgpu.SMEM((group, CHUNK), F32)
+    vec = plgpu.SMEM((CHUNK,), F32)
 
     def body(q_ref, k_ref, g_ref, b_ref, tab_ref, first_ref, m_ref, p_ref, v_ref, *scratch):
-        q_s, k_s, g_r, g_c, b_r, b_c, m_all, p_all, n_all, vec_all, bar = scratch
-        c, hk = lax.axis_index("c"), lax.axis_index("hk")
-        wg = lax.axis_index("wg") if wgs > 1 else 0
-        m_s, p_s, n_s, vec_s = m_all.at[wg], p_all.at[wg], n_all.at[wg], vec_all.at[wg]
+        q_s, k_s, g_r, g_c, b_r, b_c, m_s, p_s, n_s, vec_s, bar = scratch
+        c, h = lax.axis_index("c"), lax.axis_index("h")
+        hk = lax.div(h, group)
         start = pl.multiple_of(tab_ref[0, c], ALIGN)
         lo, hi = tab_ref[1, c], tab_ref[2, c]
 
         @pl.when((c < first_ref[n_seqs]) & (hi > lo))
         def _():
             rows = pl.ds(start, CHUNK)
-
-            def load():
-                plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s, bar)
-                plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s, bar)
-                # A vector is loaded once per layout it is read in (layout inference).
-                group_rows = (pl.ds(hk * group, group), rows)
-                for src, dst in ((g_ref, g_r), (g_ref, g_c), (b_ref, b_r), (b_ref, b_c)):
-                    plgpu.copy_gmem_to_smem(src.at[group_rows], dst, bar)
-
-            if wgs > 1:
-                pl.when(wg == 0)(load)
-            else:
-                load()
+            plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s, bar)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s, bar)
+            # A vector is loaded once per layout it is read in (layout inference).
+            for src, dst in ((g_ref, g_r), (g_ref, g_c), (b_ref, b_r), (b_ref, b_c)):
+                plgpu.copy_gmem_to_smem(src.at[h, rows], dst, bar)
             plgpu.barrier_wait(bar)
 
             # Ordered so that few [64, 64] float32 tiles are live at once (no spills).
@@ -226,43 +207,37 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, wgs: i
             iv_c = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=COLS)
             in_r = (iv_r >= lo) & (iv_r < hi)
             in_c = (iv_c >= lo) & (iv_c < hi)
-            for i in range(per_wg):
-                hl = wg + wgs * i  # value head within the group
-                h = hk * group + hl
-                if i:  # m_s, p_s, vec_s were sent for the previous head
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                # Masked rows decay by nothing and write nothing (beta = 0 zeroes their v').
-                g_row = jnp.where(in_r, plgpu.load(g_r.at[hl], layout=ROWS), 0.0)
-                g_col = jnp.where(in_c, plgpu.load(g_c.at[hl], layout=COLS), 0.0)
-                gc_row = jnp.where(ci <= ri, _cols(g_col, shape), 0.0).sum(axis=1)
-                gc_col = jnp.where(ri <= ci, _rows(g_row, shape), 0.0).sum(axis=0)
-                g_last = _cols(g_col, shape).sum(axis=1)  # the chunk's total, on every row
-                beta_row = jnp.where(in_r, plgpu.load(b_r.at[hl], layout=ROWS), 0.0)
-                # Exponents are masked before exp: acausal pairs have gc_i - gc_j > 0.
-                expo = _rows(gc_row, shape) - _cols(gc_col, shape)
-                decay = jnp.exp(jnp.where(ri > ci, expo, -jnp.inf))
-                a = kk * _rows(beta_row * rk_row, shape) * _cols(rk_col, shape) * decay
-                t = _unit_lower_inverse(a, m_s, p_s, n_s)
-                beta_col = jnp.where(in_c, plgpu.load(b_c.at[hl], layout=COLS), 0.0)
-                m_s[...] = (t * _cols(beta_col, shape)).astype(BF16)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(m_s, m_ref.at[c, h], commit_group=False)
-                qk = _matmul(q_s, k_s.T, shape)
-                qf = plgpu.load(q_s, layout=WG).astype(F32)
-                rq_row = lax.rsqrt((qf * qf).sum(axis=1) + EPS)
-                decay = jnp.exp(jnp.where(ri >= ci, expo, -jnp.inf))
-                p = qk * _rows(scale * rq_row, shape) * _cols(rk_col, shape) * decay
-                p_s[...] = p.astype(BF16)
-                vec_s[0] = rk_row * jnp.exp(gc_row)
-                vec_s[1] = scale * rq_row * jnp.exp(gc_row)
-                vec_s[2] = rk_row * jnp.exp(g_last - gc_row)
-                vec_s[3] = jnp.exp(g_last)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(p_s, p_ref.at[c, h], commit_group=False)
-                plgpu.copy_smem_to_gmem(vec_s, v_ref.at[c, h], commit_group=False)
-                plgpu.commit_smem_to_gmem_group()
-            # Only the SMEM reads must finish before the CTA exits, not the writes.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            # Masked rows decay by nothing and write nothing (beta = 0 zeroes their v').
+            g_row = jnp.where(in_r, plgpu.load(g_r, layout=ROWS), 0.0)
+            g_col = jnp.where(in_c, plgpu.load(g_c, layout=COLS), 0.0)
+            gc_row = jnp.where(ci <= ri, _cols(g_col, shape), 0.0).sum(axis=1)
+            gc_col = jnp.where(ri <= ci, _rows(g_row, shape), 0.0).sum(axis=0)
+            g_last = _cols(g_col, shape).sum(axis=1)  # the chunk's total, on every row
+            beta_row = jnp.where(in_r, plgpu.load(b_r, layout=ROWS), 0.0)
+            # Exponents are masked before exp: acausal pairs have gc_i - gc_j > 0.
+            expo = _rows(gc_row, shape) - _cols(gc_col, shape)
+            decay = jnp.exp(jnp.where(ri > ci, expo, -jnp.inf))
+            a = kk * _rows(beta_row * rk_row, shape) * _cols(rk_col, shape) * decay
+            t = _unit_lower_inverse(a, m_s, p_s, n_s)
+            beta_col = jnp.where(in_c, plgpu.load(b_c, layout=COLS), 0.0)
+            m_s[...] = (t * _cols(beta_col, shape)).astype(BF16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(m_s, m_ref.at[c, h])
+            qk = _matmul(q_s, k_s.T, shape)
+            qf = plgpu.load(q_s, layout=WG).astype(F32)
+            rq_row = lax.rsqrt((qf * qf).sum(axis=1) + EPS)
+            decay = jnp.exp(jnp.where(ri >= ci, expo, -jnp.inf))
+            p = qk * _rows(scale * rq_row, shape) * _cols(rk_col, shape) * decay
+            p_s[...] = p.astype(BF16)
+            vec_s[0] = rk_row * jnp.exp(gc_row)
+            vec_s[1] = scale * rq_row * jnp.exp(gc_row)
+            vec_s[2] = rk_row * jnp.exp(g_last - gc_row)
+            vec_s[3] = jnp.exp(g_last)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(p_s, p_ref.at[c, h], commit_group=False)
+            plgpu.copy_smem_to_gmem(vec_s, v_ref.at[c, h], commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0)
 
     out_type = (
         jax.ShapeDtypeStruct((num_chunks, heads, CHUNK, CHUNK), BF16),
@@ -272,25 +247,22 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, wgs: i
     scratch = (
         _smem((CHUNK, key_dim), BF16),
         _smem((CHUNK, key_dim), BF16),
-        vecs,
-        vecs,
-        vecs,
-        vecs,
-        _smem((wgs, *shape), BF16),
-        _smem((wgs, *shape), BF16),
-        _smem((wgs, *shape), BF16),
-        plgpu.SMEM((wgs, 4, CHUNK), F32),
+        vec,
+        vec,
+        vec,
+        vec,
+        _smem(shape, BF16),
+        _smem(shape, BF16),
+        _smem(shape, BF16),
+        plgpu.SMEM((4, CHUNK), F32),
         plgpu.Barrier(num_arrivals=6),
     )
     return plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(num_chunks, kv_heads),
-        grid_names=("c", "hk"),
-        num_threads=wgs if wgs > 1 else None,
-        thread_name="wg" if wgs > 1 else None,
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        grid=(num_chunks, heads),
+        grid_names=("c", "h"),
         interpret=interpret,
         kernel_name="gdn_chunk_intra",
     )(q, k, g_t, beta_t, table, first)
@@ -306,7 +278,6 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
     heads, value_dim = v.shape[1], v.shape[2]
     group = heads // kv_heads
     bv = cfg.block_v
-    stages = cfg.stages
     out_dtype = v.dtype
     sq = (CHUNK, CHUNK)
     tile = (CHUNK, bv)
@@ -398,8 +369,7 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
                 plgpu.copy_gmem_to_smem(p_ref.at[c, h], p_s.at[stage], b)
                 plgpu.copy_gmem_to_smem(w_ref.at[c, h], w_s.at[stage], b)
 
-            for i in range(stages - 1):
-                pl.when(i < num)(functools.partial(issue, i, i))
+            issue(0, 0)
 
             @pl.when(init_ref[seq] != 0)
             def _():
@@ -414,19 +384,16 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
             s0 = plgpu.load(st_s, layout=WG, optimized=False)
 
             def step(j, s):
-                stage = lax.rem(j, stages)
-                ostage = lax.rem(j, 2)
+                stage = lax.rem(j, 2)
                 c = c0 + j
                 start = pl.multiple_of(tab_ref[0, c], ALIGN)
                 lo, hi = tab_ref[1, c], tab_ref[2, c]
                 plgpu.barrier_wait(bar.at[stage])
 
-                # That stage was last read by chunk j - 1, which has finished.
-                ahead = j + stages - 1
-
-                @pl.when(ahead < num)
+                # The other stage was last read by chunk j - 1, which has finished.
+                @pl.when(j + 1 < num)
                 def _():
-                    issue(ahead, lax.rem(ahead, stages))
+                    issue(j + 1, 1 - stage)
 
                 a = plgpu.load(w_s.at[stage, 0], layout=ROWS)
                 b = plgpu.load(w_s.at[stage, 1], layout=ROWS)
@@ -447,9 +414,9 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
                 pv = _matmul(p_s.at[stage], view(vp_s), tile)
                 out = (_rows(b, tile) * qs + pv).astype(out_dtype)
                 full = (lo == 0) & (hi == CHUNK)
-                # o_s[ostage] was last sent two chunks ago; at most one store is in flight.
+                # o_s[stage] was last sent two chunks ago; at most one store is in flight.
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                o_s[ostage] = out
+                o_s[stage] = out
 
                 @pl.when(~full)
                 def _():
@@ -459,7 +426,7 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
 
                 @pl.when(full)
                 def _():
-                    plgpu.copy_smem_to_gmem(o_s.at[ostage], o_ref.at[pl.ds(start, CHUNK), h, cols])
+                    plgpu.copy_smem_to_gmem(o_s.at[stage], o_ref.at[pl.ds(start, CHUNK), h, cols])
 
                 @pl.when(~full)
                 def _():
@@ -474,12 +441,12 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
             plgpu.wait_smem_to_gmem(0)
 
     scratch = (
-        _smem((stages, CHUNK, key_dim), BF16),
-        _smem((stages, CHUNK, key_dim), BF16),
-        _smem((stages, *tile), BF16),
-        _smem((stages, *sq), BF16),
-        _smem((stages, *sq), BF16),
-        plgpu.SMEM((stages, 4, CHUNK), F32),
+        _smem((2, CHUNK, key_dim), BF16),
+        _smem((2, CHUNK, key_dim), BF16),
+        _smem((2, *tile), BF16),
+        _smem((2, *sq), BF16),
+        _smem((2, *sq), BF16),
+        plgpu.SMEM((2, 4, CHUNK), F32),
         b_operand(state),
         b_operand(tile),
         b_operand(tile),
@@ -487,7 +454,7 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
         _smem((2, *tile), out_dtype),
         plgpu.SMEM(tile, out_dtype),
         plgpu.SMEM(state, F32),
-        plgpu.Barrier(num_arrivals=6, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=6, num_barriers=2),
         plgpu.Barrier(),
     )
     return plgpu.kernel(
@@ -613,16 +580,7 @@ def chunk_gated_delta_rule(
     num_chunks = -(-padded // CHUNK) + 2 * (n_seqs + 1)
     table, first = _chunk_table(qsl, padded, num_chunks)
     m, p, vecs = _intra(
-        q,
-        k,
-        g_t,
-        beta_t,
-        table,
-        first,
-        n_seqs=n_seqs,
-        scale=scale,
-        wgs=config.intra_wgs,
-        interpret=interpret,
+        q, k, g_t, beta_t, table, first, n_seqs=n_seqs, scale=scale, interpret=interpret
     )
     pool = jax.new_ref(ssm_pool)
     o = _state(
