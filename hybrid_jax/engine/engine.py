@@ -1,0 +1,555 @@
+"""The serving loop: requests in, tokens out, every step a precompiled (mode, bucket) executable.
+
+``Engine`` owns a Qwen3-Next model, its tokenizer, the GDN layers' slot pool and the attention
+layers' paged KV cache. At construction it compiles, ahead of time, the forward step of every
+(mode, bucket) the scheduler can produce (EXTEND, DECODE and MIXED on the bucket policy) and
+the sampler for every batch bucket, through JAX's persistent compilation cache, so that a
+second start loads them. After that warm-up nothing is traced again (``retraces`` counts it;
+a retrace also warns).
+
+A step: the scheduler picks the rows, ``build_metadata`` pads them to their bucket, the step
+executable returns the logits of each row's last token, the sampler draws one token per row,
+and the tokens are read back (the step's one host synchronisation) to update the requests.
+
+Requests are checked before anything is queued (``RequestError``, ``SamplingParamsError``),
+so a bad one never disturbs the requests already being served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
+
+from hybrid_jax.engine.sampling import Sampler, SamplingBatch, SamplingParams
+from hybrid_jax.engine.scheduler import (
+    FinishReason,
+    Request,
+    RequestError,
+    ScheduledStep,
+    Scheduler,
+    SchedulerConfig,
+)
+from hybrid_jax.engine.step import CompileRecord, StepFunctions
+from hybrid_jax.kv_cache import KVCache, PageAllocator, init_kv_cache
+from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, build_metadata
+from hybrid_jax.models.loading import load_qwen3_next
+from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
+from hybrid_jax.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from hybrid_jax.modes import ForwardMode
+from hybrid_jax.state_pool import SlotAllocator, StatePool, bytes_per_slot, init_state_pool
+
+__all__ = [
+    "DEFAULT_CACHE_DIR",
+    "Engine",
+    "EngineConfig",
+    "Result",
+    "ServingState",
+    "StepEvent",
+]
+
+DEFAULT_CACHE_DIR = str(pathlib.Path.home() / ".cache" / "hybrid_jax" / "xla")
+SERVED_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)
+PRESETS = {"tiny": tiny_qwen3_next_config}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the engine.
+
+    ``max_batch``: requests running at once (the largest batch bucket). ``max_tokens``: tokens
+    of one step (the largest token bucket; longer prompts are prefilled in chunks of
+    ``chunk_size``, default ``max_tokens``). ``max_context``: positions of one request (prompt
+    plus generated tokens; None: the model's ``max_position_embeddings``). ``num_pages``: KV
+    pages of ``page_size`` tokens (None: enough for ``max_batch`` requests at full context).
+    ``batch_buckets`` / ``token_buckets`` override the default ladders. ``cache_dir``: JAX's
+    persistent compilation cache (None: off). ``seed``: draws the seeds of requests that give
+    none. ``impl``: the kernels' implementation choice.
+    """
+
+    max_batch: int = 8
+    max_tokens: int = 128
+    chunk_size: int | None = None
+    max_context: int | None = 512
+    page_size: int = 16
+    num_pages: int | None = None
+    batch_buckets: tuple[int, ...] | None = None
+    token_buckets: tuple[int, ...] | None = None
+    cache_dir: str | None = DEFAULT_CACHE_DIR
+    seed: int = 0
+    impl: str = "auto"
+
+    def policy(self, model_context: int) -> BucketPolicy:
+        """The bucket policy of these sizes, for a model with ``model_context`` positions."""
+        context = model_context if self.max_context is None else self.max_context
+        if context > model_context:
+            raise ValueError(
+                f"max_context={context} exceeds the model's max_position_embeddings="
+                f"{model_context}; lower max_context"
+            )
+        context = -(-context // self.page_size) * self.page_size
+        policy = BucketPolicy.default(
+            self.max_batch, self.max_tokens, page_size=self.page_size, max_context=context
+        )
+        buckets = {}
+        if self.batch_buckets is not None:
+            buckets["batch_buckets"] = tuple(self.batch_buckets)
+        if self.token_buckets is not None:
+            buckets["token_buckets"] = tuple(self.token_buckets)
+        return dataclasses.replace(policy, **buckets)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ServingState:
+    """Everything a step updates in place: the GDN slot pool and the attention KV cache."""
+
+    pool: StatePool
+    kv: KVCache
+
+
+class StepOutput(NamedTuple):
+    """logits: float32 ``[bs, vocab]`` at each row's last token (padded rows: garbage)."""
+
+    logits: jax.Array
+    state: ServingState
+
+
+class _LastTokenLogits(nnx.Module):
+    """``Qwen3Next`` in the shape ``StepFunctions`` drives: ``(x, state, meta) -> output``.
+
+    Only each row's last token reaches the LM head, so a prefill step computes ``[bs, vocab]``
+    logits, not ``[T, vocab]``. Tokens arrive as a ``[T, 1]`` int32 column because
+    ``StepFunctions.compile_all`` compiles ``x`` as ``[num_tokens, hidden_size]``.
+    """
+
+    def __init__(self, model: Qwen3Next):
+        self.model = model
+
+    @property
+    def layer_kinds(self):
+        return self.model.layer_kinds
+
+    def __call__(
+        self, x: jax.Array, state: ServingState, meta: ForwardMetadata, *, impl: str = "auto"
+    ) -> StepOutput:
+        hidden, pool, kv, _ = self.model.hidden_states(
+            x[:, 0], state.pool, state.kv, meta, impl=impl
+        )
+        # A padded row repeats the previous boundary; clipping keeps its index in range.
+        last = jnp.clip(meta.query_start_loc[1:] - 1, 0, hidden.shape[0] - 1)
+        return StepOutput(self.model.logits(hidden[last]), ServingState(pool, kv))
+
+
+@dataclasses.dataclass
+class Result:
+    """One finished request. Times are seconds: ``ttft`` from submission to the first token,
+    ``token_latencies`` between consecutive tokens, ``total`` from submission to the end."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    ttft: float
+    token_latencies: list[float]
+    total: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode rate after the first token (0 with fewer than two tokens)."""
+        spent = sum(self.token_latencies)
+        return len(self.token_latencies) / spent if spent > 0 else 0.0
+
+
+class StepEvent(NamedTuple):
+    """A token for ``request_id`` (``text``: the new text it completes, possibly empty);
+    ``result`` is set when the request finished with this event."""
+
+    request_id: int
+    token_id: int
+    text: str
+    result: Result | None
+
+
+@dataclasses.dataclass(eq=False)
+class _Tracked:
+    request: Request
+    params: SamplingParams
+    seed: int
+    submitted: float
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    text: str = ""
+
+
+def _use_compilation_cache(path: str) -> None:
+    # The cache directory is read once, when the first compile initialises the cache; a
+    # different directory needs a reset to take effect.
+    if jax.config.jax_compilation_cache_dir != path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        compilation_cache.reset_cache()
+    # Our executables are small on CPU: cache every one, however quick to compile.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+class _Progress:
+    """A one-line progress bar on stderr (one line per few items when not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.interactive = sys.stderr.isatty()
+
+    def __call__(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        if self.interactive:
+            bar = "#" * (30 * self.done // self.total)
+            end = "\n" if self.done == self.total else ""
+            print(
+                f"\rcompiling [{bar:<30}] {self.done}/{self.total} {label:<24}",
+                end=end,
+                file=sys.stderr,
+                flush=True,
+            )
+        elif self.done == self.total or self.done % 8 == 0:
+            print(f"compiled {self.done}/{self.total} executables", file=sys.stderr, flush=True)
+
+
+class Engine:
+    """Continuous-batching generation with a Qwen3-Next model (see the module docstring).
+
+    ``Engine.from_preset("tiny")`` needs no download; ``Engine.from_checkpoint(folder)`` loads
+    a Hugging Face folder. ``generate`` returns finished ``Result``s; ``stream`` yields
+    ``StepEvent``s as tokens arrive; ``add_request`` / ``step`` / ``abort`` drive it by hand.
+    """
+
+    def __init__(
+        self,
+        model: Qwen3Next,
+        tokenizer: Tokenizer,
+        config: EngineConfig = EngineConfig(),
+        *,
+        progress: bool = True,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.vocab_size = model.config.vocab_size
+        self.eos_token_ids = frozenset(model.config.eos_token_id)
+        self.policy = config.policy(model.config.max_position_embeddings)
+        sched_config = SchedulerConfig.for_policy(
+            self.policy, config.max_batch, config.max_tokens, config.chunk_size
+        )
+        specs, kv_specs = model.state_specs(), model.kv_specs()
+        num_slots = sched_config.max_running + 1
+        num_pages = config.num_pages
+        if num_pages is None:
+            num_pages = sched_config.max_running * self.policy.max_pages + 1
+        self.slots = SlotAllocator(num_slots, bytes_per_slot(specs))
+        self.pages = PageAllocator(num_pages, self.policy.page_size)
+        self.scheduler = Scheduler(
+            sched_config, self.slots, self.pages, max_context=self.policy.max_context
+        )
+        self._state = ServingState(
+            init_state_pool(specs, num_slots),
+            init_kv_cache(kv_specs, num_pages, self.policy.page_size),
+        )
+        self._steps = StepFunctions(_LastTokenLogits(model), impl=config.impl)
+        self._sampler = Sampler()
+        self._rng = np.random.default_rng(config.seed)
+        self._tracked: dict[int, _Tracked] = {}
+        self._next_id = 0
+        self.compile_records: list[CompileRecord] = []
+        self.step_times: dict[ForwardMode, list[float]] = {m: [] for m in SERVED_MODES}
+        if config.cache_dir is not None:
+            _use_compilation_cache(config.cache_dir)
+        start = time.perf_counter()
+        self._compile(progress)
+        self.compile_s = time.perf_counter() - start
+        self._warm_traces = self._traces()
+        self._warned = False
+
+    @classmethod
+    def from_preset(
+        cls,
+        name: str = "tiny",
+        config: EngineConfig = EngineConfig(),
+        *,
+        seed: int = 0,
+        dtype: str = "float32",
+        progress: bool = True,
+    ) -> Engine:
+        """A built-in model with seeded random weights and the byte-level tokenizer."""
+        if name not in PRESETS:
+            raise ValueError(f"preset {name!r} does not exist; choose one of {sorted(PRESETS)}")
+        if config.cache_dir is not None:
+            # Before the model: its random initialisation compiles a few dozen small programs.
+            _use_compilation_cache(config.cache_dir)
+        model = Qwen3Next(PRESETS[name](dtype), rngs=nnx.Rngs(seed))
+        return cls(model, ByteTokenizer(), config, progress=progress)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike,
+        config: EngineConfig = EngineConfig(),
+        *,
+        dtype: str | None = None,
+        progress: bool = True,
+    ) -> Engine:
+        """A Hugging Face Qwen3-Next folder (config.json, safetensors, tokenizer.json)."""
+        model = load_qwen3_next(path, dtype=dtype)
+        return cls(model, load_tokenizer(path), config, progress=progress)
+
+    def _compile(self, progress: bool) -> None:
+        batch_sizes = sorted({bs for m in SERVED_MODES for bs, _ in self.policy.buckets(m)})
+        total = sum(len(self.policy.buckets(m)) for m in SERVED_MODES) + len(batch_sizes)
+        bar = _Progress(total, progress)
+
+        def on_step(record: CompileRecord) -> None:
+            self.compile_records.append(record)
+            bar(f"{record.mode.name} {record.batch_size}x{record.num_tokens}")
+
+        self._steps.compile_all(
+            self.policy,
+            self._state,
+            SERVED_MODES,
+            hidden_size=1,
+            dtype=jnp.int32,
+            progress=on_step,
+        )
+        for bs in batch_sizes:
+            ms = self._sampler.compile(bs, self.vocab_size)
+            self.compile_records.append(CompileRecord(ForwardMode.IDLE, bs, 0, ms))
+            bar(f"sampler {bs}")
+
+    def _traces(self) -> int:
+        return self._steps.total_traces + self._sampler.trace_count
+
+    @property
+    def retraces(self) -> int:
+        """Traces since the warm-up compiled everything (0 unless a shape escaped the buckets)."""
+        return self._traces() - self._warm_traces
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def _prompt_ids(self, prompt: str | Sequence[int], what: str) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence | np.ndarray):
+            ids = list(prompt)
+        else:
+            raise RequestError(
+                f"{what}={prompt!r} is neither text nor a sequence of token ids; pass a str "
+                f"or a list of ints"
+            )
+        if not ids:
+            raise RequestError(f"{what} is empty; give at least one token")
+        for i, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int | np.integer):
+                raise RequestError(f"{what} token_ids[{i}]={token!r} is not an int token id")
+            if not 0 <= token < self.vocab_size:
+                raise RequestError(
+                    f"{what} token_ids[{i}]={token} is outside the vocabulary "
+                    f"(ids 0..{self.vocab_size - 1})"
+                )
+        context = self.policy.max_context
+        if len(ids) > context:
+            raise RequestError(
+                f"{what} has {len(ids)} tokens, longer than the context of {context} positions; "
+                f"shorten the prompt or build the engine with a larger max_context"
+            )
+        return [int(t) for t in ids]
+
+    def _check(self, prompt, params, what: str) -> tuple[list[int], SamplingParams]:
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params for {what} are {params!r}, not SamplingParams")
+        ids = self._prompt_ids(prompt, what)
+        params.check_vocab(self.vocab_size)
+        return ids, params
+
+    def _submit(self, ids: list[int], params: SamplingParams) -> int:
+        request_id = self._next_id
+        self._next_id += 1
+        # Capped so that prompt + new tokens - 1 (the last token is never fed) fits the context.
+        room = self.policy.max_context - len(ids) + 1
+        request = Request(
+            request_id,
+            ids,
+            min(params.max_new_tokens, room),
+            frozenset(params.stop_token_ids) | self.eos_token_ids,
+        )
+        self.scheduler.add(request)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+        self._tracked[request_id] = _Tracked(request, params, seed, time.perf_counter())
+        return request_id
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queues one request (text or token ids) and returns its id. Raises ``RequestError``
+        or ``SamplingParamsError`` naming the problem, with nothing queued."""
+        ids, params = self._check(prompt, params or SamplingParams(), "prompt")
+        return self._submit(ids, params)
+
+    def abort(self, request_id: int) -> Result | None:
+        """Stops a request and frees its slot and pages; its result so far (None if unknown)."""
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        return self._result(self._tracked.pop(request_id), time.perf_counter())
+
+    def _result(self, tracked: _Tracked, now: float) -> Result:
+        req, times = tracked.request, tracked.token_times
+        return Result(
+            request_id=req.request_id,
+            prompt_token_ids=req.token_ids[: req.prompt_len],
+            token_ids=req.output_ids,
+            text=self.tokenizer.decode(req.output_ids),
+            finish_reason=req.finish_reason,
+            ttft=times[0] - tracked.submitted if times else math.nan,
+            token_latencies=[b - a for a, b in zip(times, times[1:], strict=False)],
+            total=now - tracked.submitted,
+        )
+
+    def _new_text(self, tracked: _Tracked, finished: bool) -> str:
+        text = self.tokenizer.decode(tracked.request.output_ids)
+        # Hold back a trailing replacement character: it may be the first bytes of a
+        # multi-byte character that the next token completes.
+        if not finished:
+            text = text.rstrip("\ufffd")
+        if not text.startswith(tracked.text):
+            return ""  # the tokenizer rewrote earlier text; nothing can be appended safely
+        new, tracked.text = text[len(tracked.text) :], text
+        return new
+
+    def _run(self, step: ScheduledStep) -> np.ndarray:
+        meta = build_metadata(
+            step.mode,
+            step.row_specs,
+            self.policy,
+            num_slots=self.slots.num_slots,
+            num_pages=self.pages.num_pages,
+        )
+        tokens = np.zeros((meta.num_tokens, 1), np.int32)
+        tokens[: step.num_tokens, 0] = step.token_ids
+        out = self._steps(self._state, jnp.asarray(tokens), meta)
+        self._state = out.state
+        tracked = [self._tracked[row.request.request_id] for row in step.rows]
+        batch = SamplingBatch.pack(
+            [t.params for t in tracked],
+            [t.seed for t in tracked],
+            [t.request.num_generated for t in tracked],
+            meta.batch_size,
+        )
+        return np.asarray(self._sampler(out.logits, batch))[: len(step.rows)]
+
+    def step(self) -> list[StepEvent]:
+        """Runs one scheduler step (nothing when idle); one event per token produced."""
+        step = self.scheduler.schedule()
+        if step.mode is ForwardMode.IDLE:
+            return []
+        start = time.perf_counter()
+        sampled = self._run(step)
+        now = time.perf_counter()
+        self.step_times[step.mode].append(now - start)
+        if self.retraces and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"the engine traced a step after warm-up ({step.mode.name}, {len(step.rows)} "
+                f"rows, {step.num_tokens} tokens): a shape escaped the compiled buckets",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        finished = {r.request_id for r in self.scheduler.commit(step, sampled.tolist())}
+        events = []
+        for row, token in zip(step.rows, sampled.tolist(), strict=True):
+            rid = row.request.request_id
+            if not row.samples or rid not in self._tracked:
+                continue
+            tracked = self._tracked[rid]
+            tracked.token_times.append(now)
+            done = rid in finished
+            text = self._new_text(tracked, done)
+            result = self._result(self._tracked.pop(rid), now) if done else None
+            events.append(StepEvent(rid, int(token), text, result))
+        return events
+
+    def _submit_all(self, prompts, params) -> list[int]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence | np.ndarray)
+            and len(prompts)
+            and isinstance(prompts[0], int | np.integer)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise RequestError(
+                f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one "
+                f"per prompt"
+            )
+        # Every prompt is checked before any is queued: a bad one rejects the call whole.
+        checked = [
+            self._check(p, s, f"prompts[{i}]")
+            for i, (p, s) in enumerate(zip(prompts, params, strict=True))
+        ]
+        return [self._submit(ids, p) for ids, p in checked]
+
+    def stream(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[tuple[int, StepEvent]]:
+        """Yields ``(index of the prompt, event)`` as tokens arrive, until all are finished.
+
+        Other requests already queued keep being served alongside (their events are not
+        yielded). Closing the iterator early aborts the prompts that had not finished.
+        """
+        ids = self._submit_all(prompts, params)
+        index = {rid: i for i, rid in enumerate(ids)}
+        pending = set(ids)
+        try:
+            while pending:
+                for event in self.step():
+                    if event.request_id in index:
+                        if event.result is not None:
+                            pending.discard(event.request_id)
+                        yield index[event.request_id], event
+        finally:
+            for rid in pending:
+                self.abort(rid)
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[Result]:
+        """Generates for every prompt (text or token ids) and returns their results in order."""
+        results: dict[int, Result] = {}
+        for i, event in self.stream(prompts, params):
+            if event.result is not None:
+                results[i] = event.result
+        return [results[i] for i in range(len(results))]
+
+    def run_until_done(self, on_event: Callable[[StepEvent], None] | None = None) -> None:
+        """Steps until no request is waiting or running."""
+        while self.has_work:
+            for event in self.step():
+                if on_event is not None:
+                    on_event(event)

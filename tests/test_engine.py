@@ -1,0 +1,210 @@
+"""The serving loop on the tiny preset: invariance, chunking, no retrace, pools, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import numpy as np
+import pytest
+
+from hybrid_jax.engine.engine import Engine, EngineConfig
+from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
+from hybrid_jax.engine.scheduler import FinishReason, RequestError
+from hybrid_jax.modes import ForwardMode
+
+M = ForwardMode
+# Max context 64 in pages of 8: a full-context request holds 8 of the 16 real pages, so two
+# of them fill the cache while four short ones fit.
+CONFIG = EngineConfig(
+    max_batch=4,
+    max_tokens=32,
+    max_context=64,
+    page_size=8,
+    num_pages=17,
+    impl="reference",
+)
+GREEDY = SamplingParams(max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("xla_cache")
+    return Engine.from_preset(
+        "tiny", dataclasses.replace(CONFIG, cache_dir=str(cache)), progress=False
+    )
+
+
+def prompt(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+    """Greedy tokens of a few prompts, each served on its own."""
+    prompts = [prompt(n, seed) for seed, n in enumerate((5, 12, 21, 3))]
+    return prompts, [engine.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+def test_generate_returns_tokens_text_and_timing(engine):
+    (result,) = engine.generate("hi there", SamplingParams(max_new_tokens=5))
+    assert len(result.token_ids) == 5 and result.finish_reason is FinishReason.LENGTH
+    assert result.text == engine.tokenizer.decode(result.token_ids)
+    assert result.prompt_token_ids == list(b"hi there")
+    assert 0 < result.ttft <= result.total
+    assert len(result.token_latencies) == 4 and min(result.token_latencies) > 0
+
+
+def test_requests_served_together_match_each_served_alone(engine, alone):
+    prompts, want = alone
+    got = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    assert got == want
+
+
+def test_request_joining_running_decodes_in_a_mixed_step_matches_alone(engine, alone):
+    prompts, want = alone
+    first = engine.add_request(prompts[0], GREEDY)
+    events = engine.step()  # the first prompt alone
+    second = engine.add_request(prompts[1], GREEDY)
+    before = len(engine.step_times[M.MIXED])
+    tokens = {first: [e.token_id for e in events], second: []}
+    while engine.has_work:
+        for event in engine.step():
+            tokens[event.request_id].append(event.token_id)
+    assert len(engine.step_times[M.MIXED]) > before
+    assert [tokens[first], tokens[second]] == want[:2]
+
+
+def test_chunked_prefill_matches_whole_prefill(engine, alone):
+    prompts, want = alone
+    config = engine.scheduler.config
+    engine.scheduler.config = dataclasses.replace(config, chunk_size=4)
+    try:
+        got = engine.generate(prompts[2], GREEDY)[0].token_ids
+    finally:
+        engine.scheduler.config = config
+    assert got == want[2]
+
+
+def test_prompt_longer_than_a_step_is_chunked_and_served(engine):
+    long = prompt(50, 9)  # 50 > max_tokens=32: two EXTEND steps, then decodes
+    (result,) = engine.generate([long], SamplingParams(max_new_tokens=3))
+    assert len(result.token_ids) == 3
+
+
+def test_no_retrace_after_warm_up(engine, alone):
+    prompts, _ = alone
+    engine.generate(prompts, GREEDY)
+    engine.generate(prompts[:1], SamplingParams(max_new_tokens=2, temperature=0.8, top_k=9))
+    assert all(engine.step_times[m] for m in (M.EXTEND, M.DECODE, M.MIXED))
+    assert engine.retraces == 0
+
+
+def test_slots_and_pages_all_returned_after_a_run_with_aborts(engine):
+    ids = [engine.add_request(prompt(9, s), SamplingParams(max_new_tokens=8)) for s in range(6)]
+    engine.step()
+    engine.step()
+    assert engine.slots.num_used > 0 and engine.pages.num_used > 0
+    aborted = engine.abort(ids[1])
+    assert aborted.finish_reason is FinishReason.ABORT
+    engine.abort(ids[5])  # still waiting
+    while engine.has_work:
+        engine.step()
+    assert engine.slots.num_used == 0 and engine.pages.num_used == 0
+
+
+def test_exhausted_pages_make_requests_wait_not_fail(engine):
+    # Each spans 40 + 20 - 1 = 59 positions: 8 pages, so only two fit the cache at once.
+    prompts = [prompt(40, s) for s in range(3)]
+    stream = engine.stream(prompts, SamplingParams(max_new_tokens=20))
+    next(stream)
+    assert engine.pages.num_used == 16 and len(engine.scheduler.waiting) == 1
+    rest = list(stream)
+    done = [e.result for _, e in rest if e.result is not None]
+    assert sorted(len(r.token_ids) for r in done) == [20, 20, 20]
+    assert engine.pages.num_used == 0
+
+
+@pytest.mark.parametrize(
+    ("bad", "params", "error", "match"),
+    [
+        ("", GREEDY, RequestError, "prompt is empty"),
+        ([], GREEDY, RequestError, "prompt is empty"),
+        ([1, 256], GREEDY, RequestError, r"token_ids\[1\]=256 is outside the vocabulary"),
+        ([-3], GREEDY, RequestError, r"token_ids\[0\]=-3"),
+        ([1, 2.5], GREEDY, RequestError, r"token_ids\[1\]=2.5 is not an int"),
+        (list(range(65)), GREEDY, RequestError, "65 tokens, longer than the context of 64"),
+        ([1], SamplingParams(top_k=300), SamplingParamsError, "top_k=300"),
+        ([1], SamplingParams(stop_token_ids=(256,)), SamplingParamsError, "stop_token_ids"),
+        ([1], {"temperature": 1.0}, RequestError, "not SamplingParams"),
+    ],
+)
+def test_bad_input_is_rejected_and_other_requests_keep_being_served(
+    engine, alone, bad, params, error, match
+):
+    prompts, want = alone
+    good = engine.add_request(prompts[0], GREEDY)
+    tokens = [e.token_id for e in engine.step()]
+    queued = len(engine.scheduler)
+    with pytest.raises(error, match=match):
+        engine.add_request(bad, params)
+    assert len(engine.scheduler) == queued
+    while engine.has_work:
+        tokens += [e.token_id for e in engine.step() if e.request_id == good]
+    assert tokens == want[0]
+
+
+def test_one_bad_prompt_rejects_the_whole_call_and_names_it(engine):
+    with pytest.raises(RequestError, match=r"prompts\[1\] is empty"):
+        engine.generate(["ok", ""], GREEDY)
+    assert not engine.has_work
+
+
+def test_prompt_filling_the_context_gets_one_token(engine):
+    (result,) = engine.generate([prompt(64, 3)], GREEDY)
+    assert len(result.token_ids) == 1 and result.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_token_ends_generation(engine, alone):
+    prompts, want = alone
+    stop = want[1][2]
+    first = want[1].index(stop)
+    params = dataclasses.replace(GREEDY, stop_token_ids=(stop,))
+    (result,) = engine.generate([prompts[1]], params)
+    assert result.token_ids == want[1][: first + 1]
+    assert result.finish_reason is FinishReason.STOP
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant(engine, alone):
+    prompts, _ = alone
+    params = SamplingParams(max_new_tokens=8, temperature=1.5, seed=1234)
+    (solo,) = engine.generate([prompts[1]], params)
+    mixed = engine.generate(prompts, [GREEDY, params, GREEDY, GREEDY])
+    assert mixed[1].token_ids == solo.token_ids
+    (other,) = engine.generate([prompts[1]], dataclasses.replace(params, seed=99))
+    assert other.token_ids != solo.token_ids
+
+
+def test_stream_yields_every_token_in_order(engine, alone):
+    prompts, want = alone
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    text = {0: "", 1: ""}
+    results = {}
+    for i, event in engine.stream(prompts[:2], GREEDY):
+        seen[i].append(event.token_id)
+        text[i] += event.text
+        if event.result is not None:
+            results[i] = event.result
+    assert [seen[0], seen[1]] == want[:2]
+    assert [text[0], text[1]] == [results[0].text, results[1].text]
+
+
+def test_closing_a_stream_early_aborts_its_requests(engine):
+    stream = engine.stream([prompt(5, 1)], SamplingParams(max_new_tokens=20))
+    next(stream)
+    stream.close()
+    assert not engine.has_work and engine.slots.num_used == 0
+
+
+def test_persistent_compilation_cache_is_written(engine):
+    assert any(pathlib.Path(engine.config.cache_dir).iterdir())
