@@ -1,4 +1,4 @@
-"""The Mosaic GPU conv1d update/verify kernels against the float64 oracle.
+"""The Mosaic GPU conv1d kernels (update/verify, varlen prefill) against the float64 oracle.
 
 Each kernel runs under the Mosaic GPU CPU interpreter (values; fresh buffers start as NaN, so
 an unwritten output shows) and through the Pallas -> Mosaic GPU lowering for ``cuda``.
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.conv1d import prefill_mgpu, update_mgpu
 from pallas_kernels.conv1d import reference as conv_reference
-from pallas_kernels.conv1d import update_mgpu
 
 
 def _rel(x, ref) -> float:
@@ -49,11 +49,12 @@ def _case(seed, *, n, d, c, width, slots, dtype, padded, bias=True):
 def _oracle(fn, args, activation):
     with jax.enable_x64(True):
         wide = {
-            name: None if x is None else jnp.asarray(np.asarray(x, np.float64))
+            name: jnp.asarray(np.asarray(x, np.float64))
+            if x is not None and jnp.issubdtype(x.dtype, jnp.floating)
+            else x
             for name, x in args.items()
-            if name != "state_indices"
         }
-        out = fn(**wide, state_indices=args["state_indices"], activation=activation)
+        out = fn(**wide, activation=activation)
         return jax.tree.map(np.asarray, out)
 
 
@@ -163,3 +164,101 @@ def test_unsupported_reason_names_the_rule(change, words):
     assert reason is not None and words in reason
     with pytest.raises(ValueError, match=words):
         update_mgpu.causal_conv1d_update(**args, activation=activation, interpret=True)
+
+
+def _varlen_case(seed, lengths, *, c, width, slots, dtype, has_init, extra_tokens):
+    """Packed sequences of the given lengths (0 = empty, slot 0) and ``extra_tokens`` of
+    padding after them. Slots without an initial state, slot 0 and unnamed slots hold NaN."""
+    rng = np.random.default_rng(seed)
+    n = len(lengths)
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    idx = rng.permutation(np.arange(1, slots))[:n].astype(np.int32)
+    idx[np.asarray(lengths) == 0] = 0
+    pool = rng.standard_normal((slots, c, width - 1)).astype(np.float32)
+    keep = idx[(idx > 0) & np.asarray(has_init)]
+    pool[np.setdiff1d(np.arange(slots), keep)] = np.nan
+    args = dict(
+        x=jnp.asarray(rng.standard_normal((int(qsl[-1]) + extra_tokens, c)), dtype),
+        weight=jnp.asarray(rng.standard_normal((c, width)) * 0.5, dtype),
+        bias=jnp.asarray(rng.standard_normal(c), dtype),
+        conv_pool=jnp.asarray(pool, dtype),
+        qsl=jnp.asarray(qsl),
+        state_indices=jnp.asarray(idx),
+        has_initial_state=jnp.asarray(has_init),
+    )
+    return args, idx, qsl
+
+
+def test_prefill_matches_oracle_across_sequence_and_block_edges():
+    # BLOCK_T = 16: sequence 0 (14 tokens) ends inside block 0, sequence 2 starts at 15 and
+    # its first taps (old window) are read in block 0 while its last token, which writes the
+    # new window, is in block 1. Lengths 1 and 2 are shorter than the window (W-1 = 3); the
+    # empty sequence must leave its slot alone; 5 padding tokens must come out as zeros.
+    lengths = [14, 0, 4, 1, 2, 20]
+    has_init = [True, False, True, False, True, False]
+    args, idx, qsl = _varlen_case(
+        6, lengths, c=128, width=4, slots=9, dtype=jnp.float32, has_init=has_init,
+        extra_tokens=5,
+    )  # fmt: skip
+    y, pool = jax.jit(functools.partial(prefill_mgpu.causal_conv1d, interpret=True))(**args)
+    y_ref, pool_ref = _oracle(conv_reference.causal_conv1d_recurrent, args, "silu")
+    n_real = qsl[-1]
+    assert np.isfinite(np.asarray(y)).all(), "an output was never written (NaN)"
+    assert _rel(y[:n_real], y_ref[:n_real]) < 1e-6
+    assert not np.asarray(y)[n_real:].any(), "padding tokens must give zeros"
+    written = idx[np.asarray(lengths) > 0]
+    np.testing.assert_array_equal(_bits(pool[written]), _bits(pool_ref[written].astype(np.float32)))
+    others = np.setdiff1d(np.arange(pool.shape[0]), written)
+    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["conv_pool"][others]))
+
+
+def test_prefill_bf16_without_bias_matches_oracle():
+    args, idx, qsl = _varlen_case(
+        7, [3, 17], c=256, width=3, slots=4, dtype=jnp.bfloat16, has_init=[True, True],
+        extra_tokens=0,
+    )  # fmt: skip
+    args["bias"] = None
+    y, pool = jax.jit(
+        functools.partial(prefill_mgpu.causal_conv1d, activation=None, interpret=True)
+    )(**args)
+    y_ref, pool_ref = _oracle(conv_reference.causal_conv1d_recurrent, args, None)
+    assert _rel(y, y_ref) < 1e-2
+    np.testing.assert_array_equal(_bits(pool[idx]), _bits(pool_ref[idx].astype(jnp.bfloat16)))
+
+
+def test_prefill_lowers_for_cuda_with_the_pool_aliased():
+    n_seq, t_total = 8, 8192
+    args = dict(
+        x=jax.ShapeDtypeStruct((t_total, 8192), jnp.bfloat16),
+        weight=jax.ShapeDtypeStruct((8192, 4), jnp.bfloat16),
+        bias=jax.ShapeDtypeStruct((8192,), jnp.bfloat16),
+        conv_pool=jax.ShapeDtypeStruct((64, 8192, 3), jnp.bfloat16),
+        qsl=jax.ShapeDtypeStruct((n_seq + 1,), jnp.int32),
+        state_indices=jax.ShapeDtypeStruct((n_seq,), jnp.int32),
+        has_initial_state=jax.ShapeDtypeStruct((n_seq,), jnp.bool_),
+    )
+    text = (
+        jax.jit(prefill_mgpu.causal_conv1d, donate_argnames=("conv_pool",))
+        .trace(**args)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert re.search(r"tensor<64x8192x3xbf16> \{tf.aliasing_output = 1 ", main)
+    assert prefill_mgpu.unsupported_reason(**args) is None
+
+
+def test_prefill_unsupported_reason_names_the_rule():
+    args = dict(
+        x=jnp.ones((32, 128), jnp.bfloat16),
+        weight=jnp.ones((128, 4), jnp.bfloat16),
+        bias=None,
+        conv_pool=jnp.ones((3, 128, 3), jnp.bfloat16),
+        qsl=jnp.asarray([0, 32], jnp.int32),
+        state_indices=jnp.asarray([1], jnp.int32),
+        has_initial_state=jnp.asarray([1], jnp.int32),
+    )
+    reason = prefill_mgpu.unsupported_reason(**args)
+    assert reason is not None and "has_initial_state" in reason
+    with pytest.raises(ValueError, match="has_initial_state"):
+        prefill_mgpu.causal_conv1d(**args, interpret=True)
