@@ -70,7 +70,10 @@ def _time(fn, args: tuple, pool: jax.Array, calls: int = 20, repeats: int = 3) -
 
 
 def _variant(spec: str) -> chunk_mgpu.Config:
-    """``"64"`` -> block_v 64; a trailing ``k`` forces K-major B operands (``"64k"``)."""
+    """``"auto"``: the default config; ``"64"``: block_v 64; a trailing ``k`` forces K-major
+    B operands (``"64k"``)."""
+    if spec == "auto":
+        return chunk_mgpu.Config()
     kmajor = True if spec.endswith("k") else None
     return chunk_mgpu.Config(block_v=int(spec.rstrip("k")), kmajor=kmajor)
 
@@ -142,7 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--variants", default="64,32", help="block_v per variant, k: K-major")
+    parser.add_argument("--variants", default="auto,64,32", help="block_v, k: K-major")
     args = parser.parse_args()
     rows = []
     for name in args.shapes.split(","):

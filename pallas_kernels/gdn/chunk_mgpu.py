@@ -41,6 +41,7 @@ rounded to bf16 first); accumulation, the decays, the norms and the state are fl
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -65,15 +66,34 @@ COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 class Config:
     """Static tuning of the state pass.
 
-    block_v: value columns per CTA of the state pass (32, 64 or the full V). Fewer columns
-      give more CTAs (a single sequence gets ``HV * V / block_v`` of them) at the price of
-      re-reading q, k, M and P once per column block.
+    block_v: value columns per CTA of the state pass (32 or 64; None picks per call, see
+      ``_resolve``). Fewer columns give more CTAs (a single sequence gets
+      ``HV * V / block_v`` of them) at the price of re-reading q, k, M and P once per block.
     kmajor: store the state pass's B operands transposed (None: only when block_v < 64,
       where it is required).
     """
 
-    block_v: int = 64
+    block_v: int | None = None
     kmajor: bool | None = None
+
+
+@functools.cache
+def _num_sms() -> int:
+    """Multiprocessors of the default device (132, an H100/H200 SXM, when not a GPU)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132
+
+
+def _resolve(config: Config, n_seqs: int, heads: int, value_dim: int) -> Config:
+    """``config`` with ``block_v`` chosen when it is None.
+
+    Measured on the H200 (benchmarks/prefill_notes.md, run 2): 32 columns win while a grid
+    of 64-column blocks would leave SMs idle (1x8192: 19.2 against 17.5 Mtok/s; 1x32768: 21.3
+    against 19.3), 64 win once it fills them (4x8192: 26.6 against 21.2; 8x2048, varlen).
+    """
+    if config.block_v is not None:
+        return config
+    blocks_of_64 = n_seqs * heads * (value_dim // 64)
+    return dataclasses.replace(config, block_v=32 if blocks_of_64 < _num_sms() else 64)
 
 
 def _smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
@@ -495,6 +515,9 @@ def unsupported_reason(
         return f"head dims K={key_dim}, V={value_dim} must be in {HEAD_DIMS}"
     if v.shape[1] % q.shape[1]:
         return f"HV={v.shape[1]} is not a multiple of H={q.shape[1]}"
+    if qsl.ndim != 1 or qsl.shape[0] < 2:
+        return f"query_start_loc must be [N+1] with N >= 1, got shape {qsl.shape}"
+    config = _resolve(config, qsl.shape[0] - 1, v.shape[1], value_dim)
     if value_dim % config.block_v or config.block_v not in (32, 64):
         return f"block_v={config.block_v} must be 32 or 64 and divide V={value_dim}"
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
@@ -504,8 +527,6 @@ def unsupported_reason(
         return f"the ssm pool must be float32, got {ssm_pool.dtype}"
     if ssm_pool.shape[1:] != (v.shape[1], key_dim, value_dim):
         return f"ssm_pool {ssm_pool.shape} does not match [S, HV={v.shape[1]}, K, V]"
-    if qsl.ndim != 1 or qsl.shape[0] < 2:
-        return f"query_start_loc must be [N+1] with N >= 1, got shape {qsl.shape}"
     return None
 
 
@@ -562,6 +583,7 @@ def chunk_gated_delta_rule(
     interpret = interpret or None
     tokens, _, key_dim = q.shape
     n_seqs = qsl.shape[0] - 1
+    config = _resolve(config, n_seqs, v.shape[1], v.shape[2])
     scale = key_dim**-0.5 if scale is None else float(scale)
     out_dtype = v.dtype
     # Tokens padded to the 8-row tiling and at least one chunk: a copy only when T is

@@ -105,10 +105,10 @@ def test_chunk_table_covers_every_token_once_from_aligned_starts():
     assert first[-1] <= n_chunks
 
 
-@pytest.mark.parametrize("block_v", [64, 32])
-def test_kernels_lower_for_cuda_at_qwen3_next_shapes(block_v):
+@pytest.mark.parametrize("block_v, d", [(64, 128), (32, 128), (32, 64)])
+def test_kernels_lower_for_cuda_at_qwen3_next_shapes(block_v, d):
     shape = jax.ShapeDtypeStruct
-    tokens, n, h, hv, d = 4096, 3, 16, 32, 128
+    tokens, n, h, hv = 4096, 3, 16, 32
     args = (
         shape((tokens, h, d), jnp.bfloat16),
         shape((tokens, h, d), jnp.bfloat16),
@@ -148,3 +148,12 @@ def test_unsupported_reason_accepts_the_contract_and_names_what_it_refuses():
     assert "HV=3" in chunk_mgpu.unsupported_reason(*_shapes(hv=3))
     with pytest.raises(ValueError, match="K=96"):
         chunk_mgpu.chunk_gated_delta_rule(*_shapes(kd=96))
+
+
+def test_block_v_is_narrow_only_while_wide_blocks_leave_multiprocessors_idle():
+    def pick(n_seqs):
+        return chunk_mgpu._resolve(chunk_mgpu.Config(), n_seqs, 32, 128).block_v
+
+    assert pick(1) == 32  # one long sequence: 64 blocks of 64 columns, 132 SMs
+    assert pick(4) == 64 and pick(64) == 64
+    assert chunk_mgpu._resolve(chunk_mgpu.Config(block_v=64), 1, 32, 128).block_v == 64
