@@ -44,8 +44,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pallas_kernels.conv1d import prefill_mgpu, update_mgpu  # noqa: E402
 from pallas_kernels.conv1d import reference as conv_reference  # noqa: E402
-from pallas_kernels.conv1d import update_mgpu  # noqa: E402
 from pallas_kernels.gdn import recurrent_mgpu  # noqa: E402
 from pallas_kernels.gdn import reference as gdn_reference  # noqa: E402
 
@@ -55,6 +55,7 @@ STATE_BYTES = HV * K * V * 4
 CONV_C, CONV_W = 2 * H * K + HV * V, 4
 DECODE_BATCHES = (1, 16, 64, 256)
 CONV_BATCHES = (1, 256)
+CONV_PREFILL = (("8x2048", 8, 2048),)
 VERIFY = ((16, 4), (64, 4))
 PREFILL = (("1x8192", 1, 8192), ("1x32768", 1, 32768), ("4x8192", 4, 8192),
            ("8x2048", 8, 2048), ("varlen 64x256", 64, 256))  # fmt: skip
@@ -495,6 +496,22 @@ def bench_conv() -> None:
                 return jax_per_step_us(step, pool, _slots_of(rng, n))
 
             _record("conv1d", f"update batch {n}", impl, measure, _tbps(traffic))
+    for shape, n_seq, length in CONV_PREFILL:
+        t_total = n_seq * length
+        x = jnp.asarray(rng.standard_normal((t_total, CONV_C)), jnp.bfloat16)
+        qsl = jnp.arange(0, t_total + 1, length, dtype=jnp.int32)
+        has_init = jnp.ones((n_seq,), bool)
+        traffic = 2 * t_total * CONV_C * 2  # read x, write y (the windows are negligible)
+        reference = conv_reference.causal_conv1d_gathered
+        for impl, fn in (("ours (Mosaic GPU)", prefill_mgpu.causal_conv1d),
+                         ("jnp reference (gathered)", reference)):  # fmt: skip
+
+            def step(pool, idx, fn=fn, x=x, qsl=qsl, has_init=has_init):
+                y, pool = fn(x, weight, bias, pool, qsl, idx, has_init)
+                return pool, y
+
+            _record("conv1d", f"prefill {shape}", impl, jax_per_step_us, _tbps(traffic), step,
+                    pool, _slots_of(rng, n_seq), n_steps=4)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- report
@@ -535,28 +552,18 @@ def _table() -> str:
 def _smoke_mode() -> None:
     """Tiny shapes and the kernels under the Mosaic GPU interpreter: runs the whole script
     on a CPU in a minute (no torch, no timing worth reading)."""
-    global \
-        SMOKE, \
-        H, \
-        HV, \
-        K, \
-        V, \
-        SLOTS, \
-        STATE_BYTES, \
-        CONV_C, \
-        DECODE_BATCHES, \
-        VERIFY, \
-        PREFILL, \
-        CONV_BATCHES
+    global SMOKE, H, HV, K, V, SLOTS, STATE_BYTES, CONV_C
+    global DECODE_BATCHES, VERIFY, PREFILL, CONV_BATCHES, CONV_PREFILL
     SMOKE = True
     H, HV, K, V, SLOTS, CONV_C = 1, 2, 64, 64, 8, 128
     STATE_BYTES = HV * K * V * 4
     DECODE_BATCHES, VERIFY, PREFILL = (1, 2), ((2, 2),), (("2x64", 2, 64),)
-    CONV_BATCHES = (1, 2)
+    CONV_BATCHES, CONV_PREFILL = (1, 2), (("2x20", 2, 20),)
     for module, name in ((recurrent_mgpu, "fused_recurrent_gated_delta_rule"),
                          (recurrent_mgpu, "fused_gating_recurrent_gated_delta_rule"),
                          (recurrent_mgpu, "verify_gated_delta_rule"),
-                         (update_mgpu, "causal_conv1d_update")):  # fmt: skip
+                         (update_mgpu, "causal_conv1d_update"),
+                         (prefill_mgpu, "causal_conv1d")):  # fmt: skip
         setattr(module, name, functools.partial(getattr(module, name), interpret=True))
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels._common import on_hopper_gpu
+from pallas_kernels.conv1d import prefill_mgpu, update_mgpu
 from pallas_kernels.conv1d import reference as conv_reference
-from pallas_kernels.conv1d import update_mgpu
 from pallas_kernels.gdn import recurrent_mgpu
 from pallas_kernels.gdn import reference as gdn_reference
 
@@ -77,7 +77,9 @@ def _oracle(fn, args, **options):
     """The reference on float64 copies of the inputs, run row block by row block."""
     with jax.enable_x64(True):
         wide = {
-            name: x if x is None or name == "state_indices" else jnp.asarray(x, jnp.float64)
+            name: jnp.asarray(x, jnp.float64)
+            if x is not None and jnp.issubdtype(x.dtype, jnp.floating)
+            else x
             for name, x in args.items()
         }
         return jax.tree.map(np.asarray, jax.jit(functools.partial(fn, **options))(**wide))
@@ -187,3 +189,41 @@ def test_conv1d_verify_on_gpu_matches_oracle():
         _bits(windows[real]), _bits(windows_ref[real].astype(jnp.bfloat16))
     )
     assert not windows[~real].astype(np.float32).any()
+
+
+def test_conv1d_prefill_on_gpu_matches_oracle_in_place():
+    # Lengths around the window (0, 1, 2 < W-1), long ones across many 16-token blocks.
+    lengths = np.array([700, 0, 1, 2, 3000, 37, 5, 0])
+    has_init = np.array([True, False, True, False, True, False, True, False])
+    rng = np.random.default_rng(6)
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    idx = _slots(rng, len(lengths), 0)
+    idx[lengths == 0] = 0
+    pool = rng.standard_normal((SLOTS, CHANNELS, WIDTH - 1)).astype(np.float32)
+    pool[np.setdiff1d(np.arange(SLOTS), idx[(idx > 0) & has_init])] = np.nan
+    bf16 = jnp.bfloat16
+    args = dict(
+        x=jnp.asarray(rng.standard_normal((int(qsl[-1]) + 11, CHANNELS)), bf16),
+        weight=jnp.asarray(rng.standard_normal((CHANNELS, WIDTH)) * 0.5, bf16),
+        bias=jnp.asarray(rng.standard_normal(CHANNELS), bf16),
+        conv_pool=jnp.asarray(pool, bf16),
+        qsl=jnp.asarray(qsl),
+        state_indices=jnp.asarray(idx),
+        has_initial_state=jnp.asarray(has_init),
+    )
+    before = np.asarray(args["conv_pool"])
+    y_ref, pool_ref = _oracle(conv_reference.causal_conv1d_recurrent, args)
+    step = jax.jit(prefill_mgpu.causal_conv1d, donate_argnames="conv_pool")
+    pointer = args["conv_pool"].unsafe_buffer_pointer()
+    y, pool = step(**args)
+    assert pool.unsafe_buffer_pointer() == pointer, "the donated pool was copied, not aliased"
+    y = np.asarray(y, np.float32)
+    n_real = qsl[-1]
+    assert np.isfinite(y).all()
+    assert _rel(y[:n_real], y_ref[:n_real]) < 1e-2
+    assert not y[n_real:].any(), "padding tokens must give zeros"
+    written = idx[lengths > 0]
+    pool = np.asarray(pool)
+    np.testing.assert_array_equal(_bits(pool[written]), _bits(pool_ref[written].astype(bf16)))
+    others = np.setdiff1d(np.arange(SLOTS), written)
+    np.testing.assert_array_equal(_bits(pool[others]), _bits(before[others]))
