@@ -4,7 +4,8 @@ The step's new keys and values are first written into the pages of their rows (p
 tokens into the pad page 0); then every query token attends to positions ``0..p`` of its
 own row, read back through the row's page table. Because a token's row and position are in
 ``ForwardMetadata`` for every layout (``token_rows``, ``positions``), ragged EXTEND / MIXED /
-DRAFT_EXTEND, DECODE and TARGET_VERIFY share this one function; IDLE has no tokens.
+DRAFT_EXTEND, DECODE and TARGET_VERIFY share this one function; IDLE has no tokens. There
+is no Pallas paged-attention kernel yet, so this op has no ``impl`` choice.
 
 TARGET_VERIFY writes the D draft tokens' keys and values into the row's pages like any other
 step. Nothing needs undoing when drafts are rejected: their entries sit at positions past
