@@ -169,11 +169,9 @@ def _unit_lower_inverse(a: jax.Array, l_s, t_s, n_s) -> jax.Array:
     ci = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WG)
 
     def off_diagonal(b: int) -> jax.Array:  # row block 2, column block 1 of each 2b block
-        return (
-            (lax.div(ri, 2 * b) == lax.div(ci, 2 * b))
-            & (lax.rem(ri, 2 * b) >= b)
-            & (lax.rem(ci, 2 * b) < b)
-        )
+        # Bit tests, not div/rem (b is a power of two): this runs on every element of the
+        # tile at every level, where a signed div or rem costs several instructions.
+        return ((ri ^ ci) < 2 * b) & ((ri & b) != 0) & ((ci & b) == 0)
 
     t = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(off_diagonal(1), a, 0.0)
     b = 2
@@ -283,6 +281,7 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
         scratch_types=scratch,
         grid=(num_chunks, heads),
         grid_names=("c", "h"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),  # ex2/rsqrt.approx
         interpret=interpret,
         kernel_name="gdn_chunk_intra",
     )(q, k, g_t, beta_t, table, first)
