@@ -2,34 +2,23 @@
 speculative verification (``causal_conv1d_verify``, returns the window after every token and
 leaves the pool alone).
 
-Kernel plug-in point: the Mosaic GPU kernels live in ``update_mgpu.py`` and expose
-``unsupported_reason(x, weight, bias, conv_pool, state_indices, *, activation) -> str | None``
-(update and verify alike), ``causal_conv1d_update(<same>, interpret: bool)`` and
-``causal_conv1d_verify(<same>, interpret: bool)`` (inputs already checked).
-Plugging them in is replacing ``_kernel = None`` below with
-``from pallas_kernels.conv1d import update_mgpu as _kernel``.
+The Mosaic GPU kernels live in ``update_mgpu.py`` (same arguments plus ``interpret``); its
+``unsupported_reason`` decides whether ``impl="auto"`` may take them.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import jax
 
 from pallas_kernels._common import resolve_impl
-from pallas_kernels.conv1d import reference
+from pallas_kernels.conv1d import reference, update_mgpu
 from pallas_kernels.conv1d._checks import check_rows
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_verify"]
 
-_kernel: ModuleType | None = None
-
 
 def _resolve(op: str, impl: str, args: tuple, activation: str | None) -> str:
-    if _kernel is None:
-        reason = f"no Pallas kernel for {op} yet"
-    else:
-        reason = _kernel.unsupported_reason(*args, activation=activation)
+    reason = update_mgpu.unsupported_reason(*args, activation=activation)
     return resolve_impl(op, impl, reason)
 
 
@@ -64,7 +53,7 @@ def causal_conv1d_update(
     which = _resolve(op, impl, args, activation)
     if which == "reference":
         return reference.causal_conv1d_update(*args, activation=activation)
-    return _kernel.causal_conv1d_update(
+    return update_mgpu.causal_conv1d_update(
         *args, activation=activation, interpret=which == "interpret"
     )
 
@@ -96,6 +85,6 @@ def causal_conv1d_verify(
     which = _resolve(op, impl, args, activation)
     if which == "reference":
         return reference.causal_conv1d_verify(*args, activation=activation)
-    return _kernel.causal_conv1d_verify(
+    return update_mgpu.causal_conv1d_verify(
         *args, activation=activation, interpret=which == "interpret"
     )

@@ -2,34 +2,23 @@
 pool) and speculative verification (``verify_gated_delta_rule``, returns the state after every
 token and leaves the pool alone).
 
-Kernel plug-in point: the Mosaic GPU kernels live in ``recurrent_mgpu.py`` and expose
-``unsupported_reason(q, k, v, g, beta, ssm_pool, state_indices, *, scale, use_qk_l2norm)
--> str | None`` (decode and verify alike), ``fused_recurrent_gated_delta_rule(<same>,
-interpret: bool)`` and ``verify_gated_delta_rule(<same>, interpret: bool)`` (inputs already
-checked, ``scale`` a float). Plugging them in is replacing ``_kernel = None`` below with
-``from pallas_kernels.gdn import recurrent_mgpu as _kernel``.
+The Mosaic GPU kernels live in ``recurrent_mgpu.py`` (same arguments plus ``interpret``);
+its ``unsupported_reason`` decides whether ``impl="auto"`` may take them.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import jax
 
 from pallas_kernels._common import resolve_impl
-from pallas_kernels.gdn import reference
+from pallas_kernels.gdn import recurrent_mgpu, reference
 from pallas_kernels.gdn._checks import check_rows, default_scale
 
 __all__ = ["fused_recurrent_gated_delta_rule", "verify_gated_delta_rule"]
 
-_kernel: ModuleType | None = None
-
 
 def _resolve(op: str, impl: str, args: tuple, options: dict) -> str:
-    if _kernel is None:
-        reason = f"no Pallas kernel for {op} yet"
-    else:
-        reason = _kernel.unsupported_reason(*args, **options)
+    reason = recurrent_mgpu.unsupported_reason(*args, **options)
     return resolve_impl(op, impl, reason)
 
 
@@ -71,7 +60,7 @@ def fused_recurrent_gated_delta_rule(
     which = _resolve(op, impl, args, options)
     if which == "reference":
         return reference.fused_recurrent_gated_delta_rule(*args, **options)
-    return _kernel.fused_recurrent_gated_delta_rule(
+    return recurrent_mgpu.fused_recurrent_gated_delta_rule(
         *args, **options, interpret=which == "interpret"
     )
 
@@ -108,4 +97,4 @@ def verify_gated_delta_rule(
     which = _resolve(op, impl, args, options)
     if which == "reference":
         return reference.verify_gated_delta_rule(*args, **options)
-    return _kernel.verify_gated_delta_rule(*args, **options, interpret=which == "interpret")
+    return recurrent_mgpu.verify_gated_delta_rule(*args, **options, interpret=which == "interpret")
