@@ -1,5 +1,8 @@
 """``hybrid-jax``: the command line.
 
+``hybrid-jax generate`` and ``hybrid-jax bench`` serve the built-in tiny Qwen3-Next model (or a
+checkpoint) through the engine (``engine/commands.py``).
+
 ``hybrid-jax demo`` builds the built-in tiny GDN stack with random weights, compiles every
 supported (mode, bucket) ahead of time, runs each once on a real batch of that bucket, and
 prints a table (mode, bucket, compile ms, run ms), then shows the error an unsupported mode
@@ -20,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hybrid_jax.engine.commands import add_bench_parser, add_generate_parser
 from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.models.gdn_stack import GDNStack, tiny_gdn_stack_config
@@ -160,5 +164,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=str(Path.home() / ".cache" / "hybrid_jax" / "xla"),
         help="persistent compilation cache ('' to disable)",
     )
+    d.set_defaults(func=demo)
+    add_generate_parser(sub)
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
-    raise SystemExit(demo(args))
+    raise SystemExit(args.func(args))

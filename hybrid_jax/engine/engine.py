@@ -4,8 +4,8 @@
 layers' paged KV cache. At construction it compiles, ahead of time, the forward step of every
 (mode, bucket) the scheduler can produce (EXTEND, DECODE and MIXED on the bucket policy) and
 the sampler for every batch bucket, through JAX's persistent compilation cache, so that a
-second start loads them. After that warm-up nothing is traced again (``retraces`` counts it;
-a retrace also warns).
+second start loads them, and runs each once on padding. After that warm-up nothing is traced
+again (``retraces`` counts it; a retrace also warns).
 
 A step: the scheduler picks the rows, ``build_metadata`` pads them to their bucket, the step
 executable returns the logits of each row's last token, the sampler draws one token per row,
@@ -44,7 +44,7 @@ from hybrid_jax.engine.scheduler import (
 )
 from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.kv_cache import KVCache, PageAllocator, init_kv_cache
-from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, build_metadata
+from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, build_metadata, example_metadata
 from hybrid_jax.models.loading import load_qwen3_next
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
 from hybrid_jax.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -335,6 +335,17 @@ class Engine:
             ms = self._sampler.compile(bs, self.vocab_size)
             self.compile_records.append(CompileRecord(ForwardMode.IDLE, bs, 0, ms))
             bar(f"sampler {bs}")
+        # Run every executable once on all-padding metadata (it writes only the pad slot and
+        # the pad page): a first run costs more than later ones, and no request should pay it.
+        for record in self.compile_records:
+            if record.mode is ForwardMode.IDLE:
+                continue
+            meta = example_metadata(record.mode, record.batch_size, record.num_tokens, self.policy)
+            tokens = jnp.zeros((record.num_tokens, 1), jnp.int32)
+            out = self._steps(self._state, tokens, meta)
+            self._state = out.state
+            self._sampler(out.logits, SamplingBatch.pack([], [], [], record.batch_size))
+        jax.block_until_ready(self._state)
 
     def _traces(self) -> int:
         return self._steps.total_traces + self._sampler.trace_count

@@ -1,0 +1,231 @@
+"""The engine's command-line subcommands: ``hybrid-jax generate`` and ``hybrid-jax bench``.
+
+``generate`` serves prompts (arguments, or one per line on stdin) with the built-in tiny
+model or a checkpoint folder, printing tokens as they arrive. ``bench`` submits a batch of
+random prompts at once and reports compile time, tokens/s, time to first token and the time
+of a step in each mode, as a table and, when matplotlib is importable, a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from hybrid_jax.engine.engine import DEFAULT_CACHE_DIR, Engine, EngineConfig, Result
+from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
+from hybrid_jax.engine.scheduler import RequestError
+from hybrid_jax.modes import ForwardMode
+
+__all__ = ["add_bench_parser", "add_generate_parser", "bench", "generate"]
+
+
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint", default=None, help="Hugging Face Qwen3-Next folder (default: tiny)"
+    )
+    parser.add_argument("--max-batch", type=int, default=4, help="requests running at once")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per step")
+    parser.add_argument("--max-context", type=int, default=256, help="positions per request")
+    parser.add_argument("--chunk-size", type=int, default=None, help="prefill chunk (tokens)")
+    parser.add_argument(
+        "--impl", default="auto", choices=["auto", "pallas", "interpret", "reference"]
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=DEFAULT_CACHE_DIR,
+        help="persistent compilation cache ('' to disable)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="model weights (tiny) and seeds")
+
+
+def _engine(args: argparse.Namespace) -> Engine:
+    config = EngineConfig(
+        max_batch=args.max_batch,
+        max_tokens=args.max_tokens,
+        max_context=args.max_context,
+        chunk_size=args.chunk_size,
+        cache_dir=args.cache_dir or None,
+        seed=args.seed,
+        impl=args.impl,
+    )
+    if args.checkpoint:
+        return Engine.from_checkpoint(args.checkpoint, config)
+    return Engine.from_preset("tiny", config, seed=args.seed)
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text (built-in tiny model by default)")
+    p.add_argument("prompts", nargs="*", help="prompts; none: one per line from stdin")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    p.add_argument("--sample-seed", type=int, default=None, help="seed of every request")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[], help="repeatable")
+    _engine_arguments(p)
+    p.set_defaults(func=generate)
+
+
+def _printable(text: str) -> str:
+    # The tiny model's random weights emit arbitrary bytes: show control characters escaped
+    # rather than letting them drive the terminal.
+    return "".join(
+        c if c.isprintable() or c in "\n\t" else c.encode("unicode_escape").decode() for c in text
+    )
+
+
+def _summary(results: Sequence[Result]) -> str:
+    tokens = sum(len(r.token_ids) for r in results)
+    ttft = statistics.median(r.ttft for r in results)
+    rate = statistics.median(r.tokens_per_s for r in results)
+    return (
+        f"{len(results)} requests, {tokens} tokens; median time to first token "
+        f"{1e3 * ttft:.1f} ms, median decode {rate:.1f} tokens/s per request"
+    )
+
+
+def generate(args: argparse.Namespace) -> int:
+    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("hybrid-jax generate: no prompt given (arguments or stdin)", file=sys.stderr)
+        return 2
+    try:
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.sample_seed,
+            stop_token_ids=tuple(args.stop_token_id),
+        )
+    except SamplingParamsError as err:
+        print(f"hybrid-jax generate: {err}", file=sys.stderr)
+        return 2
+    engine = _engine(args)
+    results: list[Result] = []
+    try:
+        stream = engine.stream(prompts, params)
+        if len(prompts) == 1:
+            print(_printable(prompts[0]), end="", flush=True)
+            for _, event in stream:
+                print(_printable(event.text), end="", flush=True)
+                if event.result is not None:
+                    results.append(event.result)
+            print()
+        else:
+            # Interleaved tokens of several prompts would be unreadable: print each
+            # completion as soon as it finishes.
+            for i, event in stream:
+                if event.result is not None:
+                    results.append(event.result)
+                    print(f"[{i}] {_printable(prompts[i])}{_printable(event.result.text)}")
+    except (RequestError, SamplingParamsError) as err:
+        print(f"hybrid-jax generate: {err}", file=sys.stderr)
+        return 2
+    print(_summary(results), file=sys.stderr)
+    return 0
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="throughput, time to first token, step times by mode")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument(
+        "--plot", default="hybrid_jax_bench.png", help="PNG path ('' for none; needs matplotlib)"
+    )
+    _engine_arguments(p)
+    p.set_defaults(func=bench)
+
+
+def _ms(values: Sequence[float]) -> tuple[float, float, float]:
+    if not values:
+        return (float("nan"),) * 3
+    ms = np.asarray(values) * 1e3
+    return float(np.median(ms)), float(np.percentile(ms, 90)), float(ms.mean())
+
+
+def _plot(path: str, engine: Engine, results: Sequence[Result]) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (steps, ttft) = plt.subplots(1, 2, figsize=(10, 4))
+    modes = [m for m, times in engine.step_times.items() if times]
+    steps.boxplot([np.asarray(engine.step_times[m]) * 1e3 for m in modes])
+    steps.set_xticks(range(1, len(modes) + 1), [m.name for m in modes])
+    steps.set_ylabel("step time (ms)")
+    steps.set_title("time per step by mode")
+    ttft.hist([r.ttft * 1e3 for r in results], bins=20)
+    ttft.set_xlabel("time to first token (ms)")
+    ttft.set_title(f"{len(results)} requests")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def bench(args: argparse.Namespace) -> int:
+    engine = _engine(args)
+    rng = np.random.default_rng(args.seed)
+    params = SamplingParams(max_new_tokens=args.new_tokens)
+    vocab = engine.vocab_size
+
+    def prompts(n: int) -> list[list[int]]:
+        return rng.integers(0, vocab, (n, args.prompt_len)).tolist()
+
+    try:
+        # One untimed request runs every step path once outside the measurement.
+        engine.generate(prompts(1), dataclasses.replace(params, max_new_tokens=2))
+        for times in engine.step_times.values():
+            times.clear()
+        start = time.perf_counter()
+        results = engine.generate(prompts(args.num_prompts), params)
+        wall = time.perf_counter() - start
+    except (RequestError, SamplingParamsError) as err:
+        print(f"hybrid-jax bench: {err}", file=sys.stderr)
+        return 2
+    generated = sum(len(r.token_ids) for r in results)
+    cfg = engine.config
+    print(
+        f"hybrid-jax bench: {args.num_prompts} prompts x {args.prompt_len} tokens, "
+        f"{args.new_tokens} new each; max_batch {cfg.max_batch}, max_tokens {cfg.max_tokens}, "
+        f"impl {cfg.impl}"
+    )
+    print(
+        f"compile (all {len(engine.compile_records)} executables): {engine.compile_s:.1f} s; "
+        f"retraces after warm-up: {engine.retraces}"
+    )
+    print(
+        f"wall {wall:.2f} s: {generated / wall:.1f} generated tokens/s, "
+        f"{(generated + args.num_prompts * args.prompt_len) / wall:.1f} total tokens/s"
+    )
+    header = f"{'':<26}{'median':>10}{'p90':>10}{'mean':>10}{'count':>8}"
+    print(header)
+    print("-" * len(header))
+    rows = [
+        ("time to first token (ms)", [r.ttft for r in results]),
+        ("per-token latency (ms)", [t for r in results for t in r.token_latencies]),
+    ]
+    rows += [
+        (f"{mode.name} step (ms)", engine.step_times[mode])
+        for mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE)
+    ]
+    for label, values in rows:
+        median, p90, mean = _ms(values)
+        print(f"{label:<26}{median:>10.2f}{p90:>10.2f}{mean:>10.2f}{len(values):>8}")
+    if args.plot:
+        if _plot(args.plot, engine, results):
+            print(f"plot: {args.plot}")
+        else:
+            print("plot skipped: matplotlib is not installed", file=sys.stderr)
+    return 0 if engine.retraces == 0 else 1

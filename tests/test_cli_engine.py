@@ -1,0 +1,41 @@
+"""``hybrid-jax generate`` and ``hybrid-jax bench``: argument errors and an end-to-end run."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from hybrid_jax.cli import main
+
+SMALL = ["--max-batch", "2", "--max-tokens", "16", "--max-context", "32", "--impl", "reference"]
+
+
+def run(argv, capsys, stdin=None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_generate_rejects_invalid_sampling_flags_before_building_a_model(capsys):
+    code, _, err = run(["generate", "hi", "--top-p", "2"], capsys)
+    assert code == 2 and "top_p=2.0" in err
+
+
+def test_generate_without_prompts_says_so(capsys, monkeypatch):
+    code, _, err = run(["generate"], capsys, stdin="\n  \n", monkeypatch=monkeypatch)
+    assert code == 2 and "no prompt given" in err
+
+
+@pytest.mark.slow
+def test_generate_streams_stdin_prompts_and_bench_prints_its_table(capsys, monkeypatch, tmp_path):
+    cache = ["--cache-dir", str(tmp_path)]
+    argv = ["generate", "--max-new-tokens", "3", *SMALL, *cache]
+    code, out, err = run(argv, capsys, stdin="ab\ncd\n", monkeypatch=monkeypatch)
+    assert code == 0 and out.startswith("[") and "2 requests, 6 tokens" in err
+    argv = ["bench", "--num-prompts", "3", "--prompt-len", "5", "--new-tokens", "2", "--plot", ""]
+    code, out, _ = run([*argv, *SMALL, *cache], capsys)
+    assert code == 0 and "retraces after warm-up: 0" in out and "DECODE step" in out
