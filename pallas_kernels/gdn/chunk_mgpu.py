@@ -333,7 +333,12 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
         o_ref,
         *scratch,
     ):
-        (q_s, k_s, v_s, m_s, p_s, w_s, s_bf, y_s, vp_s, vc_s, o_s, o_p, st_s, bar, st_bar) = scratch
+        (q_s, k_s, v_s, m_s, p_s, w_s, s_bf, y_s, vp_s, vc_s, o_s, o_rows, st_s, bar, st_bar) = (
+            scratch
+        )
+        # A TMA's SMEM address must be 128-byte aligned: rows of the row-by-row staging tile
+        # are padded to 128 bytes (a 32-column bf16 row is only 64).
+        o_p = o_rows.at[:, pl.ds(0, bv)]
         n, h, iv = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("v")
         hk = lax.div(h, group)
         cols = pl.ds(iv * bv, bv)
@@ -471,7 +476,7 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
         b_operand(tile),
         b_operand(tile),
         _smem((2, *tile), out_dtype),
-        plgpu.SMEM(tile, out_dtype),
+        plgpu.SMEM((CHUNK, max(bv, 128 // jnp.dtype(out_dtype).itemsize)), out_dtype),
         plgpu.SMEM(state, F32),
         plgpu.Barrier(num_arrivals=6, num_barriers=2),
         plgpu.Barrier(),
