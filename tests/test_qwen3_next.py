@@ -255,10 +255,10 @@ def test_config_errors_name_the_field(change, message):
         Qwen3NextConfig.from_hf_dict(dict(BASE, **change))
 
 
-def test_config_missing_required_field_is_named():
+def test_config_missing_required_fields_are_named():
     config = dict(BASE)
-    del config["hidden_size"]
-    with pytest.raises(ConfigError, match="lacks hidden_size"):
+    del config["hidden_size"], config["linear_value_head_dim"]
+    with pytest.raises(ConfigError, match="lacks hidden_size, linear_value_head_dim"):
         Qwen3NextConfig.from_hf_dict(config)
 
 

@@ -153,10 +153,11 @@ class Qwen3NextConfig:
                 f"rope type {rope_type!r}: only the default rotary embedding is implemented; "
                 f"remove the rope scaling or serve a shorter context"
             )
+        derived = ("layer_types", "head_dim")  # filled in below when absent
         missing = [
-            key
-            for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-            if key not in config
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.name not in derived and f.name not in config
         ]
         if missing:
             raise ConfigError(f"config.json lacks {', '.join(missing)}")
@@ -181,17 +182,14 @@ class Qwen3NextConfig:
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
         factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
         chosen = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
-        try:
-            return cls(
-                **values,
-                layer_types=tuple(layer_types),
-                eos_token_id=eos,
-                rope_theta=float(theta),
-                partial_rotary_factor=float(factor),
-                dtype=chosen,
-            )
-        except TypeError as err:
-            raise ConfigError(f"config.json: {err}") from err
+        return cls(
+            **values,
+            layer_types=tuple(layer_types),
+            eos_token_id=eos,
+            rope_theta=float(theta),
+            partial_rotary_factor=float(factor),
+            dtype=chosen,
+        )
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3NextConfig:
