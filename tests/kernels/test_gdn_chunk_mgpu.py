@@ -157,3 +157,23 @@ def test_block_v_is_narrow_only_while_wide_blocks_leave_multiprocessors_idle():
     assert pick(1) == 32  # one long sequence: 64 blocks of 64 columns, 132 SMs
     assert pick(4) == 64 and pick(64) == 64
     assert chunk_mgpu._resolve(chunk_mgpu.Config(block_v=64), 1, 32, 128).block_v == 64
+
+
+@pytest.mark.parametrize(
+    "lens, tokens", [([30], 40), ([0, 0], 16)], ids=["shorter-than-a-chunk", "all-empty"]
+)
+def test_tiny_and_empty_calls_write_only_what_they_must(lens, tokens):
+    args = _case(3, lens, tokens, h=1, hv=2, kd=64, vd=64, slots=5)
+    o, pool = chunk_mgpu.chunk_gated_delta_rule(**args, interpret=True)
+    o_ref, pool_ref = _oracle(args)
+    o = np.asarray(o, np.float32)
+    end = sum(lens)
+    assert o.shape == (tokens, 2, 64) and np.isfinite(o).all()
+    assert not o[end:].any(), "padding tokens must give zeros"
+    idx = np.asarray(args["state_indices"])
+    written = idx[np.asarray(lens) > 0]
+    if end:
+        assert _rel(o[:end], o_ref[:end]) < 1e-2
+        assert _rel(pool[written], pool_ref[written]) < 1e-2
+    kept = np.setdiff1d(np.arange(pool.shape[0]), written)
+    np.testing.assert_array_equal(_bits(pool[kept]), _bits(args["ssm_pool"][kept]))
