@@ -203,7 +203,35 @@ def test_closing_a_stream_early_aborts_its_requests(engine):
     stream = engine.stream([prompt(5, 1)], SamplingParams(max_new_tokens=20))
     next(stream)
     stream.close()
-    assert not engine.has_work and engine.slots.num_used == 0
+    assert not engine.scheduler.has_work and engine.slots.num_used == 0
+    assert engine.step() == [] and not engine.has_work  # the step in flight lands, dropped
+
+
+def test_waiting_for_every_step_gives_the_same_tokens_as_overlapping(engine, alone):
+    prompts, want = alone
+    engine.overlap = False
+    try:
+        got = [r.token_ids for r in engine.generate(prompts, GREEDY)]
+    finally:
+        engine.overlap = True
+    assert got == want
+
+
+def test_interleaved_streams_each_get_all_their_tokens(engine, alone):
+    prompts, want = alone
+    a = engine.stream(prompts[:2], GREEDY)
+    b = engine.stream(prompts[2:], GREEDY)
+    tokens = {("a", 0): [], ("a", 1): [], ("b", 0): [], ("b", 1): []}
+    live = {"a": a, "b": b}
+    while live:
+        for name, stream in list(live.items()):
+            try:
+                i, event = next(stream)
+            except StopIteration:
+                del live[name]
+                continue
+            tokens[name, i].append(event.token_id)
+    assert list(tokens.values()) == want
 
 
 def test_persistent_compilation_cache_is_written(engine):

@@ -122,13 +122,17 @@ def test_a_row_samples_the_same_token_in_any_batch():
         assert together[i] == alone[0]
 
 
-def test_sampler_compiled_per_batch_size_does_not_retrace():
+def test_sampler_records_tokens_per_slot_and_does_not_retrace_once_compiled():
     sampler = Sampler()
-    sampler.compile(2, V)
+    sampler.compile(2, V, 5)
     traces = sampler.trace_count
     batch = SamplingBatch.pack([SamplingParams()] * 2, [0, 0], [0, 0], 2)
-    out = sampler(jnp.asarray(logits(2)), batch)
-    np.testing.assert_array_equal(np.asarray(out), logits(2).argmax(-1))
+    buffer = jnp.full(5, -7, jnp.int32)
+    tokens, buffer = sampler(jnp.asarray(logits(2)), batch, buffer, jnp.asarray([3, 1]))
+    want = logits(2).argmax(-1)
+    np.testing.assert_array_equal(np.asarray(tokens), want)
+    np.testing.assert_array_equal(np.asarray(buffer), [-7, want[1], -7, want[0], -7])
     assert sampler.trace_count == traces
-    sampler(jnp.asarray(logits(3)), SamplingBatch.pack([], [], [], 3))
+    batch = SamplingBatch.pack([], [], [], 3)
+    sampler(jnp.asarray(logits(3)), batch, jnp.zeros(5, jnp.int32), jnp.zeros(3, jnp.int32))
     assert sampler.trace_count == traces + 1

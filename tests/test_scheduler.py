@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybrid_jax.engine.scheduler import (
+    PENDING,
     FinishReason,
     Request,
     RequestError,
@@ -198,3 +199,46 @@ def test_config_rejects_limits_beyond_the_policy():
         SchedulerConfig.for_policy(POLICY, max_step_tokens=64)
     with pytest.raises(ValueError, match="one decode token per running request"):
         SchedulerConfig.for_policy(POLICY, max_running=4, max_step_tokens=2)
+
+
+def test_next_step_is_scheduled_before_the_previous_is_read_back():
+    sched, *_ = make()
+    sched.add(req(0, n=5, new=3))
+    first = sched.schedule()
+    sched.advance(first)
+    second = sched.schedule()
+    (row,) = second.rows
+    assert second.mode is M.DECODE and row.token_ids == (PENDING,) and row.start == 5
+    sched.advance(second)
+    sched.resolve(first, [7])
+    sched.resolve(second, [8])
+    assert sched.running[0].output_ids == [7, 8]
+    third = sched.schedule()
+    assert third.rows[0].token_ids == (8,)
+
+
+def test_request_that_drew_its_budget_frees_its_slot_before_read_back():
+    sched, slots, pages = make()
+    sched.add(req(0, n=5, new=2))
+    steps = []
+    for _ in range(2):
+        steps.append(sched.schedule())
+        sched.advance(steps[-1])
+    assert slots.num_used == 0 and pages.num_used == 0
+    assert sched.schedule().mode is M.IDLE
+    assert sched.resolve(steps[0], [3]) == []
+    (done,) = sched.resolve(steps[1], [4])
+    assert done.output_ids == [3, 4] and done.finish_reason is FinishReason.LENGTH
+
+
+def test_output_of_a_step_after_the_stop_token_is_dropped():
+    sched, slots, _ = make()
+    sched.add(req(0, n=5, new=10, stops=(9,)))
+    first = sched.schedule()
+    sched.advance(first)
+    second = sched.schedule()
+    sched.advance(second)
+    (done,) = sched.resolve(first, [9])
+    assert done.finish_reason is FinishReason.STOP and slots.num_used == 0
+    assert sched.resolve(second, [4]) == []
+    assert done.output_ids == [9]

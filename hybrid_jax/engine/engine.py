@@ -8,8 +8,11 @@ second start loads them, and runs each once on padding. After that warm-up nothi
 again (``retraces`` counts it; a retrace also warns).
 
 A step: the scheduler picks the rows, ``build_metadata`` pads them to their bucket, the step
-executable returns the logits of each row's last token, the sampler draws one token per row,
-and the tokens are read back (the step's one host synchronisation) to update the requests.
+executable returns the logits of each row's last token, the sampler draws one token per row
+and records it in a per-slot buffer on the device. The next step is scheduled and dispatched
+before this one's tokens are read back: its DECODE rows read their input token from that
+buffer (``scheduler.PENDING``), so reading back step n (the one host synchronisation per
+step) overlaps the device's work on step n+1.
 
 Requests are checked before anything is queued (``RequestError``, ``SamplingParamsError``),
 so a bad one never disturbs the requests already being served.
@@ -24,7 +27,7 @@ import pathlib
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -35,6 +38,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from hybrid_jax.engine.sampling import Sampler, SamplingBatch, SamplingParams
 from hybrid_jax.engine.scheduler import (
+    PENDING,
     FinishReason,
     Request,
     RequestError,
@@ -76,7 +80,8 @@ class EngineConfig:
     pages of ``page_size`` tokens (None: enough for ``max_batch`` requests at full context).
     ``batch_buckets`` / ``token_buckets`` override the default ladders. ``cache_dir``: JAX's
     persistent compilation cache (None: off). ``seed``: draws the seeds of requests that give
-    none. ``impl``: the kernels' implementation choice.
+    none. ``impl``: the kernels' implementation choice. ``overlap``: dispatch each step
+    before reading the previous one back (False: read every step back at once).
     """
 
     max_batch: int = 8
@@ -90,6 +95,7 @@ class EngineConfig:
     cache_dir: str | None = DEFAULT_CACHE_DIR
     seed: int = 0
     impl: str = "auto"
+    overlap: bool = True
 
     def policy(self, model_context: int) -> BucketPolicy:
         """The bucket policy of these sizes, for a model with ``model_context`` positions."""
@@ -114,10 +120,12 @@ class EngineConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ServingState:
-    """Everything a step updates in place: the GDN slot pool and the attention KV cache."""
+    """Everything a step updates in place: the GDN slot pool, the attention KV cache, and
+    ``last_tokens`` int32 ``[num_slots]``, each slot's last sampled token (slot 0: padding)."""
 
     pool: StatePool
     kv: KVCache
+    last_tokens: jax.Array
 
 
 class StepOutput(NamedTuple):
@@ -132,7 +140,8 @@ class _LastTokenLogits(nnx.Module):
 
     Only each row's last token reaches the LM head, so a prefill step computes ``[bs, vocab]``
     logits, not ``[T, vocab]``. Tokens arrive as a ``[T, 1]`` int32 column because
-    ``StepFunctions.compile_all`` compiles ``x`` as ``[num_tokens, hidden_size]``.
+    ``StepFunctions.compile_all`` compiles ``x`` as ``[num_tokens, hidden_size]``; a token
+    ``PENDING`` is read from ``state.last_tokens`` at its row's slot.
     """
 
     def __init__(self, model: Qwen3Next):
@@ -145,12 +154,15 @@ class _LastTokenLogits(nnx.Module):
     def __call__(
         self, x: jax.Array, state: ServingState, meta: ForwardMetadata, *, impl: str = "auto"
     ) -> StepOutput:
+        slots = jnp.take(meta.state_indices, meta.token_rows, mode="clip")
+        tokens = jnp.where(x[:, 0] == PENDING, state.last_tokens[slots], x[:, 0])
         hidden, pool, kv, _ = self.model.hidden_states(
-            x[:, 0], state.pool, state.kv, meta, impl=impl
+            tokens, state.pool, state.kv, meta, impl=impl
         )
         # A padded row repeats the previous boundary; clipping keeps its index in range.
         last = jnp.clip(meta.query_start_loc[1:] - 1, 0, hidden.shape[0] - 1)
-        return StepOutput(self.model.logits(hidden[last]), ServingState(pool, kv))
+        logits = self.model.logits(hidden[last])
+        return StepOutput(logits, ServingState(pool, kv, state.last_tokens))
 
 
 @dataclasses.dataclass
@@ -182,6 +194,12 @@ class StepEvent(NamedTuple):
     token_id: int
     text: str
     result: Result | None
+
+
+class _InFlight(NamedTuple):
+    step: ScheduledStep
+    sampled: jax.Array  # int32 [bs], on the device
+    dispatched: float
 
 
 @dataclasses.dataclass(eq=False)
@@ -266,11 +284,17 @@ class Engine:
         self._state = ServingState(
             init_state_pool(specs, num_slots),
             init_kv_cache(kv_specs, num_pages, self.policy.page_size),
+            jnp.zeros(num_slots, jnp.int32),
         )
         self._steps = StepFunctions(_LastTokenLogits(model), impl=config.impl)
         self._sampler = Sampler()
         self._rng = np.random.default_rng(config.seed)
         self._tracked: dict[int, _Tracked] = {}
+        self._inflight: _InFlight | None = None
+        self.overlap = config.overlap
+        # Events read back for requests that a stream other than the one stepping follows.
+        self._followed: dict[int, list[StepEvent]] = {}
+        self._last_resolved = 0.0
         self._next_id = 0
         self.compile_records: list[CompileRecord] = []
         self.step_times: dict[ForwardMode, list[float]] = {m: [] for m in SERVED_MODES}
@@ -332,7 +356,7 @@ class Engine:
             progress=on_step,
         )
         for bs in batch_sizes:
-            ms = self._sampler.compile(bs, self.vocab_size)
+            ms = self._sampler.compile(bs, self.vocab_size, self.slots.num_slots)
             self.compile_records.append(CompileRecord(ForwardMode.IDLE, bs, 0, ms))
             bar(f"sampler {bs}")
         # Run every executable once on all-padding metadata (it writes only the pad slot and
@@ -342,9 +366,7 @@ class Engine:
                 continue
             meta = example_metadata(record.mode, record.batch_size, record.num_tokens, self.policy)
             tokens = jnp.zeros((record.num_tokens, 1), jnp.int32)
-            out = self._steps(self._state, tokens, meta)
-            self._state = out.state
-            self._sampler(out.logits, SamplingBatch.pack([], [], [], record.batch_size))
+            self._dispatch(meta, tokens, SamplingBatch.pack([], [], [], record.batch_size))
         jax.block_until_ready(self._state)
 
     def _traces(self) -> int:
@@ -357,7 +379,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Requests are waiting or running, or a step's tokens are still to be read back."""
+        return self.scheduler.has_work or self._inflight is not None
 
     def _prompt_ids(self, prompt: str | Sequence[int], what: str) -> list[int]:
         if isinstance(prompt, str):
@@ -447,7 +470,18 @@ class Engine:
         new, tracked.text = text[len(tracked.text) :], text
         return new
 
-    def _run(self, step: ScheduledStep) -> np.ndarray:
+    def _dispatch(
+        self, meta: ForwardMetadata, tokens: jax.Array, batch: SamplingBatch
+    ) -> jax.Array:
+        """Dispatches the step and the sampler (no wait); the sampled tokens ``[bs]``."""
+        out = self._steps(self._state, tokens, meta)
+        sampled, last_tokens = self._sampler(
+            out.logits, batch, out.state.last_tokens, meta.state_indices
+        )
+        self._state = dataclasses.replace(out.state, last_tokens=last_tokens)
+        return sampled
+
+    def _launch(self, step: ScheduledStep) -> _InFlight:
         meta = build_metadata(
             step.mode,
             step.row_specs,
@@ -457,26 +491,53 @@ class Engine:
         )
         tokens = np.zeros((meta.num_tokens, 1), np.int32)
         tokens[: step.num_tokens, 0] = step.token_ids
-        out = self._steps(self._state, jnp.asarray(tokens), meta)
-        self._state = out.state
         tracked = [self._tracked[row.request.request_id] for row in step.rows]
         batch = SamplingBatch.pack(
             [t.params for t in tracked],
             [t.seed for t in tracked],
-            [t.request.num_generated for t in tracked],
+            [t.request.num_drawn for t in tracked],
             meta.batch_size,
         )
-        return np.asarray(self._sampler(out.logits, batch))[: len(step.rows)]
+        start = time.perf_counter()
+        sampled = self._dispatch(meta, jnp.asarray(tokens), batch)
+        self.scheduler.advance(step)
+        return _InFlight(step, sampled, start)
+
+    def _land(self, inflight: _InFlight) -> list[StepEvent]:
+        """Reads a dispatched step's tokens back and turns them into events."""
+        step = inflight.step
+        sampled = np.asarray(inflight.sampled)[: len(step.rows)].tolist()
+        now = time.perf_counter()
+        # The device ran this step after the previous one landed or after its own dispatch,
+        # whichever came later: that span is this step's time.
+        self.step_times[step.mode].append(now - max(inflight.dispatched, self._last_resolved))
+        self._last_resolved = now
+        finished = {r.request_id for r in self.scheduler.resolve(step, sampled)}
+        events = []
+        for row, token in zip(step.rows, sampled, strict=True):
+            rid = row.request.request_id
+            if not row.samples or rid not in self._tracked:
+                continue  # an earlier prompt chunk, or a request already finished or aborted
+            tracked = self._tracked[rid]
+            tracked.token_times.append(now)
+            done = rid in finished
+            text = self._new_text(tracked, done)
+            result = self._result(self._tracked.pop(rid), now) if done else None
+            events.append(StepEvent(rid, int(token), text, result))
+        return events
 
     def step(self) -> list[StepEvent]:
-        """Runs one scheduler step (nothing when idle); one event per token produced."""
+        """Schedules and dispatches one step, then reads back the step dispatched before it
+        (this one too when ``overlap`` is False); returns one event per token read back."""
         step = self.scheduler.schedule()
-        if step.mode is ForwardMode.IDLE:
-            return []
-        start = time.perf_counter()
-        sampled = self._run(step)
-        now = time.perf_counter()
-        self.step_times[step.mode].append(now - start)
+        launched = None if step.mode is ForwardMode.IDLE else self._launch(step)
+        events = []
+        if self._inflight is not None:
+            events += self._land(self._inflight)
+        self._inflight = launched
+        if launched is not None and not self.overlap:
+            events += self._land(launched)
+            self._inflight = None
         if self.retraces and not self._warned:
             self._warned = True
             warnings.warn(
@@ -485,18 +546,6 @@ class Engine:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        finished = {r.request_id for r in self.scheduler.commit(step, sampled.tolist())}
-        events = []
-        for row, token in zip(step.rows, sampled.tolist(), strict=True):
-            rid = row.request.request_id
-            if not row.samples or rid not in self._tracked:
-                continue
-            tracked = self._tracked[rid]
-            tracked.token_times.append(now)
-            done = rid in finished
-            text = self._new_text(tracked, done)
-            result = self._result(self._tracked.pop(rid), now) if done else None
-            events.append(StepEvent(rid, int(token), text, result))
         return events
 
     def _submit_all(self, prompts, params) -> list[int]:
@@ -529,20 +578,31 @@ class Engine:
     ) -> Iterator[tuple[int, StepEvent]]:
         """Yields ``(index of the prompt, event)`` as tokens arrive, until all are finished.
 
-        Other requests already queued keep being served alongside (their events are not
-        yielded). Closing the iterator early aborts the prompts that had not finished.
+        Other requests keep being served alongside: events of requests another stream
+        follows are kept for it. Closing the iterator early aborts the prompts that had not
+        finished.
         """
         ids = self._submit_all(prompts, params)
         index = {rid: i for i, rid in enumerate(ids)}
         pending = set(ids)
+        for rid in ids:
+            self._followed[rid] = []
         try:
             while pending:
-                for event in self.step():
-                    if event.request_id in index:
-                        if event.result is not None:
-                            pending.discard(event.request_id)
-                        yield index[event.request_id], event
+                kept = [e for rid in ids for e in self._followed.get(rid, ())]
+                for rid in ids:
+                    self._followed[rid] = []
+                for event in kept or self.step():
+                    if event.request_id not in index:
+                        if event.request_id in self._followed:
+                            self._followed[event.request_id].append(event)
+                        continue
+                    if event.result is not None:
+                        pending.discard(event.request_id)
+                    yield index[event.request_id], event
         finally:
+            for rid in ids:
+                self._followed.pop(rid, None)
             for rid in pending:
                 self.abort(rid)
 
@@ -557,10 +617,3 @@ class Engine:
             if event.result is not None:
                 results[i] = event.result
         return [results[i] for i in range(len(results))]
-
-    def run_until_done(self, on_event: Callable[[StepEvent], None] | None = None) -> None:
-        """Steps until no request is waiting or running."""
-        while self.has_work:
-            for event in self.step():
-                if on_event is not None:
-                    on_event(event)

@@ -219,28 +219,35 @@ class SamplingBatch:
 
 
 class Sampler:
-    """``sample`` compiled ahead of time for each batch size; counts its traces.
+    """``sample`` compiled ahead of time for each batch size, recording every row's token in a
+    per-slot buffer; counts its traces.
 
-    ``compile(batch_size, vocab_size)`` before serving; a call with a shape that was not
-    compiled traces (``trace_count`` goes up), which a serving loop treats as a retrace.
+    ``__call__(logits, batch, last_tokens, slots)`` returns ``(tokens [B], last_tokens)``
+    with ``last_tokens[slots[b]] = tokens[b]``: a serving loop keeps the buffer on the device
+    and its next decode step reads each request's input token from there, without waiting
+    for this step's tokens to reach the host. Padded rows name slot 0, the pad slot.
+    ``compile(batch_size, vocab_size, num_slots)`` before serving; a call with a shape that
+    was not compiled traces (``trace_count`` goes up), which a serving loop treats as a
+    retrace.
     """
 
     def __init__(self) -> None:
         self.trace_count = 0
-        self._jitted = jax.jit(self._traced)
-        self._compiled: dict[tuple[int, int], Any] = {}
+        self._jitted = jax.jit(self._traced, donate_argnums=6)
+        self._compiled: dict[tuple[int, int, int], Any] = {}
 
-    def _traced(self, logits, temperature, top_k, top_p, seeds, steps):
+    def _traced(self, logits, temperature, top_k, top_p, seeds, steps, last_tokens, slots):
         self.trace_count += 1
-        return sample(logits, temperature, top_k, top_p, seeds, steps)
+        tokens = sample(logits, temperature, top_k, top_p, seeds, steps)
+        return tokens, last_tokens.at[slots].set(tokens)
 
-    def compile(self, batch_size: int, vocab_size: int) -> float:
-        """Compiles the sampler for ``[batch_size, vocab_size]`` float32 logits; returns ms."""
-        key = (batch_size, vocab_size)
+    def compile(self, batch_size: int, vocab_size: int, num_slots: int) -> float:
+        """Compiles for ``[batch_size, vocab_size]`` float32 logits and a buffer of
+        ``num_slots``; returns the milliseconds it took."""
+        key = (batch_size, vocab_size, num_slots)
         if key in self._compiled:
             return 0.0
-        b = batch_size
-        spec = jax.ShapeDtypeStruct
+        b, spec = batch_size, jax.ShapeDtypeStruct
         args = (
             spec((b, vocab_size), jnp.float32),
             spec((b,), jnp.float32),
@@ -248,15 +255,20 @@ class Sampler:
             spec((b,), jnp.float32),
             spec((b,), jnp.uint32),
             spec((b,), jnp.int32),
+            spec((num_slots,), jnp.int32),
+            spec((b,), jnp.int32),
         )
         start = time.perf_counter()
         self._compiled[key] = self._jitted.lower(*args).compile()
         return 1e3 * (time.perf_counter() - start)
 
-    def __call__(self, logits: jax.Array, batch: SamplingBatch) -> jax.Array:
-        """int32 ``[B]`` tokens for ``logits`` ``[B, V]`` (dispatched, not waited for)."""
+    def __call__(
+        self, logits: jax.Array, batch: SamplingBatch, last_tokens: jax.Array, slots: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """int32 ``[B]`` tokens for ``logits`` ``[B, V]`` and the updated buffer (dispatched,
+        not waited for; ``last_tokens`` is donated)."""
         args = (batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
-        compiled = self._compiled.get(tuple(logits.shape))
+        compiled = self._compiled.get((*logits.shape, last_tokens.shape[0]))
         if compiled is not None:
-            return compiled(logits, *args)
-        return self._jitted(logits, *args)
+            return compiled(logits, *args, last_tokens, slots)
+        return self._jitted(logits, *args, last_tokens, slots)

@@ -16,8 +16,17 @@ long: a DECODE row continues its slot's state, and a new request's slot holds a 
 
 A request reserves at admission every KV page it can ever need (prompt plus its token budget,
 capped by the context), so a running request never runs out of pages and nothing has to be
-preempted. ``commit`` records the sampled tokens after the step and finishes requests (a stop
-token, their token budget, or the context); finishing and ``abort`` return the slot and pages.
+preempted.
+
+After a step is dispatched, ``advance`` moves its rows forward before its tokens are known: a
+row that samples leaves one token *pending* (on the device), and the request's next DECODE
+row feeds ``PENDING`` in its place, which the step reads from the device. So the next step
+can be scheduled and dispatched before this one is read back. ``resolve`` then records the
+read-back tokens and finishes requests (a stop token, their token budget); a request that
+stopped while a later step already carried it simply has that row's output dropped.
+``commit`` is ``advance`` then ``resolve``, for a loop that waits for every step. Finishing
+and ``abort`` return the slot and pages at once: a later step that reuses them is ordered
+after every step already dispatched, and a new request never reads what the old one left.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from hybrid_jax.kv_cache import PageAllocator, pages_needed
 from hybrid_jax.metadata import BucketPolicy, RowSpec
@@ -33,6 +42,7 @@ from hybrid_jax.modes import ForwardMode
 from hybrid_jax.state_pool import SlotAllocator
 
 __all__ = [
+    "PENDING",
     "FinishReason",
     "Request",
     "RequestError",
@@ -41,6 +51,11 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
 ]
+
+
+PENDING = -1
+"""The token id of a DECODE row whose input is the request's last sampled token, still on the
+device (the step reads it from the per-slot buffer the sampler writes)."""
 
 
 class RequestError(ValueError):
@@ -57,9 +72,12 @@ class FinishReason(enum.StrEnum):
 class Request:
     """One request as the scheduler tracks it.
 
-    ``token_ids`` is the prompt followed by the generated tokens; ``num_computed`` counts the
-    tokens already folded into its slot and pages (the next row's ``prefix_len``).
-    ``max_new_tokens`` is already capped so that the request fits the context.
+    ``token_ids`` is the prompt followed by the generated tokens read back so far;
+    ``num_pending`` tokens more were sampled but are not read back yet. ``num_computed``
+    counts the tokens already folded into its slot and pages (the next row's
+    ``prefix_len``). ``max_new_tokens`` is already capped so that the request fits the
+    context. ``scheduled_out``: no step will carry it again (its slot and pages are freed);
+    ``finish_reason`` is set once its output is final.
     """
 
     request_id: int
@@ -68,6 +86,8 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     prompt_len: int = dataclasses.field(init=False)
     num_computed: int = 0
+    num_pending: int = 0
+    scheduled_out: bool = False
     slot: int = 0
     pages: tuple[int, ...] = ()
     finish_reason: FinishReason | None = None
@@ -83,6 +103,11 @@ class Request:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_drawn(self) -> int:
+        """Tokens sampled so far, read back or not (the index of the next one to draw)."""
+        return self.num_generated + self.num_pending
 
     @property
     def is_decoding(self) -> bool:
@@ -245,21 +270,26 @@ class Scheduler:
         request = self._ids.get(request_id)
         if request is None:
             return None
-        if request in self.running:
-            self.running.remove(request)
-        else:
+        if request in self.waiting:
             self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
         return request
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
-        request.finish_reason = reason
+    def _release(self, request: Request) -> None:
+        """No more steps for ``request``: frees its slot and pages (once)."""
+        if request in self.running:
+            self.running.remove(request)
+        request.scheduled_out = True
         if request.slot:
             self.slots.free([request.slot])
             request.slot = 0
         if request.pages and self.pages is not None:
             self.pages.free(request.pages)
             request.pages = ()
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self._release(request)
+        request.finish_reason = reason
         del self._ids[request.request_id]
 
     def _can_admit(self, request: Request) -> bool:
@@ -283,12 +313,14 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         """The next step. Admits waiting requests (allocating their slot and pages) but
-        changes nothing else; call ``commit`` with the step's sampled tokens afterwards."""
+        changes nothing else; call ``advance`` once the step is dispatched (or ``commit``
+        with its sampled tokens)."""
         budget = self.config.max_step_tokens
         decodes, chunks = [], []
         for req in self.running:
             if req.is_decoding:
-                decodes.append(ScheduledRow(req, req.num_computed, (req.token_ids[-1],), True))
+                token = PENDING if req.num_pending else req.token_ids[-1]
+                decodes.append(ScheduledRow(req, req.num_computed, (token,), True))
         budget -= len(decodes)
         for req in self.running:
             if not req.is_decoding and (row := self._chunk(req, budget)) is not None:
@@ -316,22 +348,36 @@ class Scheduler:
         )
         return ScheduledStep(mode, (*decodes, *chunks))
 
-    def commit(self, step: ScheduledStep, sampled: Sequence[int]) -> list[Request]:
-        """Folds ``step`` in: advances every row, appends ``sampled[i]`` to row i's request
-        when the row samples, and finishes requests. Returns the requests finished now.
+    def advance(self, step: ScheduledStep) -> None:
+        """Moves ``step``'s rows forward once it is dispatched: its tokens are in the state and
+        every sampling row leaves one token pending. A request that has now drawn its whole
+        budget is scheduled out (its slot and pages freed); its tokens come with ``resolve``.
+        """
+        for row in step.rows:
+            req = row.request
+            if req.scheduled_out:
+                continue  # aborted since schedule()
+            req.num_computed = row.start + len(row.token_ids)
+            if row.samples:
+                req.num_pending += 1
+                if req.num_drawn >= req.max_new_tokens:
+                    self._release(req)
 
-        Rows whose request was aborted after ``schedule`` are skipped.
+    def resolve(self, step: ScheduledStep, sampled: Sequence[int]) -> list[Request]:
+        """Records the read-back tokens of an advanced ``step`` (``sampled[i]`` for row i) and
+        finishes requests on a stop token or their budget; returns those finished now.
+
+        Rows of a request that already finished (aborted, or stopped in an earlier step) are
+        dropped.
         """
         if len(sampled) < len(step.rows):
             raise ValueError(f"{len(sampled)} sampled tokens for a step of {len(step.rows)} rows")
         finished = []
         for row, token in zip(step.rows, sampled, strict=False):
             req = row.request
-            if req.finish_reason is not None:
+            if not row.samples or req.finish_reason is not None:
                 continue
-            req.num_computed = row.start + len(row.token_ids)
-            if not row.samples:
-                continue
+            req.num_pending -= 1
             req.token_ids.append(int(token))
             if int(token) in req.stop_token_ids:
                 reason = FinishReason.STOP
@@ -339,11 +385,12 @@ class Scheduler:
                 reason = FinishReason.LENGTH
             else:
                 continue
-            self.running.remove(req)
             self._finish(req, reason)
             finished.append(req)
         return finished
 
-    def requests(self) -> Iterable[Request]:
-        """Every unfinished request, waiting ones first."""
-        return (*self.waiting, *self.running)
+    def commit(self, step: ScheduledStep, sampled: Sequence[int]) -> list[Request]:
+        """``advance`` then ``resolve``: for a loop that reads every step back before the
+        next."""
+        self.advance(step)
+        return self.resolve(step, sampled)
