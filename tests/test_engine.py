@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 
 import numpy as np
@@ -11,6 +12,9 @@ import pytest
 from hybrid_jax.engine.engine import Engine, EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import FinishReason, RequestError
+from hybrid_jax.models.loading import CheckpointError, save_checkpoint
+from hybrid_jax.models.safetensors_io import read_header
+from hybrid_jax.models.tokenizer import ByteTokenizer
 from hybrid_jax.modes import ForwardMode
 
 M = ForwardMode
@@ -236,3 +240,24 @@ def test_interleaved_streams_each_get_all_their_tokens(engine, alone):
 
 def test_persistent_compilation_cache_is_written(engine):
     assert any(pathlib.Path(engine.config.cache_dir).iterdir())
+
+
+def test_checkpoint_with_a_missing_tensor_fails_before_compiling(engine, tmp_path):
+    save_checkpoint(engine.model, tmp_path)
+    header, _ = read_header(tmp_path / "model.safetensors")
+    names = sorted(name for name in header if name != "__metadata__")
+    index = {"weight_map": dict.fromkeys(names[1:], "model.safetensors")}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"lacks 1 tensors.*{names[0]}"):
+        Engine.from_checkpoint(tmp_path, CONFIG, tokenizer=ByteTokenizer(), progress=False)
+
+
+@pytest.mark.slow
+def test_checkpoint_round_trip_serves_the_same_tokens(engine, alone, tmp_path):
+    prompts, want = alone
+    save_checkpoint(engine.model, tmp_path / "ckpt")
+    config = dataclasses.replace(CONFIG, cache_dir=engine.config.cache_dir)
+    loaded = Engine.from_checkpoint(
+        tmp_path / "ckpt", config, tokenizer=ByteTokenizer(), progress=False
+    )
+    assert [r.token_ids for r in loaded.generate(prompts, GREEDY)] == want

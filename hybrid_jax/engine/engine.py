@@ -331,12 +331,23 @@ class Engine:
         path: str | os.PathLike,
         config: EngineConfig = EngineConfig(),
         *,
+        tokenizer: Tokenizer | None = None,
         dtype: str | None = None,
         progress: bool = True,
     ) -> Engine:
-        """A Hugging Face Qwen3-Next folder (config.json, safetensors, tokenizer.json)."""
+        """A Hugging Face Qwen3-Next folder (config.json, safetensors and, unless
+        ``tokenizer`` is given, tokenizer.json). A missing or misshapen tensor raises
+        ``CheckpointError`` before anything is compiled."""
+        if config.cache_dir is not None:
+            _use_compilation_cache(config.cache_dir)
         model = load_qwen3_next(path, dtype=dtype)
-        return cls(model, load_tokenizer(path), config, progress=progress)
+        tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
+                f"is {model.config.vocab_size}; load the tokenizer of this checkpoint"
+            )
+        return cls(model, tokenizer, config, progress=progress)
 
     def _compile(self, progress: bool) -> None:
         batch_sizes = sorted({bs for m in SERVED_MODES for bs, _ in self.policy.buckets(m)})
