@@ -202,7 +202,8 @@ def bench(args: argparse.Namespace) -> int:
         f"impl {cfg.impl}"
     )
     print(
-        f"compile (all {len(engine.compile_records)} executables): {engine.compile_s:.1f} s; "
+        f"start-up compile and warm-up ({len(engine.compile_records)} step executables, "
+        f"{len(engine.sampler_compile_ms)} samplers): {engine.compile_s:.1f} s; "
         f"retraces after warm-up: {engine.retraces}"
     )
     print(

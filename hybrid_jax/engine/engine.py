@@ -252,6 +252,9 @@ class Engine:
     ``Engine.from_preset("tiny")`` needs no download; ``Engine.from_checkpoint(folder)`` loads
     a Hugging Face folder. ``generate`` returns finished ``Result``s; ``stream`` yields
     ``StepEvent``s as tokens arrive; ``add_request`` / ``step`` / ``abort`` drive it by hand.
+    The model's ``eos_token_id``s stop every request, besides its own stop tokens.
+    ``compile_records`` (one per step executable), ``sampler_compile_ms``, ``compile_s`` and
+    ``step_times`` (seconds per step, by mode) describe where time went.
     """
 
     def __init__(
@@ -297,6 +300,7 @@ class Engine:
         self._last_resolved = 0.0
         self._next_id = 0
         self.compile_records: list[CompileRecord] = []
+        self.sampler_compile_ms: dict[int, float] = {}
         self.step_times: dict[ForwardMode, list[float]] = {m: [] for m in SERVED_MODES}
         if config.cache_dir is not None:
             _use_compilation_cache(config.cache_dir)
@@ -367,14 +371,13 @@ class Engine:
             progress=on_step,
         )
         for bs in batch_sizes:
-            ms = self._sampler.compile(bs, self.vocab_size, self.slots.num_slots)
-            self.compile_records.append(CompileRecord(ForwardMode.IDLE, bs, 0, ms))
+            self.sampler_compile_ms[bs] = self._sampler.compile(
+                bs, self.vocab_size, self.slots.num_slots
+            )
             bar(f"sampler {bs}")
         # Run every executable once on all-padding metadata (it writes only the pad slot and
         # the pad page): a first run costs more than later ones, and no request should pay it.
         for record in self.compile_records:
-            if record.mode is ForwardMode.IDLE:
-                continue
             meta = example_metadata(record.mode, record.batch_size, record.num_tokens, self.policy)
             tokens = jnp.zeros((record.num_tokens, 1), jnp.int32)
             self._dispatch(meta, tokens, SamplingBatch.pack([], [], [], record.batch_size))
