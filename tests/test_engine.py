@@ -211,6 +211,26 @@ def test_closing_a_stream_early_aborts_its_requests(engine):
     assert engine.step() == [] and not engine.has_work  # the step in flight lands, dropped
 
 
+def test_a_step_is_read_back_only_after_the_next_is_dispatched(engine, alone):
+    prompts, want = alone
+    rid = engine.add_request(prompts[0], GREEDY)
+    assert engine.step() == []  # the prefill is in flight, nothing read back yet
+    assert engine.scheduler.running[0].num_pending == 1
+    (event,) = engine.step()  # dispatches the first decode, then reads the prefill back
+    assert (event.request_id, event.token_id) == (rid, want[0][0])
+    engine.abort(rid)
+    engine.step()
+    engine.overlap = False
+    try:
+        engine.add_request(prompts[0], GREEDY)
+        (event,) = engine.step()
+        assert event.token_id == want[0][0]
+    finally:
+        engine.overlap = True
+    while engine.has_work:
+        engine.step()
+
+
 def test_waiting_for_every_step_gives_the_same_tokens_as_overlapping(engine, alone):
     prompts, want = alone
     engine.overlap = False

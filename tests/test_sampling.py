@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from hybrid_jax.engine.sampling import (
 )
 
 V = 32
+sample_jit = jax.jit(sample)
 
 
 def logits(rows, seed=0):
@@ -26,7 +28,7 @@ def logits(rows, seed=0):
 def draw(x, params, seeds, steps):
     b = SamplingBatch.pack(params, seeds, steps, len(x))
     args = (b.temperature, b.top_k, b.top_p, b.seeds, b.steps)
-    return np.asarray(sample(jnp.asarray(x), *map(jnp.asarray, args)))
+    return np.asarray(sample_jit(jnp.asarray(x), *map(jnp.asarray, args)))
 
 
 @pytest.mark.parametrize(
