@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.conv1d import prefill_mgpu, update_mgpu  # noqa: E402
 from pallas_kernels.conv1d import reference as conv_reference  # noqa: E402
-from pallas_kernels.gdn import recurrent_mgpu  # noqa: E402
+from pallas_kernels.gdn import chunk_mgpu, recurrent_mgpu  # noqa: E402
 from pallas_kernels.gdn import reference as gdn_reference  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
@@ -392,7 +392,7 @@ def bench_verify(fla) -> None:
 # ----------------------------------------------------------------------------- prefill
 
 
-def bench_prefill(fla, jla, chunk_mgpu) -> None:
+def bench_prefill(fla, jla) -> None:
     from pallas_kernels import gdn
 
     rng = _rng(3)
@@ -416,9 +416,10 @@ def bench_prefill(fla, jla, chunk_mgpu) -> None:
             return step
 
         reference = functools.partial(gdn.chunk_gated_delta_rule, impl="reference")
-        impls = [("jnp reference (chunked)", reference, 1)]
-        if chunk_mgpu is not None:
-            impls.insert(0, ("ours (Mosaic GPU chunk)", chunk_mgpu.chunk_gated_delta_rule, 2))
+        impls = [
+            ("ours (Mosaic GPU chunk)", chunk_mgpu.chunk_gated_delta_rule, 2),
+            ("jnp reference (chunked)", reference, 1),
+        ]
         for impl, fn, n_steps in impls:
 
             def measure(fn=fn, n_steps=n_steps, n_seq=n_seq):
@@ -563,7 +564,8 @@ def _smoke_mode() -> None:
                          (recurrent_mgpu, "fused_gating_recurrent_gated_delta_rule"),
                          (recurrent_mgpu, "verify_gated_delta_rule"),
                          (update_mgpu, "causal_conv1d_update"),
-                         (prefill_mgpu, "causal_conv1d")):  # fmt: skip
+                         (prefill_mgpu, "causal_conv1d"),
+                         (chunk_mgpu, "chunk_gated_delta_rule")):  # fmt: skip
         setattr(module, name, functools.partial(getattr(module, name), interpret=True))
 
 
@@ -605,13 +607,12 @@ def main() -> None:
         _smoke_mode()
     fla = _optional("fla.ops.gated_delta_rule")
     jla = _optional("jla.ops")
-    chunk_mgpu = _optional("pallas_kernels.gdn.chunk_mgpu")
     device_kind = jax.devices()[0].device_kind
     print(f"device: {device_kind}", flush=True)
     runs = {
         "decode": lambda: bench_decode(fla),
         "verify": lambda: bench_verify(fla),
-        "prefill": lambda: bench_prefill(fla, jla, chunk_mgpu),
+        "prefill": lambda: bench_prefill(fla, jla),
         "conv": bench_conv,
     }
     table = ""
