@@ -281,3 +281,13 @@ def test_checkpoint_round_trip_serves_the_same_tokens(engine, alone, tmp_path):
         tmp_path / "ckpt", config, tokenizer=ByteTokenizer(), progress=False
     )
     assert [r.token_ids for r in loaded.generate(prompts, GREEDY)] == want
+
+
+@pytest.mark.slow
+def test_second_start_loads_every_executable_from_the_cache(engine):
+    cache = pathlib.Path(engine.config.cache_dir)
+    before = {p.name for p in cache.glob("jit__*-cache")}
+    assert before
+    again = Engine.from_preset("tiny", engine.config, progress=False)
+    assert {p.name for p in cache.glob("jit__*-cache")} == before
+    assert again.retraces == 0
