@@ -54,6 +54,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._commit import commit_steps, write_where
+from pallas_kernels._varlen import num_tiles, tile_layout, token_segments
+
 __all__ = [
     "CHUNK",
     "chunk_gated_delta_rule_chunked",
@@ -119,32 +122,11 @@ def _step(
     return state + k_t[..., :, None] * u[..., None, :], o
 
 
-def _write_where(
-    pool: jax.Array, slots: jax.Array, values: jax.Array, keep: jax.Array
-) -> jax.Array:
-    """``pool[slots[i]] = values[i]`` where ``keep[i]`` (scalars or ``[N]``); other rows are
-    sent out of range and dropped, so they cannot touch any slot."""
-    target = jnp.where(keep, slots, pool.shape[0])
-    return pool.at[target].set(values.astype(pool.dtype), mode="drop")
-
-
 def _initial_state(
     pool: jax.Array, slot: jax.Array, has_initial_state: jax.Array, dtype: jnp.dtype
 ) -> jax.Array:
     # where, not a multiply: the pad slot may hold NaN, and 0 * NaN is NaN.
     return jnp.where(has_initial_state, pool[slot].astype(dtype), 0)
-
-
-def _token_segments(qsl: jax.Array, t_total: int) -> tuple[jax.Array, ...]:
-    """Per packed token ``[T]``: its sequence, whether it is that sequence's first and last
-    token, whether it is a real token (``t < qsl[N]``). Empty sequences own no token."""
-    n_seq = qsl.shape[0] - 1
-    t = jnp.arange(t_total, dtype=qsl.dtype)
-    seq = jnp.clip(jnp.searchsorted(qsl, t, side="right") - 1, 0, n_seq - 1).astype(qsl.dtype)
-    valid = t < qsl[n_seq]
-    first = valid & (t == qsl[seq])
-    last = valid & (t == qsl[seq + 1] - 1)
-    return seq, first, last, valid
 
 
 def _empty_call(v: jax.Array, ssm_pool: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -175,7 +157,7 @@ def chunk_gated_delta_rule_recurrent(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = _compute_dtype(q, k, v, g, beta, ssm_pool)
     qh, kh = _heads_qk(q, k, hv, scale, use_qk_l2norm, dtype)
-    seq, first, last, valid = _token_segments(qsl, t_total)
+    seq, first, last, valid = token_segments(qsl, t_total)
 
     def token(carry, xs):
         state, pool = carry
@@ -184,43 +166,12 @@ def chunk_gated_delta_rule_recurrent(
         init = _initial_state(pool, slot, has_initial_state[n], dtype)
         state = jnp.where(first_t, init, state)
         state, o_t = _step(state, q_t, k_t, v_t, g_t, beta_t)
-        return (state, _write_where(pool, slot, state, last_t)), o_t
+        return (state, write_where(pool, slot, state, last_t)), o_t
 
     state0 = jnp.zeros(ssm_pool.shape[1:], dtype)
     xs = (qh, kh, v.astype(dtype), g.astype(dtype), beta.astype(dtype), seq, first, last)
     (_, pool), o = lax.scan(token, (state0, ssm_pool), xs)
     return jnp.where(valid[:, None, None], o, 0).astype(v.dtype), pool
-
-
-def _num_tiles(t_total: int, n_seq: int) -> int:
-    """Static bound on ``sum_n ceil(L_n / CHUNK)`` given ``sum_n L_n <= T``."""
-    return max(1, min(t_total, (t_total + (CHUNK - 1) * n_seq) // CHUNK))
-
-
-def _tile_layout(qsl: jax.Array, t_total: int, n_tiles: int) -> dict[str, jax.Array]:
-    """Where each tile's tokens come from and where each token's output lands."""
-    lengths = qsl[1:] - qsl[:-1]
-    n_chunks = (lengths + CHUNK - 1) // CHUNK
-    chunk_end = jnp.cumsum(n_chunks)
-    chunk_start = chunk_end - n_chunks
-    tile = jnp.arange(n_tiles, dtype=qsl.dtype)
-    used = tile < chunk_end[-1]
-    tile_seq = jnp.clip(jnp.searchsorted(chunk_end, tile, side="right"), 0, lengths.shape[0] - 1)
-    j = tile - chunk_start[tile_seq]
-    offset = jnp.arange(CHUNK, dtype=qsl.dtype)
-    in_seq = offset[None, :] < lengths[tile_seq, None] - CHUNK * j[:, None]
-    token_seq, _, _, valid = _token_segments(qsl, t_total)
-    position = jnp.arange(t_total, dtype=qsl.dtype) - qsl[token_seq]
-    return {
-        "seq": tile_seq,
-        "first": used & (j == 0),
-        "last": used & (j == n_chunks[tile_seq] - 1),
-        "token": jnp.clip(qsl[tile_seq, None] + CHUNK * j[:, None] + offset, 0, t_total - 1),
-        "mask": used[:, None] & in_seq,
-        "out_tile": chunk_start[token_seq] + position // CHUNK,
-        "out_row": position % CHUNK,
-        "valid": valid,
-    }
 
 
 def _unit_lower_inverse(a: jax.Array) -> jax.Array:
@@ -300,7 +251,7 @@ def chunk_gated_delta_rule_chunked(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = _compute_dtype(q, k, v, g, beta, ssm_pool)
     qh, kh = _heads_qk(q, k, hv, scale, use_qk_l2norm, dtype)
-    lay = _tile_layout(qsl, t_total, _num_tiles(t_total, n_seq))
+    lay = tile_layout(qsl, t_total, num_tiles(t_total, n_seq, CHUNK), CHUNK)
 
     def tiles(x: jax.Array) -> jax.Array:
         """``[T, HV, ...]`` -> ``[tiles, HV, C, ...]``, zero where masked."""
@@ -322,7 +273,7 @@ def chunk_gated_delta_rule_chunked(
         s0 = jnp.where(first, init, state)
         u = u - _einsum("hck,hkv->hcv", w, s0)
         s1 = decay_to_end[:, None, None] * s0 + _einsum("hck,hcv->hkv", k_to_end, u)
-        return (s1, _write_where(pool, slot, s1, last)), (s0, u)
+        return (s1, write_where(pool, slot, s1, last)), (s0, u)
 
     state0 = jnp.zeros(ssm_pool.shape[1:], dtype)
     xs = (w, u, k_to_end, decay_to_end, lay["seq"], lay["first"], lay["last"])
@@ -380,7 +331,7 @@ def fused_recurrent_gated_delta_rule(
     args = _as_arrays(q, k, v, g, beta, ssm_pool, state_indices)
     o, last = _rows(*args, scale, use_qk_l2norm, keep_all=False)
     ssm_pool, state_indices = args[5:]
-    pool = _write_where(ssm_pool, state_indices, last[:, 0], state_indices != 0)
+    pool = write_where(ssm_pool, state_indices, last[:, 0], state_indices != 0)
     return o.astype(v.dtype), pool
 
 
@@ -410,11 +361,4 @@ def commit_states(
 ) -> jax.Array:
     """``pool[idx[n]] = intermediates[n, accepted_steps[n]]`` where ``accepted_steps[n] >= 0``
     and ``idx[n] != 0``."""
-    ssm_pool, intermediates, state_indices, accepted_steps = _as_arrays(
-        ssm_pool, intermediates, state_indices, accepted_steps
-    )
-    n_rows, n_steps = intermediates.shape[:2]
-    step = jnp.clip(accepted_steps, 0, n_steps - 1)
-    chosen = intermediates[jnp.arange(n_rows), step]
-    keep = (accepted_steps >= 0) & (state_indices != 0)
-    return _write_where(ssm_pool, state_indices, chosen, keep)
+    return commit_steps(ssm_pool, intermediates, state_indices, accepted_steps)
