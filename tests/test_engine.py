@@ -291,3 +291,12 @@ def test_second_start_loads_every_executable_from_the_cache(engine):
     again = Engine.from_preset("tiny", engine.config, progress=False)
     assert {p.name for p in cache.glob("jit__*-cache")} == before
     assert again.retraces == 0
+
+
+def test_engine_context_is_whole_pages_within_the_model():
+    assert EngineConfig(max_context=None, page_size=16).policy(1000).max_context == 992
+    assert EngineConfig(max_context=64, page_size=16).policy(1000).max_context == 64
+    with pytest.raises(ValueError, match="max_context=2048 exceeds"):
+        EngineConfig(max_context=2048).policy(1000)
+    with pytest.raises(ValueError, match="not a multiple of page_size=16"):
+        EngineConfig(max_context=100).policy(1000)

@@ -76,7 +76,8 @@ class EngineConfig:
     ``max_batch``: requests running at once (the largest batch bucket). ``max_tokens``: tokens
     of one step (the largest token bucket; longer prompts are prefilled in chunks of
     ``chunk_size``, default ``max_tokens``). ``max_context``: positions of one request (prompt
-    plus generated tokens; None: the model's ``max_position_embeddings``). ``num_pages``: KV
+    plus generated tokens, a multiple of ``page_size``; None: the model's
+    ``max_position_embeddings`` rounded down to whole pages). ``num_pages``: KV
     pages of ``page_size`` tokens (None: enough for ``max_batch`` requests at full context).
     ``batch_buckets`` / ``token_buckets`` override the default ladders. ``cache_dir``: JAX's
     persistent compilation cache (None: off). ``seed``: draws the seeds of requests that give
@@ -99,13 +100,16 @@ class EngineConfig:
 
     def policy(self, model_context: int) -> BucketPolicy:
         """The bucket policy of these sizes, for a model with ``model_context`` positions."""
-        context = model_context if self.max_context is None else self.max_context
+        if self.max_context is None:
+            # Whole pages only, and never past what the model was trained for.
+            context = model_context // self.page_size * self.page_size
+        else:
+            context = self.max_context
         if context > model_context:
             raise ValueError(
                 f"max_context={context} exceeds the model's max_position_embeddings="
                 f"{model_context}; lower max_context"
             )
-        context = -(-context // self.page_size) * self.page_size
         policy = BucketPolicy.default(
             self.max_batch, self.max_tokens, page_size=self.page_size, max_context=context
         )
