@@ -1,0 +1,47 @@
+"""commit_states: after speculative verification, keep the state after the last accepted token."""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels._common import resolve_impl
+from pallas_kernels.mamba2 import reference
+from pallas_kernels.mamba2._checks import check_commit
+
+__all__ = ["commit_states"]
+
+_OP = "commit_states"
+# A scatter of whole slots into the donated pool is already in place under jit.
+_NO_KERNEL = "no Pallas kernel for commit_states (XLA's scatter into the donated pool is in place)"
+
+
+def commit_states(
+    ssm_pool: jax.Array,
+    intermediates: jax.Array,
+    state_indices: jax.Array,
+    accepted_steps: jax.Array,
+    *,
+    impl: str = "auto",
+) -> jax.Array:
+    """Writes ``pool[state_indices[n]] = intermediates[n, accepted_steps[n]]``.
+
+    ``accepted_steps[n]`` indexes the Dt verified tokens of row n (``0..Dt-1``): the state after
+    token ``accepted_steps[n]``, i.e. the number of accepted draft tokens when token 0 is the
+    root (the bonus token is not folded in). A negative value leaves the slot as it is, and so
+    does a padded row (slot 0): the pad slot is never written. Slots of rows with
+    ``accepted_steps[n] >= 0`` must be distinct (the caller's invariant, not checked); values
+    ``>= Dt`` are not allowed.
+
+    Args:
+      ssm_pool: float32 ``[S, H, P, N]``; donate it under jit for an in-place update.
+      intermediates: float32 ``[N, Dt, H, P, N]`` from ``verify_selective_state_update``.
+      state_indices: int32 ``[N]`` slots.
+      accepted_steps: int32 ``[N]`` token index to keep, or negative to keep nothing.
+      impl: ``"auto" | "reference"``; there is no kernel (``"pallas"`` raises).
+
+    Returns:
+      the new ssm pool ``[S, H, P, N]``.
+    """
+    check_commit(_OP, ssm_pool, intermediates, state_indices, accepted_steps)
+    resolve_impl(_OP, impl, _NO_KERNEL)
+    return reference.commit_states(ssm_pool, intermediates, state_indices, accepted_steps)
