@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 
+import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from hybrid_jax.cli import main
 
@@ -30,7 +32,19 @@ def test_generate_without_prompts_says_so(capsys, monkeypatch):
     assert code == 2 and "no prompt given" in err
 
 
+@pytest.fixture
+def restore_cache_config():
+    """The engine points JAX's persistent cache at its directory, a process-wide setting."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {name: getattr(jax.config, name) for name in names}
+    yield
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("restore_cache_config")
 def test_generate_streams_stdin_prompts_and_bench_prints_its_table(capsys, monkeypatch, tmp_path):
     cache = ["--cache-dir", str(tmp_path)]
     argv = ["generate", "--max-new-tokens", "3", *SMALL, *cache]

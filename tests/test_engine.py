@@ -6,8 +6,10 @@ import dataclasses
 import json
 import pathlib
 
+import jax
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from hybrid_jax.engine.engine import Engine, EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
@@ -29,14 +31,21 @@ CONFIG = EngineConfig(
     impl="reference",
 )
 GREEDY = SamplingParams(max_new_tokens=6)
+CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
+    # The engine points JAX's persistent cache at its directory, a process-wide setting:
+    # put it back afterwards so that later test modules do not write into this one.
+    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
     cache = tmp_path_factory.mktemp("xla_cache")
-    return Engine.from_preset(
+    yield Engine.from_preset(
         "tiny", dataclasses.replace(CONFIG, cache_dir=str(cache)), progress=False
     )
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
 
 
 def prompt(n, seed):
