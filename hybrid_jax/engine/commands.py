@@ -91,6 +91,8 @@ def _summary(results: Sequence[Result]) -> str:
 
 
 def generate(args: argparse.Namespace) -> int:
+    if not args.prompts and sys.stdin.isatty():
+        print("reading prompts from stdin, one per line (end with Ctrl-D)", file=sys.stderr)
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         print("hybrid-jax generate: no prompt given (arguments or stdin)", file=sys.stderr)
