@@ -27,6 +27,11 @@ def test_generate_rejects_invalid_sampling_flags_before_building_a_model(capsys)
     assert code == 2 and "top_p=2.0" in err
 
 
+def test_generate_reports_a_bad_engine_size_without_a_traceback(capsys):
+    code, _, err = run(["generate", "hi", "--max-context", "100"], capsys)
+    assert code == 2 and "max_context=100 is not a multiple of page_size=16" in err
+
+
 def test_generate_without_prompts_says_so(capsys, monkeypatch):
     code, _, err = run(["generate"], capsys, stdin="\n  \n", monkeypatch=monkeypatch)
     assert code == 2 and "no prompt given" in err

@@ -44,7 +44,8 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="model weights (tiny) and seeds")
 
 
-def _engine(args: argparse.Namespace) -> Engine:
+def _engine(args: argparse.Namespace, command: str) -> Engine | None:
+    """The engine the flags describe, or None after printing why it cannot be built."""
     config = EngineConfig(
         max_batch=args.max_batch,
         max_tokens=args.max_tokens,
@@ -54,9 +55,14 @@ def _engine(args: argparse.Namespace) -> Engine:
         seed=args.seed,
         impl=args.impl,
     )
-    if args.checkpoint:
-        return Engine.from_checkpoint(args.checkpoint, config)
-    return Engine.from_preset("tiny", config, seed=args.seed)
+    try:
+        if args.checkpoint:
+            return Engine.from_checkpoint(args.checkpoint, config)
+        return Engine.from_preset("tiny", config, seed=args.seed)
+    # CheckpointError, TokenizerError, ConfigError and MetadataError are ValueErrors too.
+    except ValueError as err:
+        print(f"hybrid-jax {command}: {err}", file=sys.stderr)
+        return None
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -109,7 +115,9 @@ def generate(args: argparse.Namespace) -> int:
     except SamplingParamsError as err:
         print(f"hybrid-jax generate: {err}", file=sys.stderr)
         return 2
-    engine = _engine(args)
+    engine = _engine(args, "generate")
+    if engine is None:
+        return 2
     results: list[Result] = []
     try:
         stream = engine.stream(prompts, params)
@@ -177,7 +185,9 @@ def _plot(path: str, engine: Engine, results: Sequence[Result]) -> bool:
 
 
 def bench(args: argparse.Namespace) -> int:
-    engine = _engine(args)
+    engine = _engine(args, "bench")
+    if engine is None:
+        return 2
     rng = np.random.default_rng(args.seed)
     params = SamplingParams(max_new_tokens=args.new_tokens)
     vocab = engine.vocab_size

@@ -327,10 +327,12 @@ class Engine:
         """A built-in model with seeded random weights and the byte-level tokenizer."""
         if name not in PRESETS:
             raise ValueError(f"preset {name!r} does not exist; choose one of {sorted(PRESETS)}")
+        model_config = PRESETS[name](dtype)
+        config.policy(model_config.max_position_embeddings)  # bad sizes fail before the build
         if config.cache_dir is not None:
             # Before the model: its random initialisation compiles a few dozen small programs.
             _use_compilation_cache(config.cache_dir)
-        model = Qwen3Next(PRESETS[name](dtype), rngs=nnx.Rngs(seed))
+        model = Qwen3Next(model_config, rngs=nnx.Rngs(seed))
         return cls(model, ByteTokenizer(), config, progress=progress)
 
     @classmethod
