@@ -309,3 +309,8 @@ def test_engine_context_is_whole_pages_within_the_model():
         EngineConfig(max_context=2048).policy(1000)
     with pytest.raises(ValueError, match="not a multiple of page_size=16"):
         EngineConfig(max_context=100).policy(1000)
+
+
+def test_stream_rejects_bad_input_when_called_not_when_iterated(engine):
+    with pytest.raises(RequestError, match=r"prompts\[0\] is empty"):
+        engine.stream([""], GREEDY)

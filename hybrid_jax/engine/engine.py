@@ -598,11 +598,14 @@ class Engine:
     ) -> Iterator[tuple[int, StepEvent]]:
         """Yields ``(index of the prompt, event)`` as tokens arrive, until all are finished.
 
-        Other requests keep being served alongside: events of requests another stream
-        follows are kept for it. Closing the iterator early aborts the prompts that had not
-        finished.
+        The prompts are checked and queued by this call (a bad one raises here, with nothing
+        queued); the iterator then drives the engine. Other requests keep being served
+        alongside: events of requests another stream follows are kept for it. Closing the
+        iterator early aborts the prompts that had not finished.
         """
-        ids = self._submit_all(prompts, params)
+        return self._follow(self._submit_all(prompts, params))
+
+    def _follow(self, ids: list[int]) -> Iterator[tuple[int, StepEvent]]:
         index = {rid: i for i, rid in enumerate(ids)}
         pending = set(ids)
         for rid in ids:
