@@ -130,7 +130,7 @@ CAPABILITIES: Mapping[LayerKind, frozenset[ForwardMode]] = MappingProxyType(
     {
         LayerKind.GDN: _BUILT,
         LayerKind.FULL_ATTENTION: _BUILT,
-        LayerKind.MAMBA2: frozenset(),
+        LayerKind.MAMBA2: _BUILT,
     }
 )
 """The one capability table: the forward modes each layer kind can be traced in."""
