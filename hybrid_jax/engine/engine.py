@@ -455,7 +455,11 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
         """Queues one request (text or token ids) and returns its id. Raises ``RequestError``
-        or ``SamplingParamsError`` naming the problem, with nothing queued."""
+        or ``SamplingParamsError`` naming the problem, with nothing queued.
+
+        Its tokens are reported by the ``step()`` calls that read them back; a ``stream`` or
+        ``generate`` running meanwhile serves it but keeps only its own requests' events.
+        """
         ids, params = self._check(prompt, params or SamplingParams(), "prompt")
         return self._submit(ids, params)
 
