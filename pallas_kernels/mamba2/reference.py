@@ -50,6 +50,7 @@ from pallas_kernels._varlen import num_tiles, tile_layout, token_segments
 __all__ = [
     "CHUNK",
     "commit_states",
+    "prepare_dt",
     "selective_state_update",
     "ssd_chunk_scan_chunked",
     "ssd_chunk_scan_recurrent",
@@ -73,7 +74,7 @@ def _prepare(args: tuple, z: jax.Array | None) -> tuple[tuple[jax.Array, ...], j
     return tuple(jnp.asarray(a) for a in args), None if z is None else jnp.asarray(z)
 
 
-def _dt(
+def prepare_dt(
     dt: jax.Array,
     dt_bias: jax.Array,
     dt_softplus: bool,
@@ -81,7 +82,7 @@ def _dt(
     dt_max: float,
     dtype: jnp.dtype,
 ) -> jax.Array:
-    """``[..., H]`` raw dt -> the dt of the recurrence, in ``dtype``."""
+    """``[..., H]`` raw dt -> the dt of the recurrence, in ``dtype`` (bias, softplus, clip)."""
     dt = dt.astype(dtype) + dt_bias.astype(dtype)
     if dt_softplus:
         dt = jnp.logaddexp(dt, 0)
@@ -151,7 +152,7 @@ def ssd_chunk_scan_recurrent(
     if t_total == 0 or state_indices.shape[0] == 0:
         return jnp.zeros_like(x), ssm_pool
     dtype = _compute_dtype(x, dt, A, B, C, D, dt_bias, ssm_pool, z)
-    dt = _dt(dt, dt_bias, dt_softplus, dt_min, dt_max, dtype)
+    dt = prepare_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, dtype)
     a = A.astype(dtype)
     seq, first, last, valid = token_segments(qsl, t_total)
 
@@ -211,7 +212,7 @@ def ssd_chunk_scan_chunked(
 
     # Heads as [G, R]: B and C stay per group (never repeated over the heads of a group).
     xt = tiles(x).reshape(-1, CHUNK, n_groups, per_group, p_dim)
-    dtt = tiles(_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, dtype))
+    dtt = tiles(prepare_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, dtype))
     dtt = dtt.reshape(-1, CHUNK, n_groups, per_group)
     bt, ct = tiles(B), tiles(C)
     a = A.astype(dtype).reshape(n_groups, per_group)
@@ -267,7 +268,7 @@ def _rows(
     x, dt, A, B, C, D, dt_bias, ssm_pool, state_indices = args
     n_heads = x.shape[2]
     dtype = _compute_dtype(x, dt, A, B, C, D, dt_bias, ssm_pool, z)
-    dt = _dt(dt, dt_bias, dt_softplus, dt_min, dt_max, dtype)
+    dt = prepare_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, dtype)
     bh, ch = (_heads(m.astype(dtype), n_heads) for m in (B, C))
     xw, a = x.astype(dtype), A.astype(dtype)
     state = ssm_pool[state_indices].astype(dtype)

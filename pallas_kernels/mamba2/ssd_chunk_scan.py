@@ -1,7 +1,10 @@
 """ssd_chunk_scan: Mamba2 (SSD) over packed variable-length sequences (prefill, extend).
 
-There is no Pallas kernel yet: every ``impl`` but ``"reference"`` (and ``"auto"``, which falls
-back to it) raises. The reference is the chunked jnp SSD of ``reference.py``.
+The Mosaic GPU kernel lives in ``ssd_mgpu.py`` (same arguments plus ``interpret``); its
+``unsupported_reason`` decides whether ``impl="auto"`` may take a call. It multiplies with bf16
+operands and float32 accumulation, so float32 inputs get bf16-level error (about 3e-3
+relative); ``impl="reference"`` (the chunked jnp SSD of ``reference.py``) keeps float32
+accuracy. The kernel has never run on a GPU (interpreter and ``cuda`` lowering only).
 """
 
 from __future__ import annotations
@@ -9,13 +12,12 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels._common import resolve_impl
-from pallas_kernels.mamba2 import reference
+from pallas_kernels.mamba2 import reference, ssd_mgpu
 from pallas_kernels.mamba2._checks import check_options, check_varlen
 
 __all__ = ["ssd_chunk_scan"]
 
 _OP = "ssd_chunk_scan"
-_NO_KERNEL = "no Pallas kernel for ssd_chunk_scan yet (the chunked jnp reference is the path)"
 
 
 def ssd_chunk_scan(
@@ -71,6 +73,8 @@ def ssd_chunk_scan(
     args = (x, dt, A, B, C, D, dt_bias, ssm_pool, qsl, state_indices, has_initial_state)
     check_varlen(_OP, *args, z)
     check_options(_OP, dt_min, dt_max)
-    resolve_impl(_OP, impl, _NO_KERNEL)
     options = {"z": z, "dt_softplus": dt_softplus, "dt_min": dt_min, "dt_max": dt_max}
-    return reference.ssd_chunk_scan_chunked(*args, **options)
+    which = resolve_impl(_OP, impl, ssd_mgpu.unsupported_reason(*args, **options))
+    if which == "reference":
+        return reference.ssd_chunk_scan_chunked(*args, **options)
+    return ssd_mgpu.ssd_chunk_scan(*args, **options, interpret=which == "interpret")
