@@ -1,5 +1,5 @@
 """The Nemotron-H model: logit parity with Hugging Face transformers in every forward mode,
-configuration, and checkpoint loading.
+configuration, checkpoint loading, and serving through the engine.
 
 The reference logits were computed by transformers (PyTorch, float32) from the committed
 checkpoints in tests/fixtures/nemotron_h (tools/make_nemotron_h_fixtures.py); this module
@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybrid_jax.engine.engine import Engine, EngineConfig
+from hybrid_jax.engine.sampling import SamplingParams
 from hybrid_jax.engine.step import commit_verified
 from hybrid_jax.kv_cache import init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
@@ -26,6 +28,7 @@ from hybrid_jax.models.loading import CheckpointError
 from hybrid_jax.models.nemotron_h import ConfigError, NemotronHConfig
 from hybrid_jax.models.nemotron_h_loading import load_nemotron_h
 from hybrid_jax.models.safetensors_io import read_tensors, write_tensors
+from hybrid_jax.models.tokenizer import ByteTokenizer
 from hybrid_jax.modes import ForwardMode, LayerKind, UnsupportedForwardModeError
 from hybrid_jax.state_pool import init_state_pool
 
@@ -336,3 +339,26 @@ def test_bfloat16_load_keeps_decay_parameters_and_router_float32():
     assert mixer.A_log.get_value().dtype == jnp.float32
     assert model.layers[5].mixer.gate.kernel.get_value().dtype == jnp.float32
     assert model.state_specs()[0].conv_dtype == jnp.bfloat16
+
+
+# ---------------------------------------------------------------- served by the engine
+
+
+def test_engine_serves_nemotron_h_greedy_like_the_model_step_by_step(runners, refs):
+    run, prompt = runners["hybrid"], refs["hybrid"]["prompt"].tolist()
+    config = EngineConfig(
+        max_batch=1, max_tokens=16, max_context=24, page_size=PAGE, cache_dir=None,
+        impl="reference", overlap=False,
+    )  # fmt: skip
+    engine = Engine(run.model, ByteTokenizer(), config, progress=False)
+    (result,) = engine.generate([prompt], SamplingParams(max_new_tokens=4))
+    pool, kv = run.fresh()
+    pages = (1, 2, 3, 4, 5, 6)
+    logits, out = run.step(M.EXTEND, [RowSpec(1, 0, len(prompt), pages)], prompt, pool, kv)
+    want = [int(np.argmax(logits[-1]))]
+    for i in range(3):
+        row = RowSpec(1, len(prompt) + i, 1, pages)
+        logits, out = run.step(M.DECODE, [row], want[-1:], out.pool, out.kv)
+        want.append(int(np.argmax(logits[0])))
+    assert want[0] == int(np.argmax(refs["hybrid"]["prefill_logits"][-1]))
+    assert result.token_ids == want
