@@ -13,11 +13,11 @@ Prints ONE table (every row measured in this run) and writes ``RESULTS_mamba2.md
 
 Rows: decode (batch 1, 64, 256) and verify (Dt=4, batch 16, 64) with this project's Mosaic GPU
 kernels (``pallas_kernels/mamba2/state_update_mgpu.py``) and the jnp reference; prefill (1x8192,
-4x8192, varlen 64x256) with the chunked jnp reference (there is no Mosaic GPU SSD kernel yet)
-and jax-linear-attention's Mamba-2 SSD (``jla.layers.ssm.mamba2_ssd``, Mosaic GPU, plus the
-pool gather/scatter a pooled step needs; it has no pooled decode op). Timing and the table come
-from ``benchmarks/gdn.py`` (``jax_per_step_us``: R steps unrolled in one executable, the pool
-donated from step to step).
+4x8192, varlen 64x256) with this project's Mosaic GPU SSD kernel
+(``pallas_kernels/mamba2/ssd_mgpu.py``), the chunked jnp reference and jax-linear-attention's
+Mamba-2 SSD (``jla.layers.ssm.mamba2_ssd``, Mosaic GPU, plus the pool gather/scatter a pooled
+step needs; it has no pooled decode op). Timing and the table come from ``benchmarks/gdn.py``
+(``jax_per_step_us``: R steps unrolled in one executable, the pool donated from step to step).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import gdn as timing  # noqa: E402 (benchmarks/gdn.py: the timing loop and the t
 
 from pallas_kernels import mamba2  # noqa: E402
 from pallas_kernels.mamba2 import reference as mamba2_reference  # noqa: E402
-from pallas_kernels.mamba2 import state_update_mgpu  # noqa: E402
+from pallas_kernels.mamba2 import ssd_mgpu, state_update_mgpu  # noqa: E402
 
 H, G, P, N = 128, 8, 64, 128
 SLOTS = 512
@@ -115,19 +115,20 @@ def bench_prefill(jla_ssm) -> None:
         qsl = jnp.arange(0, t_total + 1, length, dtype=jnp.int32)
         has_init = jnp.ones((n_seq,), bool)
 
-        def step(pool, idx, inputs=inputs, qsl=qsl, has_init=has_init):
-            y, pool = mamba2.ssd_chunk_scan(
-                **inputs, ssm_pool=pool, qsl=qsl, state_indices=idx, has_initial_state=has_init,
-                impl="reference",
-            )  # fmt: skip
-            return pool, y
+        reference = functools.partial(mamba2.ssd_chunk_scan, impl="reference")
+        for impl, fn in (("ours (Mosaic GPU SSD)", ssd_mgpu.ssd_chunk_scan),
+                         ("jnp reference (chunked)", reference)):  # fmt: skip
 
-        def measure(step=step, n_seq=n_seq):
-            return timing.jax_per_step_us(step, pool, _slots_of(rng, n_seq), n_steps=2,
-                                          calls=(1, 3), reps=3)  # fmt: skip
+            def step(pool, idx, fn=fn, inputs=inputs, qsl=qsl, has_init=has_init):
+                y, pool = fn(**inputs, ssm_pool=pool, qsl=qsl, state_indices=idx,
+                             has_initial_state=has_init)  # fmt: skip
+                return pool, y
 
-        timing._record("prefill", shape, "jnp reference (chunked)", measure,
-                       timing._mtoks(t_total))  # fmt: skip
+            def measure(step=step, n_seq=n_seq):
+                return timing.jax_per_step_us(step, pool, _slots_of(rng, n_seq), n_steps=2,
+                                              calls=(1, 3), reps=3)  # fmt: skip
+
+            timing._record("prefill", shape, impl, measure, timing._mtoks(t_total))
         if jla_ssm is not None:
             _jla_prefill(jla_ssm, rng, pool, params, shape, n_seq, length)
 
@@ -159,9 +160,10 @@ def _smoke_mode() -> None:
     H, G, P, N, SLOTS = 2, 1, 64, 64, 8
     STATE_BYTES = H * P * N * 4
     DECODE_BATCHES, VERIFY, PREFILL = (1, 2), ((2, 2),), (("2x64", 2, 64), ("varlen 3x20", 3, 20))
-    for name in ("selective_state_update", "verify_selective_state_update"):
-        kernel = getattr(state_update_mgpu, name)
-        setattr(state_update_mgpu, name, functools.partial(kernel, interpret=True))
+    for module, name in ((state_update_mgpu, "selective_state_update"),
+                         (state_update_mgpu, "verify_selective_state_update"),
+                         (ssd_mgpu, "ssd_chunk_scan")):  # fmt: skip
+        setattr(module, name, functools.partial(getattr(module, name), interpret=True))
 
 
 def _write_report(out: Path, device_kind: str) -> str:
