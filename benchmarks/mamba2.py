@@ -18,6 +18,13 @@ kernels (``pallas_kernels/mamba2/state_update_mgpu.py``) and the jnp reference; 
 Mamba-2 SSD (``jla.layers.ssm.mamba2_ssd``, Mosaic GPU, plus the pool gather/scatter a pooled
 step needs; it has no pooled decode op). Timing and the table come from ``benchmarks/gdn.py``
 (``jax_per_step_us``: R steps unrolled in one executable, the pool donated from step to step).
+
+Floors to compare the first run with (state 4 MiB per slot, copy rate 4.3 TB/s): decode batch
+256 moves 2 x 256 x 4 MiB = 2.1 GB, 500 us at the copy rate, 632 us at the 3.4 TB/s goal; batch
+64, 125 us; verify Dt=4 batch 64 moves 5 x 64 x 4 MiB, 312 us. Prefill reads x, B, C, dt and
+writes y, about 36 KB per token in bf16 (1x8192: 70 us of bytes); its four 64-token wgmmas per
+chunk and head are about 7.3 MFLOP per token (1x8192: 76 us at 790 TFLOP/s), so the in-order
+walk over chunks (1x8192: 128 chunks in 128 CTAs of 128 heads) is what will bound it.
 """
 
 from __future__ import annotations
