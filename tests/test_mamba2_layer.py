@@ -150,7 +150,9 @@ def test_layer_matches_float64_oracle_from_a_saved_state(setup):
     slot = 4
     meta = build_metadata(M.EXTEND, [RowSpec(slot, 5, 7)], POLICY, num_slots=NUM_SLOTS)
     xp = jnp.zeros((meta.num_tokens, hidden)).at[:7].set(x)
-    out = mixer(xp, pool.conv[0], pool.ssm[0], meta, impl="reference")
+    # Jitted: eager op-by-op dispatch of the scan costs far more than one compile.
+    forward = nnx.jit(lambda m, *args: m(*args, impl="reference"))
+    out = forward(mixer, xp, pool.conv[0], pool.ssm[0], meta)
     want_y, want_conv, want_ssm = oracle_mixer(
         mixer, x, np.asarray(pool.conv[0][slot]), np.asarray(pool.ssm[0][slot])
     )
