@@ -12,12 +12,13 @@ Which request owns which page is host-side bookkeeping (``PageAllocator``).
 from __future__ import annotations
 
 import dataclasses
-import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from hybrid_jax.index_allocator import IndexAllocator, is_int
 
 __all__ = [
     "KVCache",
@@ -52,17 +53,13 @@ class PagesExhaustedError(RuntimeError):
         )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
 def _check_geometry(num_pages: object, page_size: object) -> None:
-    if not _is_int(num_pages) or num_pages < 2:
+    if not is_int(num_pages) or num_pages < 2:
         raise PageError(
             f"num_pages={num_pages!r} leaves no real page (page 0 is the pad page); "
             f"build the cache with at least 2 pages"
         )
-    if not _is_int(page_size) or page_size < 1:
+    if not is_int(page_size) or page_size < 1:
         raise PageError(f"page_size={page_size!r} must be a positive int (tokens per page)")
 
 
@@ -83,7 +80,7 @@ class KVCacheSpec:
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
         for name in ("num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
 
     def page_bytes(self, page_size: int) -> int:
@@ -121,76 +118,33 @@ def init_kv_cache(specs: Sequence[KVCacheSpec], num_pages: int, page_size: int) 
     )
 
 
-class PageAllocator:
+class PageAllocator(IndexAllocator):
     """Host-side owner of pages ``1..num_pages-1``: hands out the lowest free pages first.
 
     Every call validates its whole request before changing anything, so a rejected call
     leaves the allocator as it was.
     """
 
+    noun, container, error = "page", "cache", PageError
+
     def __init__(self, num_pages: int, page_size: int) -> None:
         _check_geometry(num_pages, page_size)
+        super().__init__(num_pages)
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free = list(range(1, num_pages))  # a sorted list is a valid heap
-        self._used: set[int] = set()
-
-    @property
-    def capacity(self) -> int:
-        """Real pages (the pad page excluded)."""
-        return self.num_pages - 1
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._used)
 
     @property
     def used_pages(self) -> tuple[int, ...]:
         return tuple(sorted(self._used))
 
-    def allocate(self, n: int) -> list[int]:
-        """The ``n`` lowest free pages, now in use."""
-        if not _is_int(n) or n < 0:
-            raise PageError(f"allocate(n={n!r}): n must be an int >= 0")
-        if n > len(self._free):
-            raise PagesExhaustedError(n, self.capacity, len(self._used), self.page_size)
-        pages = [heapq.heappop(self._free) for _ in range(n)]
-        self._used.update(pages)
-        return pages
+    def _exhausted(self, requested: int) -> PagesExhaustedError:
+        return PagesExhaustedError(requested, self.capacity, self.num_used, self.page_size)
 
     def grow(self, pages: Sequence[int], num_positions: int) -> list[int]:
         """``pages`` extended with new pages so that they hold ``num_positions`` positions
         (a request about to run more tokens); unchanged when they already do."""
         missing = pages_needed(num_positions, self.page_size) - len(pages)
         return [*pages, *self.allocate(max(0, missing))]
-
-    def free(self, pages: Iterable[int]) -> None:
-        """Returns ``pages`` to the free list (all of them, or none on error)."""
-        pages = list(pages)
-        seen: set[int] = set()
-        for i, page in enumerate(pages):
-            if not _is_int(page):
-                raise PageError(f"pages[{i}]={page!r} is not an int page")
-            if page == 0:
-                raise PageError(f"pages[{i}]=0 is the pad page; it is never allocated or freed")
-            if not 0 < page < self.num_pages:
-                raise PageError(
-                    f"pages[{i}]={page} is outside the cache (pages 1..{self.num_pages - 1})"
-                )
-            if page in seen:
-                raise PageError(f"pages[{i}]={page} appears twice in one free() call")
-            if page not in self._used:
-                raise PageError(
-                    f"pages[{i}]={page} is not allocated (freed twice, or never allocated)"
-                )
-            seen.add(page)
-        self._used.difference_update(pages)
-        for page in pages:
-            heapq.heappush(self._free, int(page))
 
     def __repr__(self) -> str:
         return (

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 import math
 from collections.abc import Iterable, Sequence
 
@@ -20,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
+
+from hybrid_jax.index_allocator import IndexAllocator, is_int
 
 __all__ = [
     "LinearStateSpec",
@@ -58,12 +59,8 @@ class PoolExhaustedError(RuntimeError):
         )
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
-
-
 def _check_num_slots(num_slots: object) -> None:
-    if not _is_int(num_slots) or num_slots < 2:
+    if not is_int(num_slots) or num_slots < 2:
         raise SlotError(
             f"num_slots={num_slots!r} leaves no real slot (slot 0 is the pad slot); "
             f"build the pool with at least 2 slots"
@@ -88,14 +85,14 @@ class LinearStateSpec:
         object.__setattr__(self, "ssm_shape", tuple(self.ssm_shape))
         object.__setattr__(self, "conv_dtype", np.dtype(self.conv_dtype))
         object.__setattr__(self, "ssm_dtype", np.dtype(self.ssm_dtype))
-        if not _is_int(self.conv_channels) or self.conv_channels < 1:
+        if not is_int(self.conv_channels) or self.conv_channels < 1:
             raise ValueError(f"conv_channels={self.conv_channels!r} must be a positive int")
-        if not _is_int(self.conv_width) or self.conv_width < 2:
+        if not is_int(self.conv_width) or self.conv_width < 2:
             raise ValueError(
                 f"conv_width={self.conv_width!r} must be an int >= 2: the pool keeps the last "
                 f"conv_width - 1 inputs"
             )
-        if not self.ssm_shape or not all(_is_int(d) and d >= 1 for d in self.ssm_shape):
+        if not self.ssm_shape or not all(is_int(d) and d >= 1 for d in self.ssm_shape):
             raise ValueError(f"ssm_shape={self.ssm_shape!r} must be a non-empty tuple of ints >= 1")
 
     @classmethod
@@ -178,7 +175,7 @@ def reset_slots(pool: StatePool, slots: Iterable[int]) -> StatePool:
     """
     slots = list(slots)
     for i, slot in enumerate(slots):
-        if not _is_int(slot) or not 0 <= slot < pool.num_slots:
+        if not is_int(slot) or not 0 <= slot < pool.num_slots:
             raise SlotError(
                 f"slots[{i}]={slot!r} is outside the pool (slots 0..{pool.num_slots - 1})"
             )
@@ -187,7 +184,7 @@ def reset_slots(pool: StatePool, slots: Iterable[int]) -> StatePool:
     return _zero_slots(pool, jnp.asarray(_pad_to_power_of_two(slots)))
 
 
-class SlotAllocator:
+class SlotAllocator(IndexAllocator):
     """Host-side owner of slots ``1..num_slots-1``: hands out the lowest free slots first.
 
     Every call validates its whole request before changing anything, so a rejected call
@@ -195,63 +192,20 @@ class SlotAllocator:
     a slot costs.
     """
 
+    noun, container, error = "slot", "pool", SlotError
+
     def __init__(self, num_slots: int, bytes_per_slot: int = 0) -> None:
         _check_num_slots(num_slots)
+        super().__init__(num_slots)
         self.num_slots = num_slots
         self.bytes_per_slot = bytes_per_slot
-        self._free = list(range(1, num_slots))  # a sorted list is a valid heap
-        self._used: set[int] = set()
-
-    @property
-    def capacity(self) -> int:
-        """Real slots (the pad slot excluded)."""
-        return self.num_slots - 1
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used(self) -> int:
-        return len(self._used)
 
     @property
     def used_slots(self) -> tuple[int, ...]:
         return tuple(sorted(self._used))
 
-    def allocate(self, n: int) -> list[int]:
-        """The ``n`` lowest free slots, now in use."""
-        if not _is_int(n) or n < 0:
-            raise SlotError(f"allocate(n={n!r}): n must be an int >= 0")
-        if n > len(self._free):
-            raise PoolExhaustedError(n, self.capacity, len(self._used), self.bytes_per_slot)
-        slots = [heapq.heappop(self._free) for _ in range(n)]
-        self._used.update(slots)
-        return slots
-
-    def free(self, slots: Iterable[int]) -> None:
-        """Returns ``slots`` to the free list (all of them, or none on error)."""
-        slots = list(slots)
-        seen: set[int] = set()
-        for i, slot in enumerate(slots):
-            if not _is_int(slot):
-                raise SlotError(f"slots[{i}]={slot!r} is not an int slot")
-            if slot == 0:
-                raise SlotError(f"slots[{i}]=0 is the pad slot; it is never allocated or freed")
-            if not 0 < slot < self.num_slots:
-                raise SlotError(
-                    f"slots[{i}]={slot} is outside the pool (slots 1..{self.num_slots - 1})"
-                )
-            if slot in seen:
-                raise SlotError(f"slots[{i}]={slot} appears twice in one free() call")
-            if slot not in self._used:
-                raise SlotError(
-                    f"slots[{i}]={slot} is not allocated (freed twice, or never allocated)"
-                )
-            seen.add(slot)
-        self._used.difference_update(slots)
-        for slot in slots:
-            heapq.heappush(self._free, int(slot))
+    def _exhausted(self, requested: int) -> PoolExhaustedError:
+        return PoolExhaustedError(requested, self.capacity, self.num_used, self.bytes_per_slot)
 
     def __repr__(self) -> str:
         return (
