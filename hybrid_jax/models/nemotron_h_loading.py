@@ -21,8 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybrid_jax.models.loading import CheckpointError, _linear, _param, _plain, _read, _Rule
-from hybrid_jax.models.loading import _weight_map as weight_map_of
+# The rule and file helpers of the Qwen3-Next loader serve every Hugging Face folder.
+from hybrid_jax.models.loading import (
+    CheckpointError,
+    _linear,
+    _param,
+    _plain,
+    _read,
+    _Rule,
+    _weight_map,
+)
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig
 
 __all__ = ["load_nemotron_h", "load_nemotron_h_config"]
@@ -135,7 +143,7 @@ def load_nemotron_h(folder: str | pathlib.Path, *, dtype: str | None = None) -> 
     """
     folder = pathlib.Path(folder)
     config = load_nemotron_h_config(folder, dtype=dtype)
-    weight_map = weight_map_of(folder)
+    weight_map = _weight_map(folder)
     prefix = _prefix(set(weight_map))
     rules = list(_rules(config, prefix, lambda q: f"{q}experts.up_proj" in weight_map))
     needed = {name for rule in rules for name, _ in rule.sources}
