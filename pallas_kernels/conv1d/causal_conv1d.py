@@ -1,26 +1,20 @@
 """causal_conv1d: causal depthwise conv1d over packed variable-length sequences (prefill, extend).
 
-Kernel plug-in point: the Mosaic GPU kernel lives in ``prefill_mgpu.py`` and exposes
-``unsupported_reason(x, weight, bias, conv_pool, qsl, state_indices, has_initial_state, *,
-activation) -> str | None`` and ``causal_conv1d(<same>, interpret: bool)`` (inputs already
-checked). Plugging it in is replacing ``_kernel = None`` below with
-``from pallas_kernels.conv1d import prefill_mgpu as _kernel``.
+The Mosaic GPU kernel lives in ``prefill_mgpu.py`` (same arguments plus ``interpret``); its
+``unsupported_reason`` decides whether ``impl="auto"`` may take a call.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import jax
 
 from pallas_kernels._common import resolve_impl
-from pallas_kernels.conv1d import reference
+from pallas_kernels.conv1d import prefill_mgpu, reference
 from pallas_kernels.conv1d._checks import check_varlen
 
 __all__ = ["causal_conv1d"]
 
 _OP = "causal_conv1d"
-_kernel: ModuleType | None = None
 
 
 def causal_conv1d(
@@ -61,11 +55,8 @@ def causal_conv1d(
     """
     args = (x, weight, bias, conv_pool, qsl, state_indices, has_initial_state)
     check_varlen(_OP, *args, activation)
-    if _kernel is None:
-        reason = f"no Pallas kernel for {_OP} yet"
-    else:
-        reason = _kernel.unsupported_reason(*args, activation=activation)
+    reason = prefill_mgpu.unsupported_reason(*args, activation=activation)
     which = resolve_impl(_OP, impl, reason)
     if which == "reference":
         return reference.causal_conv1d_gathered(*args, activation=activation)
-    return _kernel.causal_conv1d(*args, activation=activation, interpret=which == "interpret")
+    return prefill_mgpu.causal_conv1d(*args, activation=activation, interpret=which == "interpret")
