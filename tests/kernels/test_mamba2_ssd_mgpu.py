@@ -99,15 +99,39 @@ def test_kernel_matches_oracle_and_writes_only_nonempty_slots(dtype, gate, optio
     np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
 
 
-def test_public_op_runs_the_kernel_with_impl_interpret():
-    args = _case(1, jnp.bfloat16, gate=True)
+def _short(args, lengths, t_total):
+    """The first ``t_total`` tokens of ``args`` as a call of ``len(lengths)`` rows."""
+    short = {k: v[:t_total] for k, v in args.items() if k in ("x", "dt", "B", "C", "z")}
+    n = len(lengths)
+    short.update(
+        {k: args[k] for k in ("A", "D", "dt_bias", "ssm_pool")},
+        qsl=jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32),
+        state_indices=args["state_indices"][:n],
+        has_initial_state=args["has_initial_state"][:n],
+    )
+    return short
+
+
+def test_public_op_runs_the_kernel_on_a_call_shorter_than_a_chunk():
+    args = _short(_case(1, jnp.bfloat16, gate=True), (13, 0), 20)
     z = args.pop("z")
-    y, pool = mamba2.ssd_chunk_scan(*args.values(), z=z, impl="interpret")
+    names = ("x", "dt", "A", "B", "C", "D", "dt_bias", "ssm_pool", "qsl", "state_indices")
+    positional = [args[name] for name in (*names, "has_initial_state")]
+    y, pool = mamba2.ssd_chunk_scan(*positional, z=z, impl="interpret")
     y_ref, pool_ref = _oracle({**args, "z": z})
-    end = int(args["qsl"][-1])
-    assert _rel(y[:end], y_ref[:end]) < 1e-2
-    slot = int(args["state_indices"][1])
+    assert _rel(y[:13], y_ref[:13]) < 1e-2
+    assert not np.asarray(y, np.float32)[13:].any()
+    slot = int(args["state_indices"][0])
     assert _rel(pool[slot], pool_ref[slot]) < 1e-2
+    others = np.setdiff1d(np.arange(S), [slot])
+    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
+
+
+def test_all_empty_batch_outputs_zeros_and_leaves_pool():
+    args = _short(_case(2, jnp.bfloat16, gate=False), (0, 0), 20)
+    y, pool = jax.jit(functools.partial(ssd_mgpu.ssd_chunk_scan, interpret=True))(**args)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), 0)
+    np.testing.assert_array_equal(_bits(pool), _bits(args["ssm_pool"]))
 
 
 def _production(t_total, n_seq, *, h=128, g=8, p=64, nd=128, dtype=jnp.bfloat16, gate=False):
