@@ -16,6 +16,15 @@ step) overlaps the device's work on step n+1.
 
 Requests are checked before anything is queued (``RequestError``, ``SamplingParamsError``),
 so a bad one never disturbs the requests already being served.
+
+With ``EngineConfig(speculative=SpeculativeConfig(...))`` decoding requests run in
+TARGET_VERIFY steps of D tokens per row instead of DECODE (``engine/speculative.py``): the
+forward step returns the logits of all D tokens, ``Verifier`` accepts drafts and commits
+every linear layer's state after the last accepted token, and the scheduler advances each
+request by the accepted drafts plus one. TARGET_VERIFY, the acceptance and the commit are
+compiled at start for every batch bucket like the other steps. A verify row's tokens depend
+on the previous step's, so this path reads every step back before scheduling the next (no
+overlap). ``speculative_stats`` counts acceptance.
 """
 
 from __future__ import annotations
@@ -46,6 +55,12 @@ from hybrid_jax.engine.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from hybrid_jax.engine.speculative import (
+    NgramDrafter,
+    SpeculativeConfig,
+    SpeculativeStats,
+    Verifier,
+)
 from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.kv_cache import KVCache, PageAllocator, init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, build_metadata, example_metadata
@@ -61,6 +76,7 @@ __all__ = [
     "EngineConfig",
     "Result",
     "ServingState",
+    "SpeculativeConfig",
     "StepEvent",
 ]
 
@@ -83,6 +99,8 @@ class EngineConfig:
     persistent compilation cache (None: off). ``seed``: draws the seeds of requests that give
     none. ``impl``: the kernels' implementation choice. ``overlap``: dispatch each step
     before reading the previous one back (False: read every step back at once).
+    ``speculative``: speculative decoding of decoding requests (None: off); it reads every
+    step back at once whatever ``overlap`` says.
     """
 
     max_batch: int = 8
@@ -97,9 +115,10 @@ class EngineConfig:
     seed: int = 0
     impl: str = "auto"
     overlap: bool = True
+    speculative: SpeculativeConfig | None = None
 
-    def policy(self, model_context: int) -> BucketPolicy:
-        """The bucket policy of these sizes, for a model with ``model_context`` positions."""
+    def context(self, model_context: int) -> int:
+        """Positions of one request, for a model with ``model_context`` positions."""
         if self.max_context is None:
             # Whole pages only, and never past what the model was trained for.
             context = model_context // self.page_size * self.page_size
@@ -110,9 +129,27 @@ class EngineConfig:
                 f"max_context={context} exceeds the model's max_position_embeddings="
                 f"{model_context}; lower max_context"
             )
+        return context
+
+    @property
+    def lookahead(self) -> int:
+        """Positions a verify row may run past a request's last useful one (D-1; 0 without
+        speculation)."""
+        return 0 if self.speculative is None else self.speculative.num_draft_tokens - 1
+
+    def policy(self, model_context: int) -> BucketPolicy:
+        """The bucket policy of these sizes, for a model with ``model_context`` positions.
+
+        Under speculation its ``max_context`` holds ``lookahead`` more positions, in whole
+        pages: only drafts past a request's budget land there, and they are never kept.
+        """
+        context = self.context(model_context)
+        extra = -(-self.lookahead // self.page_size) * self.page_size
+        draft = 4 if self.speculative is None else self.speculative.num_draft_tokens
         policy = BucketPolicy.default(
-            self.max_batch, self.max_tokens, page_size=self.page_size, max_context=context
-        )
+            self.max_batch, self.max_tokens, draft, page_size=self.page_size,
+            max_context=context + extra,
+        )  # fmt: skip
         buckets = {}
         if self.batch_buckets is not None:
             buckets["batch_buckets"] = tuple(self.batch_buckets)
@@ -133,17 +170,21 @@ class ServingState:
 
 
 class StepOutput(NamedTuple):
-    """logits: float32 ``[bs, vocab]`` at each row's last token (padded rows: garbage)."""
+    """logits: float32 ``[bs, vocab]`` at each row's last token, or ``[bs, D, vocab]`` at
+    every token for TARGET_VERIFY (padded rows: garbage); verify: the per-layer verify
+    states of TARGET_VERIFY (else empty)."""
 
     logits: jax.Array
     state: ServingState
+    verify: tuple = ()
 
 
 class _LastTokenLogits(nnx.Module):
     """``Qwen3Next`` in the shape ``StepFunctions`` drives: ``(x, state, meta) -> output``.
 
     Only each row's last token reaches the LM head, so a prefill step computes ``[bs, vocab]``
-    logits, not ``[T, vocab]``. Tokens arrive as a ``[T, 1]`` int32 column because
+    logits, not ``[T, vocab]`` (TARGET_VERIFY needs them at all D tokens of every row).
+    Tokens arrive as a ``[T, 1]`` int32 column because
     ``StepFunctions.compile_all`` compiles ``x`` as ``[num_tokens, hidden_size]``; a token
     ``PENDING`` is read from ``state.last_tokens`` at its row's slot.
     """
@@ -160,9 +201,12 @@ class _LastTokenLogits(nnx.Module):
     ) -> StepOutput:
         slots = jnp.take(meta.state_indices, meta.token_rows, mode="clip")
         tokens = jnp.where(x[:, 0] == PENDING, state.last_tokens[slots], x[:, 0])
-        hidden, pool, kv, _ = self.model.hidden_states(
+        hidden, pool, kv, verify = self.model.hidden_states(
             tokens, state.pool, state.kv, meta, impl=impl
         )
+        if meta.mode is ForwardMode.TARGET_VERIFY:
+            logits = self.model.logits(hidden).reshape(meta.batch_size, meta.num_draft_tokens, -1)
+            return StepOutput(logits, ServingState(pool, kv, state.last_tokens), verify)
         # A padded row repeats the previous boundary; clipping keeps its index in range.
         last = jnp.clip(meta.query_start_loc[1:] - 1, 0, hidden.shape[0] - 1)
         logits = self.model.logits(hidden[last])
@@ -258,7 +302,10 @@ class Engine:
     ``StepEvent``s as tokens arrive; ``add_request`` / ``step`` / ``abort`` drive it by hand.
     The model's ``eos_token_id``s stop every request, besides its own stop tokens.
     ``compile_records`` (one per step executable), ``sampler_compile_ms``, ``compile_s`` and
-    ``step_times`` (seconds per step, by mode) describe where time went.
+    ``step_times`` (seconds per step, by mode) describe where time went;
+    ``speculative_stats`` counts draft acceptance under speculative decoding; ``drafter``
+    proposes the drafts (any object with ``propose(token_ids) -> D-1 token ids`` may
+    replace it: acceptance never trusts a draft, so tokens stay those of the target).
     """
 
     def __init__(
@@ -274,7 +321,9 @@ class Engine:
         self.config = config
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_id)
+        self.max_context = config.context(model.config.max_position_embeddings)
         self.policy = config.policy(model.config.max_position_embeddings)
+        self.speculative = config.speculative
         sched_config = SchedulerConfig.for_policy(
             self.policy, config.max_batch, config.max_tokens, config.chunk_size
         )
@@ -286,7 +335,11 @@ class Engine:
         self.slots = SlotAllocator(num_slots, bytes_per_slot(specs))
         self.pages = PageAllocator(num_pages, self.policy.page_size)
         self.scheduler = Scheduler(
-            sched_config, self.slots, self.pages, max_context=self.policy.max_context
+            sched_config,
+            self.slots,
+            self.pages,
+            max_context=self.max_context,
+            lookahead=config.lookahead,
         )
         self._state = ServingState(
             init_state_pool(specs, num_slots),
@@ -295,6 +348,14 @@ class Engine:
         )
         self._steps = StepFunctions(_LastTokenLogits(model), impl=config.impl)
         self._sampler = Sampler()
+        self._verifier = Verifier(self._steps.commit)
+        self.modes = SERVED_MODES
+        self.drafter: NgramDrafter | None = None
+        if self.speculative is not None:
+            self.modes = (*SERVED_MODES, ForwardMode.TARGET_VERIFY)
+            spec = self.speculative
+            self.drafter = NgramDrafter(spec.num_draft_tokens - 1, spec.max_ngram, spec.min_ngram)
+        self.speculative_stats = SpeculativeStats()
         self._rng = np.random.default_rng(config.seed)
         self._tracked: dict[int, _Tracked] = {}
         self._inflight: _InFlight | None = None
@@ -305,7 +366,7 @@ class Engine:
         self._next_id = 0
         self.compile_records: list[CompileRecord] = []
         self.sampler_compile_ms: dict[int, float] = {}
-        self.step_times: dict[ForwardMode, list[float]] = {m: [] for m in SERVED_MODES}
+        self.step_times: dict[ForwardMode, list[float]] = {m: [] for m in self.modes}
         if config.cache_dir is not None:
             _use_compilation_cache(config.cache_dir)
         start = time.perf_counter()
@@ -361,7 +422,9 @@ class Engine:
 
     def _compile(self, progress: bool) -> None:
         batch_sizes = sorted({bs for m in SERVED_MODES for bs, _ in self.policy.buckets(m)})
-        total = sum(len(self.policy.buckets(m)) for m in SERVED_MODES) + len(batch_sizes)
+        total = sum(len(self.policy.buckets(m)) for m in self.modes) + len(batch_sizes)
+        if self.speculative is not None:
+            total += len(self.policy.buckets(ForwardMode.TARGET_VERIFY))
         bar = _Progress(total, progress)
 
         def on_step(record: CompileRecord) -> None:
@@ -371,7 +434,7 @@ class Engine:
         self._steps.compile_all(
             self.policy,
             self._state,
-            SERVED_MODES,
+            self.modes,
             hidden_size=1,
             dtype=jnp.int32,
             progress=on_step,
@@ -383,14 +446,27 @@ class Engine:
             bar(f"sampler {bs}")
         # Run every executable once on all-padding metadata (it writes only the pad slot and
         # the pad page): a first run costs more than later ones, and no request should pay it.
+        # A verify step's acceptance and commit compile here, from its outputs' shapes.
         for record in self.compile_records:
             meta = example_metadata(record.mode, record.batch_size, record.num_tokens, self.policy)
-            tokens = jnp.zeros((record.num_tokens, 1), jnp.int32)
-            self._dispatch(meta, tokens, SamplingBatch.pack([], [], [], record.batch_size))
+            batch = SamplingBatch.pack([], [], [], record.batch_size)
+            if record.mode is ForwardMode.TARGET_VERIFY:
+                tokens = np.zeros((record.batch_size, meta.num_draft_tokens), np.int32)
+                self._dispatch_verify(meta, tokens, batch, compile_first=True)
+                bar(f"verify commit {record.batch_size}")
+            else:
+                tokens = jnp.zeros((record.num_tokens, 1), jnp.int32)
+                self._dispatch(meta, tokens, batch)
         jax.block_until_ready(self._state)
 
+    @property
+    def state(self) -> ServingState:
+        """The device state after the last dispatched step, for inspection (the next step
+        donates it: read it before stepping again)."""
+        return self._state
+
     def _traces(self) -> int:
-        return self._steps.total_traces + self._sampler.trace_count
+        return self._steps.total_traces + self._sampler.trace_count + self._verifier.trace_count
 
     @property
     def retraces(self) -> int:
@@ -422,7 +498,7 @@ class Engine:
                     f"{what} token_ids[{i}]={token} is outside the vocabulary "
                     f"(ids 0..{self.vocab_size - 1})"
                 )
-        context = self.policy.max_context
+        context = self.max_context
         if len(ids) > context:
             raise RequestError(
                 f"{what} has {len(ids)} tokens, longer than the context of {context} positions; "
@@ -441,7 +517,7 @@ class Engine:
         request_id = self._next_id
         self._next_id += 1
         # Capped so that prompt + new tokens - 1 (the last token is never fed) fits the context.
-        room = self.policy.max_context - len(ids) + 1
+        room = self.max_context - len(ids) + 1
         request = Request(
             request_id,
             ids,
@@ -505,6 +581,81 @@ class Engine:
         self._state = dataclasses.replace(out.state, last_tokens=last_tokens)
         return sampled
 
+    def _dispatch_verify(
+        self,
+        meta: ForwardMetadata,
+        tokens: np.ndarray,
+        batch: SamplingBatch,
+        *,
+        compile_first: bool = False,
+    ) -> jax.Array:
+        """Dispatches a TARGET_VERIFY step, its acceptance and its commit (no wait); tokens:
+        int32 ``[bs, D]`` (root then drafts). Returns the emitted tokens ``[bs, D]``."""
+        column = jnp.asarray(tokens.reshape(-1, 1))
+        out = self._steps(self._state, column, meta)
+        if compile_first:
+            self._verifier.compile(out.logits, out.state.pool, out.verify)
+        acc, steps = self._verifier.accept(
+            out.logits, jnp.asarray(tokens), batch, meta.state_indices
+        )
+        pool = self._verifier.commit(out.state.pool, out.verify, meta.state_indices, steps)
+        self._state = dataclasses.replace(out.state, pool=pool)
+        return acc.emitted
+
+    def _verify(self, step: ScheduledStep) -> list[StepEvent]:
+        """Runs a TARGET_VERIFY step, reads it back and turns it into events (one per token
+        kept; the row's new text comes with its last one)."""
+        meta = build_metadata(
+            step.mode,
+            step.row_specs,
+            self.policy,
+            num_slots=self.slots.num_slots,
+            num_pages=self.pages.num_pages,
+        )
+        tokens = np.zeros((meta.batch_size, meta.num_draft_tokens), np.int32)
+        tokens[: len(step.rows)] = [row.token_ids for row in step.rows]
+        tracked = [self._tracked[row.request.request_id] for row in step.rows]
+        batch = SamplingBatch.pack(
+            [t.params for t in tracked],
+            [t.seed for t in tracked],
+            [t.request.num_drawn for t in tracked],
+            meta.batch_size,
+        )
+        start = time.perf_counter()
+        emitted = np.asarray(self._dispatch_verify(meta, tokens, batch))[: len(step.rows)]
+        now = time.perf_counter()
+        self.step_times[step.mode].append(now - start)
+        self._last_resolved = now
+        rows = [row[: int((row >= 0).sum())].tolist() for row in emitted]
+        stats = self.speculative_stats
+        stats.steps += 1
+        stats.rows += len(rows)
+        stats.proposed += len(rows) * (meta.num_draft_tokens - 1)
+        stats.accepted += sum(len(r) - 1 for r in rows)
+        stats.emitted += sum(len(r) for r in rows)
+        events = []
+        for req, kept in self.scheduler.resolve_verify(step, rows):
+            rid = req.request_id
+            if rid not in self._tracked:
+                continue
+            tracked = self._tracked[rid]
+            done = req.finish_reason is not None
+            tracked.token_times += [now] * len(kept)
+            text = self._new_text(tracked, done)
+            result = self._result(self._tracked.pop(rid), now) if done else None
+            for i, token in enumerate(kept):
+                last = i == len(kept) - 1
+                events.append(StepEvent(rid, token, text if last else "", result if last else None))
+        return events
+
+    def _speculative_step(self) -> list[StepEvent]:
+        step = self.scheduler.schedule_speculative(lambda req: self.drafter.propose(req.token_ids))
+        if step.mode is ForwardMode.IDLE:
+            return []
+        if step.mode is ForwardMode.TARGET_VERIFY:
+            return self._verify(step)
+        return self._land(self._launch(step))
+
     def _launch(self, step: ScheduledStep) -> _InFlight:
         meta = build_metadata(
             step.mode,
@@ -552,7 +703,12 @@ class Engine:
 
     def step(self) -> list[StepEvent]:
         """Schedules and dispatches one step, then reads back the step dispatched before it
-        (this one too when ``overlap`` is False); returns one event per token read back."""
+        (this one too when ``overlap`` is False); returns one event per token read back.
+        Under speculative decoding every step is read back at once."""
+        if self.speculative is not None:
+            events = self._speculative_step()
+            self._warn_on_retrace()
+            return events
         step = self.scheduler.schedule()
         launched = None if step.mode is ForwardMode.IDLE else self._launch(step)
         events = []
@@ -562,15 +718,17 @@ class Engine:
         if launched is not None and not self.overlap:
             events += self._land(launched)
             self._inflight = None
+        self._warn_on_retrace()
+        return events
+
+    def _warn_on_retrace(self) -> None:
         if self.retraces and not self._warned:
             self._warned = True
             warnings.warn(
-                f"the engine traced a step after warm-up ({step.mode.name}, {len(step.rows)} "
-                f"rows, {step.num_tokens} tokens): a shape escaped the compiled buckets",
+                "the engine traced after warm-up: a shape escaped the compiled buckets",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        return events
 
     def _submit_all(self, prompts, params) -> list[int]:
         if isinstance(prompts, str) or (

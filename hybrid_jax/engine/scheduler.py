@@ -27,6 +27,20 @@ stopped while a later step already carried it simply has that row's output dropp
 ``commit`` is ``advance`` then ``resolve``, for a loop that waits for every step. Finishing
 and ``abort`` return the slot and pages at once: a later step that reuses them is ordered
 after every step already dispatched, and a new request never reads what the old one left.
+
+Speculative decoding (``schedule_speculative``, ``resolve_verify``): decoding requests run in
+TARGET_VERIFY steps, one row of D tokens each (the last sampled token, the root, then D-1
+drafts from a proposer), apart from prefill, which keeps its EXTEND steps; when both kinds
+of work wait, the two alternate so neither starves. A verify row's tokens are only known
+once the previous step is read back, so this path waits for every step (no ``PENDING``).
+The row may run up to D-1 positions past the request's last useful one (its drafts past
+the budget are simply never kept), so a scheduler built with ``lookahead=D-1`` reserves
+that many more positions of pages per request. ``resolve_verify`` records each row's
+accepted drafts and bonus token, and moves ``num_computed`` by the accepted drafts plus one
+(the root): the bonus is the next root. The rejected drafts' keys and values need no
+release: they sit at positions past the accepted context, inside pages the request
+reserved at admission anyway, and the next step writes those positions before anything
+reads them.
 """
 
 from __future__ import annotations
@@ -34,7 +48,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hybrid_jax.kv_cache import PageAllocator, pages_needed
 from hybrid_jax.metadata import BucketPolicy, RowSpec
@@ -213,7 +227,8 @@ class Scheduler:
     """Waiting and running requests, and the step each ``schedule()`` call proposes.
 
     ``slots`` hands out linear-state slots; ``pages`` KV pages (None for a model without
-    full-attention layers). ``max_context`` bounds every request's positions.
+    full-attention layers). ``max_context`` bounds every request's positions; ``lookahead``
+    positions more get pages (D-1 under speculative decoding, see the module docstring).
     """
 
     def __init__(
@@ -223,11 +238,14 @@ class Scheduler:
         pages: PageAllocator | None,
         *,
         max_context: int,
+        lookahead: int = 0,
     ) -> None:
         self.config = config
         self.slots = slots
         self.pages = pages
         self.max_context = max_context
+        self.lookahead = lookahead
+        self._last_verified = False
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._ids: dict[int, Request] = {}
@@ -242,7 +260,7 @@ class Scheduler:
     def pages_for(self, request: Request) -> int:
         if self.pages is None:
             return 0
-        return pages_needed(request.max_context, self.pages.page_size)
+        return pages_needed(request.max_context + self.lookahead, self.pages.page_size)
 
     def add(self, request: Request) -> None:
         """Queues ``request``; raises ``RequestError`` (nothing queued) if it can never run."""
@@ -311,17 +329,9 @@ class Scheduler:
         ids = tuple(request.token_ids[start : start + n])
         return ScheduledRow(request, start, ids, samples=start + n == request.prompt_len)
 
-    def schedule(self) -> ScheduledStep:
-        """The next step. Admits waiting requests (allocating their slot and pages) but
-        changes nothing else; call ``advance`` once the step is dispatched (or ``commit``
-        with its sampled tokens)."""
-        budget = self.config.max_step_tokens
-        decodes, chunks = [], []
-        for req in self.running:
-            if req.is_decoding:
-                token = PENDING if req.num_pending else req.token_ids[-1]
-                decodes.append(ScheduledRow(req, req.num_computed, (token,), True))
-        budget -= len(decodes)
+    def _prefill_rows(self, budget: int) -> list[ScheduledRow]:
+        """Next prompt chunks of running requests, then admissions, within ``budget``."""
+        chunks = []
         for req in self.running:
             if not req.is_decoding and (row := self._chunk(req, budget)) is not None:
                 chunks.append(row)
@@ -337,6 +347,18 @@ class Scheduler:
             row = self._chunk(req, budget)
             chunks.append(row)
             budget -= len(row.token_ids)
+        return chunks
+
+    def schedule(self) -> ScheduledStep:
+        """The next step. Admits waiting requests (allocating their slot and pages) but
+        changes nothing else; call ``advance`` once the step is dispatched (or ``commit``
+        with its sampled tokens)."""
+        decodes = []
+        for req in self.running:
+            if req.is_decoding:
+                token = PENDING if req.num_pending else req.token_ids[-1]
+                decodes.append(ScheduledRow(req, req.num_computed, (token,), True))
+        chunks = self._prefill_rows(self.config.max_step_tokens - len(decodes))
         mode = (
             ForwardMode.MIXED
             if decodes and chunks
@@ -347,6 +369,31 @@ class Scheduler:
             else ForwardMode.IDLE
         )
         return ScheduledStep(mode, (*decodes, *chunks))
+
+    def schedule_speculative(self, propose: Callable[[Request], Sequence[int]]) -> ScheduledStep:
+        """The next step under speculative decoding: TARGET_VERIFY of every decoding request
+        (its root, then ``propose(request)``, the D-1 drafts) or EXTEND of prompt chunks and
+        admissions, alternating when both are possible. Every earlier step must have been
+        resolved (``commit`` / ``resolve_verify``): a row's root is its last read-back token.
+        """
+        decoding = [req for req in self.running if req.is_decoding]
+        if any(req.num_pending for req in decoding):
+            raise ValueError(
+                "a request still has a token pending: speculative steps need every earlier "
+                "step read back first (commit or resolve_verify it)"
+            )
+        if not decoding or self._last_verified:
+            chunks = self._prefill_rows(self.config.max_step_tokens)
+            if chunks or not decoding:
+                self._last_verified = False
+                mode = ForwardMode.EXTEND if chunks else ForwardMode.IDLE
+                return ScheduledStep(mode, tuple(chunks))
+        rows = []
+        for req in decoding:
+            drafts = tuple(int(t) for t in propose(req))
+            rows.append(ScheduledRow(req, req.num_computed, (req.token_ids[-1], *drafts), True))
+        self._last_verified = True
+        return ScheduledStep(ForwardMode.TARGET_VERIFY, tuple(rows))
 
     def advance(self, step: ScheduledStep) -> None:
         """Moves ``step``'s rows forward once it is dispatched: its tokens are in the state and
@@ -394,3 +441,41 @@ class Scheduler:
         next."""
         self.advance(step)
         return self.resolve(step, sampled)
+
+    def resolve_verify(
+        self, step: ScheduledStep, emitted: Sequence[Sequence[int]]
+    ) -> list[tuple[Request, list[int]]]:
+        """Records a TARGET_VERIFY step read back: ``emitted[i]``, row i's accepted drafts
+        then its bonus token. The root and the accepted drafts are now in the state
+        (``num_computed`` moves by ``len(emitted[i])``); tokens after a stop token or past the
+        budget are dropped. Returns, per row still live, the request and the tokens kept;
+        finished requests free their slot and pages.
+        """
+        if step.mode is not ForwardMode.TARGET_VERIFY:
+            raise ValueError(f"resolve_verify takes a TARGET_VERIFY step, got {step.mode.name}")
+        if len(emitted) < len(step.rows):
+            raise ValueError(f"{len(emitted)} emitted rows for a step of {len(step.rows)} rows")
+        kept = []
+        for row, tokens in zip(step.rows, emitted, strict=False):
+            req = row.request
+            if req.finish_reason is not None or req.scheduled_out:
+                continue  # aborted since schedule_speculative()
+            if not 1 <= len(tokens) <= len(row.token_ids):
+                raise ValueError(
+                    f"row of request {req.request_id} emitted {len(tokens)} tokens; a verify "
+                    f"row of {len(row.token_ids)} emits 1..{len(row.token_ids)}"
+                )
+            req.num_computed = row.start + len(tokens)
+            new, reason = [], None
+            for token in tokens:
+                new.append(int(token))
+                req.token_ids.append(int(token))
+                if int(token) in req.stop_token_ids:
+                    reason = FinishReason.STOP
+                elif req.num_generated >= req.max_new_tokens:
+                    reason = FinishReason.LENGTH
+                if reason is not None:
+                    self._finish(req, reason)
+                    break
+            kept.append((req, new))
+        return kept
