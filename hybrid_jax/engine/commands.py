@@ -3,7 +3,10 @@
 ``generate`` serves prompts (arguments, or one per line on stdin) with the built-in tiny
 model or a checkpoint folder, printing tokens as they arrive. ``bench`` submits a batch of
 random prompts at once and reports compile time, tokens/s, time to first token and the time
-of a step in each mode, as a table and, when matplotlib is importable, a PNG plot.
+of a step in each mode, as a table and, when matplotlib is importable, a PNG plot. With
+``--speculative ngram`` both commands decode speculatively; ``bench`` then also serves the
+same prompts without speculation and compares tokens/s, acceptance rate and mean accepted
+length.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 from hybrid_jax.engine.engine import DEFAULT_CACHE_DIR, Engine, EngineConfig, Result
 from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import RequestError
+from hybrid_jax.engine.speculative import DRAFT_SOURCES, SpeculativeConfig, SpeculativeStats
 from hybrid_jax.modes import ForwardMode
 
 __all__ = ["add_bench_parser", "add_generate_parser", "bench", "generate"]
@@ -42,10 +46,27 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="persistent compilation cache ('' to disable)",
     )
     parser.add_argument("--seed", type=int, default=0, help="model weights (tiny) and seeds")
+    parser.add_argument(
+        "--speculative",
+        default=None,
+        choices=DRAFT_SOURCES,
+        help="speculative decoding with this draft source (default: off)",
+    )
+    parser.add_argument(
+        "--num-draft-tokens", type=int, default=4, help="D: tokens per verify row (2..8)"
+    )
 
 
-def _engine(args: argparse.Namespace, command: str) -> Engine | None:
-    """The engine the flags describe, or None after printing why it cannot be built."""
+def _engine(args: argparse.Namespace, command: str, *, speculative: bool = True) -> Engine | None:
+    """The engine the flags describe (without speculation when ``speculative`` is False), or
+    None after printing why it cannot be built."""
+    try:
+        spec = None
+        if speculative and args.speculative:
+            spec = SpeculativeConfig(args.speculative, args.num_draft_tokens)
+    except ValueError as err:
+        print(f"hybrid-jax {command}: {err}", file=sys.stderr)
+        return None
     config = EngineConfig(
         max_batch=args.max_batch,
         max_tokens=args.max_tokens,
@@ -54,6 +75,7 @@ def _engine(args: argparse.Namespace, command: str) -> Engine | None:
         cache_dir=args.cache_dir or None,
         seed=args.seed,
         impl=args.impl,
+        speculative=spec,
     )
     try:
         if args.checkpoint:
@@ -184,34 +206,43 @@ def _plot(path: str, engine: Engine, results: Sequence[Result]) -> bool:
     return True
 
 
+def _serve(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams
+) -> tuple[list[Result], float]:
+    """Serves ``prompts`` after one untimed request that runs every step path once; returns
+    the results and the wall time."""
+    engine.generate(prompts[:1], dataclasses.replace(params, max_new_tokens=2))
+    for times in engine.step_times.values():
+        times.clear()
+    engine.speculative_stats = SpeculativeStats()
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    return results, time.perf_counter() - start
+
+
+def _rate(results: Sequence[Result], wall: float) -> float:
+    return sum(len(r.token_ids) for r in results) / wall
+
+
 def bench(args: argparse.Namespace) -> int:
     engine = _engine(args, "bench")
     if engine is None:
         return 2
     rng = np.random.default_rng(args.seed)
     params = SamplingParams(max_new_tokens=args.new_tokens)
-    vocab = engine.vocab_size
-
-    def prompts(n: int) -> list[list[int]]:
-        return rng.integers(0, vocab, (n, args.prompt_len)).tolist()
-
+    prompts = rng.integers(0, engine.vocab_size, (args.num_prompts, args.prompt_len)).tolist()
     try:
-        # One untimed request runs every step path once outside the measurement.
-        engine.generate(prompts(1), dataclasses.replace(params, max_new_tokens=2))
-        for times in engine.step_times.values():
-            times.clear()
-        start = time.perf_counter()
-        results = engine.generate(prompts(args.num_prompts), params)
-        wall = time.perf_counter() - start
+        results, wall = _serve(engine, prompts, params)
     except (RequestError, SamplingParamsError) as err:
         print(f"hybrid-jax bench: {err}", file=sys.stderr)
         return 2
     generated = sum(len(r.token_ids) for r in results)
     cfg = engine.config
+    spec = f", speculative {args.speculative} D={args.num_draft_tokens}" if args.speculative else ""
     print(
         f"hybrid-jax bench: {args.num_prompts} prompts x {args.prompt_len} tokens, "
         f"{args.new_tokens} new each; max_batch {cfg.max_batch}, max_tokens {cfg.max_tokens}, "
-        f"impl {cfg.impl}"
+        f"impl {cfg.impl}{spec}"
     )
     print(
         f"start-up compile and warm-up ({len(engine.compile_records)} step executables, "
@@ -233,12 +264,45 @@ def bench(args: argparse.Namespace) -> int:
         (f"{mode.name} step (ms)", engine.step_times[mode])
         for mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE)
     ]
+    if args.speculative:
+        rows.append(("TARGET_VERIFY step (ms)", engine.step_times[ForwardMode.TARGET_VERIFY]))
     for label, values in rows:
         median, p90, mean = _ms(values)
         print(f"{label:<26}{median:>10.2f}{p90:>10.2f}{mean:>10.2f}{len(values):>8}")
+    retraces = engine.retraces
+    if args.speculative:
+        retraces += _compare(args, engine, prompts, params, _rate(results, wall))
     if args.plot:
         if _plot(args.plot, engine, results):
             print(f"plot: {args.plot}")
         else:
             print("plot skipped: matplotlib is not installed", file=sys.stderr)
-    return 0 if engine.retraces == 0 else 1
+    return 0 if retraces == 0 else 1
+
+
+def _compare(
+    args: argparse.Namespace,
+    engine: Engine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    rate: float,
+) -> int:
+    """Serves the same prompts without speculation and prints both; returns its retraces."""
+    plain = _engine(args, "bench", speculative=False)
+    if plain is None:
+        return 1
+    plain_results, plain_wall = _serve(plain, prompts, params)
+    plain_rate = _rate(plain_results, plain_wall)
+    stats = engine.speculative_stats
+    print(f"{'speculation':<26}{'tokens/s':>10}{'speedup':>10}{'accepted':>10}{'length':>8}")
+    print(f"{'off':<26}{plain_rate:>10.1f}{1.0:>10.2f}{'-':>10}{'-':>8}")
+    print(
+        f"{f'{args.speculative} D={args.num_draft_tokens}':<26}{rate:>10.1f}"
+        f"{rate / plain_rate:>10.2f}{stats.acceptance_rate:>10.1%}"
+        f"{stats.mean_accepted_length:>8.2f}"
+    )
+    print(
+        "accepted: drafts accepted per draft proposed; length: tokens per verify row "
+        "(accepted drafts + 1)"
+    )
+    return plain.retraces
