@@ -205,8 +205,8 @@ GREEDY = SamplingParams(max_new_tokens=10)
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """(speculative, plain) engines of one model. The plain one's context holds the
-    speculative one's lookahead page, so its page tables, and so its EXTEND/DECODE/MIXED
-    executables, are the same programs and load from the shared persistent cache."""
+    speculative one's lookahead page, so its page tables, and so its EXTEND executables and
+    samplers, are the same programs and load from the shared persistent cache."""
     saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
     cache = str(tmp_path_factory.mktemp("xla_cache"))
     spec = Engine.from_preset(

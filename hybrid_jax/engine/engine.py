@@ -22,7 +22,8 @@ TARGET_VERIFY steps of D tokens per row instead of DECODE (``engine/speculative.
 forward step returns the logits of all D tokens, ``Verifier`` accepts drafts and commits
 every linear layer's state after the last accepted token, and the scheduler advances each
 request by the accepted drafts plus one. TARGET_VERIFY, the acceptance and the commit are
-compiled at start for every batch bucket like the other steps. A verify row's tokens depend
+compiled at start for every batch bucket like the other steps (DECODE and MIXED are not
+compiled: speculative serving never runs them). A verify row's tokens depend
 on the previous step's, so this path reads every step back before scheduling the next (no
 overlap). ``speculative_stats`` counts acceptance.
 """
@@ -349,10 +350,11 @@ class Engine:
         self._steps = StepFunctions(_LastTokenLogits(model), impl=config.impl)
         self._sampler = Sampler()
         self._verifier = Verifier(self._steps.commit)
-        self.modes = SERVED_MODES
+        # Speculative serving never runs DECODE or MIXED: decoding rows verify, prefill extends.
+        self._modes = SERVED_MODES
         self.drafter: NgramDrafter | None = None
         if self.speculative is not None:
-            self.modes = (*SERVED_MODES, ForwardMode.TARGET_VERIFY)
+            self._modes = (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
             spec = self.speculative
             self.drafter = NgramDrafter(spec.num_draft_tokens - 1, spec.max_ngram, spec.min_ngram)
         self.speculative_stats = SpeculativeStats()
@@ -366,7 +368,9 @@ class Engine:
         self._next_id = 0
         self.compile_records: list[CompileRecord] = []
         self.sampler_compile_ms: dict[int, float] = {}
-        self.step_times: dict[ForwardMode, list[float]] = {m: [] for m in self.modes}
+        self.step_times: dict[ForwardMode, list[float]] = {
+            m: [] for m in dict.fromkeys((*SERVED_MODES, *self._modes))
+        }
         if config.cache_dir is not None:
             _use_compilation_cache(config.cache_dir)
         start = time.perf_counter()
@@ -421,8 +425,9 @@ class Engine:
         return cls(model, tokenizer, config, progress=progress)
 
     def _compile(self, progress: bool) -> None:
-        batch_sizes = sorted({bs for m in SERVED_MODES for bs, _ in self.policy.buckets(m)})
-        total = sum(len(self.policy.buckets(m)) for m in self.modes) + len(batch_sizes)
+        sampled = [m for m in self._modes if m is not ForwardMode.TARGET_VERIFY]
+        batch_sizes = sorted({bs for m in sampled for bs, _ in self.policy.buckets(m)})
+        total = sum(len(self.policy.buckets(m)) for m in self._modes) + len(batch_sizes)
         if self.speculative is not None:
             total += len(self.policy.buckets(ForwardMode.TARGET_VERIFY))
         bar = _Progress(total, progress)
@@ -434,7 +439,7 @@ class Engine:
         self._steps.compile_all(
             self.policy,
             self._state,
-            self.modes,
+            self._modes,
             hidden_size=1,
             dtype=jnp.int32,
             progress=on_step,

@@ -25,7 +25,9 @@ Acceptance: temperature 0 accepts a draft when it equals the target's argmax. Te
 ``p(d)`` (the target's distribution after temperature, top-k and top-p), else the token is
 drawn from ``p`` with d removed, renormalised, which leaves every emitted token distributed
 exactly as ``p``. Random keys are ``fold_in(key(seed), step + j)`` for the j-th token of the
-row, so a seeded request is reproducible whatever shares its batch.
+row, so a seeded request is reproducible whatever shares its batch. A key decides only
+tokens that are kept (positions past the first rejection are drawn but ignored) and the next
+step starts at the first index not kept, so no key decides two tokens.
 """
 
 from __future__ import annotations
