@@ -61,6 +61,28 @@ def test_greedy_acceptance_keeps_the_agreeing_prefix_and_the_argmax_bonus():
     assert np.asarray(acc.emitted).tolist() == [[3, 1, 4, -1], [5, -1, -1, -1], [2, 2, 2, 3]]
 
 
+@pytest.mark.parametrize("d", [2, 8])
+def test_greedy_acceptance_works_for_every_d(d):
+    rng = np.random.default_rng(d)
+    logits = rng.standard_normal((d, d, 7)).astype(np.float32)  # row k agrees k drafts
+    argmax = logits.argmax(-1)
+    tokens = np.zeros((d, d), np.int32)
+    for k in range(d):
+        tokens[k, 1:] = argmax[k, :-1]
+        if k < d - 1:
+            tokens[k, 1 + k] = (argmax[k, k] + 1) % 7
+    zeros = jnp.zeros(d)
+    acc = jax.jit(accept)(
+        jnp.asarray(logits), jnp.asarray(tokens), zeros, jnp.zeros(d, jnp.int32), zeros + 1,
+        jnp.zeros(d, jnp.uint32), jnp.zeros(d, jnp.int32),
+    )  # fmt: skip
+    assert np.asarray(acc.num_accepted).tolist() == list(range(d))
+    emitted = np.asarray(acc.emitted)
+    for k in range(d):
+        assert emitted[k, : k + 1].tolist() == argmax[k, : k + 1].tolist()
+        assert (emitted[k, k + 1 :] == -1).all()
+
+
 def _chi_square(tokens: np.ndarray, probs: np.ndarray) -> float:
     counts = np.bincount(tokens, minlength=len(probs))
     expected = probs * len(tokens)

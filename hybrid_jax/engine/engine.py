@@ -23,8 +23,8 @@ forward step returns the logits of all D tokens, ``Verifier`` accepts drafts and
 every linear layer's state after the last accepted token, and the scheduler advances each
 request by the accepted drafts plus one. TARGET_VERIFY, the acceptance and the commit are
 compiled at start for every batch bucket like the other steps (DECODE and MIXED are not
-compiled: speculative serving never runs them). A verify row's tokens depend
-on the previous step's, so this path reads every step back before scheduling the next (no
+compiled: speculative serving never runs them). A verify row's tokens depend on the
+previous step's, so this path reads every step back before scheduling the next (no
 overlap). ``speculative_stats`` counts acceptance.
 """
 
@@ -658,8 +658,11 @@ class Engine:
         if step.mode is ForwardMode.IDLE:
             return []
         if step.mode is ForwardMode.TARGET_VERIFY:
-            return self._verify(step)
-        return self._land(self._launch(step))
+            events = self._verify(step)
+        else:
+            events = self._land(self._launch(step))
+        self._warn_on_retrace(step)
+        return events
 
     def _launch(self, step: ScheduledStep) -> _InFlight:
         meta = build_metadata(
@@ -711,9 +714,7 @@ class Engine:
         (this one too when ``overlap`` is False); returns one event per token read back.
         Under speculative decoding every step is read back at once."""
         if self.speculative is not None:
-            events = self._speculative_step()
-            self._warn_on_retrace()
-            return events
+            return self._speculative_step()
         step = self.scheduler.schedule()
         launched = None if step.mode is ForwardMode.IDLE else self._launch(step)
         events = []
@@ -723,14 +724,15 @@ class Engine:
         if launched is not None and not self.overlap:
             events += self._land(launched)
             self._inflight = None
-        self._warn_on_retrace()
+        self._warn_on_retrace(step)
         return events
 
-    def _warn_on_retrace(self) -> None:
+    def _warn_on_retrace(self, step: ScheduledStep) -> None:
         if self.retraces and not self._warned:
             self._warned = True
             warnings.warn(
-                "the engine traced after warm-up: a shape escaped the compiled buckets",
+                f"the engine traced a step after warm-up ({step.mode.name}, {len(step.rows)} "
+                f"rows, {step.num_tokens} tokens): a shape escaped the compiled buckets",
                 RuntimeWarning,
                 stacklevel=3,
             )
