@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
 from hybrid_jax.engine.engine import Engine, EngineConfig
@@ -22,6 +23,8 @@ from hybrid_jax.engine.speculative import (
 )
 from hybrid_jax.kv_cache import PageAllocator
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata
+from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
+from hybrid_jax.models.tokenizer import ByteTokenizer
 from hybrid_jax.modes import ForwardMode
 from hybrid_jax.state_pool import SlotAllocator
 
@@ -225,24 +228,35 @@ GREEDY = SamplingParams(max_new_tokens=10)
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    """(speculative, plain) engines of one model. The plain one's context holds the
-    speculative one's lookahead page, so its page tables, and so its EXTEND executables and
-    samplers, are the same programs and load from the shared persistent cache."""
+def cache_dir(tmp_path_factory):
+    """JAX's persistent cache for this module's engines (a process-wide setting, restored)."""
     saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
-    cache = str(tmp_path_factory.mktemp("xla_cache"))
-    spec = Engine.from_preset(
-        "tiny", dataclasses.replace(SPEC_CONFIG, cache_dir=cache), progress=False
-    )
-    plain_config = dataclasses.replace(
-        SPEC_CONFIG, speculative=None, max_context=spec.policy.max_context, cache_dir=cache
-    )
-    plain = Engine.from_preset("tiny", plain_config, progress=False)
-    assert plain.policy.max_pages == spec.policy.max_pages
-    yield spec, plain
+    yield str(tmp_path_factory.mktemp("xla_cache"))
     for name, value in saved.items():
         jax.config.update(name, value)
     compilation_cache.reset_cache()
+
+
+def build_pair(cache_dir, model=None):
+    """(speculative, plain) engines of one model (the tiny preset's by default). The plain
+    one's context holds the speculative one's lookahead page, so its page tables, and so its
+    EXTEND executables and samplers, are the same programs, shared through the cache."""
+    spec_config = dataclasses.replace(SPEC_CONFIG, cache_dir=cache_dir)
+    context = spec_config.policy(tiny_qwen3_next_config().max_position_embeddings).max_context
+    plain_config = dataclasses.replace(spec_config, speculative=None, max_context=context)
+    if model is None:
+        pair = [Engine.from_preset("tiny", c, progress=False) for c in (spec_config, plain_config)]
+    else:
+        pair = [
+            Engine(model(), ByteTokenizer(), c, progress=False) for c in (spec_config, plain_config)
+        ]
+    assert pair[0].policy.max_pages == pair[1].policy.max_pages
+    return tuple(pair)
+
+
+@pytest.fixture(scope="module")
+def engines(cache_dir):
+    return build_pair(cache_dir)
 
 
 PROMPTS = [
@@ -399,3 +413,24 @@ def test_bench_compares_tokens_per_s_with_and_without_speculation(capsys, tmp_pa
     assert exit_info.value.code == 0, out
     assert "TARGET_VERIFY step" in out and "speculative ngram D=3" in out
     assert "\noff " in out and "\nngram D=3 " in out
+
+
+def repeating_model() -> Qwen3Next:
+    """The tiny model made to repeat the token it is fed: embeddings scaled up dominate the
+    residual stream, and the LM head is the embedding itself, so the argmax is the input."""
+    model = Qwen3Next(tiny_qwen3_next_config(), rngs=nnx.Rngs(0))
+    embedding = model.embed_tokens.embedding.get_value()
+    model.embed_tokens.embedding.set_value(embedding * 30)
+    model.lm_head.kernel.set_value(embedding.T)
+    return model
+
+
+def test_ngram_drafts_accepted_by_a_repeating_model_change_no_token(engines, cache_dir):
+    # After the fixture's engines, every program is in the cache: these two only load.
+    spec, plain = build_pair(cache_dir, repeating_model)
+    want = [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
+    assert want[1] == [PROMPTS[1][-1]] * GREEDY.max_new_tokens  # it does repeat
+    assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == want
+    stats = spec.speculative_stats
+    assert stats.acceptance_rate > 0.9 and stats.mean_accepted_length > D - 0.5
+    assert spec.retraces == 0
