@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +137,22 @@ def test_rejection_sampling_keeps_the_target_distribution(draft):
 def test_speculative_config_refuses_what_is_not_built(kwargs, match):
     with pytest.raises(SpeculativeConfigError, match=match):
         SpeculativeConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (["--speculative", "mtp"], "MTP drafts .* not built yet; supported sources: 'ngram'"),
+        (["--speculative", "ngram", "--num-draft-tokens", "9"], "num_draft_tokens=9"),
+    ],
+)
+def test_cli_refuses_what_is_not_built_before_building_a_model(flags, match, capsys):
+    from hybrid_jax.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hi", *flags])
+    assert exit_info.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
 
 
 def test_a_verify_row_of_other_than_d_tokens_is_refused_before_tracing():

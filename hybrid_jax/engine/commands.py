@@ -49,8 +49,9 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculative",
         default=None,
-        choices=DRAFT_SOURCES,
-        help="speculative decoding with this draft source (default: off)",
+        metavar="SOURCE",
+        help=f"speculative decoding with this draft source ({', '.join(DRAFT_SOURCES)}; "
+        "default: off)",
     )
     parser.add_argument(
         "--num-draft-tokens", type=int, default=4, help="D: tokens per verify row (2..8)"
@@ -161,6 +162,14 @@ def generate(args: argparse.Namespace) -> int:
         print(f"hybrid-jax generate: {err}", file=sys.stderr)
         return 2
     print(_summary(results), file=sys.stderr)
+    if engine.speculative is not None:
+        stats = engine.speculative_stats
+        print(
+            f"speculative {args.speculative} D={args.num_draft_tokens}: "
+            f"{stats.acceptance_rate:.1%} of drafts accepted, "
+            f"{stats.mean_accepted_length:.2f} tokens per verify row",
+            file=sys.stderr,
+        )
     return 0
 
 
