@@ -178,7 +178,6 @@ def rejection_sample(probs: jax.Array, drafts: jax.Array, keys: jax.Array) -> Ac
     from ``probs`` without the draft, renormalised; if all are accepted, the bonus is drawn
     from ``probs[:, D-1]``.
     """
-    b, d, _ = probs.shape
     split = jax.vmap(jax.vmap(lambda k: jax.random.split(k)))(keys)  # [B, D, 2]
     uniforms = jax.vmap(jax.vmap(jax.random.uniform))(split[:, :-1, 0])  # [B, D-1]
     p_draft = jnp.take_along_axis(probs[:, :-1], drafts[..., None], axis=-1)[..., 0]
@@ -222,7 +221,7 @@ def accept(
     ``sampling.sample`` (``steps``: the index of the row's next token in its output). Rows
     with temperature 0 accept by exact match with the argmax and take the argmax as bonus.
     """
-    b, d, _ = logits.shape
+    d = logits.shape[1]
     drafts = tokens[:, 1:]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, D]
     base = jax.vmap(lambda s: jax.random.key(s))(seeds)
