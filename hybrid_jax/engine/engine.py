@@ -65,7 +65,7 @@ from hybrid_jax.engine.speculative import (
 from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.kv_cache import KVCache, PageAllocator, init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, build_metadata, example_metadata
-from hybrid_jax.models.loading import load_qwen3_next
+from hybrid_jax.models.auto import load_checkpoint
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
 from hybrid_jax.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from hybrid_jax.modes import ForwardMode
@@ -410,12 +410,13 @@ class Engine:
         dtype: str | None = None,
         progress: bool = True,
     ) -> Engine:
-        """A Hugging Face Qwen3-Next folder (config.json, safetensors and, unless
-        ``tokenizer`` is given, tokenizer.json). A missing or misshapen tensor raises
-        ``CheckpointError`` before anything is compiled."""
+        """A Hugging Face checkpoint folder of a supported ``model_type`` (Qwen3-Next,
+        Nemotron-H: config.json, safetensors and, unless ``tokenizer`` is given,
+        tokenizer.json). A missing or misshapen tensor raises ``CheckpointError`` before
+        anything is compiled."""
         if config.cache_dir is not None:
             _use_compilation_cache(config.cache_dir)
-        model = load_qwen3_next(path, dtype=dtype)
+        model = load_checkpoint(path, dtype=dtype)
         tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(

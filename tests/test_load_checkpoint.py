@@ -1,0 +1,37 @@
+"""``load_checkpoint`` picks the model by config.json's model_type and names what it refuses."""
+
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from hybrid_jax.models.auto import MODEL_LOADERS, load_checkpoint
+from hybrid_jax.models.loading import CheckpointError
+from hybrid_jax.models.nemotron_h import NemotronH
+from hybrid_jax.models.qwen3_next import Qwen3Next
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize(
+    ("folder", "model_class"),
+    [(FIXTURES / "qwen3_next" / "moe", Qwen3Next), (FIXTURES / "nemotron_h" / "hybrid", NemotronH)],
+)
+def test_each_fixture_loads_as_its_model_type(folder, model_class):
+    assert isinstance(load_checkpoint(folder), model_class)
+
+
+def test_unknown_model_type_names_the_supported_ones(tmp_path):
+    shutil.copytree(FIXTURES / "nemotron_h" / "hybrid", tmp_path / "ckpt")
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    config["model_type"] = "llama"
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="model_type='llama' is not served here; supported: "):
+        load_checkpoint(tmp_path / "ckpt")
+    assert sorted(MODEL_LOADERS) == ["nemotron_h", "qwen3_next"]
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="needs its config.json"):
+        load_checkpoint(tmp_path)
