@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import _mgpu_chunks
 from pallas_kernels.gdn import chunk_mgpu, reference
 
 __all__ = ["main"]
@@ -128,7 +129,7 @@ def _run_variant(name: str, spec: str, inputs: tuple, ro: jax.Array, rpool: jax.
     # The intra-chunk kernel alone (its share of the time).
     padded = tokens
     num_chunks = -(-padded // chunk_mgpu.CHUNK) + 2 * (len(lens) + 1)
-    table, first = chunk_mgpu._chunk_table(qsl, padded, num_chunks)
+    table, first = _mgpu_chunks.chunk_table(qsl, padded, num_chunks)
 
     @jax.jit
     def intra(q, k, g, beta):

@@ -32,6 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._commit import commit_steps, write_where
+from pallas_kernels._varlen import token_segments
+
 __all__ = [
     "causal_conv1d_gathered",
     "causal_conv1d_recurrent",
@@ -63,32 +66,11 @@ def _conv(taps: jax.Array, weight: jax.Array, bias: jax.Array | None, activation
     return _activate(y, activation)
 
 
-def _write_where(
-    pool: jax.Array, slots: jax.Array, values: jax.Array, keep: jax.Array
-) -> jax.Array:
-    """``pool[slots[i]] = values[i]`` where ``keep[i]``; other rows are sent out of range and
-    dropped, so they cannot touch any slot."""
-    target = jnp.where(keep, slots, pool.shape[0])
-    return pool.at[target].set(values.astype(pool.dtype), mode="drop")
-
-
 def _initial_window(
     pool: jax.Array, slots: jax.Array, has_initial_state: jax.Array, dtype: jnp.dtype
 ) -> jax.Array:
     # where, not a multiply: the pad slot may hold NaN, and 0 * NaN is NaN.
     return jnp.where(has_initial_state[..., None, None], pool[slots].astype(dtype), 0)
-
-
-def _token_segments(qsl: jax.Array, t_total: int) -> tuple[jax.Array, ...]:
-    """Per packed token ``[T]``: its sequence, whether it is that sequence's first and last
-    token, whether it is a real token (``t < qsl[N]``). Empty sequences own no token."""
-    n_seq = qsl.shape[0] - 1
-    t = jnp.arange(t_total, dtype=qsl.dtype)
-    seq = jnp.clip(jnp.searchsorted(qsl, t, side="right") - 1, 0, n_seq - 1).astype(qsl.dtype)
-    valid = t < qsl[n_seq]
-    first = valid & (t == qsl[seq])
-    last = valid & (t == qsl[seq + 1] - 1)
-    return seq, first, last, valid
 
 
 def causal_conv1d_recurrent(
@@ -110,7 +92,7 @@ def causal_conv1d_recurrent(
     if t_total == 0 or state_indices.shape[0] == 0:
         return jnp.zeros_like(x), conv_pool
     dtype = _compute_dtype(x, weight, bias)
-    seq, first, last, valid = _token_segments(qsl, t_total)
+    seq, first, last, valid = token_segments(qsl, t_total)
 
     def token(carry, xs):
         window, pool = carry
@@ -120,7 +102,7 @@ def causal_conv1d_recurrent(
         window = jnp.where(first_t, init, window)
         taps = jnp.concatenate([window, x_t[:, None]], axis=-1)
         window = taps[:, 1:]
-        return (window, _write_where(pool, slot, window, last_t)), _conv(
+        return (window, write_where(pool, slot, window, last_t)), _conv(
             taps, weight, bias, activation
         )
 
@@ -152,7 +134,7 @@ def causal_conv1d_gathered(
     dtype = _compute_dtype(x, weight, bias)
     xc = x.astype(dtype)
     windows = _initial_window(conv_pool, state_indices, has_initial_state, dtype)  # [N, C, W-1]
-    seq, _, _, valid = _token_segments(qsl, t_total)
+    seq, _, _, valid = token_segments(qsl, t_total)
     start = qsl[seq]
     t = jnp.arange(t_total, dtype=qsl.dtype)
     taps = []
@@ -170,7 +152,7 @@ def causal_conv1d_gathered(
     from_x = xc[jnp.clip(qsl[:-1, None] + ext_pos - (width - 1), 0, t_total - 1)]  # [N, W-1, C]
     from_window = jnp.take_along_axis(windows, jnp.clip(ext_pos, 0, width - 2)[:, None, :], axis=2)
     new = jnp.where((ext_pos >= width - 1)[:, None, :], jnp.swapaxes(from_x, 1, 2), from_window)
-    return y, _write_where(conv_pool, state_indices, new, lengths > 0)
+    return y, write_where(conv_pool, state_indices, new, lengths > 0)
 
 
 def _rows(
@@ -213,7 +195,7 @@ def causal_conv1d_update(
     )
     y, ext = _rows(x, weight, bias, conv_pool, state_indices, activation)
     window = ext[:, :, x.shape[1] :]
-    return y, _write_where(conv_pool, state_indices, window, state_indices != 0)
+    return y, write_where(conv_pool, state_indices, window, state_indices != 0)
 
 
 def causal_conv1d_verify(
@@ -243,11 +225,4 @@ def commit_windows(
 ) -> jax.Array:
     """``pool[idx[n]] = windows[n, accepted_steps[n]]`` where ``accepted_steps[n] >= 0`` and
     ``idx[n] != 0``."""
-    conv_pool, windows, state_indices, accepted_steps = _as_arrays(
-        conv_pool, windows, state_indices, accepted_steps
-    )
-    n_rows, n_steps = windows.shape[:2]
-    step = jnp.clip(accepted_steps, 0, n_steps - 1)
-    chosen = windows[jnp.arange(n_rows), step]
-    keep = (accepted_steps >= 0) & (state_indices != 0)
-    return _write_where(conv_pool, state_indices, chosen, keep)
+    return commit_steps(conv_pool, windows, state_indices, accepted_steps)

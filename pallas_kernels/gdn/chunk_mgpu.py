@@ -52,17 +52,25 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._mgpu_chunks import (
+    ALIGN,
+    BF16,
+    CHUNK,
+    COLS,
+    F32,
+    ROWS,
+    WG,
+    along_cols,
+    along_rows,
+    chunk_table,
+    matmul,
+    smem,
+)
+
 __all__ = ["CHUNK", "Config", "chunk_gated_delta_rule", "unsupported_reason"]
 
-CHUNK = 64
-ALIGN = 8  # rows of the SMEM tiling: every chunk's first token is a multiple of this
 EPS = 1e-6  # inside the l2 norm's square root
 HEAD_DIMS = (64, 128)
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-WG = plgpu.Layout.WGMMA
-ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
-COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,69 +107,6 @@ def _resolve(config: Config, n_seqs: int, heads: int, value_dim: int) -> Config:
     return dataclasses.replace(config, block_v=32 if blocks_of_64 < _num_sms() else 64)
 
 
-def _smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
-    """SMEM tile tiled (8 rows) and swizzled as TMA and wgmma want it (minor dim = last)."""
-    dtype = jnp.dtype(dtype)
-    swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
-    transforms = (
-        plgpu.TilingTransform((ALIGN, swizzle // dtype.itemsize)),
-        plgpu.SwizzleTransform(swizzle),
-    )
-    return plgpu.SMEM(shape, dtype, transforms=transforms)
-
-
-def _rows(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    """``vec[i]`` along row ``i`` (``vec`` in the ROWS layout)."""
-    return lax.broadcast_in_dim(vec, shape, [0])
-
-
-def _cols(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    """``vec[j]`` along column ``j`` (``vec`` in the COLS layout)."""
-    return lax.broadcast_in_dim(vec, shape, [1])
-
-
-def _matmul(a, b, shape: tuple[int, int]) -> jax.Array:
-    """``a @ b`` on the tensor cores (bf16 SMEM operands), float32 ``shape``.
-
-    One wgmma per scoped accumulator, read at once: with two accumulators in one scope the
-    second product came out wrong on the H200 (JAX 0.11.2; the interpreter was right).
-    Only ``run_scoped`` accumulators: the GPU interpreter does not run ``run_state``, so an
-    accumulator is never initialised from registers and sums are formed afterwards. The
-    optimization barrier keeps LLVM from reading the registers before the wgmma wait.
-    """
-
-    def body(acc):
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    return lax.optimization_barrier(pl.run_scoped(body, plgpu.ACC(shape, F32)))
-
-
-def _chunk_table(qsl: jax.Array, num_tokens: int, num_chunks: int) -> tuple[jax.Array, jax.Array]:
-    """Chunks of the N sequences and of the padding segment ``[qsl[N], T)``.
-
-    Returns ``table`` int32 ``[3, num_chunks]`` (first token, first valid row, end of the
-    valid rows; ``0, 0, 0`` for unused entries) and ``first`` int32 ``[N + 2]``: segment
-    ``n`` owns chunks ``first[n] .. first[n + 1] - 1`` (segment N is the padding).
-    """
-    n = qsl.shape[0] - 1
-    qsl = qsl.astype(jnp.int32)
-    lo_tok = qsl  # segment n covers [qsl[n], qsl[n + 1]) and segment N covers [qsl[N], T)
-    hi_tok = jnp.concatenate([qsl[1:], jnp.array([num_tokens], jnp.int32)])
-    base = lo_tok - lo_tok % ALIGN
-    counts = jnp.where(hi_tok > lo_tok, (hi_tok - base + CHUNK - 1) // CHUNK, 0)
-    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
-    c = jnp.arange(num_chunks, dtype=jnp.int32)
-    seg = jnp.clip(jnp.searchsorted(first, c, side="right").astype(jnp.int32) - 1, 0, n)
-    nominal = base[seg] + CHUNK * (c - first[seg])
-    start = jnp.minimum(nominal, max(num_tokens, CHUNK) - CHUNK)
-    used = c < first[n + 1]
-    lo = jnp.where(used, jnp.maximum(lo_tok[seg], nominal) - start, 0)
-    hi = jnp.where(used, jnp.minimum(hi_tok[seg], nominal + CHUNK) - start, 0)
-    table = jnp.stack([jnp.where(used, start, 0), lo, hi])
-    return table, first
-
-
 def _unit_lower_inverse(a: jax.Array, l_s, t_s, n_s) -> jax.Array:
     """``(I + A)^-1`` of a strictly lower float32 ``[64, 64]`` tile by block doubling.
 
@@ -182,9 +127,9 @@ def _unit_lower_inverse(a: jax.Array, l_s, t_s, n_s) -> jax.Array:
         l_s[...] = jnp.where(off_diagonal(b), a, 0.0).astype(BF16)
         t_s[...] = t.astype(BF16)
         plgpu.commit_smem()
-        n_s[...] = _matmul(l_s, t_s, shape).astype(BF16)
+        n_s[...] = matmul(l_s, t_s, shape).astype(BF16)
         plgpu.commit_smem()
-        t = t - _matmul(t_s, n_s, shape)
+        t = t - matmul(t_s, n_s, shape)
         b *= 2
     return t
 
@@ -217,7 +162,7 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
             plgpu.barrier_wait(bar)
 
             # Ordered so that few [64, 64] float32 tiles are live at once (no spills).
-            kk = _matmul(k_s, k_s.T, shape)
+            kk = matmul(k_s, k_s.T, shape)
             ri = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WG)
             ci = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WG)
             # |k_i|^2 is the diagonal of k k^T (exact bf16 products, float32 sums).
@@ -231,24 +176,24 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
             # Masked rows decay by nothing and write nothing (beta = 0 zeroes their v').
             g_row = jnp.where(in_r, plgpu.load(g_r, layout=ROWS), 0.0)
             g_col = jnp.where(in_c, plgpu.load(g_c, layout=COLS), 0.0)
-            gc_row = jnp.where(ci <= ri, _cols(g_col, shape), 0.0).sum(axis=1)
-            gc_col = jnp.where(ri <= ci, _rows(g_row, shape), 0.0).sum(axis=0)
-            g_last = _cols(g_col, shape).sum(axis=1)  # the chunk's total, on every row
+            gc_row = jnp.where(ci <= ri, along_cols(g_col, shape), 0.0).sum(axis=1)
+            gc_col = jnp.where(ri <= ci, along_rows(g_row, shape), 0.0).sum(axis=0)
+            g_last = along_cols(g_col, shape).sum(axis=1)  # the chunk's total, on every row
             beta_row = jnp.where(in_r, plgpu.load(b_r, layout=ROWS), 0.0)
             # Exponents are masked before exp: acausal pairs have gc_i - gc_j > 0.
-            expo = _rows(gc_row, shape) - _cols(gc_col, shape)
+            expo = along_rows(gc_row, shape) - along_cols(gc_col, shape)
             decay = jnp.exp(jnp.where(ri > ci, expo, -jnp.inf))
-            a = kk * _rows(beta_row * rk_row, shape) * _cols(rk_col, shape) * decay
+            a = kk * along_rows(beta_row * rk_row, shape) * along_cols(rk_col, shape) * decay
             t = _unit_lower_inverse(a, m_s, p_s, n_s)
             beta_col = jnp.where(in_c, plgpu.load(b_c, layout=COLS), 0.0)
-            m_s[...] = (t * _cols(beta_col, shape)).astype(BF16)
+            m_s[...] = (t * along_cols(beta_col, shape)).astype(BF16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(m_s, m_ref.at[c, h])
-            qk = _matmul(q_s, k_s.T, shape)
+            qk = matmul(q_s, k_s.T, shape)
             qf = plgpu.load(q_s, layout=WG).astype(F32)
             rq_row = lax.rsqrt((qf * qf).sum(axis=1) + EPS)
             decay = jnp.exp(jnp.where(ri >= ci, expo, -jnp.inf))
-            p = qk * _rows(scale * rq_row, shape) * _cols(rk_col, shape) * decay
+            p = qk * along_rows(scale * rq_row, shape) * along_cols(rk_col, shape) * decay
             p_s[...] = p.astype(BF16)
             vec_s[0] = rk_row * jnp.exp(gc_row)
             vec_s[1] = scale * rq_row * jnp.exp(gc_row)
@@ -266,15 +211,15 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
         jax.ShapeDtypeStruct((num_chunks, heads, 4, CHUNK), F32),
     )
     scratch = (
-        _smem((CHUNK, key_dim), BF16),
-        _smem((CHUNK, key_dim), BF16),
+        smem((CHUNK, key_dim), BF16),
+        smem((CHUNK, key_dim), BF16),
         vec,
         vec,
         vec,
         vec,
-        _smem(shape, BF16),
-        _smem(shape, BF16),
-        _smem(shape, BF16),
+        smem(shape, BF16),
+        smem(shape, BF16),
+        smem(shape, BF16),
         plgpu.SMEM((4, CHUNK), F32),
         plgpu.Barrier(num_arrivals=6),
     )
@@ -319,7 +264,7 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
         return ref.T if kmajor else ref
 
     def b_operand(shape):
-        return _smem(shape[::-1] if kmajor else shape, BF16)
+        return smem(shape[::-1] if kmajor else shape, BF16)
 
     def body(
         q_ref,
@@ -428,18 +373,18 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
                 d = w_s[stage, 3, 0]
                 put(s_bf, s)
                 plgpu.commit_smem()
-                ks = _matmul(k_s.at[stage], view(s_bf), tile)
+                ks = matmul(k_s.at[stage], view(s_bf), tile)
                 vt = plgpu.load(v_s.at[stage], layout=WG).astype(F32)
-                put(y_s, vt - _rows(a, tile) * ks)
+                put(y_s, vt - along_rows(a, tile) * ks)
                 plgpu.commit_smem()
-                vnew = _matmul(m_s.at[stage], view(y_s), tile)
+                vnew = matmul(m_s.at[stage], view(y_s), tile)
                 put(vp_s, vnew)
-                put(vc_s, _rows(e, tile) * vnew)
+                put(vc_s, along_rows(e, tile) * vnew)
                 plgpu.commit_smem()
-                upd = _matmul(k_s.at[stage].T, view(vc_s), state)
-                qs = _matmul(q_s.at[stage], view(s_bf), tile)
-                pv = _matmul(p_s.at[stage], view(vp_s), tile)
-                out = (_rows(b, tile) * qs + pv).astype(out_dtype)
+                upd = matmul(k_s.at[stage].T, view(vc_s), state)
+                qs = matmul(q_s.at[stage], view(s_bf), tile)
+                pv = matmul(p_s.at[stage], view(vp_s), tile)
+                out = (along_rows(b, tile) * qs + pv).astype(out_dtype)
                 full = (lo == 0) & (hi == CHUNK)
                 # o_s[stage] was last sent two chunks ago; at most one store is in flight.
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -468,17 +413,17 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
             plgpu.wait_smem_to_gmem(0)
 
     scratch = (
-        _smem((2, CHUNK, key_dim), BF16),
-        _smem((2, CHUNK, key_dim), BF16),
-        _smem((2, *tile), BF16),
-        _smem((2, *sq), BF16),
-        _smem((2, *sq), BF16),
+        smem((2, CHUNK, key_dim), BF16),
+        smem((2, CHUNK, key_dim), BF16),
+        smem((2, *tile), BF16),
+        smem((2, *sq), BF16),
+        smem((2, *sq), BF16),
         plgpu.SMEM((2, 4, CHUNK), F32),
         b_operand(state),
         b_operand(tile),
         b_operand(tile),
         b_operand(tile),
-        _smem((2, *tile), out_dtype),
+        smem((2, *tile), out_dtype),
         plgpu.SMEM((CHUNK, max(bv, 128 // jnp.dtype(out_dtype).itemsize)), out_dtype),
         plgpu.SMEM(state, F32),
         plgpu.Barrier(num_arrivals=6, num_barriers=2),
@@ -607,7 +552,7 @@ def chunk_gated_delta_rule(
     # Segments: the N sequences plus the padding [qsl[N], T); each takes at most
     # ceil((len + 7) / 64) chunks, which sums to at most this bound.
     num_chunks = -(-padded // CHUNK) + 2 * (n_seqs + 1)
-    table, first = _chunk_table(qsl, padded, num_chunks)
+    table, first = chunk_table(qsl, padded, num_chunks)
     m, p, vecs = _intra(
         q, k, g_t, beta_t, table, first, n_seqs=n_seqs, scale=scale, interpret=interpret
     )

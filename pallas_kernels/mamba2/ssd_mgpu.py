@@ -14,13 +14,14 @@ next chunk's tiles prefetched by TMA. ``dt`` folds into the score columns and in
 rows, so the bf16 ``x`` tile enters the tensor cores as loaded (as the B operand of ``P x``
 and, transposed, as the A operand of the state update).
 
-The varlen layout is the one of ``gdn/chunk_mgpu.py`` (its docstring; the chunk table is
-shared): chunks start at 8-aligned tokens, rows of a chunk that belong to a neighbour get
-``dt = 0`` (no decay, no input, so they change neither the state nor the valid rows), partial
-chunks store only their valid rows, and the padding tokens ``t >= qsl[N]`` form an extra
-segment whose chunks store zeros. Mosaic GPU pitfalls of 0.11.2 (``benchmarks/prefill_notes.md``)
-are respected: one wgmma accumulator per ``run_scoped`` scope (``_matmul``), TMA starts proven
-multiples of 8, float32 tiles never stored transposed.
+The varlen layout is the one of ``gdn/chunk_mgpu.py`` (its docstring; the chunk table and the
+Mosaic GPU helpers are shared, in ``pallas_kernels/_mgpu_chunks.py``): chunks start at 8-aligned
+tokens, rows of a chunk that belong to a neighbour get ``dt = 0`` (no decay, no input, so they
+change neither the state nor the valid rows), partial chunks store only their valid rows, and
+the padding tokens ``t >= qsl[N]`` form an extra segment whose chunks store zeros. Mosaic GPU
+pitfalls of 0.11.2 (``benchmarks/prefill_notes.md``) are respected: one wgmma accumulator per
+``run_scoped`` scope (``matmul``), TMA starts proven multiples of 8, float32 tiles never stored
+transposed.
 
 Precision: x, B, C, S and the score tile enter the tensor cores as bf16 (float32 inputs are
 rounded to bf16 first); accumulation, decays, dt and the state are float32.
@@ -37,8 +38,20 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-# The varlen chunk table and the Mosaic GPU helpers of the GDN chunk kernel are op-agnostic.
-from pallas_kernels.gdn.chunk_mgpu import ALIGN, CHUNK, _chunk_table, _matmul, _smem
+from pallas_kernels._mgpu_chunks import (
+    ALIGN,
+    BF16,
+    CHUNK,
+    COLS,
+    F32,
+    ROWS,
+    WG,
+    along_cols,
+    along_rows,
+    chunk_table,
+    matmul,
+    smem,
+)
 from pallas_kernels.mamba2 import reference
 
 __all__ = ["BLOCK_P", "ssd_chunk_scan", "unsupported_reason"]
@@ -46,21 +59,6 @@ __all__ = ["BLOCK_P", "ssd_chunk_scan", "unsupported_reason"]
 BLOCK_P = 64  # state rows per CTA: the ROWS vectors of a chunk then also index state rows
 _HEAD_DIMS = (64, 128)  # P
 _STATE_DIMS = (64, 128)  # N
-F32 = jnp.float32
-BF16 = jnp.bfloat16
-WG = plgpu.Layout.WGMMA
-ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
-COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
-
-
-def _rows(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    """``vec[i]`` along row ``i`` (``vec`` in the ROWS layout)."""
-    return lax.broadcast_in_dim(vec, shape, [0])
-
-
-def _cols(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    """``vec[j]`` along column ``j`` (``vec`` in the COLS layout)."""
-    return lax.broadcast_in_dim(vec, shape, [1])
 
 
 def _scan(x, z, dt_t, b, c, a, d, table, first, slots, has_init, pool, *, n_seqs, out_dtype,
@@ -189,24 +187,25 @@ def _scan(x, z, dt_t, b, c, a, d, table, first, slots, has_init, pool, *, n_seqs
                 dt_col = jnp.where(
                     (iv_c >= lo) & (iv_c < hi), plgpu.load(dt_c.at[stage], layout=COLS), 0.0
                 )
-                cum_row = jnp.where(ci <= ri, _cols(dt_col * a_h, sq), 0.0).sum(axis=1)
-                cum_col = jnp.where(ri <= ci, _rows(dt_row * a_h, sq), 0.0).sum(axis=0)
-                cum_last = _cols(dt_col * a_h, sq).sum(axis=1)  # the chunk's total, on every row
+                cum_row = jnp.where(ci <= ri, along_cols(dt_col * a_h, sq), 0.0).sum(axis=1)
+                cum_col = jnp.where(ri <= ci, along_rows(dt_row * a_h, sq), 0.0).sum(axis=0)
+                # the chunk's total, on every row
+                cum_last = along_cols(dt_col * a_h, sq).sum(axis=1)
                 # Exponents are masked before exp: acausal pairs have c_i - c_j > 0.
-                expo = _rows(cum_row, sq) - _cols(cum_col, sq)
+                expo = along_rows(cum_row, sq) - along_cols(cum_col, sq)
                 decay = jnp.exp(jnp.where(ri >= ci, expo, -jnp.inf))
-                cb = _matmul(c_s.at[stage], b_s.at[stage].T, sq)
-                p_s[...] = (cb * decay * _cols(dt_col, sq)).astype(BF16)
+                cb = matmul(c_s.at[stage], b_s.at[stage].T, sq)
+                p_s[...] = (cb * decay * along_cols(dt_col, sq)).astype(BF16)
                 s_bf[...] = s.astype(BF16)
                 w_row = jnp.exp(cum_last - cum_row) * dt_row
                 bt = plgpu.load(b_s.at[stage], layout=WG).astype(F32)
-                wb_s[...] = (bt * _rows(w_row, (CHUNK, n_dim))).astype(BF16)
+                wb_s[...] = (bt * along_rows(w_row, (CHUNK, n_dim))).astype(BF16)
                 plgpu.commit_smem()
-                px = _matmul(p_s, x_s.at[stage], tile)
-                cs = _matmul(c_s.at[stage], s_bf.T, tile)
-                upd = _matmul(x_s.at[stage].T, wb_s, state)
+                px = matmul(p_s, x_s.at[stage], tile)
+                cs = matmul(c_s.at[stage], s_bf.T, tile)
+                upd = matmul(x_s.at[stage].T, wb_s, state)
                 xt = plgpu.load(x_s.at[stage], layout=WG).astype(F32)
-                out = _rows(jnp.exp(cum_row), tile) * cs + px + d_h * xt
+                out = along_rows(jnp.exp(cum_row), tile) * cs + px + d_h * xt
                 if has_z:
                     zt = plgpu.load(z_s.at[stage], layout=WG).astype(F32)
                     out = out * zt / (1.0 + jnp.exp(-zt))
@@ -231,7 +230,7 @@ def _scan(x, z, dt_t, b, c, a, d, table, first, slots, has_init, pool, *, n_seqs
                     store_rows(o_p, start, lo, hi)
 
                 # cum_last is on every chunk row; BLOCK_P == CHUNK makes it one per state row.
-                return _rows(jnp.exp(cum_last), state) * s + upd
+                return along_rows(jnp.exp(cum_last), state) * s + upd
 
             s = lax.fori_loop(0, num, step, s0)
             st_s[...] = s
@@ -241,19 +240,19 @@ def _scan(x, z, dt_t, b, c, a, d, table, first, slots, has_init, pool, *, n_seqs
 
     vec = plgpu.SMEM((2, CHUNK), F32)
     scratch = [
-        _smem((2, *tile), BF16),
-        _smem((2, CHUNK, n_dim), BF16),
-        _smem((2, CHUNK, n_dim), BF16),
+        smem((2, *tile), BF16),
+        smem((2, CHUNK, n_dim), BF16),
+        smem((2, CHUNK, n_dim), BF16),
         vec,
         vec,
     ]
     if has_z:
-        scratch.append(_smem((2, *tile), BF16))
+        scratch.append(smem((2, *tile), BF16))
     scratch += [
-        _smem(sq, BF16),
-        _smem(state, BF16),
-        _smem((CHUNK, n_dim), BF16),
-        _smem((2, *tile), out_dtype),
+        smem(sq, BF16),
+        smem(state, BF16),
+        smem((CHUNK, n_dim), BF16),
+        smem((2, *tile), out_dtype),
         plgpu.SMEM((CHUNK, max(bp, 128 // jnp.dtype(out_dtype).itemsize)), out_dtype),
         plgpu.SMEM(state, F32),
         plgpu.Barrier(num_arrivals=5 + has_z, num_barriers=2),
@@ -366,7 +365,7 @@ def ssd_chunk_scan(
     # Segments: the N sequences plus the padding [qsl[N], T); each takes at most
     # ceil((len + 7) / 64) chunks, which sums to at most this bound.
     num_chunks = -(-padded // CHUNK) + 2 * (n_seqs + 1)
-    table, first = _chunk_table(qsl, padded, num_chunks)
+    table, first = chunk_table(qsl, padded, num_chunks)
     pool = jax.new_ref(ssm_pool)
     y = _scan(
         prepare(x), None if z is None else prepare(z), dt_t, prepare(B), prepare(C), A, D,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _mgpu_chunks
 from pallas_kernels.gdn import chunk_mgpu
 from pallas_kernels.gdn import reference as gdn_reference
 
@@ -89,7 +90,7 @@ def test_chunk_table_covers_every_token_once_from_aligned_starts():
     tokens = 376  # 17 padding tokens
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     n_chunks = tokens // 64 + 1 + 2 * (len(lens) + 1)
-    table, first = map(np.asarray, chunk_mgpu._chunk_table(qsl, tokens, n_chunks))
+    table, first = map(np.asarray, _mgpu_chunks.chunk_table(qsl, tokens, n_chunks))
     seen = np.zeros(tokens, int)
     owner = np.full(tokens, -1)
     for seg in range(len(lens) + 1):

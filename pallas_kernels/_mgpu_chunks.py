@@ -1,0 +1,102 @@
+"""Pieces shared by the chunked Mosaic GPU prefill kernels (``gdn/chunk_mgpu.py``,
+``mamba2/ssd_mgpu.py``): the 64-token chunk and its 8-row alignment, the varlen chunk table
+that cuts packed sequences into 8-aligned chunks (layout described in ``gdn/chunk_mgpu.py``),
+the swizzled SMEM tile that TMA and wgmma want, the WGMMA register layouts with the row and
+column broadcasts over them, and the one-accumulator-per-scope tensor-core matmul. They are
+op-agnostic, so both kernels take them from here rather than one kernel reaching into the
+other's private helpers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "ALIGN",
+    "BF16",
+    "CHUNK",
+    "COLS",
+    "F32",
+    "ROWS",
+    "WG",
+    "along_cols",
+    "along_rows",
+    "chunk_table",
+    "matmul",
+    "smem",
+]
+
+CHUNK = 64
+ALIGN = 8  # rows of the SMEM tiling: every chunk's first token is a multiple of this
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+WG = plgpu.Layout.WGMMA
+ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
+COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+def smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:
+    """SMEM tile tiled (8 rows) and swizzled as TMA and wgmma want it (minor dim = last)."""
+    dtype = jnp.dtype(dtype)
+    swizzle = plgpu.find_swizzle(shape[-1] * dtype.itemsize * 8)
+    transforms = (
+        plgpu.TilingTransform((ALIGN, swizzle // dtype.itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def along_rows(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """``vec[i]`` along row ``i`` (``vec`` in the ROWS layout)."""
+    return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def along_cols(vec: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """``vec[j]`` along column ``j`` (``vec`` in the COLS layout)."""
+    return lax.broadcast_in_dim(vec, shape, [1])
+
+
+def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
+    """``a @ b`` on the tensor cores (bf16 SMEM operands), float32 ``shape``.
+
+    One wgmma per scoped accumulator, read at once: with two accumulators in one scope the
+    second product came out wrong on the H200 (JAX 0.11.2; the interpreter was right).
+    Only ``run_scoped`` accumulators: the GPU interpreter does not run ``run_state``, so an
+    accumulator is never initialised from registers and sums are formed afterwards. The
+    optimization barrier keeps LLVM from reading the registers before the wgmma wait.
+    """
+
+    def body(acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return lax.optimization_barrier(pl.run_scoped(body, plgpu.ACC(shape, F32)))
+
+
+def chunk_table(qsl: jax.Array, num_tokens: int, num_chunks: int) -> tuple[jax.Array, jax.Array]:
+    """Chunks of the N sequences and of the padding segment ``[qsl[N], T)``.
+
+    Returns ``table`` int32 ``[3, num_chunks]`` (first token, first valid row, end of the
+    valid rows; ``0, 0, 0`` for unused entries) and ``first`` int32 ``[N + 2]``: segment
+    ``n`` owns chunks ``first[n] .. first[n + 1] - 1`` (segment N is the padding).
+    """
+    n = qsl.shape[0] - 1
+    qsl = qsl.astype(jnp.int32)
+    lo_tok = qsl  # segment n covers [qsl[n], qsl[n + 1]) and segment N covers [qsl[N], T)
+    hi_tok = jnp.concatenate([qsl[1:], jnp.array([num_tokens], jnp.int32)])
+    base = lo_tok - lo_tok % ALIGN
+    counts = jnp.where(hi_tok > lo_tok, (hi_tok - base + CHUNK - 1) // CHUNK, 0)
+    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    c = jnp.arange(num_chunks, dtype=jnp.int32)
+    seg = jnp.clip(jnp.searchsorted(first, c, side="right").astype(jnp.int32) - 1, 0, n)
+    nominal = base[seg] + CHUNK * (c - first[seg])
+    start = jnp.minimum(nominal, max(num_tokens, CHUNK) - CHUNK)
+    used = c < first[n + 1]
+    lo = jnp.where(used, jnp.maximum(lo_tok[seg], nominal) - start, 0)
+    hi = jnp.where(used, jnp.minimum(hi_tok[seg], nominal + CHUNK) - start, 0)
+    table = jnp.stack([jnp.where(used, start, 0), lo, hi])
+    return table, first
