@@ -107,7 +107,7 @@ def demo(args: argparse.Namespace) -> int:
         elif done == total or done % 5 == 0:
             print(f"compiled {done}/{total} executables", file=sys.stderr, flush=True)
 
-    steps.compile_all(policy, pool, modes, hidden_size=hidden, progress=progress)
+    steps.compile_all(policy, pool, modes, token_shape=(hidden,), progress=progress)
     if interactive:
         print(file=sys.stderr)
     traces_after_warmup = steps.total_traces

@@ -238,7 +238,7 @@ def test_compile_all_then_serving_never_retraces(setup):
     hidden = tiny_gdn_stack_config().layer.hidden_size
     pool = init_state_pool(model.state_specs(), NUM_SLOTS)
     modes = sorted(CAPABILITIES[LayerKind.GDN], key=lambda m: m.value)
-    records = steps.compile_all(POLICY, pool, modes, hidden_size=hidden)
+    records = steps.compile_all(POLICY, pool, modes, token_shape=(hidden,))
     assert {(r.mode, r.batch_size, r.num_tokens) for r in records} == {
         (m, bs, t) for m in modes for bs, t in POLICY.buckets(m)
     }

@@ -185,9 +185,8 @@ class _LastTokenLogits(nnx.Module):
 
     Only each row's last token reaches the LM head, so a prefill step computes ``[bs, vocab]``
     logits, not ``[T, vocab]`` (TARGET_VERIFY needs them at all D tokens of every row).
-    Tokens arrive as a ``[T, 1]`` int32 column because
-    ``StepFunctions.compile_all`` compiles ``x`` as ``[num_tokens, hidden_size]``; a token
-    ``PENDING`` is read from ``state.last_tokens`` at its row's slot.
+    Tokens arrive as int32 ``[T]`` (``compile_all(token_shape=())``); a token ``PENDING`` is
+    read from ``state.last_tokens`` at its row's slot.
     """
 
     def __init__(self, model: Qwen3Next):
@@ -201,7 +200,7 @@ class _LastTokenLogits(nnx.Module):
         self, x: jax.Array, state: ServingState, meta: ForwardMetadata, *, impl: str = "auto"
     ) -> StepOutput:
         slots = jnp.take(meta.state_indices, meta.token_rows, mode="clip")
-        tokens = jnp.where(x[:, 0] == PENDING, state.last_tokens[slots], x[:, 0])
+        tokens = jnp.where(x == PENDING, state.last_tokens[slots], x)
         hidden, pool, kv, verify = self.model.hidden_states(
             tokens, state.pool, state.kv, meta, impl=impl
         )
@@ -441,7 +440,7 @@ class Engine:
             self.policy,
             self._state,
             self._modes,
-            hidden_size=1,
+            token_shape=(),
             dtype=jnp.int32,
             progress=on_step,
         )
@@ -461,7 +460,7 @@ class Engine:
                 self._dispatch_verify(meta, tokens, batch, compile_first=True)
                 bar(f"verify commit {record.batch_size}")
             else:
-                tokens = jnp.zeros((record.num_tokens, 1), jnp.int32)
+                tokens = jnp.zeros((record.num_tokens,), jnp.int32)
                 self._dispatch(meta, tokens, batch)
         jax.block_until_ready(self._state)
 
@@ -597,8 +596,7 @@ class Engine:
     ) -> jax.Array:
         """Dispatches a TARGET_VERIFY step, its acceptance and its commit (no wait); tokens:
         int32 ``[bs, D]`` (root then drafts). Returns the emitted tokens ``[bs, D]``."""
-        column = jnp.asarray(tokens.reshape(-1, 1))
-        out = self._steps(self._state, column, meta)
+        out = self._steps(self._state, jnp.asarray(tokens.reshape(-1)), meta)
         if compile_first:
             self._verifier.compile(out.logits, out.state.pool, out.verify)
         acc, steps = self._verifier.accept(
@@ -673,8 +671,8 @@ class Engine:
             num_slots=self.slots.num_slots,
             num_pages=self.pages.num_pages,
         )
-        tokens = np.zeros((meta.num_tokens, 1), np.int32)
-        tokens[: step.num_tokens, 0] = step.token_ids
+        tokens = np.zeros((meta.num_tokens,), np.int32)
+        tokens[: step.num_tokens] = step.token_ids
         tracked = [self._tracked[row.request.request_id] for row in step.rows]
         batch = SamplingBatch.pack(
             [t.params for t in tracked],

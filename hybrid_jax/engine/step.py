@@ -94,12 +94,14 @@ class StepFunctions:
         pool: StatePool,
         modes: Iterable[ForwardMode],
         *,
-        hidden_size: int,
+        token_shape: tuple[int, ...],
         dtype: Any = jnp.float32,
         progress: Callable[[CompileRecord], None] | None = None,
     ) -> list[CompileRecord]:
         """Compiles every (mode, bucket) of ``policy`` for ``modes`` ahead of time, from
-        all-padding metadata of each bucket. Calls ``progress`` after each executable."""
+        all-padding metadata of each bucket. ``x`` is compiled as ``[T, *token_shape]`` of
+        ``dtype``: ``(hidden,)`` for hidden states, ``()`` for token ids. Calls ``progress``
+        after each executable."""
         records = []
         for mode in modes:
             mode = ForwardMode(mode)
@@ -108,7 +110,7 @@ class StepFunctions:
                 if key in self._compiled:
                     continue
                 meta = example_metadata(mode, batch_size, num_tokens, policy)
-                x = jax.ShapeDtypeStruct((num_tokens, hidden_size), dtype)
+                x = jax.ShapeDtypeStruct((num_tokens, *token_shape), dtype)
                 pool_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), pool)
                 start = time.perf_counter()
                 self._compiled[key] = self.lower(mode, pool_shape, x, meta).compile()
