@@ -606,9 +606,8 @@ class Engine:
         self._state = dataclasses.replace(out.state, pool=pool)
         return acc.emitted
 
-    def _verify(self, step: ScheduledStep) -> list[StepEvent]:
-        """Runs a TARGET_VERIFY step, reads it back and turns it into events (one per token
-        kept; the row's new text comes with its last one)."""
+    def _metadata_and_sampling(self, step: ScheduledStep) -> tuple[ForwardMetadata, SamplingBatch]:
+        """The padded metadata of a scheduled step and its rows' sampling parameters."""
         meta = build_metadata(
             step.mode,
             step.row_specs,
@@ -616,8 +615,6 @@ class Engine:
             num_slots=self.slots.num_slots,
             num_pages=self.pages.num_pages,
         )
-        tokens = np.zeros((meta.batch_size, meta.num_draft_tokens), np.int32)
-        tokens[: len(step.rows)] = [row.token_ids for row in step.rows]
         tracked = [self._tracked[row.request.request_id] for row in step.rows]
         batch = SamplingBatch.pack(
             [t.params for t in tracked],
@@ -625,6 +622,14 @@ class Engine:
             [t.request.num_drawn for t in tracked],
             meta.batch_size,
         )
+        return meta, batch
+
+    def _verify(self, step: ScheduledStep) -> list[StepEvent]:
+        """Runs a TARGET_VERIFY step, reads it back and turns it into events (one per token
+        kept; the row's new text comes with its last one)."""
+        meta, batch = self._metadata_and_sampling(step)
+        tokens = np.zeros((meta.batch_size, meta.num_draft_tokens), np.int32)
+        tokens[: len(step.rows)] = [row.token_ids for row in step.rows]
         start = time.perf_counter()
         emitted = np.asarray(self._dispatch_verify(meta, tokens, batch))[: len(step.rows)]
         now = time.perf_counter()
@@ -664,22 +669,9 @@ class Engine:
         return events
 
     def _launch(self, step: ScheduledStep) -> _InFlight:
-        meta = build_metadata(
-            step.mode,
-            step.row_specs,
-            self.policy,
-            num_slots=self.slots.num_slots,
-            num_pages=self.pages.num_pages,
-        )
+        meta, batch = self._metadata_and_sampling(step)
         tokens = np.zeros((meta.num_tokens,), np.int32)
         tokens[: step.num_tokens] = step.token_ids
-        tracked = [self._tracked[row.request.request_id] for row in step.rows]
-        batch = SamplingBatch.pack(
-            [t.params for t in tracked],
-            [t.seed for t in tracked],
-            [t.request.num_drawn for t in tracked],
-            meta.batch_size,
-        )
         start = time.perf_counter()
         sampled = self._dispatch(meta, jnp.asarray(tokens), batch)
         self.scheduler.advance(step)
