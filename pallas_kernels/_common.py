@@ -41,24 +41,19 @@ def on_hopper_gpu() -> bool:
     return str(getattr(device, "compute_capability", "")).startswith("9")
 
 
-def resolve_impl(
-    op: str, impl: str, unsupported: str | None, *, checked_on_gpu: bool = True
-) -> str:
+def resolve_impl(op: str, impl: str, unsupported: str | None) -> str:
     """Turns ``impl`` into ``"pallas" | "interpret" | "reference"`` for one call of ``op``.
 
     ``unsupported`` is the kernel's ``unsupported_reason(...)`` for this call (None when the
     kernel can take it, or when the op has no kernel yet it is a fixed sentence saying so).
     Asking explicitly for a kernel that cannot take the call raises: never silently wrong.
-    ``checked_on_gpu=False`` keeps ``"auto"`` on the reference for a kernel that has passed
-    the interpreter and the CUDA lowering but not yet its check on a real GPU (the interpreter
-    has been right where the GPU was wrong); ``"pallas"`` still runs it when asked.
     """
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl={impl!r} is not one of {IMPLS}")
     if impl == "reference":
         return "reference"
     if impl == "auto":
-        usable = unsupported is None and checked_on_gpu and on_hopper_gpu()
+        usable = unsupported is None and on_hopper_gpu()
         return "pallas" if usable else "reference"
     if unsupported is not None:
         raise NotImplementedError(f"{op}: impl={impl!r} cannot take this call: {unsupported}")

@@ -24,7 +24,6 @@ def _call(op: str, args: tuple, options: dict, impl: str, verify: bool):
         op,
         impl,
         state_update_mgpu.unsupported_reason(*args, **options),
-        checked_on_gpu=False,  # until `pytest -m gpu tests/kernels/test_mamba2_gpu.py` passes
     )
     if which == "reference":
         ref = (

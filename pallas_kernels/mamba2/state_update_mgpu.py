@@ -16,8 +16,9 @@ sum. ``dt``, ``A``, ``D`` and ``dt_bias`` are scalars read from GMEM.
 Padded rows (``state_indices[n] == 0``): the program touches no pool memory and writes zeros
 to ``y`` (and to ``intermediates``), so the padded rows of a bucket never race on slot 0.
 
-Never run on a GPU yet: checked in the Mosaic GPU interpreter (values) and by lowering for
-``cuda`` on the CPU (layouts, TMA shapes); no timing exists.
+Checked in the Mosaic GPU interpreter (values), by lowering for ``cuda`` on the CPU (layouts,
+TMA shapes) and on an H200 (``tests/kernels/test_mamba2_gpu.py``); timings in
+``benchmarks/RESULTS.md``.
 
 Entries: ``selective_state_update`` (pool updated in place under ``jit`` with the pool
 donated), ``verify_selective_state_update`` (pool read-only) and ``unsupported_reason``. Each

@@ -17,11 +17,6 @@ def test_auto_takes_the_kernel_only_on_hopper_when_it_can_take_the_call(on_hoppe
     assert resolve_impl("op", "auto", "K=16 is not 64 or 128") == "reference"
 
 
-def test_auto_keeps_a_kernel_not_yet_checked_on_a_gpu_on_the_reference(on_hopper):
-    assert resolve_impl("op", "auto", None, checked_on_gpu=False) == "reference"
-    assert resolve_impl("op", "pallas", None, checked_on_gpu=False) == "pallas"
-
-
 def test_explicit_kernel_impl_refuses_a_call_it_cannot_take(on_hopper):
     with pytest.raises(NotImplementedError, match="op: impl='interpret' cannot take this call: "):
         resolve_impl("op", "interpret", "K=16 is not 64 or 128")

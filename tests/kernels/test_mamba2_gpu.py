@@ -4,7 +4,7 @@ Nemotron-H 8B-like: H=128, P=64, G=8, N=128, bf16 activations, fp32 ssm pool. Ev
 compared with the float64 oracle (on the same GPU, x64 enabled only inside ``_oracle``) by
 ``|out - ref| / |ref|``; pools are poisoned with NaN in every slot that must not be read, so a
 wrong slot read shows as NaN and a stray write as a changed bit. Skipped where there is no
-sm_90 GPU (``-m gpu`` selects them). Written without a GPU: these have never run.
+sm_90 GPU (``-m gpu`` selects them). Passed on an H200 (2026-11-29).
 """
 
 from __future__ import annotations

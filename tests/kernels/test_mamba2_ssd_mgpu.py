@@ -2,8 +2,9 @@
 
 It runs under the Mosaic GPU CPU interpreter (values; fresh output buffers start as NaN, so an
 unwritten row shows) and through the Pallas -> Mosaic GPU lowering for ``cuda`` (layouts and TMA
-shapes, which the interpreter does not check). It has never run on a GPU. The kernel multiplies
-with bf16 operands, so it is held to bf16-level error (1e-2 relative).
+shapes, which the interpreter does not check); tests/kernels/test_mamba2_gpu.py runs it on an
+H200. The kernel multiplies with bf16 operands, so it is held to bf16-level error (1e-2
+relative).
 """
 
 from __future__ import annotations
