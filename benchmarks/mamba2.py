@@ -1,7 +1,5 @@
 """Mamba2 on an H200: this project's kernels against jax-linear-attention and jnp.
 
-NOT YET RUN ON A GPU: written and checked with ``--smoke`` on a CPU only; no number exists.
-
 Run on the GPU machine (peers as wheels, as for ``benchmarks/gdn.py``, see README.md)::
 
     python3 benchmarks/mamba2.py [--out DIR] [--only decode,verify,prefill] [--budget S]
@@ -104,12 +102,14 @@ def bench_rows(group: str, shapes) -> None:
                      ("jnp reference", mamba2_reference.verify_selective_state_update))  # fmt: skip
         for impl, fn in impls:
 
-            def step(pool, idx, fn=fn, inputs=inputs):
+            def step(pool, idx, inputs, fn=fn):
                 y, out = fn(**inputs, ssm_pool=pool, state_indices=idx)
                 return (out, y) if group == "decode" else (pool, (y, out))
 
-            timing._record(group, shape, impl, timing.jax_per_step_us, timing._tbps(traffic),
-                           step, pool, _slots_of(rng, n))  # fmt: skip
+            def measure(step=step, n=n, inputs=inputs):
+                return timing.jax_per_step_us(step, pool, _slots_of(rng, n), operands=inputs)
+
+            timing._record(group, shape, impl, measure, timing._tbps(traffic))
 
 
 def bench_prefill(jla_ssm) -> None:
@@ -126,14 +126,14 @@ def bench_prefill(jla_ssm) -> None:
         for impl, fn in (("ours (Mosaic GPU SSD)", ssd_mgpu.ssd_chunk_scan),
                          ("jnp reference (chunked)", reference)):  # fmt: skip
 
-            def step(pool, idx, fn=fn, inputs=inputs, qsl=qsl, has_init=has_init):
+            def step(pool, idx, inputs, fn=fn, qsl=qsl, has_init=has_init):
                 y, pool = fn(**inputs, ssm_pool=pool, qsl=qsl, state_indices=idx,
                              has_initial_state=has_init)  # fmt: skip
                 return pool, y
 
-            def measure(step=step, n_seq=n_seq):
+            def measure(step=step, n_seq=n_seq, inputs=inputs):
                 return timing.jax_per_step_us(step, pool, _slots_of(rng, n_seq), n_steps=2,
-                                              calls=(1, 3), reps=3)  # fmt: skip
+                                              calls=(1, 3), reps=3, operands=inputs)  # fmt: skip
 
             timing._record("prefill", shape, impl, measure, timing._mtoks(t_total))
         if jla_ssm is not None:
@@ -146,7 +146,8 @@ def _jla_prefill(jla_ssm, rng, pool, params, shape, n_seq, length) -> None:
     dense = _tokens(rng, (n_seq, length))
     dt = jax.nn.softplus(dense["dt"].astype(jnp.float32) + params["dt_bias"])
 
-    def step(pool, idx, dense=dense, dt=dt):
+    def step(pool, idx, operands):
+        dense, dt = operands
         y, final = jla_ssm.mamba2_ssd(
             dense["x"], dt, params["A"], dense["B"], dense["C"], d=params["D"],
             initial_state=jnp.swapaxes(pool[idx], -1, -2), output_final_state=True, impl="auto",
@@ -155,7 +156,7 @@ def _jla_prefill(jla_ssm, rng, pool, params, shape, n_seq, length) -> None:
 
     timing._record("prefill", shape, "jla 0.1.0 mamba2_ssd (+ pool gather/scatter)",
                    lambda: timing.jax_per_step_us(step, pool, _slots_of(rng, n_seq), n_steps=2,
-                                                  calls=(1, 3), reps=3),
+                                                  calls=(1, 3), reps=3, operands=(dense, dt)),
                    timing._mtoks(n_seq * length))  # fmt: skip
 
 
