@@ -7,8 +7,11 @@ comes from one or more named tensors through a fixed rule (``_rules``): linear w
 transposed (HF ``[out, in]``, ours ``[in, out]``), the conv weight loses its channel axis,
 per-expert matrices are stacked (HF's fused ``experts.gate_up_proj`` layout is read too).
 All tensors are checked against the config before any is converted; every missing or
-misshapen one is named in one ``CheckpointError``. Tensors the model does not use (the
-multi-token-prediction head ``mtp.*``, a tied checkpoint's ``lm_head``) are ignored.
+misshapen one is named in one ``CheckpointError``. The multi-token-prediction head is loaded
+when the checkpoint has it (``mtp.fc.weight`` present: ``mtp.fc``, ``mtp.pre_fc_norm_*``,
+``mtp.layers.0.*`` laid out like a full-attention decoder layer, ``mtp.norm``) and left out
+otherwise, whatever ``config.json`` says. Tensors the model does not use (a tied
+checkpoint's ``lm_head``) are ignored.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ __all__ = ["CheckpointError", "load_config", "load_qwen3_next", "save_checkpoint
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+MTP_MARKER = "mtp.fc.weight"  # a checkpoint with this tensor carries the MTP head
 
 
 class CheckpointError(ValueError):
@@ -104,6 +108,64 @@ def _mlp(p: str, target: tuple, hidden: int, inter: int) -> list[_Rule]:
     ]
 
 
+def _layer_rules(
+    c: Qwen3NextConfig, p: str, t: tuple, kind: LayerKind, moe: bool, fused: bool
+) -> Iterator[_Rule]:
+    """One decoder layer: checkpoint prefix ``p`` (``model.layers.3.``), model path ``t``."""
+    h = c.hidden_size
+    g, a = c.gdn_config(), c.attention_config()
+    d = g.dims
+    yield _plain((*t, "input_layernorm", "weight"), f"{p}input_layernorm.weight", (h,))
+    yield _plain(
+        (*t, "post_attention_layernorm", "weight"), f"{p}post_attention_layernorm.weight", (h,)
+    )
+    if kind is LayerKind.GDN:
+        q, m = f"{p}linear_attn.", (*t, "linear_attn")
+        qkvz = 2 * d.key_dim + 2 * d.value_dim
+        yield _linear((*m, "in_proj_qkvz", "kernel"), f"{q}in_proj_qkvz.weight", qkvz, h)
+        yield _linear((*m, "in_proj_ba", "kernel"), f"{q}in_proj_ba.weight",
+                      2 * d.num_value_heads, h)  # fmt: skip
+        yield _Rule(
+            (*m, "conv_weight"), ((f"{q}conv1d.weight", (g.conv_dim, 1, g.conv_kernel)),),
+            lambda x: x[0][:, 0, :], lambda w: [w[:, None, :]],
+        )  # fmt: skip
+        yield _plain((*m, "dt_bias"), f"{q}dt_bias", (d.num_value_heads,))
+        yield _plain((*m, "A_log"), f"{q}A_log", (d.num_value_heads,))
+        yield _plain((*m, "norm", "weight"), f"{q}norm.weight", (d.head_v_dim,))
+        yield _linear((*m, "out_proj", "kernel"), f"{q}out_proj.weight", h, d.value_dim)
+    else:
+        q, m = f"{p}self_attn.", (*t, "self_attn")
+        heads, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        for name, out_dim, in_dim in (
+            ("q_proj", 2 * heads, h), ("k_proj", kv, h), ("v_proj", kv, h),
+            ("o_proj", h, heads),
+        ):  # fmt: skip
+            yield _linear((*m, name, "kernel"), f"{q}{name}.weight", out_dim, in_dim)
+            if a.attention_bias:
+                yield _plain((*m, name, "bias"), f"{q}{name}.bias", (out_dim,))
+        yield _plain((*m, "q_norm", "weight"), f"{q}q_norm.weight", (a.head_dim,))
+        yield _plain((*m, "k_norm", "weight"), f"{q}k_norm.weight", (a.head_dim,))
+    m = (*t, "mlp")
+    if not moe:
+        yield from _mlp(f"{p}mlp.", m, h, c.intermediate_size)
+        return
+    e, inter = c.num_experts, c.moe_intermediate_size
+    yield _linear((*m, "gate", "kernel"), f"{p}mlp.gate.weight", e, h)
+    if fused:
+        yield from _fused_experts(p, m, c)
+    else:
+        experts = [f"{p}mlp.experts.{j}." for j in range(e)]
+        for name, out_dim, in_dim in (
+            ("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter),
+        ):  # fmt: skip
+            names = [f"{x}{name}.weight" for x in experts]
+            yield _experts((*m, name), names, out_dim, in_dim)
+    s = c.shared_expert_intermediate_size
+    yield from _mlp(f"{p}mlp.shared_expert.", (*m, "shared_expert"), h, s)
+    yield _linear((*m, "shared_expert_gate", "kernel"), f"{p}mlp.shared_expert_gate.weight",
+                  1, h)  # fmt: skip
+
+
 def _rules(c: Qwen3NextConfig, fused_experts: Callable[[str], bool]) -> Iterator[_Rule]:
     """Every parameter of ``Qwen3Next(c)`` and the checkpoint tensors it comes from."""
     h = c.hidden_size
@@ -111,59 +173,18 @@ def _rules(c: Qwen3NextConfig, fused_experts: Callable[[str], bool]) -> Iterator
     yield _plain(("norm", "weight"), "model.norm.weight", (h,))
     if not c.tie_word_embeddings:
         yield _linear(("lm_head", "kernel"), "lm_head.weight", c.vocab_size, h)
-    g, a = c.gdn_config(), c.attention_config()
-    d = g.dims
     for i, kind in enumerate(c.layer_kinds):
-        p, t = f"model.layers.{i}.", ("layers", i)
-        yield _plain((*t, "input_layernorm", "weight"), f"{p}input_layernorm.weight", (h,))
-        yield _plain(
-            (*t, "post_attention_layernorm", "weight"), f"{p}post_attention_layernorm.weight", (h,)
-        )
-        if kind is LayerKind.GDN:
-            q, m = f"{p}linear_attn.", (*t, "linear_attn")
-            qkvz = 2 * d.key_dim + 2 * d.value_dim
-            yield _linear((*m, "in_proj_qkvz", "kernel"), f"{q}in_proj_qkvz.weight", qkvz, h)
-            yield _linear((*m, "in_proj_ba", "kernel"), f"{q}in_proj_ba.weight",
-                          2 * d.num_value_heads, h)  # fmt: skip
-            yield _Rule(
-                (*m, "conv_weight"), ((f"{q}conv1d.weight", (g.conv_dim, 1, g.conv_kernel)),),
-                lambda x: x[0][:, 0, :], lambda w: [w[:, None, :]],
-            )  # fmt: skip
-            yield _plain((*m, "dt_bias"), f"{q}dt_bias", (d.num_value_heads,))
-            yield _plain((*m, "A_log"), f"{q}A_log", (d.num_value_heads,))
-            yield _plain((*m, "norm", "weight"), f"{q}norm.weight", (d.head_v_dim,))
-            yield _linear((*m, "out_proj", "kernel"), f"{q}out_proj.weight", h, d.value_dim)
-        else:
-            q, m = f"{p}self_attn.", (*t, "self_attn")
-            heads, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-            for name, out_dim, in_dim in (
-                ("q_proj", 2 * heads, h), ("k_proj", kv, h), ("v_proj", kv, h),
-                ("o_proj", h, heads),
-            ):  # fmt: skip
-                yield _linear((*m, name, "kernel"), f"{q}{name}.weight", out_dim, in_dim)
-                if a.attention_bias:
-                    yield _plain((*m, name, "bias"), f"{q}{name}.bias", (out_dim,))
-            yield _plain((*m, "q_norm", "weight"), f"{q}q_norm.weight", (a.head_dim,))
-            yield _plain((*m, "k_norm", "weight"), f"{q}k_norm.weight", (a.head_dim,))
-        m = (*t, "mlp")
-        if not c.is_moe_layer(i):
-            yield from _mlp(f"{p}mlp.", m, h, c.intermediate_size)
-            continue
-        e, inter = c.num_experts, c.moe_intermediate_size
-        yield _linear((*m, "gate", "kernel"), f"{p}mlp.gate.weight", e, h)
-        if fused_experts(p):
-            yield from _fused_experts(p, m, c)
-        else:
-            experts = [f"{p}mlp.experts.{j}." for j in range(e)]
-            for name, out_dim, in_dim in (
-                ("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter),
-            ):  # fmt: skip
-                names = [f"{x}{name}.weight" for x in experts]
-                yield _experts((*m, name), names, out_dim, in_dim)
-        s = c.shared_expert_intermediate_size
-        yield from _mlp(f"{p}mlp.shared_expert.", (*m, "shared_expert"), h, s)
-        yield _linear((*m, "shared_expert_gate", "kernel"), f"{p}mlp.shared_expert_gate.weight",
-                      1, h)  # fmt: skip
+        p = f"model.layers.{i}."
+        yield from _layer_rules(c, p, ("layers", i), kind, c.is_moe_layer(i), fused_experts(p))
+    if not c.num_nextn_predict_layers:
+        return
+    yield _linear(("mtp", "fc", "kernel"), "mtp.fc.weight", h, 2 * h)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        yield _plain(("mtp", name, "weight"), f"mtp.{name}.weight", (h,))
+    p = "mtp.layers.0."
+    yield from _layer_rules(
+        c, p, ("mtp", "layers", 0), LayerKind.FULL_ATTENTION, c.mtp_is_moe, fused_experts(p)
+    )
 
 
 def _param(model: nnx.Module, path: tuple[str | int, ...]) -> nnx.Variable:
@@ -228,7 +249,8 @@ def _read(weight_map: Mapping[str, pathlib.Path], names: set[str]) -> dict[str, 
 
 
 def load_qwen3_next(folder: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Next:
-    """A ``Qwen3Next`` with the weights of a Hugging Face checkpoint folder.
+    """A ``Qwen3Next`` with the weights of a Hugging Face checkpoint folder (and its MTP head
+    when the checkpoint has ``mtp.*`` tensors).
 
     ``dtype`` overrides the checkpoint's dtype for weights and activations (norm weights and
     the GDN decay parameters stay float32). Raises ``CheckpointError`` naming every missing
@@ -237,6 +259,8 @@ def load_qwen3_next(folder: str | os.PathLike, *, dtype: str | None = None) -> Q
     folder = pathlib.Path(folder)
     config = load_config(folder, dtype=dtype)
     weight_map = _weight_map(folder)
+    has_mtp = MTP_MARKER in weight_map
+    config = dataclasses.replace(config, num_nextn_predict_layers=int(has_mtp))
     rules = list(_rules(config, lambda p: f"{p}mlp.experts.gate_up_proj" in weight_map))
     needed = {name for rule in rules for name, _ in rule.sources}
     missing = sorted(needed - set(weight_map))

@@ -8,6 +8,16 @@ their state in the slot pool (``state_pool.StatePool``), full-attention layers i
 KV cache (``kv_cache.KVCache``); both are indexed by the layer's position among layers of
 its kind. ``tiny_qwen3_next_config`` is the built-in model that needs no download.
 
+The multi-token-prediction head (``MTPHead``, the checkpoint's ``mtp.*`` tensors, built when
+``num_nextn_predict_layers`` is 1) predicts the token after next: at position p it reads the
+target's final-normed hidden state ``h_p`` and the embedding of the next token ``t_{p+1}``,
+``x = fc([pre_fc_norm_embedding(embed(t_{p+1})), pre_fc_norm_hidden(h_p)])`` (embedding
+first), runs one full-attention decoder layer (with the feed-forward block layer index 0
+would have) and ``mtp.norm``, and shares the embedding and LM head with the model. Every
+norm is the zero-centred ``(1 + w)`` RMSNorm. Its attention layer keeps its own KV cache
+(``mtp_kv_specs``) on the same pages as the model's: it writes position p of a request where
+the model does.
+
 Qwen3.5's text model is not covered: its GDN layers project q/k/v, z, b and a with separate
 matrices (``in_proj_qkv``, ``in_proj_z``, ...) and its rotary embedding is multimodal, so it
 differs from Qwen3-Next in weights, not only in configuration.
@@ -38,6 +48,8 @@ from hybrid_jax.state_pool import LinearStateSpec, StatePool
 
 __all__ = [
     "ConfigError",
+    "DecoderLayer",
+    "MTPHead",
     "Qwen3Next",
     "Qwen3NextConfig",
     "Qwen3NextOutput",
@@ -60,7 +72,8 @@ class Qwen3NextConfig:
     float32). ``layer_types[i]`` is ``"linear_attention"`` (GDN) or ``"full_attention"``.
     Layer i has a sparse MoE block when ``num_experts > 0``, ``i`` is not in
     ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``, else a dense MLP of
-    ``intermediate_size``.
+    ``intermediate_size``. ``num_nextn_predict_layers``: 1 builds the multi-token-prediction
+    head (``MTPHead``), 0 leaves it out.
     """
 
     vocab_size: int
@@ -90,6 +103,7 @@ class Qwen3NextConfig:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     eos_token_id: tuple[int, ...] = ()
+    num_nextn_predict_layers: int = 0
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -116,6 +130,11 @@ class Qwen3NextConfig:
             raise ConfigError(
                 "Qwen3-Next MoE blocks have a shared expert: shared_expert_intermediate_size "
                 f"must be >= 1, got {self.shared_expert_intermediate_size}"
+            )
+        if self.num_nextn_predict_layers not in (0, 1):
+            raise ConfigError(
+                f"num_nextn_predict_layers={self.num_nextn_predict_layers}: Qwen3-Next has one "
+                f"multi-token-prediction layer (1) or none (0)"
             )
         for layer in self.mlp_only_layers:
             if not 0 <= layer < self.num_hidden_layers:
@@ -218,6 +237,12 @@ class Qwen3NextConfig:
             and (i + 1) % self.decoder_sparse_step == 0
         )
 
+    @property
+    def mtp_is_moe(self) -> bool:
+        """The MTP layer's feed-forward block follows layer index 0's rule (its index in
+        ``mtp.layers``), as the peers build it: sparse for the released checkpoints."""
+        return self.is_moe_layer(0)
+
     def attention_config(self) -> AttentionConfig:
         try:
             return AttentionConfig(
@@ -255,7 +280,8 @@ class Qwen3NextConfig:
 
 def tiny_qwen3_next_config(dtype: str = "float32") -> Qwen3NextConfig:
     """The built-in model: byte vocabulary (256), hidden 64, four layers alternating GDN and
-    full attention, MoE of 4 experts (top 2) with a shared expert, and a dense MLP in layer 2."""
+    full attention, MoE of 4 experts (top 2) with a shared expert, a dense MLP in layer 2,
+    and the multi-token-prediction head."""
     return Qwen3NextConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -263,7 +289,7 @@ def tiny_qwen3_next_config(dtype: str = "float32") -> Qwen3NextConfig:
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, mlp_only_layers=(2,), partial_rotary_factor=0.5,
-        max_position_embeddings=1024, dtype=dtype,
+        max_position_embeddings=1024, num_nextn_predict_layers=1, dtype=dtype,
     )  # fmt: skip
 
 
@@ -279,21 +305,63 @@ class Qwen3NextOutput(NamedTuple):
 
 
 class DecoderLayer(nnx.Module):
-    """``x + mixer(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``."""
+    """``x + mixer(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``; the
+    mixer is GDN or gated attention (``kind``), the MLP sparse (``moe``) or dense."""
 
-    def __init__(self, config: Qwen3NextConfig, index: int, *, rngs: nnx.Rngs):
+    def __init__(self, config: Qwen3NextConfig, kind: LayerKind, moe: bool, *, rngs: nnx.Rngs):
         c = config
-        self.kind = c.layer_kinds[index]
+        self.kind = kind
         self.input_layernorm = ZeroCenteredRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         if self.kind is LayerKind.GDN:
             self.linear_attn = GatedDeltaNet(c.gdn_config(), rngs=rngs)
         else:
             self.self_attn = GatedAttention(c.attention_config(), rngs=rngs)
-        if c.is_moe_layer(index):
+        if moe:
             self.mlp = SparseMoE(c.moe_config(), rngs=rngs)
         else:
             self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=c.dtype, rngs=rngs)
+
+
+class MTPHead(nnx.Module):
+    """Qwen3-Next's multi-token-prediction layer (see the module docstring); the embedding and
+    LM head are the model's, so the head takes embeddings and returns normed hidden states."""
+
+    def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
+        c = config
+        dtype = jnp.dtype(c.dtype)
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.fc = nnx.Linear(
+            2 * c.hidden_size, c.hidden_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+            rngs=rngs,
+        )  # fmt: skip
+        layer = DecoderLayer(c, LayerKind.FULL_ATTENTION, c.mtp_is_moe, rngs=rngs)
+        self.layers = nnx.List([layer])
+        self.norm = ZeroCenteredRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def __call__(
+        self,
+        embeds: jax.Array,
+        hidden: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        meta: ForwardMetadata,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """embeds: ``[T, hidden]`` embeddings of the next tokens ``t_{p+1}``; hidden: ``[T,
+        hidden]`` the target's final-normed hidden states ``h_p`` (or the head's own output
+        one position back, when drafting further); k_pages, v_pages: the head's
+        ``[P, page_size, KVH, head_dim]`` cache. Returns the normed ``[T, hidden]`` (feed it
+        to ``Qwen3Next.logits``) and the pages after the step."""
+        x = jnp.concatenate(
+            [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1
+        )
+        x = self.fc(x)
+        layer = self.layers[0]
+        out = layer.self_attn(layer.input_layernorm(x), k_pages, v_pages, meta)
+        x = x + out.y
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x), out.k_pages, out.v_pages
 
 
 class Qwen3Next(nnx.Module):
@@ -306,17 +374,31 @@ class Qwen3Next(nnx.Module):
         self.embed_tokens = nnx.Embed(
             c.vocab_size, c.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs) for i in range(c.num_hidden_layers)])
+        self.layers = nnx.List(
+            [
+                DecoderLayer(c, kind, c.is_moe_layer(i), rngs=rngs)
+                for i, kind in enumerate(c.layer_kinds)
+            ]
+        )
         self.norm = ZeroCenteredRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         if not c.tie_word_embeddings:
             self.lm_head = nnx.Linear(
                 c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
                 rngs=rngs,
             )  # fmt: skip
+        # Built last, so that the other parameters draw the same initial values with or
+        # without it.
+        if c.num_nextn_predict_layers:
+            self.mtp = MTPHead(c, rngs=rngs)
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
         return self.config.layer_kinds
+
+    @property
+    def has_mtp(self) -> bool:
+        """The model carries the multi-token-prediction head."""
+        return self.config.num_nextn_predict_layers > 0
 
     def state_specs(self) -> tuple[LinearStateSpec, ...]:
         """The slot-pool layout: one spec per GDN layer, in layer order."""
@@ -327,6 +409,29 @@ class Qwen3Next(nnx.Module):
         """The KV-cache layout: one spec per full-attention layer, in layer order."""
         spec = self.config.attention_config().kv_spec()
         return tuple(spec for kind in self.layer_kinds if kind is LayerKind.FULL_ATTENTION)
+
+    def mtp_kv_specs(self) -> tuple[KVCacheSpec, ...]:
+        """The MTP head's KV-cache layout: one spec (its attention layer), or none."""
+        return (self.config.attention_config().kv_spec(),) if self.has_mtp else ()
+
+    def mtp_hidden_states(
+        self, next_tokens: jax.Array, hidden: jax.Array, kv: KVCache, meta: ForwardMetadata
+    ) -> tuple[jax.Array, KVCache]:
+        """The MTP head over packed positions: next_tokens int32 ``[T]`` (``t_{p+1}``), hidden
+        ``[T, hidden]`` (``h_p``), kv the head's cache (``mtp_kv_specs``). Returns its normed
+        hidden states ``[T, hidden]`` (``logits`` of them predict ``t_{p+2}``) and the cache."""
+        if not self.has_mtp:
+            raise ValueError(
+                "this model has no multi-token-prediction head (num_nextn_predict_layers=0); "
+                "load a checkpoint with mtp.* tensors or use another draft source"
+            )
+        if len(kv.k) != 1:
+            raise ValueError(
+                f"the MTP head has one attention layer but its KV cache has {len(kv.k)}; build "
+                f"it from model.mtp_kv_specs()"
+            )
+        out, k, v = self.mtp(self.embed_tokens(next_tokens), hidden, kv.k[0], kv.v[0], meta)
+        return out, dataclasses.replace(kv, k=(k,), v=(v,))
 
     def hidden_states(
         self,
@@ -413,9 +518,12 @@ def tiny_qwen3_next(seed: int = 0, dtype: str = "float32") -> Qwen3Next:
     abstract shapes: no per-parameter device random calls, so it builds in milliseconds.
     """
     model = nnx.eval_shape(lambda: Qwen3Next(tiny_qwen3_next_config(dtype), rngs=nnx.Rngs(0)))
-    rng = np.random.default_rng(seed)
+    # The MTP head draws from its own stream, so the other weights of a seed are the same as
+    # they were before the preset had the head.
+    streams = {"model": np.random.default_rng(seed), "mtp": np.random.default_rng([seed, 1])}
     for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         abstract = param.get_value()
+        rng = streams["mtp" if path[0] == "mtp" else "model"]
         value = _seeded_value(path, abstract.shape, rng)
         param.set_value(jnp.asarray(value, abstract.dtype))
     return model
