@@ -15,6 +15,13 @@ position 0, in row ``batch_size`` (one past the last row, so a segment op drops 
 Full-attention layers keep their keys and values in a paged cache (``kv_cache.py``); each row
 names its pages (``RowSpec.pages``) and the metadata carries them as a ``PageTable``, padded
 with page 0, the pad page, exactly as the linear layers' rows are padded with slot 0.
+
+Tree drafts: a TARGET_VERIFY row is a tree of D nodes in topological order, given by
+``RowSpec.parents`` (node 0 is the root, ``parents[i] < i``; empty means the chain
+``[-1, 0, 1, ..., D-2]``). The metadata carries the parents as an int32 array, so the tree's
+shape changes without a recompile; a node's position is ``prefix_len + depth(node)``. Whether
+a step may hold trees at all is static (``BucketPolicy.tree_drafts``): a chain-only step keeps
+the kernels' chain path.
 """
 
 from __future__ import annotations
@@ -38,8 +45,10 @@ __all__ = [
     "PageTable",
     "RowSpec",
     "build_metadata",
+    "chain_parents",
     "describe",
     "example_metadata",
+    "tree_depths",
 ]
 
 MAX_DRAFT_TOKENS = 8
@@ -47,6 +56,19 @@ MAX_DRAFT_TOKENS = 8
 
 class MetadataError(ValueError):
     """A batch, a bucket or a policy that cannot be turned into forward metadata."""
+
+
+def chain_parents(num_nodes: int) -> tuple[int, ...]:
+    """The parents of a chain of ``num_nodes`` nodes: ``(-1, 0, 1, ..., num_nodes - 2)``."""
+    return tuple(range(-1, num_nodes - 1))
+
+
+def tree_depths(parents: Sequence[int]) -> tuple[int, ...]:
+    """Depth of every node of a tree in topological order (root 0): ``depth[parent] + 1``."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return tuple(depths)
 
 
 def _default_batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -87,7 +109,9 @@ class BucketPolicy:
     ``page_size`` and ``max_context``: the paged KV cache of full-attention layers; a row
     spans at most ``max_context`` tokens (prefix plus new), so its page table has
     ``max_pages = max_context // page_size`` entries. ``max_context=0`` (the default) pages
-    nothing: models without full-attention layers need no page table.
+    nothing: models without full-attention layers need no page table. ``tree_drafts``:
+    TARGET_VERIFY rows may be trees (``RowSpec.parents``); False keeps every verify row a
+    chain, so the kernels run their chain path.
     """
 
     batch_buckets: tuple[int, ...] = _default_batch_buckets(256)
@@ -95,6 +119,7 @@ class BucketPolicy:
     num_draft_tokens: int = 4
     page_size: int = 16
     max_context: int = 0
+    tree_drafts: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_buckets", tuple(self.batch_buckets))
@@ -120,6 +145,8 @@ class BucketPolicy:
                 f"max_context={context} is not a multiple of page_size={size}; round it up to "
                 f"{-(-context // size) * size}"
             )
+        if not isinstance(self.tree_drafts, bool):
+            raise MetadataError(f"tree_drafts={self.tree_drafts!r} must be a bool")
 
     @classmethod
     def default(
@@ -130,11 +157,13 @@ class BucketPolicy:
         *,
         page_size: int = 16,
         max_context: int = 0,
+        tree_drafts: bool = False,
     ) -> BucketPolicy:
         """Batch buckets 1, 2, 4, 8, 12, 16, 24, ... and token buckets 16, 32, 64, ...
 
         Each ladder stops at (and includes) its maximum. ``page_size`` and ``max_context``
-        size the page table of full-attention layers (0: none).
+        size the page table of full-attention layers (0: none); ``tree_drafts`` lets verify
+        rows be trees.
         """
         for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -145,6 +174,7 @@ class BucketPolicy:
             num_draft_tokens,
             page_size,
             max_context,
+            tree_drafts,
         )
 
     @property
@@ -211,15 +241,21 @@ class RowSpec:
     """One request's row in a step: its pool slot, tokens already in its state, new tokens,
     and, for models with full-attention layers, the KV-cache pages that hold its positions
     in order (position p lives in ``pages[p // page_size]``); they must cover
-    ``prefix_len + num_tokens`` positions."""
+    ``prefix_len + num_tokens`` positions.
+
+    ``parents``: for a TARGET_VERIFY row, the parent of each of its ``num_tokens`` nodes
+    (``-1`` for the root, node 0; ``parents[i] < i`` otherwise); empty means a chain. The
+    node's keys and values are stored at ``prefix_len + i`` whatever its depth."""
 
     slot: int
     prefix_len: int
     num_tokens: int
     pages: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pages", tuple(self.pages))
+        object.__setattr__(self, "parents", tuple(self.parents))
 
 
 def _static() -> dataclasses.Field:
@@ -253,7 +289,8 @@ class ForwardMetadata:
 
     Static (part of the compile key): ``mode``; ``batch_size`` bs, the rows of the bucket;
     ``num_tokens`` T, its token-axis length; ``num_draft_tokens``, D for TARGET_VERIFY and
-    DRAFT_EXTEND, 1 for DECODE, 0 otherwise.
+    DRAFT_EXTEND, 1 for DECODE, 0 otherwise; ``tree``, True when TARGET_VERIFY rows may be
+    trees (``BucketPolicy.tree_drafts``; False for every other mode).
 
     Arrays (always present, never None):
       query_start_loc   int32 [bs+1]  row r owns tokens [qsl[r], qsl[r+1]); padded rows repeat
@@ -264,13 +301,19 @@ class ForwardMetadata:
       positions         int32 [T]     absolute position of each token in its request; 0 at padding
       token_rows        int32 [T]     row of each token; bs at padding
       num_rows          int32 []      real rows n (rows n..bs-1 are padding)
+      parents           int32 [bs, D] TARGET_VERIFY: parent node of each node of a row (-1 at
+                                      the root, a chain on padded rows); [bs, 0] otherwise
       pages             PageTable     KV-cache pages per row (full-attention layers)
+
+    TARGET_VERIFY positions are ``prefix_len + depth(node)`` (the node's place on its root
+    path); the node's key/value entry is stored at ``prefix_len + i``, its index in the row.
     """
 
     mode: ForwardMode = _static()
     batch_size: int = _static()
     num_tokens: int = _static()
     num_draft_tokens: int = _static()
+    tree: bool = _static()
     query_start_loc: jax.Array
     state_indices: jax.Array
     has_initial_state: jax.Array
@@ -279,6 +322,7 @@ class ForwardMetadata:
     positions: jax.Array
     token_rows: jax.Array
     num_rows: jax.Array
+    parents: jax.Array
     pages: PageTable
 
     @property
@@ -378,6 +422,40 @@ def _check_rows(
             raise MetadataError(
                 f"rows[{i}].num_tokens={row.num_tokens}, but {mode.name} rows carry {allowed} "
                 f"tokens; {layout.hint}"
+            )
+
+
+def _check_parents(mode: ForwardMode, rows: Sequence[RowSpec], policy: BucketPolicy) -> None:
+    for i, row in enumerate(rows):
+        parents = row.parents
+        if not parents:
+            continue
+        if mode is not ForwardMode.TARGET_VERIFY:
+            raise MetadataError(
+                f"rows[{i}].parents={parents!r}, but only TARGET_VERIFY rows are trees; leave "
+                f"parents empty for {mode.name}"
+            )
+        if len(parents) != row.num_tokens:
+            raise MetadataError(
+                f"rows[{i}].parents has {len(parents)} entries for {row.num_tokens} nodes; give "
+                f"one parent per node (-1 for the root)"
+            )
+        for j, parent in enumerate(parents):
+            if isinstance(parent, bool) or not isinstance(parent, int | np.integer):
+                raise MetadataError(f"rows[{i}].parents[{j}]={parent!r} must be an int")
+            if j == 0 and parent != -1:
+                raise MetadataError(
+                    f"rows[{i}].parents[0]={parent}: node 0 is the root, its parent must be -1"
+                )
+            if j > 0 and not 0 <= parent < j:
+                raise MetadataError(
+                    f"rows[{i}].parents[{j}]={parent}: a node's parent must be an earlier node "
+                    f"(0..{j - 1}); order the tree's nodes topologically, the root first"
+                )
+        if not policy.tree_drafts and parents != chain_parents(len(parents)):
+            raise MetadataError(
+                f"rows[{i}].parents={parents!r} is a tree, but the bucket policy verifies chains "
+                f"only; build it with BucketPolicy(tree_drafts=True)"
             )
 
 
@@ -493,7 +571,8 @@ def build_metadata(
     ``num_tokens`` pin the bucket (ahead-of-time compilation: ``rows=()``); left unset they
     come from ``policy.bucket``. Every input is validated before anything is built
     (``MetadataError``; ``UnsupportedForwardModeError`` for a mode without a layout).
-    Positions are ``prefix_len + offset``; ``has_initial_state`` is ``prefix_len > 0``.
+    Positions are ``prefix_len + offset`` (TARGET_VERIFY: ``prefix_len + depth``);
+    ``has_initial_state`` is ``prefix_len > 0``.
     """
     mode = ForwardMode(mode)
     layout = _layout(mode, policy)
@@ -501,6 +580,7 @@ def build_metadata(
         raise MetadataError(f"num_slots={num_slots!r} must be a positive int (the pool's S)")
     rows = tuple(rows)
     _check_rows(mode, layout, rows, num_slots)
+    _check_parents(mode, rows, policy)
     _check_pages(rows, policy, num_pages)
     n, t = len(rows), sum(int(row.num_tokens) for row in rows)
     bs, T = _choose_bucket(mode, layout, policy, n, t, batch_size, num_tokens)
@@ -517,7 +597,16 @@ def build_metadata(
     token_rows[:t] = np.repeat(np.arange(bs, dtype=np.int32), seq_lens)
     positions = np.zeros(T, np.int32)
     real = token_rows[:t]
-    positions[:t] = prefix[real] + np.arange(t, dtype=np.int32) - qsl[real]
+    offsets = np.arange(t, dtype=np.int32) - qsl[real]
+    is_verify = mode is ForwardMode.TARGET_VERIFY
+    parents = np.tile(np.asarray(chain_parents(layout.num_draft_tokens), np.int32), (bs, 1))
+    if not is_verify:
+        parents = parents[:, :0]
+    for r, row in enumerate(rows):
+        if row.parents:
+            parents[r] = row.parents
+            offsets[qsl[r] : qsl[r + 1]] = tree_depths(row.parents)
+    positions[:t] = prefix[real] + offsets
     page_table = np.zeros((bs, policy.max_pages), np.int32)
     for r, row in enumerate(rows):
         page_table[r, : len(row.pages)] = row.pages
@@ -531,6 +620,7 @@ def build_metadata(
             "positions": positions,
             "token_rows": token_rows,
             "num_rows": np.int32(n),
+            "parents": parents,
             "page_table": page_table,
         }
     )
@@ -540,6 +630,7 @@ def build_metadata(
         batch_size=bs,
         num_tokens=T,
         num_draft_tokens=layout.num_draft_tokens,
+        tree=is_verify and policy.tree_drafts,
         pages=pages,
         **arrays,
     )

@@ -11,8 +11,10 @@ from hybrid_jax.metadata import (
     MetadataError,
     RowSpec,
     build_metadata,
+    chain_parents,
     describe,
     example_metadata,
+    tree_depths,
 )
 from hybrid_jax.modes import CAPABILITIES, ForwardMode, UnsupportedForwardModeError
 
@@ -169,6 +171,7 @@ def test_example_metadata_shapes_for_every_bucket(mode):
             "positions": ((t,), "int32"),
             "token_rows": ((t,), "int32"),
             "num_rows": ((), "int32"),
+            "parents": ((bs, D if mode is M.TARGET_VERIFY else 0), "int32"),
         }
         np.testing.assert_array_equal(a["query_start_loc"], 0)
         np.testing.assert_array_equal(a["state_indices"], 0)
@@ -367,3 +370,80 @@ def test_slot_error_names_an_empty_pool():
 def test_num_slots_must_be_positive(num_slots):
     with pytest.raises(MetadataError, match=f"num_slots={num_slots!r} must be a positive int"):
         build_metadata(M.DECODE, [], POLICY, num_slots=num_slots)
+
+
+# ---------------------------------------------------------------- tree drafts
+
+TREE_POLICY = BucketPolicy.default(max_batch=8, max_tokens=64, num_draft_tokens=4, tree_drafts=True)
+
+
+def build_tree(rows, policy=TREE_POLICY):
+    return build_metadata(M.TARGET_VERIFY, rows, policy, num_slots=S)
+
+
+def test_chain_is_the_default_tree_and_keeps_chain_positions():
+    plain = build(M.TARGET_VERIFY, [(5, 9, D), (2, 0, D)])
+    spelled = build_metadata(
+        M.TARGET_VERIFY,
+        [RowSpec(5, 9, D, parents=chain_parents(D)), RowSpec(2, 0, D, parents=(-1, 0, 1))],
+        POLICY,
+        num_slots=S,
+    )
+    assert jax.tree.structure(plain) == jax.tree.structure(spelled)
+    for name, a in host(plain).items():
+        np.testing.assert_array_equal(a, host(spelled)[name], err_msg=name)
+    padded = build(M.TARGET_VERIFY, [(5, 9, D)], batch_size=4)
+    assert host(padded)["parents"].tolist() == [[-1, 0, 1]] * 4  # padded rows: chains too
+    assert not plain.tree
+
+
+def test_tree_positions_are_prefix_plus_depth():
+    meta = build_tree([RowSpec(3, 10, 4, parents=(-1, 0, 0, 1)), RowSpec(4, 2, 4)])
+    a = host(meta)
+    assert meta.tree
+    assert a["parents"].tolist() == [[-1, 0, 0, 1], [-1, 0, 1, 2]]
+    assert a["positions"].tolist() == [10, 11, 11, 12, 2, 3, 4, 5]
+    assert tree_depths((-1, 0, 1, 1, 0, 4)) == (0, 1, 2, 2, 1, 2)
+
+
+def test_tree_and_chain_rows_share_one_compiled_structure():
+    chain = build_tree([RowSpec(3, 1, 4)])
+    tree = build_tree([RowSpec(3, 1, 4, parents=(-1, 0, 0, 0))])
+    assert jax.tree.structure(chain) == jax.tree.structure(tree)
+    assert shapes(chain) == shapes(tree)
+
+
+def test_only_target_verify_is_a_tree_step():
+    assert not build_metadata(M.DECODE, [RowSpec(1, 0, 1)], TREE_POLICY, num_slots=S).tree
+
+
+BAD_TREES = [
+    ((0, 0, 1), "node 0 is the root, its parent must be -1"),
+    ((-1, 1, 0), r"parents\[1\]=1: a node's parent must be an earlier node \(0\.\.0\)"),
+    ((-1, 0, 3), r"parents\[2\]=3: a node's parent must be an earlier node"),
+    ((-1, 0, -1), r"parents\[2\]=-1: a node's parent must be an earlier node"),
+    ((-1, 0), "parents has 2 entries for 3 nodes"),
+    ((-1, 0, 1.0), r"parents\[2\]=1\.0 must be an int"),
+]
+
+
+@pytest.mark.parametrize(("parents", "message"), BAD_TREES, ids=[m for _, m in BAD_TREES])
+def test_bad_tree_raises_naming_value_and_rule(parents, message):
+    policy = BucketPolicy.default(max_batch=8, max_tokens=64, num_draft_tokens=D, tree_drafts=True)
+    with pytest.raises(MetadataError, match=message):
+        build_tree([RowSpec(4, 0, D, parents=parents)], policy)
+
+
+def test_tree_needs_a_tree_policy():
+    with pytest.raises(MetadataError, match=r"BucketPolicy\(tree_drafts=True\)"):
+        build_metadata(M.TARGET_VERIFY, [RowSpec(4, 0, D, parents=(-1, 0, 0))], POLICY, num_slots=S)
+
+
+def test_parents_on_a_non_verify_row_raise():
+    with pytest.raises(MetadataError, match="only TARGET_VERIFY rows are trees"):
+        build_metadata(M.DECODE, [RowSpec(4, 0, 1, parents=(-1,))], POLICY, num_slots=S)
+
+
+def test_tree_drafts_must_be_a_bool():
+    with pytest.raises(MetadataError, match="tree_drafts=1 must be a bool"):
+        BucketPolicy(tree_drafts=1)
