@@ -1,0 +1,326 @@
+"""Candidate Mosaic GPU decode kernels for Gated DeltaNet, timed against ``recurrent_mgpu``.
+
+Same contract as ``recurrent_mgpu.fused_recurrent_gated_delta_rule`` (pool updated in place
+through ``state_indices`` under ``jit`` with the pool donated; slot 0 = padded row, never
+touched, zeros in ``o``). Two ideas, separately switchable, so one GPU run says which pays:
+
+* ``layout="cols"``: the ``[K, bv]`` state tile is held in registers with the value columns
+  spread over the four warps and the K rows over registers and a few lanes. The delta rule's
+  two mat-vecs ``S^T k`` and ``S^T q`` (and the q/k norms) then reduce within a warp (register
+  adds and lane shuffles). In the WGMMA layout of ``recurrent_mgpu`` the K rows are spread
+  over the warps, so each of those four reductions goes through SMEM with a warpgroup barrier
+  (the Mamba2 decode kernel, which reaches 3.9 TB/s, reduces along its columns: in-warp).
+* ``stages >= 2``: a persistent grid (two programs per SM) in which each program
+  walks work items ``(row, head, column block)`` through a ring of ``stages`` SMEM tiles: the
+  TMA load of item ``i + stages - 1`` is in flight while item ``i`` is computed and stored,
+  so a program keeps HBM busy on its own instead of relying on other resident programs.
+  ``stages == 0`` is one item per program (the ``recurrent_mgpu`` grid).
+
+``VARIANTS`` names the configurations the benchmark times (``benchmarks/decode_variants.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.gdn import recurrent_mgpu
+
+__all__ = ["VARIANTS", "DecodeVariant", "fused_recurrent_gated_delta_rule", "pick_block_v"]
+
+_NUM_SMS = 132  # H100/H200 SXM
+_VEC = 2  # fp32 per register vector along V in the "cols" layout (8-byte SMEM accesses)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeVariant:
+    """Static choices of one kernel.
+
+    ``layout``: "cols" (value columns over warps: in-warp reductions) or "wgmma" (K rows
+    over warps, as ``recurrent_mgpu``). ``block_v``: value columns per work item, or 0 for
+    ``pick_block_v``. ``stages``: 0 for one item per program, else the SMEM ring depth of the
+    persistent pipelined kernel, which launches at most ``programs`` programs (two per SM by
+    default: one program's compute hides behind the other's copies).
+    """
+
+    layout: str = "cols"
+    block_v: int = 0
+    stages: int = 0
+    programs: int = 2 * _NUM_SMS
+
+
+VARIANTS = {
+    "cols": DecodeVariant("cols"),
+    "cols-bv32": DecodeVariant("cols", block_v=32),
+    "pipe3-cols": DecodeVariant("cols", block_v=64, stages=3),
+    "pipe3-wgmma": DecodeVariant("wgmma", block_v=64, stages=3),
+}
+
+
+def pick_block_v(n_rows: int, hv: int, v_dim: int) -> int:
+    """64 columns per item; halved (down to 16) while the grid would give an SM fewer than
+    two programs: at batch 1 latency, not bandwidth, decides, and more programs share it."""
+    block_v = min(64, v_dim)
+    while block_v > 16 and n_rows * hv * (v_dim // block_v) < 2 * _NUM_SMS:
+        block_v //= 2
+    return block_v
+
+
+def _layouts(variant: DecodeVariant, bv: int):
+    """(state [K, bv], row vector [K], column vector [bv]) register layouts."""
+    if variant.layout == "wgmma":
+        state = plgpu.Layout.WGMMA
+    else:
+        cols_per_warp = bv // 4
+        col_lanes = cols_per_warp // _VEC
+        row_lanes = 32 // col_lanes
+        # [K, bv] -> [K / row_lanes, 1, warp, row lane, column lane, vector] (canonical form).
+        tiling = plgpu.Tiling(((row_lanes, bv), (row_lanes, cols_per_warp), (_VEC,)))
+        state = plgpu.Layout.TILED(tiling, warp_dims=(-4,), lane_dims=(-3, -2), vector_dim=-1)
+    return state, state.reduce(1), state.reduce(0)
+
+
+def _interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:
+    return plgpu.InterpretGPUParams() if interpret else False
+
+
+def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use_qk_l2norm):
+    """Runs the tokens of one item on the register tile ``state``; writes ``o`` to SMEM.
+
+    ``gates``: per token ``(decay, beta)`` float32 scalars. Returns the final state.
+    """
+    _, row, col = layouts
+    for t, (decay, beta_t) in enumerate(gates):
+        q_t = plgpu.load(q_smem.at[t], layout=row).astype(jnp.float32)
+        k_t = plgpu.load(k_smem.at[t], layout=row).astype(jnp.float32)
+        v_t = plgpu.load(v_smem.at[t], layout=col).astype(jnp.float32)
+        q_scale = jnp.float32(scale)
+        if use_qk_l2norm:
+            q_scale = q_scale * lax.rsqrt(jnp.sum(q_t * q_t) + 1e-6)
+            k_t = k_t * lax.rsqrt(jnp.sum(k_t * k_t) + 1e-6)
+        state = state * decay
+        k_rows = lax.broadcast_in_dim(k_t, state.shape, [0])
+        u = (v_t - jnp.sum(k_rows * state, axis=0)) * beta_t
+        state = state + k_rows * lax.broadcast_in_dim(u, state.shape, [1])
+        o_t = jnp.sum(lax.broadcast_in_dim(q_t, state.shape, [0]) * state, axis=0)
+        o_smem[t] = (o_t * q_scale).astype(o_smem.dtype)
+    return state
+
+
+def _gates(g_ref, beta_ref, n, head, n_tokens):
+    return tuple((jnp.exp(g_ref[n, t, head]), beta_ref[n, t, head]) for t in range(n_tokens))
+
+
+def _zeros_o(o_smem, n_tokens, bv, col):
+    zeros = plgpu.layout_cast(jnp.zeros((bv,), jnp.float32), col)
+    for t in range(n_tokens):
+        o_smem[t] = zeros.astype(o_smem.dtype)
+
+
+def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, interpret):
+    """Grid (row, value head, column block): one TMA round trip per program."""
+    n_rows, n_tokens, h, k_dim = q.shape
+    hv, v_dim = v.shape[2:]
+    group = hv // h
+    layouts = _layouts(variant, bv)
+
+    def body(idx_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool, o_ref, *scratch):
+        state_smem, q_smem, k_smem, v_smem, o_smem, qkv_bar, state_bar = scratch
+        n = lax.axis_index("n")
+        head = lax.axis_index("h")
+        cols = pl.ds(lax.axis_index("j") * bv, bv)
+        # q/k/v do not depend on the slot: their copies start before the slot is known.
+        plgpu.copy_gmem_to_smem(q_ref.at[n, :, head // group], q_smem, qkv_bar)
+        plgpu.copy_gmem_to_smem(k_ref.at[n, :, head // group], k_smem, qkv_bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[n, :, head, cols], v_smem, qkv_bar)
+        slot = idx_ref[n]
+        tile = pool.at[slot, head, :, cols]
+
+        @pl.when(slot != 0)
+        def _real_row():
+            plgpu.copy_gmem_to_smem(tile, state_smem, state_bar)
+            gates = _gates(g_ref, beta_ref, n, head, n_tokens)
+            plgpu.barrier_wait(qkv_bar)
+            plgpu.barrier_wait(state_bar)
+            state = plgpu.load(state_smem, layout=layouts[0])
+            state = _update(state, q_smem, k_smem, v_smem, o_smem, gates, layouts=layouts,
+                            scale=scale, use_qk_l2norm=l2)  # fmt: skip
+            state_smem[...] = state
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(state_smem, tile)
+
+        @pl.when(slot == 0)
+        def _padded_row():
+            # The q/k/v copies land in this program's SMEM: they must finish before it exits.
+            plgpu.barrier_wait(qkv_bar)
+            _zeros_o(o_smem, n_tokens, bv, layouts[2])
+            plgpu.commit_smem()
+
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, :, head, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
+        grid=(n_rows, hv, v_dim // bv),
+        grid_names=("n", "h", "j"),
+        scratch_types=[
+            plgpu.SMEM((k_dim, bv), jnp.float32),
+            plgpu.SMEM((n_tokens, k_dim), q.dtype),
+            plgpu.SMEM((n_tokens, k_dim), k.dtype),
+            plgpu.SMEM((n_tokens, bv), v.dtype),
+            plgpu.SMEM((n_tokens, bv), v.dtype),
+            plgpu.Barrier(num_arrivals=3),
+            plgpu.Barrier(num_arrivals=1),
+        ],
+        interpret=_interpret_params(interpret),
+    )
+    return kernel(idx, q, k, v, g, beta, pool_ref)
+
+
+def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, interpret):
+    """Persistent grid; each program walks items ``c, c + P, c + 2P, ...`` (``P`` programs)
+    through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead."""
+    n_rows, n_tokens, h, k_dim = q.shape
+    hv, v_dim = v.shape[2:]
+    group = hv // h
+    n_blocks = v_dim // bv
+    n_items = n_rows * hv * n_blocks
+    n_progs = min(n_items, variant.programs)
+    stages = variant.stages
+    layouts = _layouts(variant, bv)
+
+    def body(idx_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool, o_ref, *scratch):
+        state_smem, q_smem, k_smem, v_smem, o_smem, bars = scratch
+        prog = lax.axis_index("c")
+        count = (n_items - prog + n_progs - 1) // n_progs  # this program's items
+
+        def coords(i):
+            """(row, head, columns) of this program's item i (clamped into range)."""
+            item = jnp.minimum(prog + i * n_progs, n_items - 1)
+            return item // (hv * n_blocks), (item // n_blocks) % hv, item % n_blocks
+
+        def slot_of(i):
+            return idx_ref[coords(i)[0]]
+
+        def issue(i, slot):
+            """Starts the loads of item i into stage i % stages (nothing for a padded row)."""
+            n, head, j = coords(i)
+            s = i % stages
+            cols = pl.ds(j * bv, bv)
+
+            @pl.when((i < count) & (slot != 0))
+            def _():
+                bar = bars.at[s]
+                plgpu.copy_gmem_to_smem(pool.at[slot, head, :, cols], state_smem.at[s], bar)
+                plgpu.copy_gmem_to_smem(q_ref.at[n, :, head // group], q_smem.at[s], bar)
+                plgpu.copy_gmem_to_smem(k_ref.at[n, :, head // group], k_smem.at[s], bar)
+                plgpu.copy_gmem_to_smem(v_ref.at[n, :, head, cols], v_smem.at[s], bar)
+
+        slots = tuple(slot_of(i) for i in range(stages))
+        for i in range(stages - 1):
+            issue(i, slots[i])
+
+        def step(i, slots):
+            n, head, j = coords(i)
+            s = i % stages
+            cols = pl.ds(j * bv, bv)
+            slot = slots[0]
+            next_slot = slot_of(i + stages)  # read now, used one iteration later
+            tile = pool.at[slot, head, :, cols]
+
+            @pl.when(slot != 0)
+            def _real_row():
+                gates = _gates(g_ref, beta_ref, n, head, n_tokens)
+                plgpu.barrier_wait(bars.at[s])
+                state = plgpu.load(state_smem.at[s], layout=layouts[0])
+                state = _update(state, q_smem.at[s], k_smem.at[s], v_smem.at[s], o_smem.at[s],
+                                gates, layouts=layouts, scale=scale,
+                                use_qk_l2norm=l2)  # fmt: skip
+                state_smem[s] = state
+
+            @pl.when(slot == 0)
+            def _padded_row():
+                _zeros_o(o_smem.at[s], n_tokens, bv, layouts[2])
+
+            # Stage (i - 1) % stages is refilled next: the stores of item i - 1 out of it
+            # (two bulk groups: state and o) must have read it. Item i's stores come after.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            issue(i + stages - 1, slots[stages - 1])
+            plgpu.commit_smem()
+
+            @pl.when(slot != 0)
+            def _store_state():
+                plgpu.copy_smem_to_gmem(state_smem.at[s], tile)
+
+            plgpu.copy_smem_to_gmem(o_smem.at[s], o_ref.at[n, :, head, cols])
+            return (*slots[1:], next_slot)
+
+        lax.fori_loop(0, count, step, slots)
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
+        grid=(n_progs,),
+        grid_names=("c",),
+        scratch_types=[
+            plgpu.SMEM((stages, k_dim, bv), jnp.float32),
+            plgpu.SMEM((stages, n_tokens, k_dim), q.dtype),
+            plgpu.SMEM((stages, n_tokens, k_dim), k.dtype),
+            plgpu.SMEM((stages, n_tokens, bv), v.dtype),
+            plgpu.SMEM((stages, n_tokens, bv), v.dtype),
+            plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+        ],
+        interpret=_interpret_params(interpret),
+    )
+    return kernel(idx, q, k, v, g, beta, pool_ref)
+
+
+def fused_recurrent_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    interpret: bool = False,
+    variant: DecodeVariant | str = "cols",
+) -> tuple[jax.Array, jax.Array]:
+    """D tokens per row from ``pool[idx[n]]``; the final state is written back in place.
+
+    q, k ``[N, D, H, K]``; v ``[N, D, HV, V]``; g, beta float32 ``[N, D, HV]``; ssm_pool
+    float32 ``[S, HV, K, V]``; state_indices int32 ``[N]`` (0 = padded row). Returns
+    (o ``[N, D, HV, V]`` in v's dtype, zeros on padded rows; ssm_pool). ``variant``: a
+    ``DecodeVariant`` or a key of ``VARIANTS``.
+    """
+    reason = recurrent_mgpu.unsupported_reason(q, k, v, g, beta, ssm_pool, state_indices)
+    if reason is None and (g.dtype != jnp.float32 or beta.dtype != jnp.float32):
+        reason = f"g ({g.dtype}) and beta ({beta.dtype}) must be float32"
+    if reason is not None:
+        raise ValueError(reason)
+    if isinstance(variant, str):
+        if variant not in VARIANTS:
+            raise ValueError(f"variant {variant!r} is not one of {sorted(VARIANTS)}")
+        variant = VARIANTS[variant]
+    n_rows, _, hv, v_dim = v.shape
+    bv = variant.block_v or pick_block_v(n_rows, hv, v_dim)
+    if v_dim % bv or bv < 4 * _VEC:
+        raise ValueError(f"block_v={bv} must divide V={v_dim} and be at least {4 * _VEC}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    run = _pipelined if variant.stages else _one_item_per_program
+    pool_ref = jax.new_ref(ssm_pool)
+    o = run(
+        q, k, v, g, beta, pool_ref, state_indices,
+        bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret,
+    )  # fmt: skip
+    return o, jax.freeze(pool_ref)

@@ -1,0 +1,127 @@
+"""The candidate decode kernels of ``decode_mgpu_variants`` against the float64 oracle.
+
+Each variant runs under the Mosaic GPU CPU interpreter (values; fresh buffers start as NaN, so
+an unwritten output shows) and through the Pallas -> Mosaic GPU lowering for ``cuda`` on the
+CPU (layouts and TMA shapes, which the interpreter does not check).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.gdn import decode_mgpu_variants as variants
+from pallas_kernels.gdn import reference as gdn_reference
+
+# Every named variant; the pipelined ones also with 3 programs, so that each walks several
+# items (padded ones among them) through its ring; and the batch-1 tiling of "cols".
+_CASES = {
+    **variants.VARIANTS,
+    "pipe3-cols-3programs": variants.DecodeVariant("cols", block_v=32, stages=3, programs=3),
+    "pipe2-wgmma-3programs": variants.DecodeVariant("wgmma", block_v=64, stages=2, programs=3),
+    "cols-bv16": variants.DecodeVariant("cols", block_v=16),
+}
+
+
+def _rel(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def _bits(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint32)
+
+
+def _case(seed, *, n, d, kd, vd, slots, dtype, padded):
+    """Random inputs, distinct random slots (slot 0 on the rows in ``padded``); the pool is
+    NaN in slot 0 and in every slot no row names, so reading a wrong slot shows."""
+    rng = np.random.default_rng(seed)
+    h, hv = 1, 2
+    real = rng.permutation(np.arange(1, slots))[:n]
+    idx = np.where(np.isin(np.arange(n), padded), 0, real).astype(np.int32)
+    pool = rng.standard_normal((slots, hv, kd, vd)).astype(np.float32) * 0.3
+    pool[np.setdiff1d(np.arange(slots), idx[idx > 0])] = np.nan
+    args = dict(
+        q=jnp.asarray(rng.standard_normal((n, d, h, kd)), dtype),
+        k=jnp.asarray(rng.standard_normal((n, d, h, kd)), dtype),
+        v=jnp.asarray(rng.standard_normal((n, d, hv, vd)), dtype),
+        g=jnp.asarray(-np.log1p(np.exp(rng.standard_normal((n, d, hv)))), jnp.float32),
+        beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((n, d, hv)))), jnp.float32),
+        ssm_pool=jnp.asarray(pool),
+        state_indices=jnp.asarray(idx),
+    )
+    return args, idx
+
+
+def _oracle(args):
+    with jax.enable_x64(True):
+        wide = {
+            name: jnp.asarray(np.asarray(x, np.float64)) if name != "state_indices" else x
+            for name, x in args.items()
+        }
+        out = gdn_reference.fused_recurrent_gated_delta_rule(**wide)
+        return jax.tree.map(np.asarray, out)
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+@pytest.mark.parametrize(
+    "dtype, kd, d, tol",
+    [(jnp.bfloat16, 64, 1, 1e-2), (jnp.float32, 128, 2, 1e-5)],
+    ids=["bf16-K64-D1", "f32-K128-D2"],
+)
+def test_variant_matches_oracle_and_writes_only_named_slots(name, dtype, kd, d, tol):
+    args, idx = _case(0, n=5, d=d, kd=kd, vd=64, slots=11, dtype=dtype, padded=[2])
+    fn = functools.partial(
+        variants.fused_recurrent_gated_delta_rule, variant=_CASES[name], interpret=True
+    )
+    o, pool = jax.jit(fn)(**args)
+    o_ref, pool_ref = _oracle(args)
+    real = idx != 0
+    assert np.isfinite(np.asarray(o, np.float32)).all(), "an output was never written (NaN)"
+    assert _rel(o[real], o_ref[real]) < tol
+    assert not np.asarray(o, np.float32)[~real].any(), "padded rows must give zeros"
+    named = idx[real]
+    assert _rel(pool[named], pool_ref[named]) < 1e-5
+    others = np.setdiff1d(np.arange(pool.shape[0]), named)  # slot 0 included: never touched
+    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
+
+
+def test_pick_block_v_narrows_only_small_grids():
+    assert variants.pick_block_v(256, 32, 128) == 64
+    assert variants.pick_block_v(1, 32, 128) == 16
+    assert variants.pick_block_v(4, 32, 128) == 32
+
+
+def test_unknown_variant_is_named_in_the_error():
+    args, _ = _case(1, n=2, d=1, kd=64, vd=64, slots=4, dtype=jnp.float32, padded=[])
+    with pytest.raises(ValueError, match="'nope' is not one of"):
+        variants.fused_recurrent_gated_delta_rule(**args, variant="nope", interpret=True)
+
+
+def _production(n):
+    h, hv, kd = 16, 32, 128
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    return dict(
+        q=jax.ShapeDtypeStruct((n, 1, h, kd), bf16),
+        k=jax.ShapeDtypeStruct((n, 1, h, kd), bf16),
+        v=jax.ShapeDtypeStruct((n, 1, hv, kd), bf16),
+        g=jax.ShapeDtypeStruct((n, 1, hv), f32),
+        beta=jax.ShapeDtypeStruct((n, 1, hv), f32),
+        ssm_pool=jax.ShapeDtypeStruct((64, hv, kd, kd), f32),
+        state_indices=jax.ShapeDtypeStruct((n,), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("n", [1, 256])
+@pytest.mark.parametrize("name", list(variants.VARIANTS))
+def test_variant_lowers_for_cuda_with_the_pool_aliased(name, n):
+    fn = functools.partial(variants.fused_recurrent_gated_delta_rule, variant=name)
+    traced = jax.jit(fn, donate_argnames=("ssm_pool",)).trace(**_production(n))
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert re.search(r"tensor<64x32x128x128xf32> {tf.aliasing_output = 1 ", main)
