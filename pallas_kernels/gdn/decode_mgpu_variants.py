@@ -2,19 +2,27 @@
 
 Same contract as ``recurrent_mgpu.fused_recurrent_gated_delta_rule`` (pool updated in place
 through ``state_indices`` under ``jit`` with the pool donated; slot 0 = padded row, never
-touched, zeros in ``o``). Two ideas, separately switchable, so one GPU run says which pays:
+touched, zeros in ``o``). What differs from it, each part separately switchable so that one
+GPU run says which pays:
 
+* Grid order (all variants): the programs of one ``(row, head)`` are adjacent in launch order
+  (``recurrent_mgpu`` puts the row fastest), so the two ``[K, 64]`` halves of a head's
+  contiguous 64 KiB ``[K, V]`` block are read at the same time, not a whole sweep apart; a
+  ``[K, 64]`` tile alone is 128 pieces of 256 B at a 512 B stride (the Mamba2 decode kernel,
+  3.9 TB/s, reads whole contiguous 32 KiB tiles).
 * ``layout="cols"``: the ``[K, bv]`` state tile is held in registers with the value columns
   spread over the four warps and the K rows over registers and a few lanes. The delta rule's
   two mat-vecs ``S^T k`` and ``S^T q`` (and the q/k norms) then reduce within a warp (register
-  adds and lane shuffles). In the WGMMA layout of ``recurrent_mgpu`` the K rows are spread
-  over the warps, so each of those four reductions goes through SMEM with a warpgroup barrier
-  (the Mamba2 decode kernel, which reaches 3.9 TB/s, reduces along its columns: in-warp).
-* ``stages >= 2``: a persistent grid (two programs per SM) in which each program
-  walks work items ``(row, head, column block)`` through a ring of ``stages`` SMEM tiles: the
-  TMA load of item ``i + stages - 1`` is in flight while item ``i`` is computed and stored,
-  so a program keeps HBM busy on its own instead of relying on other resident programs.
-  ``stages == 0`` is one item per program (the ``recurrent_mgpu`` grid).
+  adds and lane shuffles). In the WGMMA layout (``layout="wgmma"``, as ``recurrent_mgpu``) the
+  K rows are spread over the warps, so each of those four reductions goes through SMEM with a
+  warpgroup barrier (the Mamba2 kernel reduces along its columns: in-warp).
+* ``stages >= 2``: a persistent grid (two programs per SM) in which each program walks work
+  items ``(row, head, column block)`` through a ring of ``stages`` SMEM tiles: the TMA load of
+  item ``i + stages - 1`` is in flight while item ``i`` is computed and stored, so a program
+  keeps HBM busy on its own instead of relying on other resident programs. ``stages == 0`` is
+  one item per program.
+* Batch 1 (latency): 16-column blocks (256 programs instead of 128) and, in the one-item
+  programs, the q/k/v copies start before the slot is read.
 
 ``VARIANTS`` names the configurations the benchmark times (``benchmarks/decode_variants.py``).
 """
@@ -55,10 +63,10 @@ class DecodeVariant:
 
 
 VARIANTS = {
+    "wgmma": DecodeVariant("wgmma"),
     "cols": DecodeVariant("cols"),
-    "cols-bv32": DecodeVariant("cols", block_v=32),
-    "pipe3-cols": DecodeVariant("cols", block_v=64, stages=3),
-    "pipe3-wgmma": DecodeVariant("wgmma", block_v=64, stages=3),
+    "pipe3-wgmma": DecodeVariant("wgmma", stages=3),
+    "pipe3-cols": DecodeVariant("cols", stages=3),
 }
 
 
@@ -123,7 +131,7 @@ def _zeros_o(o_smem, n_tokens, bv, col):
 
 
 def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, interpret):
-    """Grid (row, value head, column block): one TMA round trip per program."""
+    """Grid (column block, value head, row): one TMA round trip per program."""
     n_rows, n_tokens, h, k_dim = q.shape
     hv, v_dim = v.shape[2:]
     group = hv // h
@@ -167,8 +175,10 @@ def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
-        grid=(n_rows, hv, v_dim // bv),
-        grid_names=("n", "h", "j"),
+        # The column block varies fastest (it is CUDA's x), so the programs of one (row, head)
+        # run side by side and read its [K, V] block as one contiguous region.
+        grid=(v_dim // bv, hv, n_rows),
+        grid_names=("j", "h", "n"),
         scratch_types=[
             plgpu.SMEM((k_dim, bv), jnp.float32),
             plgpu.SMEM((n_tokens, k_dim), q.dtype),
