@@ -26,6 +26,12 @@ compiled at start for every batch bucket like the other steps (DECODE and MIXED 
 compiled: speculative serving never runs them). A verify row's tokens depend on the
 previous step's, so this path reads every step back before scheduling the next (no
 overlap). ``speculative_stats`` counts acceptance.
+
+With ``source="mtp"`` the target's steps also return their hidden states, and after every
+EXTEND or TARGET_VERIFY step is read back the model's multi-token-prediction head drafts for
+the next verify (``engine/mtp.py``: EXTEND or DRAFT_EXTEND over the positions just folded,
+then D-2 DECODE steps); its steps are compiled at start too, and its KV cache sits on the same
+pages as the target's.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import pathlib
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import jax
@@ -46,6 +52,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
+from hybrid_jax.engine.mtp import MTPDrafter
 from hybrid_jax.engine.sampling import Sampler, SamplingBatch, SamplingParams
 from hybrid_jax.engine.scheduler import (
     PENDING,
@@ -173,11 +180,13 @@ class ServingState:
 class StepOutput(NamedTuple):
     """logits: float32 ``[bs, vocab]`` at each row's last token, or ``[bs, D, vocab]`` at
     every token for TARGET_VERIFY (padded rows: garbage); verify: the per-layer verify
-    states of TARGET_VERIFY (else empty)."""
+    states of TARGET_VERIFY (else empty); hidden: the final-normed hidden states ``[T,
+    hidden]`` of every token when the step keeps them (for the MTP head), else empty."""
 
     logits: jax.Array
     state: ServingState
     verify: tuple = ()
+    hidden: jax.Array | tuple = ()
 
 
 class _LastTokenLogits(nnx.Module):
@@ -186,11 +195,13 @@ class _LastTokenLogits(nnx.Module):
     Only each row's last token reaches the LM head, so a prefill step computes ``[bs, vocab]``
     logits, not ``[T, vocab]`` (TARGET_VERIFY needs them at all D tokens of every row).
     Tokens arrive as int32 ``[T]`` (``compile_all(token_shape=())``); a token ``PENDING`` is
-    read from ``state.last_tokens`` at its row's slot.
+    read from ``state.last_tokens`` at its row's slot. With ``keep_hidden`` the step also
+    returns the hidden states of every token (the MTP head's input).
     """
 
-    def __init__(self, model: Qwen3Next):
+    def __init__(self, model: Qwen3Next, keep_hidden: bool = False):
         self.model = model
+        self.keep_hidden = keep_hidden
 
     @property
     def layer_kinds(self):
@@ -204,13 +215,14 @@ class _LastTokenLogits(nnx.Module):
         hidden, pool, kv, verify = self.model.hidden_states(
             tokens, state.pool, state.kv, meta, impl=impl
         )
+        kept = hidden if self.keep_hidden else ()
         if meta.mode is ForwardMode.TARGET_VERIFY:
             logits = self.model.logits(hidden).reshape(meta.batch_size, meta.num_draft_tokens, -1)
-            return StepOutput(logits, ServingState(pool, kv, state.last_tokens), verify)
+            return StepOutput(logits, ServingState(pool, kv, state.last_tokens), verify, kept)
         # A padded row repeats the previous boundary; clipping keeps its index in range.
         last = jnp.clip(meta.query_start_loc[1:] - 1, 0, hidden.shape[0] - 1)
         logits = self.model.logits(hidden[last])
-        return StepOutput(logits, ServingState(pool, kv, state.last_tokens))
+        return StepOutput(logits, ServingState(pool, kv, state.last_tokens), hidden=kept)
 
 
 @dataclasses.dataclass
@@ -248,6 +260,8 @@ class _InFlight(NamedTuple):
     step: ScheduledStep
     sampled: jax.Array  # int32 [bs], on the device
     dispatched: float
+    meta: ForwardMetadata
+    hidden: jax.Array | tuple  # [T, hidden] when the step keeps them (MTP drafts), else ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -305,7 +319,9 @@ class Engine:
     ``step_times`` (seconds per step, by mode) describe where time went;
     ``speculative_stats`` counts draft acceptance under speculative decoding; ``drafter``
     proposes the drafts (any object with ``propose(token_ids) -> D-1 token ids`` may
-    replace it: acceptance never trusts a draft, so tokens stay those of the target).
+    replace it: acceptance never trusts a draft, so tokens stay those of the target). Under
+    ``source="mtp"`` it is None and ``mtp`` (an ``MTPDrafter``) proposes; a drafter set
+    there takes precedence while the head keeps running (its cache stays in step).
     """
 
     def __init__(
@@ -346,7 +362,13 @@ class Engine:
             init_kv_cache(kv_specs, num_pages, self.policy.page_size),
             jnp.zeros(num_slots, jnp.int32),
         )
-        self._steps = StepFunctions(_LastTokenLogits(model), impl=config.impl)
+        use_mtp = self.speculative is not None and self.speculative.source == "mtp"
+        self.mtp: MTPDrafter | None = None
+        if use_mtp:
+            self.mtp = MTPDrafter(
+                model, self.policy, num_slots=num_slots, num_pages=num_pages, impl=config.impl
+            )
+        self._steps = StepFunctions(_LastTokenLogits(model, use_mtp), impl=config.impl)
         self._sampler = Sampler()
         self._verifier = Verifier(self._steps.commit)
         # Speculative serving never runs DECODE or MIXED: decoding rows verify, prefill extends.
@@ -355,7 +377,10 @@ class Engine:
         if self.speculative is not None:
             self._modes = (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
             spec = self.speculative
-            self.drafter = NgramDrafter(spec.num_draft_tokens - 1, spec.max_ngram, spec.min_ngram)
+            if not use_mtp:
+                self.drafter = NgramDrafter(
+                    spec.num_draft_tokens - 1, spec.max_ngram, spec.min_ngram
+                )
         self.speculative_stats = SpeculativeStats()
         self._rng = np.random.default_rng(config.seed)
         self._tracked: dict[int, _Tracked] = {}
@@ -367,8 +392,10 @@ class Engine:
         self._next_id = 0
         self.compile_records: list[CompileRecord] = []
         self.sampler_compile_ms: dict[int, float] = {}
+        # Under MTP drafts, DRAFT_EXTEND times the head's whole chain after a step.
+        drafting = (ForwardMode.DRAFT_EXTEND,) if use_mtp else ()
         self.step_times: dict[ForwardMode, list[float]] = {
-            m: [] for m in dict.fromkeys((*SERVED_MODES, *self._modes))
+            m: [] for m in dict.fromkeys((*SERVED_MODES, *self._modes, *drafting))
         }
         if config.cache_dir is not None:
             _use_compilation_cache(config.cache_dir)
@@ -430,6 +457,8 @@ class Engine:
         total = sum(len(self.policy.buckets(m)) for m in self._modes) + len(batch_sizes)
         if self.speculative is not None:
             total += len(self.policy.buckets(ForwardMode.TARGET_VERIFY))
+        if self.mtp is not None:
+            total += self.mtp.num_executables()
         bar = _Progress(total, progress)
 
         def on_step(record: CompileRecord) -> None:
@@ -463,6 +492,8 @@ class Engine:
                 tokens = jnp.zeros((record.num_tokens,), jnp.int32)
                 self._dispatch(meta, tokens, batch)
         jax.block_until_ready(self._state)
+        if self.mtp is not None:
+            self.mtp.compile(lambda r: bar(f"MTP {r.mode.name} {r.batch_size}x{r.num_tokens}"))
 
     @property
     def state(self) -> ServingState:
@@ -471,7 +502,9 @@ class Engine:
         return self._state
 
     def _traces(self) -> int:
-        return self._steps.total_traces + self._sampler.trace_count + self._verifier.trace_count
+        traces = self._steps.total_traces + self._sampler.trace_count
+        traces += self._verifier.trace_count
+        return traces + (self.mtp.steps.total_traces if self.mtp is not None else 0)
 
     @property
     def retraces(self) -> int:
@@ -547,6 +580,8 @@ class Engine:
     def abort(self, request_id: int) -> Result | None:
         """Stops a request and frees its slot and pages; its result so far (None if unknown)."""
         request = self.scheduler.abort(request_id)
+        if self.mtp is not None:
+            self.mtp.drafts.pop(request_id, None)
         if request is None:
             return None
         return self._result(self._tracked.pop(request_id), time.perf_counter())
@@ -577,14 +612,15 @@ class Engine:
 
     def _dispatch(
         self, meta: ForwardMetadata, tokens: jax.Array, batch: SamplingBatch
-    ) -> jax.Array:
-        """Dispatches the step and the sampler (no wait); the sampled tokens ``[bs]``."""
+    ) -> tuple[jax.Array, jax.Array | tuple]:
+        """Dispatches the step and the sampler (no wait); the sampled tokens ``[bs]`` and the
+        step's kept hidden states (see ``StepOutput``)."""
         out = self._steps(self._state, tokens, meta)
         sampled, last_tokens = self._sampler(
             out.logits, batch, out.state.last_tokens, meta.state_indices
         )
         self._state = dataclasses.replace(out.state, last_tokens=last_tokens)
-        return sampled
+        return sampled, out.hidden
 
     def _dispatch_verify(
         self,
@@ -593,9 +629,10 @@ class Engine:
         batch: SamplingBatch,
         *,
         compile_first: bool = False,
-    ) -> jax.Array:
+    ) -> tuple[jax.Array, jax.Array | tuple]:
         """Dispatches a TARGET_VERIFY step, its acceptance and its commit (no wait); tokens:
-        int32 ``[bs, D]`` (root then drafts). Returns the emitted tokens ``[bs, D]``."""
+        int32 ``[bs, D]`` (root then drafts). Returns the emitted tokens ``[bs, D]`` and the
+        step's kept hidden states."""
         out = self._steps(self._state, jnp.asarray(tokens.reshape(-1)), meta)
         if compile_first:
             self._verifier.compile(out.logits, out.state.pool, out.verify)
@@ -604,7 +641,7 @@ class Engine:
         )
         pool = self._verifier.commit(out.state.pool, out.verify, meta.state_indices, steps)
         self._state = dataclasses.replace(out.state, pool=pool)
-        return acc.emitted
+        return acc.emitted, out.hidden
 
     def _metadata_and_sampling(self, step: ScheduledStep) -> tuple[ForwardMetadata, SamplingBatch]:
         """The padded metadata of a scheduled step and its rows' sampling parameters."""
@@ -631,7 +668,8 @@ class Engine:
         tokens = np.zeros((meta.batch_size, meta.num_draft_tokens), np.int32)
         tokens[: len(step.rows)] = [row.token_ids for row in step.rows]
         start = time.perf_counter()
-        emitted = np.asarray(self._dispatch_verify(meta, tokens, batch))[: len(step.rows)]
+        emitted_device, hidden = self._dispatch_verify(meta, tokens, batch)
+        emitted = np.asarray(emitted_device)[: len(step.rows)]
         now = time.perf_counter()
         self.step_times[step.mode].append(now - start)
         self._last_resolved = now
@@ -642,8 +680,12 @@ class Engine:
         stats.proposed += len(rows) * (meta.num_draft_tokens - 1)
         stats.accepted += sum(len(r) - 1 for r in rows)
         stats.emitted += sum(len(r) for r in rows)
+        kept_rows = self.scheduler.resolve_verify(step, rows)
+        if self.mtp is not None:
+            accepted = [len(r) - 1 for r in rows]
+            self._draft(lambda: self.mtp.after_verify(step, meta, emitted_device, hidden, accepted))
         events = []
-        for req, kept in self.scheduler.resolve_verify(step, rows):
+        for req, kept in kept_rows:
             rid = req.request_id
             if rid not in self._tracked:
                 continue
@@ -657,14 +699,30 @@ class Engine:
                 events.append(StepEvent(rid, token, text if last else "", result if last else None))
         return events
 
+    def _propose(self, request: Request) -> Sequence[int]:
+        if self.drafter is None:
+            return self.mtp.propose(request)
+        if self.mtp is not None:
+            self.mtp.drafts.pop(request.request_id, None)
+        return self.drafter.propose(request.token_ids)
+
+    def _draft(self, chain: Callable[[], None]) -> None:
+        """Runs an MTP drafting chain (it reads its drafts back) and times it."""
+        start = time.perf_counter()
+        chain()
+        self.step_times[ForwardMode.DRAFT_EXTEND].append(time.perf_counter() - start)
+
     def _speculative_step(self) -> list[StepEvent]:
-        step = self.scheduler.schedule_speculative(lambda req: self.drafter.propose(req.token_ids))
+        step = self.scheduler.schedule_speculative(self._propose)
         if step.mode is ForwardMode.IDLE:
             return []
         if step.mode is ForwardMode.TARGET_VERIFY:
             events = self._verify(step)
         else:
-            events = self._land(self._launch(step))
+            inflight = self._launch(step)
+            events = self._land(inflight)
+            if self.mtp is not None:
+                self._draft(lambda: self.mtp.after_extend(step, inflight.meta, inflight.hidden))
         self._warn_on_retrace(step)
         return events
 
@@ -673,9 +731,9 @@ class Engine:
         tokens = np.zeros((meta.num_tokens,), np.int32)
         tokens[: step.num_tokens] = step.token_ids
         start = time.perf_counter()
-        sampled = self._dispatch(meta, jnp.asarray(tokens), batch)
+        sampled, hidden = self._dispatch(meta, jnp.asarray(tokens), batch)
         self.scheduler.advance(step)
-        return _InFlight(step, sampled, start)
+        return _InFlight(step, sampled, start, meta, hidden)
 
     def _land(self, inflight: _InFlight) -> list[StepEvent]:
         """Reads a dispatched step's tokens back and turns them into events."""

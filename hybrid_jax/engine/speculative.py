@@ -17,8 +17,15 @@ Draft sources:
   draft is a guess like any other (the acceptance rule never trusts a draft, so correctness
   does not depend on it), every verify step keeps one compiled shape, and a row whose
   padding the target happens to agree with still gains tokens.
-* ``"mtp"`` (Qwen3-Next's multi-token-prediction head) and tree drafts are not built:
-  ``SpeculativeConfig`` refuses them, naming what is supported.
+* ``"mtp"`` (Qwen3-Next's multi-token-prediction head, ``engine/mtp.py``): after every step
+  that samples for a request (its last prompt chunk, or a verify), the head runs over the
+  positions the target just folded (EXTEND after a prefill step, DRAFT_EXTEND over the
+  accepted tokens after a verify), reading the target's hidden states there and the tokens
+  one position ahead, then D-2 DECODE steps of its own; its greedy guesses are the row's
+  D-1 drafts. Every step of the head is compiled ahead of time like the target's.
+
+Tree drafts (several candidates per position) are not built: ``SpeculativeConfig`` refuses
+``tree=True``.
 
 Acceptance: temperature 0 accepts a draft when it equals the target's argmax. Temperature
 > 0 uses rejection sampling for a point-mass draft: draft d is accepted with probability
@@ -57,13 +64,8 @@ __all__ = [
     "target_probs",
 ]
 
-DRAFT_SOURCES = ("ngram",)
+DRAFT_SOURCES = ("ngram", "mtp")
 """The draft sources that are built."""
-
-_NOT_BUILT = {
-    "mtp": "MTP drafts (Qwen3-Next's mtp.* head with DRAFT_EXTEND after each verify) are "
-    "not built yet",
-}
 
 
 class SpeculativeConfigError(ValueError):
@@ -74,10 +76,11 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     """How the engine speculates.
 
-    ``source``: where drafts come from (only ``"ngram"`` is built). ``num_draft_tokens``: D,
-    the tokens of every verify row (the root plus D-1 drafts), 2..8. ``max_ngram`` /
-    ``min_ngram``: the suffix lengths the n-gram lookup tries, longest first. ``tree``: tree
-    drafts (several candidates per position); not built, so True is refused.
+    ``source``: where drafts come from, ``"ngram"`` or ``"mtp"`` (the model's
+    multi-token-prediction head). ``num_draft_tokens``: D, the tokens of every verify row (the
+    root plus D-1 drafts), 2..8. ``max_ngram`` / ``min_ngram``: the suffix lengths the n-gram
+    lookup tries, longest first. ``tree``: tree drafts (several candidates per position); not
+    built, so True is refused.
     """
 
     source: str = "ngram"
@@ -87,11 +90,6 @@ class SpeculativeConfig:
     tree: bool = False
 
     def __post_init__(self) -> None:
-        if self.source in _NOT_BUILT:
-            raise SpeculativeConfigError(
-                f"source={self.source!r}: {_NOT_BUILT[self.source]}; supported sources: "
-                f"{', '.join(map(repr, DRAFT_SOURCES))}"
-            )
         if self.source not in DRAFT_SOURCES:
             raise SpeculativeConfigError(
                 f"source={self.source!r} is not a draft source; supported sources: "

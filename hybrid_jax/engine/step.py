@@ -1,7 +1,8 @@
 """Jitted step functions: one executable per (mode, bucket), the mode a static argument.
 
 ``StepFunctions`` wraps a model (an NNX module with ``layer_kinds`` and
-``__call__(x, pool, meta, impl=...)``). ``lower`` checks every layer kind against the
+``__call__(x, pool, meta, impl=...)``; ``x`` is an array or a pytree of arrays whose first
+leaf has one entry per token). ``lower`` checks every layer kind against the
 capability table while tracing, so an unsupported mode fails at ``.lower()`` and nothing
 runs. ``compile_all`` compiles every (mode, bucket) of a ``BucketPolicy`` ahead of time from
 the same metadata builder the real calls use; after that, ``__call__`` only looks executables
@@ -76,9 +77,10 @@ class StepFunctions:
             check_supported(kind, mode)
         if meta.mode is not mode:
             raise ValueError(f"metadata built for {meta.mode.name} passed to a {mode.name} step")
-        if x.shape[0] != meta.num_tokens:
+        num_tokens = jax.tree.leaves(x)[0].shape[0]
+        if num_tokens != meta.num_tokens:
             raise ValueError(
-                f"x has {x.shape[0]} tokens but the {mode.name} bucket has {meta.num_tokens}; "
+                f"x has {num_tokens} tokens but the {mode.name} bucket has {meta.num_tokens}; "
                 "pad x to meta.num_tokens"
             )
         model = nnx.merge(self.graphdef, params)
@@ -94,14 +96,16 @@ class StepFunctions:
         pool: StatePool,
         modes: Iterable[ForwardMode],
         *,
-        token_shape: tuple[int, ...],
+        token_shape: tuple[int, ...] = (),
         dtype: Any = jnp.float32,
+        inputs: Callable[[int], Any] | None = None,
         progress: Callable[[CompileRecord], None] | None = None,
     ) -> list[CompileRecord]:
         """Compiles every (mode, bucket) of ``policy`` for ``modes`` ahead of time, from
         all-padding metadata of each bucket. ``x`` is compiled as ``[T, *token_shape]`` of
-        ``dtype``: ``(hidden,)`` for hidden states, ``()`` for token ids. Calls ``progress``
-        after each executable."""
+        ``dtype``: ``(hidden,)`` for hidden states, ``()`` for token ids; or, when ``inputs``
+        is given, as ``inputs(T)``, a pytree of ShapeDtypeStructs for a T-token bucket.
+        Calls ``progress`` after each executable."""
         records = []
         for mode in modes:
             mode = ForwardMode(mode)
@@ -110,7 +114,10 @@ class StepFunctions:
                 if key in self._compiled:
                     continue
                 meta = example_metadata(mode, batch_size, num_tokens, policy)
-                x = jax.ShapeDtypeStruct((num_tokens, *token_shape), dtype)
+                if inputs is None:
+                    x = jax.ShapeDtypeStruct((num_tokens, *token_shape), dtype)
+                else:
+                    x = inputs(num_tokens)
                 pool_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), pool)
                 start = time.perf_counter()
                 self._compiled[key] = self.lower(mode, pool_shape, x, meta).compile()
