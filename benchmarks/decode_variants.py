@@ -1,0 +1,174 @@
+"""The GDN decode kernel (``recurrent_mgpu``) against the variants of ``decode_mgpu_variants``.
+
+On the H200 (about 3 minutes, most of it compiling)::
+
+    python3 benchmarks/decode_variants.py [--budget SECONDS] [--smoke]
+
+1. Checks every kernel against the jnp reference (float32, on the GPU) at Qwen3-Next shapes
+   (H=16, HV=32, K=V=128, bf16 q/k/v, fp32 pool of 1024 slots, random slots, one padded row):
+   relative error of ``o`` and of the written slots, NaN-free, padded row zeros, every slot
+   no row names bit-identical.
+2. Times decode at batch 256, 1, 64, 16 (the goals first) for each kernel with
+   ``benchmarks/gdn.py``'s ``jax_per_step_us`` (steps unrolled in one executable, pool
+   donated, fresh random slots each step), all in this run, and prints one table: time per
+   step, state bytes moved per second (read + write) and the ratio to the current kernel.
+
+``--budget``: rows that would start after that many seconds are skipped (the table says so).
+``--smoke``: tiny shapes with every kernel under the CPU interpreter (checks the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gdn  # noqa: E402 (benchmarks/gdn.py: shapes, inputs, pool holder, timing)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.gdn import decode_mgpu_variants, recurrent_mgpu  # noqa: E402
+from pallas_kernels.gdn import reference as gdn_reference  # noqa: E402
+
+__all__ = ["main"]
+
+CURRENT = "current (recurrent_mgpu)"
+BATCHES = (256, 1, 64, 16)  # the two goals first: a run cut by --budget keeps them
+CHECK_BATCHES = (64, 1)  # 64: several items per pipelined program; 1: the narrow tiling
+
+
+def _kernels(interpret: bool) -> dict:
+    """name -> decode function with the public op's arguments."""
+    out = {CURRENT: recurrent_mgpu.fused_recurrent_gated_delta_rule}
+    for name in decode_mgpu_variants.VARIANTS:
+        out[name] = functools.partial(
+            decode_mgpu_variants.fused_recurrent_gated_delta_rule, variant=name
+        )
+    if interpret:
+        out = {name: functools.partial(fn, interpret=True) for name, fn in out.items()}
+    return out
+
+
+def _rel(x: jax.Array, ref: jax.Array) -> float:
+    x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
+    return float(jnp.linalg.norm(x - ref) / jnp.linalg.norm(ref))
+
+
+def check(name: str, fn, n: int, seed: int) -> str:
+    """One call of ``fn`` at batch ``n`` against the reference; returns a one-line verdict."""
+    rng = np.random.default_rng(seed)
+    inputs = gdn._token_inputs(rng, (n, 1))
+    idx = rng.permutation(np.arange(1, gdn.SLOTS))[:n].astype(np.int32)
+    if n > 2:
+        idx[1] = 0  # a padded row
+    pool = jax.random.normal(jax.random.key(seed), (gdn.SLOTS, gdn.HV, gdn.K, gdn.V)) * 0.1
+    idx_dev = jnp.asarray(idx)
+    o, new = jax.jit(fn)(**inputs, ssm_pool=pool, state_indices=idx_dev)  # pool not donated
+    o_ref, pool_ref = jax.jit(gdn_reference.fused_recurrent_gated_delta_rule)(
+        **inputs, ssm_pool=pool, state_indices=idx_dev
+    )
+    real = idx != 0
+    named = jnp.asarray(idx[real])
+    err_o = _rel(o[np.flatnonzero(real)], o_ref[np.flatnonzero(real)])
+    err_s = _rel(new[named], pool_ref[named])
+    finite = bool(jnp.isfinite(o.astype(jnp.float32)).all() & jnp.isfinite(new[named]).all())
+    pad_zero = bool((o[np.flatnonzero(~real)] == 0).all()) if (~real).any() else True
+    is_named = jnp.zeros((gdn.SLOTS,), bool).at[named].set(True)[:, None, None, None]
+
+    @jax.jit
+    def untouched(new, pool):
+        same = jax.lax.bitcast_convert_type(new, jnp.uint32) == jax.lax.bitcast_convert_type(
+            pool, jnp.uint32
+        )
+        return jnp.all(same | is_named)
+
+    kept = bool(untouched(new, pool))
+    ok = err_o < 2e-3 and err_s < 2e-3 and finite and pad_zero and kept
+    verdict = (
+        f"{'PASS' if ok else 'FAIL'} batch {n}: rel err o {err_o:.1e}, state {err_s:.1e}, "
+        f"finite {finite}, padded row zeros {pad_zero}, unnamed slots bit-identical {kept}"
+    )
+    print(f"  check {name:26s} {verdict}", flush=True)
+    return verdict
+
+
+def _step(fn):
+    def step(pool, idx, inputs):
+        o, pool = fn(**inputs, ssm_pool=pool, state_indices=idx)
+        return pool, o
+
+    return step
+
+
+def bench(kernels: dict, batches) -> None:
+    rng = np.random.default_rng(0)
+    pool = gdn._ssm_pool(seed=10)
+    for n in batches:
+        inputs = gdn._token_inputs(rng, (n, 1))
+        traffic = 2 * n * gdn.STATE_BYTES
+        # Small batches: more steps per executable, so device time outweighs the dispatch
+        # of one call, which the back-to-back calls otherwise expose.
+        n_steps = 16 if n <= 16 else 8
+        for name, fn in kernels.items():
+
+            def measure(fn=fn, n=n, inputs=inputs, n_steps=n_steps):
+                return gdn.jax_per_step_us(_step(fn), pool, gdn._slots_of(rng, n),
+                                           n_steps=n_steps, calls=(2, 10), reps=7,
+                                           operands=inputs)  # fmt: skip
+
+            gdn._record("decode", f"batch {n}", name, measure, gdn._tbps(traffic))
+
+
+def table(checks: dict) -> str:
+    lines = ["| batch | kernel | time (us) | state TB/s | vs current | note |",
+             "| ---: | --- | ---: | ---: | ---: | --- |"]  # fmt: skip
+    current = {row.shape: row.us for row in gdn.ROWS if row.impl == CURRENT and row.us}
+    for row in gdn.ROWS:
+        base = current.get(row.shape)
+        ratio = f"{base / row.us:.3f}x" if base and row.us else ""
+        us = f"{row.us:.1f}" if row.us is not None else "-"
+        batch = row.shape.split()[-1]
+        lines.append(f"| {batch} | {row.impl} | {us} | {row.rate} | {ratio} | {row.note} |")
+    lines += ["", "Checks against the jnp reference (float32 on the device):"]
+    lines += [f"* {name}: {verdict}" for name, verdicts in checks.items() for verdict in verdicts]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", type=float, default=0, help="seconds; later rows skipped")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    args = parser.parse_args()
+    start = time.monotonic()
+    if args.budget:
+        gdn.DEADLINE = start + args.budget
+    batches, check_batches = BATCHES, CHECK_BATCHES
+    if args.smoke:
+        gdn._smoke_mode()  # tiny shapes; patches recurrent_mgpu to interpret
+        batches, check_batches = (2, 1), (3,)
+    kernels = _kernels(interpret=args.smoke)
+    print(f"device: {jax.devices()[0].device_kind}; H={gdn.H} HV={gdn.HV} K={gdn.K} V={gdn.V} "
+          f"slots={gdn.SLOTS}", flush=True)  # fmt: skip
+    checks: dict[str, list[str]] = {name: [] for name in kernels}
+    for n in check_batches:
+        for name, fn in kernels.items():
+            if time.monotonic() > gdn.DEADLINE:
+                checks[name].append(f"batch {n}: skipped (--budget)")
+                continue
+            try:
+                checks[name].append(check(name, fn, n, seed=n))
+            except Exception as err:  # noqa: BLE001 (a failing kernel must not stop the run)
+                checks[name].append(f"ERROR batch {n}: {type(err).__name__}: {str(err)[:200]}")
+                print(f"  check {name}: {checks[name][-1]}", flush=True)
+    bench(kernels, batches)
+    print(f"\n{table(checks)}\n\ntotal {time.monotonic() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
