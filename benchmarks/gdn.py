@@ -613,10 +613,18 @@ def main() -> None:
     parser.add_argument("--only", default="decode,verify,prefill,conv")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--budget", type=float, default=0, help="seconds; later rows skipped")
+    parser.add_argument("--prefill-shapes", default=None,
+                        help="comma-separated names, e.g. '4x8192,varlen 64x256'")  # fmt: skip
     args = parser.parse_args()
+    global DEADLINE, PREFILL
     if args.budget:
-        global DEADLINE
         DEADLINE = time.monotonic() + args.budget
+    if args.prefill_shapes:
+        wanted = args.prefill_shapes.split(",")
+        unknown = sorted(set(wanted) - {name for name, _, _ in PREFILL})
+        if unknown:
+            parser.error(f"--prefill-shapes {unknown} not among {[n for n, _, _ in PREFILL]}")
+        PREFILL = tuple(shape for shape in PREFILL if shape[0] in wanted)
     groups = args.only.split(",")
     if args.smoke:
         _smoke_mode()
