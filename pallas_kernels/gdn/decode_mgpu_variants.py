@@ -120,8 +120,20 @@ def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use
     return state
 
 
-def _gates(g_ref, beta_ref, n, head, n_tokens):
-    return tuple((jnp.exp(g_ref[n, t, head]), beta_ref[n, t, head]) for t in range(n_tokens))
+def _load_gates(g_ref, beta_ref, n, head, n_tokens):
+    """The row's ``(g, beta)`` scalars per token, as read from GMEM."""
+    return tuple((g_ref[n, t, head], beta_ref[n, t, head]) for t in range(n_tokens))
+
+
+def _decays(gates):
+    return tuple((jnp.exp(g_t), beta_t) for g_t, beta_t in gates)
+
+
+def _wait_stores_read():
+    # A program may exit once its bulk stores have read SMEM; their writes complete with the
+    # kernel (waiting for them, as recurrent_mgpu does, holds the program's SMEM and registers
+    # for a whole write round trip longer).
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _zeros_o(o_smem, n_tokens, bv, col):
@@ -147,17 +159,17 @@ def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale
         plgpu.copy_gmem_to_smem(k_ref.at[n, :, head // group], k_smem, qkv_bar)
         plgpu.copy_gmem_to_smem(v_ref.at[n, :, head, cols], v_smem, qkv_bar)
         slot = idx_ref[n]
+        gates = _load_gates(g_ref, beta_ref, n, head, n_tokens)  # in flight with the slot
         tile = pool.at[slot, head, :, cols]
 
         @pl.when(slot != 0)
         def _real_row():
             plgpu.copy_gmem_to_smem(tile, state_smem, state_bar)
-            gates = _gates(g_ref, beta_ref, n, head, n_tokens)
             plgpu.barrier_wait(qkv_bar)
             plgpu.barrier_wait(state_bar)
             state = plgpu.load(state_smem, layout=layouts[0])
-            state = _update(state, q_smem, k_smem, v_smem, o_smem, gates, layouts=layouts,
-                            scale=scale, use_qk_l2norm=l2)  # fmt: skip
+            state = _update(state, q_smem, k_smem, v_smem, o_smem, _decays(gates),
+                            layouts=layouts, scale=scale, use_qk_l2norm=l2)  # fmt: skip
             state_smem[...] = state
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(state_smem, tile)
@@ -170,7 +182,7 @@ def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale
             plgpu.commit_smem()
 
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, :, head, cols])
-        plgpu.wait_smem_to_gmem(0)
+        _wait_stores_read()
 
     kernel = plgpu.kernel(
         body,
@@ -232,25 +244,32 @@ def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, inter
                 plgpu.copy_gmem_to_smem(k_ref.at[n, :, head // group], k_smem.at[s], bar)
                 plgpu.copy_gmem_to_smem(v_ref.at[n, :, head, cols], v_smem.at[s], bar)
 
+        def gates_of(i):
+            n, head, _ = coords(i)
+            return _load_gates(g_ref, beta_ref, n, head, n_tokens)
+
         slots = tuple(slot_of(i) for i in range(stages))
         for i in range(stages - 1):
             issue(i, slots[i])
 
-        def step(i, slots):
+        def step(i, carry):
+            # Scalars read one iteration before their use (slots: stages - 1 items ahead for
+            # the prefetch; gates: the next item), so no GMEM latency is on the item's path.
+            slots, gates = carry
             n, head, j = coords(i)
             s = i % stages
             cols = pl.ds(j * bv, bv)
             slot = slots[0]
-            next_slot = slot_of(i + stages)  # read now, used one iteration later
+            next_slot = slot_of(i + stages)
+            next_gates = gates_of(i + 1)
             tile = pool.at[slot, head, :, cols]
 
             @pl.when(slot != 0)
             def _real_row():
-                gates = _gates(g_ref, beta_ref, n, head, n_tokens)
                 plgpu.barrier_wait(bars.at[s])
                 state = plgpu.load(state_smem.at[s], layout=layouts[0])
                 state = _update(state, q_smem.at[s], k_smem.at[s], v_smem.at[s], o_smem.at[s],
-                                gates, layouts=layouts, scale=scale,
+                                _decays(gates), layouts=layouts, scale=scale,
                                 use_qk_l2norm=l2)  # fmt: skip
                 state_smem[s] = state
 
@@ -269,10 +288,10 @@ def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, inter
                 plgpu.copy_smem_to_gmem(state_smem.at[s], tile)
 
             plgpu.copy_smem_to_gmem(o_smem.at[s], o_ref.at[n, :, head, cols])
-            return (*slots[1:], next_slot)
+            return (*slots[1:], next_slot), next_gates
 
-        lax.fori_loop(0, count, step, slots)
-        plgpu.wait_smem_to_gmem(0)
+        lax.fori_loop(0, count, step, (slots, gates_of(0)))
+        _wait_stores_read()
 
     kernel = plgpu.kernel(
         body,
