@@ -1,0 +1,507 @@
+"""Qwen3-Next's multi-token-prediction head and the MTP draft source of the engine.
+
+The head is checked against a float64 numpy oracle written from its definition over the
+checkpoint's own tensors (``mtp.*`` in Hugging Face layout, written with our safetensors
+writer), so the definition and the loader's name and layout mapping are pinned together.
+The engine tests serve with MTP drafts and compare against serving without speculation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
+
+from hybrid_jax.engine.engine import Engine, EngineConfig
+from hybrid_jax.engine.sampling import SamplingParams
+from hybrid_jax.engine.speculative import SpeculativeConfig, SpeculativeConfigError
+from hybrid_jax.kv_cache import init_kv_cache
+from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata
+from hybrid_jax.models.loading import load_qwen3_next, save_checkpoint
+from hybrid_jax.models.qwen3_next import (
+    Qwen3Next,
+    _seeded_value,
+    tiny_qwen3_next,
+    tiny_qwen3_next_config,
+)
+from hybrid_jax.models.safetensors_io import read_tensors, write_tensors
+from hybrid_jax.models.tokenizer import ByteTokenizer
+from hybrid_jax.modes import ForwardMode
+from hybrid_jax.state_pool import init_state_pool
+
+M = ForwardMode
+D = 4
+
+# ---------------------------------------------------------------- the head against its oracle
+
+
+def _rms(x, w, eps):
+    """Zero-centred RMSNorm over the last axis: ``x / rms(x) * (1 + w)``."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1.0 + w)
+
+
+def _rotary(x, positions, rotary_dim, theta):
+    half = rotary_dim // 2
+    inv = theta ** (-np.arange(0, rotary_dim, 2) / rotary_dim)
+    ang = positions[:, None] * inv[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    a, b, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin, rest], axis=-1)
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def mtp_oracle(t, c, next_tokens, hidden):
+    """float64 head over one request's positions 0..n-1, from HF-named tensors ``t``:
+    next_tokens ``[n]`` (t_{p+1}), hidden ``[n, H]`` (h_p). Returns (normed ``[n, H]``,
+    logits ``[n, V]``)."""
+    t = {k: np.asarray(v, np.float64) for k, v in t.items()}
+    eps, n = c.rms_norm_eps, len(next_tokens)
+    p = "mtp.layers.0."
+    emb = t["model.embed_tokens.weight"][np.asarray(next_tokens)]
+    x = np.concatenate(
+        [
+            _rms(emb, t["mtp.pre_fc_norm_embedding.weight"], eps),
+            _rms(np.asarray(hidden, np.float64), t["mtp.pre_fc_norm_hidden.weight"], eps),
+        ],
+        axis=-1,
+    )
+    x = x @ t["mtp.fc.weight"].T
+    # Gated full attention, causal over the request's own positions.
+    nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    h = _rms(x, t[f"{p}input_layernorm.weight"], eps)
+    qg = (h @ t[f"{p}self_attn.q_proj.weight"].T).reshape(n, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:]
+    k = (h @ t[f"{p}self_attn.k_proj.weight"].T).reshape(n, nkv, hd)
+    v = (h @ t[f"{p}self_attn.v_proj.weight"].T).reshape(n, nkv, hd)
+    q = _rms(q, t[f"{p}self_attn.q_norm.weight"], eps)
+    k = _rms(k, t[f"{p}self_attn.k_norm.weight"], eps)
+    pos = np.arange(n, dtype=np.float64)
+    rd = int(hd * c.partial_rotary_factor)
+    q, k = _rotary(q, pos, rd, c.rope_theta), _rotary(k, pos, rd, c.rope_theta)
+    kh = np.repeat(k, nh // nkv, axis=1)
+    vh = np.repeat(v, nh // nkv, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, kh) * hd**-0.5
+    scores = np.where(np.tril(np.ones((n, n), bool)), scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    att = np.einsum("hqk,khd->qhd", probs, vh) * _sigmoid(gate)
+    x = x + att.reshape(n, nh * hd) @ t[f"{p}self_attn.o_proj.weight"].T
+    # Sparse MoE with a shared expert (the tiny preset's MTP layer is sparse).
+    h = _rms(x, t[f"{p}post_attention_layernorm.weight"], eps)
+    router = h @ t[f"{p}mlp.gate.weight"].T
+    router = np.exp(router - router.max(-1, keepdims=True))
+    router /= router.sum(-1, keepdims=True)
+    top = np.argsort(-router, axis=-1)[:, : c.num_experts_per_tok]
+    moe = np.zeros_like(h)
+    for i in range(n):
+        weights = router[i, top[i]] / router[i, top[i]].sum()
+        for w, e in zip(weights, top[i], strict=True):
+            q_ = f"{p}mlp.experts.{e}."
+            up = _silu(h[i] @ t[f"{q_}gate_proj.weight"].T) * (h[i] @ t[f"{q_}up_proj.weight"].T)
+            moe[i] += w * (up @ t[f"{q_}down_proj.weight"].T)
+    s = f"{p}mlp.shared_expert."
+    shared = _silu(h @ t[f"{s}gate_proj.weight"].T) * (h @ t[f"{s}up_proj.weight"].T)
+    shared = shared @ t[f"{s}down_proj.weight"].T
+    x = x + moe + _sigmoid(h @ t[f"{p}mlp.shared_expert_gate.weight"].T) * shared
+    out = _rms(x, t["mtp.norm.weight"], eps)
+    return out, out @ t["lm_head.weight"].T
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    """A tiny checkpoint whose mtp.* tensors are fresh random values (norm weights too),
+    written with our safetensors writer; returns (folder, tensors)."""
+    folder = tmp_path_factory.mktemp("mtp_ckpt")
+    save_checkpoint(tiny_qwen3_next(seed=3), folder)
+    tensors = dict(read_tensors(folder / "model.safetensors"))
+    rng = np.random.default_rng(11)
+    names = [name for name in tensors if name.startswith("mtp.")]
+    assert "mtp.fc.weight" in names and "mtp.layers.0.mlp.experts.3.down_proj.weight" in names
+    for name in names:
+        shape = tensors[name].shape
+        scale = 0.3 if len(shape) == 1 else shape[-1] ** -0.5
+        tensors[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    write_tensors(folder / "model.safetensors", tensors)
+    return folder, tensors
+
+
+PAGE = 4
+ORACLE_POLICY = BucketPolicy(
+    batch_buckets=(2,), token_buckets=(16,), num_draft_tokens=D, page_size=PAGE, max_context=24
+)
+
+
+def test_mtp_head_matches_a_float64_oracle_of_its_definition(mtp_checkpoint):
+    folder, tensors = mtp_checkpoint
+    model = load_qwen3_next(folder)
+    c = model.config
+    assert model.has_mtp and c.num_nextn_predict_layers == 1
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def head(params, tokens, hidden, kv, meta):
+        m = nnx.merge(graphdef, params)
+        out, kv = m.mtp_hidden_states(tokens, hidden, kv, meta)
+        return out, m.logits(out), kv
+
+    rng = np.random.default_rng(0)
+    lens, pages = (7, 5), ((3, 9), (5, 1, 12))
+    total = [lens[0], lens[1] + 3]  # the second request continues for 3 positions
+    seqs = [rng.integers(0, c.vocab_size, n) for n in total]
+    hid = [rng.standard_normal((n, c.hidden_size)).astype(np.float32) for n in total]
+    want = [mtp_oracle(tensors, c, s, h) for s, h in zip(seqs, hid, strict=True)]
+    kv = init_kv_cache(model.mtp_kv_specs(), 16, PAGE)
+    kv = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), kv)  # unwritten reads would show
+
+    def run(mode, rows, parts, kv):
+        meta = build_metadata(mode, rows, ORACLE_POLICY, num_slots=4, num_pages=16)
+        tokens = np.zeros(meta.num_tokens, np.int32)
+        hidden = np.zeros((meta.num_tokens, c.hidden_size), np.float32)
+        n = sum(len(s) for s, _ in parts)
+        tokens[:n] = np.concatenate([s for s, _ in parts])
+        hidden[:n] = np.concatenate([h for _, h in parts])
+        out, logits, kv = head(params, jnp.asarray(tokens), jnp.asarray(hidden), kv, meta)
+        return np.asarray(out)[:n], np.asarray(logits)[:n], kv
+
+    rows = [RowSpec(1, 0, lens[0], pages[0]), RowSpec(2, 0, lens[1], pages[1])]
+    parts = [(seqs[0], hid[0]), (seqs[1][: lens[1]], hid[1][: lens[1]])]
+    out, logits, kv = run(M.EXTEND, rows, parts, kv)
+    got_out = [out[: lens[0]], out[lens[0] :]]
+    got_logits = [logits[: lens[0]], logits[lens[0] :]]
+    # DRAFT_EXTEND continues the second request from its cached positions.
+    cont = (seqs[1][lens[1] :], hid[1][lens[1] :])
+    out, logits, kv = run(M.DRAFT_EXTEND, [RowSpec(2, lens[1], 3, pages[1])], [cont], kv)
+    got_out[1] = np.concatenate([got_out[1], out])
+    got_logits[1] = np.concatenate([got_logits[1], logits])
+    for r in range(2):
+        for got, ref in ((got_out[r], want[r][0]), (got_logits[r], want[r][1])):
+            err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+            assert err < 1e-5, f"request {r}: relative error {err:.2e}"
+    # The oracle can fail: the head without its hidden input differs.
+    _, blind = mtp_oracle(tensors, c, seqs[0], np.zeros_like(hid[0]))
+    assert np.linalg.norm(got_logits[0] - blind) > 0.1 * np.linalg.norm(blind)
+    # Only the requests' pages were written.
+    others = sorted(set(range(1, 16)) - set(pages[0]) - set(pages[1]))
+    assert np.isnan(np.asarray(kv.k[0])[others]).all()
+
+
+def params_of(model):
+    return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def test_mtp_weights_round_trip_and_a_checkpoint_without_them_still_loads(mtp_checkpoint):
+    folder, tensors = mtp_checkpoint
+    model = load_qwen3_next(folder)
+    np.testing.assert_array_equal(
+        np.asarray(model.mtp.fc.kernel.get_value()), tensors["mtp.fc.weight"].T
+    )
+    np.testing.assert_array_equal(
+        np.asarray(model.mtp.layers[0].mlp.gate_proj.get_value()[2]),
+        tensors["mtp.layers.0.mlp.experts.2.gate_proj.weight"].T,
+    )
+    plain = folder.parent / "no_mtp"
+    save_checkpoint(model, plain)
+    written = dict(read_tensors(plain / "model.safetensors"))
+    for name in tensors:
+        np.testing.assert_array_equal(written[name], tensors[name], err_msg=name)
+    write_tensors(
+        plain / "model.safetensors", {k: v for k, v in written.items() if not k.startswith("mtp.")}
+    )
+    without = load_qwen3_next(plain)
+    assert not without.has_mtp and without.mtp_kv_specs() == ()
+    want = {p: v for p, v in params_of(model).items() if p[0] != "mtp"}
+    assert params_of(without).keys() == want.keys()
+
+
+def test_tiny_preset_carries_the_head_without_changing_its_other_weights():
+    with_head = tiny_qwen3_next(seed=4)
+    config = dataclasses.replace(tiny_qwen3_next_config(), num_nextn_predict_layers=0)
+    bare = nnx.eval_shape(lambda: Qwen3Next(config, rngs=nnx.Rngs(0)))
+    assert with_head.has_mtp and not bare.has_mtp
+    rng = np.random.default_rng(4)
+    got = params_of(with_head)
+    # The main weights come from the seed's stream alone, in the same order as without a head.
+    for path, param in nnx.to_flat_state(nnx.state(bare, nnx.Param)):
+        want = _seeded_value(path, param.get_value().shape, rng).astype(np.float32)
+        np.testing.assert_array_equal(got[path], want, err_msg=str(path))
+
+
+# ---------------------------------------------------------------- the engine with MTP drafts
+
+CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+SPEC_CONFIG = EngineConfig(
+    max_batch=2,
+    max_tokens=16,
+    max_context=48,
+    page_size=8,
+    batch_buckets=(2,),
+    impl="reference",
+    speculative=SpeculativeConfig("mtp", num_draft_tokens=D),
+)
+GREEDY = SamplingParams(max_new_tokens=10)
+PROMPTS = [
+    list(b"abcabcabcabc"),
+    np.random.default_rng(1).integers(0, 256, 9).tolist(),
+    [7, 7, 7, 7, 7],
+    list(b"the cat the cat the cat"),  # longer than a step: prefilled in two chunks
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """JAX's persistent cache for this module's engines (a process-wide setting, restored)."""
+    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
+    yield str(tmp_path_factory.mktemp("xla_cache"))
+    for name, value in saved.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+def build_pair(cache_dir, model=None):
+    """(MTP-speculative, plain) engines of one model (the tiny preset's by default); the
+    plain one's context holds the other's lookahead page, so page tables match."""
+    spec_config = dataclasses.replace(SPEC_CONFIG, cache_dir=cache_dir, chunk_size=12)
+    context = spec_config.policy(tiny_qwen3_next_config().max_position_embeddings).max_context
+    plain_config = dataclasses.replace(spec_config, speculative=None, max_context=context)
+    configs = (spec_config, plain_config)
+    if model is None:
+        return tuple(Engine.from_preset("tiny", c, progress=False) for c in configs)
+    return tuple(Engine(model(), ByteTokenizer(), c, progress=False) for c in configs)
+
+
+@pytest.fixture(scope="module")
+def engines(cache_dir):
+    return build_pair(cache_dir)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(engines):
+    _, plain = engines
+    return [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
+
+
+def test_greedy_with_mtp_drafts_gives_the_tokens_without_speculation(engines, plain_tokens):
+    spec, _ = engines
+    assert spec.drafter is None and spec.mtp is not None
+    assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == plain_tokens
+    assert spec.speculative_stats.steps > 0 and spec.step_times[M.DRAFT_EXTEND]
+    assert not spec.step_times[M.DECODE] and not spec.mtp.drafts  # every draft was used
+    assert spec.retraces == 0
+
+
+def test_requests_joining_and_leaving_mid_run_match_each_alone(engines, plain_tokens):
+    spec, _ = engines
+    short = dataclasses.replace(GREEDY, max_new_tokens=3)
+    tokens: dict[int, list[int]] = {}
+    ids = [spec.add_request(PROMPTS[0], GREEDY)]
+    for event in spec.step() + spec.step():
+        tokens.setdefault(event.request_id, []).append(event.token_id)
+    ids.append(spec.add_request(PROMPTS[1], short))  # joins while 0 verifies, leaves early
+    joined_late = False
+    while spec.has_work:
+        for event in spec.step():
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+        if not joined_late and ids[1] not in {r.request_id for r in spec.scheduler.running}:
+            ids.append(spec.add_request(PROMPTS[3], GREEDY))  # joins after 1 left
+            joined_late = True
+    assert [tokens[i] for i in ids] == [plain_tokens[0], plain_tokens[1][:3], plain_tokens[3]]
+    assert spec.slots.num_used == 0 and spec.pages.num_used == 0 and not spec.mtp.drafts
+    assert spec.retraces == 0
+
+
+class OracleDrafter:
+    """Drafts from the known greedy continuations, one wrong at a position that cycles with
+    the history's length, so every acceptance length 0..D-1 occurs."""
+
+    def __init__(self, sequences):
+        self.sequences = sequences
+
+    def propose(self, history):
+        n, k = len(history), D - 1
+        seq = next((s for s in self.sequences if s[:n] == list(history)), [])
+        out = (seq[n : n + k] + [0] * k)[:k]
+        if n % D < k:
+            out[n % D] = (out[n % D] + 1) % 256
+        return tuple(out)
+
+
+class FromScratch:
+    """The head's cache entries and drafts for a history (root last) computed afresh: the
+    target prefills all but the root, the head extends over those positions, then drafts.
+    Jitted on one token bucket, so every history reuses one executable per step."""
+
+    def __init__(self, model, policy):
+        self.policy = policy
+        self.pages = tuple(range(1, policy.max_pages + 1))
+        graphdef, self.params = nnx.split(model)
+        num_pages = policy.max_pages + 1
+
+        @jax.jit
+        def extend(params, tokens, following, meta):
+            m = nnx.merge(graphdef, params)
+            pool = init_state_pool(m.state_specs(), 2)
+            kv = init_kv_cache(m.kv_specs(), num_pages, policy.page_size)
+            mtp_kv = init_kv_cache(m.mtp_kv_specs(), num_pages, policy.page_size)
+            hidden, *_ = m.hidden_states(tokens, pool, kv, meta, impl="reference")
+            out, mtp_kv = m.mtp_hidden_states(following, hidden, mtp_kv, meta)
+            return out, jnp.argmax(m.logits(out), axis=-1).astype(jnp.int32), mtp_kv
+
+        @jax.jit
+        def decode(params, token, hidden, mtp_kv, meta):
+            m = nnx.merge(graphdef, params)
+            out, mtp_kv = m.mtp_hidden_states(token, hidden, mtp_kv, meta)
+            return out, jnp.argmax(m.logits(out), axis=-1).astype(jnp.int32), mtp_kv
+
+        self.extend, self.decode = extend, decode
+
+    def __call__(self, history):
+        """(cache entries ``[positions, KVH, head_dim]`` from position 0, D-1 drafts)."""
+        n, policy = len(history) - 1, self.policy
+        meta = build_metadata(M.EXTEND, [RowSpec(1, 0, n, self.pages)], policy, num_slots=2)
+        tokens = np.zeros(meta.num_tokens, np.int32)
+        following = np.zeros(meta.num_tokens, np.int32)
+        tokens[:n], following[:n] = history[:n], history[1:]
+        out, guesses, mtp_kv = self.extend(
+            self.params, jnp.asarray(tokens), jnp.asarray(following), meta
+        )
+        kv = np.asarray(mtp_kv.k[0]).reshape(-1, *mtp_kv.k[0].shape[2:])[policy.page_size :]
+        hidden, drafts = out[n - 1 : n], [guesses[n - 1 : n]]
+        for k in range(D - 2):
+            meta = build_metadata(M.DECODE, [RowSpec(1, n + k, 1, self.pages)], policy,
+                                  num_slots=2)  # fmt: skip
+            hidden, guess, mtp_kv = self.decode(self.params, drafts[-1], hidden, mtp_kv, meta)
+            drafts.append(guess)
+        return kv, tuple(int(d[0]) for d in drafts)
+
+
+def test_after_each_verify_the_head_cache_and_drafts_equal_a_fresh_computation(
+    engines, plain_tokens
+):
+    spec, _ = engines
+    sequences = [p + t for p, t in zip(PROMPTS, plain_tokens, strict=True)]
+    spec.drafter = OracleDrafter(sequences)  # varied acceptance; the head still drafts
+    fresh = FromScratch(spec.model, dataclasses.replace(spec.policy, token_buckets=(64,),
+                                                        batch_buckets=(1,)))  # fmt: skip
+    try:
+        rid = spec.add_request(PROMPTS[3], GREEDY)
+        checked, lengths = 0, set()
+        while spec.has_work:
+            spec.step()
+            running = {r.request_id: r for r in spec.scheduler.running}
+            if rid not in running or not running[rid].is_decoding:
+                continue
+            req = running[rid]
+            n = req.num_computed
+            lengths.add(n)
+            want_kv, want_drafts = fresh(req.token_ids)
+            got = np.asarray(spec.mtp.kv.k[0])[list(req.pages)].reshape(-1, *want_kv.shape[1:])
+            np.testing.assert_allclose(got[:n], want_kv[:n], rtol=1e-4, atol=1e-4)
+            assert spec.mtp.drafts[rid] == want_drafts
+            checked += 1
+    finally:
+        spec.drafter = None
+    assert checked >= 3 and len(lengths) >= 3
+    assert spec.speculative_stats.accepted > 0
+
+
+def _slot_state(engine, slot):
+    pool = engine.state.pool
+    return [np.asarray(a[slot]) for a in (*pool.conv, *pool.ssm)]
+
+
+def _states_by_position(engine, prompt, params):
+    """{tokens folded into the slot: every linear layer's state} after each step."""
+    engine.add_request(prompt, params)
+    states = {}
+    while engine.has_work:
+        engine.step()
+        if engine.scheduler.running:
+            req = engine.scheduler.running[0]
+            states[req.num_computed] = _slot_state(engine, req.slot)
+    return states
+
+
+def test_pool_after_each_verify_and_commit_equals_the_plain_run(engines, plain_tokens):
+    spec, plain = engines
+    spec.drafter = OracleDrafter([p + t for p, t in zip(PROMPTS, plain_tokens, strict=True)])
+    plain.overlap = False
+    try:
+        want = _states_by_position(plain, PROMPTS[0], GREEDY)
+        got = _states_by_position(spec, PROMPTS[0], GREEDY)
+    finally:
+        plain.overlap, spec.drafter = True, None
+    verified = sorted(n for n in got if n > len(PROMPTS[0]))
+    assert len(verified) >= 2 and set(verified) <= set(want)
+    for n in verified:
+        for layer, (a, b) in enumerate(zip(got[n], want[n], strict=True)):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=f"{n=} {layer=}")
+    assert not np.allclose(got[verified[0]][-1], want[verified[1]][-1], rtol=2e-5, atol=2e-5)
+
+
+def agreeing_model() -> Qwen3Next:
+    """The tiny model made to repeat the token it is fed (scaled-up embeddings dominate the
+    residual stream, the LM head is the embedding), with an MTP head made to agree: its
+    ``fc`` passes the next token's normed embedding through, scaled to dominate too, so it
+    guesses that the token after next repeats the next one, as the target does."""
+    model = Qwen3Next(tiny_qwen3_next_config(), rngs=nnx.Rngs(0))
+    embedding = model.embed_tokens.embedding.get_value()
+    model.embed_tokens.embedding.set_value(embedding * 30)
+    model.lm_head.kernel.set_value(embedding.T)
+    h = embedding.shape[1]
+    fc = jnp.concatenate([30 * jnp.eye(h), jnp.zeros((h, h))], axis=0)
+    model.mtp.fc.kernel.set_value(fc.astype(embedding.dtype))
+    return model
+
+
+def test_agreeing_mtp_drafts_are_accepted_and_change_no_token(engines, cache_dir):
+    # After the fixture's engines, every program is in the cache: these two only load.
+    spec, plain = build_pair(cache_dir, agreeing_model)
+    want = [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
+    assert want[1] == [PROMPTS[1][-1]] * GREEDY.max_new_tokens  # it does repeat
+    assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == want
+    stats = spec.speculative_stats
+    assert stats.acceptance_rate > 0.9 and stats.mean_accepted_length > D - 0.5
+    assert spec.retraces == 0
+
+
+def test_mtp_source_on_a_model_without_the_head_is_refused_before_compiling():
+    config = dataclasses.replace(tiny_qwen3_next_config(), num_nextn_predict_layers=0)
+    model = Qwen3Next(config, rngs=nnx.Rngs(0))
+    with pytest.raises(SpeculativeConfigError, match="source='mtp' needs a model with the"):
+        Engine(model, ByteTokenizer(), dataclasses.replace(SPEC_CONFIG, cache_dir=None))
+
+
+@pytest.mark.slow
+def test_bench_reports_mtp_acceptance_and_tokens_per_s_with_and_without(capsys, tmp_path):
+    from hybrid_jax.cli import main
+
+    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
+    argv = [
+        "bench", "--num-prompts", "2", "--prompt-len", "6", "--new-tokens", "5", "--plot", "",
+        "--max-batch", "2", "--max-tokens", "16", "--max-context", "32", "--impl", "reference",
+        "--cache-dir", str(tmp_path), "--speculative", "mtp", "--num-draft-tokens", "3",
+    ]  # fmt: skip
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0, out
+    assert "MTP drafting (ms)" in out and "speculative mtp D=3" in out
+    assert re.search(r"\nmtp D=3 +[0-9.]+ +[0-9.]+ +[0-9.]+%", out)
