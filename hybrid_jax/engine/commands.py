@@ -4,9 +4,10 @@
 model or a checkpoint folder, printing tokens as they arrive. ``bench`` submits a batch of
 random prompts at once and reports compile time, tokens/s, time to first token and the time
 of a step in each mode, as a table and, when matplotlib is importable, a PNG plot. With
-``--speculative ngram`` both commands decode speculatively; ``bench`` then also serves the
+``--speculative ngram`` or ``--speculative mtp`` (the model's multi-token-prediction head;
+the tiny model has one) both commands decode speculatively; ``bench`` then also serves the
 same prompts without speculation and compares tokens/s, acceptance rate and mean accepted
-length.
+length, and with MTP drafts times the head's drafting after each step.
 """
 
 from __future__ import annotations
@@ -253,8 +254,10 @@ def bench(args: argparse.Namespace) -> int:
         f"{args.new_tokens} new each; max_batch {cfg.max_batch}, max_tokens {cfg.max_tokens}, "
         f"impl {cfg.impl}{spec}"
     )
+    executables = len(engine.compile_records)
+    executables += len(engine.mtp.compile_records) if engine.mtp is not None else 0
     print(
-        f"start-up compile and warm-up ({len(engine.compile_records)} step executables, "
+        f"start-up compile and warm-up ({executables} step executables, "
         f"{len(engine.sampler_compile_ms)} samplers): {engine.compile_s:.1f} s; "
         f"retraces after warm-up: {engine.retraces}"
     )
@@ -275,6 +278,9 @@ def bench(args: argparse.Namespace) -> int:
     ]
     if args.speculative:
         rows.append(("TARGET_VERIFY step (ms)", engine.step_times[ForwardMode.TARGET_VERIFY]))
+    if engine.mtp is not None:
+        # The head's chain after a step (EXTEND or DRAFT_EXTEND, then DECODE steps).
+        rows.append(("MTP drafting (ms)", engine.step_times[ForwardMode.DRAFT_EXTEND]))
     for label, values in rows:
         median, p90, mean = _ms(values)
         print(f"{label:<26}{median:>10.2f}{p90:>10.2f}{mean:>10.2f}{len(values):>8}")
