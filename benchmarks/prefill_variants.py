@@ -1,53 +1,79 @@
-"""Variants of the Mosaic GPU chunked GDN prefill (pallas_kernels.gdn.chunk_mgpu) on one GPU.
+"""Variants of the Mosaic GPU chunked GDN prefill on one GPU: check, then time.
 
-For each Qwen3-Next TP1 shape (H=16, HV=32, K=V=128, bf16) and each kernel configuration:
-checks the kernel against the float32 chunked reference (outputs and the written pool
-slots), then times the whole op (both kernels, pool donated) and the intra-chunk kernel
-alone. Prints a table last; ``--out DIR`` also writes the numbers as JSON.
+Kernels: ``mgpu`` (pallas_kernels.gdn.chunk_mgpu, two kernels) and ``fused``
+(pallas_kernels.gdn.chunk_fused_mgpu, one warp-specialised kernel). For each Qwen3-Next TP1
+shape (H=16, HV=32, K=V=128, bf16) and each variant: checks outputs and the written pool
+slots against the float32 chunked reference (slots nobody names must stay bit-identical,
+outputs finite), then times the whole op with the pool donated (median of 3 x 20 calls).
+Prints one JSON line per result as it goes and a table last; ``--out DIR`` writes the JSON.
 
-    python benchmarks/prefill_variants.py [--out DIR] [--shapes 1x8192] [--variants 64,32,64k]
+Variants: ``mgpu[:BV]`` and ``fused[:BV][xP]``; BV = value columns per CTA (32 or 64,
+omitted: the kernel's own rule), P = producer warpgroups (1 or 2). ``--budget SECONDS``
+skips what would not finish in time; a hung kernel ends the run with a traceback after
+``--hang`` seconds. ``--smoke`` runs tiny shapes under the CPU interpreter (no GPU).
+
+    python benchmarks/prefill_variants.py --budget 220
+    python benchmarks/prefill_variants.py --smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import faulthandler
 import json
+import math
 import pathlib
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import _mgpu_chunks
-from pallas_kernels.gdn import chunk_mgpu, reference
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from pallas_kernels import _mgpu_chunks  # noqa: E402
+from pallas_kernels.gdn import chunk_fused_mgpu, chunk_mgpu, reference  # noqa: E402
 
 __all__ = ["main"]
 
-H, HV, K, V = 16, 32, 128, 128
-SHAPES = {  # name: (sequence lengths, pooled initial states)
-    "1x8192": ([8192], False),
-    "1x32768": ([32768], False),
-    "4x8192": ([8192] * 4, False),
-    "8x2048": ([2048] * 8, False),
-    "varlen": ([256] * 64, True),
-    # Not a benchmark shape: the GPU paths the shapes above never take (unaligned starts,
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    h: int
+    hv: int
+    k: int
+    v: int
+
+
+QWEN3_NEXT = Dims(16, 32, 128, 128)
+SMOKE = Dims(1, 2, 64, 64)
+SHAPES = {  # name: (sequence lengths, pooled initial states, padding tokens after qsl[N])
+    # Not a benchmark shape: the GPU paths the shapes below never take (unaligned starts,
     # partial chunks stored row by row, an empty sequence, 13 padding tokens).
-    "ragged": ([1000, 0, 37, 3000, 77, 1], True),
+    "ragged": ([1000, 0, 37, 3000, 77, 1], True, 13),
+    "1x8192": ([8192], False, 0),
+    "1x32768": ([32768], False, 0),
+    "4x8192": ([8192] * 4, False, 0),
+    "8x2048": ([2048] * 8, False, 0),
+    "varlen": ([256] * 64, True, 0),
+    "smoke": ([30, 0, 70], True, 5),  # --smoke only
 }
-PADDING = {"ragged": 13}  # tokens after qsl[N] (outputs must be zeros)
+DEFAULT_SHAPES = "ragged,1x8192,4x8192,8x2048,varlen"
+DEFAULT_VARIANTS = "mgpu,fused,fused:x2,fused:64,fused:32"
 
 
-def _inputs(lens: list[int], pooled: bool, padding: int = 0, seed: int = 0) -> tuple:
+def _inputs(dims: Dims, lens: list[int], pooled: bool, padding: int, seed: int = 0) -> tuple:
     tokens, n = sum(lens) + padding, len(lens)
     keys = jax.random.split(jax.random.key(seed), 7)
-    q = jax.random.normal(keys[0], (tokens, H, K), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (tokens, H, K), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (tokens, HV, V), jnp.bfloat16)
-    g = -jax.nn.softplus(jax.random.normal(keys[3], (tokens, HV)) - 2.0)
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (tokens, HV)))
+    q = jax.random.normal(keys[0], (tokens, dims.h, dims.k), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (tokens, dims.h, dims.k), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (tokens, dims.hv, dims.v), jnp.bfloat16)
+    g = -jax.nn.softplus(jax.random.normal(keys[3], (tokens, dims.hv)) - 2.0)
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (tokens, dims.hv)))
     slots = n + 8
-    pool = 0.1 * jax.random.normal(keys[5], (slots, HV, K, V), jnp.float32)
+    pool = 0.1 * jax.random.normal(keys[5], (slots, dims.hv, dims.k, dims.v), jnp.float32)
     qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     idx = jax.random.permutation(keys[6], jnp.arange(1, slots, dtype=jnp.int32))[:n]
     init = jnp.full((n,), pooled)
@@ -59,10 +85,9 @@ def _rel(a: jax.Array, b: jax.Array) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _time(fn, args: tuple, pool: jax.Array, calls: int = 20, repeats: int = 3) -> float:
+def _time(fn, args: tuple, pool: jax.Array, calls: int, repeats: int) -> float:
     """Median seconds per call; the pool is donated from call to call as in serving."""
-    for _ in range(3):
-        pool = fn(*args, pool)[1]
+    pool = fn(*args, pool)[1]
     jax.block_until_ready(pool)
     per_call = []
     for _ in range(repeats):
@@ -74,104 +99,172 @@ def _time(fn, args: tuple, pool: jax.Array, calls: int = 20, repeats: int = 3) -
     return float(np.median(per_call))
 
 
-def _variant(spec: str) -> chunk_mgpu.Config:
-    """``"auto"``: the default config; ``"64"``: block_v 64; a trailing ``k`` forces K-major
-    B operands (``"64k"``)."""
-    if spec == "auto":
-        return chunk_mgpu.Config()
-    kmajor = True if spec.endswith("k") else None
-    return chunk_mgpu.Config(block_v=int(spec.rstrip("k")), kmajor=kmajor)
+def _parse(spec: str):
+    """``(module, config)`` of a variant spec (see the module docstring)."""
+    kernel, _, rest = spec.partition(":")
+    bv_text, _, producers = rest.partition("x")
+    block_v = int(bv_text) if bv_text else None
+    if kernel == "mgpu" and not producers:
+        return chunk_mgpu, chunk_mgpu.Config(block_v=block_v)
+    if kernel == "fused":
+        return chunk_fused_mgpu, chunk_fused_mgpu.Config(
+            block_v=block_v, producers=int(producers or 1)
+        )
+    raise ValueError(f"variant {spec!r}: expected mgpu[:BV] or fused[:BV][xP]")
 
 
-def run_shape(name: str, specs: list[str]) -> list[dict]:
-    lens, pooled = SHAPES[name]
-    q, k, v, g, beta, pool, qsl, idx, init = _inputs(lens, pooled, PADDING.get(name, 0))
-    ref = jax.jit(reference.chunk_gated_delta_rule_chunked)
-    ro, rpool = ref(q, k, v, g, beta, pool, qsl, idx, init)
+def _resolved(spec: str, n_seqs: int, dims: Dims) -> tuple:
+    """What a variant compiles to at this shape (two specs may name the same kernel)."""
+    module, config = _parse(spec)
+    if module is chunk_mgpu:
+        return ("mgpu", chunk_mgpu._resolve(config, n_seqs, dims.hv, dims.v).block_v)
+    bv = chunk_fused_mgpu._block_v(config, n_seqs, dims.hv, dims.v)
+    return ("fused", bv, config.producers)
+
+
+def _op(spec: str, interpret: bool):
+    """The prefill op of a variant spec, pool last."""
+    module, config = _parse(spec)
+
+    def op(q, k, v, g, beta, qsl, idx, init, pool):
+        return module.chunk_gated_delta_rule(
+            q, k, v, g, beta, pool, qsl, idx, init, config=config, interpret=interpret
+        )
+
+    return op
+
+
+def _intra_us(inputs: tuple, dims: Dims, n_seqs: int) -> float:
+    """The two-kernel version's intra-chunk kernel alone (its share of the time)."""
+    q, k, _, g, beta, _, qsl, _, _ = inputs
+    tokens = q.shape[0]
+    num_chunks = -(-tokens // chunk_mgpu.CHUNK) + 2 * (n_seqs + 1)
+    table, first = _mgpu_chunks.chunk_table(qsl, tokens, num_chunks)
+
+    @jax.jit
+    def intra(q, k, g, beta):
+        return chunk_mgpu._intra(
+            q, k, g.T, beta.T, table, first, n_seqs=n_seqs, scale=dims.k**-0.5, interpret=None
+        )
+
+    jax.block_until_ready(intra(q, k, g, beta))
+    t0 = time.perf_counter()
+    for _ in range(20):
+        res = intra(q, k, g, beta)
+    jax.block_until_ready(res)
+    return (time.perf_counter() - t0) / 20 * 1e6
+
+
+def _run_variant(spec: str, inputs: tuple, ref: tuple, opts: argparse.Namespace) -> dict:
+    q, k, v, g, beta, pool, qsl, idx, init = inputs
+    ro, rpool = ref
+    fn = jax.jit(_op(spec, opts.smoke), donate_argnums=8)
+    o, kpool = fn(q, k, v, g, beta, qsl, idx, init, jnp.array(pool))
+    lens = np.diff(np.asarray(qsl))
+    touched = np.asarray(idx)[lens > 0]
+    untouched = np.setdiff1d(np.arange(pool.shape[0]), touched)
+    end = int(np.asarray(qsl)[-1])
+    o32 = np.asarray(o.astype(jnp.float32))
+    row = {
+        "rel_o": _rel(o32[:end], ro[:end].astype(jnp.float32)),
+        "rel_state": _rel(kpool[touched], rpool[touched]),
+        "untouched_equal": bool(
+            np.array_equal(np.asarray(kpool[untouched]), np.asarray(pool[untouched]))
+        ),
+        "finite": bool(np.isfinite(o32).all()),
+        "padding_zero": not o32[end:].any(),
+    }
+    calls, repeats = (1, 1) if opts.smoke else (20, 3)
+    seconds = _time(fn, (q, k, v, g, beta, qsl, idx, init), jnp.array(pool), calls, repeats)
+    row["us"] = seconds * 1e6
+    row["mtok_s"] = q.shape[0] / seconds / 1e6
+    return row
+
+
+def run_shape(name: str, specs: list[str], opts: argparse.Namespace, deadline: float) -> list:
+    dims = SMOKE if opts.smoke else QWEN3_NEXT
+    lens, pooled, padding = SHAPES[name]
+    inputs = _inputs(dims, lens, pooled, padding)
+    q, k, v, g, beta, pool, qsl, idx, init = inputs
     rows = []
+    if time.monotonic() > deadline:
+        return [{"shape": name, "skipped": "budget"}]
+    ref = jax.jit(reference.chunk_gated_delta_rule_chunked)(q, k, v, g, beta, pool, qsl, idx, init)
+    seen = {}
     for spec in specs:
-        try:
-            row = _run_variant(name, spec, (q, k, v, g, beta, pool, qsl, idx, init), ro, rpool)
-        except Exception as e:  # keep the other variants' numbers
-            row = {"shape": name, "variant": spec, "error": f"{type(e).__name__}: {e}"[:400]}
+        row = {"shape": name, "variant": spec, "tokens": q.shape[0]}
+        key = _resolved(spec, len(lens), dims)
+        row["resolved"] = list(key)
+        left = deadline - time.monotonic()
+        if key in seen:
+            row["skipped"] = f"same kernel as {seen[key]}"
+        elif left < opts.per_variant:
+            row["skipped"] = "budget"
+        else:
+            # A deadlocked kernel never returns: end the run with a traceback instead.
+            # (The CPU interpreter is slow, not hung.)
+            faulthandler.dump_traceback_later(opts.hang * (20 if opts.smoke else 1), exit=True)
+            try:
+                row |= _run_variant(spec, inputs, ref, opts)
+                if opts.intra and spec.startswith("mgpu") and not opts.smoke:
+                    row["intra_us"] = _intra_us(inputs, dims, len(lens))
+            except Exception as e:  # keep the other variants' numbers
+                row["error"] = f"{type(e).__name__}: {e}"[:400]
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+            seen[key] = spec
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
-def _run_variant(name: str, spec: str, inputs: tuple, ro: jax.Array, rpool: jax.Array) -> dict:
-    q, k, v, g, beta, pool, qsl, idx, init = inputs
-    lens = SHAPES[name][0]
-    config = _variant(spec)
-    tokens = q.shape[0]
-    row = {"shape": name, "variant": spec, "tokens": tokens}
-
-    def op(q, k, v, g, beta, qsl, idx, init, pool):
-        return chunk_mgpu.chunk_gated_delta_rule(
-            q, k, v, g, beta, pool, qsl, idx, init, config=config
-        )
-
-    fn = jax.jit(op, donate_argnums=8)
-    o, kpool = fn(q, k, v, g, beta, qsl, idx, init, jnp.array(pool))
-    touched = np.asarray(idx)
-    untouched = np.setdiff1d(np.arange(pool.shape[0]), touched)
-    row["rel_o"] = _rel(o.astype(jnp.float32), ro.astype(jnp.float32))
-    row["rel_state"] = _rel(kpool[touched], rpool[touched])
-    row["untouched_equal"] = bool(
-        np.array_equal(np.asarray(kpool[untouched]), np.asarray(pool[untouched]))
+def _table(rows: list[dict]) -> None:
+    print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}")
+    print(
+        f"{'shape':8} {'variant':11} {'us':>9} {'Mtok/s':>7} {'/mgpu':>6} {'rel o':>8} "
+        f"{'rel S':>8} ok"
     )
-    row["finite"] = bool(np.isfinite(np.asarray(o.astype(jnp.float32))).all())
-    args = (q, k, v, g, beta, qsl, idx, init)
-    seconds = _time(fn, args, jnp.array(pool))
-    row["us"] = seconds * 1e6
-    row["mtok_s"] = tokens / seconds / 1e6
-
-    # The intra-chunk kernel alone (its share of the time).
-    padded = tokens
-    num_chunks = -(-padded // chunk_mgpu.CHUNK) + 2 * (len(lens) + 1)
-    table, first = _mgpu_chunks.chunk_table(qsl, padded, num_chunks)
-
-    @jax.jit
-    def intra(q, k, g, beta):
-        return chunk_mgpu._intra(
-            q, k, g.T, beta.T, table, first, n_seqs=len(lens), scale=K**-0.5, interpret=None
+    base = {r["shape"]: r["us"] for r in rows if r.get("variant") == "mgpu" and "us" in r}
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            what = "SKIPPED " + r["skipped"] if "skipped" in r else "ERROR " + r["error"][:100]
+            print(f"{r['shape']:8} {r.get('variant', '-'):11} {what}")
+            continue
+        ok = r["untouched_equal"] and r["finite"] and r["padding_zero"]
+        ok = ok and r["rel_o"] < 2e-2 and r["rel_state"] < 2e-2
+        speedup = base.get(r["shape"], math.nan) / r["us"]
+        print(
+            f"{r['shape']:8} {r['variant']:11} {r['us']:9.1f} {r['mtok_s']:7.1f} "
+            f"{speedup:6.2f} {r['rel_o']:8.1e} {r['rel_state']:8.1e} {ok}"
         )
-
-    intra(q, k, g, beta)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        res = intra(q, k, g, beta)
-    jax.block_until_ready(res)
-    row["intra_us"] = (time.perf_counter() - t0) / 20 * 1e6
-    return row
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=pathlib.Path, default=None)
-    parser.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "ragged"))
-    parser.add_argument("--variants", default="auto,64,32", help="block_v, k: K-major")
-    args = parser.parse_args()
-    rows = []
-    for name in args.shapes.split(","):
-        rows += run_shape(name, args.variants.split(","))
-        if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "prefill_variants.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}")
-    print(
-        f"{'shape':9} {'var':>4} {'us':>9} {'Mtok/s':>7} {'intra us':>9} {'rel o':>8} "
-        f"{'rel S':>8} ok"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    for r in rows:
-        if "error" in r:
-            print(f"{r['shape']:9} {r['variant']:>4} ERROR {r['error'][:90]}")
-            continue
-        ok = r["untouched_equal"] and r["finite"]
-        print(
-            f"{r['shape']:9} {r['variant']:>4} {r['us']:9.1f} {r['mtok_s']:7.1f} "
-            f"{r['intra_us']:9.1f} {r['rel_o']:8.1e} {r['rel_state']:8.1e} {ok}"
-        )
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument("--shapes", default=None, help=f"default {DEFAULT_SHAPES}")
+    parser.add_argument("--variants", default=None, help=f"default {DEFAULT_VARIANTS}")
+    parser.add_argument("--budget", type=float, default=220.0, help="seconds for the whole run")
+    parser.add_argument("--per-variant", type=float, default=12.0, help="seconds kept per variant")
+    parser.add_argument("--hang", type=float, default=60.0, help="seconds before a hang ends it")
+    parser.add_argument("--intra", action="store_true", help="also time mgpu's intra kernel")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpreter")
+    opts = parser.parse_args()
+    start = time.monotonic()
+    deadline = start + opts.budget
+    shapes = opts.shapes or ("smoke" if opts.smoke else DEFAULT_SHAPES)
+    variants = opts.variants or ("mgpu,fused:64,fused:32x2" if opts.smoke else DEFAULT_VARIANTS)
+    print(f"{jax.devices()[0].device_kind}: shapes {shapes}; variants {variants}", flush=True)
+    rows = []
+    for name in shapes.split(","):
+        rows += run_shape(name, variants.split(","), opts, deadline)
+        if opts.out is not None:
+            opts.out.mkdir(parents=True, exist_ok=True)
+            (opts.out / "prefill_variants.json").write_text(json.dumps(rows, indent=1))
+    _table(rows)
+    print(f"total {time.monotonic() - start:.0f} s", file=sys.stderr)
 
 
 if __name__ == "__main__":
