@@ -8,7 +8,8 @@ On the H200 (about 3 minutes, most of it compiling)::
    (H=16, HV=32, K=V=128, bf16 q/k/v, fp32 pool of 1024 slots, random slots, one padded row):
    relative error of ``o`` and of the written slots, NaN-free, padded row zeros, every slot
    no row names bit-identical.
-2. Times decode at batch 256, 1, 64, 16 (the goals first) for each kernel with
+2. Times decode at batch 256, 1, 64, 16 and 256 again (the goals first; the repeat shows
+   the run-to-run spread) for each kernel with
    ``benchmarks/gdn.py``'s ``jax_per_step_us`` (steps unrolled in one executable, pool
    donated, fresh random slots each step), all in this run, and prints one table: time per
    step, state bytes moved per second (read + write) and the ratio to the current kernel.
@@ -39,7 +40,9 @@ from pallas_kernels.gdn import reference as gdn_reference  # noqa: E402
 __all__ = ["main"]
 
 CURRENT = "current (recurrent_mgpu)"
-BATCHES = (256, 1, 64, 16)  # the two goals first: a run cut by --budget keeps them
+# The two goals first (a run cut by --budget keeps them); batch 256 once more at the end, to
+# show the run-to-run spread next to the differences between kernels.
+BATCHES = (256, 1, 64, 16, 256)
 CHECK_BATCHES = (64, 1)  # 64: several items per pipelined program; 1: the narrow tiling
 
 
@@ -109,7 +112,8 @@ def _step(fn):
 def bench(kernels: dict, batches) -> None:
     rng = np.random.default_rng(0)
     pool = gdn._ssm_pool(seed=10)
-    for n in batches:
+    for i, n in enumerate(batches):
+        shape = f"batch {n}" + (" again" if n in batches[:i] else "")
         inputs = gdn._token_inputs(rng, (n, 1))
         traffic = 2 * n * gdn.STATE_BYTES
         # Small batches: more steps per executable, so device time outweighs the dispatch
@@ -122,7 +126,7 @@ def bench(kernels: dict, batches) -> None:
                                            n_steps=n_steps, calls=(2, 10), reps=7,
                                            operands=inputs)  # fmt: skip
 
-            gdn._record("decode", f"batch {n}", name, measure, gdn._tbps(traffic))
+            gdn._record("decode", shape, name, measure, gdn._tbps(traffic))
 
 
 def table(checks: dict) -> str:
@@ -133,7 +137,7 @@ def table(checks: dict) -> str:
         base = current.get(row.shape)
         ratio = f"{base / row.us:.3f}x" if base and row.us else ""
         us = f"{row.us:.1f}" if row.us is not None else "-"
-        batch = row.shape.split()[-1]
+        batch = row.shape.removeprefix("batch ")
         lines.append(f"| {batch} | {row.impl} | {us} | {row.rate} | {ratio} | {row.note} |")
     lines += ["", "Checks against the jnp reference (float32 on the device):"]
     lines += [f"* {name}: {verdict}" for name, verdicts in checks.items() for verdict in verdicts]
@@ -151,7 +155,7 @@ def main() -> None:
     batches, check_batches = BATCHES, CHECK_BATCHES
     if args.smoke:
         gdn._smoke_mode()  # tiny shapes; patches recurrent_mgpu to interpret
-        batches, check_batches = (2, 1), (3,)
+        batches, check_batches = (2, 1, 2), (3,)
     kernels = _kernels(interpret=args.smoke)
     print(f"device: {jax.devices()[0].device_kind}; H={gdn.H} HV={gdn.HV} K={gdn.K} V={gdn.V} "
           f"slots={gdn.SLOTS}", flush=True)  # fmt: skip
