@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._commit import commit_steps, write_where
+from pallas_kernels._tree import start_of_node
 from pallas_kernels._varlen import token_segments
 
 __all__ = [
@@ -180,6 +181,32 @@ def _rows(
     return y.astype(x.dtype), ext
 
 
+def _tree_rows(
+    x: jax.Array,
+    weight: jax.Array,
+    bias: jax.Array | None,
+    conv_pool: jax.Array,
+    state_indices: jax.Array,
+    activation: str | None,
+    parents: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Verify of tree rows: token t's taps are its parent's window followed by its own input,
+    so a node sees its root path, not the tokens before it in the row. Returns y and the
+    windows ``[N, D, C, W-1]`` (zeros on padded rows)."""
+    dtype = _compute_dtype(x, weight, bias)
+    real = (state_indices != 0)[:, None, None]
+    history = [jnp.where(real, conv_pool[state_indices].astype(dtype), 0)]
+    taps = []
+    for d in range(x.shape[1]):
+        window = start_of_node(history, parents, d)
+        ext = jnp.concatenate([window, x[:, d, :, None].astype(dtype)], axis=-1)  # [N, C, W]
+        taps.append(ext)
+        history.append(jnp.where(real, ext[:, :, 1:], 0))
+    y = jnp.where(real, _conv(jnp.stack(taps, axis=1), weight, bias, activation), 0)
+    windows = jnp.stack(history[1:], axis=1)
+    return y.astype(x.dtype), windows.astype(conv_pool.dtype)
+
+
 def causal_conv1d_update(
     x: jax.Array,
     weight: jax.Array,
@@ -205,12 +232,16 @@ def causal_conv1d_verify(
     conv_pool: jax.Array,
     state_indices: jax.Array,
     *,
+    parents: jax.Array | None = None,
     activation: str | None = "silu",
 ) -> tuple[jax.Array, jax.Array]:
-    """``causal_conv1d_verify`` (same arguments and results)."""
-    x, weight, bias, conv_pool, state_indices = _as_arrays(
-        x, weight, bias, conv_pool, state_indices
+    """``causal_conv1d_verify`` (same arguments and results); with ``parents`` each token's
+    window is its parent's (tree drafts)."""
+    x, weight, bias, conv_pool, state_indices, parents = _as_arrays(
+        x, weight, bias, conv_pool, state_indices, parents
     )
+    if parents is not None:
+        return _tree_rows(x, weight, bias, conv_pool, state_indices, activation, parents)
     y, ext = _rows(x, weight, bias, conv_pool, state_indices, activation)
     width = weight.shape[1]
     windows = jnp.stack([ext[:, :, d + 1 : d + width] for d in range(x.shape[1])], axis=1)

@@ -11,14 +11,15 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels._common import resolve_impl
+from pallas_kernels._tree import check_parents
 from pallas_kernels.conv1d import reference, update_mgpu
 from pallas_kernels.conv1d._checks import check_rows
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_verify"]
 
 
-def _resolve(op: str, impl: str, args: tuple, activation: str | None) -> str:
-    reason = update_mgpu.unsupported_reason(*args, activation=activation)
+def _resolve(op: str, impl: str, args: tuple, activation: str | None, **tree) -> str:
+    reason = update_mgpu.unsupported_reason(*args, activation=activation, **tree)
     return resolve_impl(op, impl, reason)
 
 
@@ -65,13 +66,17 @@ def causal_conv1d_verify(
     conv_pool: jax.Array,
     state_indices: jax.Array,
     *,
+    parents: jax.Array | None = None,
     activation: str | None = "silu",
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """D draft tokens per row after the row's saved window, keeping every window.
 
     Arguments as ``causal_conv1d_update``: x ``[N, D, C]``, weight ``[C, W]``, bias ``[C]`` or
-    None, conv_pool ``[S, C, W-1]``, state_indices int32 ``[N]``.
+    None, conv_pool ``[S, C, W-1]``, state_indices int32 ``[N]``. ``parents``: None for chain
+    drafts, or int32 ``[N, D]`` tree drafts in topological order (``-1`` for token 0, the
+    root; ``0 <= parents[n, t] < t`` otherwise): token t's window is the one after its
+    parent, i.e. its root path's inputs, not the tokens before it in the row.
 
     Returns:
       y ``[N, D, C]`` in x's dtype, and windows ``[N, D, C, W-1]`` in the pool's dtype:
@@ -82,9 +87,10 @@ def causal_conv1d_verify(
     op = "causal_conv1d_verify"
     args = (x, weight, bias, conv_pool, state_indices)
     check_rows(op, *args, activation)
-    which = _resolve(op, impl, args, activation)
+    check_parents(op, parents, *x.shape[:2])
+    which = _resolve(op, impl, args, activation, parents=parents)
     if which == "reference":
-        return reference.causal_conv1d_verify(*args, activation=activation)
+        return reference.causal_conv1d_verify(*args, parents=parents, activation=activation)
     return update_mgpu.causal_conv1d_verify(
-        *args, activation=activation, interpret=which == "interpret"
+        *args, parents=parents, activation=activation, interpret=which == "interpret"
     )

@@ -12,6 +12,10 @@ channel block of the pool is a ``[128, 3]`` box whose rows are 6 bytes, under TM
 minimum. Strided register loads (stride ``W-1``) hit the same few cache sectors for all taps,
 and the whole op moves only ``~4 (W-1) C`` bytes per row.
 
+Tree drafts (verify with ``parents``): token ``t``'s window is the one its parent left,
+``windows[n, parents[n, t]]``, which the same thread stored a moment before (a thread owns
+its channel in every array, so it reads back only its own writes); the root's is the pool's.
+
 Padded rows (``state_indices[n] == 0``) read and write no pool memory; their outputs (and
 windows) are zeros, as the reference does.
 """
@@ -44,11 +48,12 @@ def unsupported_reason(
     conv_pool: jax.Array,
     state_indices: jax.Array,
     *,
+    parents: jax.Array | None = None,
     activation: str | None = "silu",
 ) -> str | None:
     """Why the kernels of this module cannot take this call, in one sentence; None if they can.
 
-    Covers update and verify alike (same arguments).
+    Covers update and verify alike (same arguments; ``parents`` only for verify).
     """
     if x.ndim != 3:
         return f"x {x.shape} must be [N, D, C]"
@@ -78,6 +83,9 @@ def unsupported_reason(
         return f"state_indices {got} must be int32 [{n_rows}]"
     if activation not in ("silu", None):
         return f"activation={activation!r} is not 'silu' or None"
+    if parents is not None and (parents.shape != (n_rows, n_tokens) or parents.dtype != jnp.int32):
+        got = f"{parents.dtype}{list(parents.shape)}"
+        return f"parents {got} must be int32 [{n_rows}, {n_tokens}]"
     if n_rows == 0:
         return "N=0 rows: nothing to launch"
     return None
@@ -98,17 +106,32 @@ def _rows(
     activation: str | None,
     write_pool: bool,
     interpret: bool,
+    parents: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The kernel call: ``y`` (update; the pool is a mutable ref written in place) or
-    ``(y, windows)`` (verify; the pool is only read)."""
+    ``(y, windows)`` (verify; the pool is only read; ``parents`` int32 ``[N, D]`` for tree
+    drafts)."""
     n_rows, n_tokens, channels = x.shape
     width = weight.shape[1]
     has_bias = bias is not None
+    tree = parents is not None
 
     def load(ref) -> jax.Array:
         return plgpu.load(ref, layout=_LANE).astype(jnp.float32)
 
+    def conv(taps, window, x_t, bias_t):
+        acc = bias_t
+        for w in range(width):
+            term = taps[w] * (window[w] if w < width - 1 else x_t)
+            acc = term if acc is None else acc + term
+        if activation == "silu":
+            acc = acc / (1.0 + jnp.exp(-acc))
+        return acc
+
     def body(*refs):
+        parents_ref = None
+        if tree:  # parents come right after idx; the rest keeps the chain's positions
+            parents_ref, refs = refs[1], refs[:1] + refs[2:]
         idx_ref, x_ref, w_ref = refs[:3]
         refs = refs[3:]
         b_ref = refs[0] if has_bias else None
@@ -130,8 +153,25 @@ def _rows(
                     for w in range(width - 1):
                         win_ref[n, t, chans, w] = ext[t + 1 + w].astype(win_ref.dtype)
 
+        def tree_row():
+            taps = [load(w_ref.at[chans, w]) for w in range(width)]
+            bias_t = load(b_ref.at[chans]) if has_bias else None
+            window = [load(pool_ref.at[slot, chans, w]) for w in range(width - 1)]
+            for t in range(n_tokens):
+                if t > 0:  # the root (t = 0) continues the pool's window
+                    parent = parents_ref[n * n_tokens + t]
+                    window = [load(win_ref.at[n, parent, chans, w]) for w in range(width - 1)]
+                x_t = load(x_ref.at[n, t, chans])
+                y_ref[n, t, chans] = conv(taps, window, x_t, bias_t).astype(y_ref.dtype)
+                window = [*window[1:], x_t]
+                for w in range(width - 1):
+                    win_ref[n, t, chans, w] = window[w].astype(win_ref.dtype)
+
         @pl.when(slot != 0)
         def _real_row():
+            if tree:
+                tree_row()
+                return
             ext = [load(pool_ref.at[slot, chans, w]) for w in range(width - 1)]
             ext += [load(x_ref.at[n, t, chans]) for t in range(n_tokens)]
             taps = [load(w_ref.at[chans, w]) for w in range(width)]
@@ -166,8 +206,10 @@ def _rows(
         grid_names=("n", "c"),
         interpret=_interpret_params(interpret),
     )
-    operands = (state_indices, x, weight) + ((bias,) if has_bias else ()) + (conv_pool,)
-    return kernel(*operands)
+    # parents flat [N*D]: a scalar load from a 1-D GMEM ref, as for state_indices.
+    tree_args = (parents.reshape(-1),) if tree else ()
+    operands = (state_indices, *tree_args, x, weight) + ((bias,) if has_bias else ())
+    return kernel(*operands, conv_pool)
 
 
 def causal_conv1d_update(
@@ -203,17 +245,22 @@ def causal_conv1d_verify(
     conv_pool: jax.Array,
     state_indices: jax.Array,
     *,
+    parents: jax.Array | None = None,
     activation: str | None = "silu",
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """D draft tokens per row, pool read-only.
 
-    Arguments as ``causal_conv1d_update``. Returns (y ``[N, D, C]``; windows
-    ``[N, D, C, W-1]`` in the pool's dtype, ``windows[n, t]`` = the window after token ``t``);
-    both zeros on padded rows.
+    Arguments as ``causal_conv1d_update``, plus ``parents``: None (a chain) or int32
+    ``[N, D]`` tree drafts, token t continuing the window after token ``parents[n, t]``.
+    Returns (y ``[N, D, C]``; windows ``[N, D, C, W-1]`` in the pool's dtype,
+    ``windows[n, t]`` = the window after token ``t``); both zeros on padded rows.
     """
-    _check(unsupported_reason(x, weight, bias, conv_pool, state_indices, activation=activation))
+    reason = unsupported_reason(
+        x, weight, bias, conv_pool, state_indices, parents=parents, activation=activation
+    )
+    _check(reason)
     return _rows(
         x, weight, bias, conv_pool, state_indices,
-        activation=activation, write_pool=False, interpret=interpret,
+        activation=activation, write_pool=False, interpret=interpret, parents=parents,
     )  # fmt: skip

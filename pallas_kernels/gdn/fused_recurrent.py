@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels._common import resolve_impl
+from pallas_kernels._tree import check_parents
 from pallas_kernels.gdn import recurrent_mgpu, reference
 from pallas_kernels.gdn._checks import check_rows, default_scale
 
@@ -74,6 +75,7 @@ def verify_gated_delta_rule(
     ssm_pool: jax.Array,
     state_indices: jax.Array,
     *,
+    parents: jax.Array | None = None,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     impl: str = "auto",
@@ -82,7 +84,11 @@ def verify_gated_delta_rule(
 
     Arguments as ``fused_recurrent_gated_delta_rule``: q, k ``[N, D, H, K]``, v
     ``[N, D, HV, V]``, g, beta float32 ``[N, D, HV]``, ssm_pool float32 ``[S, HV, K, V]``,
-    state_indices int32 ``[N]``.
+    state_indices int32 ``[N]``. ``parents``: None for chain drafts, or int32 ``[N, D]``
+    tree drafts in topological order: token t starts from the state after token
+    ``parents[n, t]`` (``-1`` for token 0, the root, which starts from the slot;
+    ``0 <= parents[n, t] < t`` for the others). Example: ``[-1, 0, 0, 1]`` verifies two
+    candidates for the first draft (tokens 1 and 2) and one continuation of token 1.
 
     Returns:
       o ``[N, D, HV, V]`` in v's dtype, and intermediates float32 ``[N, D, HV, K, V]``:
@@ -93,7 +99,12 @@ def verify_gated_delta_rule(
     op = "verify_gated_delta_rule"
     args = (q, k, v, g, beta, ssm_pool, state_indices)
     check_rows(op, *args)
-    options = {"scale": default_scale(op, q.shape[-1], scale), "use_qk_l2norm": use_qk_l2norm}
+    check_parents(op, parents, *v.shape[:2])
+    options = {
+        "parents": parents,
+        "scale": default_scale(op, q.shape[-1], scale),
+        "use_qk_l2norm": use_qk_l2norm,
+    }
     which = _resolve(op, impl, args, options)
     if which == "reference":
         return reference.verify_gated_delta_rule(*args, **options)

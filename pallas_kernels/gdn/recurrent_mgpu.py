@@ -12,6 +12,12 @@ Register layouts (Mosaic GPU "lane" semantics): the state tile is a WGMMA-layout
 in ``WGMMA.reduce(1)`` (one value per row) and ``v_t``, ``o_t`` live in ``WGMMA.reduce(0)``
 (one value per column), so the two mat-vecs ``S^T k`` and ``S^T q`` are column sums.
 
+Tree drafts (verify with ``parents``): the program keeps the state after every token in its
+own SMEM tile (``D+1`` tiles: the root, then one per token, each copied out to
+``intermediates`` and never overwritten), and token ``t`` starts from the tile of its parent,
+``parents[n, t] + 1``. The chain verify keeps the state in registers from one token to the
+next. ``D+1`` tiles must fit ``TREE_SMEM_BYTES``, so a tree call narrows ``block_v``.
+
 Padded rows (``state_indices[n] == 0``): the program touches no pool memory and writes
 zeros to ``o`` (and to ``intermediates``). This is stricter than the contract (which lets
 the pad slot be read and written) and avoids every padded row of a bucket racing on slot 0.
@@ -51,6 +57,10 @@ _ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # under 100 KiB at K = V = 128 while covering every speculative depth in use.
 MAX_TOKENS = 16
 _NUM_SMS = 132  # H100/H200 SXM
+# SMEM for the D+1 state tiles of a tree verify; the rest of the 227 KiB an sm_90 block may
+# use holds the q/k/v/o tiles.
+TREE_SMEM_BYTES = 160 * 1024
+_MIN_BLOCK_V = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +82,15 @@ def pick_config(n_rows: int, hv: int, v_dim: int) -> RecurrentConfig:
     if n_rows * hv * (v_dim // block_v) < 2 * _NUM_SMS and v_dim % 32 == 0:
         block_v = 32
     return RecurrentConfig(block_v=block_v)
+
+
+def _tree_config(config: RecurrentConfig, n_tokens: int, k_dim: int) -> RecurrentConfig:
+    """``config`` with ``block_v`` halved until the ``D+1`` state tiles fit the SMEM budget."""
+    bv = config.block_v
+    while (n_tokens + 1) * k_dim * bv * 4 > TREE_SMEM_BYTES and bv > _MIN_BLOCK_V:
+        bv //= 2
+    swizzle = min(config.swizzle, bv * 4)  # a swizzle row may not exceed a tile row
+    return RecurrentConfig(block_v=bv, swizzle=swizzle)
 
 
 def _interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:
@@ -97,20 +116,28 @@ def _recurrent(
     write_pool: bool,
     config: RecurrentConfig,
     interpret: bool,
+    parents: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The kernel call. ``gates`` is ``(g, beta)`` or ``(A_log, a, dt_bias, b)``.
 
     With ``write_pool`` the pool must be a mutable ref and the result is ``o``; without it
-    the pool is only read and the result is ``(o, intermediates)``.
+    the pool is only read and the result is ``(o, intermediates)``. ``parents`` (verify
+    only): int32 ``[N, D]`` tree of every row.
     """
     n_rows, n_tokens, h, k_dim = q.shape
     hv, v_dim = v.shape[2:]
     group = hv // h
+    tree = parents is not None
+    if tree:
+        config = _tree_config(config, n_tokens, k_dim)
     bv = config.block_v
     raw_gating = len(gates) == 4
     n_in = 4 + len(gates) + 1  # idx, q, k, v, gates..., pool
 
     def body(*refs):
+        parents_ref = None
+        if tree:  # parents come right after idx; the rest keeps the chain's positions
+            parents_ref, refs = refs[1], refs[:1] + refs[2:]
         idx_ref, q_ref, k_ref, v_ref = refs[:4]
         gate_refs = refs[4 : n_in - 1]
         pool_ref = refs[n_in - 1]
@@ -137,6 +164,12 @@ def _recurrent(
             plgpu.barrier_wait(barrier)
             state = plgpu.load(state_smem.at[0], layout=_STATE)
             for t in range(n_tokens):
+                if tree and t > 0:
+                    # The root's parent is -1 (tile 0, already in registers); every other
+                    # token reloads its parent's tile, which this thread stored itself in
+                    # the same layout.
+                    parent = parents_ref[n * n_tokens + t]
+                    state = plgpu.load(state_smem.at[parent + 1], layout=_STATE)
                 q_t = plgpu.load(q_smem.at[t], layout=_ROW).astype(jnp.float32)
                 k_t = plgpu.load(k_smem.at[t], layout=_ROW).astype(jnp.float32)
                 v_t = plgpu.load(v_smem.at[t], layout=_COL).astype(jnp.float32)
@@ -160,7 +193,12 @@ def _recurrent(
                 state = state + k_rows * lax.broadcast_in_dim(u, state.shape, [1])
                 o_t = jnp.sum(lax.broadcast_in_dim(q_t, state.shape, [0]) * state, axis=0)
                 o_smem[t] = (o_t * q_scale).astype(o_smem.dtype)
-                if not write_pool:
+                if tree:
+                    buf = state_smem.at[t + 1]  # never overwritten: no wait before the store
+                    buf[...] = state
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(buf, inter_ref.at[n, t, head, :, cols])
+                elif not write_pool:
                     buf = state_smem.at[t % 2]
                     if t >= 2:
                         # The copy of token t-2 out of this buffer must have read it.
@@ -201,13 +239,14 @@ def _recurrent(
     if config.swizzle:
         tile_cols = config.swizzle // 4  # fp32: one swizzle row
         transforms = (plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(config.swizzle))
+    n_tiles = n_tokens + 1 if tree else 1 if write_pool else 2
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
         grid=(n_rows, hv, v_dim // bv),
         grid_names=("n", "h", "j"),
         scratch_types=[
-            plgpu.SMEM((1 if write_pool else 2, k_dim, bv), jnp.float32, transforms=transforms),
+            plgpu.SMEM((n_tiles, k_dim, bv), jnp.float32, transforms=transforms),
             plgpu.SMEM((n_tokens, k_dim), q.dtype),
             plgpu.SMEM((n_tokens, k_dim), k.dtype),
             plgpu.SMEM((n_tokens, bv), v.dtype),
@@ -216,7 +255,9 @@ def _recurrent(
         ],
         interpret=_interpret_params(interpret),
     )
-    return kernel(state_indices, q, k, v, *gates, ssm_pool)
+    # parents flat [N*D]: a scalar load from a 1-D GMEM ref, as for state_indices.
+    tree_args = (parents.reshape(-1),) if tree else ()
+    return kernel(state_indices, *tree_args, q, k, v, *gates, ssm_pool)
 
 
 def _check(reason: str | None) -> None:
@@ -233,13 +274,15 @@ def unsupported_reason(
     ssm_pool: jax.Array,
     state_indices: jax.Array,
     *,
+    parents: jax.Array | None = None,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
 ) -> str | None:
     """Why the kernels of this module cannot take this call, in one sentence; None if they can.
 
-    Covers decode and verify alike (same arguments); for the fused-gating entry pass ``a`` and
-    ``b`` as ``g`` and ``beta`` (only their shapes are checked, not their dtype).
+    Covers decode and verify alike (same arguments; ``parents`` only for verify); for the
+    fused-gating entry pass ``a`` and ``b`` as ``g`` and ``beta`` (only their shapes are
+    checked, not their dtype).
     """
     del scale, use_qk_l2norm
     if q.ndim != 4 or k.shape != q.shape:
@@ -267,6 +310,15 @@ def unsupported_reason(
     if state_indices.shape != (n_rows,) or state_indices.dtype != jnp.int32:
         got = f"{state_indices.dtype}{list(state_indices.shape)}"
         return f"state_indices {got} must be int32 [{n_rows}]"
+    if parents is not None:
+        if parents.shape != (n_rows, n_tokens) or parents.dtype != jnp.int32:
+            got = f"{parents.dtype}{list(parents.shape)}"
+            return f"parents {got} must be int32 [{n_rows}, {n_tokens}]"
+        if (n_tokens + 1) * k_dim * _MIN_BLOCK_V * 4 > TREE_SMEM_BYTES:
+            return (
+                f"a tree of D={n_tokens} tokens needs D+1 state tiles of [K={k_dim}, "
+                f"{_MIN_BLOCK_V}] in SMEM, over the {TREE_SMEM_BYTES // 1024} KiB budget"
+            )
     if n_rows == 0:
         return "N=0 rows: nothing to launch"
     return None
@@ -359,6 +411,7 @@ def verify_gated_delta_rule(
     ssm_pool: jax.Array,
     state_indices: jax.Array,
     *,
+    parents: jax.Array | None = None,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     interpret: bool = False,
@@ -366,15 +419,18 @@ def verify_gated_delta_rule(
 ) -> tuple[jax.Array, jax.Array]:
     """D draft tokens per row from ``pool[idx[n]]``, pool read-only.
 
-    Arguments as ``fused_recurrent_gated_delta_rule``. Returns (o ``[N, D, HV, V]``;
+    Arguments as ``fused_recurrent_gated_delta_rule``, plus ``parents``: None (a chain) or
+    int32 ``[N, D]`` tree drafts, token t starting from the state after token
+    ``parents[n, t]`` (-1 at the root: the slot). Returns (o ``[N, D, HV, V]``;
     intermediates float32 ``[N, D, HV, K, V]``, ``intermediates[n, t]`` = the state after token
     ``t``); both are zeros on padded rows.
     """
-    _check(unsupported_reason(q, k, v, g, beta, ssm_pool, state_indices) or _gate_reason(g, beta))
+    reason = unsupported_reason(q, k, v, g, beta, ssm_pool, state_indices, parents=parents)
+    _check(reason or _gate_reason(g, beta))
     config = config or pick_config(q.shape[0], v.shape[2], v.shape[3])
     o, intermediates = _recurrent(
         q, k, v, (g, beta), ssm_pool, state_indices,
         scale=_scale(q, scale), use_qk_l2norm=use_qk_l2norm, write_pool=False,
-        config=config, interpret=interpret,
+        config=config, interpret=interpret, parents=parents,
     )  # fmt: skip
     return o, intermediates

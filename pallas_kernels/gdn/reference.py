@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._commit import commit_steps, write_where
+from pallas_kernels._tree import start_of_node
 from pallas_kernels._varlen import num_tiles, tile_layout, token_segments
 
 __all__ = [
@@ -294,22 +295,26 @@ def _rows(
     scale: float | None,
     use_qk_l2norm: bool,
     keep_all: bool,
+    parents: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """D tokens of every row from its slot; padded rows (slot 0) are zeroed.
 
     Returns o ``[N, D, HV, V]`` and the states after each token ``[N, D, HV, K, V]`` (only
     the last one, ``[N, 1, HV, K, V]``, unless ``keep_all``), both in the computation dtype.
+    With ``parents`` (``[N, D]``, a tree per row) token t starts from its parent's state.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     dtype = _compute_dtype(q, k, v, g, beta, ssm_pool)
     qh, kh = _heads_qk(q, k, v.shape[2], scale, use_qk_l2norm, dtype)
     v, g, beta = v.astype(dtype), g.astype(dtype), beta.astype(dtype)
-    state = ssm_pool[state_indices].astype(dtype)
-    outs, states = [], []
+    history = [ssm_pool[state_indices].astype(dtype)]
+    outs = []
     for d in range(v.shape[1]):
+        state = start_of_node(history, parents, d)
         state, o = _step(state, qh[:, d], kh[:, d], v[:, d], g[:, d], beta[:, d])
         outs.append(o)
-        states.append(state)
+        history.append(state)
+    states = history[1:]
     real = (state_indices != 0)[:, None, None, None]
     kept = jnp.stack(states if keep_all else states[-1:], axis=1)
     return jnp.where(real, jnp.stack(outs, axis=1), 0), jnp.where(real[..., None], kept, 0)
@@ -344,12 +349,15 @@ def verify_gated_delta_rule(
     ssm_pool: jax.Array,
     state_indices: jax.Array,
     *,
+    parents: jax.Array | None = None,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """Token-by-token ``verify_gated_delta_rule`` (same arguments and results)."""
+    """Token-by-token ``verify_gated_delta_rule`` (same arguments and results); with
+    ``parents`` each token starts from its parent's state (tree drafts)."""
     args = _as_arrays(q, k, v, g, beta, ssm_pool, state_indices)
-    o, states = _rows(*args, scale, use_qk_l2norm, keep_all=True)
+    parents = None if parents is None else jnp.asarray(parents)
+    o, states = _rows(*args, scale, use_qk_l2norm, keep_all=True, parents=parents)
     return o.astype(v.dtype), states.astype(ssm_pool.dtype)
 
 

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._commit import commit_steps, write_where
+from pallas_kernels._tree import start_of_node
 from pallas_kernels._varlen import num_tiles, tile_layout, token_segments
 
 __all__ = [
@@ -259,11 +260,13 @@ def _rows(
     dt_min: float,
     dt_max: float,
     keep_all: bool,
+    parents: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Dt tokens of every row from its slot; padded rows (slot 0) are zeroed.
 
     Returns y ``[N, Dt, H, P]`` and the states after each token ``[N, Dt, H, P, N]`` (only
     the last one, ``[N, 1, H, P, N]``, unless ``keep_all``), both in the computation dtype.
+    With ``parents`` (``[N, Dt]``, a tree per row) token t starts from its parent's state.
     """
     x, dt, A, B, C, D, dt_bias, ssm_pool, state_indices = args
     n_heads = x.shape[2]
@@ -271,12 +274,14 @@ def _rows(
     dt = prepare_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, dtype)
     bh, ch = (_heads(m.astype(dtype), n_heads) for m in (B, C))
     xw, a = x.astype(dtype), A.astype(dtype)
-    state = ssm_pool[state_indices].astype(dtype)
-    outs, states = [], []
+    history = [ssm_pool[state_indices].astype(dtype)]
+    outs = []
     for t in range(x.shape[1]):
+        state = start_of_node(history, parents, t)
         state, y = _step(state, xw[:, t], dt[:, t], a, bh[:, t], ch[:, t])
         outs.append(y)
-        states.append(state)
+        history.append(state)
+    states = history[1:]
     y = _gate(jnp.stack(outs, axis=1) + D.astype(dtype)[:, None] * xw, z)
     real = (state_indices != 0)[:, None, None, None]
     kept = jnp.stack(states if keep_all else states[-1:], axis=1)
@@ -319,13 +324,16 @@ def verify_selective_state_update(
     state_indices: jax.Array,
     *,
     z: jax.Array | None = None,
+    parents: jax.Array | None = None,
     dt_softplus: bool = True,
     dt_min: float = 0.0,
     dt_max: float = float("inf"),
 ) -> tuple[jax.Array, jax.Array]:
-    """Token-by-token ``verify_selective_state_update`` (same arguments and results)."""
+    """Token-by-token ``verify_selective_state_update`` (same arguments and results); with
+    ``parents`` each token starts from its parent's state (tree drafts)."""
     args, z = _prepare((x, dt, A, B, C, D, dt_bias, ssm_pool, state_indices), z)
-    y, states = _rows(args, z, dt_softplus, dt_min, dt_max, keep_all=True)
+    parents = None if parents is None else jnp.asarray(parents)
+    y, states = _rows(args, z, dt_softplus, dt_min, dt_max, keep_all=True, parents=parents)
     return y.astype(args[0].dtype), states.astype(args[7].dtype)
 
 

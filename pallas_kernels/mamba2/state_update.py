@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels._common import resolve_impl
+from pallas_kernels._tree import check_parents
 from pallas_kernels.mamba2 import reference, state_update_mgpu
 from pallas_kernels.mamba2._checks import check_options, check_rows
 
@@ -20,6 +21,7 @@ __all__ = ["selective_state_update", "verify_selective_state_update"]
 def _call(op: str, args: tuple, options: dict, impl: str, verify: bool):
     check_rows(op, *args, options["z"])
     check_options(op, options["dt_min"], options["dt_max"])
+    check_parents(op, options.get("parents"), *args[0].shape[:2])
     which = resolve_impl(
         op,
         impl,
@@ -96,6 +98,7 @@ def verify_selective_state_update(
     state_indices: jax.Array,
     *,
     z: jax.Array | None = None,
+    parents: jax.Array | None = None,
     dt_softplus: bool = True,
     dt_min: float = 0.0,
     dt_max: float = float("inf"),
@@ -105,6 +108,9 @@ def verify_selective_state_update(
 
     Arguments as ``selective_state_update``: x ``[N, Dt, H, P]``, dt ``[N, Dt, H]``, B, C
     ``[N, Dt, G, N]``, ssm_pool float32 ``[S, H, P, N]``, state_indices int32 ``[N]``.
+    ``parents``: None for chain drafts, or int32 ``[N, Dt]`` tree drafts in topological
+    order: token t starts from the state after token ``parents[n, t]`` (``-1`` for token 0,
+    the root, which starts from the slot; ``0 <= parents[n, t] < t`` otherwise).
 
     Returns:
       y ``[N, Dt, H, P]`` in x's dtype, and intermediates float32 ``[N, Dt, H, P, N]``:
@@ -113,4 +119,5 @@ def verify_selective_state_update(
     """
     args = (x, dt, A, B, C, D, dt_bias, ssm_pool, state_indices)
     options = {"z": z, "dt_softplus": dt_softplus, "dt_min": dt_min, "dt_max": dt_max}
+    options["parents"] = parents
     return _call("verify_selective_state_update", args, options, impl, verify=True)

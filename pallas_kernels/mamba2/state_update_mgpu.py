@@ -13,6 +13,13 @@ and ``y_t`` are ``[block_p]`` in ``WGMMA.reduce(1)`` (one value per state row); 
 ``C_t`` are ``[N]`` in ``WGMMA.reduce(0)`` (one value per state column), so ``S C`` is a row
 sum. ``dt``, ``A``, ``D`` and ``dt_bias`` are scalars read from GMEM.
 
+Tree drafts (verify with ``parents``): the program keeps the state after every token in its
+own SMEM tile (``Dt+1`` tiles: the root, then one per token, each copied out to
+``intermediates`` and never overwritten); token ``t`` starts from its parent's tile,
+``parents[n, t] + 1``. The tiles must fit ``TREE_SMEM_BYTES``: with ``block_p`` = 64 and
+N = 128 (32 KiB a tile) that is Dt <= 4, with N = 64 Dt <= 9; larger trees are refused by
+``unsupported_reason`` (``impl="auto"`` then takes the reference).
+
 Padded rows (``state_indices[n] == 0``): the program touches no pool memory and writes zeros
 to ``y`` (and to ``intermediates``), so the padded rows of a bucket never race on slot 0.
 
@@ -38,6 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = [
     "MAX_TOKENS",
+    "TREE_SMEM_BYTES",
     "StateUpdateConfig",
     "selective_state_update",
     "unsupported_reason",
@@ -54,6 +62,9 @@ _ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # Dt tokens of x/B/C/z/y live in SMEM next to the state tiles; 16 covers every speculative
 # depth in use and keeps the program far under the SMEM limit.
 MAX_TOKENS = 16
+# SMEM for the Dt+1 state tiles of a tree verify; the rest of the 227 KiB an sm_90 block may
+# use holds the x/B/C/z/y tiles.
+TREE_SMEM_BYTES = 160 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,17 +104,23 @@ def _state_update(
     write_pool: bool,
     config: StateUpdateConfig,
     interpret: bool,
+    parents: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The kernel call. With ``write_pool`` the pool must be a mutable ref and the result is
-    ``y``; without it the pool is only read and the result is ``(y, intermediates)``."""
+    ``y``; without it the pool is only read and the result is ``(y, intermediates)``.
+    ``parents`` (verify only): int32 ``[N, Dt]`` tree of every row."""
     n_rows, n_tokens, n_heads, p_dim = x.shape
     n_groups, n_dim = B.shape[2:]
     per_group = n_heads // n_groups
     bp = config.block_p
     has_z = z is not None
+    tree = parents is not None
     n_in = 9 + has_z  # idx, x, dt, A, B, C, D, dt_bias, [z], pool
 
     def body(*refs):
+        parents_ref = None
+        if tree:  # parents come right after idx; the rest keeps the chain's positions
+            parents_ref, refs = refs[1], refs[:1] + refs[2:]
         idx_ref, x_ref, dt_ref, a_ref, b_ref, c_ref, d_ref, bias_ref = refs[:8]
         z_ref = refs[8] if has_z else None
         pool_ref = refs[n_in - 1]
@@ -138,6 +155,11 @@ def _state_update(
             bias = bias_ref[head]
             state = plgpu.load(state_smem.at[0], layout=_STATE)
             for t in range(n_tokens):
+                if tree and t > 0:
+                    # The root's parent is -1 (tile 0, already in registers); every other
+                    # token reloads its parent's tile, stored by this thread in this layout.
+                    parent = parents_ref[n * n_tokens + t]
+                    state = plgpu.load(state_smem.at[parent + 1], layout=_STATE)
                 x_t = plgpu.load(x_smem.at[t], layout=_ROW).astype(jnp.float32)
                 b_t = plgpu.load(b_smem.at[t], layout=_COL).astype(jnp.float32)
                 c_t = plgpu.load(c_smem.at[t], layout=_COL).astype(jnp.float32)
@@ -158,7 +180,12 @@ def _state_update(
                     z_t = plgpu.load(z_smem.at[t], layout=_ROW).astype(jnp.float32)
                     y_t = y_t * z_t / (1.0 + jnp.exp(-z_t))
                 y_smem[t] = y_t.astype(y_smem.dtype)
-                if not write_pool:
+                if tree:
+                    buf = state_smem.at[t + 1]  # never overwritten: no wait before the store
+                    buf[...] = state
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(buf, inter_ref.at[n, t, head, rows, :])
+                elif not write_pool:
                     buf = state_smem.at[t % 2]
                     if t >= 2:
                         # The copy of token t-2 out of this buffer must have read it.
@@ -194,8 +221,9 @@ def _state_update(
     if not write_pool:
         inter_shape = (n_rows, n_tokens, n_heads, p_dim, n_dim)
         out_type = (y_type, jax.ShapeDtypeStruct(inter_shape, jnp.float32))
+    n_tiles = n_tokens + 1 if tree else 1 if write_pool else 2
     scratch_types = [
-        plgpu.SMEM((1 if write_pool else 2, bp, n_dim), jnp.float32),
+        plgpu.SMEM((n_tiles, bp, n_dim), jnp.float32),
         plgpu.SMEM((n_tokens, bp), x.dtype),
         plgpu.SMEM((n_tokens, n_dim), B.dtype),
         plgpu.SMEM((n_tokens, n_dim), C.dtype),
@@ -215,7 +243,9 @@ def _state_update(
         interpret=_interpret_params(interpret),
     )
     operands = (x, dt, A, B, C, D, dt_bias, *((z,) if has_z else ()), ssm_pool)
-    return kernel(state_indices, *operands)
+    # parents flat [N*Dt]: a scalar load from a 1-D GMEM ref, as for state_indices.
+    tree_args = (parents.reshape(-1),) if tree else ()
+    return kernel(state_indices, *tree_args, *operands)
 
 
 def unsupported_reason(
@@ -230,13 +260,14 @@ def unsupported_reason(
     state_indices: jax.Array,
     *,
     z: jax.Array | None = None,
+    parents: jax.Array | None = None,
     dt_softplus: bool = True,
     dt_min: float = 0.0,
     dt_max: float = float("inf"),
 ) -> str | None:
     """Why the kernels of this module cannot take this call, in one sentence; None if they can.
 
-    Covers decode and verify alike (same arguments).
+    Covers decode and verify alike (same arguments; ``parents`` only for verify).
     """
     del dt_softplus, dt_min, dt_max
     if x.ndim != 4:
@@ -272,6 +303,17 @@ def unsupported_reason(
     if state_indices.shape != (n_rows,) or state_indices.dtype != jnp.int32:
         got = f"{state_indices.dtype}{list(state_indices.shape)}"
         return f"state_indices {got} must be int32 [{n_rows}]"
+    if parents is not None:
+        if parents.shape != (n_rows, n_tokens) or parents.dtype != jnp.int32:
+            got = f"{parents.dtype}{list(parents.shape)}"
+            return f"parents {got} must be int32 [{n_rows}, {n_tokens}]"
+        tile = StateUpdateConfig().block_p * n_dim * 4
+        if (n_tokens + 1) * tile > TREE_SMEM_BYTES:
+            return (
+                f"a tree of Dt={n_tokens} tokens needs Dt+1 state tiles of {tile // 1024} KiB "
+                f"in SMEM, over the {TREE_SMEM_BYTES // 1024} KiB budget (at most "
+                f"Dt={TREE_SMEM_BYTES // tile - 1} with N={n_dim})"
+            )
     if n_rows == 0:
         return "N=0 rows: nothing to launch"
     return None
@@ -331,6 +373,7 @@ def verify_selective_state_update(
     state_indices: jax.Array,
     *,
     z: jax.Array | None = None,
+    parents: jax.Array | None = None,
     dt_softplus: bool = True,
     dt_min: float = 0.0,
     dt_max: float = float("inf"),
@@ -339,14 +382,15 @@ def verify_selective_state_update(
 ) -> tuple[jax.Array, jax.Array]:
     """Dt draft tokens per row from ``pool[idx[n]]``, pool read-only.
 
-    Arguments as ``selective_state_update``. Returns (y ``[N, Dt, H, P]``; intermediates
-    float32 ``[N, Dt, H, P, N]``, ``intermediates[n, t]`` = the state after token ``t``); both
-    are zeros on padded rows.
+    Arguments as ``selective_state_update``, plus ``parents``: None (a chain) or int32
+    ``[N, Dt]`` tree drafts, token t starting from the state after token ``parents[n, t]``.
+    Returns (y ``[N, Dt, H, P]``; intermediates float32 ``[N, Dt, H, P, N]``,
+    ``intermediates[n, t]`` = the state after token ``t``); both are zeros on padded rows.
     """
     args = (x, dt, A, B, C, D, dt_bias, ssm_pool, state_indices)
-    _check(unsupported_reason(*args, z=z))
+    _check(unsupported_reason(*args, z=z, parents=parents))
     return _state_update(
         x, dt, A, B, C, D, dt_bias, z, ssm_pool, state_indices,
         dt_softplus=dt_softplus, dt_min=dt_min, dt_max=dt_max, write_pool=False,
-        config=config or StateUpdateConfig(), interpret=interpret,
+        config=config or StateUpdateConfig(), interpret=interpret, parents=parents,
     )  # fmt: skip
