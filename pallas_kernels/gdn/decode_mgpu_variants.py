@@ -16,6 +16,9 @@ GPU run says which pays:
   adds and lane shuffles). In the WGMMA layout (``layout="wgmma"``, as ``recurrent_mgpu``) the
   K rows are spread over the warps, so each of those four reductions goes through SMEM with a
   warpgroup barrier (the Mamba2 kernel reduces along its columns: in-warp).
+* ``one_pass`` (with "cols"): ``S^T k`` and ``S^T q`` both from the state before the update
+  (``o = decay S^T q + (q . k) u``): two independent reductions in one read of the tile, then
+  one write pass, instead of reduce, update, reduce.
 * ``stages >= 2``: a persistent grid (two programs per SM) in which each program walks work
   items ``(row, head, column block)`` through a ring of ``stages`` SMEM tiles: the TMA load of
   item ``i + stages - 1`` is in flight while item ``i`` is computed and stored, so a program
@@ -53,19 +56,23 @@ class DecodeVariant:
     over warps, as ``recurrent_mgpu``). ``block_v``: value columns per work item, or 0 for
     ``pick_block_v``. ``stages``: 0 for one item per program, else the SMEM ring depth of the
     persistent pipelined kernel, which launches at most ``programs`` programs (two per SM by
-    default: one program's compute hides behind the other's copies).
+    default: one program's compute hides behind the other's copies). ``one_pass``: both
+    mat-vecs from the state before the update (``o = decay S^T q + (q . k) u``), so the tile
+    is read once for ``S^T k`` and ``S^T q`` together and written once; otherwise ``S^T q`` is
+    a second reduction after the update, as in ``recurrent_mgpu``.
     """
 
     layout: str = "cols"
     block_v: int = 0
     stages: int = 0
     programs: int = 2 * _NUM_SMS
+    one_pass: bool = True
 
 
 VARIANTS = {
-    "wgmma": DecodeVariant("wgmma"),
+    "wgmma": DecodeVariant("wgmma", one_pass=False),
     "cols": DecodeVariant("cols"),
-    "pipe3-wgmma": DecodeVariant("wgmma", stages=3),
+    "pipe3-wgmma": DecodeVariant("wgmma", stages=3, one_pass=False),
     "pipe3-cols": DecodeVariant("cols", stages=3),
 }
 
@@ -97,7 +104,8 @@ def _interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:
     return plgpu.InterpretGPUParams() if interpret else False
 
 
-def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use_qk_l2norm):
+def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use_qk_l2norm,
+            one_pass):  # fmt: skip
     """Runs the tokens of one item on the register tile ``state``; writes ``o`` to SMEM.
 
     ``gates``: per token ``(decay, beta)`` float32 scalars. Returns the final state.
@@ -111,11 +119,20 @@ def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use
         if use_qk_l2norm:
             q_scale = q_scale * lax.rsqrt(jnp.sum(q_t * q_t) + 1e-6)
             k_t = k_t * lax.rsqrt(jnp.sum(k_t * k_t) + 1e-6)
-        state = state * decay
         k_rows = lax.broadcast_in_dim(k_t, state.shape, [0])
-        u = (v_t - jnp.sum(k_rows * state, axis=0)) * beta_t
-        state = state + k_rows * lax.broadcast_in_dim(u, state.shape, [1])
-        o_t = jnp.sum(lax.broadcast_in_dim(q_t, state.shape, [0]) * state, axis=0)
+        if one_pass:
+            # S' = decay S + k u^T with u = beta (v - decay S^T k), hence
+            # S'^T q = decay S^T q + (k . q) u: two independent reductions of the old state.
+            s_k = jnp.sum(k_rows * state, axis=0)
+            s_q = jnp.sum(lax.broadcast_in_dim(q_t, state.shape, [0]) * state, axis=0)
+            u = (v_t - decay * s_k) * beta_t
+            o_t = decay * s_q + jnp.sum(q_t * k_t) * u
+            state = state * decay + k_rows * lax.broadcast_in_dim(u, state.shape, [1])
+        else:
+            state = state * decay
+            u = (v_t - jnp.sum(k_rows * state, axis=0)) * beta_t
+            state = state + k_rows * lax.broadcast_in_dim(u, state.shape, [1])
+            o_t = jnp.sum(lax.broadcast_in_dim(q_t, state.shape, [0]) * state, axis=0)
         o_smem[t] = (o_t * q_scale).astype(o_smem.dtype)
     return state
 
@@ -169,7 +186,8 @@ def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale
             plgpu.barrier_wait(state_bar)
             state = plgpu.load(state_smem, layout=layouts[0])
             state = _update(state, q_smem, k_smem, v_smem, o_smem, _decays(gates),
-                            layouts=layouts, scale=scale, use_qk_l2norm=l2)  # fmt: skip
+                            layouts=layouts, scale=scale, use_qk_l2norm=l2,
+                            one_pass=variant.one_pass)  # fmt: skip
             state_smem[...] = state
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(state_smem, tile)
@@ -270,7 +288,7 @@ def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, inter
                 state = plgpu.load(state_smem.at[s], layout=layouts[0])
                 state = _update(state, q_smem.at[s], k_smem.at[s], v_smem.at[s], o_smem.at[s],
                                 _decays(gates), layouts=layouts, scale=scale,
-                                use_qk_l2norm=l2)  # fmt: skip
+                                use_qk_l2norm=l2, one_pass=variant.one_pass)  # fmt: skip
                 state_smem[s] = state
 
             @pl.when(slot == 0)
