@@ -451,6 +451,17 @@ def test_pool_after_each_verify_and_commit_equals_the_plain_run(engines, plain_t
     assert not np.allclose(got[verified[0]][-1], want[verified[1]][-1], rtol=2e-5, atol=2e-5)
 
 
+def test_seeded_sampling_with_mtp_drafts_is_reproducible_and_batch_invariant(engines):
+    spec, _ = engines
+    params = SamplingParams(max_new_tokens=8, temperature=1.2, top_k=50, seed=7)
+    (solo,) = spec.generate([PROMPTS[0]], params)
+    mixed = spec.generate([PROMPTS[0], PROMPTS[2]], [params, GREEDY])
+    assert mixed[0].token_ids == solo.token_ids and len(solo.token_ids) == 8
+    (other,) = spec.generate([PROMPTS[0]], dataclasses.replace(params, seed=8))
+    assert other.token_ids != solo.token_ids
+    assert spec.retraces == 0
+
+
 def agreeing_model() -> Qwen3Next:
     """The tiny model made to repeat the token it is fed (scaled-up embeddings dominate the
     residual stream, the LM head is the embedding), with an MTP head made to agree: its
