@@ -56,7 +56,9 @@ class VerifyStates(NamedTuple):
 
     windows: ``[bs, D, C, W-1]`` conv window after each draft token;
     ssm: ``[bs, D, HV, K, V]`` (GDN) or ``[bs, D, H, P, N]`` (Mamba2) float32 state after each
-    draft token.
+    draft token. In a tree step (``meta.tree``) "after token t" means after t's root path:
+    each token starts from its parent's state and window, so committing node t is the same
+    index lookup as committing a chain's step t.
     """
 
     windows: jax.Array
@@ -100,6 +102,12 @@ def _rows(x: jax.Array, meta: ForwardMetadata) -> jax.Array:
     return x.reshape(meta.batch_size, -1, *x.shape[1:])
 
 
+def _tree(meta: ForwardMetadata) -> dict[str, jax.Array]:
+    """The verify ops' ``parents`` for a tree step; none for a chain-only step, which keeps
+    the kernels' chain path."""
+    return {"parents": meta.parents} if meta.tree else {}
+
+
 def _decode(mixed, conv_weight, g, beta, conv_state, ssm_state, meta, dims, impl):
     slots = meta.state_indices
     mixed, conv_state = conv1d.causal_conv1d_update(
@@ -115,11 +123,11 @@ def _decode(mixed, conv_weight, g, beta, conv_state, ssm_state, meta, dims, impl
 def _verify(mixed, conv_weight, g, beta, conv_state, ssm_state, meta, dims, impl):
     slots = meta.state_indices
     mixed, windows = conv1d.causal_conv1d_verify(
-        _rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl
+        _rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl, **_tree(meta)
     )
     q, k, v = _split_qkv(mixed, dims)
     out, states = gdn.verify_gated_delta_rule(
-        q, k, v, _rows(g, meta), _rows(beta, meta), ssm_state, slots, impl=impl
+        q, k, v, _rows(g, meta), _rows(beta, meta), ssm_state, slots, impl=impl, **_tree(meta)
     )
     verify = VerifyStates(windows, states)
     return GDNMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, verify)
@@ -249,12 +257,12 @@ def _m2_decode(xbc, dt, conv_weight, conv_bias, ssm, conv_state, ssm_state, meta
 def _m2_verify(xbc, dt, conv_weight, conv_bias, ssm, conv_state, ssm_state, meta, dims, impl):
     slots = meta.state_indices
     xbc, windows = conv1d.causal_conv1d_verify(
-        _rows(xbc, meta), conv_weight, conv_bias, conv_state, slots, impl=impl
+        _rows(xbc, meta), conv_weight, conv_bias, conv_state, slots, impl=impl, **_tree(meta)
     )
     x, b, c = _split_xbc(xbc, dims)
     out, states = mamba2.verify_selective_state_update(
         x, _rows(dt, meta), ssm.A, b, c, ssm.D, ssm.dt_bias, ssm_state, slots,
-        impl=impl, **_dt_limits(dims),
+        impl=impl, **_dt_limits(dims), **_tree(meta),
     )  # fmt: skip
     verify = VerifyStates(windows, states)
     return Mamba2MixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, verify)

@@ -7,6 +7,11 @@ Page 0 is the pad page: padded tokens write into it and no real row reads it, so
 handed out. Pages need no zeroing on reuse: attention reads only positions below a row's
 context length, and every one of those was written by the request that owns the page.
 Which request owns which page is host-side bookkeeping (``PageAllocator``).
+
+Tree drafts store node i of a verify row at ``prefix_len + i``; after acceptance
+``commit_tree_kv`` moves the accepted root path's entries to ``prefix_len .. prefix_len +
+depth``, where the next step expects the accepted context. The rejected nodes' entries stay
+past the accepted context, and the next steps overwrite them before anything reads them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ __all__ = [
     "PageAllocator",
     "PageError",
     "PagesExhaustedError",
+    "accepted_path",
+    "commit_tree_kv",
     "init_kv_cache",
     "pages_needed",
 ]
@@ -151,3 +158,71 @@ class PageAllocator(IndexAllocator):
             f"PageAllocator(capacity={self.capacity}, page_size={self.page_size}, "
             f"used={self.num_used}, free={self.num_free})"
         )
+
+
+def accepted_path(parents: jax.Array, accepted: jax.Array) -> jax.Array:
+    """The root path of each row's accepted node, root first.
+
+    parents: int32 ``[N, D]`` (topological, ``-1`` at the root); accepted: int32 ``[N]``, the
+    last accepted node, negative for none. Returns int32 ``[N, D]``: ``path[n, j]`` is the
+    node at depth j on the path to ``accepted[n]``, ``-1`` past its depth (all ``-1`` when
+    nothing is accepted). Example: parents ``[-1, 0, 0, 2]``, accepted 3 -> ``[0, 2, 3, -1]``.
+    """
+    n_rows, n_nodes = parents.shape
+    rows = jnp.arange(n_rows)
+    depths = [jnp.zeros(n_rows, jnp.int32)]
+    for i in range(1, n_nodes):
+        depths.append(jnp.stack(depths, axis=1)[rows, jnp.clip(parents[:, i], 0, i - 1)] + 1)
+    depth = jnp.stack(depths, axis=1)
+    path = jnp.full((n_rows, n_nodes), -1, jnp.int32)
+    node = jnp.where(accepted < n_nodes, accepted, -1).astype(jnp.int32)
+    for _ in range(n_nodes):  # walk up: at most D steps from any node to the root
+        live = node >= 0
+        safe = jnp.clip(node, 0, n_nodes - 1)
+        at = jnp.where(live, depth[rows, safe], n_nodes)
+        path = path.at[rows, at].set(node, mode="drop")
+        node = jnp.where(live, parents[rows, safe], -1)
+    return path
+
+
+def commit_tree_kv(
+    cache: KVCache,
+    page_table: jax.Array,
+    prefix_lens: jax.Array,
+    parents: jax.Array,
+    accepted: jax.Array,
+) -> KVCache:
+    """Moves each row's accepted path to contiguous positions, in every layer.
+
+    page_table: int32 ``[N, max_pages]`` of the verify step (``meta.pages.table``);
+    prefix_lens: int32 ``[N]`` committed positions before the step (``meta.context_lens -
+    meta.seq_lens``); parents int32 ``[N, D]`` (``meta.parents``); accepted int32 ``[N]``, the
+    last accepted node (negative: the row keeps its cache as it is). The entry of the path's
+    node at depth j moves from ``prefix + node`` to ``prefix + j``. All sources are read
+    before any write, so overlapping moves are safe; entries of the rejected nodes are left
+    where they are (past the accepted context). Donate ``cache`` under jit.
+    """
+    path = accepted_path(parents, accepted)
+    n_nodes = path.shape[1]
+    size = cache.page_size
+    prefix = prefix_lens[:, None]
+    depth = jnp.arange(n_nodes, dtype=jnp.int32)[None, :]
+
+    def flat_index(positions: jax.Array) -> jax.Array:
+        # Clipped: a row with nothing to move may name positions past its pages.
+        positions = jnp.clip(positions, 0, page_table.shape[1] * size - 1)
+        page = jnp.take_along_axis(page_table, positions // size, axis=1)
+        return page * size + positions % size
+
+    moves = path >= 0
+    src = flat_index(prefix + jnp.where(moves, path, 0)).reshape(-1)
+    # Rows and depths with nothing to move write out of range: dropped.
+    dst = jnp.where(moves, flat_index(prefix + depth), cache.num_pages * size).reshape(-1)
+
+    def move(pages: jax.Array) -> jax.Array:
+        flat = pages.reshape(-1, *pages.shape[2:])
+        return flat.at[dst].set(flat[src], mode="drop").reshape(pages.shape)
+
+    return dataclasses.replace(
+        cache, k=tuple(move(k) for k in cache.k), v=tuple(move(v) for v in cache.v)
+    )

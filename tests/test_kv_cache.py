@@ -12,10 +12,13 @@ import pytest
 from flax import nnx
 
 from hybrid_jax.kv_cache import (
+    KVCache,
     KVCacheSpec,
     PageAllocator,
     PageError,
     PagesExhaustedError,
+    accepted_path,
+    commit_tree_kv,
     init_kv_cache,
     pages_needed,
 )
@@ -219,6 +222,90 @@ def test_paged_attention_refuses_a_mode_at_trace_time_and_a_missing_page_table()
         paged_attention(x, x, x, pages, pages, flat, scale=1.0)
     with pytest.raises(ValueError, match="one page_size"):
         paged_attention(x, x, x, jnp.zeros((4, 8, 1, 8)), jnp.zeros((4, 8, 1, 8)), meta, scale=1.0)
+
+
+# ---------------------------------------------------------------- tree drafts
+
+TREE_POLICY = dataclasses.replace(POLICY, tree_drafts=True)
+
+
+def test_tree_attention_sees_the_context_and_the_root_path_only():
+    rng = np.random.default_rng(4)
+    heads, kv_heads, dim, d = 4, 2, 8, 3
+    trees = ((-1, 0, 0), (-1, 0, 1))
+    rows = [
+        RowSpec(1, 6, d, (9, 2, 14), parents=trees[0]),
+        RowSpec(2, 2, d, (5, 11), parents=trees[1]),
+    ]
+    meta = build_metadata(M.TARGET_VERIFY, rows, TREE_POLICY, num_slots=4, num_pages=NUM_PAGES)
+    assert meta.tree
+    with jax.enable_x64(True):
+        k_pages = np.full((NUM_PAGES, PAGE, kv_heads, dim), np.nan)
+        v_pages = np.full((NUM_PAGES, PAGE, kv_heads, dim), np.nan)
+        context = []
+        for row in rows:
+            keys = rng.standard_normal((row.prefix_len, kv_heads, dim))
+            values = rng.standard_normal((row.prefix_len, kv_heads, dim))
+            for p in range(row.prefix_len):
+                k_pages[row.pages[p // PAGE], p % PAGE] = keys[p]
+                v_pages[row.pages[p // PAGE], p % PAGE] = values[p]
+            context.append((keys, values))
+        q = rng.standard_normal((meta.num_tokens, heads, dim))
+        k = rng.standard_normal((meta.num_tokens, kv_heads, dim))
+        v = rng.standard_normal((meta.num_tokens, kv_heads, dim))
+        out, k_after, _ = jax.jit(paged_attention, static_argnames="scale")(
+            *map(jnp.asarray, (q, k, v, k_pages, v_pages)), meta, scale=dim**-0.5
+        )
+        out, k_after = np.asarray(out), np.asarray(k_after)
+    for r, (row, tree) in enumerate(zip(rows, trees, strict=True)):
+        for i in range(d):
+            t = r * d + i
+            path = [i]
+            while tree[path[0]] >= 0:
+                path.insert(0, tree[path[0]])
+            keys = np.concatenate([context[r][0], k[[r * d + j for j in path]]])
+            values = np.concatenate([context[r][1], v[[r * d + j for j in path]]])
+            want = _oracle(q[t][None], keys, values, dim**-0.5)[0]
+            assert np.linalg.norm(out[t] - want) / np.linalg.norm(want) < 1e-12, (r, i)
+            at = row.prefix_len + i  # stored at its index in the row, not at its depth
+            np.testing.assert_array_equal(k_after[row.pages[at // PAGE], at % PAGE], k[t])
+
+
+def test_accepted_path_lists_the_root_path_of_the_accepted_node():
+    parents = jnp.asarray([[-1, 0, 0, 2], [-1, 0, 1, 2], [-1, 0, 0, 1], [-1, 0, 0, 1]])
+    path = accepted_path(parents.astype(jnp.int32), jnp.asarray([3, 3, 2, -1], jnp.int32))
+    assert np.asarray(path).tolist() == [
+        [0, 2, 3, -1],
+        [0, 1, 2, 3],
+        [0, 2, -1, -1],
+        [-1, -1, -1, -1],
+    ]
+
+
+def test_commit_tree_kv_moves_the_accepted_path_and_nothing_else():
+    rng = np.random.default_rng(5)
+    pages = np.asarray([[3, 8, 0], [6, 1, 12], [0, 0, 0]], np.int32)
+    prefix = np.asarray([2, 5, 0], np.int32)
+    parents = np.asarray([[-1, 0, 0, 2], [-1, 0, 1, 1], [-1, 0, 1, 2]], np.int32)
+    accepted = np.asarray([3, 3, -1], np.int32)  # paths 0-2-3 and 0-1-3; row 2 keeps all
+    shape = (NUM_PAGES, PAGE, 2, 8)
+    cache = KVCache(
+        k=(jnp.asarray(rng.standard_normal(shape), jnp.float32),),
+        v=(jnp.asarray(rng.standard_normal(shape), jnp.float32),),
+        num_pages=NUM_PAGES,
+        page_size=PAGE,
+    )
+    after = jax.jit(commit_tree_kv)(cache, *map(jnp.asarray, (pages, prefix, parents, accepted)))
+    want = [np.asarray(cache.k[0]).copy(), np.asarray(cache.v[0]).copy()]
+    for r, path in enumerate(([0, 2, 3], [0, 1, 3])):
+        for depth, node in enumerate(path):
+            src, dst = prefix[r] + node, prefix[r] + depth
+            for w, old in zip(want, (cache.k[0], cache.v[0]), strict=True):
+                w[pages[r, dst // PAGE], dst % PAGE] = np.asarray(old)[
+                    pages[r, src // PAGE], src % PAGE
+                ]
+    np.testing.assert_array_equal(np.asarray(after.k[0]), want[0])
+    np.testing.assert_array_equal(np.asarray(after.v[0]), want[1])
 
 
 # ---------------------------------------------------------------- MoE

@@ -22,12 +22,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.backend import VerifyStates
+from hybrid_jax.kv_cache import KVCache, commit_tree_kv
 from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, example_metadata
 from hybrid_jax.modes import ForwardMode, check_supported
 from hybrid_jax.state_pool import StatePool
 from pallas_kernels import conv1d, gdn
 
-__all__ = ["CompileRecord", "StepFunctions", "commit_verified"]
+__all__ = ["CompileRecord", "StepFunctions", "commit_tree_verified", "commit_verified"]
 
 
 class CompileRecord(NamedTuple):
@@ -57,6 +58,23 @@ def commit_verified(
         for s, v in zip(pool.ssm, verify, strict=True)
     )
     return dataclasses.replace(pool, conv=conv, ssm=ssm)
+
+
+def commit_tree_verified(
+    pool: StatePool,
+    kv: KVCache,
+    verify: tuple[VerifyStates, ...],
+    meta: ForwardMetadata,
+    accepted_nodes: jax.Array,
+) -> tuple[StatePool, KVCache]:
+    """The commit of a tree verify step (``meta.tree``): every linear layer keeps the state
+    and window after node ``accepted_nodes[n]`` (which already folded its root path in), and
+    the full-attention cache moves that path's entries to contiguous positions
+    (``kv_cache.commit_tree_kv``). Rows with a negative ``accepted_nodes`` keep both."""
+    pool = commit_verified(pool, verify, meta.state_indices, accepted_nodes)
+    prefix = meta.context_lens - meta.seq_lens
+    kv = commit_tree_kv(kv, meta.pages.table, prefix, meta.parents, accepted_nodes)
+    return pool, kv
 
 
 class StepFunctions:
