@@ -316,7 +316,8 @@ class Engine:
     ``StepEvent``s as tokens arrive; ``add_request`` / ``step`` / ``abort`` drive it by hand.
     The model's ``eos_token_id``s stop every request, besides its own stop tokens.
     ``compile_records`` (one per step executable), ``sampler_compile_ms``, ``compile_s`` and
-    ``step_times`` (seconds per step, by mode) describe where time went;
+    ``step_times`` (seconds per step, by mode; under MTP drafts, DRAFT_EXTEND holds the
+    head's whole drafting chain after each step) describe where time went;
     ``speculative_stats`` counts draft acceptance under speculative decoding; ``drafter``
     proposes the drafts (any object with ``propose(token_ids) -> D-1 token ids`` may
     replace it: acceptance never trusts a draft, so tokens stay those of the target). Under
