@@ -92,7 +92,10 @@ def _tree_tokens(meta: ForwardMetadata) -> _TreeTokens:
     node = jnp.arange(meta.num_tokens, dtype=jnp.int32) % n_nodes
     store = jnp.where(real, prefix + node, 0)
     ancestors = tree_ancestors(meta.parents)
-    ancestors = jnp.concatenate([ancestors, jnp.zeros((1, n_nodes, n_nodes), bool)])
+    # Padded tokens see position 0 of the pad page, which they have just written, as in a
+    # chain step: no softmax row is empty (NaN).
+    pad = jnp.zeros((1, n_nodes, n_nodes), bool).at[:, :, 0].set(True)
+    ancestors = jnp.concatenate([ancestors, pad])
     return _TreeTokens(store, prefix, ancestors[meta.token_rows, node])
 
 
