@@ -7,10 +7,10 @@ slots against the float32 chunked reference (slots nobody names must stay bit-id
 outputs finite), then times the whole op with the pool donated (median of 3 x 20 calls).
 Prints one JSON line per result as it goes and a table last; ``--out DIR`` writes the JSON.
 
-Variants: ``mgpu[:BV]`` and ``fused[:BV][xP]``; BV = value columns per CTA (32 or 64,
-omitted: the kernel's own rule), P = producer warpgroups (1 or 2). ``--budget SECONDS``
-skips what would not finish in time; a hung kernel ends the run with a traceback after
-``--hang`` seconds. ``--smoke`` runs tiny shapes under the CPU interpreter (no GPU).
+Variants: ``mgpu[:BV]`` and ``fused[:BV][xP][sS]``; BV = value columns per CTA (32 or 64,
+omitted: the kernel's own rule), P = producer warpgroups (1 or 2), S = SMEM slots (2 or 3).
+``--budget SECONDS`` skips what would not finish in time; a hung kernel ends the run with a
+traceback after ``--hang`` seconds. ``--smoke`` runs tiny shapes under the CPU interpreter (no GPU).
 
     python benchmarks/prefill_variants.py --budget 220
     python benchmarks/prefill_variants.py --smoke
@@ -24,6 +24,7 @@ import faulthandler
 import json
 import math
 import pathlib
+import re
 import sys
 import time
 
@@ -60,8 +61,8 @@ SHAPES = {  # name: (sequence lengths, pooled initial states, padding tokens aft
     "varlen": ([256] * 64, True, 0),
     "smoke": ([30, 0, 70], True, 5),  # --smoke only
 }
-DEFAULT_SHAPES = "ragged,1x8192,4x8192,8x2048,varlen"
-DEFAULT_VARIANTS = "mgpu,fused,fused:x2,fused:64,fused:32"
+DEFAULT_SHAPES = "ragged,1x8192,varlen,4x8192,8x2048"
+DEFAULT_VARIANTS = "mgpu,fused,fused:x2,fused:32s3,fused:64,fused:32"
 
 
 def _inputs(dims: Dims, lens: list[int], pooled: bool, padding: int, seed: int = 0) -> tuple:
@@ -102,15 +103,15 @@ def _time(fn, args: tuple, pool: jax.Array, calls: int, repeats: int) -> float:
 def _parse(spec: str):
     """``(module, config)`` of a variant spec (see the module docstring)."""
     kernel, _, rest = spec.partition(":")
-    bv_text, _, producers = rest.partition("x")
-    block_v = int(bv_text) if bv_text else None
-    if kernel == "mgpu" and not producers:
+    match = re.fullmatch(r"(\d*)(?:x(\d))?(?:s(\d))?", rest)
+    if match is None or kernel not in ("mgpu", "fused"):
+        raise ValueError(f"variant {spec!r}: expected mgpu[:BV] or fused[:BV][xP][sS]")
+    block_v = int(match[1]) if match[1] else None
+    if kernel == "mgpu" and not (match[2] or match[3]):
         return chunk_mgpu, chunk_mgpu.Config(block_v=block_v)
-    if kernel == "fused":
-        return chunk_fused_mgpu, chunk_fused_mgpu.Config(
-            block_v=block_v, producers=int(producers or 1)
-        )
-    raise ValueError(f"variant {spec!r}: expected mgpu[:BV] or fused[:BV][xP]")
+    return chunk_fused_mgpu, chunk_fused_mgpu.Config(
+        block_v=block_v, producers=int(match[2] or 1), slots=int(match[3] or 2)
+    )
 
 
 def _resolved(spec: str, n_seqs: int, dims: Dims) -> tuple:
@@ -119,7 +120,7 @@ def _resolved(spec: str, n_seqs: int, dims: Dims) -> tuple:
     if module is chunk_mgpu:
         return ("mgpu", chunk_mgpu._resolve(config, n_seqs, dims.hv, dims.v).block_v)
     bv = chunk_fused_mgpu._block_v(config, n_seqs, dims.hv, dims.v)
-    return ("fused", bv, config.producers)
+    return ("fused", bv, config.producers, config.slots)
 
 
 def _op(spec: str, interpret: bool):

@@ -9,9 +9,10 @@ kernel latency-bound (benchmarks/prefill_notes.md). Here one CTA per (sequence, 
 
 * warpgroup 0, the consumer: the state chain of ``chunk_mgpu``'s state kernel, reading each
   chunk's q, k, v, ``M``, ``P`` and row vectors from a shared SMEM slot;
-* warpgroups 1..``producers``: TMA-load chunk ``j``'s q, k, v, g and beta into slot ``j % 2``
-  and compute its ``M``, ``P`` and row vectors there, while the consumer works on the other
-  slot. Producer ``j % producers`` owns chunk ``j``.
+* warpgroups 1..``producers``: TMA-load chunk ``j``'s q, k, v, g and beta into slot
+  ``j % slots`` and compute its ``M``, ``P`` and row vectors there, while the consumer works
+  on another slot. Producer ``j % producers`` owns chunk ``j``. With 3 slots the producer
+  issues chunk ``j + 1``'s loads before it computes chunk ``j``.
 
 Two barriers per slot hand it over: ``ready`` (producer -> consumer, after the producer's
 SMEM writes are committed) and ``free`` (consumer -> producer, after the consumer's last
@@ -55,8 +56,6 @@ from pallas_kernels.gdn._chunk_intra import chunk_intra
 
 __all__ = ["CHUNK", "Config", "chunk_gated_delta_rule", "unsupported_reason"]
 
-SLOTS = 2  # chunks in flight: the consumer's and the one being produced
-
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -66,10 +65,14 @@ class Config:
       of 64-column blocks leaves multiprocessors idle).
     producers: warpgroups computing the intra-chunk part (1 or 2; each takes every
       ``producers``-th chunk).
+    slots: chunks resident in SMEM (2 or 3). With 2 the producer computes chunk ``j + 1``
+      while the consumer works on ``j``; with 3 it also has chunk ``j + 2``'s TMA loads in
+      flight meanwhile (one producer and ``block_v=32`` only: SMEM).
     """
 
     block_v: int | None = None
     producers: int = 1
+    slots: int = 2
 
 
 def _block_v(config: Config, n_seqs: int, heads: int, value_dim: int) -> int:
@@ -87,7 +90,8 @@ def _fused(
     heads, value_dim = v.shape[1], v.shape[2]
     group = heads // kv_heads
     out_dtype = v.dtype
-    producers = cfg.producers
+    producers, slots_n = cfg.producers, cfg.slots
+    ahead = slots_n - 2  # chunks whose loads the producer issues before computing the current
     sq = (CHUNK, CHUNK)
     tile = (CHUNK, bv)
     state = (key_dim, bv)
@@ -107,7 +111,7 @@ def _fused(
     def b_operand(shape):
         return smem(shape[::-1] if kmajor else shape, BF16)
 
-    vec = plgpu.SMEM((SLOTS, CHUNK), F32)
+    vec = plgpu.SMEM((slots_n, CHUNK), F32)
 
     def body(
         q_ref,
@@ -190,32 +194,45 @@ def _fused(
 
             plgpu.wait_smem_to_gmem(0)
 
+        def load(j):
+            """TMA of chunk ``j``'s q, k, v, g, beta into slot ``j % slots`` once it is free."""
+            s = lax.rem(j, slots_n)
+            rows = pl.ds(pl.multiple_of(tab_ref[0, c0 + j], ALIGN), CHUNK)
+
+            @pl.when(j >= slots_n)
+            def _():
+                plgpu.barrier_wait(free.at[s])  # the consumer is done with chunk j - slots
+
+            bar = load_bar.at[s]
+            plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s.at[s], bar)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s.at[s], bar)
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols], v_s.at[s], bar)
+            # A vector is loaded once per layout it is read in (layout inference).
+            for src, dst in ((g_ref, g_r), (g_ref, g_c), (b_ref, b_r), (b_ref, b_c)):
+                plgpu.copy_gmem_to_smem(src.at[h, rows], dst.at[s], bar)
+
         @pl.when((wg > 0) & real & (num > 0))
         def _producer():
             p = wg - 1
             count = lax.div(num - p + producers - 1, producers)  # chunks p, p + producers, ...
+            if ahead:
+                load(p)
 
             @pl.loop(0, count)
             def _(i):
                 j = p + i * producers
-                s = lax.rem(j, SLOTS)
+                s = lax.rem(j, slots_n)
                 c = c0 + j
-                start = pl.multiple_of(tab_ref[0, c], ALIGN)
                 lo, hi = tab_ref[1, c], tab_ref[2, c]
+                if ahead:
 
-                @pl.when(j >= SLOTS)
-                def _():
-                    plgpu.barrier_wait(free.at[s])  # the consumer is done with chunk j - 2
+                    @pl.when(j + 1 < num)
+                    def _():
+                        load(j + 1)
 
-                rows = pl.ds(start, CHUNK)
-                bar = load_bar.at[s]
-                plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s.at[s], bar)
-                plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s.at[s], bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols], v_s.at[s], bar)
-                # A vector is loaded once per layout it is read in (layout inference).
-                for src, dst in ((g_ref, g_r), (g_ref, g_c), (b_ref, b_r), (b_ref, b_c)):
-                    plgpu.copy_gmem_to_smem(src.at[h, rows], dst.at[s], bar)
-                plgpu.barrier_wait(bar)
+                else:
+                    load(j)
+                plgpu.barrier_wait(load_bar.at[s])
                 chunk_intra(
                     q_s.at[s],
                     k_s.at[s],
@@ -227,7 +244,7 @@ def _fused(
                     hi,
                     m_s.at[s],
                     p_s.at[s],
-                    n_s.at[s],
+                    n_s.at[p],
                     w_s.at[s],
                     scale=scale,
                 )
@@ -248,7 +265,7 @@ def _fused(
             s0 = plgpu.load(st_s, layout=WG, optimized=False)
 
             def step(j, s):
-                stage = lax.rem(j, SLOTS)
+                stage = lax.rem(j, slots_n)
                 c = c0 + j
                 start = pl.multiple_of(tab_ref[0, c], ALIGN)
                 lo, hi = tab_ref[1, c], tab_ref[2, c]
@@ -273,7 +290,7 @@ def _fused(
 
                 # Every read of the slot (wgmmas waited, loads in registers) is done. Only a
                 # slot that a later chunk reuses is handed back: every phase is then waited.
-                @pl.when(j + SLOTS < num)
+                @pl.when(j + slots_n < num)
                 def _():
                     plgpu.barrier_arrive(free.at[stage])
 
@@ -305,13 +322,13 @@ def _fused(
             plgpu.wait_smem_to_gmem(0)
 
     scratch = (
-        smem((SLOTS, CHUNK, key_dim), BF16),  # q
-        smem((SLOTS, CHUNK, key_dim), BF16),  # k
-        smem((SLOTS, *tile), BF16),  # v
-        smem((SLOTS, *sq), BF16),  # M
-        smem((SLOTS, *sq), BF16),  # P
-        smem((SLOTS, *sq), BF16),  # the producer's inverse scratch
-        plgpu.SMEM((SLOTS, 4, CHUNK), F32),  # row vectors
+        smem((slots_n, CHUNK, key_dim), BF16),  # q
+        smem((slots_n, CHUNK, key_dim), BF16),  # k
+        smem((slots_n, *tile), BF16),  # v
+        smem((slots_n, *sq), BF16),  # M
+        smem((slots_n, *sq), BF16),  # P
+        smem((producers, *sq), BF16),  # each producer's inverse scratch
+        plgpu.SMEM((slots_n, 4, CHUNK), F32),  # row vectors
         vec,
         vec,
         vec,
@@ -323,9 +340,9 @@ def _fused(
         smem(tile, out_dtype),
         plgpu.SMEM((CHUNK, max(bv, 128 // jnp.dtype(out_dtype).itemsize)), out_dtype),
         plgpu.SMEM(state, F32),
-        plgpu.Barrier(num_arrivals=7, num_barriers=SLOTS),
-        plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
-        plgpu.Barrier(num_arrivals=1, num_barriers=SLOTS),
+        plgpu.Barrier(num_arrivals=7, num_barriers=slots_n),
+        plgpu.Barrier(num_arrivals=1, num_barriers=slots_n),
+        plgpu.Barrier(num_arrivals=1, num_barriers=slots_n),
         plgpu.Barrier(),
     )
     return plgpu.kernel(
@@ -361,6 +378,13 @@ def unsupported_reason(
     """One sentence on why this kernel cannot take the call, or None when it can."""
     if config.producers not in (1, 2):
         return f"producers={config.producers} must be 1 or 2"
+    if config.slots not in (2, 3):
+        return f"slots={config.slots} must be 2 or 3"
+    if config.slots == 3 and (config.producers != 1 or config.block_v != 32):
+        return (
+            f"slots=3 fits in SMEM only with producers=1 and block_v=32, got "
+            f"producers={config.producers}, block_v={config.block_v}"
+        )
     return chunk_mgpu.unsupported_reason(
         q,
         k,

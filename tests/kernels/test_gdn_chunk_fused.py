@@ -74,16 +74,22 @@ def _check(args, lens, o, pool):
 
 
 @pytest.mark.parametrize(
-    "block_v, producers, lens, tokens",
-    [(64, 1, [100, 0, 37, 150], 300), (32, 2, [37, 150], 200)],
-    ids=["bv64-1producer", "bv32-2producers"],
+    "block_v, producers, slots, lens, tokens",
+    [
+        (64, 1, 2, [100, 0, 37, 150], 300),
+        (32, 2, 2, [37, 150], 200),
+        (32, 1, 3, [0, 250, 0], 260),
+    ],
+    ids=["bv64-1producer", "bv32-2producers", "bv32-3slots"],
 )
-def test_varlen_prefill_matches_oracle_and_writes_only_its_slots(block_v, producers, lens, tokens):
-    # Unaligned starts (leading masked rows), an empty sequence, a sequence of 3 chunks (both
-    # slots reused; with 2 producers each producer reuses its slot), padding tokens, T not a
-    # multiple of 8 (the last chunk is shifted back), GVA (2 value heads per key head).
+def test_varlen_prefill_matches_oracle_and_writes_only_its_slots(
+    block_v, producers, slots, lens, tokens
+):
+    # Unaligned starts (leading masked rows), empty sequences, sequences of 3 and 4 chunks
+    # (every SMEM slot reused; with 2 producers each producer reuses its own), padding tokens,
+    # T not a multiple of 8 (the last chunk is shifted back), GVA (2 value heads per key head).
     args = _case(0, lens, tokens, h=1, hv=2, kd=64, vd=64, slots=9)
-    config = chunk_fused_mgpu.Config(block_v=block_v, producers=producers)
+    config = chunk_fused_mgpu.Config(block_v=block_v, producers=producers, slots=slots)
     o, pool = jax.jit(
         lambda a: chunk_fused_mgpu.chunk_gated_delta_rule(**a, interpret=True, config=config)
     )(args)
@@ -100,8 +106,11 @@ def test_tiny_and_empty_calls_write_only_what_they_must(lens, tokens):
     _check(args, lens, o, pool)
 
 
-@pytest.mark.parametrize("block_v, producers, d", [(64, 1, 128), (32, 2, 128), (32, 1, 64)])
-def test_kernel_lowers_for_cuda_at_qwen3_next_shapes(block_v, producers, d):
+@pytest.mark.parametrize(
+    "block_v, producers, slots, d",
+    [(64, 1, 2, 128), (64, 2, 2, 128), (32, 2, 2, 128), (32, 1, 3, 128), (32, 1, 2, 64)],
+)
+def test_kernel_lowers_for_cuda_at_qwen3_next_shapes(block_v, producers, slots, d):
     shape = jax.ShapeDtypeStruct
     tokens, n, h, hv = 4096, 3, 16, 32
     args = (
@@ -115,7 +124,7 @@ def test_kernel_lowers_for_cuda_at_qwen3_next_shapes(block_v, producers, d):
         shape((n,), jnp.int32),
         shape((n,), jnp.bool_),
     )
-    config = chunk_fused_mgpu.Config(block_v=block_v, producers=producers)
+    config = chunk_fused_mgpu.Config(block_v=block_v, producers=producers, slots=slots)
     fn = jax.jit(
         lambda *a: chunk_fused_mgpu.chunk_gated_delta_rule(*a, config=config), donate_argnums=5
     )
@@ -123,7 +132,7 @@ def test_kernel_lowers_for_cuda_at_qwen3_next_shapes(block_v, producers, d):
     assert "gdn_chunk_fused" in text
 
 
-def test_unsupported_reason_names_the_producer_count_and_the_contract():
+def test_unsupported_reason_names_the_config_and_the_contract():
     args = [
         jnp.zeros((128, 2, 128), jnp.bfloat16),
         jnp.zeros((128, 2, 128), jnp.bfloat16),
@@ -139,5 +148,7 @@ def test_unsupported_reason_names_the_producer_count_and_the_contract():
     bad = chunk_fused_mgpu.Config(producers=3)
     assert "producers=3" in chunk_fused_mgpu.unsupported_reason(*args, config=bad)
     assert "use_qk_l2norm" in chunk_fused_mgpu.unsupported_reason(*args, use_qk_l2norm=False)
+    three_slots = chunk_fused_mgpu.Config(block_v=64, slots=3)
+    assert "slots=3" in chunk_fused_mgpu.unsupported_reason(*args, config=three_slots)
     with pytest.raises(ValueError, match="producers=3"):
         chunk_fused_mgpu.chunk_gated_delta_rule(*args, config=bad)
