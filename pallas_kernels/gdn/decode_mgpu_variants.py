@@ -42,7 +42,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gdn import recurrent_mgpu
 
-__all__ = ["VARIANTS", "DecodeVariant", "fused_recurrent_gated_delta_rule", "pick_block_v"]
+__all__ = [
+    "VARIANTS",
+    "DecodeVariant",
+    "fused_gating_recurrent_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "pick_block_v",
+]
 
 _NUM_SMS = 132  # H100/H200 SXM
 _VEC = 2  # fp32 per register vector along V in the "cols" layout (8-byte SMEM accesses)
@@ -137,13 +143,36 @@ def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use
     return state
 
 
-def _load_gates(g_ref, beta_ref, n, head, n_tokens):
-    """The row's ``(g, beta)`` scalars per token, as read from GMEM."""
-    return tuple((g_ref[n, t, head], beta_ref[n, t, head]) for t in range(n_tokens))
+def _softplus(x: jax.Array) -> jax.Array:
+    # Overflow-free, and only exp/log/abs, which lower for scalars (log1p does not).
+    return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
 
 
-def _decays(gates):
-    return tuple((jnp.exp(g_t), beta_t) for g_t, beta_t in gates)
+def _load_gates(gate_refs, n, head, n_tokens):
+    """The float32 gate scalars of item (row ``n``, ``head``) as read from GMEM, flat:
+    ``(g, beta)`` per token, or ``A_log, dt_bias`` then ``(a, b)`` per token (fused gating)."""
+    if len(gate_refs) == 2:
+        g_ref, beta_ref = gate_refs
+        per_token = [(g_ref[n, t, head], beta_ref[n, t, head]) for t in range(n_tokens)]
+        head_terms = ()
+    else:
+        a_log_ref, a_ref, dt_bias_ref, b_ref = gate_refs
+        per_token = [(a_ref[n, t, head], b_ref[n, t, head]) for t in range(n_tokens)]
+        head_terms = (a_log_ref[head], dt_bias_ref[head])
+    flat = (*head_terms, *(x for pair in per_token for x in pair))
+    return tuple(x.astype(jnp.float32) for x in flat)
+
+
+def _decays(gates, raw_gating: bool):
+    """``(decay, beta)`` per token from ``_load_gates``' scalars."""
+    if not raw_gating:
+        return tuple((jnp.exp(gates[i]), gates[i + 1]) for i in range(0, len(gates), 2))
+    a_log, dt_bias = gates[:2]
+    pairs = [(gates[i], gates[i + 1]) for i in range(2, len(gates), 2)]
+    return tuple(
+        (jnp.exp(-jnp.exp(a_log) * _softplus(a + dt_bias)), 1.0 / (1.0 + jnp.exp(-b)))
+        for a, b in pairs
+    )
 
 
 def _wait_stores_read():
@@ -159,15 +188,18 @@ def _zeros_o(o_smem, n_tokens, bv, col):
         o_smem[t] = zeros.astype(o_smem.dtype)
 
 
-def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, interpret):
+def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, interpret):
     """Grid (column block, value head, row): one TMA round trip per program."""
     n_rows, n_tokens, h, k_dim = q.shape
     hv, v_dim = v.shape[2:]
     group = hv // h
     layouts = _layouts(variant, bv)
+    n_gates = len(gates_in)
+    raw = n_gates == 4
 
-    def body(idx_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool, o_ref, *scratch):
-        state_smem, q_smem, k_smem, v_smem, o_smem, qkv_bar, state_bar = scratch
+    def body(idx_ref, q_ref, k_ref, v_ref, *refs):
+        gate_refs, (pool, o_ref) = refs[:n_gates], refs[n_gates : n_gates + 2]
+        state_smem, q_smem, k_smem, v_smem, o_smem, qkv_bar, state_bar = refs[n_gates + 2 :]
         n = lax.axis_index("n")
         head = lax.axis_index("h")
         cols = pl.ds(lax.axis_index("j") * bv, bv)
@@ -176,7 +208,7 @@ def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale
         plgpu.copy_gmem_to_smem(k_ref.at[n, :, head // group], k_smem, qkv_bar)
         plgpu.copy_gmem_to_smem(v_ref.at[n, :, head, cols], v_smem, qkv_bar)
         slot = idx_ref[n]
-        gates = _load_gates(g_ref, beta_ref, n, head, n_tokens)  # in flight with the slot
+        gates = _load_gates(gate_refs, n, head, n_tokens)  # in flight with the slot
         tile = pool.at[slot, head, :, cols]
 
         @pl.when(slot != 0)
@@ -185,7 +217,7 @@ def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale
             plgpu.barrier_wait(qkv_bar)
             plgpu.barrier_wait(state_bar)
             state = plgpu.load(state_smem, layout=layouts[0])
-            state = _update(state, q_smem, k_smem, v_smem, o_smem, _decays(gates),
+            state = _update(state, q_smem, k_smem, v_smem, o_smem, _decays(gates, raw),
                             layouts=layouts, scale=scale, use_qk_l2norm=l2,
                             one_pass=variant.one_pass)  # fmt: skip
             state_smem[...] = state
@@ -220,10 +252,10 @@ def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale
         ],
         interpret=_interpret_params(interpret),
     )
-    return kernel(idx, q, k, v, g, beta, pool_ref)
+    return kernel(idx, q, k, v, *gates_in, pool_ref)
 
 
-def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, interpret):
+def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, interpret):
     """Persistent grid; each program walks items ``c, c + P, c + 2P, ...`` (``P`` programs)
     through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead."""
     n_rows, n_tokens, h, k_dim = q.shape
@@ -234,9 +266,12 @@ def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, inter
     n_progs = min(n_items, variant.programs)
     stages = variant.stages
     layouts = _layouts(variant, bv)
+    n_gates = len(gates_in)
+    raw = n_gates == 4
 
-    def body(idx_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool, o_ref, *scratch):
-        state_smem, q_smem, k_smem, v_smem, o_smem, bars = scratch
+    def body(idx_ref, q_ref, k_ref, v_ref, *refs):
+        gate_refs, (pool, o_ref) = refs[:n_gates], refs[n_gates : n_gates + 2]
+        state_smem, q_smem, k_smem, v_smem, o_smem, bars = refs[n_gates + 2 :]
         prog = lax.axis_index("c")
         count = (n_items - prog + n_progs - 1) // n_progs  # this program's items
 
@@ -264,7 +299,7 @@ def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, inter
 
         def gates_of(i):
             n, head, _ = coords(i)
-            return _load_gates(g_ref, beta_ref, n, head, n_tokens)
+            return _load_gates(gate_refs, n, head, n_tokens)
 
         slots = tuple(slot_of(i) for i in range(stages))
         for i in range(stages - 1):
@@ -287,7 +322,7 @@ def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, inter
                 plgpu.barrier_wait(bars.at[s])
                 state = plgpu.load(state_smem.at[s], layout=layouts[0])
                 state = _update(state, q_smem.at[s], k_smem.at[s], v_smem.at[s], o_smem.at[s],
-                                _decays(gates), layouts=layouts, scale=scale,
+                                _decays(gates, raw), layouts=layouts, scale=scale,
                                 use_qk_l2norm=l2, one_pass=variant.one_pass)  # fmt: skip
                 state_smem[s] = state
 
@@ -326,7 +361,29 @@ def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, inter
         ],
         interpret=_interpret_params(interpret),
     )
-    return kernel(idx, q, k, v, g, beta, pool_ref)
+    return kernel(idx, q, k, v, *gates_in, pool_ref)
+
+
+def _call(q, k, v, gates, ssm_pool, state_indices, *, reason, scale, use_qk_l2norm, interpret,
+          variant):  # fmt: skip
+    if reason is not None:
+        raise ValueError(reason)
+    if isinstance(variant, str):
+        if variant not in VARIANTS:
+            raise ValueError(f"variant {variant!r} is not one of {sorted(VARIANTS)}")
+        variant = VARIANTS[variant]
+    n_rows, _, hv, v_dim = v.shape
+    bv = variant.block_v or pick_block_v(n_rows, hv, v_dim)
+    if v_dim % bv or bv < 4 * _VEC:
+        raise ValueError(f"block_v={bv} must divide V={v_dim} and be at least {4 * _VEC}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    run = _pipelined if variant.stages else _one_item_per_program
+    pool_ref = jax.new_ref(ssm_pool)
+    o = run(
+        q, k, v, gates, pool_ref, state_indices,
+        bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret,
+    )  # fmt: skip
+    return o, jax.freeze(pool_ref)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -353,21 +410,39 @@ def fused_recurrent_gated_delta_rule(
     reason = recurrent_mgpu.unsupported_reason(q, k, v, g, beta, ssm_pool, state_indices)
     if reason is None and (g.dtype != jnp.float32 or beta.dtype != jnp.float32):
         reason = f"g ({g.dtype}) and beta ({beta.dtype}) must be float32"
-    if reason is not None:
-        raise ValueError(reason)
-    if isinstance(variant, str):
-        if variant not in VARIANTS:
-            raise ValueError(f"variant {variant!r} is not one of {sorted(VARIANTS)}")
-        variant = VARIANTS[variant]
-    n_rows, _, hv, v_dim = v.shape
-    bv = variant.block_v or pick_block_v(n_rows, hv, v_dim)
-    if v_dim % bv or bv < 4 * _VEC:
-        raise ValueError(f"block_v={bv} must divide V={v_dim} and be at least {4 * _VEC}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    run = _pipelined if variant.stages else _one_item_per_program
-    pool_ref = jax.new_ref(ssm_pool)
-    o = run(
-        q, k, v, g, beta, pool_ref, state_indices,
-        bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret,
+    return _call(
+        q, k, v, (g, beta), ssm_pool, state_indices, reason=reason, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
     )  # fmt: skip
-    return o, jax.freeze(pool_ref)
+
+
+def fused_gating_recurrent_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    A_log: jax.Array,  # noqa: N803 (the model's parameter name)
+    a: jax.Array,
+    dt_bias: jax.Array,
+    b: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    interpret: bool = False,
+    variant: DecodeVariant | str = "cols",
+) -> tuple[jax.Array, jax.Array]:
+    """``fused_recurrent_gated_delta_rule`` with the Qwen3-Next gating done in the kernel.
+
+    A_log, dt_bias ``[HV]``; a, b ``[N, D, HV]`` (any float dtype); the kernel computes
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` in float32.
+    Other arguments and results as ``fused_recurrent_gated_delta_rule``.
+    """
+    reason = recurrent_mgpu.unsupported_reason(q, k, v, a, b, ssm_pool, state_indices)
+    hv = v.shape[2]
+    if reason is None and (A_log.shape != (hv,) or dt_bias.shape != (hv,)):
+        reason = f"A_log {A_log.shape} and dt_bias {dt_bias.shape} must be [HV] = [{hv}]"
+    return _call(
+        q, k, v, (A_log, a, dt_bias, b), ssm_pool, state_indices, reason=reason, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
+    )  # fmt: skip

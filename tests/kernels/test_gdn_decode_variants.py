@@ -91,6 +91,32 @@ def test_variant_matches_oracle_and_writes_only_named_slots(name, dtype, kd, d, 
     np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
 
 
+@pytest.mark.parametrize("name", ["cols", "pipe3-wgmma", "pipe3-cols-3programs"])
+def test_fused_gating_matches_gating_then_oracle(name):
+    args, idx = _case(2, n=5, d=2, kd=64, vd=64, slots=9, dtype=jnp.bfloat16, padded=[1])
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.standard_normal((5, 2, 2)) * 2, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((5, 2, 2)) * 2, jnp.bfloat16)
+    a_log = rng.standard_normal(2).astype(np.float32)
+    dt_bias = rng.standard_normal(2).astype(np.float32)
+    rest = {key: x for key, x in args.items() if key not in ("g", "beta")}
+    fn = functools.partial(
+        variants.fused_gating_recurrent_gated_delta_rule, variant=_CASES[name], interpret=True
+    )
+    o, pool = jax.jit(fn)(A_log=jnp.asarray(a_log), a=a, dt_bias=jnp.asarray(dt_bias), b=b, **rest)
+    x = np.asarray(a, np.float64) + dt_bias
+    args["g"] = -np.exp(a_log.astype(np.float64)) * np.logaddexp(0.0, x)
+    args["beta"] = 1 / (1 + np.exp(-np.asarray(b, np.float64)))
+    o_ref, pool_ref = _oracle(args)
+    real = idx != 0
+    assert _rel(o[real], o_ref[real]) < 1e-2
+    assert not np.asarray(o, np.float32)[~real].any(), "padded rows must give zeros"
+    named = idx[real]
+    assert _rel(pool[named], pool_ref[named]) < 1e-5
+    others = np.setdiff1d(np.arange(pool.shape[0]), named)
+    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
+
+
 def test_pick_block_v_narrows_only_small_grids():
     assert variants.pick_block_v(256, 32, 128) == 64
     assert variants.pick_block_v(1, 32, 128) == 16
@@ -125,3 +151,18 @@ def test_variant_lowers_for_cuda_with_the_pool_aliased(name, n):
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     assert re.search(r"tensor<64x32x128x128xf32> {tf.aliasing_output = 1 ", main)
+
+
+def test_fused_gating_lowers_for_cuda():
+    args = _production(32)
+    hv = args["v"].shape[2]
+    del args["g"], args["beta"]
+    args.update(
+        A_log=jax.ShapeDtypeStruct((hv,), jnp.float32),
+        a=jax.ShapeDtypeStruct((32, 1, hv), jnp.bfloat16),
+        dt_bias=jax.ShapeDtypeStruct((hv,), jnp.float32),
+        b=jax.ShapeDtypeStruct((32, 1, hv), jnp.bfloat16),
+    )
+    for name in ("cols", "pipe3-cols"):
+        fn = functools.partial(variants.fused_gating_recurrent_gated_delta_rule, variant=name)
+        jax.jit(fn).trace(**args).lower(lowering_platforms=("cuda",))
