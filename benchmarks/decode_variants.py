@@ -33,6 +33,7 @@ import gdn  # noqa: E402 (benchmarks/gdn.py: shapes, inputs, pool holder, timing
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
 from pallas_kernels.gdn import decode_mgpu_variants, recurrent_mgpu  # noqa: E402
 from pallas_kernels.gdn import reference as gdn_reference  # noqa: E402
@@ -127,6 +128,44 @@ def bench(kernels: dict, batches) -> None:
                                            operands=inputs)  # fmt: skip
 
             gdn._record("decode", shape, name, measure, gdn._tbps(traffic))
+        if shape == "batch 1":
+            _launch_floor(kernels, inputs, pool)
+
+
+def _empty_kernel(interpret: bool):
+    """A Mosaic GPU kernel that does nothing, with the decode op's arguments and results."""
+
+    def fn(q, k, v, g, beta, ssm_pool, state_indices):
+        del q, k, g, beta
+
+        def body(idx_ref, o_ref):
+            del idx_ref, o_ref
+
+        o = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(v.shape, v.dtype), grid=(1,),
+                         grid_names=("c",),
+                         interpret=plgpu.InterpretGPUParams() if interpret else False,
+                         )(state_indices)  # fmt: skip
+        return o, ssm_pool
+
+    return fn
+
+
+def _padded_slots(n_steps: int) -> tuple[jax.Array, ...]:
+    return tuple(jnp.zeros((1,), jnp.int32) for _ in range(n_steps))
+
+
+def _launch_floor(kernels: dict, inputs: dict, pool: gdn.Pool) -> None:
+    """Batch 1 against the floor of this timing: a Mosaic GPU kernel that does nothing, and
+    the "cols" variant on a padded row (its q/k/v/o copies, no state traffic)."""
+    rows = (("floor: empty Mosaic GPU kernel", _empty_kernel(gdn.SMOKE)),
+            ("floor: cols, padded row (no state)", kernels["cols"]))  # fmt: skip
+    for name, fn in rows:
+
+        def measure(fn=fn):
+            return gdn.jax_per_step_us(_step(fn), pool, _padded_slots, n_steps=16,
+                                       calls=(2, 10), reps=7, operands=inputs)  # fmt: skip
+
+        gdn._record("decode", "batch 1", name, measure, lambda us: "")
 
 
 def table(checks: dict) -> str:
@@ -135,7 +174,8 @@ def table(checks: dict) -> str:
     current = {row.shape: row.us for row in gdn.ROWS if row.impl == CURRENT and row.us}
     for row in gdn.ROWS:
         base = current.get(row.shape)
-        ratio = f"{base / row.us:.3f}x" if base and row.us else ""
+        timed = base and row.us and not row.impl.startswith("floor")
+        ratio = f"{base / row.us:.3f}x" if timed else ""
         us = f"{row.us:.1f}" if row.us is not None else "-"
         batch = row.shape.removeprefix("batch ")
         lines.append(f"| {batch} | {row.impl} | {us} | {row.rate} | {ratio} | {row.note} |")
