@@ -64,7 +64,7 @@ def _path_oracle(chain_verify, tokens: dict, shared: dict, parents: np.ndarray):
                     for k, v in tokens.items()
                 }
                 rest["state_indices"] = jnp.asarray(slots[r : r + 1])
-                out, states = chain_verify(**sliced, **rest)
+                out, states = jax.jit(chain_verify)(**sliced, **rest)
                 outs[r, i] = (np.asarray(out)[0, -1], np.asarray(states)[0, -1])
     real = next(o for o in outs.flat if o is not None)
     pick = lambda o, j: np.zeros_like(real[j]) if o is None else o[j]  # noqa: E731
@@ -125,9 +125,8 @@ def _gdn_case(seed, dtype=jnp.float32, kd=64, vd=64):
 
 def test_gdn_tree_reference_follows_each_nodes_root_path():
     tokens, shared = _gdn_case(0)
-    out = gdn.verify_gated_delta_rule(
-        **tokens, **shared, parents=jnp.asarray(TREES), impl="reference"
-    )
+    fn = jax.jit(functools.partial(gdn.verify_gated_delta_rule, impl="reference"))
+    out = fn(**tokens, **shared, parents=jnp.asarray(TREES))
     oracle = _path_oracle(gdn_reference.verify_gated_delta_rule, tokens, shared, TREES)
     _check_tree(*out, oracle, 1e-5)
 
