@@ -32,6 +32,8 @@ def commit_windows(
     ``accepted_steps = [2, 0, -1]`` writes the window after token 2 of row 0, after token 0 of
     row 1, and leaves row 2's slot alone. Slots of rows with ``accepted_steps[n] >= 0`` must
     be distinct (the caller's invariant, not checked); values ``>= D`` are not allowed.
+    Tree drafts: ``accepted_steps[n]`` is the last accepted node's index in the row; its
+    window already holds its root path's inputs, so nothing else changes.
 
     Args:
       conv_pool: ``[S, C, W-1]``; donate it under jit for an in-place update.

@@ -32,6 +32,8 @@ def commit_states(
     ``accepted_steps = [2, 0, -1]`` writes the state after token 2 of row 0, after token 0 of
     row 1, and leaves row 2's slot alone. Slots of rows with ``accepted_steps[n] >= 0`` must
     be distinct (the caller's invariant, not checked); values ``>= D`` are not allowed.
+    Tree drafts: ``accepted_steps[n]`` is the last accepted node's index in the row; its
+    intermediate already holds the state after its root path, so nothing else changes.
 
     Args:
       ssm_pool: float32 ``[S, HV, K, V]``; donate it under jit for an in-place update.

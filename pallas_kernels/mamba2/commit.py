@@ -30,7 +30,8 @@ def commit_states(
     root (the bonus token is not folded in). A negative value leaves the slot as it is, and so
     does a padded row (slot 0): the pad slot is never written. Slots of rows with
     ``accepted_steps[n] >= 0`` must be distinct (the caller's invariant, not checked); values
-    ``>= Dt`` are not allowed.
+    ``>= Dt`` are not allowed. Tree drafts: ``accepted_steps[n]`` is the last accepted node's
+    index in the row; its intermediate already holds the state after its root path.
 
     Args:
       ssm_pool: float32 ``[S, H, P, N]``; donate it under jit for an in-place update.
