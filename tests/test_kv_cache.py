@@ -237,7 +237,9 @@ def test_tree_attention_sees_the_context_and_the_root_path_only():
         RowSpec(1, 6, d, (9, 2, 14), parents=trees[0]),
         RowSpec(2, 2, d, (5, 11), parents=trees[1]),
     ]
-    meta = build_metadata(M.TARGET_VERIFY, rows, TREE_POLICY, num_slots=4, num_pages=NUM_PAGES)
+    meta = build_metadata(
+        M.TARGET_VERIFY, rows, TREE_POLICY, num_slots=4, num_pages=NUM_PAGES, batch_size=4
+    )
     assert meta.tree
     with jax.enable_x64(True):
         k_pages = np.full((NUM_PAGES, PAGE, kv_heads, dim), np.nan)
@@ -269,6 +271,7 @@ def test_tree_attention_sees_the_context_and_the_root_path_only():
             assert np.linalg.norm(out[t] - want) / np.linalg.norm(want) < 1e-12, (r, i)
             at = row.prefix_len + i  # stored at its index in the row, not at its depth
             np.testing.assert_array_equal(k_after[row.pages[at // PAGE], at % PAGE], k[t])
+    np.testing.assert_array_equal(out[len(rows) * d :], 0)  # padded rows
 
 
 def test_accepted_path_lists_the_root_path_of_the_accepted_node():
