@@ -127,7 +127,8 @@ def test_rejection_sampling_keeps_the_target_distribution(draft):
     ("kwargs", "match"),
     [
         ({"source": "eagle"}, "not a draft source; supported sources: 'ngram', 'mtp'"),
-        ({"tree": True}, "tree drafts .* are not built"),
+        ({"tree": True}, "source='ngram': the n-gram lookup .* from source='mtp'"),
+        ({"tree_parents": (-1, 0, 0, 1)}, "tree_parents=.* but tree=False"),
         ({"num_draft_tokens": 1}, "num_draft_tokens=1 is outside 2..8"),
         ({"num_draft_tokens": 9}, "num_draft_tokens=9 is outside 2..8"),
         ({"min_ngram": 3, "max_ngram": 2}, "need 1 <= min_ngram <= max_ngram"),
@@ -155,7 +156,7 @@ def test_cli_refuses_what_is_not_built_before_building_a_model(flags, match, cap
 
 
 def test_a_verify_row_of_other_than_d_tokens_is_refused_before_tracing():
-    # Tree drafts would carry more candidates than D per row: the layout refuses them.
+    # A row is D tokens whether a chain or a tree of D nodes: the layout refuses any other.
     policy = BucketPolicy.default(2, 16, D, page_size=8, max_context=64)
     with pytest.raises(ValueError, match="TARGET_VERIFY rows carry exactly 4 tokens"):
         build_metadata(M.TARGET_VERIFY, [RowSpec(1, 5, D + 2)], policy, num_slots=3)

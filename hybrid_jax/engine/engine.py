@@ -32,6 +32,13 @@ EXTEND or TARGET_VERIFY step is read back the model's multi-token-prediction hea
 the next verify (``engine/mtp.py``: EXTEND or DRAFT_EXTEND over the positions just folded,
 then D-2 DECODE steps); its steps are compiled at start too, and its KV cache sits on the same
 pages as the target's.
+
+With ``SpeculativeConfig(source="mtp", tree=True)`` the verify rows are trees of D nodes
+(``SpeculativeConfig.parents``, carried as metadata data, so every verify bucket compiles
+once): the head drafts along the tree's spine (``engine/mtp.py``), ``TreeVerifier`` walks
+the tree (``speculative.accept_tree``) and commits the accepted node's states, windows and
+the keys and values of its root path, moved to contiguous positions
+(``step.commit_tree_verified``); the head then extends over that path as after a chain.
 """
 
 from __future__ import annotations
@@ -67,9 +74,10 @@ from hybrid_jax.engine.speculative import (
     NgramDrafter,
     SpeculativeConfig,
     SpeculativeStats,
+    TreeVerifier,
     Verifier,
 )
-from hybrid_jax.engine.step import CompileRecord, StepFunctions
+from hybrid_jax.engine.step import CompileRecord, StepFunctions, commit_tree_verified
 from hybrid_jax.kv_cache import KVCache, PageAllocator, init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, build_metadata, example_metadata
 from hybrid_jax.models.auto import load_checkpoint
@@ -153,10 +161,11 @@ class EngineConfig:
         """
         context = self.context(model_context)
         extra = -(-self.lookahead // self.page_size) * self.page_size
-        draft = 4 if self.speculative is None else self.speculative.num_draft_tokens
+        spec = self.speculative
+        draft = 4 if spec is None else spec.num_draft_tokens
         policy = BucketPolicy.default(
             self.max_batch, self.max_tokens, draft, page_size=self.page_size,
-            max_context=context + extra,
+            max_context=context + extra, tree_drafts=spec is not None and spec.tree,
         )  # fmt: skip
         buckets = {}
         if self.batch_buckets is not None:
@@ -367,11 +376,15 @@ class Engine:
         self.mtp: MTPDrafter | None = None
         if use_mtp:
             self.mtp = MTPDrafter(
-                model, self.policy, num_slots=num_slots, num_pages=num_pages, impl=config.impl
-            )
+                model, self.policy, num_slots=num_slots, num_pages=num_pages,
+                parents=self.speculative.parents, impl=config.impl,
+            )  # fmt: skip
         self._steps = StepFunctions(_LastTokenLogits(model, use_mtp), impl=config.impl)
         self._sampler = Sampler()
-        self._verifier = Verifier(self._steps.commit)
+        self.tree = self.speculative is not None and self.speculative.tree
+        self._verifier: Verifier | TreeVerifier = Verifier(self._steps.commit)
+        if self.tree:
+            self._verifier = TreeVerifier(jax.jit(commit_tree_verified, donate_argnums=(0, 1)))
         # Speculative serving never runs DECODE or MIXED: decoding rows verify, prefill extends.
         self._modes = SERVED_MODES
         self.drafter: NgramDrafter | None = None
@@ -630,25 +643,37 @@ class Engine:
         batch: SamplingBatch,
         *,
         compile_first: bool = False,
-    ) -> tuple[jax.Array, jax.Array | tuple]:
+    ) -> tuple[jax.Array, jax.Array, jax.Array | tuple]:
         """Dispatches a TARGET_VERIFY step, its acceptance and its commit (no wait); tokens:
-        int32 ``[bs, D]`` (root then drafts). Returns the emitted tokens ``[bs, D]`` and the
-        step's kept hidden states."""
+        int32 ``[bs, D]`` (root then drafts, or the nodes of a tree). Returns the emitted
+        tokens ``[bs, D]``, the last accepted node of each row ``[bs]`` (a chain's accepted
+        count) and the step's kept hidden states."""
         out = self._steps(self._state, jnp.asarray(tokens.reshape(-1)), meta)
+        state, verifier = out.state, self._verifier
+        if isinstance(verifier, TreeVerifier):
+            if compile_first:
+                verifier.compile(out.logits, state.pool, state.kv, out.verify, meta)
+            acc, nodes = verifier.accept(
+                out.logits, jnp.asarray(tokens), meta.parents, batch, meta.state_indices
+            )
+            pool, kv = verifier.commit(state.pool, state.kv, out.verify, meta, nodes)
+            self._state = dataclasses.replace(state, pool=pool, kv=kv)
+            return acc.emitted, acc.nodes, out.hidden
         if compile_first:
-            self._verifier.compile(out.logits, out.state.pool, out.verify)
-        acc, steps = self._verifier.accept(
-            out.logits, jnp.asarray(tokens), batch, meta.state_indices
-        )
-        pool = self._verifier.commit(out.state.pool, out.verify, meta.state_indices, steps)
-        self._state = dataclasses.replace(out.state, pool=pool)
-        return acc.emitted, out.hidden
+            verifier.compile(out.logits, state.pool, out.verify)
+        acc, steps = verifier.accept(out.logits, jnp.asarray(tokens), batch, meta.state_indices)
+        pool = verifier.commit(state.pool, out.verify, meta.state_indices, steps)
+        self._state = dataclasses.replace(state, pool=pool)
+        return acc.emitted, acc.num_accepted, out.hidden
 
     def _metadata_and_sampling(self, step: ScheduledStep) -> tuple[ForwardMetadata, SamplingBatch]:
         """The padded metadata of a scheduled step and its rows' sampling parameters."""
+        rows = step.row_specs
+        if self.tree and step.mode is ForwardMode.TARGET_VERIFY:
+            rows = [dataclasses.replace(row, parents=self.speculative.parents) for row in rows]
         meta = build_metadata(
             step.mode,
-            step.row_specs,
+            rows,
             self.policy,
             num_slots=self.slots.num_slots,
             num_pages=self.pages.num_pages,
@@ -669,8 +694,8 @@ class Engine:
         tokens = np.zeros((meta.batch_size, meta.num_draft_tokens), np.int32)
         tokens[: len(step.rows)] = [row.token_ids for row in step.rows]
         start = time.perf_counter()
-        emitted_device, hidden = self._dispatch_verify(meta, tokens, batch)
-        emitted = np.asarray(emitted_device)[: len(step.rows)]
+        emitted_device, nodes, hidden = self._dispatch_verify(meta, tokens, batch)
+        emitted, nodes = (a[: len(step.rows)] for a in jax.device_get((emitted_device, nodes)))
         now = time.perf_counter()
         self.step_times[step.mode].append(now - start)
         self._last_resolved = now
@@ -683,8 +708,8 @@ class Engine:
         stats.emitted += sum(len(r) for r in rows)
         kept_rows = self.scheduler.resolve_verify(step, rows)
         if self.mtp is not None:
-            accepted = [len(r) - 1 for r in rows]
-            self._draft(lambda: self.mtp.after_verify(step, meta, emitted_device, hidden, accepted))
+            paths = [self._path(int(node)) for node in nodes]
+            self._draft(lambda: self.mtp.after_verify(step, meta, emitted_device, hidden, paths))
         events = []
         for req, kept in kept_rows:
             rid = req.request_id
@@ -699,6 +724,14 @@ class Engine:
                 last = i == len(kept) - 1
                 events.append(StepEvent(rid, token, text if last else "", result if last else None))
         return events
+
+    def _path(self, node: int) -> list[int]:
+        """The verify row's nodes from the root to ``node`` (a chain's 0..node)."""
+        parents = self.speculative.parents
+        path = [node]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        return path
 
     def _propose(self, request: Request) -> Sequence[int]:
         if self.drafter is None:

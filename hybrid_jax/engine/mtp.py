@@ -17,6 +17,15 @@ D-2 DECODE steps.
   states there and, as next tokens, the row's emitted tokens (the accepted drafts, then the
   bonus). That overwrites what the previous draft steps wrote at those positions from guesses.
 
+Tree drafts (``SpeculativeConfig(tree=True)``): the head drafts along the tree's spine (the
+nodes with children, one root path; ``speculative.tree_spine``). Its first step's output is
+the root's candidates, each DECODE step's the next spine node's: a node takes the head's
+``candidate_ranks``-th best guess at its parent (0, the argmax, for the spine child), so the
+head runs one step per spine node, as many as a chain of that depth. After a tree verify,
+DRAFT_EXTEND runs over the accepted path, whose positions ``commit_tree_verified`` made
+contiguous: its tokens are the emitted ones and its hidden states those of the path's nodes
+(``MTPInput.hidden_source``). A chain is the tree whose spine is every node but the last.
+
 The head's cache needs no rollback: like the target's attention layers, an entry past the
 accepted context is rewritten before any query reads it (every step writes before it attends,
 and the next one starts where the accepted context ends). It lives in its own ``KVCache`` of
@@ -32,7 +41,7 @@ keeps the batch bucket of the target step it follows, so every input shape is a 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -41,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from hybrid_jax.engine.scheduler import Request, ScheduledStep
-from hybrid_jax.engine.speculative import SpeculativeConfigError
+from hybrid_jax.engine.speculative import SpeculativeConfigError, candidate_ranks, tree_spine
 from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.kv_cache import KVCache, init_kv_cache
 from hybrid_jax.metadata import (
@@ -49,7 +58,9 @@ from hybrid_jax.metadata import (
     ForwardMetadata,
     RowSpec,
     build_metadata,
+    chain_parents,
     example_metadata,
+    tree_depths,
 )
 from hybrid_jax.modes import ForwardMode, LayerKind
 
@@ -61,28 +72,35 @@ MTP_MODES = (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.DECODE)
 
 class MTPInput(NamedTuple):
     """One step's inputs, T = the bucket's tokens: token i of the step is
-    ``tokens[source[i]]`` (int32, ``t_{p+1}``) with hidden state ``hidden[source[i]]``
-    (``[T, hidden]``, ``h_p``); ``source`` int32 ``[T]``."""
+    ``tokens[source[i]]`` (int32, ``t_{p+1}``) with hidden state ``hidden[hidden_source[i]]``
+    (``[T, hidden]``, ``h_p``); ``source`` and ``hidden_source`` int32 ``[T]`` (they differ
+    after a tree verify, whose accepted nodes are not the first ones of their row)."""
 
     tokens: jax.Array
     hidden: jax.Array
     source: jax.Array
+    hidden_source: jax.Array
 
 
 class MTPOutput(NamedTuple):
-    """drafts: int32 ``[bs]``, the head's argmax at each row's last token; hidden: ``[bs,
-    hidden]``, its normed output there (the next DECODE step's hidden input); the cache."""
+    """drafts: int32 ``[bs]``, the head's argmax at each row's last token; candidates: int32
+    ``[bs, W]``, its W best guesses there, best first (``drafts`` is the first); hidden:
+    ``[bs, hidden]``, its normed output there (the next DECODE step's hidden input); the
+    cache."""
 
     drafts: jax.Array
+    candidates: jax.Array
     hidden: jax.Array
     kv: KVCache
 
 
 class _HeadStep(nnx.Module):
-    """The head in the shape ``StepFunctions`` drives: ``(MTPInput, kv, meta) -> MTPOutput``."""
+    """The head in the shape ``StepFunctions`` drives: ``(MTPInput, kv, meta) -> MTPOutput``;
+    ``width``: the guesses kept per row (W)."""
 
-    def __init__(self, model: nnx.Module):
+    def __init__(self, model: nnx.Module, width: int = 1):
         self.model = model
+        self.width = width
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
@@ -91,12 +109,19 @@ class _HeadStep(nnx.Module):
     def __call__(
         self, x: MTPInput, kv: KVCache, meta: ForwardMetadata, *, impl: str = "auto"
     ) -> MTPOutput:
-        hidden, kv = self.model.mtp_hidden_states(x.tokens[x.source], x.hidden[x.source], kv, meta)
+        tokens, hidden_in = x.tokens[x.source], x.hidden[x.hidden_source]
+        hidden, kv = self.model.mtp_hidden_states(tokens, hidden_in, kv, meta)
         # A padded row repeats the previous boundary; clipping keeps its index in range.
         last = jnp.clip(meta.query_start_loc[1:] - 1, 0, hidden.shape[0] - 1)
         out = hidden[last]
-        drafts = jnp.argmax(self.model.logits(out), axis=-1).astype(jnp.int32)
-        return MTPOutput(drafts, out, kv)
+        logits = self.model.logits(out)
+        drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if self.width == 1:
+            return MTPOutput(drafts, drafts[:, None], out, kv)
+        # top_k puts the lower index first among equal values, as argmax does: its first
+        # column is ``drafts``.
+        candidates = jax.lax.top_k(logits, self.width)[1].astype(jnp.int32)
+        return MTPOutput(drafts, candidates, out, kv)
 
 
 def _live(request: Request) -> bool:
@@ -107,9 +132,11 @@ def _live(request: Request) -> bool:
 class MTPDrafter:
     """The head's compiled steps, its KV cache, and the drafts it proposed per request.
 
-    ``model`` must carry the head (``Qwen3Next.has_mtp``). ``after_extend`` / ``after_verify``
-    run a chain after the target's step was read back; ``propose`` hands a request's drafts
-    to the scheduler. ``steps.trace_count`` counts traces (none after ``compile``).
+    ``model`` must carry the head (``Qwen3Next.has_mtp``). ``parents``: the verify rows'
+    topology (default: the chain of ``policy.num_draft_tokens`` nodes). ``after_extend`` /
+    ``after_verify`` run a chain after the target's step was read back; ``propose`` hands a
+    request's drafts (the D-1 nodes after the root, in node order) to the scheduler.
+    ``steps.trace_count`` counts traces (none after ``compile``).
     """
 
     def __init__(
@@ -119,6 +146,7 @@ class MTPDrafter:
         *,
         num_slots: int,
         num_pages: int,
+        parents: tuple[int, ...] | None = None,
         impl: str = "auto",
     ):
         if not getattr(model, "has_mtp", False):
@@ -129,10 +157,22 @@ class MTPDrafter:
             )
         self.policy = policy
         self.num_drafts = policy.num_draft_tokens - 1
+        self.parents = chain_parents(policy.num_draft_tokens) if parents is None else parents
+        if len(self.parents) != policy.num_draft_tokens:
+            raise SpeculativeConfigError(
+                f"parents={self.parents!r} has {len(self.parents)} nodes, but the bucket policy "
+                f"verifies D={policy.num_draft_tokens} tokens per row"
+            )
+        # Head steps per chain (one per spine node); where each node's token comes from.
+        self.num_head_steps = len(tree_spine(self.parents))
+        depths = tree_depths(self.parents)
+        self._level = [depths[p] for p in self.parents[1:]]
+        self._rank = list(candidate_ranks(self.parents)[1:])
+        width = max(self._rank) + 1
         self.num_slots, self.num_pages = num_slots, num_pages
         self.hidden_size = model.config.hidden_size
         self.dtype = jnp.dtype(model.config.dtype)
-        self.steps = StepFunctions(_HeadStep(model), impl=impl)
+        self.steps = StepFunctions(_HeadStep(model, width), impl=impl)
         self.kv = init_kv_cache(model.mtp_kv_specs(), num_pages, policy.page_size)
         self.drafts: dict[int, tuple[int, ...]] = {}
         self.compile_records: list[CompileRecord] = []
@@ -145,6 +185,7 @@ class MTPDrafter:
         return MTPInput(
             spec((num_tokens,), jnp.int32),
             spec((num_tokens, self.hidden_size), self.dtype),
+            spec((num_tokens,), jnp.int32),
             spec((num_tokens,), jnp.int32),
         )
 
@@ -184,8 +225,8 @@ class MTPDrafter:
             offset += n
             if row.samples and _live(req):
                 chain.append((r, req, row.start + n))
-        source = np.arange(meta.num_tokens, dtype=np.int32)
-        first = self._run(meta, MTPInput(jnp.asarray(tokens), hidden, jnp.asarray(source)))
+        source = jnp.arange(meta.num_tokens, dtype=jnp.int32)
+        first = self._run(meta, MTPInput(jnp.asarray(tokens), hidden, source, source))
         self._chain(first, chain, meta.batch_size)
 
     def after_verify(
@@ -194,48 +235,57 @@ class MTPDrafter:
         meta: ForwardMetadata,
         emitted: jax.Array,
         hidden: jax.Array,
-        accepted: list[int],
+        paths: Sequence[Sequence[int]],
     ) -> None:
         """Runs the head over the accepted part of the target's TARGET_VERIFY ``step``:
         ``emitted`` int32 ``[bs, D]`` (accepted drafts, bonus, -1 after) and ``hidden``
-        ``[bs*D, hidden]`` on the device, ``accepted[i]`` drafts of row i (read back)."""
+        ``[bs*D, hidden]`` on the device; ``paths[i]``, row i's accepted path of nodes, root
+        first (read back; ``range(a + 1)`` in a chain that accepted a drafts)."""
         d = meta.num_draft_tokens
         rows, chain = [], []
         source = np.zeros(meta.num_tokens, np.int32)
+        hidden_source = np.zeros(meta.num_tokens, np.int32)
         offset = 0
-        for r, (row, a) in enumerate(zip(step.rows, accepted, strict=True)):
-            req = row.request
+        for r, (row, path) in enumerate(zip(step.rows, paths, strict=True)):
+            req, n = row.request, len(path)
             if not _live(req):
                 continue
-            chain.append((len(rows), req, row.start + a + 1))
-            rows.append(RowSpec(req.slot, row.start, a + 1, req.pages))
-            source[offset : offset + a + 1] = r * d + np.arange(a + 1)
-            offset += a + 1
+            chain.append((len(rows), req, row.start + n))
+            rows.append(RowSpec(req.slot, row.start, n, req.pages))
+            source[offset : offset + n] = r * d + np.arange(n)
+            hidden_source[offset : offset + n] = r * d + np.asarray(path)
+            offset += n
         if not rows:
             return
         extend = self._metadata(ForwardMode.DRAFT_EXTEND, rows, meta.batch_size)
-        x = MTPInput(emitted.reshape(-1), hidden, jnp.asarray(source))
+        x = MTPInput(emitted.reshape(-1), hidden, jnp.asarray(source), jnp.asarray(hidden_source))
         self._chain(self._run(extend, x), chain, meta.batch_size)
 
     def _chain(
         self, first: MTPOutput, chain: list[tuple[int, Request, int]], batch_size: int
     ) -> None:
-        """D-2 DECODE steps after ``first`` for ``chain``: (row of ``first``, request, position
-        of its first DECODE step); records each request's D-1 drafts."""
+        """The DECODE steps after ``first`` along the spine (D-2 in a chain) for ``chain``:
+        (row of ``first``, request, position of its first DECODE step); records each
+        request's D-1 drafts."""
         if not chain:
             return
         outs, prev = [first], first
         source = np.zeros(batch_size, np.int32)
         source[: len(chain)] = [r for r, _, _ in chain]
-        for k in range(self.num_drafts - 1):
+        for k in range(self.num_head_steps - 1):
             rows = [RowSpec(req.slot, pos + k, 1, req.pages) for _, req, pos in chain]
             meta = self._metadata(ForwardMode.DECODE, rows, batch_size)
-            prev = self._run(meta, MTPInput(prev.drafts, prev.hidden, jnp.asarray(source)))
+            index = jnp.asarray(source)
+            prev = self._run(meta, MTPInput(prev.drafts, prev.hidden, index, index))
             outs.append(prev)
             source = np.arange(batch_size, dtype=np.int32)  # later steps keep their rows
-        host = jax.device_get([out.drafts for out in outs])
+        host = jax.device_get([out.candidates for out in outs])
         for i, (r, req, _) in enumerate(chain):
-            self.drafts[req.request_id] = (int(host[0][r]), *(int(h[i]) for h in host[1:]))
+            rows_of = [r] + [i] * (len(host) - 1)  # the first step keeps the target's rows
+            self.drafts[req.request_id] = tuple(
+                int(host[level][rows_of[level], rank])
+                for level, rank in zip(self._level, self._rank, strict=True)
+            )
 
     def propose(self, request: Request) -> tuple[int, ...]:
         """The D-1 drafts the head proposed for ``request`` after its last step (once)."""

@@ -24,8 +24,22 @@ Draft sources:
   one position ahead, then D-2 DECODE steps of its own; its greedy guesses are the row's
   D-1 drafts. Every step of the head is compiled ahead of time like the target's.
 
-Tree drafts (several candidates per position) are not built: ``SpeculativeConfig`` refuses
-``tree=True``.
+Tree drafts (``tree=True``, MTP source only): a verify row is a tree of D nodes in
+topological order (``SpeculativeConfig.parents``; node 0 is the root), verified in one
+TARGET_VERIFY step where every node starts from its parent's state (``metadata.py``). The
+topology is static per engine but travels as data (``ForwardMetadata.parents``), so another
+topology needs no recompile. The MTP head fills it along one *spine*: the nodes with
+children form a single root path, and the spine node at depth k gets as children the head's
+top-c guesses after k DECODE steps along the spine (its expanded child takes the head's
+best guess, its leaves the next ones, in node order). ``tree_width=k`` builds the default
+shape: k children of the root, then a chain below the first (``(-1, 0, 0, 1)`` for D=4,
+k=2). Why this shape: the head's cache is one sequence of positions, so it follows one
+branch at the cost of a chain; siblings come free from the same step's distribution; and
+most of a chain's loss is the first draft, which the width at the root hedges. After the
+verify, ``accept_tree`` walks the tree and ``commit_tree_verified`` (``engine/step.py``)
+keeps the accepted node's states and moves its root path's keys and values to contiguous
+positions, so the row continues as if the path had been a chain. The n-gram source proposes
+one continuation and builds no trees.
 
 Acceptance: temperature 0 accepts a draft when it equals the target's argmax. Temperature
 > 0 uses rejection sampling for a point-mass draft: draft d is accepted with probability
@@ -35,11 +49,23 @@ exactly as ``p``. Random keys are ``fold_in(key(seed), step + j)`` for the j-th 
 row, so a seeded request is reproducible whatever shares its batch. A key decides only
 tokens that are kept (positions past the first rejection are drawn but ignored) and the next
 step starts at the first index not kept, so no key decides two tokens.
+
+Over a tree, temperature 0 walks from the root, at each node following the first child
+(in node order) whose token is the target's argmax there, and emits the argmax where no
+child matches. Temperature > 0 tries the children of the current node in order: child c is
+accepted with probability ``r(c)``, where r is the node's distribution ``p`` with the
+children tried before removed and renormalised; a rejected child is removed from r. When
+every child is rejected the token is drawn from r. Each try keeps the emitted token
+distributed as ``p`` (the chain's argument, applied to r), so the rule is exact for any
+number of point-mass candidates; a repeated candidate has r = 0 and is never accepted. The
+token at depth j of the path is decided by key j (child t's uniform from ``fold_in(k, t)``
+for t > 0, so a chain draws exactly what ``rejection_sample`` draws).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -49,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.engine.sampling import SamplingBatch, top_k_mask, top_p_mask
-from hybrid_jax.metadata import MAX_DRAFT_TOKENS
+from hybrid_jax.metadata import MAX_DRAFT_TOKENS, chain_parents, tree_depths
 
 __all__ = [
     "Acceptance",
@@ -58,10 +84,17 @@ __all__ = [
     "SpeculativeConfig",
     "SpeculativeConfigError",
     "SpeculativeStats",
+    "TreeAcceptance",
+    "TreeVerifier",
     "Verifier",
     "accept",
+    "accept_tree",
+    "candidate_ranks",
     "rejection_sample",
     "target_probs",
+    "tree_rejection_sample",
+    "tree_spine",
+    "width_tree",
 ]
 
 DRAFT_SOURCES = ("ngram", "mtp")
@@ -72,6 +105,46 @@ class SpeculativeConfigError(ValueError):
     """A speculative-decoding setting that is out of range or not built, naming the field."""
 
 
+def tree_spine(parents: Sequence[int]) -> tuple[int, ...]:
+    """The nodes with children of a tree (topological parents, ``-1`` at the root), root
+    first. They must form one root path (the spine the MTP head drafts along); raises
+    ``SpeculativeConfigError`` otherwise."""
+    parents = tuple(parents)
+    expanded = sorted({p for p in parents[1:]}, key=lambda node: tree_depths(parents)[node])
+    for upper, lower in itertools.pairwise(expanded):
+        if parents[lower] != upper:
+            raise SpeculativeConfigError(
+                f"tree_parents={parents!r}: nodes {upper} and {lower} both have children but "
+                f"{lower} is not a child of {upper}; the MTP head drafts along one path, so the "
+                f"nodes with children must form a single path from the root"
+            )
+    return tuple(expanded)
+
+
+def candidate_ranks(parents: Sequence[int]) -> tuple[int, ...]:
+    """Which of the head's guesses at its parent each node takes (0: the best; ``-1`` for
+    the root): a spine node's expanded child takes 0, its leaves 1, 2, ... in node order."""
+    parents = tuple(parents)
+    spine = set(tree_spine(parents))
+    ranks, taken = [-1], {}
+    for node, parent in enumerate(parents[1:], start=1):
+        has_spine_child = any(parents[c] == parent and c in spine for c in range(len(parents)))
+        if node in spine:
+            ranks.append(0)
+        else:
+            rank = taken.get(parent, 1 if has_spine_child else 0)
+            ranks.append(rank)
+            taken[parent] = rank + 1
+    return tuple(ranks)
+
+
+def width_tree(num_nodes: int, width: int) -> tuple[int, ...]:
+    """The parents of ``width`` children of the root followed by a chain below the first:
+    ``width_tree(5, 2) == (-1, 0, 0, 1, 3)``."""
+    chain = [1, *range(width + 1, num_nodes - 1)][: num_nodes - 1 - width]
+    return (-1, *[0] * width, *chain)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """How the engine speculates.
@@ -79,8 +152,10 @@ class SpeculativeConfig:
     ``source``: where drafts come from, ``"ngram"`` or ``"mtp"`` (the model's
     multi-token-prediction head). ``num_draft_tokens``: D, the tokens of every verify row (the
     root plus D-1 drafts), 2..8. ``max_ngram`` / ``min_ngram``: the suffix lengths the n-gram
-    lookup tries, longest first. ``tree``: tree drafts (several candidates per position); not
-    built, so True is refused.
+    lookup tries, longest first. ``tree``: tree drafts (``source="mtp"`` only), D nodes per
+    row; ``tree_parents``: their topology (parent of each node, ``-1`` at the root, nodes
+    with children on one root path), or ``tree_width``: k children of the root then a chain
+    below the first (``width_tree``), 2..D-1, when ``tree_parents`` is empty.
     """
 
     source: str = "ngram"
@@ -88,18 +163,15 @@ class SpeculativeConfig:
     max_ngram: int = 3
     min_ngram: int = 1
     tree: bool = False
+    tree_width: int = 2
+    tree_parents: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tree_parents", tuple(self.tree_parents))
         if self.source not in DRAFT_SOURCES:
             raise SpeculativeConfigError(
                 f"source={self.source!r} is not a draft source; supported sources: "
                 f"{', '.join(map(repr, DRAFT_SOURCES))}"
-            )
-        if self.tree:
-            raise SpeculativeConfigError(
-                "tree=True: tree drafts (several candidates per position, verified from their "
-                "parent's state) are not built; TARGET_VERIFY verifies one chain of D tokens "
-                "per row, use tree=False"
             )
         d = self.num_draft_tokens
         if isinstance(d, bool) or not isinstance(d, int) or not 2 <= d <= MAX_DRAFT_TOKENS:
@@ -114,6 +186,51 @@ class SpeculativeConfig:
             raise SpeculativeConfigError(
                 f"min_ngram={lo}, max_ngram={hi}: need 1 <= min_ngram <= max_ngram"
             )
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        d, parents = self.num_draft_tokens, self.tree_parents
+        if not self.tree:
+            if parents:
+                raise SpeculativeConfigError(
+                    f"tree_parents={parents!r} is given but tree=False; set tree=True"
+                )
+            return
+        if self.source != "mtp":
+            raise SpeculativeConfigError(
+                f"tree=True with source={self.source!r}: the n-gram lookup proposes one "
+                f"continuation, so it builds no trees; tree drafts come from source='mtp' "
+                f"(the multi-token-prediction head), or use tree=False"
+            )
+        if not parents:
+            w = self.tree_width
+            if isinstance(w, bool) or not isinstance(w, int) or not 2 <= w <= d - 1:
+                raise SpeculativeConfigError(
+                    f"tree_width={w!r} is outside 2..{d - 1}: the root has at most D-1="
+                    f"{d - 1} children, and one child is a chain (tree=False)"
+                )
+            return
+        if len(parents) != d:
+            raise SpeculativeConfigError(
+                f"tree_parents has {len(parents)} nodes but num_draft_tokens={d}; give one "
+                f"parent per node of the verify row (the root's is -1)"
+            )
+        for i, parent in enumerate(parents):
+            ok = isinstance(parent, int) and not isinstance(parent, bool)
+            if not ok or (i == 0 and parent != -1) or (i > 0 and not 0 <= parent < i):
+                raise SpeculativeConfigError(
+                    f"tree_parents[{i}]={parent!r}: node 0 is the root (parent -1) and every "
+                    f"other node's parent is an earlier node (topological order)"
+                )
+        tree_spine(parents)
+
+    @property
+    def parents(self) -> tuple[int, ...]:
+        """The topology of every verify row: the chain, ``tree_parents``, or ``width_tree``."""
+        d = self.num_draft_tokens
+        if not self.tree:
+            return chain_parents(d)
+        return self.tree_parents or width_tree(d, self.tree_width)
 
 
 class NgramDrafter:
@@ -219,13 +336,9 @@ def accept(
     ``sampling.sample`` (``steps``: the index of the row's next token in its output). Rows
     with temperature 0 accept by exact match with the argmax and take the argmax as bonus.
     """
-    d = logits.shape[1]
     drafts = tokens[:, 1:]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, D]
-    base = jax.vmap(lambda s: jax.random.key(s))(seeds)
-    keys = jax.vmap(lambda k, s: jax.vmap(lambda j: jax.random.fold_in(k, s + j))(jnp.arange(d)))(
-        base, steps
-    )
+    keys = _position_keys(seeds, steps, logits.shape[1])
     sampled = rejection_sample(target_probs(logits, temperature, top_k, top_p), drafts, keys)
     exact = _emit(greedy[:, :-1] == drafts, drafts, greedy)
     pick = (temperature > 0)[:, None]
@@ -233,6 +346,121 @@ def accept(
         jnp.where(pick, sampled.emitted, exact.emitted),
         jnp.where(pick[:, 0], sampled.num_accepted, exact.num_accepted),
     )
+
+
+def _position_keys(seeds: jax.Array, steps: jax.Array, d: int) -> jax.Array:
+    """``[B, d]`` keys: ``fold_in(key(seeds[b]), steps[b] + j)`` decides the row's j-th token."""
+    base = jax.vmap(lambda s: jax.random.key(s))(seeds)
+    return jax.vmap(lambda k, s: jax.vmap(lambda j: jax.random.fold_in(k, s + j))(jnp.arange(d)))(
+        base, steps
+    )
+
+
+class TreeAcceptance(NamedTuple):
+    """emitted, num_accepted: as ``Acceptance`` (the accepted path's tokens below the root,
+    then the bonus); nodes: int32 ``[B]``, the last accepted node (0: only the root)."""
+
+    emitted: jax.Array
+    num_accepted: jax.Array
+    nodes: jax.Array
+
+
+def _walk_row(
+    probs: jax.Array,
+    argmax: jax.Array,
+    tokens: jax.Array,
+    parents: jax.Array,
+    keys: jax.Array,
+    greedy: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One row of ``tree_rejection_sample``: probs ``[D, V]``, argmax/tokens/parents ``[D]``,
+    keys ``[D]``, greedy a bool scalar. Returns (emitted ``[D]``, accepted count, node)."""
+    d, v = probs.shape
+    split = jax.vmap(jax.random.split)(keys)  # [D, 2]
+
+    def uniforms(key: jax.Array) -> jax.Array:
+        # The first child's uniform is the chain's draw, so a chain walks like
+        # rejection_sample; later children fold their rank in.
+        ks = [key, *(jax.random.fold_in(key, t) for t in range(1, d - 1))]
+        return jnp.stack([jax.random.uniform(k) for k in ks])
+
+    u = jax.vmap(uniforms)(split[:, 0])  # [D, D-1]: depth, rank among the children tried
+    node_ids = jnp.arange(d)
+    earlier = node_ids[None, :] < node_ids[:, None]  # [c, c']: c' comes before c
+    same = tokens[None, :] == tokens[:, None]
+    cur, num, done = jnp.int32(0), jnp.int32(0), jnp.bool_(False)
+    emitted = jnp.full(d, -1, jnp.int32)
+    for j in range(d):  # a path is at most D-1 edges long: the D-th step always ends it
+        p = probs[cur]
+        child = (parents == cur) & (node_ids > 0)
+        rank = jnp.cumsum(child) - 1
+        before = earlier & child[None, :]  # children tried before c (when c is tried)
+        repeat = (before & same).any(axis=1)  # c's token was removed already
+        first = child & ~repeat
+        p_tok = p[tokens]
+        removed = jnp.where(before & first[None, :], p_tok[None, :], 0.0).sum(axis=1)
+        left = 1.0 - removed
+        # t = 0: left is exactly 1, so r is p(token) as in the chain rule.
+        r = jnp.where(repeat | (left <= 0), 0.0, p_tok / jnp.where(left > 0, left, 1.0))
+        hit = jnp.where(greedy, tokens == argmax[cur], u[j, jnp.clip(rank, 0, d - 2)] < r)
+        hit = child & hit
+        took = hit.any()
+        chosen = jnp.argmax(hit).astype(jnp.int32)
+        # Every child rejected: draw from p without the children's tokens, renormalised (a
+        # leaf keeps p itself, exactly as the chain's last position).
+        gone = jnp.zeros(v, bool).at[jnp.where(child, tokens, v)].set(True, mode="drop")
+        residual = jnp.where(gone, 0.0, p)
+        mass = residual.sum()
+        residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p)
+        residual = jnp.where(child.any(), residual, p)
+        drawn = jax.random.categorical(split[j, 1], jnp.log(residual)).astype(jnp.int32)
+        token = jnp.where(took, tokens[chosen], jnp.where(greedy, argmax[cur], drawn))
+        emitted = emitted.at[j].set(jnp.where(done, -1, token))
+        step = ~done & took
+        num = num + step.astype(jnp.int32)
+        cur = jnp.where(step, chosen, cur)
+        done = done | ~took
+    return emitted, num, cur
+
+
+def tree_rejection_sample(
+    probs: jax.Array,
+    argmax: jax.Array,
+    tokens: jax.Array,
+    parents: jax.Array,
+    keys: jax.Array,
+    greedy: jax.Array,
+) -> TreeAcceptance:
+    """The acceptance walk over tree drafts (traceable; module docstring for the rule).
+
+    probs: float32 ``[B, D, V]`` the target's distribution after each node; argmax: int32
+    ``[B, D]`` its argmax there (greedy rows); tokens: int32 ``[B, D]`` the nodes' tokens
+    (the root's is not read); parents: int32 ``[B, D]`` (topological, ``-1`` at the root);
+    keys: ``[B, D]``, key j decides the token at depth j+1 of the path; greedy: bool ``[B]``,
+    rows that follow the argmax instead of sampling. Over a chain this draws exactly the
+    tokens of ``rejection_sample``.
+    """
+    emitted, num, nodes = jax.vmap(_walk_row)(probs, argmax, tokens, parents, keys, greedy)
+    return TreeAcceptance(emitted, num, nodes)
+
+
+def accept_tree(
+    logits: jax.Array,
+    tokens: jax.Array,
+    parents: jax.Array,
+    temperature: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    seeds: jax.Array,
+    steps: jax.Array,
+) -> TreeAcceptance:
+    """Acceptance of a tree verify step (traceable; ``TreeVerifier`` is the compiled form):
+    ``accept`` with ``tokens`` the D nodes of each row and ``parents`` int32 ``[B, D]`` their
+    topology (``ForwardMetadata.parents``)."""
+    probs = target_probs(logits, temperature, top_k, top_p)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    keys = _position_keys(seeds, steps, logits.shape[1])
+    return tree_rejection_sample(probs, argmax, tokens, parents, keys, temperature <= 0)
 
 
 class Verifier:
@@ -296,6 +524,75 @@ class Verifier:
             return compiled(pool, verify, state_indices, accepted_steps)
         self.trace_count += 1
         return self._commit_jit(pool, verify, state_indices, accepted_steps)
+
+
+class TreeVerifier:
+    """``accept_tree`` and ``commit_tree_verified`` (pool states and windows, KV compaction),
+    compiled ahead of time for each batch bucket, as ``Verifier`` for chains.
+
+    ``commit`` is a jitted ``engine.step.commit_tree_verified`` that donates the pool and the
+    KV cache. Calls for shapes that were not compiled go through jit and count in
+    ``trace_count``.
+    """
+
+    def __init__(self, commit: Any):
+        self.trace_count = 0
+        self._commit_jit = commit
+        self._accept_jit = jax.jit(self._traced_accept)
+        self._accepts: dict[tuple[int, ...], Any] = {}
+        self._commits: dict[int, Any] = {}
+
+    def _traced_accept(
+        self, logits, tokens, parents, temperature, top_k, top_p, seeds, steps, slots
+    ):
+        self.trace_count += 1
+        acc = accept_tree(logits, tokens, parents, temperature, top_k, top_p, seeds, steps)
+        # Padded rows (the pad slot) keep their slot and cache: the commit skips them.
+        return acc, jnp.where(slots > 0, acc.nodes, -1)
+
+    def compile(self, logits: Any, pool: Any, kv: Any, verify: Any, meta: Any) -> float:
+        """Compiles for logits ``[B, D, V]``, the pool, cache and verify states, and the
+        metadata of one batch bucket; returns the milliseconds it took."""
+        b, d, v = logits.shape
+        spec = jax.ShapeDtypeStruct
+        start = time.perf_counter()
+        if logits.shape not in self._accepts:
+            self._accepts[logits.shape] = self._accept_jit.lower(
+                spec((b, d, v), jnp.float32), spec((b, d), jnp.int32), spec((b, d), jnp.int32),
+                spec((b,), jnp.float32), spec((b,), jnp.int32), spec((b,), jnp.float32),
+                spec((b,), jnp.uint32), spec((b,), jnp.int32), spec((b,), jnp.int32),
+            ).compile()  # fmt: skip
+        if b not in self._commits:
+            shapes = jax.tree.map(lambda a: spec(a.shape, a.dtype), (pool, kv, verify, meta))
+            self._commits[b] = self._commit_jit.lower(*shapes, spec((b,), jnp.int32)).compile()
+        return 1e3 * (time.perf_counter() - start)
+
+    def accept(
+        self,
+        logits: jax.Array,
+        tokens: jax.Array,
+        parents: jax.Array,
+        batch: SamplingBatch,
+        slots: jax.Array,
+    ) -> tuple[TreeAcceptance, jax.Array]:
+        """Dispatches ``accept_tree`` for one verify step (not waited for); also returns the
+        commit's accepted nodes int32 ``[B]`` (-1 for padded rows, slot 0)."""
+        args = (batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps, slots)
+        compiled = self._accepts.get(logits.shape)
+        if compiled is not None:
+            return compiled(logits, tokens, parents, *args)
+        return self._accept_jit(logits, tokens, parents, *args)
+
+    def commit(
+        self, pool: Any, kv: Any, verify: Any, meta: Any, nodes: jax.Array
+    ) -> tuple[Any, Any]:
+        """Keeps each row's state after its accepted node and moves that node's root path to
+        contiguous cache positions (``pool`` and ``kv`` are donated)."""
+        compiled = self._commits.get(meta.batch_size)
+        if compiled is not None:
+            return compiled(pool, kv, verify, meta, nodes)
+        self.trace_count += 1
+        return self._commit_jit(pool, kv, verify, meta, nodes)
 
 
 @dataclasses.dataclass
