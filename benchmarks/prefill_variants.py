@@ -82,8 +82,9 @@ def _inputs(dims: Dims, lens: list[int], pooled: bool, padding: int, seed: int =
 
 
 def _rel(a: jax.Array, b: jax.Array) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    """``|a - b| / |b|`` in float32 on the device (no host copies of large outputs)."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
 def _time(fn, args: tuple, pool: jax.Array, calls: int, repeats: int) -> float:
@@ -156,24 +157,40 @@ def _intra_us(inputs: tuple, dims: Dims, n_seqs: int) -> float:
     return (time.perf_counter() - t0) / 20 * 1e6
 
 
-def _run_variant(spec: str, inputs: tuple, ref: tuple, opts: argparse.Namespace) -> dict:
+@dataclasses.dataclass
+class Case:
+    """A shape's inputs and reference outputs, made once and kept for every variant."""
+
+    inputs: tuple
+    ref: tuple
+    n_seqs: int
+    end: int  # qsl[N]
+    touched: np.ndarray  # slots of the non-empty sequences
+    untouched: np.ndarray
+
+
+def _case(name: str, dims: Dims) -> Case:
+    lens, pooled, padding = SHAPES[name]
+    inputs = _inputs(dims, lens, pooled, padding)
     q, k, v, g, beta, pool, qsl, idx, init = inputs
-    ro, rpool = ref
+    ref = jax.jit(reference.chunk_gated_delta_rule_chunked)(q, k, v, g, beta, pool, qsl, idx, init)
+    touched = np.asarray(idx)[np.asarray(lens) > 0]
+    untouched = np.setdiff1d(np.arange(pool.shape[0]), touched)
+    return Case(inputs, ref, len(lens), sum(lens), touched, untouched)
+
+
+def _run_variant(spec: str, case: Case, opts: argparse.Namespace) -> dict:
+    q, k, v, g, beta, pool, qsl, idx, init = case.inputs
+    ro, rpool = case.ref
     fn = jax.jit(_op(spec, opts.smoke), donate_argnums=8)
     o, kpool = fn(q, k, v, g, beta, qsl, idx, init, jnp.array(pool))
-    lens = np.diff(np.asarray(qsl))
-    touched = np.asarray(idx)[lens > 0]
-    untouched = np.setdiff1d(np.arange(pool.shape[0]), touched)
-    end = int(np.asarray(qsl)[-1])
-    o32 = np.asarray(o.astype(jnp.float32))
+    end = case.end
     row = {
-        "rel_o": _rel(o32[:end], ro[:end].astype(jnp.float32)),
-        "rel_state": _rel(kpool[touched], rpool[touched]),
-        "untouched_equal": bool(
-            np.array_equal(np.asarray(kpool[untouched]), np.asarray(pool[untouched]))
-        ),
-        "finite": bool(np.isfinite(o32).all()),
-        "padding_zero": not o32[end:].any(),
+        "rel_o": _rel(o[:end], ro[:end]),
+        "rel_state": _rel(kpool[case.touched], rpool[case.touched]),
+        "untouched_equal": bool(jnp.array_equal(kpool[case.untouched], pool[case.untouched])),
+        "finite": bool(jnp.isfinite(o.astype(jnp.float32)).all()),
+        "padding_zero": not bool(o[end:].astype(jnp.float32).any()),
     }
     calls, repeats = (1, 1) if opts.smoke else (20, 3)
     seconds = _time(fn, (q, k, v, g, beta, qsl, idx, init), jnp.array(pool), calls, repeats)
@@ -182,40 +199,43 @@ def _run_variant(spec: str, inputs: tuple, ref: tuple, opts: argparse.Namespace)
     return row
 
 
-def run_shape(name: str, specs: list[str], opts: argparse.Namespace, deadline: float) -> list:
+def run(shapes: list[str], specs: list[str], opts: argparse.Namespace, deadline: float) -> list:
+    """Variant-major (the budget cuts the last variants, not the last shapes); every kernel
+    a spec resolves to runs once per shape."""
     dims = SMOKE if opts.smoke else QWEN3_NEXT
-    lens, pooled, padding = SHAPES[name]
-    inputs = _inputs(dims, lens, pooled, padding)
-    q, k, v, g, beta, pool, qsl, idx, init = inputs
+    cases: dict[str, Case] = {}
+    seen: dict[tuple, str] = {}
     rows = []
-    if time.monotonic() > deadline:
-        return [{"shape": name, "skipped": "budget"}]
-    ref = jax.jit(reference.chunk_gated_delta_rule_chunked)(q, k, v, g, beta, pool, qsl, idx, init)
-    seen = {}
     for spec in specs:
-        row = {"shape": name, "variant": spec, "tokens": q.shape[0]}
-        key = _resolved(spec, len(lens), dims)
-        row["resolved"] = list(key)
-        left = deadline - time.monotonic()
-        if key in seen:
-            row["skipped"] = f"same kernel as {seen[key]}"
-        elif left < opts.per_variant:
-            row["skipped"] = "budget"
-        else:
-            # A deadlocked kernel never returns: end the run with a traceback instead.
-            # (The CPU interpreter is slow, not hung.)
-            faulthandler.dump_traceback_later(opts.hang * (20 if opts.smoke else 1), exit=True)
-            try:
-                row |= _run_variant(spec, inputs, ref, opts)
-                if opts.intra and spec.startswith("mgpu") and not opts.smoke:
-                    row["intra_us"] = _intra_us(inputs, dims, len(lens))
-            except Exception as e:  # keep the other variants' numbers
-                row["error"] = f"{type(e).__name__}: {e}"[:400]
-            finally:
-                faulthandler.cancel_dump_traceback_later()
-            seen[key] = spec
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        for name in shapes:
+            row = {"shape": name, "variant": spec}
+            key = (name, *_resolved(spec, len(SHAPES[name][0]), dims))
+            row["resolved"] = list(key[1:])
+            if key in seen:
+                row["skipped"] = f"same kernel as {seen[key]}"
+            elif deadline - time.monotonic() < opts.per_variant:
+                row["skipped"] = "budget"
+            else:
+                seen[key] = spec
+                # A deadlocked kernel never returns: end the run with a traceback instead.
+                # (The CPU interpreter is slow, not hung.)
+                faulthandler.dump_traceback_later(opts.hang * (20 if opts.smoke else 1), exit=True)
+                try:
+                    if name not in cases:
+                        cases[name] = _case(name, dims)
+                    row["tokens"] = cases[name].inputs[0].shape[0]
+                    row |= _run_variant(spec, cases[name], opts)
+                    if opts.intra and spec.startswith("mgpu") and not opts.smoke:
+                        row["intra_us"] = _intra_us(cases[name].inputs, dims, cases[name].n_seqs)
+                except Exception as e:  # keep the other variants' numbers
+                    row["error"] = f"{type(e).__name__}: {e}"[:400]
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            if opts.out is not None:
+                opts.out.mkdir(parents=True, exist_ok=True)
+                (opts.out / "prefill_variants.json").write_text(json.dumps(rows, indent=1))
     return rows
 
 
@@ -258,13 +278,9 @@ def main() -> None:
     shapes = opts.shapes or ("smoke" if opts.smoke else DEFAULT_SHAPES)
     variants = opts.variants or ("mgpu,fused:64,fused:32x2" if opts.smoke else DEFAULT_VARIANTS)
     print(f"{jax.devices()[0].device_kind}: shapes {shapes}; variants {variants}", flush=True)
-    rows = []
-    for name in shapes.split(","):
-        rows += run_shape(name, variants.split(","), opts, deadline)
-        if opts.out is not None:
-            opts.out.mkdir(parents=True, exist_ok=True)
-            (opts.out / "prefill_variants.json").write_text(json.dumps(rows, indent=1))
-    _table(rows)
+    rows = run(shapes.split(","), variants.split(","), opts, deadline)
+    order = {name: i for i, name in enumerate(shapes.split(","))}
+    _table(sorted(rows, key=lambda r: order[r["shape"]]))
     print(f"total {time.monotonic() - start:.0f} s", file=sys.stderr)
 
 

@@ -16,9 +16,10 @@ kernel latency-bound (benchmarks/prefill_notes.md). Here one CTA per (sequence, 
 
 Two barriers per slot hand it over: ``ready`` (producer -> consumer, after the producer's
 SMEM writes are committed) and ``free`` (consumer -> producer, after the consumer's last
-read of the slot). Each barrier has one waiting warpgroup, which waits for every phase in
-order: a slot's next ``ready`` needs its ``free``, which needs its ``ready``, so no phase
-completes twice unseen.
+read of the slot). The TMA barrier of a slot is waited by its producer and the consumer.
+Every waiting warpgroup waits for every phase of a barrier in order (a slot's next
+``ready`` needs its ``free``, which needs its ``ready``, so no phase completes twice unseen),
+and ``free`` is only signalled for a slot that a later chunk reuses.
 
 ``M`` and ``P`` never reach HBM, and the intra work overlaps the serial chain. The price:
 each of the ``V / block_v`` CTAs of a head recomputes the chunk's ``M`` and ``P``.
@@ -270,6 +271,10 @@ def _fused(
                 start = pl.multiple_of(tab_ref[0, c], ALIGN)
                 lo, hi = tab_ref[1, c], tab_ref[2, c]
                 plgpu.barrier_wait(ready.at[stage])
+                # The slot's TMA loads completed before `ready`; waiting on their barrier too
+                # (it returns at once) orders them for this warpgroup directly instead of
+                # through the producer's arrival.
+                plgpu.barrier_wait(load_bar.at[stage])
                 a = plgpu.load(w_s.at[stage, 0], layout=ROWS)
                 b = plgpu.load(w_s.at[stage, 1], layout=ROWS)
                 e = plgpu.load(w_s.at[stage, 2], layout=ROWS)
