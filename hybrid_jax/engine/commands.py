@@ -7,7 +7,9 @@ of a step in each mode, as a table and, when matplotlib is importable, a PNG plo
 ``--speculative ngram`` or ``--speculative mtp`` (the model's multi-token-prediction head;
 the tiny model has one) both commands decode speculatively; ``bench`` then also serves the
 same prompts without speculation and compares tokens/s, acceptance rate and mean accepted
-length, and with MTP drafts times the head's drafting after each step.
+length, and with MTP drafts times the head's drafting after each step. ``--tree-width K``
+(K children of the root, then a chain below the first) or ``--tree-parents -1,0,0,2`` (one
+parent per node) make the MTP drafts trees of D nodes.
 """
 
 from __future__ import annotations
@@ -57,15 +59,61 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-draft-tokens", type=int, default=4, help="D: tokens per verify row (2..8)"
     )
+    parser.add_argument(
+        "--tree-width",
+        type=int,
+        default=0,
+        metavar="K",
+        help="tree drafts (--speculative mtp): K children of the root, then a chain below the "
+        "first (default: a chain)",
+    )
+    parser.add_argument(
+        "--tree-parents",
+        type=_parents,
+        default=(),
+        metavar="P0,P1,...",
+        help="tree drafts (--speculative mtp): the parent of each of the D nodes, -1 for the "
+        "root, e.g. -1,0,0,2",
+    )
+
+
+def _parents(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a comma-separated list of ints (one parent per node, -1 for the "
+            f"root), e.g. -1,0,0,2"
+        ) from None
+
+
+def _speculative(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The speculative config the flags describe (None: off); raises ValueError."""
+    tree = bool(args.tree_width or args.tree_parents)
+    if not args.speculative:
+        if tree:
+            raise ValueError("--tree-width / --tree-parents need --speculative mtp")
+        return None
+    return SpeculativeConfig(
+        args.speculative,
+        args.num_draft_tokens,
+        tree=tree,
+        tree_width=args.tree_width or 2,
+        tree_parents=args.tree_parents,
+    )
+
+
+def _label(args: argparse.Namespace) -> str:
+    """``mtp D=4`` or ``mtp D=4 tree``: the speculation of a results row."""
+    tree = " tree" if args.tree_width or args.tree_parents else ""
+    return f"{args.speculative} D={args.num_draft_tokens}{tree}"
 
 
 def _engine(args: argparse.Namespace, command: str, *, speculative: bool = True) -> Engine | None:
     """The engine the flags describe (without speculation when ``speculative`` is False), or
     None after printing why it cannot be built."""
     try:
-        spec = None
-        if speculative and args.speculative:
-            spec = SpeculativeConfig(args.speculative, args.num_draft_tokens)
+        spec = _speculative(args) if speculative else None
     except ValueError as err:
         print(f"hybrid-jax {command}: {err}", file=sys.stderr)
         return None
@@ -166,7 +214,7 @@ def generate(args: argparse.Namespace) -> int:
     if engine.speculative is not None:
         stats = engine.speculative_stats
         print(
-            f"speculative {args.speculative} D={args.num_draft_tokens}: "
+            f"speculative {_label(args)}: "
             f"{stats.acceptance_rate:.1%} of drafts accepted, "
             f"{stats.mean_accepted_length:.2f} tokens per verify row",
             file=sys.stderr,
@@ -248,7 +296,11 @@ def bench(args: argparse.Namespace) -> int:
         return 2
     generated = sum(len(r.token_ids) for r in results)
     cfg = engine.config
-    spec = f", speculative {args.speculative} D={args.num_draft_tokens}" if args.speculative else ""
+    spec = ""
+    if engine.speculative is not None:
+        spec = f", speculative {_label(args)}"
+        if engine.speculative.tree:
+            spec += f" {engine.speculative.parents}"
     print(
         f"hybrid-jax bench: {args.num_prompts} prompts x {args.prompt_len} tokens, "
         f"{args.new_tokens} new each; max_batch {cfg.max_batch}, max_tokens {cfg.max_tokens}, "
@@ -312,12 +364,12 @@ def _compare(
     print(f"{'speculation':<26}{'tokens/s':>10}{'speedup':>10}{'accepted':>10}{'length':>8}")
     print(f"{'off':<26}{plain_rate:>10.1f}{1.0:>10.2f}{'-':>10}{'-':>8}")
     print(
-        f"{f'{args.speculative} D={args.num_draft_tokens}':<26}{rate:>10.1f}"
+        f"{_label(args):<26}{rate:>10.1f}"
         f"{rate / plain_rate:>10.2f}{stats.acceptance_rate:>10.1%}"
         f"{stats.mean_accepted_length:>8.2f}"
     )
     print(
-        "accepted: drafts accepted per draft proposed; length: tokens per verify row "
-        "(accepted drafts + 1)"
+        "accepted: drafts accepted per draft proposed (a tree proposes D-1 nodes, of which at "
+        "most its depth can be accepted); length: tokens per verify row (accepted drafts + 1)"
     )
     return plain.retraces
