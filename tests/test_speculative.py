@@ -144,6 +144,9 @@ def test_speculative_config_refuses_what_is_not_built(kwargs, match):
     [
         (["--speculative", "eagle"], "not a draft source; supported sources: 'ngram', 'mtp'"),
         (["--speculative", "ngram", "--num-draft-tokens", "9"], "num_draft_tokens=9"),
+        (["--speculative", "ngram", "--tree-width", "2"], "source='ngram'.* source='mtp'"),
+        (["--tree-width", "2"], "--tree-width / --tree-parents need --speculative mtp"),
+        (["--speculative", "mtp", "--tree-parents=-1,x"], "'-1,x' is not a comma-separated"),
     ],
 )
 def test_cli_refuses_what_is_not_built_before_building_a_model(flags, match, capsys):

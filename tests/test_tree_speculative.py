@@ -9,6 +9,7 @@ values must be moved (``commit_tree_verified``) for the tokens and states to mat
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -378,3 +379,29 @@ def test_seeded_sampling_with_tree_drafts_is_reproducible_and_batch_invariant(en
     (other,) = spec.generate([PROMPTS[0]], dataclasses.replace(params, seed=8))
     assert other.token_ids != solo.token_ids
     assert spec.retraces == 0
+
+
+@pytest.mark.slow
+def test_bench_reports_tree_drafts_against_plain_serving(capsys, tmp_path):
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from hybrid_jax.cli import main
+
+    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
+    argv = [
+        "bench", "--num-prompts", "2", "--prompt-len", "6", "--new-tokens", "5", "--plot", "",
+        "--max-batch", "2", "--max-tokens", "16", "--max-context", "32", "--impl", "reference",
+        "--cache-dir", str(tmp_path), "--speculative", "mtp", "--num-draft-tokens", "4",
+        "--tree-parents=-1,0,0,2",
+    ]  # fmt: skip
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0, out  # 1: a retrace after warm-up
+    assert "speculative mtp D=4 tree (-1, 0, 0, 2)" in out
+    assert re.search(r"\nmtp D=4 tree +[0-9.]+ +[0-9.]+ +[0-9.]+%", out)

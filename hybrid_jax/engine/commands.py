@@ -8,8 +8,9 @@ of a step in each mode, as a table and, when matplotlib is importable, a PNG plo
 the tiny model has one) both commands decode speculatively; ``bench`` then also serves the
 same prompts without speculation and compares tokens/s, acceptance rate and mean accepted
 length, and with MTP drafts times the head's drafting after each step. ``--tree-width K``
-(K children of the root, then a chain below the first) or ``--tree-parents -1,0,0,2`` (one
-parent per node) make the MTP drafts trees of D nodes.
+(K children of the root, then a chain below the first) or ``--tree-parents=-1,0,0,2`` (one
+parent per node; with ``=``, as the value starts with a minus) make the MTP drafts trees of D
+nodes.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=(),
         metavar="P0,P1,...",
         help="tree drafts (--speculative mtp): the parent of each of the D nodes, -1 for the "
-        "root, e.g. -1,0,0,2",
+        "root, e.g. --tree-parents=-1,0,0,2 (with '=': the value starts with a minus)",
     )
 
 
@@ -83,7 +84,7 @@ def _parents(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a comma-separated list of ints (one parent per node, -1 for the "
-            f"root), e.g. -1,0,0,2"
+            f"root), e.g. --tree-parents=-1,0,0,2"
         ) from None
 
 

@@ -329,7 +329,8 @@ class Engine:
     head's whole drafting chain after each step) describe where time went;
     ``speculative_stats`` counts draft acceptance under speculative decoding; ``drafter``
     proposes the drafts (any object with ``propose(token_ids) -> D-1 token ids`` may
-    replace it: acceptance never trusts a draft, so tokens stay those of the target). Under
+    replace it: acceptance never trusts a draft, so tokens stay those of the target; under
+    tree drafts they are the tokens of the nodes after the root, in node order). Under
     ``source="mtp"`` it is None and ``mtp`` (an ``MTPDrafter``) proposes; a drafter set
     there takes precedence while the head keeps running (its cache stays in step).
     """

@@ -598,8 +598,9 @@ class TreeVerifier:
 @dataclasses.dataclass
 class SpeculativeStats:
     """Counts over verify steps: ``rows`` verified, ``proposed`` drafts (D-1 per row, padding
-    included), ``accepted`` drafts, ``emitted`` tokens (accepted drafts plus the bonus, before
-    requests were cut at their stop token or budget)."""
+    included; a tree's D-1 nodes, of which at most its depth can be accepted), ``accepted``
+    drafts (the accepted path's nodes below the root), ``emitted`` tokens (accepted drafts
+    plus the bonus, before requests were cut at their stop token or budget)."""
 
     steps: int = 0
     rows: int = 0
