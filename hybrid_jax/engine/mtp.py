@@ -156,7 +156,6 @@ class MTPDrafter:
                 f"num_nextn_predict_layers=0); use source='ngram'"
             )
         self.policy = policy
-        self.num_drafts = policy.num_draft_tokens - 1
         self.parents = chain_parents(policy.num_draft_tokens) if parents is None else parents
         if len(self.parents) != policy.num_draft_tokens:
             raise SpeculativeConfigError(

@@ -34,8 +34,8 @@ top-c guesses after k DECODE steps along the spine (its expanded child takes the
 best guess, its leaves the next ones, in node order). ``tree_width=k`` builds the default
 shape: k children of the root, then a chain below the first (``(-1, 0, 0, 1)`` for D=4,
 k=2). Why this shape: the head's cache is one sequence of positions, so it follows one
-branch at the cost of a chain; siblings come free from the same step's distribution; and
-most of a chain's loss is the first draft, which the width at the root hedges. After the
+branch at the cost of a chain; siblings come free from the same step's distribution; and a
+chain loses every draft when its first is wrong, which candidates at the root hedge. After the
 verify, ``accept_tree`` walks the tree and ``commit_tree_verified`` (``engine/step.py``)
 keeps the accepted node's states and moves its root path's keys and values to contiguous
 positions, so the row continues as if the path had been a chain. The n-gram source proposes
