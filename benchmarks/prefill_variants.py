@@ -23,14 +23,20 @@ import dataclasses
 import faulthandler
 import json
 import math
+import os
 import pathlib
 import re
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# The CPU interpreter (--smoke) runs each warpgroup's host callbacks on XLA's CPU worker
+# pool; with few CPUs a warp-specialised kernel deadlocks there (tests/kernels/conftest.py).
+# Read when the CPU client is created; harmless on the GPU machine.
+os.environ.setdefault("NPROC", "16")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
