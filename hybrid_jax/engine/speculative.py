@@ -388,9 +388,9 @@ def _walk_row(
     node_ids = jnp.arange(d)
     earlier = node_ids[None, :] < node_ids[:, None]  # [c, c']: c' comes before c
     same = tokens[None, :] == tokens[:, None]
-    cur, num, done = jnp.int32(0), jnp.int32(0), jnp.bool_(False)
-    emitted = jnp.full(d, -1, jnp.int32)
-    for j in range(d):  # a path is at most D-1 edges long: the D-th step always ends it
+
+    def depth(j, carry):
+        emitted, num, cur, done = carry
         p = probs[cur]
         child = (parents == cur) & (node_ids > 0)
         rank = jnp.cumsum(child) - 1
@@ -417,9 +417,11 @@ def _walk_row(
         token = jnp.where(took, tokens[chosen], jnp.where(greedy, argmax[cur], drawn))
         emitted = emitted.at[j].set(jnp.where(done, -1, token))
         step = ~done & took
-        num = num + step.astype(jnp.int32)
-        cur = jnp.where(step, chosen, cur)
-        done = done | ~took
+        return emitted, num + step.astype(jnp.int32), jnp.where(step, chosen, cur), ~step
+
+    # A path is at most D-1 edges long: the D-th step always ends it.
+    start = (jnp.full(d, -1, jnp.int32), jnp.int32(0), jnp.int32(0), jnp.bool_(False))
+    emitted, num, cur, _ = jax.lax.fori_loop(0, d, depth, start)
     return emitted, num, cur
 
 
