@@ -3,7 +3,7 @@
 The engine tests serve with MTP tree drafts and compare against serving without speculation
 (tokens, every linear layer's state and the attention cache at each position); a rigged
 agreeing model accepts along a branch that is not node 1, so the accepted path's keys and
-values must be moved (``commit_tree_verified``) for the tokens and states to match.
+values must be moved (``commit_tree_verified``) for the tokens, states and cache to match.
 """
 
 from __future__ import annotations
