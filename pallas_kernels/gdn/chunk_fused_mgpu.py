@@ -136,7 +136,6 @@ def _fused(
             p_s,
             n_s,
             w_s,
-            g_r,
             g_c,
             b_r,
             b_c,
@@ -209,7 +208,7 @@ def _fused(
             plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s.at[s], bar)
             plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols], v_s.at[s], bar)
             # A vector is loaded once per layout it is read in (layout inference).
-            for src, dst in ((g_ref, g_r), (g_ref, g_c), (b_ref, b_r), (b_ref, b_c)):
+            for src, dst in ((g_ref, g_c), (b_ref, b_r), (b_ref, b_c)):
                 plgpu.copy_gmem_to_smem(src.at[h, rows], dst.at[s], bar)
 
         @pl.when((wg > 0) & real & (num > 0))
@@ -237,7 +236,6 @@ def _fused(
                 chunk_intra(
                     q_s.at[s],
                     k_s.at[s],
-                    g_r.at[s],
                     g_c.at[s],
                     b_r.at[s],
                     b_c.at[s],
@@ -337,7 +335,6 @@ def _fused(
         vec,
         vec,
         vec,
-        vec,
         b_operand(state),
         b_operand(tile),
         b_operand(tile),
@@ -345,7 +342,7 @@ def _fused(
         smem(tile, out_dtype),
         plgpu.SMEM((CHUNK, max(bv, 128 // jnp.dtype(out_dtype).itemsize)), out_dtype),
         plgpu.SMEM(state, F32),
-        plgpu.Barrier(num_arrivals=7, num_barriers=slots_n),
+        plgpu.Barrier(num_arrivals=6, num_barriers=slots_n),
         plgpu.Barrier(num_arrivals=1, num_barriers=slots_n),
         plgpu.Barrier(num_arrivals=1, num_barriers=slots_n),
         plgpu.Barrier(),
