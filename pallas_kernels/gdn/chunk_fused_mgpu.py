@@ -27,7 +27,13 @@ each of the ``V / block_v`` CTAs of a head recomputes the chunk's ``M`` and ``P`
 Varlen layout, padding segment, precision and the pool contract are ``chunk_mgpu``'s (the
 same chunk table): chunks start at 8-aligned tokens, a neighbour's rows are masked by
 ``g = beta = 0``, partial chunks store only their valid rows, tokens at ``t >= qsl[N]`` get
-zeros, each non-empty sequence reads (when ``has_initial_state``) and writes only its slot.
+zeros, each non-empty sequence reads (when ``has_initial_state``) and writes only its pool
+slot.
+
+Measured on the H200 (benchmarks/prefill_notes.md, v2 run 1): correct, but 1.7-2.7x slower
+than ``chunk_mgpu`` at every Qwen3-Next shape. The producer needs ~8.6 us per chunk in one
+warpgroup (the same latency v1's intra kernel hides behind thousands of parallel CTAs), 4x
+the ~2 us state step, so the fused chain runs at the producer's pace. Not the default.
 """
 
 from __future__ import annotations
@@ -84,15 +90,30 @@ def _block_v(config: Config, n_seqs: int, heads: int, value_dim: int) -> int:
 
 
 def _fused(
-    q, k, v, g_t, beta_t, table, first, slots, has_init, pool, *, n_seqs, bv, cfg, scale, interpret
+    q,
+    k,
+    v,
+    g_t,
+    beta_t,
+    table,
+    first,
+    pool_slots,
+    has_init,
+    pool,
+    *,
+    n_seqs,
+    bv,
+    cfg,
+    scale,
+    interpret,
 ):
     """The kernel; returns ``o [T, HV, V]`` and writes final states into the ``pool`` ref."""
     tokens, kv_heads, key_dim = q.shape
     heads, value_dim = v.shape[1], v.shape[2]
     group = heads // kv_heads
     out_dtype = v.dtype
-    producers, slots_n = cfg.producers, cfg.slots
-    ahead = slots_n - 2  # chunks whose loads the producer issues before computing the current
+    producers, n_slots = cfg.producers, cfg.slots
+    ahead = n_slots - 2  # chunks whose loads the producer issues before computing the current
     sq = (CHUNK, CHUNK)
     tile = (CHUNK, bv)
     state = (key_dim, bv)
@@ -112,7 +133,7 @@ def _fused(
     def b_operand(shape):
         return smem(shape[::-1] if kmajor else shape, BF16)
 
-    vec = plgpu.SMEM((slots_n, CHUNK), F32)
+    vec = plgpu.SMEM((n_slots, CHUNK), F32)
 
     def body(
         q_ref,
@@ -122,7 +143,7 @@ def _fused(
         b_ref,
         tab_ref,
         first_ref,
-        slot_ref,
+        pool_slot_ref,
         init_ref,
         pool_ref,
         o_ref,
@@ -160,7 +181,7 @@ def _fused(
         num = first_ref[n + 1] - c0
         real = n < n_seqs
         seq = jnp.minimum(n, n_seqs - 1)  # the padding segment reads no slot
-        slot = slot_ref[seq]
+        pool_slot = pool_slot_ref[seq]
 
         def store_rows(src, start, lo, hi):
             """Valid rows ``lo..hi-1`` of a chunk, one TMA each (never a neighbour's rows)."""
@@ -196,10 +217,10 @@ def _fused(
 
         def load(j):
             """TMA of chunk ``j``'s q, k, v, g, beta into slot ``j % slots`` once it is free."""
-            s = lax.rem(j, slots_n)
+            s = lax.rem(j, n_slots)
             rows = pl.ds(pl.multiple_of(tab_ref[0, c0 + j], ALIGN), CHUNK)
 
-            @pl.when(j >= slots_n)
+            @pl.when(j >= n_slots)
             def _():
                 plgpu.barrier_wait(free.at[s])  # the consumer is done with chunk j - slots
 
@@ -221,7 +242,7 @@ def _fused(
             @pl.loop(0, count)
             def _(i):
                 j = p + i * producers
-                s = lax.rem(j, slots_n)
+                s = lax.rem(j, n_slots)
                 c = c0 + j
                 lo, hi = tab_ref[1, c], tab_ref[2, c]
                 if ahead:
@@ -253,7 +274,7 @@ def _fused(
         def _consumer():
             @pl.when(init_ref[seq] != 0)
             def _():
-                plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, :, cols], st_s, st_bar)
+                plgpu.copy_gmem_to_smem(pool_ref.at[pool_slot, h, :, cols], st_s, st_bar)
                 plgpu.barrier_wait(st_bar)
 
             @pl.when(init_ref[seq] == 0)
@@ -264,7 +285,7 @@ def _fused(
             s0 = plgpu.load(st_s, layout=WG, optimized=False)
 
             def step(j, s):
-                stage = lax.rem(j, slots_n)
+                stage = lax.rem(j, n_slots)
                 c = c0 + j
                 start = pl.multiple_of(tab_ref[0, c], ALIGN)
                 lo, hi = tab_ref[1, c], tab_ref[2, c]
@@ -293,7 +314,7 @@ def _fused(
 
                 # Every read of the slot (wgmmas waited, loads in registers) is done. Only a
                 # slot that a later chunk reuses is handed back: every phase is then waited.
-                @pl.when(j + slots_n < num)
+                @pl.when(j + n_slots < num)
                 def _():
                     plgpu.barrier_arrive(free.at[stage])
 
@@ -321,17 +342,17 @@ def _fused(
             s = lax.fori_loop(0, num, step, s0)
             st_s[...] = s
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(st_s, pool_ref.at[slot, h, :, cols])
+            plgpu.copy_smem_to_gmem(st_s, pool_ref.at[pool_slot, h, :, cols])
             plgpu.wait_smem_to_gmem(0)
 
     scratch = (
-        smem((slots_n, CHUNK, key_dim), BF16),  # q
-        smem((slots_n, CHUNK, key_dim), BF16),  # k
-        smem((slots_n, *tile), BF16),  # v
-        smem((slots_n, *sq), BF16),  # M
-        smem((slots_n, *sq), BF16),  # P
+        smem((n_slots, CHUNK, key_dim), BF16),  # q
+        smem((n_slots, CHUNK, key_dim), BF16),  # k
+        smem((n_slots, *tile), BF16),  # v
+        smem((n_slots, *sq), BF16),  # M
+        smem((n_slots, *sq), BF16),  # P
         smem((producers, *sq), BF16),  # each producer's inverse scratch
-        plgpu.SMEM((slots_n, 4, CHUNK), F32),  # row vectors
+        plgpu.SMEM((n_slots, 4, CHUNK), F32),  # row vectors
         vec,
         vec,
         vec,
@@ -342,9 +363,9 @@ def _fused(
         smem(tile, out_dtype),
         plgpu.SMEM((CHUNK, max(bv, 128 // jnp.dtype(out_dtype).itemsize)), out_dtype),
         plgpu.SMEM(state, F32),
-        plgpu.Barrier(num_arrivals=6, num_barriers=slots_n),
-        plgpu.Barrier(num_arrivals=1, num_barriers=slots_n),
-        plgpu.Barrier(num_arrivals=1, num_barriers=slots_n),
+        plgpu.Barrier(num_arrivals=6, num_barriers=n_slots),
+        plgpu.Barrier(num_arrivals=1, num_barriers=n_slots),
+        plgpu.Barrier(num_arrivals=1, num_barriers=n_slots),
         plgpu.Barrier(),
     )
     return plgpu.kernel(
@@ -358,7 +379,7 @@ def _fused(
         compiler_params=plgpu.CompilerParams(approx_math=True),  # ex2/rsqrt.approx
         interpret=interpret,
         kernel_name="gdn_chunk_fused",
-    )(q, k, v, g_t, beta_t, table, first, slots, has_init, pool)
+    )(q, k, v, g_t, beta_t, table, first, pool_slots, has_init, pool)
 
 
 def unsupported_reason(
