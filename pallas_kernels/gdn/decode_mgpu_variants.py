@@ -78,7 +78,7 @@ class DecodeVariant:
 VARIANTS = {
     "wgmma": DecodeVariant("wgmma", one_pass=False),
     "cols": DecodeVariant("cols"),
-    "pipe3-wgmma": DecodeVariant("wgmma", stages=3, one_pass=False),
+    "cols-bv32": DecodeVariant("cols", block_v=32),
     "pipe3-cols": DecodeVariant("cols", stages=3),
 }
 

@@ -22,6 +22,7 @@ from pallas_kernels.gdn import reference as gdn_reference
 # items (padded ones among them) through its ring; and the batch-1 tiling of "cols".
 _CASES = {
     **variants.VARIANTS,
+    "pipe3-wgmma": variants.DecodeVariant("wgmma", stages=3, one_pass=False),
     "pipe3-cols-3programs": variants.DecodeVariant("cols", block_v=32, stages=3, programs=3),
     "pipe2-wgmma-3programs": variants.DecodeVariant("wgmma", block_v=64, stages=2, programs=3),
     "cols-bv16": variants.DecodeVariant("cols", block_v=16),
