@@ -1,4 +1,11 @@
-"""Candidate Mosaic GPU decode kernels for Gated DeltaNet, timed against ``recurrent_mgpu``.
+"""Mosaic GPU decode kernels for Gated DeltaNet: the public decode op's kernel and variants.
+
+``DEFAULT`` ("pipe3-cols") is what ``fused_recurrent.fused_recurrent_gated_delta_rule`` runs.
+Measured on the H200 (``benchmarks/decode_variants.py``, two runs, state TB/s at batch 256 /
+time at batch 64): ``recurrent_mgpu`` 3.23 and 3.18 / 88.6 us; "wgmma" 3.69, 3.65 / 76.1 us;
+"cols" 3.73, 3.64 / 74.4 us; "pipe3-cols" 3.79, 3.77 (283-285 us) / not reached; "cols-bv32"
+2.82 (narrow tiles lose). Batch 1 was not measurable in that harness: an empty Mosaic GPU
+kernel already costs 12-15 us per step there (host work per launch).
 
 Same contract as ``recurrent_mgpu.fused_recurrent_gated_delta_rule`` (pool updated in place
 through ``state_indices`` under ``jit`` with the pool donated; slot 0 = padded row, never
@@ -43,6 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.gdn import recurrent_mgpu
 
 __all__ = [
+    "DEFAULT",
     "VARIANTS",
     "DecodeVariant",
     "fused_gating_recurrent_gated_delta_rule",
@@ -75,6 +83,7 @@ class DecodeVariant:
     one_pass: bool = True
 
 
+DEFAULT = "pipe3-cols"
 VARIANTS = {
     "wgmma": DecodeVariant("wgmma", one_pass=False),
     "cols": DecodeVariant("cols"),
@@ -398,7 +407,7 @@ def fused_recurrent_gated_delta_rule(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     interpret: bool = False,
-    variant: DecodeVariant | str = "cols",
+    variant: DecodeVariant | str = DEFAULT,
 ) -> tuple[jax.Array, jax.Array]:
     """D tokens per row from ``pool[idx[n]]``; the final state is written back in place.
 
@@ -430,7 +439,7 @@ def fused_gating_recurrent_gated_delta_rule(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     interpret: bool = False,
-    variant: DecodeVariant | str = "cols",
+    variant: DecodeVariant | str = DEFAULT,
 ) -> tuple[jax.Array, jax.Array]:
     """``fused_recurrent_gated_delta_rule`` with the Qwen3-Next gating done in the kernel.
 

@@ -118,6 +118,23 @@ def test_fused_gating_matches_gating_then_oracle(name):
     np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
 
 
+def test_public_decode_op_runs_the_default_variant():
+    from pallas_kernels import gdn
+
+    args, idx = _case(4, n=3, d=1, kd=64, vd=64, slots=7, dtype=jnp.bfloat16, padded=[0])
+    public = jax.jit(functools.partial(gdn.fused_recurrent_gated_delta_rule, impl="interpret"))
+    kernel = jax.jit(
+        functools.partial(
+            variants.fused_recurrent_gated_delta_rule,
+            variant=variants.DEFAULT,
+            interpret=True,
+            scale=64**-0.5,
+        )
+    )
+    for got, want in zip(public(**args), kernel(**args), strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_pick_block_v_narrows_only_small_grids():
     assert variants.pick_block_v(256, 32, 128) == 64
     assert variants.pick_block_v(1, 32, 128) == 16
