@@ -12,9 +12,10 @@ On the H200 (about 3 minutes, most of it compiling; run 1 took 144 s for 26 rows
    the run-to-run spread) for each kernel with ``benchmarks/gdn.py``'s ``jax_per_step_us``
    (steps unrolled in one executable, pool donated, fresh random slots each step), all in
    this run, and prints one table: time per step, state bytes moved per second (read +
-   write) and the ratio to the current kernel. Batch 1 is device time above an empty Mosaic
-   GPU kernel (``bench_batch1``): run 1 showed that the host work of a launch (12.2 us per
-   step for an empty kernel) otherwise sets the step time.
+   write) and the ratio to the current kernel. Batch 1 is meant as device time above an
+   empty Mosaic GPU kernel (``bench_batch1``): run 1 showed that the host work of a launch
+   (12.2 us per step for an empty kernel) otherwise sets the step time; run 2 showed that
+   the method does not yet achieve it (see ``BUSY_FLOATS``).
 
 ``--budget``: rows that would start after that many seconds are skipped (the table says so).
 ``--smoke``: tiny shapes with every kernel under the CPU interpreter (checks the script).
@@ -152,8 +153,10 @@ def _empty_kernel(interpret: bool):
 
 EMPTY = "empty Mosaic GPU kernel"
 # Batch-1 steps are followed by a sum over this many float32 (~35 us of HBM reads on the
-# H200) that depends on the step's output: the device, not the ~12 us of host work per
-# Mosaic GPU launch (run 1: an empty kernel timed 12.2 us per step), sets the step time.
+# H200) that depends on the step's output, meant to make the device, not the ~12 us of host
+# work per Mosaic GPU launch (run 1: an empty kernel timed 12.2 us per step), set the step
+# time. Not confirmed: run 2 timed the empty kernel's step at 15.0 us, too short for the sum,
+# so XLA most likely hoisted it and the batch-1 rows still read the host floor.
 BUSY_FLOATS = 32 * 1024 * 1024
 
 
