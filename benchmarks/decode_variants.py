@@ -1,4 +1,4 @@
-"""The GDN decode kernel (``recurrent_mgpu``) against the variants of ``decode_mgpu_variants``.
+"""The GDN decode kernel (``recurrent_mgpu``) against the variants of ``decode_mgpu``.
 
 On the H200 (about 3 minutes, most of it compiling; run 1 took 144 s for 26 rows)::
 
@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
-from pallas_kernels.gdn import decode_mgpu_variants, recurrent_mgpu  # noqa: E402
+from pallas_kernels.gdn import decode_mgpu, recurrent_mgpu  # noqa: E402
 from pallas_kernels.gdn import reference as gdn_reference  # noqa: E402
 
 __all__ = ["main"]
@@ -54,10 +54,8 @@ CHECK_BATCHES = (64,)  # several items per pipelined program (run 1 also checked
 def _kernels(interpret: bool) -> dict:
     """name -> decode function with the public op's arguments."""
     out = {CURRENT: recurrent_mgpu.fused_recurrent_gated_delta_rule}
-    for name in decode_mgpu_variants.VARIANTS:
-        out[name] = functools.partial(
-            decode_mgpu_variants.fused_recurrent_gated_delta_rule, variant=name
-        )
+    for name in decode_mgpu.VARIANTS:
+        out[name] = functools.partial(decode_mgpu.fused_recurrent_gated_delta_rule, variant=name)
     if interpret:
         out = {name: functools.partial(fn, interpret=True) for name, fn in out.items()}
     return out

@@ -2,7 +2,7 @@
 pool) and speculative verification (``verify_gated_delta_rule``, returns the state after every
 token and leaves the pool alone).
 
-The Mosaic GPU kernels live in ``decode_mgpu_variants.py`` (decode: its default variant,
+The Mosaic GPU kernels live in ``decode_mgpu.py`` (decode: its default variant,
 the persistent TMA-pipelined kernel) and ``recurrent_mgpu.py`` (verify), same arguments plus
 ``interpret``; ``recurrent_mgpu.unsupported_reason`` decides whether ``impl="auto"`` may take
 them.
@@ -14,7 +14,7 @@ import jax
 
 from pallas_kernels._common import resolve_impl
 from pallas_kernels._tree import check_parents
-from pallas_kernels.gdn import decode_mgpu_variants, recurrent_mgpu, reference
+from pallas_kernels.gdn import decode_mgpu, recurrent_mgpu, reference
 from pallas_kernels.gdn._checks import check_rows, default_scale
 
 __all__ = ["fused_recurrent_gated_delta_rule", "verify_gated_delta_rule"]
@@ -63,7 +63,7 @@ def fused_recurrent_gated_delta_rule(
     which = _resolve(op, impl, args, options)
     if which == "reference":
         return reference.fused_recurrent_gated_delta_rule(*args, **options)
-    return decode_mgpu_variants.fused_recurrent_gated_delta_rule(
+    return decode_mgpu.fused_recurrent_gated_delta_rule(
         *args, **options, interpret=which == "interpret"
     )
 

@@ -1,4 +1,4 @@
-"""The candidate decode kernels of ``decode_mgpu_variants`` against the float64 oracle.
+"""The candidate decode kernels of ``decode_mgpu`` against the float64 oracle.
 
 Each variant runs under the Mosaic GPU CPU interpreter (values; fresh buffers start as NaN, so
 an unwritten output shows) and through the Pallas -> Mosaic GPU lowering for ``cuda`` on the
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gdn import decode_mgpu_variants as variants
+from pallas_kernels.gdn import decode_mgpu as variants
 from pallas_kernels.gdn import reference as gdn_reference
 
 # Every named variant; the pipelined ones also with 3 programs, so that each walks several
