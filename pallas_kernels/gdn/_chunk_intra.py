@@ -1,10 +1,10 @@
 """The state-independent half of a chunked Gated DeltaNet step, for one warpgroup.
 
-Shared by the Mosaic GPU prefill kernels (``chunk_mgpu.py``'s intra kernel and
-``chunk_fused_mgpu.py``'s producer warpgroup): from one 64-token chunk of q, k (bf16 SMEM
-tiles, not yet normalised), g and beta it forms, per the math of ``chunk_mgpu.py``'s
-docstring, ``M = (I + A)^-1 diag(beta)`` and ``P = tril(scale (q k^T) exp(gc_i - gc_j))`` as
-bf16 SMEM tiles and four float32 row vectors.
+The body of ``chunk_mgpu.py``'s intra kernel, kept apart so that a kernel that computes it
+inside another (a producer warpgroup, see ``benchmarks/prefill_notes.md``) can share it: from
+one 64-token chunk of q, k (bf16 SMEM tiles, not yet normalised), g and beta it forms, per
+the math of ``chunk_mgpu.py``'s docstring, ``M = (I + A)^-1 diag(beta)`` and
+``P = tril(scale (q k^T) exp(gc_i - gc_j))`` as bf16 SMEM tiles and four float32 row vectors.
 """
 
 from __future__ import annotations
@@ -58,12 +58,12 @@ def unit_lower_inverse(a: jax.Array, l_s, t_s, n_s) -> jax.Array:
     return t
 
 
-def chunk_intra(q_s, k_s, g_c, b_r, b_c, lo, hi, m_s, p_s, n_s, vec_s, *, scale: float):
+def chunk_intra(q_s, k_s, g_r, g_c, b_r, b_c, lo, hi, m_s, p_s, n_s, vec_s, *, scale: float):
     """Fill ``m_s``, ``p_s`` (bf16 ``[64, 64]``) and ``vec_s`` (float32 ``[4, 64]``) for a chunk.
 
-    q_s, k_s: bf16 ``[64, K]`` SMEM tiles; g_c, b_r/b_c: float32 ``[64]`` SMEM copies of g and
-    beta (one per register layout they are read in). Rows outside ``lo <= i < hi`` belong to
-    a neighbour: they get ``g = beta = 0``. ``vec_s`` rows: ``rk exp(gc)``,
+    q_s, k_s: bf16 ``[64, K]`` SMEM tiles; g_r/g_c, b_r/b_c: float32 ``[64]`` SMEM copies of g
+    and beta (one per register layout they are read in). Rows outside ``lo <= i < hi`` belong
+    to a neighbour: they get ``g = beta = 0``. ``vec_s`` rows: ``rk exp(gc)``,
     ``scale rq exp(gc)``, ``rk exp(gc_last - gc)``, ``exp(gc_last)``. ``n_s``: bf16 scratch.
     Ends with the writes committed (visible to TMA and wgmma).
     """
@@ -75,22 +75,17 @@ def chunk_intra(q_s, k_s, g_c, b_r, b_c, lo, hi, m_s, p_s, n_s, vec_s, *, scale:
     # |k_i|^2 is the diagonal of k k^T (exact bf16 products, float32 sums).
     diag = jnp.where(ri == ci, kk, 0.0)
     rk_row = lax.rsqrt(diag.sum(axis=1) + EPS)
+    rk_col = lax.rsqrt(diag.sum(axis=0) + EPS)
     iv_r = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=ROWS)
     iv_c = plgpu.broadcasted_iota(jnp.int32, (CHUNK,), 0, layout=COLS)
     in_r = (iv_r >= lo) & (iv_r < hi)
     in_c = (iv_c >= lo) & (iv_c < hi)
     # Masked rows decay by nothing and write nothing (beta = 0 zeroes their v').
+    g_row = jnp.where(in_r, plgpu.load(g_r, layout=ROWS), 0.0)
     g_col = jnp.where(in_c, plgpu.load(g_c, layout=COLS), 0.0)
     gc_row = jnp.where(ci <= ri, along_cols(g_col, shape), 0.0).sum(axis=1)
+    gc_col = jnp.where(ri <= ci, along_rows(g_row, shape), 0.0).sum(axis=0)
     g_last = along_cols(g_col, shape).sum(axis=1)  # the chunk's total, on every row
-    # The column forms of rk and gc go through SMEM (vec_s rows, rewritten below): a sum over
-    # axis 0 is a cross-warp reduction in Mosaic's one reduction scratch, which warpgroups
-    # share, so two warpgroups reducing at once race (NaN on the H200).
-    vec_s[0] = rk_row
-    vec_s[1] = gc_row
-    plgpu.commit_smem()
-    rk_col = plgpu.load(vec_s.at[0], layout=COLS)
-    gc_col = plgpu.load(vec_s.at[1], layout=COLS)
     beta_row = jnp.where(in_r, plgpu.load(b_r, layout=ROWS), 0.0)
     # Exponents are masked before exp: acausal pairs have gc_i - gc_j > 0.
     expo = along_rows(gc_row, shape) - along_cols(gc_col, shape)

@@ -9,7 +9,7 @@ cumulative log decay, ``k``/``q`` l2-normalised):
     S <- exp(gc_last) S + k^T diag(exp(gc_last - gc)) v'
 
 Kernel 1 (``_intra``, one CTA per (chunk, value head), fully parallel; the math is in
-``_chunk_intra.py``, shared with ``chunk_fused_mgpu.py``) forms everything that
+``_chunk_intra.py``) forms everything that
 does not depend on the state: ``M`` and ``P = tril(...)`` as bf16 ``[64, 64]`` tiles and four
 float32 row vectors (``rk exp(gc)``, ``scale rq exp(gc)``, ``rk exp(gc_last - gc)``,
 ``exp(gc_last)``; ``rq``/``rk`` the inverse l2 norms, so q and k are never rewritten). ``T``
@@ -117,7 +117,7 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
     vec = plgpu.SMEM((CHUNK,), F32)
 
     def body(q_ref, k_ref, g_ref, b_ref, tab_ref, first_ref, m_ref, p_ref, v_ref, *scratch):
-        q_s, k_s, g_c, b_r, b_c, m_s, p_s, n_s, vec_s, bar = scratch
+        q_s, k_s, g_r, g_c, b_r, b_c, m_s, p_s, n_s, vec_s, bar = scratch
         c, h = lax.axis_index("c"), lax.axis_index("h")
         hk = lax.div(h, group)
         start = pl.multiple_of(tab_ref[0, c], ALIGN)
@@ -129,10 +129,10 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
             plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s, bar)
             plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s, bar)
             # A vector is loaded once per layout it is read in (layout inference).
-            for src, dst in ((g_ref, g_c), (b_ref, b_r), (b_ref, b_c)):
+            for src, dst in ((g_ref, g_r), (g_ref, g_c), (b_ref, b_r), (b_ref, b_c)):
                 plgpu.copy_gmem_to_smem(src.at[h, rows], dst, bar)
             plgpu.barrier_wait(bar)
-            chunk_intra(q_s, k_s, g_c, b_r, b_c, lo, hi, m_s, p_s, n_s, vec_s, scale=scale)
+            chunk_intra(q_s, k_s, g_r, g_c, b_r, b_c, lo, hi, m_s, p_s, n_s, vec_s, scale=scale)
             plgpu.copy_smem_to_gmem(m_s, m_ref.at[c, h], commit_group=False)
             plgpu.copy_smem_to_gmem(p_s, p_ref.at[c, h], commit_group=False)
             plgpu.copy_smem_to_gmem(vec_s, v_ref.at[c, h], commit_group=False)
@@ -150,11 +150,12 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
         vec,
         vec,
         vec,
+        vec,
         smem(shape, BF16),
         smem(shape, BF16),
         smem(shape, BF16),
         plgpu.SMEM((4, CHUNK), F32),
-        plgpu.Barrier(num_arrivals=5),
+        plgpu.Barrier(num_arrivals=6),
     )
     return plgpu.kernel(
         body,
