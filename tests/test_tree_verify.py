@@ -109,7 +109,7 @@ def _tree_step(run, pool, kv, drafts, trees=TREES):
 
 
 # Qwen3-Next only: Mamba2's tree verify is checked node by node at the op level
-# (tests/kernels/test_tree_verify.py), and through Nemotron-H by the commit test below.
+# (tests/kernels/test_tree_verify_kernels.py), and through Nemotron-H by the commit test below.
 @pytest.mark.parametrize("run", ["qwen3_next"], indirect=True)
 def test_every_tree_node_gets_the_logits_of_a_chain_over_its_root_path(run):
     pool, kv = run.prefilled()

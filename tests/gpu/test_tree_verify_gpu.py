@@ -3,8 +3,8 @@
 Qwen3-Next TP1 GDN (H=16, HV=32, K=V=128) and conv1d (C=8192, W=4); Nemotron-H 8B-like Mamba2
 (H=128, P=64, G=8, N=128). bf16 activations, fp32 pools poisoned with NaN in every slot no row
 names. The oracle is the tree reference in float64 (checked against per-node root-path chain
-verifies in ``tests/kernels/test_tree_verify.py``); each row gets its own random tree, the last
-rows are padding. Skipped where there is no sm_90 GPU (``-m gpu`` selects them).
+verifies in ``tests/kernels/test_tree_verify_kernels.py``); each row gets its own random tree,
+the last rows are padding. Skipped where there is no sm_90 GPU (``-m gpu`` selects them).
 """
 
 from __future__ import annotations
