@@ -1,28 +1,30 @@
-"""Mosaic GPU decode kernels for Gated DeltaNet: the public decode op's kernel and variants.
+"""Mosaic GPU decode kernel of Gated DeltaNet: the public decode op's kernel and its variants.
 
 ``DEFAULT`` ("pipe3-cols") is what ``fused_recurrent.fused_recurrent_gated_delta_rule`` runs.
-Measured on the H200 (``benchmarks/decode_variants.py``, two runs, state TB/s at batch 256 /
-time at batch 64): ``recurrent_mgpu`` 3.23 and 3.18 / 88.6 us; "wgmma" 3.69, 3.65 / 76.1 us;
-"cols" 3.73, 3.64 / 74.4 us; "pipe3-cols" 3.79, 3.77 (283-285 us) / not reached; "cols-bv32"
-2.82 (narrow tiles lose). Batch 1 was not measurable in that harness: an empty Mosaic GPU
-kernel already costs 12-15 us per step there (host work per launch).
+Kernel device time on the H200 (ncu, ``DEFAULT``, Qwen3-Next H=16 HV=32 K=V=128, bf16, fp32
+pool of 1024 slots, random slots): batch 1: 4.0-4.3 us; 16: 17.3-18.0 us; 64: 66.8-69.9 us;
+256: 272.6-277.4 us (3.9 TB/s of state traffic). The variants, timed against one another by
+``benchmarks/decode_variants.py`` (state TB/s at batch 256 / time at batch 64, two runs):
+"wgmma" 3.69, 3.65 / 76.1 us; "cols" 3.73, 3.64 / 74.4 us; "pipe3-cols" 3.79, 3.77 / not
+reached; "cols-bv32" 2.82 (narrow tiles lose). The first decode kernel, a slot-indexed one in
+the verify kernel's shape (``recurrent_mgpu``), reached 3.23 and 3.18 / 88.6 us and is gone
+(``benchmarks/notes.md`` says what held it back).
 
-Same contract as ``recurrent_mgpu.fused_recurrent_gated_delta_rule`` (pool updated in place
-through ``state_indices`` under ``jit`` with the pool donated; slot 0 = padded row, never
-touched, zeros in ``o``). What differs from it, each part separately switchable so that one
-GPU run says which pays:
+Contract: rows of D tokens, the pool updated in place through ``state_indices`` under ``jit``
+with the pool donated; slot 0 = padded row, never touched, zeros in ``o``. The design, each
+part separately switchable so that one GPU run says which pays:
 
-* Grid order (all variants): the programs of one ``(row, head)`` are adjacent in launch order
-  (``recurrent_mgpu`` puts the row fastest), so the two ``[K, 64]`` halves of a head's
-  contiguous 64 KiB ``[K, V]`` block are read at the same time, not a whole sweep apart; a
-  ``[K, 64]`` tile alone is 128 pieces of 256 B at a 512 B stride (the Mamba2 decode kernel,
-  3.9 TB/s, reads whole contiguous 32 KiB tiles).
+* Grid order (all variants): the programs of one ``(row, head)`` are adjacent in launch order,
+  so the two ``[K, 64]`` halves of a head's contiguous 64 KiB ``[K, V]`` block are read at the
+  same time, not a whole sweep apart; a ``[K, 64]`` tile alone is 128 pieces of 256 B at a
+  512 B stride (the Mamba2 decode kernel, 3.9 TB/s, reads whole contiguous 32 KiB tiles).
 * ``layout="cols"``: the ``[K, bv]`` state tile is held in registers with the value columns
   spread over the four warps and the K rows over registers and a few lanes. The delta rule's
   two mat-vecs ``S^T k`` and ``S^T q`` (and the q/k norms) then reduce within a warp (register
-  adds and lane shuffles). In the WGMMA layout (``layout="wgmma"``, as ``recurrent_mgpu``) the
-  K rows are spread over the warps, so each of those four reductions goes through SMEM with a
-  warpgroup barrier (the Mamba2 kernel reduces along its columns: in-warp).
+  adds and lane shuffles). In the WGMMA layout (``layout="wgmma"``, as the verify kernel in
+  ``recurrent_mgpu``) the K rows are spread over the warps, so each of those four reductions
+  goes through SMEM with a warpgroup barrier (the Mamba2 kernel reduces along its columns:
+  in-warp).
 * ``one_pass`` (with "cols"): ``S^T k`` and ``S^T q`` both from the state before the update
   (``o = decay S^T q + (q . k) u``): two independent reductions in one read of the tile, then
   one write pass, instead of reduce, update, reduce.
@@ -34,7 +36,9 @@ GPU run says which pays:
 * Batch 1 (latency): 16-column blocks (256 programs instead of 128) and, in the one-item
   programs, the q/k/v copies start before the slot is read.
 
-``VARIANTS`` names the configurations the benchmark times (``benchmarks/decode_variants.py``).
+Entries: ``fused_recurrent_gated_delta_rule`` (the public op's arguments plus ``interpret``
+and ``variant``) and ``unsupported_reason`` (which ``impl="auto"`` consults; the verify kernel
+checks its rows with it too). ``VARIANTS`` names the configurations the benchmark times.
 """
 
 from __future__ import annotations
@@ -47,18 +51,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gdn import recurrent_mgpu
-
 __all__ = [
     "DEFAULT",
+    "MAX_TOKENS",
     "VARIANTS",
     "DecodeVariant",
-    "fused_gating_recurrent_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
     "pick_block_v",
+    "unsupported_reason",
 ]
 
 _NUM_SMS = 132  # H100/H200 SXM
+_HEAD_DIMS = (64, 128)
+_ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# The D tokens' q/k/v/o tiles sit in SMEM next to the state tile of every ring stage; at 16
+# tokens, three stages of float32 activations with K = 128 and 64 columns take 172 KiB, under
+# the 227 KiB an sm_90 block may use. 16 covers every speculative depth in use.
+MAX_TOKENS = 16
 _VEC = 2  # fp32 per register vector along V in the "cols" layout (8-byte SMEM accesses)
 
 
@@ -67,13 +76,13 @@ class DecodeVariant:
     """Static choices of one kernel.
 
     ``layout``: "cols" (value columns over warps: in-warp reductions) or "wgmma" (K rows
-    over warps, as ``recurrent_mgpu``). ``block_v``: value columns per work item, or 0 for
+    over warps, as the verify kernel). ``block_v``: value columns per work item, or 0 for
     ``pick_block_v``. ``stages``: 0 for one item per program, else the SMEM ring depth of the
     persistent pipelined kernel, which launches at most ``programs`` programs (two per SM by
     default: one program's compute hides behind the other's copies). ``one_pass``: both
     mat-vecs from the state before the update (``o = decay S^T q + (q . k) u``), so the tile
     is read once for ``S^T k`` and ``S^T q`` together and written once; otherwise ``S^T q`` is
-    a second reduction after the update, as in ``recurrent_mgpu``.
+    a second reduction after the update, as in the verify kernel.
     """
 
     layout: str = "cols"
@@ -152,41 +161,21 @@ def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use
     return state
 
 
-def _softplus(x: jax.Array) -> jax.Array:
-    # Overflow-free, and only exp/log/abs, which lower for scalars (log1p does not).
-    return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
-
-
 def _load_gates(gate_refs, n, head, n_tokens):
-    """The float32 gate scalars of item (row ``n``, ``head``) as read from GMEM, flat:
-    ``(g, beta)`` per token, or ``A_log, dt_bias`` then ``(a, b)`` per token (fused gating)."""
-    if len(gate_refs) == 2:
-        g_ref, beta_ref = gate_refs
-        per_token = [(g_ref[n, t, head], beta_ref[n, t, head]) for t in range(n_tokens)]
-        head_terms = ()
-    else:
-        a_log_ref, a_ref, dt_bias_ref, b_ref = gate_refs
-        per_token = [(a_ref[n, t, head], b_ref[n, t, head]) for t in range(n_tokens)]
-        head_terms = (a_log_ref[head], dt_bias_ref[head])
-    flat = (*head_terms, *(x for pair in per_token for x in pair))
-    return tuple(x.astype(jnp.float32) for x in flat)
+    """The float32 ``(g, beta)`` scalars of item (row ``n``, ``head``) as read from GMEM, flat
+    (two per token)."""
+    g_ref, beta_ref = gate_refs
+    return tuple(x for t in range(n_tokens) for x in (g_ref[n, t, head], beta_ref[n, t, head]))
 
 
-def _decays(gates, raw_gating: bool):
+def _decays(gates):
     """``(decay, beta)`` per token from ``_load_gates``' scalars."""
-    if not raw_gating:
-        return tuple((jnp.exp(gates[i]), gates[i + 1]) for i in range(0, len(gates), 2))
-    a_log, dt_bias = gates[:2]
-    pairs = [(gates[i], gates[i + 1]) for i in range(2, len(gates), 2)]
-    return tuple(
-        (jnp.exp(-jnp.exp(a_log) * _softplus(a + dt_bias)), 1.0 / (1.0 + jnp.exp(-b)))
-        for a, b in pairs
-    )
+    return tuple((jnp.exp(gates[i]), gates[i + 1]) for i in range(0, len(gates), 2))
 
 
 def _wait_stores_read():
     # A program may exit once its bulk stores have read SMEM; their writes complete with the
-    # kernel (waiting for them, as recurrent_mgpu does, holds the program's SMEM and registers
+    # kernel (waiting for them, as the verify kernel does, holds the program's SMEM and registers
     # for a whole write round trip longer).
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -197,18 +186,16 @@ def _zeros_o(o_smem, n_tokens, bv, col):
         o_smem[t] = zeros.astype(o_smem.dtype)
 
 
-def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, interpret):
+def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, interpret):
     """Grid (column block, value head, row): one TMA round trip per program."""
     n_rows, n_tokens, h, k_dim = q.shape
     hv, v_dim = v.shape[2:]
     group = hv // h
     layouts = _layouts(variant, bv)
-    n_gates = len(gates_in)
-    raw = n_gates == 4
 
-    def body(idx_ref, q_ref, k_ref, v_ref, *refs):
-        gate_refs, (pool, o_ref) = refs[:n_gates], refs[n_gates : n_gates + 2]
-        state_smem, q_smem, k_smem, v_smem, o_smem, qkv_bar, state_bar = refs[n_gates + 2 :]
+    def body(idx_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool, o_ref, *scratch):
+        state_smem, q_smem, k_smem, v_smem, o_smem, qkv_bar, state_bar = scratch
+        gate_refs = (g_ref, beta_ref)
         n = lax.axis_index("n")
         head = lax.axis_index("h")
         cols = pl.ds(lax.axis_index("j") * bv, bv)
@@ -226,7 +213,7 @@ def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scal
             plgpu.barrier_wait(qkv_bar)
             plgpu.barrier_wait(state_bar)
             state = plgpu.load(state_smem, layout=layouts[0])
-            state = _update(state, q_smem, k_smem, v_smem, o_smem, _decays(gates, raw),
+            state = _update(state, q_smem, k_smem, v_smem, o_smem, _decays(gates),
                             layouts=layouts, scale=scale, use_qk_l2norm=l2,
                             one_pass=variant.one_pass)  # fmt: skip
             state_smem[...] = state
@@ -261,10 +248,10 @@ def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scal
         ],
         interpret=_interpret_params(interpret),
     )
-    return kernel(idx, q, k, v, *gates_in, pool_ref)
+    return kernel(idx, q, k, v, g, beta, pool_ref)
 
 
-def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, interpret):
+def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, interpret):
     """Persistent grid; each program walks items ``c, c + P, c + 2P, ...`` (``P`` programs)
     through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead."""
     n_rows, n_tokens, h, k_dim = q.shape
@@ -275,12 +262,10 @@ def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, inte
     n_progs = min(n_items, variant.programs)
     stages = variant.stages
     layouts = _layouts(variant, bv)
-    n_gates = len(gates_in)
-    raw = n_gates == 4
 
-    def body(idx_ref, q_ref, k_ref, v_ref, *refs):
-        gate_refs, (pool, o_ref) = refs[:n_gates], refs[n_gates : n_gates + 2]
-        state_smem, q_smem, k_smem, v_smem, o_smem, bars = refs[n_gates + 2 :]
+    def body(idx_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool, o_ref, *scratch):
+        state_smem, q_smem, k_smem, v_smem, o_smem, bars = scratch
+        gate_refs = (g_ref, beta_ref)
         prog = lax.axis_index("c")
         count = (n_items - prog + n_progs - 1) // n_progs  # this program's items
 
@@ -331,7 +316,7 @@ def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, inte
                 plgpu.barrier_wait(bars.at[s])
                 state = plgpu.load(state_smem.at[s], layout=layouts[0])
                 state = _update(state, q_smem.at[s], k_smem.at[s], v_smem.at[s], o_smem.at[s],
-                                _decays(gates, raw), layouts=layouts, scale=scale,
+                                _decays(gates), layouts=layouts, scale=scale,
                                 use_qk_l2norm=l2, one_pass=variant.one_pass)  # fmt: skip
                 state_smem[s] = state
 
@@ -370,29 +355,56 @@ def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, inte
         ],
         interpret=_interpret_params(interpret),
     )
-    return kernel(idx, q, k, v, *gates_in, pool_ref)
+    return kernel(idx, q, k, v, g, beta, pool_ref)
 
 
-def _call(q, k, v, gates, ssm_pool, state_indices, *, reason, scale, use_qk_l2norm, interpret,
-          variant):  # fmt: skip
-    if reason is not None:
-        raise ValueError(reason)
-    if isinstance(variant, str):
-        if variant not in VARIANTS:
-            raise ValueError(f"variant {variant!r} is not one of {sorted(VARIANTS)}")
-        variant = VARIANTS[variant]
-    n_rows, _, hv, v_dim = v.shape
-    bv = variant.block_v or pick_block_v(n_rows, hv, v_dim)
-    if v_dim % bv or bv < 4 * _VEC:
-        raise ValueError(f"block_v={bv} must divide V={v_dim} and be at least {4 * _VEC}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    run = _pipelined if variant.stages else _one_item_per_program
-    pool_ref = jax.new_ref(ssm_pool)
-    o = run(
-        q, k, v, gates, pool_ref, state_indices,
-        bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret,
-    )  # fmt: skip
-    return o, jax.freeze(pool_ref)
+def unsupported_reason(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> str | None:
+    """Why the kernel cannot take this call, in one sentence; None if it can.
+
+    Shapes and dtypes only (the arguments of ``fused_recurrent_gated_delta_rule``); the verify
+    kernel (``recurrent_mgpu``) takes the same rows and adds its own rules.
+    """
+    del scale, use_qk_l2norm
+    if q.ndim != 4 or k.shape != q.shape:
+        return f"q {q.shape} and k {k.shape} must both be [N, D, H, K]"
+    n_rows, n_tokens, h, k_dim = q.shape
+    if v.ndim != 4 or v.shape[:2] != (n_rows, n_tokens):
+        return f"v {v.shape} must be [N, D, HV, V] with N, D = {n_rows}, {n_tokens}"
+    hv, v_dim = v.shape[2:]
+    if hv % h:
+        return f"HV={hv} is not a multiple of H={h}"
+    if k_dim not in _HEAD_DIMS or v_dim not in _HEAD_DIMS:
+        return f"K={k_dim}, V={v_dim}: the kernel supports head dims {_HEAD_DIMS} only"
+    if not 1 <= n_tokens <= MAX_TOKENS:
+        return f"D={n_tokens} tokens per row is outside 1..{MAX_TOKENS}"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dtype not in _ACTIVATION_DTYPES:
+            return f"{name} is {x.dtype}; the kernel takes bfloat16 or float32 activations"
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (n_rows, n_tokens, hv) or x.dtype != jnp.float32:
+            got = f"{x.dtype}{list(x.shape)}"
+            return f"{name} {got} must be float32 [N, D, HV] = {[n_rows, n_tokens, hv]}"
+    want_pool = (hv, k_dim, v_dim)
+    if ssm_pool.dtype != jnp.float32 or ssm_pool.ndim != 4 or ssm_pool.shape[1:] != want_pool:
+        got = f"{ssm_pool.dtype}{list(ssm_pool.shape)}"
+        return f"ssm_pool {got} must be float32 [S, {hv}, {k_dim}, {v_dim}]"
+    if state_indices.shape != (n_rows,) or state_indices.dtype != jnp.int32:
+        got = f"{state_indices.dtype}{list(state_indices.shape)}"
+        return f"state_indices {got} must be int32 [{n_rows}]"
+    if n_rows == 0:
+        return "N=0 rows: nothing to launch"
+    return None
 
 
 def fused_recurrent_gated_delta_rule(
@@ -413,45 +425,26 @@ def fused_recurrent_gated_delta_rule(
 
     q, k ``[N, D, H, K]``; v ``[N, D, HV, V]``; g, beta float32 ``[N, D, HV]``; ssm_pool
     float32 ``[S, HV, K, V]``; state_indices int32 ``[N]`` (0 = padded row). Returns
-    (o ``[N, D, HV, V]`` in v's dtype, zeros on padded rows; ssm_pool). ``variant``: a
-    ``DecodeVariant`` or a key of ``VARIANTS``.
+    (o ``[N, D, HV, V]`` in v's dtype, zeros on padded rows; ssm_pool). Under ``jit`` with
+    ``ssm_pool`` donated the pool is updated in place; slot 0 is never touched. ``variant``:
+    a ``DecodeVariant`` or a key of ``VARIANTS``.
     """
-    reason = recurrent_mgpu.unsupported_reason(q, k, v, g, beta, ssm_pool, state_indices)
-    if reason is None and (g.dtype != jnp.float32 or beta.dtype != jnp.float32):
-        reason = f"g ({g.dtype}) and beta ({beta.dtype}) must be float32"
-    return _call(
-        q, k, v, (g, beta), ssm_pool, state_indices, reason=reason, scale=scale,
-        use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
+    reason = unsupported_reason(q, k, v, g, beta, ssm_pool, state_indices)
+    if reason is not None:
+        raise ValueError(reason)
+    if isinstance(variant, str):
+        if variant not in VARIANTS:
+            raise ValueError(f"variant {variant!r} is not one of {sorted(VARIANTS)}")
+        variant = VARIANTS[variant]
+    n_rows, _, hv, v_dim = v.shape
+    bv = variant.block_v or pick_block_v(n_rows, hv, v_dim)
+    if v_dim % bv or bv < 4 * _VEC:
+        raise ValueError(f"block_v={bv} must divide V={v_dim} and be at least {4 * _VEC}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    run = _pipelined if variant.stages else _one_item_per_program
+    pool_ref = jax.new_ref(ssm_pool)
+    o = run(
+        q, k, v, g, beta, pool_ref, state_indices,
+        bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret,
     )  # fmt: skip
-
-
-def fused_gating_recurrent_gated_delta_rule(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    A_log: jax.Array,  # noqa: N803 (the model's parameter name)
-    a: jax.Array,
-    dt_bias: jax.Array,
-    b: jax.Array,
-    ssm_pool: jax.Array,
-    state_indices: jax.Array,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = True,
-    interpret: bool = False,
-    variant: DecodeVariant | str = DEFAULT,
-) -> tuple[jax.Array, jax.Array]:
-    """``fused_recurrent_gated_delta_rule`` with the Qwen3-Next gating done in the kernel.
-
-    A_log, dt_bias ``[HV]``; a, b ``[N, D, HV]`` (any float dtype); the kernel computes
-    ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` in float32.
-    Other arguments and results as ``fused_recurrent_gated_delta_rule``.
-    """
-    reason = recurrent_mgpu.unsupported_reason(q, k, v, a, b, ssm_pool, state_indices)
-    hv = v.shape[2]
-    if reason is None and (A_log.shape != (hv,) or dt_bias.shape != (hv,)):
-        reason = f"A_log {A_log.shape} and dt_bias {dt_bias.shape} must be [HV] = [{hv}]"
-    return _call(
-        q, k, v, (A_log, a, dt_bias, b), ssm_pool, state_indices, reason=reason, scale=scale,
-        use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
-    )  # fmt: skip
+    return o, jax.freeze(pool_ref)

@@ -2,10 +2,9 @@
 pool) and speculative verification (``verify_gated_delta_rule``, returns the state after every
 token and leaves the pool alone).
 
-The Mosaic GPU kernels live in ``decode_mgpu.py`` (decode: its default variant,
-the persistent TMA-pipelined kernel) and ``recurrent_mgpu.py`` (verify), same arguments plus
-``interpret``; ``recurrent_mgpu.unsupported_reason`` decides whether ``impl="auto"`` may take
-them.
+The Mosaic GPU kernels live in ``decode_mgpu.py`` (decode: its default variant, the persistent
+TMA-pipelined kernel) and ``recurrent_mgpu.py`` (verify), same arguments plus ``interpret``;
+each module's ``unsupported_reason`` decides whether ``impl="auto"`` may take its op's call.
 """
 
 from __future__ import annotations
@@ -18,11 +17,6 @@ from pallas_kernels.gdn import decode_mgpu, recurrent_mgpu, reference
 from pallas_kernels.gdn._checks import check_rows, default_scale
 
 __all__ = ["fused_recurrent_gated_delta_rule", "verify_gated_delta_rule"]
-
-
-def _resolve(op: str, impl: str, args: tuple, options: dict) -> str:
-    reason = recurrent_mgpu.unsupported_reason(*args, **options)
-    return resolve_impl(op, impl, reason)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -60,7 +54,7 @@ def fused_recurrent_gated_delta_rule(
     args = (q, k, v, g, beta, ssm_pool, state_indices)
     check_rows(op, *args)
     options = {"scale": default_scale(op, q.shape[-1], scale), "use_qk_l2norm": use_qk_l2norm}
-    which = _resolve(op, impl, args, options)
+    which = resolve_impl(op, impl, decode_mgpu.unsupported_reason(*args, **options))
     if which == "reference":
         return reference.fused_recurrent_gated_delta_rule(*args, **options)
     return decode_mgpu.fused_recurrent_gated_delta_rule(
@@ -107,7 +101,7 @@ def verify_gated_delta_rule(
         "scale": default_scale(op, q.shape[-1], scale),
         "use_qk_l2norm": use_qk_l2norm,
     }
-    which = _resolve(op, impl, args, options)
+    which = resolve_impl(op, impl, recurrent_mgpu.unsupported_reason(*args, **options))
     if which == "reference":
         return reference.verify_gated_delta_rule(*args, **options)
     return recurrent_mgpu.verify_gated_delta_rule(*args, **options, interpret=which == "interpret")

@@ -1,4 +1,4 @@
-"""The candidate decode kernels of ``decode_mgpu`` against the float64 oracle.
+"""The decode kernel of ``decode_mgpu`` (every variant) against the float64 oracle.
 
 Each variant runs under the Mosaic GPU CPU interpreter (values; fresh buffers start as NaN, so
 an unwritten output shows) and through the Pallas -> Mosaic GPU lowering for ``cuda`` on the
@@ -92,32 +92,6 @@ def test_variant_matches_oracle_and_writes_only_named_slots(name, dtype, kd, d, 
     np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
 
 
-@pytest.mark.parametrize("name", ["cols", "pipe3-wgmma", "pipe3-cols-3programs"])
-def test_fused_gating_matches_gating_then_oracle(name):
-    args, idx = _case(2, n=5, d=2, kd=64, vd=64, slots=9, dtype=jnp.bfloat16, padded=[1])
-    rng = np.random.default_rng(3)
-    a = jnp.asarray(rng.standard_normal((5, 2, 2)) * 2, jnp.bfloat16)
-    b = jnp.asarray(rng.standard_normal((5, 2, 2)) * 2, jnp.bfloat16)
-    a_log = rng.standard_normal(2).astype(np.float32)
-    dt_bias = rng.standard_normal(2).astype(np.float32)
-    rest = {key: x for key, x in args.items() if key not in ("g", "beta")}
-    fn = functools.partial(
-        variants.fused_gating_recurrent_gated_delta_rule, variant=_CASES[name], interpret=True
-    )
-    o, pool = jax.jit(fn)(A_log=jnp.asarray(a_log), a=a, dt_bias=jnp.asarray(dt_bias), b=b, **rest)
-    x = np.asarray(a, np.float64) + dt_bias
-    args["g"] = -np.exp(a_log.astype(np.float64)) * np.logaddexp(0.0, x)
-    args["beta"] = 1 / (1 + np.exp(-np.asarray(b, np.float64)))
-    o_ref, pool_ref = _oracle(args)
-    real = idx != 0
-    assert _rel(o[real], o_ref[real]) < 1e-2
-    assert not np.asarray(o, np.float32)[~real].any(), "padded rows must give zeros"
-    named = idx[real]
-    assert _rel(pool[named], pool_ref[named]) < 1e-5
-    others = np.setdiff1d(np.arange(pool.shape[0]), named)
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
-
-
 def test_public_decode_op_runs_the_default_variant():
     from pallas_kernels import gdn
 
@@ -171,16 +145,36 @@ def test_variant_lowers_for_cuda_with_the_pool_aliased(name, n):
     assert re.search(r"tensor<64x32x128x128xf32> {tf.aliasing_output = 1 ", main)
 
 
-def test_fused_gating_lowers_for_cuda():
-    args = _production(32)
-    hv = args["v"].shape[2]
-    del args["g"], args["beta"]
-    args.update(
-        A_log=jax.ShapeDtypeStruct((hv,), jnp.float32),
-        a=jax.ShapeDtypeStruct((32, 1, hv), jnp.bfloat16),
-        dt_bias=jax.ShapeDtypeStruct((hv,), jnp.float32),
-        b=jax.ShapeDtypeStruct((32, 1, hv), jnp.bfloat16),
+def test_unsupported_reason_accepts_production_shapes():
+    assert variants.unsupported_reason(**_production(256)) is None
+    assert variants.unsupported_reason(**_production(1)) is None
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(kd=96), "head dims"),
+        (dict(d=variants.MAX_TOKENS + 1), "tokens per row"),
+        (dict(dtype=jnp.float16), "bfloat16 or float32"),
+        (dict(gate_dtype=jnp.bfloat16), "must be float32 [N, D, HV]"),
+        (dict(pool_dtype=jnp.bfloat16), "ssm_pool"),
+        (dict(hv=24), "multiple of H"),
+    ],
+    ids=["K96", "D17", "f16", "bf16-gates", "bf16-pool", "HV24"],
+)
+def test_unsupported_reason_names_the_rule_and_the_kernel_refuses(change, words):
+    n, d, kd, hv = 4, change.get("d", 1), change.get("kd", 128), change.get("hv", 32)
+    dtype, gate_dtype = change.get("dtype", jnp.bfloat16), change.get("gate_dtype", jnp.float32)
+    args = dict(
+        q=jnp.ones((n, d, 16, kd), dtype),
+        k=jnp.ones((n, d, 16, kd), dtype),
+        v=jnp.ones((n, d, hv, kd), dtype),
+        g=jnp.ones((n, d, hv), gate_dtype),
+        beta=jnp.ones((n, d, hv), gate_dtype),
+        ssm_pool=jnp.ones((4, hv, kd, kd), change.get("pool_dtype", jnp.float32)),
+        state_indices=jnp.ones((n,), jnp.int32),
     )
-    for name in ("cols", "pipe3-cols"):
-        fn = functools.partial(variants.fused_gating_recurrent_gated_delta_rule, variant=name)
-        jax.jit(fn).trace(**args).lower(lowering_platforms=("cuda",))
+    reason = variants.unsupported_reason(**args)
+    assert reason is not None and words in reason
+    with pytest.raises(ValueError, match=re.escape(words)):
+        variants.fused_recurrent_gated_delta_rule(**args, interpret=True)

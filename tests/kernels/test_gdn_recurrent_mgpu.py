@@ -1,6 +1,7 @@
-"""The Mosaic GPU decode/verify kernels of Gated DeltaNet against the float64 oracle.
+"""The Mosaic GPU verify kernel of Gated DeltaNet against the float64 oracle (decode:
+``test_gdn_decode_mgpu.py``).
 
-Each kernel runs twice here: under the Mosaic GPU CPU interpreter (values; its fresh buffers
+The kernel runs twice here: under the Mosaic GPU CPU interpreter (values; its fresh buffers
 start as NaN, so an unwritten output shows) and through the Pallas -> Mosaic GPU lowering for
 ``cuda`` (layouts and TMA shapes, which the interpreter does not check).
 """
@@ -8,7 +9,6 @@ start as NaN, so an unwritten output shows) and through the Pallas -> Mosaic GPU
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -68,38 +68,19 @@ def _check_rows(o, o_ref, idx, tol):
 
 
 @pytest.mark.parametrize(
-    "dtype, kd, vd, d, tol",
-    [(jnp.bfloat16, 64, 64, 1, 1e-2), (jnp.float32, 128, 64, 2, 1e-5)],
-    ids=["bf16-K64-D1", "f32-K128-D2"],
-)
-def test_decode_matches_oracle_and_writes_only_named_slots(dtype, kd, vd, d, tol):
-    args, idx = _case(0, n=4, d=d, h=1, hv=2, kd=kd, vd=vd, slots=9, dtype=dtype, padded=[2])
-    o, pool = jax.jit(
-        functools.partial(recurrent_mgpu.fused_recurrent_gated_delta_rule, interpret=True)
-    )(**args)
-    o_ref, pool_ref = _oracle(gdn_reference.fused_recurrent_gated_delta_rule, args)
-    _check_rows(o, o_ref, idx, tol)
-    named = idx[idx != 0]
-    assert _rel(pool[named], pool_ref[named]) < 1e-5
-    others = np.setdiff1d(np.arange(pool.shape[0]), named)  # slot 0 included: never touched
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
-
-
-@pytest.mark.parametrize(
     "config",
     [recurrent_mgpu.RecurrentConfig(64, 0), recurrent_mgpu.RecurrentConfig(32, 128)],
     ids=["bv64", "bv32-swizzle128"],
 )
-def test_decode_tilings_agree_with_oracle(config):
-    args, idx = _case(5, n=2, d=2, h=1, hv=1, kd=64, vd=64, slots=5, dtype=jnp.float32, padded=[])
-    o, pool = jax.jit(
-        functools.partial(
-            recurrent_mgpu.fused_recurrent_gated_delta_rule, config=config, interpret=True
-        )
+def test_verify_tilings_agree_with_oracle(config):
+    args, idx = _case(5, n=3, d=2, h=1, hv=1, kd=64, vd=64, slots=5, dtype=jnp.float32, padded=[1])
+    o, inter = jax.jit(
+        functools.partial(recurrent_mgpu.verify_gated_delta_rule, config=config, interpret=True)
     )(**args)
-    o_ref, pool_ref = _oracle(gdn_reference.fused_recurrent_gated_delta_rule, args)
+    o_ref, inter_ref = _oracle(gdn_reference.verify_gated_delta_rule, args)
     _check_rows(o, o_ref, idx, 1e-5)
-    assert _rel(pool[idx], pool_ref[idx]) < 1e-5
+    real = idx != 0
+    assert _rel(inter[real], inter_ref[real]) < 1e-5
 
 
 def test_verify_returns_state_after_every_token_and_leaves_pool_untouched():
@@ -118,32 +99,6 @@ def test_verify_returns_state_after_every_token_and_leaves_pool_untouched():
     np.testing.assert_array_equal(_bits(args["ssm_pool"]), _bits(before))
 
 
-def test_fused_gating_matches_gating_then_decode():
-    args, idx = _case(2, n=3, d=1, h=1, hv=2, kd=64, vd=64, slots=6, dtype=jnp.bfloat16, padded=[1])
-    rng = np.random.default_rng(3)
-    a = rng.standard_normal((3, 1, 2)).astype(np.float32) * 2
-    b = rng.standard_normal((3, 1, 2)).astype(np.float32) * 2
-    a_log = rng.standard_normal(2).astype(np.float32)
-    dt_bias = rng.standard_normal(2).astype(np.float32)
-    gate_args = {k: v for k, v in args.items() if k not in ("g", "beta")}
-    o, pool = jax.jit(
-        functools.partial(recurrent_mgpu.fused_gating_recurrent_gated_delta_rule, interpret=True)
-    )(
-        A_log=jnp.asarray(a_log),
-        a=jnp.asarray(a, jnp.bfloat16),
-        dt_bias=jnp.asarray(dt_bias),
-        b=jnp.asarray(b, jnp.bfloat16),
-        **gate_args,
-    )
-    x = np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) + dt_bias
-    args["g"] = -np.exp(a_log.astype(np.float64)) * np.logaddexp(0.0, x)
-    args["beta"] = 1 / (1 + np.exp(-np.asarray(jnp.asarray(b, jnp.bfloat16), np.float64)))
-    o_ref, pool_ref = _oracle(gdn_reference.fused_recurrent_gated_delta_rule, args)
-    _check_rows(o, o_ref, idx, 1e-2)
-    named = idx[idx != 0]
-    assert _rel(pool[named], pool_ref[named]) < 1e-5
-
-
 def _production(n, d, kd=128, dtype=jnp.bfloat16):
     h, hv = 16, 32
     f32 = jnp.float32
@@ -158,21 +113,9 @@ def _production(n, d, kd=128, dtype=jnp.bfloat16):
     )
 
 
-def _lower_for_cuda(fn, args, donate=()):
-    traced = jax.jit(fn, donate_argnames=donate).trace(**args)
+def _lower_for_cuda(fn, args):
+    traced = jax.jit(fn).trace(**args)
     return traced.lower(lowering_platforms=("cuda",)).as_text()
-
-
-@pytest.mark.parametrize(
-    "n, d, kd", [(1, 1, 128), (256, 1, 128), (16, 1, 64), (8, 2, 128)], ids=str
-)
-def test_decode_lowers_for_cuda_with_the_pool_aliased(n, d, kd):
-    text = _lower_for_cuda(
-        recurrent_mgpu.fused_recurrent_gated_delta_rule, _production(n, d, kd), ("ssm_pool",)
-    )
-    # The donated pool is the kernel's aliased output (result 1): no copy of the pool.
-    main = next(line for line in text.splitlines() if "func.func public @main" in line)
-    assert re.search(rf"tensor<64x32x{kd}x{kd}xf32> {{tf.aliasing_output = 1 ", main)
 
 
 @pytest.mark.parametrize("n, d, dtype", [(16, 4, jnp.bfloat16), (64, 4, jnp.float32)], ids=str)
@@ -180,23 +123,11 @@ def test_verify_lowers_for_cuda(n, d, dtype):
     _lower_for_cuda(recurrent_mgpu.verify_gated_delta_rule, _production(n, d, dtype=dtype))
 
 
-def test_fused_gating_lowers_for_cuda():
-    args = _production(32, 1)
-    hv = args["v"].shape[2]
-    del args["g"], args["beta"]
-    args.update(
-        A_log=jax.ShapeDtypeStruct((hv,), jnp.float32),
-        a=jax.ShapeDtypeStruct((32, 1, hv), jnp.bfloat16),
-        dt_bias=jax.ShapeDtypeStruct((hv,), jnp.float32),
-        b=jax.ShapeDtypeStruct((32, 1, hv), jnp.bfloat16),
-    )
-    _lower_for_cuda(recurrent_mgpu.fused_gating_recurrent_gated_delta_rule, args)
-
-
 def test_unsupported_reason_accepts_production_shapes():
-    args = _production(256, 1)
+    args = _production(256, 4)
     assert recurrent_mgpu.unsupported_reason(**args) is None
     assert recurrent_mgpu.unsupported_reason(**_production(64, 4)) is None
+    assert recurrent_mgpu.unsupported_reason(**_production(16, 16)) is None
 
 
 @pytest.mark.parametrize(
@@ -210,19 +141,27 @@ def test_unsupported_reason_accepts_production_shapes():
     ],
     ids=["K96", "D17", "f16", "bf16-pool", "HV24"],
 )
-def test_unsupported_reason_names_the_rule(change, words):
+def test_unsupported_reason_names_the_rule_and_verify_refuses(change, words):
     n, d, kd, hv = 4, change.get("d", 1), change.get("kd", 128), change.get("hv", 32)
     dtype = change.get("dtype", jnp.bfloat16)
     args = dict(
-        q=jnp.zeros((n, d, 16, kd), dtype),
-        k=jnp.zeros((n, d, 16, kd), dtype),
-        v=jnp.zeros((n, d, hv, kd), dtype),
-        g=jnp.zeros((n, d, hv), jnp.float32),
-        beta=jnp.zeros((n, d, hv), jnp.float32),
-        ssm_pool=jnp.zeros((4, hv, kd, kd), change.get("pool_dtype", jnp.float32)),
-        state_indices=jnp.zeros((n,), jnp.int32),
+        q=jnp.ones((n, d, 16, kd), dtype),
+        k=jnp.ones((n, d, 16, kd), dtype),
+        v=jnp.ones((n, d, hv, kd), dtype),
+        g=jnp.ones((n, d, hv), jnp.float32),
+        beta=jnp.ones((n, d, hv), jnp.float32),
+        ssm_pool=jnp.ones((4, hv, kd, kd), change.get("pool_dtype", jnp.float32)),
+        state_indices=jnp.ones((n,), jnp.int32),
     )
     reason = recurrent_mgpu.unsupported_reason(**args)
     assert reason is not None and words in reason
     with pytest.raises(ValueError, match=words):
-        recurrent_mgpu.fused_recurrent_gated_delta_rule(**args, interpret=True)
+        recurrent_mgpu.verify_gated_delta_rule(**args, interpret=True)
+
+
+def test_unsupported_reason_refuses_parents_that_are_not_int32_rows_by_tokens():
+    args = {name: jnp.ones(x.shape, x.dtype) for name, x in _production(2, 3, kd=64).items()}
+    for parents in (jnp.zeros((2, 3), jnp.float32), jnp.zeros((2, 4), jnp.int32)):
+        reason = recurrent_mgpu.unsupported_reason(**args, parents=parents)
+        assert reason is not None and "parents" in reason and "[2, 3]" in reason
+    assert recurrent_mgpu.unsupported_reason(**args, parents=jnp.zeros((2, 3), jnp.int32)) is None
