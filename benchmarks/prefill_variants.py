@@ -75,10 +75,13 @@ def _time(fn, args: tuple, pool: jax.Array, calls: int = 20, repeats: int = 3) -
 
 
 def _variant(spec: str) -> chunk_mgpu.Config:
-    """``"auto"``: the default config; ``"64"``: block_v 64; a trailing ``k`` forces K-major
-    B operands (``"64k"``)."""
+    """``"auto"``: the default config; ``"dbl"``: the default with ``T`` doubled from 2x2
+    blocks instead of the substitution of its diagonal blocks; ``"64"``: block_v 64; a
+    trailing ``k`` forces K-major B operands (``"64k"``)."""
     if spec == "auto":
         return chunk_mgpu.Config()
+    if spec == "dbl":
+        return chunk_mgpu.Config(substitution=False)
     kmajor = True if spec.endswith("k") else None
     return chunk_mgpu.Config(block_v=int(spec.rstrip("k")), kmajor=kmajor)
 
@@ -134,8 +137,9 @@ def _run_variant(name: str, spec: str, inputs: tuple, ro: jax.Array, rpool: jax.
     @jax.jit
     def intra(q, k, g, beta):
         return chunk_mgpu._intra(
-            q, k, g.T, beta.T, table, first, n_seqs=len(lens), scale=K**-0.5, interpret=None
-        )
+            q, k, g.T, beta.T, table, first, n_seqs=len(lens), scale=K**-0.5,
+            solve=config.substitution, interpret=None,
+        )  # fmt: skip
 
     intra(q, k, g, beta)
     t0 = time.perf_counter()
@@ -150,7 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "ragged"))
-    parser.add_argument("--variants", default="auto,64,32", help="block_v, k: K-major")
+    parser.add_argument("--variants", default="auto,dbl", help="see _variant")
     args = parser.parse_args()
     rows = []
     for name in args.shapes.split(","):

@@ -10,9 +10,14 @@ the math of ``chunk_mgpu.py``'s docstring, ``M = (I + A)^-1 diag(beta)`` and
 from __future__ import annotations
 
 import jax
+import jax.experimental.mosaic.gpu as mgpu
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, gpu, memref
+from jaxlib.mlir.dialects import math as mlir_math
 
 from pallas_kernels._mgpu_chunks import (
     BF16,
@@ -26,15 +31,75 @@ from pallas_kernels._mgpu_chunks import (
     matmul,
 )
 
-__all__ = ["EPS", "chunk_intra", "unit_lower_inverse"]
+__all__ = ["EPS", "SOLVE_SHAPE", "chunk_intra", "unit_lower_inverse"]
 
 EPS = 1e-6  # inside the l2 norm's square root
 
 
-def unit_lower_inverse(a: jax.Array, l_s, t_s, n_s) -> jax.Array:
-    """``(I + A)^-1`` of a strictly lower float32 ``[64, 64]`` tile by block doubling.
+BLOCK = 16  # diagonal blocks of T solved by substitution before the doubling levels
+# Float32 scratch of the substitution, [64, 64 + 8]: the WGMMA layout stores 8 rows of a tile
+# per warp instruction, and at a 256-byte row stride all 8 rows hit the same banks.
+SOLVE_SHAPE = (CHUNK, CHUNK + 8)
+
+
+@plgpu.inline_mgpu(
+    arg_types=(WG, plgpu.RefType(), plgpu.RefType()),
+    return_type=plgpu.ShapeDtypeStruct((CHUNK, CHUNK), F32, layout=WG),
+)
+def _diagonal_block_inverse(ctx, a, a_ref, x_ref):
+    """``(I + A)^-1`` restricted to the 16x16 diagonal blocks (zeros elsewhere), in float32.
+
+    ``a``: strictly lower float32 ``[64, 64]`` registers (only its diagonal blocks are read).
+    Thread ``c`` of one 64-thread half of the warpgroup solves column ``c`` of its block by
+    right-looking substitution: ``x_j = r_j``, then ``r_i -= A_ij x_j`` for ``i > j``, so the
+    updates of a step are independent FMAs. Column ``j`` of ``A`` is read as scalars that the
+    threads of a block share (broadcast loads). Which half solves alternates between CTAs so
+    that the CTAs sharing an SM use all four of its schedulers. This is raw Mosaic GPU code
+    (per-thread scalars, which Pallas cannot express); the GPU interpreter cannot run it,
+    so ``unit_lower_inverse`` takes the equivalent doubling levels there.
+    """
+    del ctx
+    f32, i32, index = ir.F32Type.get(), ir.IntegerType.get_signless(32), ir.IndexType.get()
+    cst = mgpu_utils.c
+    zero, one = cst(0.0, f32), cst(1.0, f32)
+    a.store_untiled(a_ref, optimized=False)
+    mgpu.FragmentedArray.splat(zero, (CHUNK, CHUNK), layout=mgpu.WGMMA_LAYOUT).store_untiled(
+        x_ref, optimized=False
+    )
+    mgpu_utils.warpgroup_barrier()  # A and the zeros are visible to every thread
+    tid = arith.remui(mgpu_utils.thread_idx(), cst(128, i32))
+    cta = arith.addi(gpu.block_id(gpu.Dimension.x), gpu.block_id(gpu.Dimension.y))
+    first = arith.muli(arith.index_cast(i32, arith.remui(cta, cst(2, index))), cst(CHUNK, i32))
+    lane = arith.subi(tid, first)  # the column this thread solves, when 0 <= lane < 64
+    solves = arith.andi(
+        arith.cmpi(arith.CmpIPredicate.sge, lane, cst(0, i32)),
+        arith.cmpi(arith.CmpIPredicate.slt, lane, cst(CHUNK, i32)),
+    )
+    with mgpu_utils.when(solves):
+        col = arith.index_cast(index, lane)
+        local = arith.remui(lane, cst(BLOCK, i32))
+        start = arith.index_cast(index, arith.subi(lane, local))
+        r = [
+            arith.select(arith.cmpi(arith.CmpIPredicate.eq, local, cst(i, i32)), one, zero)
+            for i in range(BLOCK)
+        ]
+        for j in range(BLOCK):
+            row_j = arith.addi(start, cst(j, index))
+            memref.store(r[j], x_ref, [row_j, col])
+            for i in range(j + 1, BLOCK):
+                a_ij = memref.load(a_ref, [arith.addi(start, cst(i, index)), row_j])
+                r[i] = mlir_math.fma(arith.negf(a_ij), r[j], r[i])
+    mgpu_utils.warpgroup_barrier()  # every column is written before X is read
+    return mgpu.FragmentedArray.load_untiled(x_ref, layout=mgpu.WGMMA_LAYOUT, optimized=False)
+
+
+def unit_lower_inverse(a: jax.Array, l_s, t_s, n_s, solve_s=None) -> jax.Array:
+    """``(I + A)^-1`` of a strictly lower float32 ``[64, 64]`` tile.
 
     ``l_s``, ``t_s``, ``n_s``: bf16 ``[64, 64]`` SMEM scratch for the wgmma operands.
+    ``solve_s``: two float32 ``SOLVE_SHAPE`` SMEM buffers: the 16x16 diagonal blocks are then
+    solved exactly by substitution (GPU only); None builds them by doubling instead (what
+    the GPU interpreter can run; same function, bf16 products).
     """
     shape = (CHUNK, CHUNK)
     ri = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WG)
@@ -45,8 +110,13 @@ def unit_lower_inverse(a: jax.Array, l_s, t_s, n_s) -> jax.Array:
         # tile at every level, where a signed div or rem costs several instructions.
         return ((ri ^ ci) < 2 * b) & ((ri & b) != 0) & ((ci & b) == 0)
 
-    t = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(off_diagonal(1), a, 0.0)
-    b = 2
+    if solve_s is not None:
+        a_s, x_s = solve_s
+        t = _diagonal_block_inverse(a, a_s.at[:, :CHUNK], x_s.at[:, :CHUNK])
+        b = BLOCK
+    else:
+        t = jnp.where(ri == ci, 1.0, 0.0) - jnp.where(off_diagonal(1), a, 0.0)
+        b = 2
     while b < CHUNK:
         l_s[...] = jnp.where(off_diagonal(b), a, 0.0).astype(BF16)
         t_s[...] = t.astype(BF16)
@@ -58,14 +128,17 @@ def unit_lower_inverse(a: jax.Array, l_s, t_s, n_s) -> jax.Array:
     return t
 
 
-def chunk_intra(q_s, k_s, g_r, g_c, b_r, b_c, lo, hi, m_s, p_s, n_s, vec_s, *, scale: float):
+def chunk_intra(
+    q_s, k_s, g_r, g_c, b_r, b_c, lo, hi, m_s, p_s, n_s, vec_s, *, scale: float, solve_s=None
+):
     """Fill ``m_s``, ``p_s`` (bf16 ``[64, 64]``) and ``vec_s`` (float32 ``[4, 64]``) for a chunk.
 
     q_s, k_s: bf16 ``[64, K]`` SMEM tiles; g_r/g_c, b_r/b_c: float32 ``[64]`` SMEM copies of g
     and beta (one per register layout they are read in). Rows outside ``lo <= i < hi`` belong
     to a neighbour: they get ``g = beta = 0``. ``vec_s`` rows: ``rk exp(gc)``,
     ``scale rq exp(gc)``, ``rk exp(gc_last - gc)``, ``exp(gc_last)``. ``n_s``: bf16 scratch.
-    Ends with the writes committed (visible to TMA and wgmma).
+    ``solve_s``: see ``unit_lower_inverse``. Ends with the writes committed (visible to TMA and
+    wgmma).
     """
     shape = (CHUNK, CHUNK)
     # Ordered so that few [64, 64] float32 tiles are live at once (no spills).
@@ -91,7 +164,7 @@ def chunk_intra(q_s, k_s, g_r, g_c, b_r, b_c, lo, hi, m_s, p_s, n_s, vec_s, *, s
     expo = along_rows(gc_row, shape) - along_cols(gc_col, shape)
     decay = jnp.exp(jnp.where(ri > ci, expo, -jnp.inf))
     a = kk * along_rows(beta_row * rk_row, shape) * along_cols(rk_col, shape) * decay
-    t = unit_lower_inverse(a, m_s, p_s, n_s)
+    t = unit_lower_inverse(a, m_s, p_s, n_s, solve_s)
     beta_col = jnp.where(in_c, plgpu.load(b_c, layout=COLS), 0.0)
     m_s[...] = (t * along_cols(beta_col, shape)).astype(BF16)
     qk = matmul(q_s, k_s.T, shape)

@@ -65,7 +65,7 @@ from pallas_kernels._mgpu_chunks import (
     matmul,
     smem,
 )
-from pallas_kernels.gdn._chunk_intra import chunk_intra
+from pallas_kernels.gdn._chunk_intra import SOLVE_SHAPE, chunk_intra
 
 __all__ = ["CHUNK", "Config", "chunk_gated_delta_rule", "unsupported_reason"]
 
@@ -81,10 +81,13 @@ class Config:
       ``HV * V / block_v`` of them) at the price of re-reading q, k, M and P once per block.
     kmajor: store the state pass's B operands transposed (None: only when block_v < 64,
       where it is required).
+    substitution: solve the 16x16 diagonal blocks of ``T`` by float32 substitution before
+      the two last doubling levels (GPU only: the interpreter always doubles from 2x2 blocks).
     """
 
     block_v: int | None = None
     kmajor: bool | None = None
+    substitution: bool = True
 
 
 @functools.cache
@@ -106,9 +109,10 @@ def _resolve(config: Config, n_seqs: int, heads: int, value_dim: int) -> Config:
     return dataclasses.replace(config, block_v=32 if blocks_of_64 < _num_sms() else 64)
 
 
-def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interpret):
+def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, solve=False, interpret):
     """Kernel 1: per (chunk, value head) ``M``, ``P`` (bf16 ``[NC, HV, 64, 64]``) and the
-    row vectors (float32 ``[NC, HV, 4, 64]``); see the module docstring."""
+    row vectors (float32 ``[NC, HV, 4, 64]``); see the module docstring. ``solve``: the
+    diagonal blocks of ``T`` by substitution (GPU only, ``Config.substitution``)."""
     _, kv_heads, key_dim = q.shape
     heads = g_t.shape[0]
     group = heads // kv_heads
@@ -117,7 +121,7 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
     vec = plgpu.SMEM((CHUNK,), F32)
 
     def body(q_ref, k_ref, g_ref, b_ref, tab_ref, first_ref, m_ref, p_ref, v_ref, *scratch):
-        q_s, k_s, g_r, g_c, b_r, b_c, m_s, p_s, n_s, vec_s, bar = scratch
+        q_s, k_s, g_r, g_c, b_r, b_c, m_s, p_s, n_s, vec_s, bar, *solve_s = scratch
         c, h = lax.axis_index("c"), lax.axis_index("h")
         hk = lax.div(h, group)
         start = pl.multiple_of(tab_ref[0, c], ALIGN)
@@ -132,7 +136,10 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
             for src, dst in ((g_ref, g_r), (g_ref, g_c), (b_ref, b_r), (b_ref, b_c)):
                 plgpu.copy_gmem_to_smem(src.at[h, rows], dst, bar)
             plgpu.barrier_wait(bar)
-            chunk_intra(q_s, k_s, g_r, g_c, b_r, b_c, lo, hi, m_s, p_s, n_s, vec_s, scale=scale)
+            chunk_intra(
+                q_s, k_s, g_r, g_c, b_r, b_c, lo, hi, m_s, p_s, n_s, vec_s,
+                scale=scale, solve_s=solve_s or None,
+            )  # fmt: skip
             plgpu.copy_smem_to_gmem(m_s, m_ref.at[c, h], commit_group=False)
             plgpu.copy_smem_to_gmem(p_s, p_ref.at[c, h], commit_group=False)
             plgpu.copy_smem_to_gmem(vec_s, v_ref.at[c, h], commit_group=False)
@@ -157,6 +164,8 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, interp
         plgpu.SMEM((4, CHUNK), F32),
         plgpu.Barrier(num_arrivals=6),
     )
+    if solve:
+        scratch += (plgpu.SMEM(SOLVE_SHAPE, F32), plgpu.SMEM(SOLVE_SHAPE, F32))
     return plgpu.kernel(
         body,
         out_type=out_type,
@@ -488,8 +497,9 @@ def chunk_gated_delta_rule(
     num_chunks = -(-padded // CHUNK) + 2 * (n_seqs + 1)
     table, first = chunk_table(qsl, padded, num_chunks)
     m, p, vecs = _intra(
-        q, k, g_t, beta_t, table, first, n_seqs=n_seqs, scale=scale, interpret=interpret
-    )
+        q, k, g_t, beta_t, table, first, n_seqs=n_seqs, scale=scale,
+        solve=config.substitution and interpret is None, interpret=interpret,
+    )  # fmt: skip
     pool = jax.new_ref(ssm_pool)
     o = _state(
         q,
