@@ -3,11 +3,12 @@
 Host-side step timing has a floor (dispatch and launch work on the host: 12-15 us per Mosaic
 GPU launch on the H200), so it cannot show a 4 us kernel. ``device_time`` runs the call under
 ``jax.profiler.trace``, reads the written ``*.xplane.pb`` with ``jax.profiler.ProfileData``
-and sums, per call, the durations of the events on the GPU plane's stream lines (CUPTI's
-kernel, memcpy and memset activities: everything the call ran on the device, copies
-included). The derived lines of a trace ("XLA Ops", "XLA Modules", ...) repeat those events
-and are not counted; gaps between a call's kernels are not device work and are not counted
-either (``span_us`` includes them).
+and sums, per call, the durations of the kernels on the GPU plane's stream lines (what ncu
+calls a kernel's duration). The copies and memsets on those lines (CUPTI names them
+"Memcpy..."/"Memset") are summed apart (``copy_us``): a pool that was copied instead of
+donated, or an argument that came from the host, shows there. The derived lines of a trace
+("XLA Ops", "XLA Modules", ...) repeat the stream events and are not read; gaps between a
+call's events are not device work (``span_us`` includes them).
 """
 
 from __future__ import annotations
@@ -28,24 +29,26 @@ GPU_PLANE = "/device:GPU:0"
 # CUPTI names a device line "Stream #<id>(<activity kinds>)"; every other line of the GPU
 # plane ("XLA Ops", "XLA Modules", "Steps", "CUPTI overhead") is derived or not device work.
 _STREAM_LINE = "Stream #"
+_COPY_PREFIXES = ("Memcpy", "Memset")
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceTime:
-    """``us``: median over calls of the summed device event durations of one call;
-    ``span_us``: median of (last end - first start) of one call; ``kernels``: event name ->
-    median per-call microseconds, in the order of the first call; ``calls``: calls traced."""
+    """Medians over the traced calls, in microseconds: ``us`` = summed kernel durations of one
+    call; ``copy_us`` = its summed copy and memset durations; ``span_us`` = its first start to
+    last end; ``events``: event name -> per-call time, in the order of the first call."""
 
     us: float
+    copy_us: float
     span_us: float
-    kernels: dict[str, float]
+    events: dict[str, float]
     calls: int
 
     def breakdown(self, top: int = 3, width: int = 48) -> str:
         """The ``top`` longest events as ``"name 1.2 us, ..."`` (names cut to ``width``)."""
-        ranked = sorted(self.kernels.items(), key=lambda item: -item[1])[:top]
+        ranked = sorted(self.events.items(), key=lambda item: -item[1])[:top]
         text = ", ".join(f"{name[:width]} {us:.1f} us" for name, us in ranked)
-        more = len(self.kernels) - len(ranked)
+        more = len(self.events) - len(ranked)
         return text + (f" (+{more} more)" if more > 0 else "")
 
 
@@ -92,11 +95,16 @@ def split_calls(events: Sequence[tuple[str, float, float]], calls: int) -> Devic
     for i, run in enumerate(runs):
         for name, _, duration in run:
             per_name[name][i] += duration / 1e3
+
+    def median_of(keep: Callable[[str], bool]) -> float:
+        return statistics.median(sum(d for name, _, d in run if keep(name)) / 1e3 for run in runs)
+
     spans = [max(start + d for _, start, d in run) - run[0][1] for run in runs]
     return DeviceTime(
-        us=statistics.median(sum(d for _, _, d in run) / 1e3 for run in runs),
+        us=median_of(lambda name: not name.startswith(_COPY_PREFIXES)),
+        copy_us=median_of(lambda name: name.startswith(_COPY_PREFIXES)),
         span_us=statistics.median(spans) / 1e3,
-        kernels={name: statistics.median(us) for name, us in per_name.items()},
+        events={name: statistics.median(us) for name, us in per_name.items()},
         calls=calls,
     )
 
