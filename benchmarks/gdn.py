@@ -11,9 +11,14 @@ HBM, not L2.
 
 How each side is timed:
 
-* JAX (ours, jnp, jla): R steps unrolled in ONE executable, the pool carried (donated) from
-  step to step; per-step time = (t(R_hi) - t(R_lo)) / (R_hi - R_lo) from medians of wall
-  times. The difference cancels the ~85 us of dispatch + sync of one call.
+* JAX (ours, jnp, jla), step time: R steps unrolled in ONE executable, the pool carried
+  (donated) from step to step; per-step time = (t(R_hi) - t(R_lo)) / (R_hi - R_lo) from
+  medians of wall times. The difference cancels the ~85 us of dispatch + sync of one call,
+  but not the host work of each launch inside it (12-15 us per Mosaic GPU kernel), which
+  sets a floor under small steps.
+* JAX decode/verify, device time (``device_time.py``): one step per call, fresh slots every
+  call, under the profiler; the GPU's own kernel durations of one call, median over calls
+  (what ncu reports per kernel). Rates and ``vs FLA`` use it where it was measured.
 * FLA (torch): token-path steps captured in a CUDA graph (R steps, each its own slots), the
   replays timed with CUDA events; prefill with ``triton.testing.do_bench`` (median, L2 flushed).
 
@@ -44,9 +49,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from device_time import DeviceTime, device_time  # noqa: E402 (benchmarks/device_time.py)
+
 from pallas_kernels.conv1d import prefill_mgpu, update_mgpu  # noqa: E402
 from pallas_kernels.conv1d import reference as conv_reference  # noqa: E402
-from pallas_kernels.gdn import chunk_mgpu, recurrent_mgpu  # noqa: E402
+from pallas_kernels.gdn import chunk_mgpu, decode_mgpu, recurrent_mgpu  # noqa: E402
 from pallas_kernels.gdn import reference as gdn_reference  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
@@ -59,6 +66,7 @@ CONV_PREFILL = (("8x2048", 8, 2048),)
 VERIFY = ((16, 4), (64, 4))
 PREFILL = (("1x8192", 1, 8192), ("1x32768", 1, 32768), ("4x8192", 4, 8192),
            ("8x2048", 8, 2048), ("varlen 64x256", 64, 256))  # fmt: skip
+DEVICE_CALLS = 20  # traced calls per device-time row (median over them)
 
 
 @dataclasses.dataclass
@@ -67,8 +75,14 @@ class Row:
     shape: str
     impl: str
     us: float | None = None
+    device_us: float | None = None
     rate: str = ""
     note: str = ""
+
+    @property
+    def best_us(self) -> float | None:
+        """The device time where measured, else the step time."""
+        return self.device_us if self.device_us is not None else self.us
 
 
 ROWS: list[Row] = []
@@ -76,23 +90,40 @@ DEADLINE = float("inf")  # time.monotonic() after which rows are skipped (--budg
 SMOKE = False  # --smoke: tiny shapes, kernels under the CPU interpreter (checks the script)
 
 
+def _error(err: Exception) -> str:
+    traceback.print_exc(limit=3)
+    return f"ERROR {type(err).__name__}: {str(err).splitlines()[0][:110]}"
+
+
 def _record(group: str, shape: str, impl: str, measure: Callable[..., float], rate, *args,
-            **kwargs) -> None:  # fmt: skip
-    """Runs ``measure(*args, **kwargs)`` (microseconds); a failure becomes the row's note."""
+            device: Callable[[], DeviceTime] | None = None, **kwargs) -> None:  # fmt: skip
+    """Runs ``measure(*args, **kwargs)`` (microseconds) and, if given, ``device()``; a failure
+    becomes the row's note."""
     row = Row(group, shape, impl)
     if time.monotonic() > DEADLINE:
         row.note = "skipped: out of the run's time budget (--budget)"
         ROWS.append(row)
         return
+    notes = []
     try:
         row.us = measure(*args, **kwargs)
-        row.rate = rate(row.us)
     except Exception as err:  # noqa: BLE001 (a failing row must not stop the table)
-        row.note = f"ERROR {type(err).__name__}: {str(err).splitlines()[0][:110]}"
-        traceback.print_exc(limit=3)
+        notes.append(_error(err))
+    if device is not None:
+        try:
+            timing = device()
+            row.device_us = timing.us
+            copies = f"; copies {timing.copy_us:.1f} us" if timing.copy_us else ""
+            notes.append(f"device, per call: {timing.breakdown()}{copies}")
+        except Exception as err:  # noqa: BLE001
+            notes.append(f"device time: {_error(err)}")
+    if row.best_us is not None:
+        row.rate = rate(row.best_us)
+    row.note = "; ".join(notes)
     ROWS.append(row)
-    print(f"  {group:8s} {shape:14s} {impl:34s} {row.us or float('nan'):10.1f} us {row.rate} "
-          f"{row.note}", flush=True)  # fmt: skip
+    device_us = f"{row.device_us:8.1f}" if row.device_us is not None else "       -"
+    print(f"  {group:8s} {shape:14s} {impl:34s} {row.us or float('nan'):10.1f} us, device "
+          f"{device_us} us {row.rate} {row.note}", flush=True)  # fmt: skip
 
 
 def _tbps(n_bytes: float) -> Callable[[float], str]:
@@ -150,6 +181,27 @@ def jax_per_step_us(
     finally:
         holder.put(carry)
     return (medians[1] - medians[0]) / ((calls[1] - calls[0]) * n_steps) * 1e6
+
+
+def jax_device_time(step, holder: Pool, xs_of, operands=None) -> DeviceTime:
+    """Device time of one ``step`` (as for ``jax_per_step_us``), one step per call: each call
+    gets its own ``x`` (fresh slots: the state comes from HBM) and the donated pool of the
+    call before."""
+    calls, warmup = (2, 1) if SMOKE else (DEVICE_CALLS, 2)
+    fn = jax.jit(step, donate_argnums=0)
+    xs = iter(xs_of(calls + warmup))
+    carry = holder.take()
+
+    def call():
+        nonlocal carry
+        args = (carry, next(xs)) if operands is None else (carry, next(xs), operands)
+        carry, out = fn(*args)
+        return carry, out
+
+    try:
+        return device_time(call, calls=calls, warmup=warmup)
+    finally:
+        holder.put(carry)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -258,13 +310,7 @@ def _torch_inputs(rng, lead):
 # ----------------------------------------------------------------------------- decode / verify
 
 
-# Tilings timed per batch (block_v, swizzle): the decision data for pick_config.
-DECODE_TILINGS = {
-    1: ((16, 0), (32, 0)),
-    16: ((32, 0), (64, 0)),
-    64: ((32, 0), (64, 0), (64, 128)),
-    256: ((64, 0), (64, 128), (128, 0)),
-}
+# Verify tilings (block_v, swizzle): the decision data for recurrent_mgpu.pick_config.
 VERIFY_TILINGS = ((32, 0), (64, 0))
 
 
@@ -280,22 +326,10 @@ def _same_as_default(fn, inputs, n, config) -> str:
     return "" if max(errors) < 1e-5 else f"MISMATCH vs default tiling: {errors}"
 
 
-def _ours_rows(group, shape, fn, inputs, pool, n, tilings, traffic, rng) -> None:
-    for block_v, swizzle in tilings:
-        config = recurrent_mgpu.RecurrentConfig(block_v=block_v, swizzle=swizzle)
-
-        def step(pool, idx, config=config):
-            out = fn(**inputs, ssm_pool=pool, state_indices=idx, config=config)
-            return (out[1], out[0]) if group == "decode" else (pool, out)
-
-        label = f"ours bv={block_v}" + (f" swizzle={swizzle}" if swizzle else "")
-        _record(group, shape, label, lambda step=step: jax_per_step_us(step, pool, _slots_of(
-            rng, n)), _tbps(traffic))  # fmt: skip
-        if (block_v, swizzle) != (64, 0) and ROWS[-1].us is not None:
-            try:
-                ROWS[-1].note = _same_as_default(fn, inputs, n, config)
-            except Exception as err:  # noqa: BLE001
-                ROWS[-1].note = f"check failed: {type(err).__name__}"
+def _jax_row(group, shape, impl, step, pool, n, traffic, rng, **timing) -> None:
+    """A JAX row: step time (``jax_per_step_us``, ``timing`` its options) and device time."""
+    _record(group, shape, impl, jax_per_step_us, _tbps(traffic), step, pool, _slots_of(rng, n),
+            device=lambda: jax_device_time(step, pool, _slots_of(rng, n)), **timing)  # fmt: skip
 
 
 def bench_decode(fla) -> None:
@@ -305,26 +339,12 @@ def bench_decode(fla) -> None:
         shape = f"batch {n}"
         traffic = 2 * n * STATE_BYTES
         inputs = _token_inputs(rng, (n, 1))
-        tilings = DECODE_TILINGS.get(n, ((64, 0),))
-        _ours_rows("decode", shape, recurrent_mgpu.fused_recurrent_gated_delta_rule, inputs,
-                   pool, n, tilings, traffic, rng)  # fmt: skip
-        if n in (DECODE_BATCHES[0], DECODE_BATCHES[-1]):
-            raw = dict(
-                A_log=jnp.asarray(rng.standard_normal(HV), jnp.float32),
-                a=jnp.asarray(rng.standard_normal((n, 1, HV)), jnp.bfloat16),
-                dt_bias=jnp.asarray(rng.standard_normal(HV), jnp.float32),
-                b=jnp.asarray(rng.standard_normal((n, 1, HV)), jnp.bfloat16),
+
+        def ours(pool, idx, inputs=inputs):
+            o, pool = decode_mgpu.fused_recurrent_gated_delta_rule(
+                **inputs, ssm_pool=pool, state_indices=idx
             )
-
-            def gating_step(pool, idx, inputs=inputs, raw=raw):
-                o, pool = recurrent_mgpu.fused_gating_recurrent_gated_delta_rule(
-                    inputs["q"], inputs["k"], inputs["v"], raw["A_log"], raw["a"],
-                    raw["dt_bias"], raw["b"], pool, idx,
-                )  # fmt: skip
-                return pool, o
-
-            _record("decode", shape, "ours, gating fused (default tiling)", jax_per_step_us,
-                    _tbps(traffic), gating_step, pool, _slots_of(rng, n))  # fmt: skip
+            return pool, o
 
         def ref_step(pool, idx, inputs=inputs):
             o, pool = gdn_reference.fused_recurrent_gated_delta_rule(
@@ -332,8 +352,9 @@ def bench_decode(fla) -> None:
             )
             return pool, o
 
-        _record("decode", shape, "jnp reference",
-                jax_per_step_us, _tbps(traffic), ref_step, pool, _slots_of(rng, n))  # fmt: skip
+        _jax_row("decode", shape, f"ours (decode_mgpu {decode_mgpu.DEFAULT})", ours, pool, n,
+                 traffic, rng)  # fmt: skip
+        _jax_row("decode", shape, "jnp reference", ref_step, pool, n, traffic, rng)
         if fla is not None:
             _fla_decode(fla, n, traffic)
 
@@ -376,20 +397,32 @@ def _fla_decode(fla, n, traffic, d=1) -> None:
 def bench_verify(fla) -> None:
     rng = _rng(2)
     pool = _ssm_pool(seed=12)
+    fn = recurrent_mgpu.verify_gated_delta_rule
     for n, d in VERIFY:
         shape = f"D={d} batch {n}"
         traffic = (1 + d) * n * STATE_BYTES  # read the state, write D states
         inputs = _token_inputs(rng, (n, d))
-        _ours_rows("verify", shape, recurrent_mgpu.verify_gated_delta_rule, inputs, pool, n,
-                   VERIFY_TILINGS, traffic, rng)  # fmt: skip
+        for block_v, swizzle in VERIFY_TILINGS:
+            config = recurrent_mgpu.RecurrentConfig(block_v=block_v, swizzle=swizzle)
+
+            def ours(pool, idx, config=config, inputs=inputs):
+                return pool, fn(**inputs, ssm_pool=pool, state_indices=idx, config=config)
+
+            label = f"ours bv={block_v}" + (f" swizzle={swizzle}" if swizzle else "")
+            _jax_row("verify", shape, label, ours, pool, n, traffic, rng)
+            if (block_v, swizzle) != (64, 0) and ROWS[-1].best_us is not None:
+                try:
+                    same = _same_as_default(fn, inputs, n, config)
+                except Exception as err:  # noqa: BLE001
+                    same = f"check failed: {type(err).__name__}"
+                ROWS[-1].note = "; ".join(x for x in (same, ROWS[-1].note) if x)
 
         def ref_step(pool, idx, inputs=inputs):
             return pool, gdn_reference.verify_gated_delta_rule(
                 **inputs, ssm_pool=pool, state_indices=idx
             )
 
-        _record("verify", shape, "jnp reference", jax_per_step_us, _tbps(traffic), ref_step,
-                pool, _slots_of(rng, n), n_steps=6)  # fmt: skip
+        _jax_row("verify", shape, "jnp reference", ref_step, pool, n, traffic, rng, n_steps=6)
         if fla is not None:
             _fla_decode(fla, n, traffic, d=d)
 
@@ -550,18 +583,19 @@ def _versions() -> dict[str, str]:
 
 
 def _table() -> str:
-    lines = ["| group | shape | implementation | time (us) | rate | vs FLA | note |",
-             "| --- | --- | --- | ---: | ---: | ---: | --- |"]  # fmt: skip
+    lines = ["| group | shape | implementation | step (us) | device (us) | rate | vs FLA | note |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
     fla_us = {}
     for row in ROWS:
         if row.impl.startswith("FLA") and row.us and (row.group, row.shape) not in fla_us:
             fla_us[(row.group, row.shape)] = row.us
     for row in ROWS:
         base = fla_us.get((row.group, row.shape))
-        ratio = f"{base / row.us:.2f}x" if base and row.us else ""
+        ratio = f"{base / row.best_us:.2f}x" if base and row.best_us else ""
         us = f"{row.us:.1f}" if row.us is not None else "-"
-        lines.append(f"| {row.group} | {row.shape} | {row.impl} | {us} | {row.rate} | {ratio} | "
-                     f"{row.note} |")  # fmt: skip
+        device_us = f"{row.device_us:.1f}" if row.device_us is not None else "-"
+        lines.append(f"| {row.group} | {row.shape} | {row.impl} | {us} | {device_us} | "
+                     f"{row.rate} | {ratio} | {row.note} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -575,8 +609,7 @@ def _smoke_mode() -> None:
     STATE_BYTES = HV * K * V * 4
     DECODE_BATCHES, VERIFY, PREFILL = (1, 2), ((2, 2),), (("2x64", 2, 64),)
     CONV_BATCHES, CONV_PREFILL = (1, 2), (("2x20", 2, 20),)
-    for module, name in ((recurrent_mgpu, "fused_recurrent_gated_delta_rule"),
-                         (recurrent_mgpu, "fused_gating_recurrent_gated_delta_rule"),
+    for module, name in ((decode_mgpu, "fused_recurrent_gated_delta_rule"),
                          (recurrent_mgpu, "verify_gated_delta_rule"),
                          (update_mgpu, "causal_conv1d_update"),
                          (prefill_mgpu, "causal_conv1d"),
@@ -595,11 +628,15 @@ def _write_report(out: Path, device_kind: str) -> str:
         f"Shapes: Qwen3-Next TP1, H={H}, HV={HV}, K={K}, V={V}, bf16 activations, fp32 ssm pool "
         f"of {SLOTS} slots, fresh random slots every step; conv1d C={CONV_C}, W={CONV_W}, bf16. "
         "Decode/verify rates are state bytes moved (decode: read + write the state; verify: "
-        "read it once and write D states; FLA verify writes no states) per second; prefill "
-        "rates are tokens per second (compute limit about 135 Mtok/s). `vs FLA` = time of the "
-        "first FLA row of that shape (decode: FLA with the pool gather/scatter a pooled "
-        "serving step needs; verify: FLA outputs only) over the row's time. Timing: see the "
-        "docstring of `benchmarks/gdn.py`.\n\n"
+        "read it once and write D states; FLA verify writes no states) per second of device "
+        "time where it was measured, else of step time; prefill rates are tokens per second "
+        "(compute limit about 135 Mtok/s). `step` = JAX steps unrolled in one executable "
+        "(host launch work included) or FLA's CUDA-graph replay per step; `device` = the "
+        "kernels' own durations per call from a profiler trace (JAX decode/verify). `vs FLA` "
+        "= step time of the first FLA row of that shape (decode: FLA with the pool "
+        "gather/scatter a pooled serving step needs; verify: FLA outputs only) over the row's "
+        "device time (step time where there is none). Timing: see the docstring of "
+        "`benchmarks/gdn.py`.\n\n"
         f"{table}\n"
     )
     out.mkdir(parents=True, exist_ok=True)
