@@ -65,7 +65,7 @@ from pallas_kernels._mgpu_chunks import (
     matmul,
     smem,
 )
-from pallas_kernels.gdn._chunk_intra import SOLVE_SHAPE, chunk_intra
+from pallas_kernels.gdn._chunk_intra import SOLVE_SHAPE, chunk_gates, chunk_intra
 
 __all__ = ["CHUNK", "Config", "chunk_gated_delta_rule", "unsupported_reason"]
 
@@ -119,9 +119,10 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, solve=
     num_chunks = table.shape[1]
     shape = (CHUNK, CHUNK)
     vec = plgpu.SMEM((CHUNK,), F32)
+    gc, beta_c = chunk_gates(g_t, beta_t, table)
 
     def body(q_ref, k_ref, g_ref, b_ref, tab_ref, first_ref, m_ref, p_ref, v_ref, *scratch):
-        q_s, k_s, g_r, g_c, b_r, b_c, m_s, p_s, n_s, vec_s, bar, *solve_s = scratch
+        q_s, k_s, g_r, g_c, b_r, b_c, m_s, p_s, vec_s, bar, *solve_s = scratch
         c, h = lax.axis_index("c"), lax.axis_index("h")
         hk = lax.div(h, group)
         start = pl.multiple_of(tab_ref[0, c], ALIGN)
@@ -133,13 +134,13 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, solve=
             plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s, bar)
             plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s, bar)
             # A vector is loaded once per layout it is read in (layout inference).
+            window = pl.ds(c * CHUNK, CHUNK)
             for src, dst in ((g_ref, g_r), (g_ref, g_c), (b_ref, b_r), (b_ref, b_c)):
-                plgpu.copy_gmem_to_smem(src.at[h, rows], dst, bar)
+                plgpu.copy_gmem_to_smem(src.at[h, window], dst, bar)
             plgpu.barrier_wait(bar)
             chunk_intra(
-                q_s, k_s, g_r, g_c, b_r, b_c, lo, hi, m_s, p_s, n_s, vec_s,
-                scale=scale, solve_s=solve_s or None,
-            )  # fmt: skip
+                q_s, k_s, g_r, g_c, b_r, b_c, m_s, p_s, vec_s, scale=scale, solve_s=solve_s or None
+            )
             plgpu.copy_smem_to_gmem(m_s, m_ref.at[c, h], commit_group=False)
             plgpu.copy_smem_to_gmem(p_s, p_ref.at[c, h], commit_group=False)
             plgpu.copy_smem_to_gmem(vec_s, v_ref.at[c, h], commit_group=False)
@@ -160,12 +161,11 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, solve=
         vec,
         smem(shape, BF16),
         smem(shape, BF16),
-        smem(shape, BF16),
         plgpu.SMEM((4, CHUNK), F32),
         plgpu.Barrier(num_arrivals=6),
     )
     if solve:
-        scratch += (plgpu.SMEM(SOLVE_SHAPE, F32), plgpu.SMEM(SOLVE_SHAPE, F32))
+        scratch += (plgpu.SMEM(SOLVE_SHAPE, BF16), plgpu.SMEM(SOLVE_SHAPE, BF16))
     return plgpu.kernel(
         body,
         out_type=out_type,
@@ -175,7 +175,7 @@ def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, solve=
         compiler_params=plgpu.CompilerParams(approx_math=True),  # ex2/rsqrt.approx
         interpret=interpret,
         kernel_name="gdn_chunk_intra",
-    )(q, k, g_t, beta_t, table, first)
+    )(q, k, gc, beta_c, table, first)
 
 
 def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, cfg, interpret):
