@@ -2,10 +2,11 @@
 
 For each Qwen3-Next TP1 shape (H=16, HV=32, K=V=128, bf16) and each kernel configuration:
 checks the kernel against the float32 chunked reference (outputs and the written pool
-slots), then times the whole op (both kernels, pool donated) and the intra-chunk kernel
-alone. Prints a table last; ``--out DIR`` also writes the numbers as JSON.
+slots), then times the whole op (pool donated) by host step time and by device time (the
+kernels' own durations from a profiler trace, ``device_time.py``, with the top kernels), and
+the intra-chunk kernel alone. Prints a table last; ``--out DIR`` also writes JSON.
 
-    python benchmarks/prefill_variants.py [--out DIR] [--shapes 1x8192] [--variants 64,32,64k]
+    python benchmarks/prefill_variants.py [--out DIR] [--shapes 1x8192] [--variants auto,dbl]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import pathlib
 import time
 
+import device_time  # benchmarks/device_time.py (this script's folder is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,6 +130,16 @@ def _run_variant(name: str, spec: str, inputs: tuple, ro: jax.Array, rpool: jax.
     seconds = _time(fn, args, jnp.array(pool))
     row["us"] = seconds * 1e6
     row["mtok_s"] = tokens / seconds / 1e6
+    held = [jnp.array(pool)]
+
+    def call():
+        out, held[0] = fn(*args, held[0])
+        return out
+
+    measured = device_time.device_time(call, calls=10)
+    row["device_us"] = measured.us
+    row["device_mtok_s"] = tokens / measured.us
+    row["kernels"] = measured.breakdown(top=6, width=40)
 
     # The intra-chunk kernel alone (its share of the time).
     padded = tokens
@@ -164,18 +176,22 @@ def main() -> None:
             (args.out / "prefill_variants.json").write_text(json.dumps(rows, indent=1))
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}")
     print(
-        f"{'shape':9} {'var':>4} {'us':>9} {'Mtok/s':>7} {'intra us':>9} {'rel o':>8} "
-        f"{'rel S':>8} ok"
+        f"{'shape':9} {'var':>5} {'us':>9} {'Mtok/s':>7} {'dev us':>8} {'dev Mt/s':>8} "
+        f"{'intra us':>9} {'rel o':>8} {'rel S':>8} ok"
     )
     for r in rows:
         if "error" in r:
-            print(f"{r['shape']:9} {r['variant']:>4} ERROR {r['error'][:90]}")
+            print(f"{r['shape']:9} {r['variant']:>5} ERROR {r['error'][:90]}")
             continue
         ok = r["untouched_equal"] and r["finite"]
         print(
-            f"{r['shape']:9} {r['variant']:>4} {r['us']:9.1f} {r['mtok_s']:7.1f} "
-            f"{r['intra_us']:9.1f} {r['rel_o']:8.1e} {r['rel_state']:8.1e} {ok}"
+            f"{r['shape']:9} {r['variant']:>5} {r['us']:9.1f} {r['mtok_s']:7.1f} "
+            f"{r['device_us']:8.1f} {r['device_mtok_s']:8.1f} {r['intra_us']:9.1f} "
+            f"{r['rel_o']:8.1e} {r['rel_state']:8.1e} {ok}"
         )
+    for r in rows:
+        if "kernels" in r:
+            print(f"{r['shape']:9} {r['variant']:>5} {r['kernels']}")
 
 
 if __name__ == "__main__":
