@@ -121,15 +121,15 @@ def test_unknown_variant_is_named_in_the_error():
         variants.fused_recurrent_gated_delta_rule(**args, variant="nope", interpret=True)
 
 
-def _production(n):
+def _production(n, d=1, dtype=jnp.bfloat16):
     h, hv, kd = 16, 32, 128
-    bf16, f32 = jnp.bfloat16, jnp.float32
+    f32 = jnp.float32
     return dict(
-        q=jax.ShapeDtypeStruct((n, 1, h, kd), bf16),
-        k=jax.ShapeDtypeStruct((n, 1, h, kd), bf16),
-        v=jax.ShapeDtypeStruct((n, 1, hv, kd), bf16),
-        g=jax.ShapeDtypeStruct((n, 1, hv), f32),
-        beta=jax.ShapeDtypeStruct((n, 1, hv), f32),
+        q=jax.ShapeDtypeStruct((n, d, h, kd), dtype),
+        k=jax.ShapeDtypeStruct((n, d, h, kd), dtype),
+        v=jax.ShapeDtypeStruct((n, d, hv, kd), dtype),
+        g=jax.ShapeDtypeStruct((n, d, hv), f32),
+        beta=jax.ShapeDtypeStruct((n, d, hv), f32),
         ssm_pool=jax.ShapeDtypeStruct((64, hv, kd, kd), f32),
         state_indices=jax.ShapeDtypeStruct((n,), jnp.int32),
     )
@@ -143,6 +143,14 @@ def test_variant_lowers_for_cuda_with_the_pool_aliased(name, n):
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     assert re.search(r"tensor<64x32x128x128xf32> {tf.aliasing_output = 1 ", main)
+
+
+def test_default_variant_lowers_for_cuda_at_the_largest_rows_it_accepts():
+    # MAX_TOKENS float32 tokens: the most SMEM a ring stage of the default variant holds.
+    args = _production(8, d=variants.MAX_TOKENS, dtype=jnp.float32)
+    assert variants.unsupported_reason(**args) is None
+    fn = functools.partial(variants.fused_recurrent_gated_delta_rule, variant=variants.DEFAULT)
+    jax.jit(fn, donate_argnames=("ssm_pool",)).trace(**args).lower(lowering_platforms=("cuda",))
 
 
 def test_unsupported_reason_accepts_production_shapes():
