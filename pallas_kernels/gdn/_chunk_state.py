@@ -371,10 +371,6 @@ def state_pass(
                     def _():
                         plgpu.barrier_arrive(retired.at[half])
 
-                    @pl.when(j + stages < num)
-                    def _():
-                        plgpu.barrier_arrive(consumed.at[stage])
-
                     out = (along_rows(b, tile) * qs + pv).astype(out_dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's store
                     o_s[...] = out
@@ -383,7 +379,15 @@ def state_pass(
                     def _():
                         o_p[...] = out
 
+                    # The fence also orders this warpgroup's plain read of the stage (b)
+                    # before the producer's next TMA into it (generic, then async proxy):
+                    # without it the interpreter's race detector reports that pair.
                     plgpu.commit_smem()
+
+                    @pl.when(j + stages < num)
+                    def _():
+                        plgpu.barrier_arrive(consumed.at[stage])
+
                     store(o_s, o_p, j)
 
                 plgpu.wait_smem_to_gmem(0)
