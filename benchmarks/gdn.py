@@ -326,10 +326,13 @@ def _same_as_default(fn, inputs, n, config) -> str:
     return "" if max(errors) < 1e-5 else f"MISMATCH vs default tiling: {errors}"
 
 
-def _jax_row(group, shape, impl, step, pool, n, traffic, rng, **timing) -> None:
-    """A JAX row: step time (``jax_per_step_us``, ``timing`` its options) and device time."""
+def _jax_row(group, shape, impl, step, pool, n, traffic, rng, inputs, **timing) -> None:
+    """A JAX row: step time (``jax_per_step_us``, ``timing`` its options) and device time of
+    ``step(pool, idx, inputs)``; ``inputs`` enter as arguments (as constants XLA would fold
+    work on them at compile time)."""
     _record(group, shape, impl, jax_per_step_us, _tbps(traffic), step, pool, _slots_of(rng, n),
-            device=lambda: jax_device_time(step, pool, _slots_of(rng, n)), **timing)  # fmt: skip
+            operands=inputs, device=lambda: jax_device_time(step, pool, _slots_of(rng, n),
+                                                            inputs), **timing)  # fmt: skip
 
 
 def bench_decode(fla) -> None:
@@ -339,22 +342,18 @@ def bench_decode(fla) -> None:
         shape = f"batch {n}"
         traffic = 2 * n * STATE_BYTES
         inputs = _token_inputs(rng, (n, 1))
+        ours = decode_mgpu.fused_recurrent_gated_delta_rule  # the public decode op's kernel
+        impls = {
+            f"ours (decode_mgpu {decode_mgpu.DEFAULT})": ours,
+            "jnp reference": gdn_reference.fused_recurrent_gated_delta_rule,
+        }
+        for impl, fn in impls.items():
 
-        def ours(pool, idx, inputs=inputs):
-            o, pool = decode_mgpu.fused_recurrent_gated_delta_rule(
-                **inputs, ssm_pool=pool, state_indices=idx
-            )
-            return pool, o
+            def step(pool, idx, inputs, fn=fn):
+                o, pool = fn(**inputs, ssm_pool=pool, state_indices=idx)
+                return pool, o
 
-        def ref_step(pool, idx, inputs=inputs):
-            o, pool = gdn_reference.fused_recurrent_gated_delta_rule(
-                **inputs, ssm_pool=pool, state_indices=idx
-            )
-            return pool, o
-
-        _jax_row("decode", shape, f"ours (decode_mgpu {decode_mgpu.DEFAULT})", ours, pool, n,
-                 traffic, rng)  # fmt: skip
-        _jax_row("decode", shape, "jnp reference", ref_step, pool, n, traffic, rng)
+            _jax_row("decode", shape, impl, step, pool, n, traffic, rng, inputs)
         if fla is not None:
             _fla_decode(fla, n, traffic)
 
@@ -405,11 +404,11 @@ def bench_verify(fla) -> None:
         for block_v, swizzle in VERIFY_TILINGS:
             config = recurrent_mgpu.RecurrentConfig(block_v=block_v, swizzle=swizzle)
 
-            def ours(pool, idx, config=config, inputs=inputs):
+            def ours(pool, idx, inputs, config=config):
                 return pool, fn(**inputs, ssm_pool=pool, state_indices=idx, config=config)
 
             label = f"ours bv={block_v}" + (f" swizzle={swizzle}" if swizzle else "")
-            _jax_row("verify", shape, label, ours, pool, n, traffic, rng)
+            _jax_row("verify", shape, label, ours, pool, n, traffic, rng, inputs)
             if (block_v, swizzle) != (64, 0) and ROWS[-1].best_us is not None:
                 try:
                     same = _same_as_default(fn, inputs, n, config)
@@ -417,12 +416,13 @@ def bench_verify(fla) -> None:
                     same = f"check failed: {type(err).__name__}"
                 ROWS[-1].note = "; ".join(x for x in (same, ROWS[-1].note) if x)
 
-        def ref_step(pool, idx, inputs=inputs):
+        def ref_step(pool, idx, inputs):
             return pool, gdn_reference.verify_gated_delta_rule(
                 **inputs, ssm_pool=pool, state_indices=idx
             )
 
-        _jax_row("verify", shape, "jnp reference", ref_step, pool, n, traffic, rng, n_steps=6)
+        _jax_row("verify", shape, "jnp reference", ref_step, pool, n, traffic, rng, inputs,
+                 n_steps=6)  # fmt: skip
         if fla is not None:
             _fla_decode(fla, n, traffic, d=d)
 
