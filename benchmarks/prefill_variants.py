@@ -79,11 +79,17 @@ def _time(fn, args: tuple, pool: jax.Array, calls: int = 20, repeats: int = 3) -
 def _variant(spec: str) -> chunk_mgpu.Config:
     """``"auto"``: the default config; ``"dbl"``: the default with ``T`` doubled from 2x2
     blocks instead of the substitution of its diagonal blocks; ``"64"``: block_v 64; a
-    trailing ``k`` forces K-major B operands (``"64k"``)."""
+    trailing ``k`` forces K-major B operands (``"64k"``); ``"ws2"``, ``"ws3"``: the
+    warp-specialised state pass with 2 or 3 stages, ``"ws2/64"`` with block_v 64."""
     if spec == "auto":
         return chunk_mgpu.Config()
     if spec == "dbl":
         return chunk_mgpu.Config(substitution=False)
+    if spec.startswith("ws"):
+        stages, _, block_v = spec[2:].partition("/")
+        return chunk_mgpu.Config(
+            block_v=int(block_v) if block_v else None, state_stages=int(stages)
+        )
     kmajor = True if spec.endswith("k") else None
     return chunk_mgpu.Config(block_v=int(spec.rstrip("k")), kmajor=kmajor)
 

@@ -65,6 +65,7 @@ from pallas_kernels._mgpu_chunks import (
     matmul,
     smem,
 )
+from pallas_kernels.gdn import _chunk_state
 from pallas_kernels.gdn._chunk_intra import SOLVE_SHAPE, chunk_gates, chunk_intra
 
 __all__ = ["CHUNK", "Config", "chunk_gated_delta_rule", "unsupported_reason"]
@@ -83,11 +84,14 @@ class Config:
       where it is required).
     substitution: solve the 16x16 diagonal blocks of ``T`` by float32 substitution before
       the two last doubling levels (GPU only: the interpreter always doubles from 2x2 blocks).
+    state_stages: 0 runs the state pass in one warpgroup (``_state``); 2 or 3 run the
+      warp-specialised state pass (``_chunk_state.py``) with that many input stages.
     """
 
     block_v: int | None = None
     kmajor: bool | None = None
     substitution: bool = True
+    state_stages: int = 0
 
 
 @functools.cache
@@ -415,6 +419,13 @@ def unsupported_reason(
     config = _resolve(config, qsl.shape[0] - 1, v.shape[1], value_dim)
     if value_dim % config.block_v or config.block_v not in (32, 64):
         return f"block_v={config.block_v} must be 32 or 64 and divide V={value_dim}"
+    if config.state_stages:
+        reason = _chunk_state.unsupported_reason(
+            key_dim, value_dim, block_v=config.block_v, stages=config.state_stages,
+            out_dtype=v.dtype,
+        )  # fmt: skip
+        if reason is not None:
+            return reason
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1 or not dtypes <= {jnp.dtype(BF16), jnp.dtype(F32)}:
         return f"q, k, v must share one dtype of bf16 or float32, got {sorted(map(str, dtypes))}"
@@ -501,20 +512,13 @@ def chunk_gated_delta_rule(
         solve=config.substitution and interpret is None, interpret=interpret,
     )  # fmt: skip
     pool = jax.new_ref(ssm_pool)
-    o = _state(
-        q,
-        k,
-        v,
-        m,
-        p,
-        vecs,
-        table,
-        first,
-        state_indices.astype(jnp.int32),
-        has_initial_state.astype(jnp.int32),
-        pool,
-        n_seqs=n_seqs,
-        cfg=config,
-        interpret=interpret,
-    )
+    walk = (q, k, v, m, p, vecs, table, first)
+    slots, has_init = state_indices.astype(jnp.int32), has_initial_state.astype(jnp.int32)
+    if config.state_stages:
+        o = _chunk_state.state_pass(
+            *walk, slots, has_init, pool, n_seqs=n_seqs, block_v=config.block_v,
+            stages=config.state_stages, interpret=interpret,
+        )  # fmt: skip
+    else:
+        o = _state(*walk, slots, has_init, pool, n_seqs=n_seqs, cfg=config, interpret=interpret)
     return o[:tokens].astype(out_dtype), jax.freeze(pool)
