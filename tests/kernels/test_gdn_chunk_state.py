@@ -171,8 +171,9 @@ def test_tiny_and_empty_calls_write_only_what_they_must(lens, tokens, block_v, s
 
 def test_warpgroups_hand_over_tiles_without_a_data_race():
     # The interpreter's happens-before race detector sees every SMEM access of the three
-    # warpgroups; dropping any one barrier wait of the hand-offs makes it report a race
-    # (checked by hand with the `retired` wait removed) even where the values stay right.
+    # warpgroups and the TMA engine. It can fail: without the `retired` wait (tried by hand)
+    # it reports a race while the values stay right, and it found the missing proxy fence
+    # before the output warpgroup hands a stage back.
     lens, tokens = (37, 150), 200
     params = plgpu.InterpretGPUParams(detect_races=True)
     o, pool = _run(_chunk_state.state_pass, lens, tokens, block_v=32, stages=2, interpret=params)
