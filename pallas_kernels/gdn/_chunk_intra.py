@@ -191,7 +191,13 @@ def chunk_gates(g_t: jax.Array, beta_t: jax.Array, table: jax.Array) -> tuple[ja
     rows = jnp.arange(CHUNK, dtype=jnp.int32)
     tokens = start[:, None] + rows
     own = (rows >= lo[:, None]) & (rows < hi[:, None])
-    g = jnp.where(own, g_t[:, tokens], 0.0)
-    beta = jnp.where(own, beta_t[:, tokens], 0.0)
     heads = g_t.shape[0]
-    return jnp.cumsum(g, axis=-1).reshape(heads, -1), beta.reshape(heads, -1)
+    # The windows are materialised before the sums, and the sum over 64 is taken as 8 x 8:
+    # XLA's cumulative sum is a reduce-window that reads (and re-gathers, when fused) every
+    # element once per window position (51 us at 4x8192 on the H200 with one plain cumsum).
+    g = lax.optimization_barrier(jnp.where(own, g_t[:, tokens], 0.0))
+    inner = jnp.cumsum(g.reshape(heads, -1, CHUNK // 8, 8), axis=-1)
+    ends = inner[..., -1]
+    gc = inner + (jnp.cumsum(ends, axis=-1) - ends)[..., None]
+    beta = jnp.where(own, beta_t[:, tokens], 0.0)
+    return gc.reshape(heads, -1), beta.reshape(heads, -1)

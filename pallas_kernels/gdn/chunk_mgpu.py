@@ -85,13 +85,14 @@ class Config:
     substitution: solve the 16x16 diagonal blocks of ``T`` by float32 substitution before
       the two last doubling levels (GPU only: the interpreter always doubles from 2x2 blocks).
     state_stages: 0 runs the state pass in one warpgroup (``_state``); 2 or 3 run the
-      warp-specialised state pass (``_chunk_state.py``) with that many input stages.
+      warp-specialised state pass (``_chunk_state.py``) with that many input stages; None
+      picks (``_resolve``).
     """
 
     block_v: int | None = None
     kmajor: bool | None = None
     substitution: bool = True
-    state_stages: int = 0
+    state_stages: int | None = None
 
 
 @functools.cache
@@ -100,17 +101,26 @@ def _num_sms() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132
 
 
-def _resolve(config: Config, n_seqs: int, heads: int, value_dim: int) -> Config:
-    """``config`` with ``block_v`` chosen when it is None.
+def _resolve(
+    config: Config, n_seqs: int, heads: int, value_dim: int, *, interpret: object = None
+) -> Config:
+    """``config`` with ``block_v`` and ``state_stages`` chosen where they are None.
 
     Measured on the H200 (benchmarks/prefill_notes.md, run 2): 32 columns win while a grid
     of 64-column blocks would leave SMs idle (1x8192: 19.2 against 17.5 Mtok/s; 1x32768: 21.3
     against 19.3), 64 win once it fills them (4x8192: 26.6 against 21.2; 8x2048, varlen).
+    The warp-specialised state pass won on every shape (session 3 notes), with 3 stages at 32
+    columns and 2 at 64 (3 do not fit). The interpreter takes the one-warpgroup pass unless
+    asked: its warpgroups are host threads of the XLA CPU client's pool, which must have more
+    than 2 (env ``NPROC``, read when the client starts) or the warpgroups deadlock.
     """
-    if config.block_v is not None:
-        return config
-    blocks_of_64 = n_seqs * heads * (value_dim // 64)
-    return dataclasses.replace(config, block_v=32 if blocks_of_64 < _num_sms() else 64)
+    if config.block_v is None:
+        blocks_of_64 = n_seqs * heads * (value_dim // 64)
+        config = dataclasses.replace(config, block_v=32 if blocks_of_64 < _num_sms() else 64)
+    if config.state_stages is None:
+        stages = 0 if interpret else (3 if config.block_v == 32 else 2)
+        config = dataclasses.replace(config, state_stages=stages)
+    return config
 
 
 def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, solve=False, interpret):
@@ -404,7 +414,7 @@ def unsupported_reason(
     config: Config = Config(),
 ) -> str | None:
     """One sentence on why this kernel cannot take the call, or None when it can."""
-    del scale, g, beta, state_indices, has_initial_state, interpret
+    del scale, g, beta, state_indices, has_initial_state
     if not use_qk_l2norm:
         return "the kernel always l2-normalises q and k (use_qk_l2norm=False is not built)"
     if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[0] != q.shape[0]:
@@ -416,14 +426,13 @@ def unsupported_reason(
         return f"HV={v.shape[1]} is not a multiple of H={q.shape[1]}"
     if qsl.ndim != 1 or qsl.shape[0] < 2:
         return f"query_start_loc must be [N+1] with N >= 1, got shape {qsl.shape}"
-    config = _resolve(config, qsl.shape[0] - 1, v.shape[1], value_dim)
+    config = _resolve(config, qsl.shape[0] - 1, v.shape[1], value_dim, interpret=interpret)
     if value_dim % config.block_v or config.block_v not in (32, 64):
         return f"block_v={config.block_v} must be 32 or 64 and divide V={value_dim}"
     if config.state_stages:
         reason = _chunk_state.unsupported_reason(
-            key_dim, value_dim, block_v=config.block_v, stages=config.state_stages,
-            out_dtype=v.dtype,
-        )  # fmt: skip
+            key_dim, value_dim, block_v=config.block_v, stages=config.state_stages
+        )  # v enters the kernels as bf16 whatever its dtype
         if reason is not None:
             return reason
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
@@ -480,6 +489,7 @@ def chunk_gated_delta_rule(
         state_indices,
         has_initial_state,
         use_qk_l2norm=use_qk_l2norm,
+        interpret=interpret,
         config=config,
     )
     if reason is not None:
@@ -489,7 +499,7 @@ def chunk_gated_delta_rule(
     interpret = interpret or None
     tokens, _, key_dim = q.shape
     n_seqs = qsl.shape[0] - 1
-    config = _resolve(config, n_seqs, v.shape[1], v.shape[2])
+    config = _resolve(config, n_seqs, v.shape[1], v.shape[2], interpret=interpret)
     scale = key_dim**-0.5 if scale is None else float(scale)
     out_dtype = v.dtype
     # Tokens padded to the 8-row tiling and at least one chunk: a copy only when T is

@@ -60,8 +60,12 @@ def _oracle(args):
         return jax.tree.map(np.asarray, gdn_reference.chunk_gated_delta_rule_recurrent(**wide))
 
 
-@pytest.mark.parametrize("block_v", [64, 32], ids=["bv64", "bv32-kmajor"])
-def test_varlen_prefill_matches_oracle_and_writes_only_its_slots(block_v):
+@pytest.mark.parametrize(
+    "block_v, stages",
+    [(64, 0), (32, 0), (64, 2), (32, 3)],
+    ids=["bv64", "bv32-kmajor", "bv64-warp-specialised", "bv32-warp-specialised-3-stages"],
+)
+def test_varlen_prefill_matches_oracle_and_writes_only_its_slots(block_v, stages):
     # Starts at 0, 100 and 137 (unaligned: leading masked rows), an empty sequence, lengths
     # not multiples of 64, 13 padding tokens, T=300 not a multiple of 8 (the last chunk is
     # shifted back), GVA (2 value heads per key head).
@@ -69,7 +73,7 @@ def test_varlen_prefill_matches_oracle_and_writes_only_its_slots(block_v):
     args = _case(0, lens, 300, h=1, hv=2, kd=64, vd=64, slots=9)
     o, pool = jax.jit(
         lambda a: chunk_mgpu.chunk_gated_delta_rule(
-            **a, interpret=True, config=chunk_mgpu.Config(block_v=block_v)
+            **a, interpret=True, config=chunk_mgpu.Config(block_v=block_v, state_stages=stages)
         )
     )(args)
     o_ref, pool_ref = _oracle(args)
@@ -158,6 +162,17 @@ def test_block_v_is_narrow_only_while_wide_blocks_leave_multiprocessors_idle():
     assert pick(1) == 32  # one long sequence: 64 blocks of 64 columns, 132 SMs
     assert pick(4) == 64 and pick(64) == 64
     assert chunk_mgpu._resolve(chunk_mgpu.Config(block_v=64), 1, 32, 128).block_v == 64
+
+
+def test_state_pass_is_warp_specialised_on_the_gpu_and_single_in_the_interpreter():
+    def stages(n_seqs, interpret=None, **fixed):
+        config = chunk_mgpu.Config(**fixed)
+        return chunk_mgpu._resolve(config, n_seqs, 32, 128, interpret=interpret).state_stages
+
+    assert stages(1) == 3 and stages(4) == 2  # 3 stages fit at 32 columns only
+    assert stages(1, interpret=True) == 0  # its warpgroups would need NPROC > 2
+    assert stages(1, interpret=True, state_stages=2) == 2
+    assert stages(4, state_stages=0) == 0
 
 
 @pytest.mark.parametrize(
