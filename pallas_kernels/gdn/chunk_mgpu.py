@@ -9,20 +9,23 @@ cumulative log decay, ``k``/``q`` l2-normalised):
     S <- exp(gc_last) S + k^T diag(exp(gc_last - gc)) v'
 
 Kernel 1 (``_intra``, one CTA per (chunk, value head), fully parallel; the math is in
-``_chunk_intra.py``) forms everything that
-does not depend on the state: ``M`` and ``P = tril(...)`` as bf16 ``[64, 64]`` tiles and four
-float32 row vectors (``rk exp(gc)``, ``scale rq exp(gc)``, ``rk exp(gc_last - gc)``,
-``exp(gc_last)``; ``rq``/``rk`` the inverse l2 norms, so q and k are never rewritten). ``T``
-is built by block doubling: from the 2x2 blocks ``T = I - A``, each level merges diagonal
-blocks of size ``b`` into ``2b`` with ``T <- T - T (L T)`` (``L`` the strictly-lower
-off-diagonal ``b x b`` blocks of ``A``), two bf16 wgmmas per level. Block doubling is exact
-forward substitution at block level; the Neumann product ``(I - A)(I + A^2)...`` is not used
-because its terms grow like binomials for correlated keys and cancel catastrophically.
+``_chunk_intra.py``; the chunk-local cumulative decays come from XLA, ``chunk_gates``) forms
+everything that does not depend on the state: ``M`` and ``P = tril(...)`` as bf16 ``[64, 64]``
+tiles and four float32 row vectors (``rk exp(gc)``, ``scale rq exp(gc)``,
+``rk exp(gc_last - gc)``, ``exp(gc_last)``; ``rq``/``rk`` the inverse l2 norms, so q and k are
+never rewritten). ``T`` is built by blocks: the 16x16 diagonal blocks by float32 substitution
+(on the GPU; the interpreter doubles from 2x2 blocks), then each level merges diagonal blocks
+of size ``b`` into ``2b`` with ``T <- T - T (L T)`` (``L`` the strictly-lower off-diagonal
+``b x b`` blocks of ``A``), two bf16 wgmmas per level. Block doubling is exact forward
+substitution at block level; the Neumann product ``(I - A)(I + A^2)...`` is not used because
+its terms grow like binomials for correlated keys and cancel catastrophically.
 
-Kernel 2 (``_state``, one CTA per (sequence, value head, ``block_v`` value columns)) walks
-the sequence's chunks in order with ``S`` in registers, five wgmmas per chunk (``kS``,
-``qS``, ``M Y``, ``k^T v'``, ``P v'``), the next chunk's tiles prefetched by TMA.
-Splitting the value columns is what gives a single long sequence more than ``HV`` CTAs.
+Kernel 2, the state pass (one CTA per (sequence, value head, ``block_v`` value columns)),
+walks the sequence's chunks in order with ``S`` in registers: five wgmmas per chunk (``kS``,
+``qS``, ``M Y``, ``k^T v'``, ``P v'``). On the GPU it is warp-specialised by default
+(``_chunk_state.py``: a TMA warpgroup, the three-wgmma state chain, the output warpgroup);
+``_state`` is the one-warpgroup form (the interpreter's default). Splitting the value columns
+is what gives a single long sequence more than ``HV`` CTAs.
 
 Chunks start at 8-aligned token positions: a TMA into a swizzled SMEM tile needs its first
 row to be a multiple of the 8-row tiling (layout inference refuses an unproven start). A
@@ -38,8 +41,9 @@ store zeros.
 Precision: q, k, v, ``M`` and ``P`` enter the tensor cores as bf16 (float32 inputs are
 rounded to bf16 first); accumulation, the decays, the norms and the state are float32.
 
-Speed (H200, Qwen3-Next TP1 shapes): 17-27 Mtok/s, at or above FLA, under
-jax-linear-attention; what limits it and what comes next: benchmarks/prefill_notes.md.
+Speed (H200, Qwen3-Next TP1 shapes, device time): 34 Mtok/s at 1x8192, 32.5 on the varlen
+serving mix, 42 at 4x8192 (benchmarks/RESULTS.md); what limits it and what comes next:
+benchmarks/prefill_notes.md.
 """
 
 from __future__ import annotations
