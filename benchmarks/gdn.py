@@ -16,9 +16,9 @@ How each side is timed:
   medians of wall times. The difference cancels the ~85 us of dispatch + sync of one call,
   but not the host work of each launch inside it (12-15 us per Mosaic GPU kernel), which
   sets a floor under small steps.
-* JAX decode/verify, device time (``device_time.py``): one step per call, fresh slots every
-  call, under the profiler; the GPU's own kernel durations of one call, median over calls
-  (what ncu reports per kernel). Rates and ``vs FLA`` use it where it was measured.
+* JAX decode, verify and prefill, device time (``device_time.py``): one step per call, fresh
+  slots every call, under the profiler; the GPU's own kernel durations of one call, median
+  over calls (what ncu reports per kernel). Rates and ``vs FLA`` use it where it was measured.
 * FLA (torch): token-path steps captured in a CUDA graph (R steps, each its own slots), the
   replays timed with CUDA events; prefill with ``triton.testing.do_bench`` (median, L2 flushed).
 
@@ -455,9 +455,6 @@ def bench_prefill(fla, jla) -> None:
 
         reference = functools.partial(gdn.chunk_gated_delta_rule, impl="reference")
         impls = [
-            # One step per executable: a second step over the same operands would share
-            # the intra kernel's call (the same inputs: XLA keeps one), and the step time
-            # would then count half of it.
             ("ours (Mosaic GPU chunk)", chunk_mgpu.chunk_gated_delta_rule, 1),
             ("jnp reference (chunked)", reference, 1),
         ]
@@ -467,7 +464,10 @@ def bench_prefill(fla, jla) -> None:
                 return jax_per_step_us(ours(fn), pool, _slots_of(rng, n_seq), n_steps=n_steps,
                                        calls=(1, 3), reps=3, operands=inputs)  # fmt: skip
 
-            _record("prefill", shape, impl, measure, _mtoks(t_total))
+            def device(fn=fn, n_seq=n_seq, inputs=inputs):
+                return jax_device_time(ours(fn), pool, _slots_of(rng, n_seq), operands=inputs)
+
+            _record("prefill", shape, impl, measure, _mtoks(t_total), device=device)
         if jla is not None:
             _jla_prefill(jla, rng, pool, shape, n_seq, length)
         if fla is not None:
@@ -498,7 +498,9 @@ def _jla_prefill(jla, rng, pool, shape, n_seq, length) -> None:
         _record("prefill", shape, impl,
                 lambda step=step: jax_per_step_us(step, pool, _slots_of(rng, n_seq), n_steps=2,
                                                   calls=(1, 3), reps=3, operands=dense),
-                _mtoks(n_seq * length))  # fmt: skip
+                _mtoks(n_seq * length),
+                device=lambda step=step: jax_device_time(step, pool, _slots_of(rng, n_seq),
+                                                         operands=dense))  # fmt: skip
 
 
 def _fla_prefill(fla, shape, n_seq, length) -> None:
@@ -635,7 +637,7 @@ def _write_report(out: Path, device_kind: str) -> str:
         "time where it was measured, else of step time; prefill rates are tokens per second "
         "(compute limit about 135 Mtok/s). `step` = JAX steps unrolled in one executable "
         "(host launch work included) or FLA's CUDA-graph replay per step; `device` = the "
-        "kernels' own durations per call from a profiler trace (JAX decode/verify). `vs FLA` "
+        "kernels' own durations per call from a profiler trace (JAX rows). `vs FLA` "
         "= step time of the first FLA row of that shape (decode: FLA with the pool "
         "gather/scatter a pooled serving step needs; verify: FLA outputs only) over the row's "
         "device time (step time where there is none). Timing: see the docstring of "
