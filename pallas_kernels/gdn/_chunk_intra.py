@@ -5,7 +5,10 @@ inside another (a producer warpgroup, see ``benchmarks/prefill_notes.md``) can s
 one 64-token chunk of q, k (bf16 SMEM tiles, not yet normalised), its cumulative log decay
 and beta (``chunk_gates``, computed before the kernel) it forms, per the math of
 ``chunk_mgpu.py``'s docstring, ``M = (I + A)^-1 diag(beta)`` and
-``P = tril(scale (q k^T) exp(gc_i - gc_j))`` as bf16 SMEM tiles and four float32 row vectors.
+``P = tril(scale (q k^T) exp(gc_i - gc_j))`` as bf16 SMEM tiles and four float32 row vectors;
+or, for a consumer that forms ``P`` itself (``chunk_mgpu.Config.output_forms_p``), only ``M``,
+the row vectors and the two scalings of ``P`` (``causal_decay`` and ``causal_scores`` are then
+the one definition of ``P`` that both sides share).
 """
 
 from __future__ import annotations
@@ -32,9 +35,32 @@ from pallas_kernels._mgpu_chunks import (
     matmul,
 )
 
-__all__ = ["EPS", "SOLVE_SHAPE", "chunk_gates", "chunk_intra", "unit_lower_inverse"]
+__all__ = [
+    "EPS",
+    "SOLVE_SHAPE",
+    "VEC_GC_COLS",
+    "VEC_GC_ROWS",
+    "VEC_RK_COLS",
+    "VEC_RQ_ROWS",
+    "VEC_ROWS",
+    "VEC_ROWS_WITHOUT_P",
+    "causal_decay",
+    "causal_scores",
+    "chunk_gates",
+    "chunk_intra",
+    "unit_lower_inverse",
+]
 
 EPS = 1e-6  # inside the l2 norm's square root
+
+# Rows of the float32 [rows, 64] vectors the intra kernel writes per (chunk, value head):
+# rk exp(gc), scale rq exp(gc), rk exp(gc_last - gc), exp(gc_last) (only its first entry is
+# read). Without P (``chunk_intra(form_p=False)``) four more, what forming P needs: gc once
+# per register layout it is read in (a vector is loaded in one layout per SMEM copy), then
+# P's row scaling ``scale rq`` and column scaling ``rk``.
+VEC_ROWS = 4
+VEC_GC_ROWS, VEC_GC_COLS, VEC_RQ_ROWS, VEC_RK_COLS = 4, 5, 6, 7
+VEC_ROWS_WITHOUT_P = 8
 
 
 BLOCK = 16  # diagonal blocks of T solved by substitution before the doubling levels
@@ -135,15 +161,48 @@ def unit_lower_inverse(a: jax.Array, l_s, t_s, solve_s=None) -> jax.Array:
     return t
 
 
-def chunk_intra(q_s, k_s, gc_r, gc_c, b_r, b_c, m_s, p_s, vec_s, *, scale: float, solve_s=None):
+def causal_decay(gc_row: jax.Array, gc_col: jax.Array) -> jax.Array:
+    """``exp(gc_i - gc_j)`` on and below the diagonal, 0 above: float32 ``[64, 64]`` (WG).
+
+    ``gc_row``/``gc_col``: the chunk's cumulative log decay in the ROWS and COLS layouts. The
+    exponent is masked before exp: acausal pairs have ``gc_i - gc_j > 0``, and the factored
+    form ``exp(gc_i) exp(-gc_j)`` overflows for strong decays.
+    """
+    shape = (CHUNK, CHUNK)
+    ri = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WG)
+    ci = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WG)
+    expo = along_rows(gc_row, shape) - along_cols(gc_col, shape)
+    return jnp.exp(jnp.where(ri >= ci, expo, -jnp.inf))
+
+
+def causal_scores(
+    qk: jax.Array, row_scale: jax.Array, col_scale: jax.Array, decay: jax.Array
+) -> jax.Array:
+    """``P = qk_ij row_scale_i col_scale_j decay_ij``, float32 ``[64, 64]`` (WG).
+
+    ``qk``: ``q k^T`` of the raw (not normalised) tiles; ``row_scale`` (ROWS): ``scale rq``;
+    ``col_scale`` (COLS): ``rk``; ``decay``: ``causal_decay``. One order of the float32
+    products wherever ``P`` is formed, so the intra kernel's ``P`` and a state pass's give the
+    same bits from the same inputs.
+    """
+    shape = (CHUNK, CHUNK)
+    return qk * along_rows(row_scale, shape) * along_cols(col_scale, shape) * decay
+
+
+def chunk_intra(
+    q_s, k_s, gc_r, gc_c, b_r, b_c, m_s, p_s, vec_s, *, scale: float, solve_s=None, form_p=True
+):
     """Fill ``m_s``, ``p_s`` (bf16 ``[64, 64]``) and ``vec_s`` (float32 ``[4, 64]``) for a chunk.
 
     q_s, k_s: bf16 ``[64, K]`` SMEM tiles; gc_r/gc_c: float32 ``[64]`` SMEM copies of the
     chunk-local cumulative log decay, b_r/b_c of beta (one copy per register layout they are
     read in), both already zero where rows belong to a neighbour (``chunk_gates``).
     ``vec_s`` rows: ``rk exp(gc)``, ``scale rq exp(gc)``, ``rk exp(gc_last - gc)``,
-    ``exp(gc_last)``. ``solve_s``: see ``unit_lower_inverse``. Ends with the writes committed
-    (visible to TMA and wgmma).
+    ``exp(gc_last)``. ``solve_s``: see ``unit_lower_inverse``. ``form_p=False``: ``P`` is
+    left to the consumer; ``p_s`` is only scratch of the inverse, and ``b_r``/``b_c``, read
+    for the last time, are overwritten with ``scale rq`` and ``rk`` (``P``'s row and column
+    scalings, see ``causal_scores``). Ends with the writes committed (visible to TMA and
+    wgmma).
     """
     shape = (CHUNK, CHUNK)
     # Ordered so that few [64, 64] float32 tiles are live at once (no spills).
@@ -157,19 +216,23 @@ def chunk_intra(q_s, k_s, gc_r, gc_c, b_r, b_c, m_s, p_s, vec_s, *, scale: float
     plgpu.commit_smem()
     rk_col = plgpu.load(vec_s.at[0], layout=COLS)
     gc_row = plgpu.load(gc_r, layout=ROWS)
-    expo = along_rows(gc_row, shape) - along_cols(plgpu.load(gc_c, layout=COLS), shape)
-    # Exponents are masked before exp (acausal pairs have gc_i - gc_j > 0). One exp tile
-    # serves P (lower) and A, whose diagonal the inverse never reads.
-    decay = jnp.exp(jnp.where(ri >= ci, expo, -jnp.inf))
+    # One exp tile serves P (lower) and A, whose diagonal the inverse never reads.
+    decay = causal_decay(gc_row, plgpu.load(gc_c, layout=COLS))
     beta_row = plgpu.load(b_r, layout=ROWS)
     a = kk * along_rows(beta_row * rk_row, shape) * along_cols(rk_col, shape) * decay
     t = unit_lower_inverse(a, m_s, p_s, solve_s)
     m_s[...] = (t * along_cols(plgpu.load(b_c, layout=COLS), shape)).astype(BF16)
-    qk = matmul(q_s, k_s.T, shape)
+    if form_p:
+        qk = matmul(q_s, k_s.T, shape)
     qf = plgpu.load(q_s, layout=WG).astype(F32)
     rq_row = lax.rsqrt((qf * qf).sum(axis=1) + EPS)
-    p = qk * along_rows(scale * rq_row, shape) * along_cols(rk_col, shape) * decay
-    p_s[...] = p.astype(BF16)
+    if form_p:
+        p_s[...] = causal_scores(qk, scale * rq_row, rk_col, decay).astype(BF16)
+    else:
+        # beta's buffers were read for the last time above: they carry P's scalings out
+        # without a larger vec_s (3 CTAs per SM leave no KB of SMEM to spare).
+        b_r[...] = scale * rq_row
+        b_c[...] = rk_row
     g_last = gc_r[CHUNK - 1]  # the chunk's total decay (rows past the end add zeros)
     decay_in = jnp.exp(gc_row)
     vec_s[0] = rk_row * decay_in

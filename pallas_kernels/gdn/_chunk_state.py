@@ -51,7 +51,28 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu_chunks import ALIGN, BF16, CHUNK, F32, ROWS, WG, along_rows, matmul, smem
+from pallas_kernels._mgpu_chunks import (
+    ALIGN,
+    BF16,
+    CHUNK,
+    COLS,
+    F32,
+    ROWS,
+    WG,
+    along_rows,
+    matmul,
+    smem,
+)
+from pallas_kernels.gdn._chunk_intra import (
+    VEC_GC_COLS,
+    VEC_GC_ROWS,
+    VEC_RK_COLS,
+    VEC_ROWS,
+    VEC_ROWS_WITHOUT_P,
+    VEC_RQ_ROWS,
+    causal_decay,
+    causal_scores,
+)
 
 __all__ = ["SMEM_LIMIT", "smem_bytes", "state_pass", "unsupported_reason"]
 
@@ -68,8 +89,10 @@ _SMEM_ALIGN = 1024  # Mosaic GPU aligns each scratch buffer to this
 _BARRIER_BYTES = 8
 
 
-def _scratch(key_dim: int, bv: int, stages: int, out_dtype) -> tuple:
-    """The kernel's scratch list (the one place its SMEM is decided; see ``smem_bytes``)."""
+def _scratch(key_dim: int, bv: int, stages: int, out_dtype, forms_p: bool = False) -> tuple:
+    """The kernel's scratch list (the one place its SMEM is decided; see ``smem_bytes``).
+    ``forms_p``: no ``P`` per stage but one tile the output warpgroup forms it in, and the
+    longer row vectors."""
     out_dtype = jnp.dtype(out_dtype)
     tile = (CHUNK, bv)
     kmajor = bv < 64
@@ -83,8 +106,8 @@ def _scratch(key_dim: int, bv: int, stages: int, out_dtype) -> tuple:
         smem((stages, CHUNK, key_dim), BF16),  # k
         smem((stages, *tile), BF16),  # v block
         smem((stages, CHUNK, CHUNK), BF16),  # M
-        smem((stages, CHUNK, CHUNK), BF16),  # P
-        plgpu.SMEM((stages, 4, CHUNK), F32),  # row vectors
+        smem((CHUNK, CHUNK) if forms_p else (stages, CHUNK, CHUNK), BF16),  # P
+        plgpu.SMEM((stages, VEC_ROWS_WITHOUT_P if forms_p else VEC_ROWS, CHUNK), F32),
         b_operand(HANDOFF, key_dim, bv),  # published S (bf16)
         b_operand(HANDOFF, *tile),  # published v'
         b_operand(*tile),  # the state chain's Y = v - a kS, then e v'
@@ -93,7 +116,8 @@ def _scratch(key_dim: int, bv: int, stages: int, out_dtype) -> tuple:
         # are padded to 128 bytes (a 32-column bf16 row is only 64).
         plgpu.SMEM((CHUNK, max(bv, 128 // out_dtype.itemsize)), out_dtype),
         plgpu.SMEM((key_dim, bv), F32),  # initial and final state
-        plgpu.Barrier(num_arrivals=6, num_barriers=stages),  # loaded: the 6 TMAs of a stage
+        # loaded: the TMAs of a stage (q, k, v, M, P unless formed here, the vectors)
+        plgpu.Barrier(num_arrivals=5 if forms_p else 6, num_barriers=stages),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # consumed: state + output
         plgpu.Barrier(num_arrivals=1, num_barriers=HANDOFF),  # published
         plgpu.Barrier(num_arrivals=1, num_barriers=HANDOFF),  # retired
@@ -101,11 +125,13 @@ def _scratch(key_dim: int, bv: int, stages: int, out_dtype) -> tuple:
     )
 
 
-def smem_bytes(key_dim: int, block_v: int, stages: int, out_dtype=BF16) -> int:
+def smem_bytes(
+    key_dim: int, block_v: int, stages: int, out_dtype=BF16, *, forms_p: bool = False
+) -> int:
     """Dynamic SMEM of one CTA, counted as Mosaic GPU allocates it (each buffer aligned to
     1 KB, then 8 bytes per barrier)."""
     total = barriers = 0
-    for ref in _scratch(key_dim, block_v, stages, out_dtype):
+    for ref in _scratch(key_dim, block_v, stages, out_dtype, forms_p):
         if isinstance(ref, plgpu.Barrier):
             barriers += math.prod(ref.num_barriers)
         else:
@@ -115,18 +141,26 @@ def smem_bytes(key_dim: int, block_v: int, stages: int, out_dtype=BF16) -> int:
 
 
 def unsupported_reason(
-    key_dim: int, value_dim: int, *, block_v: int, stages: int, out_dtype=BF16
+    key_dim: int,
+    value_dim: int,
+    *,
+    block_v: int,
+    stages: int,
+    out_dtype=BF16,
+    forms_p: bool = False,
 ) -> str | None:
     """One sentence on why the state pass cannot take this configuration, or None."""
     if block_v not in BLOCK_V or value_dim % block_v:
         return f"block_v={block_v} must be one of {BLOCK_V} and divide V={value_dim}"
     if stages not in STAGES:
         return f"stages={stages} must be one of {STAGES}"
-    need = smem_bytes(key_dim, block_v, stages, out_dtype)
+    need = smem_bytes(key_dim, block_v, stages, out_dtype, forms_p=forms_p)
     if need > SMEM_LIMIT:
+        forming = " with P formed in the output warpgroup" if forms_p else ""
         return (
-            f"block_v={block_v} with stages={stages} needs {need} bytes of SMEM per CTA at "
-            f"K={key_dim}, over the {SMEM_LIMIT} of sm_90: use fewer stages or block_v=32"
+            f"block_v={block_v} with stages={stages}{forming} needs {need} bytes of SMEM per "
+            f"CTA at K={key_dim}, over the {SMEM_LIMIT} of sm_90: use fewer stages or "
+            f"block_v=32"
         )
     return None
 
@@ -136,7 +170,7 @@ def state_pass(
     k: jax.Array,
     v: jax.Array,
     m: jax.Array,
-    p: jax.Array,
+    p: jax.Array | None,
     vecs: jax.Array,
     table: jax.Array,
     first: jax.Array,
@@ -154,7 +188,9 @@ def state_pass(
     Args:
       q, k: bf16 ``[T, H, K]`` and v: bf16 ``[T, HV, V]``, T a multiple of 8 and >= 64 (as
         ``chunk_mgpu`` prepares them). m, p: bf16 ``[NC, HV, 64, 64]`` and vecs: float32
-        ``[NC, HV, 4, 64]``, the intra kernel's outputs. table int32 ``[3, NC]`` and first
+        ``[NC, HV, 4, 64]``, the intra kernel's outputs. p None: the output warpgroup forms
+        ``P`` itself (``chunk_mgpu.Config.output_forms_p``), and vecs is the intra kernel's
+        ``[NC, HV, 8, 64]`` of ``form_p=False``. table int32 ``[3, NC]`` and first
         int32 ``[N + 2]``: ``_mgpu_chunks.chunk_table``. slots int32 ``[N]``; has_init int32
         ``[N]`` (nonzero: start from the slot's state, else from zeros).
       pool: a mutable ref (``jax.new_ref``) of the float32 ``[S, HV, K, V]`` pool: each
@@ -171,9 +207,17 @@ def state_pass(
     tokens, kv_heads, key_dim = q.shape
     heads, value_dim = v.shape[1], v.shape[2]
     out_dtype = v.dtype
+    forms_p = p is None
     reason = unsupported_reason(
-        key_dim, value_dim, block_v=block_v, stages=stages, out_dtype=out_dtype
+        key_dim, value_dim, block_v=block_v, stages=stages, out_dtype=out_dtype, forms_p=forms_p
     )
+    rows = VEC_ROWS_WITHOUT_P if forms_p else VEC_ROWS
+    if reason is None and vecs.shape[2] != rows:
+        reason = (
+            f"vecs has {vecs.shape[2]} rows per chunk, the state pass reads {rows} when "
+            f"{'it forms P (p=None)' if forms_p else 'P is given'}: pass the intra kernel's "
+            f"vectors of form_p={not forms_p}"
+        )
     if reason is not None:
         raise ValueError(f"_chunk_state.state_pass: {reason}")
     if interpret is True:
@@ -197,21 +241,23 @@ def state_pass(
     def view(ref):
         return ref.T if kmajor else ref
 
-    def body(
-        q_ref,
-        k_ref,
-        v_ref,
-        m_ref,
-        p_ref,
-        w_ref,
-        tab_ref,
-        first_ref,
-        slot_ref,
-        init_ref,
-        pool_ref,
-        o_ref,
-        *scratch,
-    ):
+    inputs = (q, k, v, m, *(() if forms_p else (p,)), vecs, table, first, slots, has_init, pool)
+
+    def body(*refs):
+        (
+            q_ref,
+            k_ref,
+            v_ref,
+            m_ref,
+            *p_ref,
+            w_ref,
+            tab_ref,
+            first_ref,
+            slot_ref,
+            init_ref,
+            pool_ref,
+        ) = refs[: len(inputs)]
+        o_ref, *scratch = refs[len(inputs) :]
         (
             q_s,
             k_s,
@@ -284,7 +330,8 @@ def state_pass(
                     plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s.at[stage], bar)
                     plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols], v_s.at[stage], bar)
                     plgpu.copy_gmem_to_smem(m_ref.at[c, h], m_s.at[stage], bar)
-                    plgpu.copy_gmem_to_smem(p_ref.at[c, h], p_s.at[stage], bar)
+                    for p_in in p_ref:
+                        plgpu.copy_gmem_to_smem(p_in.at[c, h], p_s.at[stage], bar)
                     plgpu.copy_gmem_to_smem(w_ref.at[c, h], w_s.at[stage], bar)
 
         @pl.when(wg == STATE)
@@ -344,6 +391,21 @@ def state_pass(
                 plgpu.copy_smem_to_gmem(st_s, pool_ref.at[slot, h, :, cols])
                 plgpu.wait_smem_to_gmem(0)
 
+        def form_p(stage):
+            """``P`` of the chunk in ``stage`` into ``p_s`` (the intra kernel's formula and
+            order of operations), committed for the wgmma. The last reader of ``p_s``, the
+            previous chunk's ``P v'``, has been waited for."""
+            w = w_s.at[stage]
+            decay = causal_decay(
+                plgpu.load(w.at[VEC_GC_ROWS], layout=ROWS),
+                plgpu.load(w.at[VEC_GC_COLS], layout=COLS),
+            )
+            qk = matmul(q_s.at[stage], k_s.at[stage].T, (CHUNK, CHUNK))
+            row_scale = plgpu.load(w.at[VEC_RQ_ROWS], layout=ROWS)
+            col_scale = plgpu.load(w.at[VEC_RK_COLS], layout=COLS)
+            p_s[...] = causal_scores(qk, row_scale, col_scale, decay).astype(BF16)
+            plgpu.commit_smem()
+
         @pl.when(wg == OUTPUT)
         def _output():
             plgpu.set_max_registers(COMPUTE_REGS, action="increase")
@@ -369,10 +431,15 @@ def state_pass(
                     half = lax.rem(j, HANDOFF)
                     lo, hi = tab_ref[1, c0 + j], tab_ref[2, c0 + j]
                     plgpu.barrier_wait(loaded.at[stage])
+                    if forms_p:
+                        p_tile = p_s
+                        form_p(stage)  # needs nothing of the chain: before its hand-off
+                    else:
+                        p_tile = p_s.at[stage]
                     plgpu.barrier_wait(published.at[half])
                     b = plgpu.load(w_s.at[stage, 1], layout=ROWS)
                     qs = matmul(q_s.at[stage], view(s_pub.at[half]), tile)
-                    pv = matmul(p_s.at[stage], view(vp_pub.at[half]), tile)
+                    pv = matmul(p_tile, view(vp_pub.at[half]), tile)
 
                     @pl.when(j + HANDOFF < num)
                     def _():
@@ -402,11 +469,13 @@ def state_pass(
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((tokens, heads, value_dim), out_dtype),
-        scratch_types=_scratch(key_dim, bv, stages, out_dtype),
+        scratch_types=_scratch(key_dim, bv, stages, out_dtype, forms_p),
         grid=(n_seqs + 1, heads, value_dim // bv),
         grid_names=("n", "h", "v"),
         num_threads=3,
         thread_name="wg",
+        # ex2.approx for P's decay tile, as the intra kernel (the pass has no other exp).
+        compiler_params=plgpu.CompilerParams(approx_math=True) if forms_p else None,
         interpret=interpret,
-        kernel_name="gdn_chunk_state_ws",
-    )(q, k, v, m, p, vecs, table, first, slots, has_init, pool)
+        kernel_name="gdn_chunk_state_ws_p" if forms_p else "gdn_chunk_state_ws",
+    )(*inputs)
