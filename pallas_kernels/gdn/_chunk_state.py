@@ -8,9 +8,9 @@ one CTA per SM that leaves one warp per scheduler and the SM idle on latency. He
 (one per sequence segment, value head and ``block_v`` value columns) splits that work:
 
 * warpgroup 0, the producer (few registers): TMA-streams each chunk's q and k tiles, the v
-  block, ``M``, ``P`` and the row vectors into a ring of ``stages`` SMEM stages. ``loaded``
-  (the TMA barrier of a stage) hands a stage to both consumers; ``consumed`` (two arrivals)
-  hands it back once both are done with it.
+  block, ``M``, ``P`` (unless formed here, see below) and the row vectors into a ring of
+  ``stages`` SMEM stages. ``loaded`` (the TMA barrier of a stage) hands a stage to both
+  consumers; ``consumed`` (two arrivals) hands it back once both are done with it.
 * warpgroup 1, the state chain: carries ``S`` (float32 registers) and per chunk does only
   ``kS``, ``v' = M (v - a kS)`` and ``S <- d S + k^T (e v')``: three wgmmas, the serial part.
   It publishes ``S`` (bf16, the same tile its own ``kS`` reads) and ``v'`` (bf16) through a
@@ -33,12 +33,42 @@ warpgroups (they share one SMEM reduction scratch and race; there is no reductio
 ``setmaxnreg`` executed unconditionally by each warpgroup (an ``increase`` waits for the
 registers the producer's ``decrease`` frees, also in CTAs with nothing to do).
 
+Forming ``P`` here (``p=None``; ``chunk_mgpu.Config(output_forms_p=True)``): the intra
+kernel then forms no ``q k^T`` and writes no ``P``, only ``M`` and eight row vectors (the four
+above, then ``gc`` once per register layout, ``scale rq`` and ``rk``). The stages carry no
+``P``; the output warpgroup, as soon as a stage is loaded and before it waits for the chain's
+hand-off, forms ``P = tril(scale rq_i rk_j (q_i . k_j) exp(gc_i - gc_j))`` (exponent masked
+before exp: ``_chunk_intra.causal_decay``) from the staged q and k into one tile of its own,
+with the intra kernel's operations in its order (``causal_scores``): the bits of the default.
+Prediction, not yet measured (H200 device time today: intra 78 / 288 us and state 139 / 418
+us at 1x8192 / 4x8192):
+
+* intra kernel: one wgmma (64x64x128) of its six, the ``P`` tile ops and its 8 KB store per
+  (chunk, head) go; its exp tile stays (``A`` needs it), its SMEM does not grow (``scale rq``
+  and ``rk`` leave through beta's buffers), so 3 CTAs per SM remain. ~10-15% of its issued
+  instructions: 1x8192 ~68 us, 4x8192 ~250 us.
+* bytes: the ``P`` array (4 KB per token over 32 heads) is neither written nor read back
+  (read ``V / block_v`` times, from L2); the vectors grow by 0.5 KB per token. A stage shrinks
+  from ~57 to ~50 KB at ``block_v=64`` (53 to 46 at 32).
+* output warpgroup: gains a 64x64x128 wgmma, an exp tile and the ``P`` tile, none of which
+  waits for the chain; it stays off the critical path while that work plus ``qS`` and
+  ``P v'`` fit in the chain's ~1.1 us per chunk. So the chain-bound single sequence (1x8192,
+  ``block_v=32``) keeps its ~139 us and gains the intra kernel's ~10 us (~239 -> ~228 us);
+  the load-bound batch (4x8192, ``block_v=64``, two waves) gains from the smaller stages too
+  (~745 -> ~680 us). If the state kernel slows at ``block_v=64`` and not at 32, the output
+  warpgroup has become the limit.
+* SMEM: one ``P`` tile instead of one per stage, 1 KB more vectors per stage; a third stage
+  at ``block_v=64`` still does not fit (262 KB).
+
 SMEM per CTA (``smem_bytes``, equal to Mosaic GPU's count; limit 227 KB), K=128:
 ``block_v=32``: 162 KB with 2 stages, 215 KB with 3; ``block_v=64``: 218 KB with 2 stages,
-3 do not fit (275 KB). K=64: 114 / 151 KB and 154 / 195 KB.
+3 do not fit (275 KB). K=64: 114 / 151 KB and 154 / 195 KB. Forming ``P``: 156 / 202 KB at
+``block_v=32``, 212 KB (2 stages) and 262 KB (3, over) at 64; K=64: 108 / 138 and 148 / 182.
 
-Status: checked by the interpreter (bits of ``_state``, no data race between warpgroups) and
-the ``cuda`` lowering at the production dims; not yet run on a GPU.
+Status: the default form ran on the H200 (benchmarks/prefill_notes.md, session 3 run 4: same
+errors as ``_state``, untouched slots bit-identical). Forming ``P``: checked by the
+interpreter (bits of the default) and the ``cuda`` lowering at the production dims; not yet
+run on a GPU.
 """
 
 from __future__ import annotations

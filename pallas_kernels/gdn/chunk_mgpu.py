@@ -25,7 +25,9 @@ walks the sequence's chunks in order with ``S`` in registers: five wgmmas per ch
 ``qS``, ``M Y``, ``k^T v'``, ``P v'``). On the GPU it is warp-specialised by default
 (``_chunk_state.py``: a TMA warpgroup, the three-wgmma state chain, the output warpgroup);
 ``_state`` is the one-warpgroup form (the interpreter's default). Splitting the value columns
-is what gives a single long sequence more than ``HV`` CTAs.
+is what gives a single long sequence more than ``HV`` CTAs. ``Config(output_forms_p=True)``
+(not yet run on a GPU) leaves ``P`` out of kernel 1: the warp-specialised pass's output
+warpgroup forms it from the q and k tiles it has staged (prediction in ``_chunk_state.py``).
 
 Chunks start at 8-aligned token positions: a TMA into a swizzled SMEM tile needs its first
 row to be a multiple of the 8-row tiling (layout inference refuses an unproven start). A
