@@ -15,11 +15,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _engine_helpers import (
+    GREEDY,
+    PROMPTS,
+    FromScratch,
+    OracleDrafter,
+    agreeing_model,
+    assert_same_states,
+    engine_pair,
+    generate_tokens,
+    restored_cache_options,
+    run_bench,
+    run_joining_and_leaving,
+    seeded_runs,
+    states_by_position,
+)
 from flax import nnx
-from jax.experimental.compilation_cache import compilation_cache
 
 from hybrid_jax.engine.engine import Engine, EngineConfig
-from hybrid_jax.engine.sampling import SamplingParams
 from hybrid_jax.engine.speculative import SpeculativeConfig, SpeculativeConfigError
 from hybrid_jax.kv_cache import init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata
@@ -33,7 +46,6 @@ from hybrid_jax.models.qwen3_next import (
 from hybrid_jax.models.safetensors_io import read_tensors, write_tensors
 from hybrid_jax.models.tokenizer import ByteTokenizer
 from hybrid_jax.modes import ForwardMode
-from hybrid_jax.state_pool import init_state_pool
 
 M = ForwardMode
 D = 4
@@ -241,62 +253,41 @@ def test_tiny_preset_carries_the_head_without_changing_its_other_weights():
 
 # ---------------------------------------------------------------- the engine with MTP drafts
 
-CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
 SPEC_CONFIG = EngineConfig(
     max_batch=2,
     max_tokens=16,
     max_context=48,
     page_size=8,
     batch_buckets=(2,),
+    chunk_size=12,
     impl="reference",
     speculative=SpeculativeConfig("mtp", num_draft_tokens=D),
 )
-GREEDY = SamplingParams(max_new_tokens=10)
-PROMPTS = [
-    list(b"abcabcabcabc"),
-    np.random.default_rng(1).integers(0, 256, 9).tolist(),
-    [7, 7, 7, 7, 7],
-    list(b"the cat the cat the cat"),  # longer than a step: prefilled in two chunks
-]
 
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     """JAX's persistent cache for this module's engines (a process-wide setting, restored)."""
-    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
-    yield str(tmp_path_factory.mktemp("xla_cache"))
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
-
-
-def build_pair(cache_dir, model=None):
-    """(MTP-speculative, plain) engines of one model (the tiny preset's by default); the
-    plain one's context holds the other's lookahead page, so page tables match."""
-    spec_config = dataclasses.replace(SPEC_CONFIG, cache_dir=cache_dir, chunk_size=12)
-    context = spec_config.policy(tiny_qwen3_next_config().max_position_embeddings).max_context
-    plain_config = dataclasses.replace(spec_config, speculative=None, max_context=context)
-    configs = (spec_config, plain_config)
-    if model is None:
-        return tuple(Engine.from_preset("tiny", c, progress=False) for c in configs)
-    return tuple(Engine(model(), ByteTokenizer(), c, progress=False) for c in configs)
+    with restored_cache_options():
+        yield str(tmp_path_factory.mktemp("xla_cache"))
 
 
 @pytest.fixture(scope="module")
 def engines(cache_dir):
-    return build_pair(cache_dir)
+    """(MTP-speculative, plain) engines of the tiny preset."""
+    return engine_pair(SPEC_CONFIG, cache_dir)
 
 
 @pytest.fixture(scope="module")
 def plain_tokens(engines):
     _, plain = engines
-    return [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
+    return generate_tokens(plain, PROMPTS, GREEDY)
 
 
 def test_greedy_with_mtp_drafts_gives_the_tokens_without_speculation(engines, plain_tokens):
     spec, _ = engines
     assert spec.drafter is None and spec.mtp is not None
-    assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == plain_tokens
+    assert generate_tokens(spec, PROMPTS, GREEDY) == plain_tokens
     assert spec.speculative_stats.steps > 0 and spec.step_times[M.DRAFT_EXTEND]
     assert not spec.step_times[M.DECODE] and not spec.mtp.drafts  # every draft was used
     assert spec.retraces == 0
@@ -304,87 +295,10 @@ def test_greedy_with_mtp_drafts_gives_the_tokens_without_speculation(engines, pl
 
 def test_requests_joining_and_leaving_mid_run_match_each_alone(engines, plain_tokens):
     spec, _ = engines
-    short = dataclasses.replace(GREEDY, max_new_tokens=3)
-    tokens: dict[int, list[int]] = {}
-    ids = [spec.add_request(PROMPTS[0], GREEDY)]
-    for event in spec.step() + spec.step():
-        tokens.setdefault(event.request_id, []).append(event.token_id)
-    ids.append(spec.add_request(PROMPTS[1], short))  # joins while 0 verifies, leaves early
-    joined_late = False
-    while spec.has_work:
-        for event in spec.step():
-            tokens.setdefault(event.request_id, []).append(event.token_id)
-        if not joined_late and ids[1] not in {r.request_id for r in spec.scheduler.running}:
-            ids.append(spec.add_request(PROMPTS[3], GREEDY))  # joins after 1 left
-            joined_late = True
-    assert [tokens[i] for i in ids] == [plain_tokens[0], plain_tokens[1][:3], plain_tokens[3]]
+    got = run_joining_and_leaving(spec, PROMPTS, GREEDY)
+    assert got == [plain_tokens[0], plain_tokens[1][:3], plain_tokens[3]]
     assert spec.slots.num_used == 0 and spec.pages.num_used == 0 and not spec.mtp.drafts
     assert spec.retraces == 0
-
-
-class OracleDrafter:
-    """Drafts from the known greedy continuations, one wrong at a position that cycles with
-    the history's length, so every acceptance length 0..D-1 occurs."""
-
-    def __init__(self, sequences):
-        self.sequences = sequences
-
-    def propose(self, history):
-        n, k = len(history), D - 1
-        seq = next((s for s in self.sequences if s[:n] == list(history)), [])
-        out = (seq[n : n + k] + [0] * k)[:k]
-        if n % D < k:
-            out[n % D] = (out[n % D] + 1) % 256
-        return tuple(out)
-
-
-class FromScratch:
-    """The head's cache entries and drafts for a history (root last) computed afresh: the
-    target prefills all but the root, the head extends over those positions, then drafts.
-    Jitted on one token bucket, so every history reuses one executable per step."""
-
-    def __init__(self, model, policy):
-        self.policy = policy
-        self.pages = tuple(range(1, policy.max_pages + 1))
-        graphdef, self.params = nnx.split(model)
-        num_pages = policy.max_pages + 1
-
-        @jax.jit
-        def extend(params, tokens, following, meta):
-            m = nnx.merge(graphdef, params)
-            pool = init_state_pool(m.state_specs(), 2)
-            kv = init_kv_cache(m.kv_specs(), num_pages, policy.page_size)
-            mtp_kv = init_kv_cache(m.mtp_kv_specs(), num_pages, policy.page_size)
-            hidden, *_ = m.hidden_states(tokens, pool, kv, meta, impl="reference")
-            out, mtp_kv = m.mtp_hidden_states(following, hidden, mtp_kv, meta)
-            return out, jnp.argmax(m.logits(out), axis=-1).astype(jnp.int32), mtp_kv
-
-        @jax.jit
-        def decode(params, token, hidden, mtp_kv, meta):
-            m = nnx.merge(graphdef, params)
-            out, mtp_kv = m.mtp_hidden_states(token, hidden, mtp_kv, meta)
-            return out, jnp.argmax(m.logits(out), axis=-1).astype(jnp.int32), mtp_kv
-
-        self.extend, self.decode = extend, decode
-
-    def __call__(self, history):
-        """(cache entries ``[positions, KVH, head_dim]`` from position 0, D-1 drafts)."""
-        n, policy = len(history) - 1, self.policy
-        meta = build_metadata(M.EXTEND, [RowSpec(1, 0, n, self.pages)], policy, num_slots=2)
-        tokens = np.zeros(meta.num_tokens, np.int32)
-        following = np.zeros(meta.num_tokens, np.int32)
-        tokens[:n], following[:n] = history[:n], history[1:]
-        out, guesses, mtp_kv = self.extend(
-            self.params, jnp.asarray(tokens), jnp.asarray(following), meta
-        )
-        kv = np.asarray(mtp_kv.k[0]).reshape(-1, *mtp_kv.k[0].shape[2:])[policy.page_size :]
-        hidden, drafts = out[n - 1 : n], [guesses[n - 1 : n]]
-        for k in range(D - 2):
-            meta = build_metadata(M.DECODE, [RowSpec(1, n + k, 1, self.pages)], policy,
-                                  num_slots=2)  # fmt: skip
-            hidden, guess, mtp_kv = self.decode(self.params, drafts[-1], hidden, mtp_kv, meta)
-            drafts.append(guess)
-        return kv, tuple(int(d[0]) for d in drafts)
 
 
 def test_after_each_verify_the_head_cache_and_drafts_equal_a_fresh_computation(
@@ -392,9 +306,8 @@ def test_after_each_verify_the_head_cache_and_drafts_equal_a_fresh_computation(
 ):
     spec, _ = engines
     sequences = [p + t for p, t in zip(PROMPTS, plain_tokens, strict=True)]
-    spec.drafter = OracleDrafter(sequences)  # varied acceptance; the head still drafts
-    fresh = FromScratch(spec.model, dataclasses.replace(spec.policy, token_buckets=(64,),
-                                                        batch_buckets=(1,)))  # fmt: skip
+    spec.drafter = OracleDrafter(sequences, D - 1)  # varied acceptance; the head still drafts
+    fresh = FromScratch(spec)
     try:
         rid = spec.add_request(PROMPTS[3], GREEDY)
         checked, lengths = 0, set()
@@ -404,12 +317,8 @@ def test_after_each_verify_the_head_cache_and_drafts_equal_a_fresh_computation(
             if rid not in running or not running[rid].is_decoding:
                 continue
             req = running[rid]
-            n = req.num_computed
-            lengths.add(n)
-            want_kv, want_drafts = fresh(req.token_ids)
-            got = np.asarray(spec.mtp.kv.k[0])[list(req.pages)].reshape(-1, *want_kv.shape[1:])
-            np.testing.assert_allclose(got[:n], want_kv[:n], rtol=1e-4, atol=1e-4)
-            assert spec.mtp.drafts[rid] == want_drafts
+            lengths.add(req.num_computed)
+            assert spec.mtp.drafts[rid] == fresh.assert_head_cache(spec, req)
             checked += 1
     finally:
         spec.drafter = None
@@ -417,72 +326,33 @@ def test_after_each_verify_the_head_cache_and_drafts_equal_a_fresh_computation(
     assert spec.speculative_stats.accepted > 0
 
 
-def _slot_state(engine, slot):
-    pool = engine.state.pool
-    return [np.asarray(a[slot]) for a in (*pool.conv, *pool.ssm)]
-
-
-def _states_by_position(engine, prompt, params):
-    """{tokens folded into the slot: every linear layer's state} after each step."""
-    engine.add_request(prompt, params)
-    states = {}
-    while engine.has_work:
-        engine.step()
-        if engine.scheduler.running:
-            req = engine.scheduler.running[0]
-            states[req.num_computed] = _slot_state(engine, req.slot)
-    return states
-
-
 def test_pool_after_each_verify_and_commit_equals_the_plain_run(engines, plain_tokens):
     spec, plain = engines
-    spec.drafter = OracleDrafter([p + t for p, t in zip(PROMPTS, plain_tokens, strict=True)])
+    sequences = [p + t for p, t in zip(PROMPTS, plain_tokens, strict=True)]
+    spec.drafter = OracleDrafter(sequences, D - 1)
     plain.overlap = False
     try:
-        want = _states_by_position(plain, PROMPTS[0], GREEDY)
-        got = _states_by_position(spec, PROMPTS[0], GREEDY)
+        want = states_by_position(plain, PROMPTS[0], GREEDY)
+        got = states_by_position(spec, PROMPTS[0], GREEDY)
     finally:
         plain.overlap, spec.drafter = True, None
-    verified = sorted(n for n in got if n > len(PROMPTS[0]))
-    assert len(verified) >= 2 and set(verified) <= set(want)
-    for n in verified:
-        for layer, (a, b) in enumerate(zip(got[n], want[n], strict=True)):
-            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=f"{n=} {layer=}")
-    assert not np.allclose(got[verified[0]][-1], want[verified[1]][-1], rtol=2e-5, atol=2e-5)
+    assert_same_states(got, want, len(PROMPTS[0]))
 
 
 def test_seeded_sampling_with_mtp_drafts_is_reproducible_and_batch_invariant(engines):
     spec, _ = engines
-    params = SamplingParams(max_new_tokens=8, temperature=1.2, top_k=50, seed=7)
-    (solo,) = spec.generate([PROMPTS[0]], params)
-    mixed = spec.generate([PROMPTS[0], PROMPTS[2]], [params, GREEDY])
-    assert mixed[0].token_ids == solo.token_ids and len(solo.token_ids) == 8
-    (other,) = spec.generate([PROMPTS[0]], dataclasses.replace(params, seed=8))
-    assert other.token_ids != solo.token_ids
+    solo, mixed, other_seed = seeded_runs(spec, PROMPTS, GREEDY)
+    assert mixed == solo and len(solo) == 8
+    assert other_seed != solo
     assert spec.retraces == 0
-
-
-def agreeing_model() -> Qwen3Next:
-    """The tiny model made to repeat the token it is fed (scaled-up embeddings dominate the
-    residual stream, the LM head is the embedding), with an MTP head made to agree: its
-    ``fc`` passes the next token's normed embedding through, scaled to dominate too, so it
-    guesses that the token after next repeats the next one, as the target does."""
-    model = Qwen3Next(tiny_qwen3_next_config(), rngs=nnx.Rngs(0))
-    embedding = model.embed_tokens.embedding.get_value()
-    model.embed_tokens.embedding.set_value(embedding * 30)
-    model.lm_head.kernel.set_value(embedding.T)
-    h = embedding.shape[1]
-    fc = jnp.concatenate([30 * jnp.eye(h), jnp.zeros((h, h))], axis=0)
-    model.mtp.fc.kernel.set_value(fc.astype(embedding.dtype))
-    return model
 
 
 def test_agreeing_mtp_drafts_are_accepted_and_change_no_token(engines, cache_dir):
     # After the fixture's engines, every program is in the cache: these two only load.
-    spec, plain = build_pair(cache_dir, agreeing_model)
-    want = [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
+    spec, plain = engine_pair(SPEC_CONFIG, cache_dir, agreeing_model)
+    want = generate_tokens(plain, PROMPTS, GREEDY)
     assert want[1] == [PROMPTS[1][-1]] * GREEDY.max_new_tokens  # it does repeat
-    assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == want
+    assert generate_tokens(spec, PROMPTS, GREEDY) == want
     stats = spec.speculative_stats
     assert stats.acceptance_rate > 0.9 and stats.mean_accepted_length > D - 0.5
     assert spec.retraces == 0
@@ -497,22 +367,8 @@ def test_mtp_source_on_a_model_without_the_head_is_refused_before_compiling():
 
 @pytest.mark.slow
 def test_bench_reports_mtp_acceptance_and_tokens_per_s_with_and_without(capsys, tmp_path):
-    from hybrid_jax.cli import main
-
-    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
-    argv = [
-        "bench", "--num-prompts", "2", "--prompt-len", "6", "--new-tokens", "5", "--plot", "",
-        "--max-batch", "2", "--max-tokens", "16", "--max-context", "32", "--impl", "reference",
-        "--cache-dir", str(tmp_path), "--speculative", "mtp", "--num-draft-tokens", "3",
-    ]  # fmt: skip
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            main(argv)
-    finally:
-        for name, value in saved.items():
-            jax.config.update(name, value)
-        compilation_cache.reset_cache()
+    code = run_bench(tmp_path, "--speculative", "mtp", "--num-draft-tokens", "3")
     out = capsys.readouterr().out
-    assert exit_info.value.code == 0, out
+    assert code == 0, out
     assert "MTP drafting (ms)" in out and "speculative mtp D=3" in out
     assert re.search(r"\nmtp D=3 +[0-9.]+ +[0-9.]+ +[0-9.]+%", out)

@@ -9,10 +9,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from jax.experimental.compilation_cache import compilation_cache
+from _engine_helpers import (
+    CHI2_4_999,
+    GREEDY,
+    OracleDrafter,
+    assert_same_states,
+    chi_square,
+    engine_pair,
+    generate_tokens,
+    repeating_model,
+    restored_cache_options,
+    run_bench,
+    run_joining_and_leaving,
+    seeded_runs,
+    states_by_position,
+)
 
-from hybrid_jax.engine.engine import Engine, EngineConfig
+from hybrid_jax.engine.engine import EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams
 from hybrid_jax.engine.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
 from hybrid_jax.engine.speculative import (
@@ -24,8 +37,6 @@ from hybrid_jax.engine.speculative import (
 )
 from hybrid_jax.kv_cache import PageAllocator
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata
-from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
-from hybrid_jax.models.tokenizer import ByteTokenizer
 from hybrid_jax.modes import ForwardMode
 from hybrid_jax.state_pool import SlotAllocator
 
@@ -87,19 +98,6 @@ def test_greedy_acceptance_works_for_every_d(d):
         assert (emitted[k, k + 1 :] == -1).all()
 
 
-def _chi_square(tokens: np.ndarray, probs: np.ndarray) -> float:
-    counts = np.bincount(tokens, minlength=len(probs))
-    expected = probs * len(tokens)
-    real = expected > 0
-    assert counts[~real].sum() == 0, "a token of probability 0 was emitted"
-    return float((((counts - expected) ** 2)[real] / expected[real]).sum())
-
-
-# chi-square 99.9% quantile at 4 degrees of freedom (5 tokens): with a fixed seed the test is
-# deterministic, and a wrong rule lands far above it (checked below).
-CHI2_4_999 = 18.47
-
-
 @pytest.mark.parametrize("draft", [0, 2, 4])
 def test_rejection_sampling_keeps_the_target_distribution(draft):
     p0 = np.array([0.1, 0.4, 0.25, 0.25, 0.0])
@@ -111,16 +109,16 @@ def test_rejection_sampling_keeps_the_target_distribution(draft):
     keys = jax.random.split(jax.random.key(draft), (n, 3))
     acc = rejection_sample(probs, drafts, keys)
     emitted, num = np.asarray(acc.emitted), np.asarray(acc.num_accepted)
-    assert _chi_square(emitted[:, 0], p0) < CHI2_4_999
+    assert chi_square(emitted[:, 0], p0) < CHI2_4_999
     # Given the first draft was accepted, the second token follows the second distribution.
     second = emitted[num >= 1, 1]
     if p0[draft] > 0:
         assert len(second) > 1000
-        assert _chi_square(second, p1) < CHI2_4_999
+        assert chi_square(second, p1) < CHI2_4_999
     else:
         assert len(second) == 0
     # The test can fail: the draft itself (accept always) is far from the target.
-    assert _chi_square(np.full(n, draft), np.where(p0 > 0, p0, 1e-9)) > 100 * CHI2_4_999
+    assert chi_square(np.full(n, draft), np.where(p0 > 0, p0, 1e-9)) > 100 * CHI2_4_999
 
 
 @pytest.mark.parametrize(
@@ -235,7 +233,6 @@ def test_budget_cuts_a_verify_row_and_lookahead_pages_cover_its_drafts():
 
 # ---------------------------------------------------------------- the engine
 
-CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
 SPEC_CONFIG = EngineConfig(
     max_batch=2,
     max_tokens=16,
@@ -244,39 +241,19 @@ SPEC_CONFIG = EngineConfig(
     impl="reference",
     speculative=SpeculativeConfig(num_draft_tokens=D),
 )
-GREEDY = SamplingParams(max_new_tokens=10)
 
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     """JAX's persistent cache for this module's engines (a process-wide setting, restored)."""
-    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
-    yield str(tmp_path_factory.mktemp("xla_cache"))
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
-
-
-def build_pair(cache_dir, model=None):
-    """(speculative, plain) engines of one model (the tiny preset's by default). The plain
-    one's context holds the speculative one's lookahead page, so its page tables, and so its
-    EXTEND executables and samplers, are the same programs, shared through the cache."""
-    spec_config = dataclasses.replace(SPEC_CONFIG, cache_dir=cache_dir)
-    context = spec_config.policy(tiny_qwen3_next_config().max_position_embeddings).max_context
-    plain_config = dataclasses.replace(spec_config, speculative=None, max_context=context)
-    if model is None:
-        pair = [Engine.from_preset("tiny", c, progress=False) for c in (spec_config, plain_config)]
-    else:
-        pair = [
-            Engine(model(), ByteTokenizer(), c, progress=False) for c in (spec_config, plain_config)
-        ]
-    assert pair[0].policy.max_pages == pair[1].policy.max_pages
-    return tuple(pair)
+    with restored_cache_options():
+        yield str(tmp_path_factory.mktemp("xla_cache"))
 
 
 @pytest.fixture(scope="module")
 def engines(cache_dir):
-    return build_pair(cache_dir)
+    """(n-gram speculative, plain) engines of the tiny preset."""
+    return engine_pair(SPEC_CONFIG, cache_dir)
 
 
 PROMPTS = [
@@ -290,33 +267,15 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def plain_tokens(engines):
     _, plain = engines
-    return [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
-
-
-class OracleDrafter:
-    """Drafts from the known greedy continuations, one draft wrong at a position that cycles
-    with the history's length, so every acceptance length 0..D-1 occurs."""
-
-    def __init__(self, sequences, num_drafts=D - 1):
-        self.sequences, self.num_drafts = sequences, num_drafts
-
-    def propose(self, history):
-        n = len(history)
-        # A history off every known sequence (the engine went wrong) gets plain padding, so
-        # the test fails on the tokens, not in here.
-        seq = next((s for s in self.sequences if s[:n] == list(history)), [])
-        out = (seq[n : n + self.num_drafts] + [0] * self.num_drafts)[: self.num_drafts]
-        wrong = n % (self.num_drafts + 1)
-        if wrong < self.num_drafts:
-            out[wrong] = (out[wrong] + 1) % 256
-        return tuple(out)
+    return generate_tokens(plain, PROMPTS, GREEDY)
 
 
 @pytest.fixture
 def oracle(engines, plain_tokens):
     spec, _ = engines
     saved = spec.drafter
-    spec.drafter = OracleDrafter([p + t for p, t in zip(PROMPTS, plain_tokens, strict=True)])
+    sequences = [p + t for p, t in zip(PROMPTS, plain_tokens, strict=True)]
+    spec.drafter = OracleDrafter(sequences, D - 1)
     yield spec
     spec.drafter = saved
 
@@ -324,7 +283,7 @@ def oracle(engines, plain_tokens):
 def test_greedy_with_ngram_drafts_gives_the_tokens_without_speculation(engines, plain_tokens):
     spec, _ = engines
     before = spec.speculative_stats.steps
-    assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == plain_tokens
+    assert generate_tokens(spec, PROMPTS, GREEDY) == plain_tokens
     assert spec.speculative_stats.steps > before
     assert spec.step_times[M.TARGET_VERIFY] and not spec.step_times[M.DECODE]
 
@@ -332,7 +291,7 @@ def test_greedy_with_ngram_drafts_gives_the_tokens_without_speculation(engines, 
 def test_greedy_with_accepted_drafts_gives_the_tokens_without_speculation(oracle, plain_tokens):
     stats = oracle.speculative_stats
     start = dataclasses.replace(stats)
-    got = [r.token_ids for r in oracle.generate(PROMPTS, GREEDY)]
+    got = generate_tokens(oracle, PROMPTS, GREEDY)
     assert got == plain_tokens
     accepted, proposed = stats.accepted - start.accepted, stats.proposed - start.proposed
     assert 0.3 < accepted / proposed < 0.9  # accepted often, rejected too
@@ -342,66 +301,27 @@ def test_greedy_with_accepted_drafts_gives_the_tokens_without_speculation(oracle
 
 
 def test_requests_joining_and_leaving_mid_run_match_each_alone(oracle, plain_tokens):
-    short = dataclasses.replace(GREEDY, max_new_tokens=3)
-    tokens: dict[int, list[int]] = {}
-    ids = [oracle.add_request(PROMPTS[0], GREEDY)]
-    for event in oracle.step() + oracle.step():
-        tokens.setdefault(event.request_id, []).append(event.token_id)
-    ids.append(oracle.add_request(PROMPTS[1], short))  # joins while 0 verifies, leaves early
-    joined_late = False
-    while oracle.has_work:
-        for event in oracle.step():
-            tokens.setdefault(event.request_id, []).append(event.token_id)
-        if not joined_late and ids[1] not in {r.request_id for r in oracle.scheduler.running}:
-            ids.append(oracle.add_request(PROMPTS[3], GREEDY))  # joins after 1 left
-            joined_late = True
-    assert [tokens[i] for i in ids] == [plain_tokens[0], plain_tokens[1][:3], plain_tokens[3]]
+    got = run_joining_and_leaving(oracle, PROMPTS, GREEDY)
+    assert got == [plain_tokens[0], plain_tokens[1][:3], plain_tokens[3]]
     assert oracle.slots.num_used == 0 and oracle.pages.num_used == 0
-
-
-def _slot_state(engine, slot):
-    pool = engine.state.pool
-    return [np.asarray(a[slot]) for a in (*pool.conv, *pool.ssm)]
-
-
-def _states_by_position(engine, prompt, params):
-    """{tokens folded into the slot: every linear layer's state} after each step."""
-    engine.add_request(prompt, params)
-    states = {}
-    while engine.has_work:
-        engine.step()
-        if engine.scheduler.running:
-            req = engine.scheduler.running[0]
-            states[req.num_computed] = _slot_state(engine, req.slot)
-    return states
 
 
 def test_pool_after_each_verify_and_commit_equals_the_plain_run(engines, oracle):
     _, plain = engines
     plain.overlap = False
     try:
-        want = _states_by_position(plain, PROMPTS[3], GREEDY)
+        want = states_by_position(plain, PROMPTS[3], GREEDY)
     finally:
         plain.overlap = True
-    got = _states_by_position(oracle, PROMPTS[3], GREEDY)
-    prompt_len = len(PROMPTS[3])
-    verified = sorted(n for n in got if n > prompt_len)
-    assert len(verified) >= 2 and set(verified) <= set(want)
-    for n in verified:
-        for layer, (a, b) in enumerate(zip(got[n], want[n], strict=True)):
-            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5, err_msg=f"{n=} {layer=}")
-    # The check can fail: the states of neighbouring positions differ.
-    assert not np.allclose(got[verified[0]][-1], want[verified[1]][-1], rtol=2e-5, atol=2e-5)
+    got = states_by_position(oracle, PROMPTS[3], GREEDY)
+    assert_same_states(got, want, len(PROMPTS[3]))
 
 
 def test_seeded_sampling_with_speculation_is_reproducible_and_batch_invariant(engines):
     spec, _ = engines
-    params = SamplingParams(max_new_tokens=8, temperature=1.2, top_k=50, seed=7)
-    (solo,) = spec.generate([PROMPTS[0]], params)
-    mixed = spec.generate([PROMPTS[0], PROMPTS[2]], [params, GREEDY])
-    assert mixed[0].token_ids == solo.token_ids and len(solo.token_ids) == 8
-    (other,) = spec.generate([PROMPTS[0]], dataclasses.replace(params, seed=8))
-    assert other.token_ids != solo.token_ids
+    solo, mixed, other_seed = seeded_runs(spec, PROMPTS, GREEDY)
+    assert mixed == solo and len(solo) == 8
+    assert other_seed != solo
 
 
 def test_no_retrace_after_warm_up_with_speculation(engines, plain_tokens):
@@ -414,43 +334,19 @@ def test_no_retrace_after_warm_up_with_speculation(engines, plain_tokens):
 
 @pytest.mark.slow
 def test_bench_compares_tokens_per_s_with_and_without_speculation(capsys, tmp_path):
-    from hybrid_jax.cli import main
-
-    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
-    argv = [
-        "bench", "--num-prompts", "2", "--prompt-len", "6", "--new-tokens", "5", "--plot", "",
-        "--max-batch", "2", "--max-tokens", "16", "--max-context", "32", "--impl", "reference",
-        "--cache-dir", str(tmp_path), "--speculative", "ngram", "--num-draft-tokens", "3",
-    ]  # fmt: skip
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            main(argv)
-    finally:
-        for name, value in saved.items():
-            jax.config.update(name, value)
-        compilation_cache.reset_cache()
+    code = run_bench(tmp_path, "--speculative", "ngram", "--num-draft-tokens", "3")
     out = capsys.readouterr().out
-    assert exit_info.value.code == 0, out
+    assert code == 0, out
     assert "TARGET_VERIFY step" in out and "speculative ngram D=3" in out
     assert "\noff " in out and "\nngram D=3 " in out
 
 
-def repeating_model() -> Qwen3Next:
-    """The tiny model made to repeat the token it is fed: embeddings scaled up dominate the
-    residual stream, and the LM head is the embedding itself, so the argmax is the input."""
-    model = Qwen3Next(tiny_qwen3_next_config(), rngs=nnx.Rngs(0))
-    embedding = model.embed_tokens.embedding.get_value()
-    model.embed_tokens.embedding.set_value(embedding * 30)
-    model.lm_head.kernel.set_value(embedding.T)
-    return model
-
-
 def test_ngram_drafts_accepted_by_a_repeating_model_change_no_token(engines, cache_dir):
     # After the fixture's engines, every program is in the cache: these two only load.
-    spec, plain = build_pair(cache_dir, repeating_model)
-    want = [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
+    spec, plain = engine_pair(SPEC_CONFIG, cache_dir, repeating_model)
+    want = generate_tokens(plain, PROMPTS, GREEDY)
     assert want[1] == [PROMPTS[1][-1]] * GREEDY.max_new_tokens  # it does repeat
-    assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == want
+    assert generate_tokens(spec, PROMPTS, GREEDY) == want
     stats = spec.speculative_stats
     assert stats.acceptance_rate > 0.9 and stats.mean_accepted_length > D - 0.5
     assert spec.retraces == 0

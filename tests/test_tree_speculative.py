@@ -15,10 +15,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_mtp import GREEDY, PROMPTS, FromScratch, agreeing_model
+from _engine_helpers import (
+    CHI2_4_999,
+    GREEDY,
+    PROMPTS,
+    FromScratch,
+    agreeing_model,
+    assert_same_states,
+    chi_square,
+    engine_pair,
+    generate_tokens,
+    restored_cache_options,
+    run_bench,
+    run_joining_and_leaving,
+    seeded_runs,
+    slot_states,
+    states_by_position,
+)
 
-from hybrid_jax.engine.engine import Engine, EngineConfig
-from hybrid_jax.engine.sampling import SamplingParams
+from hybrid_jax.engine.engine import EngineConfig
 from hybrid_jax.engine.speculative import (
     SpeculativeConfig,
     SpeculativeConfigError,
@@ -28,8 +43,6 @@ from hybrid_jax.engine.speculative import (
     tree_rejection_sample,
     width_tree,
 )
-from hybrid_jax.models.qwen3_next import tiny_qwen3_next_config
-from hybrid_jax.models.tokenizer import ByteTokenizer
 from hybrid_jax.modes import ForwardMode
 
 M = ForwardMode
@@ -126,17 +139,6 @@ def test_the_walk_over_a_chain_draws_exactly_what_the_chain_rule_draws():
     assert 0 < float((np.asarray(want.num_accepted) > 0).mean()) < 1  # both outcomes occur
 
 
-def _chi_square(tokens: np.ndarray, probs: np.ndarray) -> float:
-    counts = np.bincount(tokens, minlength=len(probs))
-    expected = probs * len(tokens)
-    real = expected > 0
-    assert counts[~real].sum() == 0, "a token of probability 0 was emitted"
-    return float((((counts - expected) ** 2)[real] / expected[real]).sum())
-
-
-CHI2_4_999 = 18.47  # chi-square 99.9% quantile at 4 degrees of freedom (5 tokens)
-
-
 def _without(p: np.ndarray, removed) -> np.ndarray:
     q = p.copy()
     q[list(removed)] = 0
@@ -161,13 +163,13 @@ def test_tree_rejection_sampling_keeps_the_target_distribution(candidates):
     argmax = jnp.zeros((n, D), jnp.int32)
     acc = jax.jit(tree_rejection_sample)(probs, argmax, tokens, parents, keys, jnp.zeros(n, bool))
     emitted, nodes = np.asarray(acc.emitted), np.asarray(acc.nodes)
-    assert _chi_square(emitted[:, 0], p0) < CHI2_4_999
+    assert chi_square(emitted[:, 0], p0) < CHI2_4_999
     # Below an accepted node, the next token follows that node's distribution.
     for node, p in ((1, p1), (2, p2)):
         below = emitted[(nodes == node) | ((node == 1) & (nodes == 3)), 1]
         if p0[candidates[node - 1]] > 0 and candidates[node - 1] not in candidates[: node - 1]:
             assert len(below) > 1000
-            assert _chi_square(below, p) < CHI2_4_999
+            assert chi_square(below, p) < CHI2_4_999
         else:
             assert len(below) == 0  # never accepted: probability 0, or already rejected
     # The test can fail: trying the second candidate with its unrenormalised p (no residual)
@@ -177,12 +179,11 @@ def test_tree_rejection_sampling_keeps_the_target_distribution(candidates):
         wrong = (1 - p0[a]) * (1 - p0[b]) * _without(p0, {a, b})
         wrong[a] += p0[a]
         wrong[b] += (1 - p0[a]) * p0[b]
-        assert _chi_square(emitted[:, 0], wrong) > 10 * CHI2_4_999
+        assert chi_square(emitted[:, 0], wrong) > 10 * CHI2_4_999
 
 
 # ---------------------------------------------------------------- the engine with tree drafts
 
-CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
 TREE_CONFIG = EngineConfig(
     max_batch=2,
     max_tokens=16,
@@ -198,44 +199,26 @@ TREE_CONFIG = EngineConfig(
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     """JAX's persistent cache for this module's engines (a process-wide setting, restored)."""
-    from jax.experimental.compilation_cache import compilation_cache
-
-    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
-    yield str(tmp_path_factory.mktemp("xla_cache"))
-    for name, value in saved.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
-
-
-def build_pair(cache_dir, model=None, parents=()):
-    """(MTP tree-speculative, plain) engines of one model (the tiny preset's by default); the
-    plain one's context holds the other's lookahead page, so page tables match. Another
-    topology of D nodes is the same programs (its parents are metadata data)."""
-    spec = dataclasses.replace(TREE_CONFIG.speculative, tree_parents=parents)
-    spec_config = dataclasses.replace(TREE_CONFIG, cache_dir=cache_dir, speculative=spec)
-    context = spec_config.policy(tiny_qwen3_next_config().max_position_embeddings).max_context
-    plain_config = dataclasses.replace(spec_config, speculative=None, max_context=context)
-    configs = (spec_config, plain_config)
-    if model is None:
-        return tuple(Engine.from_preset("tiny", c, progress=False) for c in configs)
-    return tuple(Engine(model(), ByteTokenizer(), c, progress=False) for c in configs)
+    with restored_cache_options():
+        yield str(tmp_path_factory.mktemp("xla_cache"))
 
 
 @pytest.fixture(scope="module")
 def engines(cache_dir):
-    return build_pair(cache_dir)
+    """(MTP tree-speculative, plain) engines of the tiny preset."""
+    return engine_pair(TREE_CONFIG, cache_dir)
 
 
 @pytest.fixture(scope="module")
 def plain_tokens(engines):
     _, plain = engines
-    return [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
+    return generate_tokens(plain, PROMPTS, GREEDY)
 
 
 def test_greedy_with_mtp_tree_drafts_gives_the_tokens_without_speculation(engines, plain_tokens):
     spec, _ = engines
     assert spec.policy.tree_drafts and spec.speculative.parents == WIDE
-    assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == plain_tokens
+    assert generate_tokens(spec, PROMPTS, GREEDY) == plain_tokens
     assert spec.speculative_stats.steps > 0 and spec.step_times[M.DRAFT_EXTEND]
     assert not spec.step_times[M.DECODE] and not spec.mtp.drafts  # every draft was used
     assert spec.retraces == 0
@@ -243,20 +226,8 @@ def test_greedy_with_mtp_tree_drafts_gives_the_tokens_without_speculation(engine
 
 def test_requests_joining_and_leaving_mid_run_match_each_alone(engines, plain_tokens):
     spec, _ = engines
-    short = dataclasses.replace(GREEDY, max_new_tokens=3)
-    tokens: dict[int, list[int]] = {}
-    ids = [spec.add_request(PROMPTS[0], GREEDY)]
-    for event in spec.step() + spec.step():
-        tokens.setdefault(event.request_id, []).append(event.token_id)
-    ids.append(spec.add_request(PROMPTS[1], short))  # joins while 0 verifies, leaves early
-    joined_late = False
-    while spec.has_work:
-        for event in spec.step():
-            tokens.setdefault(event.request_id, []).append(event.token_id)
-        if not joined_late and ids[1] not in {r.request_id for r in spec.scheduler.running}:
-            ids.append(spec.add_request(PROMPTS[3], GREEDY))  # joins after 1 left
-            joined_late = True
-    assert [tokens[i] for i in ids] == [plain_tokens[0], plain_tokens[1][:3], plain_tokens[3]]
+    got = run_joining_and_leaving(spec, PROMPTS, GREEDY)
+    assert got == [plain_tokens[0], plain_tokens[1][:3], plain_tokens[3]]
     assert spec.slots.num_used == 0 and spec.pages.num_used == 0 and not spec.mtp.drafts
     assert spec.retraces == 0
 
@@ -283,71 +254,39 @@ class TreeOracleDrafter:
 
 
 def _position_state(engine, req):
-    """(every linear layer's state of the request's slot, every attention layer's keys and
-    values at its positions 0..num_computed-1, read through its own pages)."""
-    pool, kv = engine.state.pool, engine.state.kv
+    """``slot_states`` and {"cache": every attention layer's keys and values at the request's
+    positions 0..num_computed-1, read through its own pages}."""
+    kv = engine.state.kv
     pages, n = list(req.pages), req.num_computed
     cache = [np.asarray(a, np.float32)[pages].reshape(-1, *a.shape[2:])[:n] for a in (*kv.k, *kv.v)]
-    return [np.asarray(a[req.slot]) for a in (*pool.conv, *pool.ssm)], cache
-
-
-def _states_by_position(engine, prompt, params, check=None):
-    """{tokens folded into the slot: ``_position_state``} after each step; ``check(req)``
-    runs after each step while the request decodes."""
-    engine.add_request(prompt, params)
-    states = {}
-    while engine.has_work:
-        engine.step()
-        if engine.scheduler.running:
-            req = engine.scheduler.running[0]
-            states[req.num_computed] = _position_state(engine, req)
-            if check is not None and req.is_decoding:
-                check(req)
-    return states
-
-
-def _assert_same_states(got, want, prompt_len):
-    verified = sorted(n for n in got if n > prompt_len)
-    assert len(verified) >= 2 and set(verified) <= set(want)
-    for n in verified:
-        for part, name in enumerate(("state", "cache")):
-            pairs = zip(got[n][part], want[n][part], strict=True)
-            for layer, (a, b) in enumerate(pairs):
-                np.testing.assert_allclose(
-                    a, b, rtol=2e-5, atol=2e-5, err_msg=f"{name} {n=} {layer=}"
-                )
-    # The check can fail: the states of neighbouring positions differ.
-    a, b = got[verified[0]][0][-1], want[verified[1]][0][-1]
-    assert not np.allclose(a, b, rtol=2e-5, atol=2e-5)
+    return {**slot_states(engine, req), "cache": cache}
 
 
 def test_pool_and_cache_after_each_tree_verify_equal_the_plain_run(engines, plain_tokens):
     spec, plain = engines
     spec.drafter = TreeOracleDrafter([p + t for p, t in zip(PROMPTS, plain_tokens, strict=True)])
-    fresh = FromScratch(spec.model, dataclasses.replace(spec.policy, token_buckets=(64,),
-                                                        batch_buckets=(1,)))  # fmt: skip
+    fresh = FromScratch(spec)
     heads = []
 
     def head_matches_a_fresh_computation(req):
         # The head extended over the accepted (moved) path: its cache and its spine guesses
         # (nodes 1 and 3; node 2 is its second guess at the root) are a fresh chain's.
-        want_kv, want_drafts = fresh(req.token_ids)
-        n = req.num_computed
-        got = np.asarray(spec.mtp.kv.k[0])[list(req.pages)].reshape(-1, *want_kv.shape[1:])
-        np.testing.assert_allclose(got[:n], want_kv[:n], rtol=1e-4, atol=1e-4)
+        want_drafts = fresh.assert_head_cache(spec, req)
         drafts = spec.mtp.drafts[req.request_id]
         assert (drafts[0], drafts[2]) == want_drafts[:2]
-        heads.append(n)
+        heads.append(req.num_computed)
 
     plain.overlap = False
     stats = spec.speculative_stats
     start = dataclasses.replace(stats)
     try:
-        want = _states_by_position(plain, PROMPTS[3], GREEDY)
-        got = _states_by_position(spec, PROMPTS[3], GREEDY, head_matches_a_fresh_computation)
+        want = states_by_position(plain, PROMPTS[3], GREEDY, _position_state)
+        got = states_by_position(
+            spec, PROMPTS[3], GREEDY, _position_state, head_matches_a_fresh_computation
+        )
     finally:
         plain.overlap, spec.drafter = True, None
-    _assert_same_states(got, want, len(PROMPTS[3]))
+    assert_same_states(got, want, len(PROMPTS[3]))
     assert len(heads) >= 3
     # Every path length occurred: 0, 1 and 2 accepted drafts in 10 tokens.
     assert stats.accepted - start.accepted >= 3 and stats.rows - start.rows < 10
@@ -355,16 +294,19 @@ def test_pool_and_cache_after_each_tree_verify_equal_the_plain_run(engines, plai
 
 
 def test_an_agreeing_head_is_accepted_along_a_branch_off_node_1(engines, cache_dir):
-    # After the fixture's engines every program is in the cache: these two only load.
-    spec, plain = build_pair(cache_dir, agreeing_model, parents=OFF_CHAIN)
+    # After the fixture's engines every program is in the cache: these two only load (another
+    # topology of D nodes is the same programs: its parents are metadata data).
+    speculative = dataclasses.replace(TREE_CONFIG.speculative, tree_parents=OFF_CHAIN)
+    config = dataclasses.replace(TREE_CONFIG, speculative=speculative)
+    spec, plain = engine_pair(config, cache_dir, agreeing_model)
     assert spec.speculative.parents == OFF_CHAIN and spec.retraces == 0
     plain.overlap = False
-    want = _states_by_position(plain, PROMPTS[0], GREEDY)
-    got = _states_by_position(spec, PROMPTS[0], GREEDY)
+    want = states_by_position(plain, PROMPTS[0], GREEDY, _position_state)
+    got = states_by_position(spec, PROMPTS[0], GREEDY, _position_state)
     # Path 0-2-3 every step: nodes 2 and 3 moved to the positions after the root.
-    _assert_same_states(got, want, len(PROMPTS[0]))
-    want_tokens = [r.token_ids for r in plain.generate(PROMPTS, GREEDY)]
-    assert [r.token_ids for r in spec.generate(PROMPTS, GREEDY)] == want_tokens
+    assert_same_states(got, want, len(PROMPTS[0]))
+    want_tokens = generate_tokens(plain, PROMPTS, GREEDY)
+    assert generate_tokens(spec, PROMPTS, GREEDY) == want_tokens
     stats = spec.speculative_stats
     assert stats.mean_accepted_length > 2.5  # the tree's depth 2, plus the bonus
     assert spec.retraces == 0
@@ -372,36 +314,17 @@ def test_an_agreeing_head_is_accepted_along_a_branch_off_node_1(engines, cache_d
 
 def test_seeded_sampling_with_tree_drafts_is_reproducible_and_batch_invariant(engines):
     spec, _ = engines
-    params = SamplingParams(max_new_tokens=8, temperature=1.2, top_k=50, seed=7)
-    (solo,) = spec.generate([PROMPTS[0]], params)
-    mixed = spec.generate([PROMPTS[0], PROMPTS[2]], [params, GREEDY])
-    assert mixed[0].token_ids == solo.token_ids and len(solo.token_ids) == 8
-    (other,) = spec.generate([PROMPTS[0]], dataclasses.replace(params, seed=8))
-    assert other.token_ids != solo.token_ids
+    solo, mixed, other_seed = seeded_runs(spec, PROMPTS, GREEDY)
+    assert mixed == solo and len(solo) == 8
+    assert other_seed != solo
     assert spec.retraces == 0
 
 
 @pytest.mark.slow
 def test_bench_reports_tree_drafts_against_plain_serving(capsys, tmp_path):
-    from jax.experimental.compilation_cache import compilation_cache
-
-    from hybrid_jax.cli import main
-
-    saved = {name: getattr(jax.config, name) for name in CACHE_OPTIONS}
-    argv = [
-        "bench", "--num-prompts", "2", "--prompt-len", "6", "--new-tokens", "5", "--plot", "",
-        "--max-batch", "2", "--max-tokens", "16", "--max-context", "32", "--impl", "reference",
-        "--cache-dir", str(tmp_path), "--speculative", "mtp", "--num-draft-tokens", "4",
-        "--tree-parents=-1,0,0,2",
-    ]  # fmt: skip
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            main(argv)
-    finally:
-        for name, value in saved.items():
-            jax.config.update(name, value)
-        compilation_cache.reset_cache()
+    flags = ("--speculative", "mtp", "--num-draft-tokens", "4", "--tree-parents=-1,0,0,2")
+    code = run_bench(tmp_path, *flags)
     out = capsys.readouterr().out
-    assert exit_info.value.code == 0, out  # 1: a retrace after warm-up
+    assert code == 0, out  # 1: a retrace after warm-up
     assert "speculative mtp D=4 tree (-1, 0, 0, 2)" in out
     assert re.search(r"\nmtp D=4 tree +[0-9.]+ +[0-9.]+ +[0-9.]+%", out)
