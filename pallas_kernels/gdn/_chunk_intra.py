@@ -161,17 +161,17 @@ def unit_lower_inverse(a: jax.Array, l_s, t_s, solve_s=None) -> jax.Array:
     return t
 
 
-def causal_decay(gc_row: jax.Array, gc_col: jax.Array) -> jax.Array:
+def causal_decay(gc_row: jax.Array, gc_col_s, ri: jax.Array, ci: jax.Array) -> jax.Array:
     """``exp(gc_i - gc_j)`` on and below the diagonal, 0 above: float32 ``[64, 64]`` (WG).
 
-    ``gc_row``/``gc_col``: the chunk's cumulative log decay in the ROWS and COLS layouts. The
-    exponent is masked before exp: acausal pairs have ``gc_i - gc_j > 0``, and the factored
-    form ``exp(gc_i) exp(-gc_j)`` overflows for strong decays.
+    ``gc_row``: the chunk's cumulative log decay in the ROWS layout; ``gc_col_s``: its SMEM
+    copy read in the COLS layout (loaded here: the intra kernel's order of operations, which
+    the H200 measured); ``ri``, ``ci``: the caller's row and column iotas. The exponent is
+    masked before exp: acausal pairs have ``gc_i - gc_j > 0``, and the factored form
+    ``exp(gc_i) exp(-gc_j)`` overflows for strong decays.
     """
     shape = (CHUNK, CHUNK)
-    ri = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WG)
-    ci = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WG)
-    expo = along_rows(gc_row, shape) - along_cols(gc_col, shape)
+    expo = along_rows(gc_row, shape) - along_cols(plgpu.load(gc_col_s, layout=COLS), shape)
     return jnp.exp(jnp.where(ri >= ci, expo, -jnp.inf))
 
 
@@ -217,7 +217,7 @@ def chunk_intra(
     rk_col = plgpu.load(vec_s.at[0], layout=COLS)
     gc_row = plgpu.load(gc_r, layout=ROWS)
     # One exp tile serves P (lower) and A, whose diagonal the inverse never reads.
-    decay = causal_decay(gc_row, plgpu.load(gc_c, layout=COLS))
+    decay = causal_decay(gc_row, gc_c, ri, ci)
     beta_row = plgpu.load(b_r, layout=ROWS)
     a = kk * along_rows(beta_row * rk_row, shape) * along_cols(rk_col, shape) * decay
     t = unit_lower_inverse(a, m_s, p_s, solve_s)

@@ -426,10 +426,11 @@ def state_pass(
             order of operations), committed for the wgmma. The last reader of ``p_s``, the
             previous chunk's ``P v'``, has been waited for."""
             w = w_s.at[stage]
-            decay = causal_decay(
-                plgpu.load(w.at[VEC_GC_ROWS], layout=ROWS),
-                plgpu.load(w.at[VEC_GC_COLS], layout=COLS),
-            )
+            shape = (CHUNK, CHUNK)
+            ri = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WG)
+            ci = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WG)
+            gc_row = plgpu.load(w.at[VEC_GC_ROWS], layout=ROWS)
+            decay = causal_decay(gc_row, w.at[VEC_GC_COLS], ri, ci)
             qk = matmul(q_s.at[stage], k_s.at[stage].T, (CHUNK, CHUNK))
             row_scale = plgpu.load(w.at[VEC_RQ_ROWS], layout=ROWS)
             col_scale = plgpu.load(w.at[VEC_RK_COLS], layout=COLS)
