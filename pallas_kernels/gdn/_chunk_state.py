@@ -73,6 +73,7 @@ run on a GPU.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -117,6 +118,61 @@ PRODUCER_REGS = 40
 COMPUTE_REGS = 232
 _SMEM_ALIGN = 1024  # Mosaic GPU aligns each scratch buffer to this
 _BARRIER_BYTES = 8
+
+
+def put_b_operand(ref, x: jax.Array, kmajor: bool) -> None:
+    """Store ``x`` as a bf16 wgmma B operand (transposed when ``kmajor``).
+
+    wgmma takes one swizzle for both operands; a B operand of 32 columns can only have a
+    64-byte swizzle in its natural [K, N] layout, so narrow value blocks keep their B operands
+    transposed ([N, K], K contiguous, 128-byte swizzle) and store them so.
+    """
+    if kmajor:
+        ref.T[...] = x.astype(BF16)
+    else:
+        ref[...] = x.astype(BF16)
+
+
+def b_operand_view(ref, kmajor: bool):
+    """The [K, N] view of a B operand stored by ``put_b_operand``."""
+    return ref.T if kmajor else ref
+
+
+def load_initial_state(pool_ref, init_ref, seq, slot, head, cols, st_s, st_bar) -> jax.Array:
+    """The sequence's initial state block (float32 ``st_s``-shaped, WGMMA layout): the pool
+    slot's columns ``cols`` of ``head`` when ``init_ref[seq]``, else zeros. Staged through
+    ``st_s``."""
+
+    @pl.when(init_ref[seq] != 0)
+    def _():
+        plgpu.copy_gmem_to_smem(pool_ref.at[slot, head, :, cols], st_s, st_bar)
+        plgpu.barrier_wait(st_bar)
+
+    @pl.when(init_ref[seq] == 0)
+    def _():
+        st_s[...] = plgpu.layout_cast(jnp.zeros(st_s.shape, F32), WG)
+
+    plgpu.commit_smem()
+    return plgpu.load(st_s, layout=WG, optimized=False)
+
+
+def write_final_state(s: jax.Array, pool_ref, slot, head, cols, st_s) -> None:
+    """``s`` into the pool slot's columns ``cols`` of ``head`` (through ``st_s``), waited for."""
+    st_s[...] = s
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(st_s, pool_ref.at[slot, head, :, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def store_valid_rows(src, o_ref, start, lo, hi, head, cols) -> None:
+    """Rows ``lo..hi-1`` of a staged chunk to ``o_ref[start + i, head, cols]``, one TMA each
+    (a partial chunk never writes a neighbour's rows), waited for."""
+
+    @pl.loop(lo, hi)
+    def _(i):
+        plgpu.copy_smem_to_gmem(src.at[pl.ds(i, 1)], o_ref.at[pl.ds(start + i, 1), head, cols])
+
+    plgpu.wait_smem_to_gmem(0)
 
 
 def _scratch(key_dim: int, bv: int, stages: int, out_dtype, forms_p: bool = False) -> tuple:
@@ -257,19 +313,9 @@ def state_pass(
     bv = block_v
     tile = (CHUNK, bv)
     state = (key_dim, bv)
-    # wgmma takes one swizzle for both operands; a B operand of 32 columns can only have a
-    # 64-byte swizzle in its natural [K, N] layout, so narrow value blocks keep their B
-    # operands transposed ([N, K], K contiguous, 128-byte swizzle) and store them so.
-    kmajor = bv < 64
-
-    def put(ref, x):
-        if kmajor:
-            ref.T[...] = x.astype(BF16)
-        else:
-            ref[...] = x.astype(BF16)
-
-    def view(ref):
-        return ref.T if kmajor else ref
+    kmajor = bv < 64  # see put_b_operand
+    put = functools.partial(put_b_operand, kmajor=kmajor)
+    view = functools.partial(b_operand_view, kmajor=kmajor)
 
     inputs = (q, k, v, m, *(() if forms_p else (p,)), vecs, table, first, slots, has_init, pool)
 
@@ -332,12 +378,7 @@ def state_pass(
 
             @pl.when(~whole)
             def _():
-                @pl.loop(lo, hi)
-                def _(i):
-                    dst = o_ref.at[pl.ds(start + i, 1), h, cols]
-                    plgpu.copy_smem_to_gmem(src_rows.at[pl.ds(i, 1)], dst)
-
-                plgpu.wait_smem_to_gmem(0)
+                store_valid_rows(src_rows, o_ref, start, lo, hi, h, cols)
 
         @pl.when(wg == PRODUCER)
         def _producer():
@@ -370,17 +411,7 @@ def state_pass(
 
             @pl.when(work)
             def _():
-                @pl.when(init_ref[seq] != 0)
-                def _():
-                    plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, :, cols], st_s, st_bar)
-                    plgpu.barrier_wait(st_bar)
-
-                @pl.when(init_ref[seq] == 0)
-                def _():
-                    st_s[...] = plgpu.layout_cast(jnp.zeros(state, F32), WG)
-
-                plgpu.commit_smem()
-                s0 = plgpu.load(st_s, layout=WG, optimized=False)
+                s0 = load_initial_state(pool_ref, init_ref, seq, slot, h, cols, st_s, st_bar)
 
                 def step(j, s):
                     stage = lax.rem(j, stages)
@@ -416,10 +447,7 @@ def state_pass(
                     return d * s + upd
 
                 s = lax.fori_loop(0, num, step, s0)
-                st_s[...] = s
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(st_s, pool_ref.at[slot, h, :, cols])
-                plgpu.wait_smem_to_gmem(0)
+                write_final_state(s, pool_ref, slot, h, cols, st_s)
 
         def form_p(stage):
             """``P`` of the chunk in ``stage`` into ``p_s`` (the intra kernel's formula and

@@ -247,19 +247,9 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
     sq = (CHUNK, CHUNK)
     tile = (CHUNK, bv)
     state = (key_dim, bv)
-    # wgmma takes one swizzle for both operands; a B operand of 32 columns can only have a
-    # 64-byte swizzle in its natural [K, N] layout, so narrow value blocks keep their B
-    # operands transposed ([N, K], K contiguous, 128-byte swizzle) and store them so.
-    kmajor = cfg.kmajor if cfg.kmajor is not None else bv < 64
-
-    def put(ref, x):
-        if kmajor:
-            ref.T[...] = x.astype(BF16)
-        else:
-            ref[...] = x.astype(BF16)
-
-    def view(ref):
-        return ref.T if kmajor else ref
+    kmajor = cfg.kmajor if cfg.kmajor is not None else bv < 64  # see put_b_operand
+    put = functools.partial(_chunk_state.put_b_operand, kmajor=kmajor)
+    view = functools.partial(_chunk_state.b_operand_view, kmajor=kmajor)
 
     def b_operand(shape):
         return smem(shape[::-1] if kmajor else shape, BF16)
@@ -295,13 +285,7 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
         slot = slot_ref[seq]
 
         def store_rows(src, start, lo, hi):
-            """Valid rows ``lo..hi-1`` of a chunk, one TMA each (never a neighbour's rows)."""
-
-            @pl.loop(lo, hi)
-            def _(i):
-                plgpu.copy_smem_to_gmem(src.at[pl.ds(i, 1)], o_ref.at[pl.ds(start + i, 1), h, cols])
-
-            plgpu.wait_smem_to_gmem(0)
+            _chunk_state.store_valid_rows(src, o_ref, start, lo, hi, h, cols)
 
         @pl.when(~real)
         def _padding():
@@ -341,17 +325,9 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
 
             issue(0, 0)
 
-            @pl.when(init_ref[seq] != 0)
-            def _():
-                plgpu.copy_gmem_to_smem(pool_ref.at[slot, h, :, cols], st_s, st_bar)
-                plgpu.barrier_wait(st_bar)
-
-            @pl.when(init_ref[seq] == 0)
-            def _():
-                st_s[...] = plgpu.layout_cast(jnp.zeros(state, F32), WG)
-
-            plgpu.commit_smem()
-            s0 = plgpu.load(st_s, layout=WG, optimized=False)
+            s0 = _chunk_state.load_initial_state(
+                pool_ref, init_ref, seq, slot, h, cols, st_s, st_bar
+            )
 
             def step(j, s):
                 stage = lax.rem(j, 2)
@@ -405,10 +381,7 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
                 return d * s + upd
 
             s = lax.fori_loop(0, num, step, s0)
-            st_s[...] = s
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(st_s, pool_ref.at[slot, h, :, cols])
-            plgpu.wait_smem_to_gmem(0)
+            _chunk_state.write_final_state(s, pool_ref, slot, h, cols, st_s)
 
     scratch = (
         smem((2, CHUNK, key_dim), BF16),
