@@ -37,8 +37,10 @@ part separately switchable so that one GPU run says which pays:
   programs, the q/k/v copies start before the slot is read.
 
 Entries: ``fused_recurrent_gated_delta_rule`` (the public op's arguments plus ``interpret``
-and ``variant``) and ``unsupported_reason`` (which ``impl="auto"`` consults; the verify kernel
-checks its rows with it too). ``VARIANTS`` names the configurations the benchmark times.
+and ``variant``), ``fused_gating_recurrent_gated_delta_rule`` (the same with the raw
+Qwen3-Next gating inputs, gated inside the kernel; not yet checked on a GPU) and
+``unsupported_reason`` (which ``impl="auto"`` consults; the verify kernel checks its rows with
+it too). ``VARIANTS`` names the configurations the benchmark times.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ __all__ = [
     "MAX_TOKENS",
     "VARIANTS",
     "DecodeVariant",
+    "fused_gating_recurrent_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
     "pick_block_v",
     "unsupported_reason",
@@ -161,16 +164,34 @@ def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use
     return state
 
 
+def _softplus(x: jax.Array) -> jax.Array:
+    # Overflow-free, and only exp/log/abs, which lower for scalars (log1p does not).
+    return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
+
+
 def _load_gates(gate_refs, n, head, n_tokens):
-    """The float32 ``(g, beta)`` scalars of item (row ``n``, ``head``) as read from GMEM, flat
-    (two per token)."""
-    g_ref, beta_ref = gate_refs
-    return tuple(x for t in range(n_tokens) for x in (g_ref[n, t, head], beta_ref[n, t, head]))
+    """The gate scalars of item (row ``n``, ``head``) as read from GMEM, flat: ``(g, beta)``
+    per token, or (fused gating: four refs) ``A_log, dt_bias`` then ``(a, b)`` per token,
+    those in float32."""
+    if len(gate_refs) == 2:
+        g_ref, beta_ref = gate_refs
+        return tuple(x for t in range(n_tokens) for x in (g_ref[n, t, head], beta_ref[n, t, head]))
+    a_log_ref, a_ref, dt_bias_ref, b_ref = gate_refs
+    per_token = (x for t in range(n_tokens) for x in (a_ref[n, t, head], b_ref[n, t, head]))
+    return tuple(x.astype(jnp.float32) for x in (a_log_ref[head], dt_bias_ref[head], *per_token))
 
 
-def _decays(gates):
-    """``(decay, beta)`` per token from ``_load_gates``' scalars."""
-    return tuple((jnp.exp(gates[i]), gates[i + 1]) for i in range(0, len(gates), 2))
+def _decays(gates, raw_gating: bool):
+    """``(decay, beta)`` per token from ``_load_gates``' scalars; with ``raw_gating`` the
+    Qwen3-Next gating ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``."""
+    if not raw_gating:
+        return tuple((jnp.exp(gates[i]), gates[i + 1]) for i in range(0, len(gates), 2))
+    a_log, dt_bias = gates[:2]
+    pairs = [(gates[i], gates[i + 1]) for i in range(2, len(gates), 2)]
+    return tuple(
+        (jnp.exp(-jnp.exp(a_log) * _softplus(a + dt_bias)), 1.0 / (1.0 + jnp.exp(-b)))
+        for a, b in pairs
+    )
 
 
 def _wait_stores_read():
@@ -186,16 +207,20 @@ def _zeros_o(o_smem, n_tokens, bv, col):
         o_smem[t] = zeros.astype(o_smem.dtype)
 
 
-def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, interpret):
-    """Grid (column block, value head, row): one TMA round trip per program."""
+def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, interpret):
+    """Grid (column block, value head, row): one TMA round trip per program. ``gates_in``:
+    ``(g, beta)`` or (fused gating) ``(A_log, a, dt_bias, b)``."""
     n_rows, n_tokens, h, k_dim = q.shape
     hv, v_dim = v.shape[2:]
     group = hv // h
     layouts = _layouts(variant, bv)
 
-    def body(idx_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool, o_ref, *scratch):
-        state_smem, q_smem, k_smem, v_smem, o_smem, qkv_bar, state_bar = scratch
-        gate_refs = (g_ref, beta_ref)
+    n_gates = len(gates_in)
+    raw = n_gates == 4
+
+    def body(idx_ref, q_ref, k_ref, v_ref, *refs):
+        gate_refs, (pool, o_ref) = refs[:n_gates], refs[n_gates : n_gates + 2]
+        state_smem, q_smem, k_smem, v_smem, o_smem, qkv_bar, state_bar = refs[n_gates + 2 :]
         n = lax.axis_index("n")
         head = lax.axis_index("h")
         cols = pl.ds(lax.axis_index("j") * bv, bv)
@@ -213,7 +238,7 @@ def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale
             plgpu.barrier_wait(qkv_bar)
             plgpu.barrier_wait(state_bar)
             state = plgpu.load(state_smem, layout=layouts[0])
-            state = _update(state, q_smem, k_smem, v_smem, o_smem, _decays(gates),
+            state = _update(state, q_smem, k_smem, v_smem, o_smem, _decays(gates, raw),
                             layouts=layouts, scale=scale, use_qk_l2norm=l2,
                             one_pass=variant.one_pass)  # fmt: skip
             state_smem[...] = state
@@ -248,10 +273,10 @@ def _one_item_per_program(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale
         ],
         interpret=_interpret_params(interpret),
     )
-    return kernel(idx, q, k, v, g, beta, pool_ref)
+    return kernel(idx, q, k, v, *gates_in, pool_ref)
 
 
-def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, interpret):
+def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, interpret):
     """Persistent grid; each program walks items ``c, c + P, c + 2P, ...`` (``P`` programs)
     through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead."""
     n_rows, n_tokens, h, k_dim = q.shape
@@ -263,9 +288,12 @@ def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, inter
     stages = variant.stages
     layouts = _layouts(variant, bv)
 
-    def body(idx_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, pool, o_ref, *scratch):
-        state_smem, q_smem, k_smem, v_smem, o_smem, bars = scratch
-        gate_refs = (g_ref, beta_ref)
+    n_gates = len(gates_in)
+    raw = n_gates == 4
+
+    def body(idx_ref, q_ref, k_ref, v_ref, *refs):
+        gate_refs, (pool, o_ref) = refs[:n_gates], refs[n_gates : n_gates + 2]
+        state_smem, q_smem, k_smem, v_smem, o_smem, bars = refs[n_gates + 2 :]
         prog = lax.axis_index("c")
         count = (n_items - prog + n_progs - 1) // n_progs  # this program's items
 
@@ -316,7 +344,7 @@ def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, inter
                 plgpu.barrier_wait(bars.at[s])
                 state = plgpu.load(state_smem.at[s], layout=layouts[0])
                 state = _update(state, q_smem.at[s], k_smem.at[s], v_smem.at[s], o_smem.at[s],
-                                _decays(gates), layouts=layouts, scale=scale,
+                                _decays(gates, raw), layouts=layouts, scale=scale,
                                 use_qk_l2norm=l2, one_pass=variant.one_pass)  # fmt: skip
                 state_smem[s] = state
 
@@ -355,7 +383,7 @@ def _pipelined(q, k, v, g, beta, pool_ref, idx, *, bv, variant, scale, l2, inter
         ],
         interpret=_interpret_params(interpret),
     )
-    return kernel(idx, q, k, v, g, beta, pool_ref)
+    return kernel(idx, q, k, v, *gates_in, pool_ref)
 
 
 def unsupported_reason(
@@ -432,6 +460,54 @@ def fused_recurrent_gated_delta_rule(
     reason = unsupported_reason(q, k, v, g, beta, ssm_pool, state_indices)
     if reason is not None:
         raise ValueError(reason)
+    return _launch(
+        q, k, v, (g, beta), ssm_pool, state_indices, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
+    )  # fmt: skip
+
+
+def fused_gating_recurrent_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    A_log: jax.Array,  # noqa: N803 (the model's parameter name)
+    a: jax.Array,
+    dt_bias: jax.Array,
+    b: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    interpret: bool = False,
+    variant: DecodeVariant | str = DEFAULT,
+) -> tuple[jax.Array, jax.Array]:
+    """``fused_recurrent_gated_delta_rule`` with the Qwen3-Next gating done in the kernel.
+
+    A_log, dt_bias ``[HV]``; a, b ``[N, D, HV]`` (any float dtype); the kernel computes
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)`` in float32 from the
+    scalars it reads (no g/beta arrays, no separate gating op). Other arguments and results
+    as ``fused_recurrent_gated_delta_rule``.
+    """
+    as_gate = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731 (checks only)
+    reason = unsupported_reason(q, k, v, as_gate(a), as_gate(b), ssm_pool, state_indices)
+    hv = v.shape[2] if v.ndim == 4 else None
+    if reason is None and (A_log.shape != (hv,) or dt_bias.shape != (hv,)):
+        reason = f"A_log {A_log.shape} and dt_bias {dt_bias.shape} must be [HV] = [{hv}]"
+    for name, x in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+        if reason is None and not jnp.issubdtype(x.dtype, jnp.floating):
+            reason = f"{name} is {x.dtype}; the gating inputs must be floating point"
+    if reason is not None:
+        raise ValueError(reason)
+    return _launch(
+        q, k, v, (A_log, a, dt_bias, b), ssm_pool, state_indices, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
+    )  # fmt: skip
+
+
+def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, scale, use_qk_l2norm, interpret,
+            variant):  # fmt: skip
+    """Both entries' launch, after their checks: variant, block and scale, then the kernel."""
     if isinstance(variant, str):
         if variant not in VARIANTS:
             raise ValueError(f"variant {variant!r} is not one of {sorted(VARIANTS)}")
@@ -444,7 +520,7 @@ def fused_recurrent_gated_delta_rule(
     run = _pipelined if variant.stages else _one_item_per_program
     pool_ref = jax.new_ref(ssm_pool)
     o = run(
-        q, k, v, g, beta, pool_ref, state_indices,
+        q, k, v, gates_in, pool_ref, state_indices,
         bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret,
     )  # fmt: skip
     return o, jax.freeze(pool_ref)

@@ -20,7 +20,7 @@ from pallas_kernels import gdn
 from pallas_kernels._common import on_hopper_gpu
 from pallas_kernels.conv1d import prefill_mgpu, update_mgpu
 from pallas_kernels.conv1d import reference as conv_reference
-from pallas_kernels.gdn import recurrent_mgpu
+from pallas_kernels.gdn import decode_mgpu, recurrent_mgpu
 from pallas_kernels.gdn import reference as gdn_reference
 
 pytestmark = [
@@ -115,6 +115,26 @@ def test_gdn_decode_op_on_gpu_matches_oracle_in_place(n, n_padded):
     assert _rel(pool[named], pool_ref[named]) < 1e-5
     others = np.setdiff1d(np.arange(SLOTS), named)
     np.testing.assert_array_equal(_bits(pool[others]), _bits(before[others]))
+
+
+def test_gdn_fused_gating_decode_on_gpu_matches_oracle():
+    args, idx = _gdn_case(2, 64, 1, 4)
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.standard_normal((64, 1, HV)) * 2, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((64, 1, HV)) * 2, jnp.bfloat16)
+    a_log = rng.standard_normal(HV).astype(np.float32)
+    dt_bias = rng.standard_normal(HV).astype(np.float32)
+    x = np.asarray(a, np.float64) + dt_bias
+    args["g"] = -np.exp(a_log.astype(np.float64)) * np.logaddexp(0.0, x)
+    args["beta"] = 1 / (1 + np.exp(-np.asarray(b, np.float64)))
+    o_ref, pool_ref = _oracle(gdn_reference.fused_recurrent_gated_delta_rule, args)
+    kernel_args = {name: x for name, x in args.items() if name not in ("g", "beta")}
+    o, pool = jax.jit(decode_mgpu.fused_gating_recurrent_gated_delta_rule)(
+        A_log=jnp.asarray(a_log), a=a, dt_bias=jnp.asarray(dt_bias), b=b, **kernel_args
+    )
+    _check_outputs(o, o_ref, idx, 1e-2)
+    named = idx[idx != 0]
+    assert _rel(np.asarray(pool)[named], pool_ref[named]) < 1e-5
 
 
 @pytest.mark.parametrize("n", [16, 64])

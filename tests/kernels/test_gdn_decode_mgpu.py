@@ -121,6 +121,61 @@ def test_unknown_variant_is_named_in_the_error():
         variants.fused_recurrent_gated_delta_rule(**args, variant="nope", interpret=True)
 
 
+@pytest.mark.parametrize("name", ["cols", "pipe3-wgmma", "pipe3-cols-3programs"])
+def test_fused_gating_matches_gating_then_oracle(name):
+    args, idx = _case(2, n=5, d=2, kd=64, vd=64, slots=9, dtype=jnp.bfloat16, padded=[1])
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(rng.standard_normal((5, 2, 2)) * 2, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((5, 2, 2)) * 2, jnp.bfloat16)
+    a_log = rng.standard_normal(2).astype(np.float32)
+    dt_bias = rng.standard_normal(2).astype(np.float32)
+    rest = {key: x for key, x in args.items() if key not in ("g", "beta")}
+    fn = functools.partial(
+        variants.fused_gating_recurrent_gated_delta_rule, variant=_CASES[name], interpret=True
+    )
+    o, pool = jax.jit(fn)(A_log=jnp.asarray(a_log), a=a, dt_bias=jnp.asarray(dt_bias), b=b, **rest)
+    x = np.asarray(a, np.float64) + dt_bias
+    args["g"] = -np.exp(a_log.astype(np.float64)) * np.logaddexp(0.0, x)
+    args["beta"] = 1 / (1 + np.exp(-np.asarray(b, np.float64)))
+    o_ref, pool_ref = _oracle(args)
+    real = idx != 0
+    assert _rel(o[real], o_ref[real]) < 1e-2
+    assert not np.asarray(o, np.float32)[~real].any(), "padded rows must give zeros"
+    named = idx[real]
+    assert _rel(pool[named], pool_ref[named]) < 1e-5
+    others = np.setdiff1d(np.arange(pool.shape[0]), named)
+    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
+
+
+def _production_gating(n):
+    args = _production(n)
+    hv = args["v"].shape[2]
+    del args["g"], args["beta"]
+    return dict(
+        args,
+        A_log=jax.ShapeDtypeStruct((hv,), jnp.float32),
+        a=jax.ShapeDtypeStruct((n, 1, hv), jnp.bfloat16),
+        dt_bias=jax.ShapeDtypeStruct((hv,), jnp.float32),
+        b=jax.ShapeDtypeStruct((n, 1, hv), jnp.bfloat16),
+    )
+
+
+@pytest.mark.parametrize("name", ["cols", variants.DEFAULT])
+def test_fused_gating_lowers_for_cuda_with_the_pool_aliased(name):
+    fn = functools.partial(variants.fused_gating_recurrent_gated_delta_rule, variant=name)
+    traced = jax.jit(fn, donate_argnames=("ssm_pool",)).trace(**_production_gating(32))
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert re.search(r"tensor<64x32x128x128xf32> {tf.aliasing_output = 1 ", main)
+
+
+def test_fused_gating_names_a_misshaped_head_parameter():
+    args = _production_gating(4)
+    args["dt_bias"] = jax.ShapeDtypeStruct((16,), jnp.float32)
+    with pytest.raises(ValueError, match=r"dt_bias \(16,\) must be \[HV\] = \[32\]"):
+        variants.fused_gating_recurrent_gated_delta_rule(**args)
+
+
 def _production(n, d=1, dtype=jnp.bfloat16):
     h, hv, kd = 16, 32, 128
     f32 = jnp.float32
