@@ -53,6 +53,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.gdn._checks import check_gating
+
 __all__ = [
     "DEFAULT",
     "MAX_TOKENS",
@@ -71,6 +73,7 @@ _ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # tokens, three stages of float32 activations with K = 128 and 64 columns take 172 KiB, under
 # the 227 KiB an sm_90 block may use. 16 covers every speculative depth in use.
 MAX_TOKENS = 16
+_GATING_OP = "decode_mgpu.fused_gating_recurrent_gated_delta_rule"
 _VEC = 2  # fp32 per register vector along V in the "cols" layout (8-byte SMEM accesses)
 
 
@@ -491,14 +494,12 @@ def fused_gating_recurrent_gated_delta_rule(
     """
     as_gate = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731 (checks only)
     reason = unsupported_reason(q, k, v, as_gate(a), as_gate(b), ssm_pool, state_indices)
-    hv = v.shape[2] if v.ndim == 4 else None
-    if reason is None and (A_log.shape != (hv,) or dt_bias.shape != (hv,)):
-        reason = f"A_log {A_log.shape} and dt_bias {dt_bias.shape} must be [HV] = [{hv}]"
-    for name, x in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
-        if reason is None and not jnp.issubdtype(x.dtype, jnp.floating):
-            reason = f"{name} is {x.dtype}; the gating inputs must be floating point"
     if reason is not None:
         raise ValueError(reason)
+    # The gating op's own checks (shapes and dtypes), on the [N * D, HV] rows the kernel gates.
+    n_rows, n_tokens, hv = a.shape
+    as_rows = lambda x: jax.ShapeDtypeStruct((n_rows * n_tokens, hv), x.dtype)  # noqa: E731
+    check_gating(_GATING_OP, A_log, as_rows(a), dt_bias, as_rows(b))
     return _launch(
         q, k, v, (A_log, a, dt_bias, b), ssm_pool, state_indices, scale=scale,
         use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,

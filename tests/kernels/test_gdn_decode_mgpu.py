@@ -172,7 +172,7 @@ def test_fused_gating_lowers_for_cuda_with_the_pool_aliased(name):
 def test_fused_gating_names_a_misshaped_head_parameter():
     args = _production_gating(4)
     args["dt_bias"] = jax.ShapeDtypeStruct((16,), jnp.float32)
-    with pytest.raises(ValueError, match=r"dt_bias \(16,\) must be \[HV\] = \[32\]"):
+    with pytest.raises(ValueError, match=r"dt_bias.shape=\(16,\) must be \[HV\]=\(32,\)"):
         variants.fused_gating_recurrent_gated_delta_rule(**args)
 
 
