@@ -7,12 +7,6 @@ kernels' own durations from a profiler trace, ``device_time.py``, with the top k
 the intra-chunk kernel alone. Prints a table last; ``--out DIR`` also writes JSON.
 
     python benchmarks/prefill_variants.py [--out DIR] [--shapes 1x8192] [--variants auto,dbl]
-
-P formed by the state pass's output warpgroup (``Config(output_forms_p=True)``) against the
-default, every varlen path checked first (``ragged``):
-
-    python benchmarks/prefill_variants.py --shapes ragged,1x8192,4x8192,varlen \
-        --variants auto,wsp
 """
 
 from __future__ import annotations
@@ -86,20 +80,15 @@ def _variant(spec: str) -> chunk_mgpu.Config:
     """``"auto"``: the default config; ``"dbl"``: the default with ``T`` doubled from 2x2
     blocks instead of the substitution of its diagonal blocks; ``"64"``: block_v 64; a
     trailing ``k`` forces K-major B operands (``"64k"``); ``"ws2"``, ``"ws3"``: the
-    warp-specialised state pass with 2 or 3 stages, ``"ws2/64"`` with block_v 64; ``"wsp"``
-    (block_v and stages picked as by default), ``"wsp3/32"``, ``"wsp2/64"``...: the same with
-    P formed by its output warpgroup instead of the intra kernel (``output_forms_p``)."""
+    warp-specialised state pass with 2 or 3 stages, ``"ws2/64"`` with block_v 64."""
     if spec == "auto":
         return chunk_mgpu.Config()
     if spec == "dbl":
         return chunk_mgpu.Config(substitution=False)
     if spec.startswith("ws"):
-        forms_p = spec.startswith("wsp")
-        stages, _, block_v = spec[3 if forms_p else 2 :].partition("/")
+        stages, _, block_v = spec[2:].partition("/")
         return chunk_mgpu.Config(
-            block_v=int(block_v) if block_v else None,
-            state_stages=int(stages) if stages else None,
-            output_forms_p=forms_p,
+            block_v=int(block_v) if block_v else None, state_stages=int(stages)
         )
     kmajor = True if spec.endswith("k") else None
     return chunk_mgpu.Config(block_v=int(spec.rstrip("k")), kmajor=kmajor)
@@ -167,7 +156,7 @@ def _run_variant(name: str, spec: str, inputs: tuple, ro: jax.Array, rpool: jax.
     def intra(q, k, g, beta):
         return chunk_mgpu._intra(
             q, k, g.T, beta.T, table, first, n_seqs=len(lens), scale=K**-0.5,
-            solve=config.substitution, form_p=not config.output_forms_p, interpret=None,
+            solve=config.substitution, interpret=None,
         )  # fmt: skip
 
     intra(q, k, g, beta)

@@ -5,10 +5,7 @@ inside another (a producer warpgroup, see ``benchmarks/prefill_notes.md``) can s
 one 64-token chunk of q, k (bf16 SMEM tiles, not yet normalised), its cumulative log decay
 and beta (``chunk_gates``, computed before the kernel) it forms, per the math of
 ``chunk_mgpu.py``'s docstring, ``M = (I + A)^-1 diag(beta)`` and
-``P = tril(scale (q k^T) exp(gc_i - gc_j))`` as bf16 SMEM tiles and four float32 row vectors;
-or, for a consumer that forms ``P`` itself (``chunk_mgpu.Config.output_forms_p``), only ``M``,
-the row vectors and the two scalings of ``P`` (``causal_decay`` and ``causal_scores`` are then
-the one definition of ``P`` that both sides share).
+``P = tril(scale (q k^T) exp(gc_i - gc_j))`` as bf16 SMEM tiles and four float32 row vectors.
 """
 
 from __future__ import annotations
@@ -55,7 +52,7 @@ EPS = 1e-6  # inside the l2 norm's square root
 
 # Rows of the float32 [rows, 64] vectors the intra kernel writes per (chunk, value head):
 # rk exp(gc), scale rq exp(gc), rk exp(gc_last - gc), exp(gc_last) (only its first entry is
-# read). Without P (``chunk_intra(form_p=False)``) four more, what forming P needs: gc once
+# read). A state pass that forms P itself (``_chunk_state``, p=None) reads four more: gc once
 # per register layout it is read in (a vector is loaded in one layout per SMEM copy), then
 # P's row scaling ``scale rq`` and column scaling ``rk``.
 VEC_ROWS = 4
@@ -189,20 +186,15 @@ def causal_scores(
     return qk * along_rows(row_scale, shape) * along_cols(col_scale, shape) * decay
 
 
-def chunk_intra(
-    q_s, k_s, gc_r, gc_c, b_r, b_c, m_s, p_s, vec_s, *, scale: float, solve_s=None, form_p=True
-):
+def chunk_intra(q_s, k_s, gc_r, gc_c, b_r, b_c, m_s, p_s, vec_s, *, scale: float, solve_s=None):
     """Fill ``m_s``, ``p_s`` (bf16 ``[64, 64]``) and ``vec_s`` (float32 ``[4, 64]``) for a chunk.
 
     q_s, k_s: bf16 ``[64, K]`` SMEM tiles; gc_r/gc_c: float32 ``[64]`` SMEM copies of the
     chunk-local cumulative log decay, b_r/b_c of beta (one copy per register layout they are
     read in), both already zero where rows belong to a neighbour (``chunk_gates``).
     ``vec_s`` rows: ``rk exp(gc)``, ``scale rq exp(gc)``, ``rk exp(gc_last - gc)``,
-    ``exp(gc_last)``. ``solve_s``: see ``unit_lower_inverse``. ``form_p=False``: ``P`` is
-    left to the consumer; ``p_s`` is only scratch of the inverse, and ``b_r``/``b_c``, read
-    for the last time, are overwritten with ``scale rq`` and ``rk`` (``P``'s row and column
-    scalings, see ``causal_scores``). Ends with the writes committed (visible to TMA and
-    wgmma).
+    ``exp(gc_last)``. ``solve_s``: see ``unit_lower_inverse``. Ends with the writes committed
+    (visible to TMA and wgmma).
     """
     shape = (CHUNK, CHUNK)
     # Ordered so that few [64, 64] float32 tiles are live at once (no spills).
@@ -222,17 +214,10 @@ def chunk_intra(
     a = kk * along_rows(beta_row * rk_row, shape) * along_cols(rk_col, shape) * decay
     t = unit_lower_inverse(a, m_s, p_s, solve_s)
     m_s[...] = (t * along_cols(plgpu.load(b_c, layout=COLS), shape)).astype(BF16)
-    if form_p:
-        qk = matmul(q_s, k_s.T, shape)
+    qk = matmul(q_s, k_s.T, shape)
     qf = plgpu.load(q_s, layout=WG).astype(F32)
     rq_row = lax.rsqrt((qf * qf).sum(axis=1) + EPS)
-    if form_p:
-        p_s[...] = causal_scores(qk, scale * rq_row, rk_col, decay).astype(BF16)
-    else:
-        # beta's buffers were read for the last time above: they carry P's scalings out
-        # without a larger vec_s (3 CTAs per SM leave no KB of SMEM to spare).
-        b_r[...] = scale * rq_row
-        b_c[...] = rk_row
+    p_s[...] = causal_scores(qk, scale * rq_row, rk_col, decay).astype(BF16)
     g_last = gc_r[CHUNK - 1]  # the chunk's total decay (rows past the end add zeros)
     decay_in = jnp.exp(gc_row)
     vec_s[0] = rk_row * decay_in

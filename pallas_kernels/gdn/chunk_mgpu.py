@@ -25,9 +25,9 @@ walks the sequence's chunks in order with ``S`` in registers: five wgmmas per ch
 ``qS``, ``M Y``, ``k^T v'``, ``P v'``). On the GPU it is warp-specialised by default
 (``_chunk_state.py``: a TMA warpgroup, the three-wgmma state chain, the output warpgroup);
 ``_state`` is the one-warpgroup form (the interpreter's default). Splitting the value columns
-is what gives a single long sequence more than ``HV`` CTAs. ``Config(output_forms_p=True)``
-(not yet run on a GPU) leaves ``P`` out of kernel 1: the warp-specialised pass's output
-warpgroup forms it from the q and k tiles it has staged (prediction in ``_chunk_state.py``).
+is what gives a single long sequence more than ``HV`` CTAs. ``P`` stays in kernel 1: formed
+by the state pass's output warpgroup instead, it made that warpgroup the pass's limit (slower
+on every shape, H200; benchmarks/prefill_notes.md).
 
 Chunks start at 8-aligned token positions: a TMA into a swizzled SMEM tile needs its first
 row to be a multiple of the 8-row tiling (layout inference refuses an unproven start). A
@@ -72,17 +72,7 @@ from pallas_kernels._mgpu_chunks import (
     smem,
 )
 from pallas_kernels.gdn import _chunk_state
-from pallas_kernels.gdn._chunk_intra import (
-    SOLVE_SHAPE,
-    VEC_GC_COLS,
-    VEC_GC_ROWS,
-    VEC_RK_COLS,
-    VEC_ROWS,
-    VEC_ROWS_WITHOUT_P,
-    VEC_RQ_ROWS,
-    chunk_gates,
-    chunk_intra,
-)
+from pallas_kernels.gdn._chunk_intra import SOLVE_SHAPE, VEC_ROWS, chunk_gates, chunk_intra
 
 __all__ = ["CHUNK", "Config", "chunk_gated_delta_rule", "unsupported_reason"]
 
@@ -103,18 +93,12 @@ class Config:
     state_stages: 0 runs the state pass in one warpgroup (``_state``); 2 or 3 run the
       warp-specialised state pass (``_chunk_state.py``) with that many input stages; None
       picks (``_resolve``).
-    output_forms_p: the output warpgroup of the warp-specialised state pass forms ``P`` per
-      chunk from the q and k tiles it already has, instead of reading it from the intra
-      kernel (which then forms no ``q k^T``, no ``P`` and writes no ``P`` array; see
-      ``_chunk_state.py``). Needs ``state_stages`` 2 or 3 (None then picks the
-      warp-specialised pass also in the interpreter). Not yet run on a GPU, hence off.
     """
 
     block_v: int | None = None
     kmajor: bool | None = None
     substitution: bool = True
     state_stages: int | None = None
-    output_forms_p: bool = False
 
 
 @functools.cache
@@ -140,21 +124,15 @@ def _resolve(
         blocks_of_64 = n_seqs * heads * (value_dim // 64)
         config = dataclasses.replace(config, block_v=32 if blocks_of_64 < _num_sms() else 64)
     if config.state_stages is None:
-        one_warpgroup = interpret and not config.output_forms_p
-        stages = 0 if one_warpgroup else (3 if config.block_v == 32 else 2)
+        stages = 0 if interpret else (3 if config.block_v == 32 else 2)
         config = dataclasses.replace(config, state_stages=stages)
     return config
 
 
-def _intra(
-    q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, solve=False, form_p=True,
-    interpret,
-):  # fmt: skip
+def _intra(q, k, g_t, beta_t, table, first, *, n_seqs: int, scale: float, solve=False, interpret):
     """Kernel 1: per (chunk, value head) ``M``, ``P`` (bf16 ``[NC, HV, 64, 64]``) and the
     row vectors (float32 ``[NC, HV, 4, 64]``); see the module docstring. ``solve``: the
-    diagonal blocks of ``T`` by substitution (GPU only, ``Config.substitution``).
-    ``form_p=False`` (``Config.output_forms_p``): no ``q k^T``, no ``P`` (returned as
-    ``(M, vecs)``), and the vectors get ``_chunk_intra.VEC_ROWS_WITHOUT_P`` rows."""
+    diagonal blocks of ``T`` by substitution (GPU only, ``Config.substitution``)."""
     _, kv_heads, key_dim = q.shape
     heads = g_t.shape[0]
     group = heads // kv_heads
@@ -162,11 +140,9 @@ def _intra(
     shape = (CHUNK, CHUNK)
     vec = plgpu.SMEM((CHUNK,), F32)
     gc, beta_c = chunk_gates(g_t, beta_t, table)
-    n_out = 3 if form_p else 2
 
-    def body(q_ref, k_ref, g_ref, b_ref, tab_ref, first_ref, *refs):
-        m_ref, *p_ref, v_ref = refs[:n_out]
-        q_s, k_s, g_r, g_c, b_r, b_c, m_s, p_s, vec_s, bar, *solve_s = refs[n_out:]
+    def body(q_ref, k_ref, g_ref, b_ref, tab_ref, first_ref, m_ref, p_ref, v_ref, *scratch):
+        q_s, k_s, g_r, g_c, b_r, b_c, m_s, p_s, vec_s, bar, *solve_s = scratch
         c, h = lax.axis_index("c"), lax.axis_index("h")
         hk = lax.div(h, group)
         start = pl.multiple_of(tab_ref[0, c], ALIGN)
@@ -183,30 +159,16 @@ def _intra(
                 plgpu.copy_gmem_to_smem(src.at[h, window], dst, bar)
             plgpu.barrier_wait(bar)
             chunk_intra(
-                q_s, k_s, g_r, g_c, b_r, b_c, m_s, p_s, vec_s, scale=scale,
-                solve_s=solve_s or None, form_p=form_p,
-            )  # fmt: skip
+                q_s, k_s, g_r, g_c, b_r, b_c, m_s, p_s, vec_s, scale=scale, solve_s=solve_s or None
+            )
             plgpu.copy_smem_to_gmem(m_s, m_ref.at[c, h], commit_group=False)
-            for p_out in p_ref:
-                plgpu.copy_smem_to_gmem(p_s, p_out.at[c, h], commit_group=False)
-            vec_out = v_ref.at[c, h] if form_p else v_ref.at[c, h, pl.ds(0, VEC_ROWS)]
-            plgpu.copy_smem_to_gmem(vec_s, vec_out, commit_group=False)
-            if not form_p:  # P's inputs, from where chunk_intra left them (its docstring)
-                extra = (
-                    (g_r, VEC_GC_ROWS), (g_c, VEC_GC_COLS), (b_r, VEC_RQ_ROWS), (b_c, VEC_RK_COLS)
-                )  # fmt: skip
-                for src, row in extra:
-                    plgpu.copy_smem_to_gmem(src, v_ref.at[c, h, row], commit_group=False)
+            plgpu.copy_smem_to_gmem(p_s, p_ref.at[c, h], commit_group=False)
+            plgpu.copy_smem_to_gmem(vec_s, v_ref.at[c, h], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
             plgpu.wait_smem_to_gmem(0)
 
     tiles = jax.ShapeDtypeStruct((num_chunks, heads, CHUNK, CHUNK), BF16)
-    rows = VEC_ROWS if form_p else VEC_ROWS_WITHOUT_P
-    out_type = (
-        tiles,
-        *((tiles,) if form_p else ()),
-        jax.ShapeDtypeStruct((num_chunks, heads, rows, CHUNK), F32),
-    )
+    out_type = (tiles, tiles, jax.ShapeDtypeStruct((num_chunks, heads, VEC_ROWS, CHUNK), F32))
     scratch = (
         smem((CHUNK, key_dim), BF16),
         smem((CHUNK, key_dim), BF16),
@@ -215,7 +177,7 @@ def _intra(
         vec,
         vec,
         smem(shape, BF16),
-        smem(shape, BF16),  # P, or (form_p=False) only the inverse's scratch
+        smem(shape, BF16),
         plgpu.SMEM((VEC_ROWS, CHUNK), F32),
         plgpu.Barrier(num_arrivals=6),
     )
@@ -443,17 +405,11 @@ def unsupported_reason(
     config = _resolve(config, qsl.shape[0] - 1, v.shape[1], value_dim, interpret=interpret)
     if value_dim % config.block_v or config.block_v not in (32, 64):
         return f"block_v={config.block_v} must be 32 or 64 and divide V={value_dim}"
-    if config.output_forms_p and not config.state_stages:
-        return (
-            f"output_forms_p=True needs the warp-specialised state pass (state_stages 2 or 3), "
-            f"got state_stages={config.state_stages}: only its output warpgroup forms P"
-        )
     if config.state_stages:
         # v enters the kernels as bf16 whatever its dtype (the default out_dtype).
         reason = _chunk_state.unsupported_reason(
-            key_dim, value_dim, block_v=config.block_v, stages=config.state_stages,
-            forms_p=config.output_forms_p,
-        )  # fmt: skip
+            key_dim, value_dim, block_v=config.block_v, stages=config.state_stages
+        )
         if reason is not None:
             return reason
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
@@ -538,16 +494,11 @@ def chunk_gated_delta_rule(
     # ceil((len + 7) / 64) chunks, which sums to at most this bound.
     num_chunks = -(-padded // CHUNK) + 2 * (n_seqs + 1)
     table, first = chunk_table(qsl, padded, num_chunks)
-    intra = _intra(
+    m, p, vecs = _intra(
         q, k, g_t, beta_t, table, first, n_seqs=n_seqs, scale=scale,
-        solve=config.substitution and interpret is None, form_p=not config.output_forms_p,
-        interpret=interpret,
+        solve=config.substitution and interpret is None, interpret=interpret,
     )  # fmt: skip
     pool = jax.new_ref(ssm_pool)
-    if config.output_forms_p:
-        (m, vecs), p = intra, None  # the state pass's output warpgroup forms P
-    else:
-        m, p, vecs = intra
     walk = (q, k, v, m, p, vecs, table, first)
     slots, has_init = state_indices.astype(jnp.int32), has_initial_state.astype(jnp.int32)
     if config.state_stages:

@@ -61,23 +61,17 @@ def _oracle(args):
 
 
 @pytest.mark.parametrize(
-    "block_v, stages, forms_p",
-    [(64, 0, False), (32, 0, False), (64, 2, False), (32, 3, False), (64, 2, True)],
-    ids=[
-        "bv64",
-        "bv32-kmajor",
-        "bv64-warp-specialised",
-        "bv32-warp-specialised-3-stages",
-        "bv64-warp-specialised-output-forms-p",
-    ],
+    "block_v, stages",
+    [(64, 0), (32, 0), (64, 2), (32, 3)],
+    ids=["bv64", "bv32-kmajor", "bv64-warp-specialised", "bv32-warp-specialised-3-stages"],
 )
-def test_varlen_prefill_matches_oracle_and_writes_only_its_slots(block_v, stages, forms_p):
+def test_varlen_prefill_matches_oracle_and_writes_only_its_slots(block_v, stages):
     # Starts at 0, 100 and 137 (unaligned: leading masked rows), an empty sequence, lengths
     # not multiples of 64, 13 padding tokens, T=300 not a multiple of 8 (the last chunk is
     # shifted back), GVA (2 value heads per key head).
     lens = [100, 0, 37, 150]
     args = _case(0, lens, 300, h=1, hv=2, kd=64, vd=64, slots=9)
-    config = chunk_mgpu.Config(block_v=block_v, state_stages=stages, output_forms_p=forms_p)
+    config = chunk_mgpu.Config(block_v=block_v, state_stages=stages)
     o, pool = jax.jit(
         lambda a: chunk_mgpu.chunk_gated_delta_rule(**a, interpret=True, config=config)
     )(args)
@@ -115,11 +109,8 @@ def test_chunk_table_covers_every_token_once_from_aligned_starts():
     assert first[-1] <= n_chunks
 
 
-@pytest.mark.parametrize(
-    "block_v, d, forms_p",
-    [(64, 128, False), (32, 128, False), (32, 64, False), (64, 128, True), (32, 128, True)],
-)
-def test_kernels_lower_for_cuda_at_qwen3_next_shapes(block_v, d, forms_p):
+@pytest.mark.parametrize("block_v, d", [(64, 128), (32, 128), (32, 64)])
+def test_kernels_lower_for_cuda_at_qwen3_next_shapes(block_v, d):
     shape = jax.ShapeDtypeStruct
     tokens, n, h, hv = 4096, 3, 16, 32
     args = (
@@ -133,20 +124,10 @@ def test_kernels_lower_for_cuda_at_qwen3_next_shapes(block_v, d, forms_p):
         shape((n,), jnp.int32),
         shape((n,), jnp.bool_),
     )
-    config = chunk_mgpu.Config(block_v=block_v, output_forms_p=forms_p)
+    config = chunk_mgpu.Config(block_v=block_v)
     fn = jax.jit(lambda *a: chunk_mgpu.chunk_gated_delta_rule(*a, config=config), donate_argnums=5)
-    traced = fn.trace(*args)
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "gdn_chunk_intra" in text and "gdn_chunk_state" in text
-    assert ("gdn_chunk_state_ws_p" in text) == forms_p
-    # Without P the op holds one [NC, HV, 64, 64] bf16 array (M), with it two (M and P).
-    tiles = [
-        var
-        for eqn in traced.jaxpr.eqns
-        for var in eqn.outvars
-        if var.aval.shape[1:] == (hv, 64, 64) and var.aval.dtype == jnp.bfloat16
-    ]
-    assert len(tiles) == (1 if forms_p else 2)
 
 
 def _shapes(t=128, h=2, hv=4, kd=128, vd=128, dtype=jnp.bfloat16):
@@ -169,12 +150,6 @@ def test_unsupported_reason_accepts_the_contract_and_names_what_it_refuses():
     assert "K=96" in chunk_mgpu.unsupported_reason(*_shapes(kd=96))
     assert "use_qk_l2norm" in chunk_mgpu.unsupported_reason(*_shapes(), use_qk_l2norm=False)
     assert "HV=3" in chunk_mgpu.unsupported_reason(*_shapes(hv=3))
-    forming = chunk_mgpu.Config(state_stages=0, output_forms_p=True)
-    assert "state_stages=0" in chunk_mgpu.unsupported_reason(*_shapes(), config=forming)
-    forming = chunk_mgpu.Config(block_v=64, state_stages=3, output_forms_p=True)
-    assert "SMEM" in chunk_mgpu.unsupported_reason(*_shapes(), config=forming)
-    forming = chunk_mgpu.Config(block_v=32, state_stages=3, output_forms_p=True)
-    assert chunk_mgpu.unsupported_reason(*_shapes(), config=forming) is None
     with pytest.raises(ValueError, match="K=96"):
         chunk_mgpu.chunk_gated_delta_rule(*_shapes(kd=96))
 
@@ -197,9 +172,6 @@ def test_state_pass_is_warp_specialised_on_the_gpu_and_single_in_the_interpreter
     assert stages(1, interpret=True) == 0  # its warpgroups would need NPROC > 2
     assert stages(1, interpret=True, state_stages=2) == 2
     assert stages(4, state_stages=0) == 0
-    # Forming P needs the warp-specialised pass: picked also in the interpreter.
-    assert stages(1, interpret=True, output_forms_p=True) == 3
-    assert stages(4, interpret=True, output_forms_p=True) == 2
 
 
 @pytest.mark.parametrize(
