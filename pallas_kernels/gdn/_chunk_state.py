@@ -1,4 +1,5 @@
-"""The state pass of the chunked GDN prefill, warp-specialised: three warpgroups per CTA.
+"""The state pass of the chunked GDN prefill, warp-specialised: a producer, one or two state
+chains and an output warpgroup per CTA.
 
 A drop-in for ``chunk_mgpu._state`` (kernel 2; same inputs, outputs, grid and varlen rules,
 math in ``chunk_mgpu.py``'s docstring). There, one warpgroup per CTA runs five dependent
@@ -8,24 +9,30 @@ one CTA per SM that leaves one warp per scheduler and the SM idle on latency. He
 (one per sequence segment, value head and ``block_v`` value columns) splits that work:
 
 * warpgroup 0, the producer (few registers): TMA-streams each chunk's q and k tiles, the v
-  block, ``M``, ``P`` (unless formed here, see below) and the row vectors into a ring of
-  ``stages`` SMEM stages. ``loaded`` (the TMA barrier of a stage) hands a stage to both
-  consumers; ``consumed`` (two arrivals) hands it back once both are done with it.
-* warpgroup 1, the state chain: carries ``S`` (float32 registers) and per chunk does only
-  ``kS``, ``v' = M (v - a kS)`` and ``S <- d S + k^T (e v')``: three wgmmas, the serial part.
-  It publishes ``S`` (bf16, the same tile its own ``kS`` reads) and ``v'`` (bf16) through a
-  2-slot hand-off before its third wgmma, and writes the final state to the pool.
-* warpgroup 2, the output: ``o = b (q S) + P v'`` from the published tiles, and the store
-  (a full chunk with one TMA, a partial chunk row by row), overlapping the next chunk's
-  chain. It also writes the zeros of the padding segment. ``published`` (state -> output) and
-  ``retired`` (output -> state) hand a slot over; with two slots the output may lag a chunk.
+  columns, ``M``, ``P`` and the row vectors into a ring of ``stages`` SMEM stages.
+  ``loaded`` (the TMA barrier of a stage) hands a stage to every consumer; ``consumed`` (one
+  arrival per consumer) hands it back once all are done with it.
+* warpgroups 1..``chains``, the state chains: each carries ``block_v / chains`` columns of
+  ``S`` (float32 registers) and per chunk does only ``kS``, ``v' = M (v - a kS)`` and
+  ``S <- d S + k^T (e v')``: three wgmmas, the serial part. It publishes its ``S`` columns
+  (bf16, the same tile its own ``kS`` reads) and ``v'`` (bf16) through a 2-slot hand-off
+  before its third wgmma, and writes its final state columns to the pool. Two chains of 32
+  columns share one stage ring: the same q, k, M, P bytes feed 64 columns, and the SM has
+  two independent chains in flight instead of one twice as wide (a 64-column chain is
+  ~1.5x slower per chunk than a 32-column one, benchmarks/prefill_notes.md).
+* the last warpgroup, the output: ``o = b (q S) + P v'`` per chain from the published tiles,
+  and the stores (a full chunk with one TMA, a partial chunk row by row), overlapping the
+  next chunk's chains. It also writes the zeros of the padding segment. ``published`` (chain
+  -> output) and ``retired`` (output -> chain), one pair per chain, hand a slot over; with
+  two slots the output may lag a chunk.
 
 Every waiting warpgroup waits for every phase of each barrier in order (Mosaic GPU tracks a
 barrier's parity per thread): a phase is only signalled when a later chunk waits for it. A
 warpgroup hands a stage back only after a ``commit_smem`` (proxy fence) that follows its last
 plain read of it, since the producer's next write there is a TMA (the async proxy).
 
-Operands and the order of float32 operations are ``_state``'s, so both give the same bits.
+Operands and the order of float32 operations are ``_state``'s, so both give the same bits
+(with one chain or two).
 
 Mosaic GPU constraints kept (benchmarks/prefill_notes.md): one wgmma per ``run_scoped``
 accumulator (``matmul``); no reductions over axis 0 of a WGMMA tile in the concurrent
@@ -33,42 +40,13 @@ warpgroups (they share one SMEM reduction scratch and race; there is no reductio
 ``setmaxnreg`` executed unconditionally by each warpgroup (an ``increase`` waits for the
 registers the producer's ``decrease`` frees, also in CTAs with nothing to do).
 
-Forming ``P`` here (``p=None``; ``chunk_mgpu.Config(output_forms_p=True)``): the intra
-kernel then forms no ``q k^T`` and writes no ``P``, only ``M`` and eight row vectors (the four
-above, then ``gc`` once per register layout, ``scale rq`` and ``rk``). The stages carry no
-``P``; the output warpgroup, as soon as a stage is loaded and before it waits for the chain's
-hand-off, forms ``P = tril(scale rq_i rk_j (q_i . k_j) exp(gc_i - gc_j))`` (exponent masked
-before exp: ``_chunk_intra.causal_decay``) from the staged q and k into one tile of its own,
-with the intra kernel's operations in its order (``causal_scores``): the bits of the default.
-Prediction, not yet measured (H200 device time today: intra 78 / 288 us and state 139 / 418
-us at 1x8192 / 4x8192):
-
-* intra kernel: one wgmma (64x64x128) of its six, the ``P`` tile ops and its 8 KB store per
-  (chunk, head) go; its exp tile stays (``A`` needs it), its SMEM does not grow (``scale rq``
-  and ``rk`` leave through beta's buffers), so 3 CTAs per SM remain. ~10-15% of its issued
-  instructions: 1x8192 ~68 us, 4x8192 ~250 us.
-* bytes: the ``P`` array (4 KB per token over 32 heads) is neither written nor read back
-  (read ``V / block_v`` times, from L2); the vectors grow by 0.5 KB per token. A stage shrinks
-  from ~57 to ~50 KB at ``block_v=64`` (53 to 46 at 32).
-* output warpgroup: gains a 64x64x128 wgmma, an exp tile and the ``P`` tile, none of which
-  waits for the chain; it stays off the critical path while that work plus ``qS`` and
-  ``P v'`` fit in the chain's ~1.1 us per chunk. So the chain-bound single sequence (1x8192,
-  ``block_v=32``) keeps its ~139 us and gains the intra kernel's ~10 us (~239 -> ~228 us);
-  the load-bound batch (4x8192, ``block_v=64``, two waves) gains from the smaller stages too
-  (~745 -> ~680 us). If the state kernel slows at ``block_v=64`` and not at 32, the output
-  warpgroup has become the limit.
-* SMEM: one ``P`` tile instead of one per stage, 1 KB more vectors per stage; a third stage
-  at ``block_v=64`` still does not fit (262 KB).
-
 SMEM per CTA (``smem_bytes``, equal to Mosaic GPU's count; limit 227 KB), K=128:
-``block_v=32``: 162 KB with 2 stages, 215 KB with 3; ``block_v=64``: 218 KB with 2 stages,
-3 do not fit (275 KB). K=64: 114 / 151 KB and 154 / 195 KB. Forming ``P``: 156 / 202 KB at
-``block_v=32``, 212 KB (2 stages) and 262 KB (3, over) at 64; K=64: 108 / 138 and 148 / 182.
+``block_v=32``: 162 KB with 2 stages, 215 KB with 3; ``block_v=64``: 218 KB with 2 stages
+(one chain or two), 3 do not fit (275 KB). K=64: 114 / 151 KB and 154 / 195 KB.
 
-Status: the default form ran on the H200 (benchmarks/prefill_notes.md, session 3 run 4: same
-errors as ``_state``, untouched slots bit-identical). Forming ``P``: checked by the
-interpreter (bits of the default) and the ``cuda`` lowering at the production dims; not yet
-run on a GPU.
+Status: one chain ran on the H200 (benchmarks/prefill_notes.md, session 3 run 4: same errors
+as ``_state``, untouched slots bit-identical). Two chains: checked by the interpreter (the
+bits of one) and the ``cuda`` lowering at the production dims; not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -86,7 +64,6 @@ from pallas_kernels._mgpu_chunks import (
     ALIGN,
     BF16,
     CHUNK,
-    COLS,
     F32,
     ROWS,
     WG,
@@ -94,30 +71,27 @@ from pallas_kernels._mgpu_chunks import (
     matmul,
     smem,
 )
-from pallas_kernels.gdn._chunk_intra import (
-    VEC_GC_COLS,
-    VEC_GC_ROWS,
-    VEC_RK_COLS,
-    VEC_ROWS,
-    VEC_ROWS_WITHOUT_P,
-    VEC_RQ_ROWS,
-    causal_decay,
-    causal_scores,
-)
+from pallas_kernels.gdn._chunk_intra import VEC_ROWS
 
 __all__ = ["SMEM_LIMIT", "smem_bytes", "state_pass", "unsupported_reason"]
 
 SMEM_LIMIT = 227 * 1024  # dynamic SMEM per CTA on sm_90 (what Mosaic GPU checks at lowering)
-BLOCK_V = (32, 64)
+CHAIN_V = (32, 64)  # value columns of S one state chain carries
+CHAINS = (1, 2)
 STAGES = (2, 3)
-HANDOFF = 2  # slots of published S / v' between the state and the output warpgroup
-PRODUCER, STATE, OUTPUT = 0, 1, 2
+HANDOFF = 2  # slots of published S / v' between a state chain and the output warpgroup
+PRODUCER = 0  # then the chains, then the output warpgroup
 # Registers per thread after rebalancing (setmaxnreg: multiples of 8, at most 512 summed over
-# three warpgroups; jax's own warp-specialised attention uses the same split).
+# the warpgroups; jax's own warp-specialised attention gives its producer the same 40).
 PRODUCER_REGS = 40
-COMPUTE_REGS = 232
 _SMEM_ALIGN = 1024  # Mosaic GPU aligns each scratch buffer to this
 _BARRIER_BYTES = 8
+
+
+def compute_registers(chains: int) -> int:
+    """Registers per thread of each chain and of the output warpgroup: what the producer
+    leaves, shared evenly (232 with one chain, 152 with two)."""
+    return (512 - PRODUCER_REGS) // (chains + 1) // 8 * 8
 
 
 def put_b_operand(ref, x: jax.Array, kmajor: bool) -> None:
@@ -175,13 +149,14 @@ def store_valid_rows(src, o_ref, start, lo, hi, head, cols) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(key_dim: int, bv: int, stages: int, out_dtype, forms_p: bool = False) -> tuple:
+def _scratch(key_dim: int, block_v: int, stages: int, out_dtype, chains: int = 1) -> tuple:
     """The kernel's scratch list (the one place its SMEM is decided; see ``smem_bytes``).
-    ``forms_p``: no ``P`` per stage but one tile the output warpgroup forms it in, and the
-    longer row vectors."""
+    Per-chain buffers have a leading ``chains`` axis; the staged q, k, M, P and vectors are
+    shared."""
     out_dtype = jnp.dtype(out_dtype)
-    tile = (CHUNK, bv)
-    kmajor = bv < 64
+    cv = block_v // chains
+    tile = (CHUNK, cv)
+    kmajor = cv < 64
 
     def b_operand(*shape):  # see ``state_pass``: narrow B operands are stored transposed
         *lead, rows, cols = shape
@@ -190,34 +165,33 @@ def _scratch(key_dim: int, bv: int, stages: int, out_dtype, forms_p: bool = Fals
     return (
         smem((stages, CHUNK, key_dim), BF16),  # q
         smem((stages, CHUNK, key_dim), BF16),  # k
-        smem((stages, *tile), BF16),  # v block
+        smem((stages, chains, *tile), BF16),  # v columns of each chain
         smem((stages, CHUNK, CHUNK), BF16),  # M
-        smem((CHUNK, CHUNK) if forms_p else (stages, CHUNK, CHUNK), BF16),  # P
-        plgpu.SMEM((stages, VEC_ROWS_WITHOUT_P if forms_p else VEC_ROWS, CHUNK), F32),
-        b_operand(HANDOFF, key_dim, bv),  # published S (bf16)
-        b_operand(HANDOFF, *tile),  # published v'
-        b_operand(*tile),  # the state chain's Y = v - a kS, then e v'
-        smem(tile, out_dtype),  # output staging of a full chunk
+        smem((stages, CHUNK, CHUNK), BF16),  # P
+        plgpu.SMEM((stages, VEC_ROWS, CHUNK), F32),
+        b_operand(chains, HANDOFF, key_dim, cv),  # published S (bf16)
+        b_operand(chains, HANDOFF, *tile),  # published v'
+        b_operand(chains, *tile),  # each chain's Y = v - a kS, then e v'
+        smem((chains, *tile), out_dtype),  # output staging of a full chunk
         # A TMA's SMEM address must be 128-byte aligned: rows of the row-by-row staging tile
-        # are padded to 128 bytes (a 32-column bf16 row is only 64).
-        plgpu.SMEM((CHUNK, max(bv, 128 // out_dtype.itemsize)), out_dtype),
-        plgpu.SMEM((key_dim, bv), F32),  # initial and final state
-        # loaded: the TMAs of a stage (q, k, v, M, P unless formed here, the vectors)
-        plgpu.Barrier(num_arrivals=5 if forms_p else 6, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # consumed: state + output
-        plgpu.Barrier(num_arrivals=1, num_barriers=HANDOFF),  # published
-        plgpu.Barrier(num_arrivals=1, num_barriers=HANDOFF),  # retired
-        plgpu.Barrier(),  # the initial state's TMA
+        # are padded to 128 bytes (a 32-column bf16 row is only 64). One tile serves every
+        # chain in turn (each row-by-row store is waited for).
+        plgpu.SMEM((CHUNK, max(cv, 128 // out_dtype.itemsize)), out_dtype),
+        plgpu.SMEM((chains, key_dim, cv), F32),  # initial and final state
+        # loaded: the TMAs of a stage (q, k, M, P, the vectors and each chain's v)
+        plgpu.Barrier(num_arrivals=5 + chains, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=chains + 1, num_barriers=stages),  # consumed
+        plgpu.Barrier(num_arrivals=1, num_barriers=chains * HANDOFF),  # published
+        plgpu.Barrier(num_arrivals=1, num_barriers=chains * HANDOFF),  # retired
+        plgpu.Barrier(num_barriers=chains),  # the initial state's TMA
     )
 
 
-def smem_bytes(
-    key_dim: int, block_v: int, stages: int, out_dtype=BF16, *, forms_p: bool = False
-) -> int:
+def smem_bytes(key_dim: int, block_v: int, stages: int, out_dtype=BF16, *, chains: int = 1) -> int:
     """Dynamic SMEM of one CTA, counted as Mosaic GPU allocates it (each buffer aligned to
     1 KB, then 8 bytes per barrier)."""
     total = barriers = 0
-    for ref in _scratch(key_dim, block_v, stages, out_dtype, forms_p):
+    for ref in _scratch(key_dim, block_v, stages, out_dtype, chains):
         if isinstance(ref, plgpu.Barrier):
             barriers += math.prod(ref.num_barriers)
         else:
@@ -233,20 +207,24 @@ def unsupported_reason(
     block_v: int,
     stages: int,
     out_dtype=BF16,
-    forms_p: bool = False,
+    chains: int = 1,
 ) -> str | None:
     """One sentence on why the state pass cannot take this configuration, or None."""
-    if block_v not in BLOCK_V or value_dim % block_v:
-        return f"block_v={block_v} must be one of {BLOCK_V} and divide V={value_dim}"
+    if chains not in CHAINS:
+        return f"chains={chains} must be one of {CHAINS}"
+    if block_v % chains or block_v // chains not in CHAIN_V or value_dim % block_v:
+        return (
+            f"block_v={block_v} must divide V={value_dim} and give each of the {chains} "
+            f"state chains {' or '.join(map(str, CHAIN_V))} columns"
+        )
     if stages not in STAGES:
         return f"stages={stages} must be one of {STAGES}"
-    need = smem_bytes(key_dim, block_v, stages, out_dtype, forms_p=forms_p)
+    need = smem_bytes(key_dim, block_v, stages, out_dtype, chains=chains)
     if need > SMEM_LIMIT:
-        forming = " with P formed in the output warpgroup" if forms_p else ""
         return (
-            f"block_v={block_v} with stages={stages}{forming} needs {need} bytes of SMEM per "
-            f"CTA at K={key_dim}, over the {SMEM_LIMIT} of sm_90: use fewer stages or "
-            f"block_v=32"
+            f"block_v={block_v} with stages={stages} and {chains} chain(s) needs {need} bytes "
+            f"of SMEM per CTA at K={key_dim}, over the {SMEM_LIMIT} of sm_90: use fewer "
+            f"stages or block_v=32"
         )
     return None
 
@@ -256,7 +234,7 @@ def state_pass(
     k: jax.Array,
     v: jax.Array,
     m: jax.Array,
-    p: jax.Array | None,
+    p: jax.Array,
     vecs: jax.Array,
     table: jax.Array,
     first: jax.Array,
@@ -267,6 +245,7 @@ def state_pass(
     n_seqs: int,
     block_v: int,
     stages: int = 2,
+    chains: int = 1,
     interpret: object = None,
 ) -> jax.Array:
     """The in-order walk over each sequence's chunks (``chunk_mgpu._state``'s contract).
@@ -274,18 +253,18 @@ def state_pass(
     Args:
       q, k: bf16 ``[T, H, K]`` and v: bf16 ``[T, HV, V]``, T a multiple of 8 and >= 64 (as
         ``chunk_mgpu`` prepares them). m, p: bf16 ``[NC, HV, 64, 64]`` and vecs: float32
-        ``[NC, HV, 4, 64]``, the intra kernel's outputs. p None: the output warpgroup forms
-        ``P`` itself (``chunk_mgpu.Config.output_forms_p``), and vecs is the intra kernel's
-        ``[NC, HV, 8, 64]`` of ``form_p=False``. table int32 ``[3, NC]`` and first
+        ``[NC, HV, 4, 64]``, the intra kernel's outputs. table int32 ``[3, NC]`` and first
         int32 ``[N + 2]``: ``_mgpu_chunks.chunk_table``. slots int32 ``[N]``; has_init int32
         ``[N]`` (nonzero: start from the slot's state, else from zeros).
       pool: a mutable ref (``jax.new_ref``) of the float32 ``[S, HV, K, V]`` pool: each
         non-empty sequence reads its slot (when ``has_init``) and writes its final state
         there; nothing else is touched.
-      n_seqs: N. block_v: value columns per CTA (32 or 64). stages: chunks in flight in the
-        SMEM ring (2 or 3, SMEM permitting: ``unsupported_reason``). interpret: None for the
-        GPU, True or ``plgpu.InterpretGPUParams`` for the Mosaic GPU CPU interpreter (it runs
-        each warpgroup as a thread of XLA's CPU pool: set ``NPROC`` >= 4 before JAX starts).
+      n_seqs: N. block_v: value columns per CTA (32 or 64 per chain). stages: chunks in
+        flight in the SMEM ring (2 or 3, SMEM permitting: ``unsupported_reason``). chains:
+        state-chain warpgroups per CTA (1 or 2), each carrying ``block_v / chains`` columns.
+        interpret: None for the GPU, True or ``plgpu.InterpretGPUParams`` for the Mosaic GPU
+        CPU interpreter (it runs each warpgroup as a thread of XLA's CPU pool: set ``NPROC``
+        >= ``chains + 3`` before JAX starts).
 
     Returns:
       ``o [T, HV, V]`` in v's dtype; zeros at tokens of the padding segment ``t >= qsl[N]``.
@@ -293,17 +272,9 @@ def state_pass(
     tokens, kv_heads, key_dim = q.shape
     heads, value_dim = v.shape[1], v.shape[2]
     out_dtype = v.dtype
-    forms_p = p is None
     reason = unsupported_reason(
-        key_dim, value_dim, block_v=block_v, stages=stages, out_dtype=out_dtype, forms_p=forms_p
+        key_dim, value_dim, block_v=block_v, stages=stages, out_dtype=out_dtype, chains=chains
     )
-    rows = VEC_ROWS_WITHOUT_P if forms_p else VEC_ROWS
-    if reason is None and vecs.shape[2] != rows:
-        reason = (
-            f"vecs has {vecs.shape[2]} rows per chunk, the state pass reads {rows} when "
-            f"{'it forms P (p=None)' if forms_p else 'P is given'}: pass the intra kernel's "
-            f"vectors of form_p={not forms_p}"
-        )
     if reason is not None:
         raise ValueError(f"_chunk_state.state_pass: {reason}")
     if interpret is True:
@@ -311,13 +282,16 @@ def state_pass(
     interpret = interpret or None
     group = heads // kv_heads
     bv = block_v
-    tile = (CHUNK, bv)
-    state = (key_dim, bv)
-    kmajor = bv < 64  # see put_b_operand
+    cv = bv // chains  # columns of one chain
+    tile = (CHUNK, cv)
+    state = (key_dim, cv)
+    kmajor = cv < 64  # see put_b_operand
     put = functools.partial(put_b_operand, kmajor=kmajor)
     view = functools.partial(b_operand_view, kmajor=kmajor)
+    output_wg = chains + 1
+    regs = compute_registers(chains)
 
-    inputs = (q, k, v, m, *(() if forms_p else (p,)), vecs, table, first, slots, has_init, pool)
+    inputs = (q, k, v, m, p, vecs, table, first, slots, has_init, pool)
 
     def body(*refs):
         (
@@ -325,7 +299,7 @@ def state_pass(
             k_ref,
             v_ref,
             m_ref,
-            *p_ref,
+            p_ref,
             w_ref,
             tab_ref,
             first_ref,
@@ -353,11 +327,11 @@ def state_pass(
             retired,
             st_bar,
         ) = scratch
-        o_p = o_rows.at[:, pl.ds(0, bv)]
+        o_p = o_rows.at[:, pl.ds(0, cv)]
         wg = lax.axis_index("wg")
         n, h, iv = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("v")
         hk = lax.div(h, group)
-        cols = pl.ds(iv * bv, bv)
+        chain_cols = [pl.ds(iv * bv + c * cv, cv) for c in range(chains)]
         c0 = first_ref[n]
         num = first_ref[n + 1] - c0
         real = n < n_seqs
@@ -365,9 +339,10 @@ def state_pass(
         slot = slot_ref[seq]
         work = real & (num > 0)
 
-        def store(src_full, src_rows, j):
-            """Chunk ``j``'s staged output: one TMA when all 64 rows are the segment's, else
-            its valid rows ``lo..hi-1`` one TMA each (never a neighbour's rows)."""
+        def store(src_full, rows, j, cols):
+            """Chunk ``j``'s staged output columns ``cols``: one TMA of ``src_full`` when all
+            64 rows are the segment's, else ``rows()`` (it fills ``o_p``) and its valid rows
+            ``lo..hi-1`` one TMA each (never a neighbour's rows)."""
             start = pl.multiple_of(tab_ref[0, c0 + j], ALIGN)
             lo, hi = tab_ref[1, c0 + j], tab_ref[2, c0 + j]
             whole = (lo == 0) & (hi == CHUNK)
@@ -378,7 +353,8 @@ def state_pass(
 
             @pl.when(~whole)
             def _():
-                store_valid_rows(src_rows, o_ref, start, lo, hi, h, cols)
+                rows()
+                store_valid_rows(o_p, o_ref, start, lo, hi, h, cols)
 
         @pl.when(wg == PRODUCER)
         def _producer():
@@ -399,23 +375,26 @@ def state_pass(
                     bar = loaded.at[stage]
                     plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s.at[stage], bar)
                     plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s.at[stage], bar)
-                    plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols], v_s.at[stage], bar)
+                    for chain, cols in enumerate(chain_cols):
+                        plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols], v_s.at[stage, chain], bar)
                     plgpu.copy_gmem_to_smem(m_ref.at[c, h], m_s.at[stage], bar)
-                    for p_in in p_ref:
-                        plgpu.copy_gmem_to_smem(p_in.at[c, h], p_s.at[stage], bar)
+                    plgpu.copy_gmem_to_smem(p_ref.at[c, h], p_s.at[stage], bar)
                     plgpu.copy_gmem_to_smem(w_ref.at[c, h], w_s.at[stage], bar)
 
-        @pl.when(wg == STATE)
-        def _state_chain():
-            plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+        def state_chain(chain: int):
+            cols = chain_cols[chain]
+            my_st = st_s.at[chain]
 
             @pl.when(work)
             def _():
-                s0 = load_initial_state(pool_ref, init_ref, seq, slot, h, cols, st_s, st_bar)
+                s0 = load_initial_state(
+                    pool_ref, init_ref, seq, slot, h, cols, my_st, st_bar.at[chain]
+                )
 
                 def step(j, s):
                     stage = lax.rem(j, stages)
                     half = lax.rem(j, HANDOFF)
+                    slot_bar = chain * HANDOFF + half
                     plgpu.barrier_wait(loaded.at[stage])
                     a = plgpu.load(w_s.at[stage, 0], layout=ROWS)
                     e = plgpu.load(w_s.at[stage, 2], layout=ROWS)
@@ -423,22 +402,22 @@ def state_pass(
 
                     @pl.when(j >= HANDOFF)
                     def _():
-                        plgpu.barrier_wait(retired.at[half])  # output done with j - 2
+                        plgpu.barrier_wait(retired.at[slot_bar])  # output done with j - 2
 
-                    s_bf = s_pub.at[half]
+                    s_bf = s_pub.at[chain, half]
                     put(s_bf, s)
                     plgpu.commit_smem()
                     ks = matmul(k_s.at[stage], view(s_bf), tile)
-                    vt = plgpu.load(v_s.at[stage], layout=WG).astype(F32)
-                    put(y_s, vt - along_rows(a, tile) * ks)
+                    vt = plgpu.load(v_s.at[stage, chain], layout=WG).astype(F32)
+                    put(y_s.at[chain], vt - along_rows(a, tile) * ks)
                     plgpu.commit_smem()
-                    vnew = matmul(m_s.at[stage], view(y_s), tile)
-                    put(vp_pub.at[half], vnew)
+                    vnew = matmul(m_s.at[stage], view(y_s.at[chain]), tile)
+                    put(vp_pub.at[chain, half], vnew)
                     # Y was read by the finished M Y: its tile takes e v' (k^T's B operand).
-                    put(y_s, along_rows(e, tile) * vnew)
+                    put(y_s.at[chain], along_rows(e, tile) * vnew)
                     plgpu.commit_smem()
-                    plgpu.barrier_arrive(published.at[half])
-                    upd = matmul(k_s.at[stage].T, view(y_s), state)
+                    plgpu.barrier_arrive(published.at[slot_bar])
+                    upd = matmul(k_s.at[stage].T, view(y_s.at[chain]), state)
 
                     @pl.when(j + stages < num)
                     def _():
@@ -447,38 +426,30 @@ def state_pass(
                     return d * s + upd
 
                 s = lax.fori_loop(0, num, step, s0)
-                write_final_state(s, pool_ref, slot, h, cols, st_s)
+                write_final_state(s, pool_ref, slot, h, cols, my_st)
 
-        def form_p(stage):
-            """``P`` of the chunk in ``stage`` into ``p_s`` (the intra kernel's formula and
-            order of operations), committed for the wgmma. The last reader of ``p_s``, the
-            previous chunk's ``P v'``, has been waited for."""
-            w = w_s.at[stage]
-            shape = (CHUNK, CHUNK)
-            ri = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=WG)
-            ci = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WG)
-            gc_row = plgpu.load(w.at[VEC_GC_ROWS], layout=ROWS)
-            decay = causal_decay(gc_row, w.at[VEC_GC_COLS], ri, ci)
-            qk = matmul(q_s.at[stage], k_s.at[stage].T, (CHUNK, CHUNK))
-            row_scale = plgpu.load(w.at[VEC_RQ_ROWS], layout=ROWS)
-            col_scale = plgpu.load(w.at[VEC_RK_COLS], layout=COLS)
-            p_s[...] = causal_scores(qk, row_scale, col_scale, decay).astype(BF16)
-            plgpu.commit_smem()
+        for chain in range(chains):
 
-        @pl.when(wg == OUTPUT)
+            @pl.when(wg == PRODUCER + 1 + chain)
+            def _(chain=chain):
+                plgpu.set_max_registers(regs, action="increase")
+                state_chain(chain)
+
+        @pl.when(wg == output_wg)
         def _output():
-            plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+            plgpu.set_max_registers(regs, action="increase")
 
             @pl.when(~real)
             def _padding():
                 zeros = plgpu.layout_cast(jnp.zeros(tile, out_dtype), WG)
-                o_s[...] = zeros
+                o_s[0] = zeros
                 o_p[...] = zeros
                 plgpu.commit_smem()
 
                 @pl.loop(0, num)
                 def _(j):
-                    store(o_s, o_p, j)
+                    for cols in chain_cols:
+                        store(o_s.at[0], lambda: None, j, cols)
 
                 plgpu.wait_smem_to_gmem(0)
 
@@ -488,30 +459,23 @@ def state_pass(
                 def _(j):
                     stage = lax.rem(j, stages)
                     half = lax.rem(j, HANDOFF)
-                    lo, hi = tab_ref[1, c0 + j], tab_ref[2, c0 + j]
                     plgpu.barrier_wait(loaded.at[stage])
-                    if forms_p:
-                        p_tile = p_s
-                        form_p(stage)  # needs nothing of the chain: before its hand-off
-                    else:
-                        p_tile = p_s.at[stage]
-                    plgpu.barrier_wait(published.at[half])
                     b = plgpu.load(w_s.at[stage, 1], layout=ROWS)
-                    qs = matmul(q_s.at[stage], view(s_pub.at[half]), tile)
-                    pv = matmul(p_tile, view(vp_pub.at[half]), tile)
+                    outs = []
+                    for chain in range(chains):
+                        slot_bar = chain * HANDOFF + half
+                        plgpu.barrier_wait(published.at[slot_bar])
+                        qs = matmul(q_s.at[stage], view(s_pub.at[chain, half]), tile)
+                        pv = matmul(p_s.at[stage], view(vp_pub.at[chain, half]), tile)
 
-                    @pl.when(j + HANDOFF < num)
-                    def _():
-                        plgpu.barrier_arrive(retired.at[half])
+                        @pl.when(j + HANDOFF < num)
+                        def _(slot_bar=slot_bar):
+                            plgpu.barrier_arrive(retired.at[slot_bar])
 
-                    out = (along_rows(b, tile) * qs + pv).astype(out_dtype)
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's store
-                    o_s[...] = out
-
-                    @pl.when((lo != 0) | (hi != CHUNK))
-                    def _():
-                        o_p[...] = out
-
+                        outs.append((along_rows(b, tile) * qs + pv).astype(out_dtype))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores
+                    for chain, out in enumerate(outs):
+                        o_s[chain] = out
                     # The fence also orders this warpgroup's plain read of the stage (b)
                     # before the producer's next TMA into it (generic, then async proxy):
                     # without it the interpreter's race detector reports that pair.
@@ -521,20 +485,24 @@ def state_pass(
                     def _():
                         plgpu.barrier_arrive(consumed.at[stage])
 
-                    store(o_s, o_p, j)
+                    for chain, out in enumerate(outs):
+
+                        def rows(out=out):
+                            o_p[...] = out
+                            plgpu.commit_smem()
+
+                        store(o_s.at[chain], rows, j, chain_cols[chain])
 
                 plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((tokens, heads, value_dim), out_dtype),
-        scratch_types=_scratch(key_dim, bv, stages, out_dtype, forms_p),
+        scratch_types=_scratch(key_dim, bv, stages, out_dtype, chains),
         grid=(n_seqs + 1, heads, value_dim // bv),
         grid_names=("n", "h", "v"),
-        num_threads=3,
+        num_threads=chains + 2,
         thread_name="wg",
-        # ex2.approx for P's decay tile, as the intra kernel (the pass has no other exp).
-        compiler_params=plgpu.CompilerParams(approx_math=True) if forms_p else None,
         interpret=interpret,
-        kernel_name="gdn_chunk_state_ws_p" if forms_p else "gdn_chunk_state_ws",
+        kernel_name="gdn_chunk_state_ws",
     )(*inputs)

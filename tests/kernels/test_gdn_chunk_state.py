@@ -24,7 +24,7 @@ from pallas_kernels._common import on_hopper_gpu
 from pallas_kernels._mgpu_chunks import ALIGN, BF16, CHUNK, F32, chunk_table
 from pallas_kernels.gdn import _chunk_state, chunk_mgpu
 from pallas_kernels.gdn import reference as gdn_reference
-from pallas_kernels.gdn._chunk_intra import VEC_ROWS, VEC_ROWS_WITHOUT_P
+from pallas_kernels.gdn._chunk_intra import VEC_ROWS
 
 # Starts at 0, 100 and 137 (unaligned: leading masked rows), an empty sequence, partial
 # chunks, a sequence of 5 chunks (every stage and hand-off slot reused), 13 padding tokens,
@@ -49,12 +49,11 @@ def _interpret(gpu: bool):
 
 
 @functools.cache
-def _case(lens: tuple[int, ...], tokens: int, dims=SMALL, gpu=False, seed=0, form_p=True):
+def _case(lens: tuple[int, ...], tokens: int, dims=SMALL, gpu=False, seed=0):
     """The op's arguments (distinct random slots, has_initial_state alternating, the pool NaN
     wherever nothing may read it: slots nobody names and slots of sequences starting from
     zeros) and the state pass's inputs, prepared as ``chunk_mgpu`` prepares them; ``gpu``:
-    the intra kernel runs compiled instead of interpreted; ``form_p=False``: the intra
-    kernel leaves P to the state pass (``p`` None, the longer vectors)."""
+    the intra kernel runs compiled instead of interpreted."""
     h, hv, kd, vd = dims
     rng = np.random.default_rng(seed)
     n = len(lens)
@@ -84,21 +83,16 @@ def _case(lens: tuple[int, ...], tokens: int, dims=SMALL, gpu=False, seed=0, for
     beta_t = jnp.pad(args["beta"].T, [(0, 0), (0, pad)])
     table, first = chunk_table(args["qsl"], padded, -(-padded // CHUNK) + 2 * (n + 1))
     intra = jax.jit(
-        functools.partial(
-            chunk_mgpu._intra, n_seqs=n, scale=kd**-0.5, form_p=form_p, interpret=_interpret(gpu)
-        )
+        functools.partial(chunk_mgpu._intra, n_seqs=n, scale=kd**-0.5, interpret=_interpret(gpu))
     )
-    if form_p:
-        m, p, vecs = intra(q, k, g_t, beta_t, table, first)
-    else:
-        (m, vecs), p = intra(q, k, g_t, beta_t, table, first), None
+    m, p, vecs = intra(q, k, g_t, beta_t, table, first)
     inputs = (q, k, v, m, p, vecs, table, first, jnp.asarray(idx), jnp.asarray(init, jnp.int32))
     return args, inputs
 
 
-def _run(state_fn, lens, tokens, dims=SMALL, gpu=False, form_p=True, **kw):
+def _run(state_fn, lens, tokens, dims=SMALL, gpu=False, **kw):
     """``state_fn`` on the case's inputs with the pool as a mutable ref: ``(o, pool)``."""
-    args, inputs = _case(lens, tokens, dims, gpu, form_p=form_p)
+    args, inputs = _case(lens, tokens, dims, gpu)
 
     def call(pool, *inputs):
         ref = jax.new_ref(pool)
@@ -127,7 +121,7 @@ def _oracle(lens, tokens, dims=SMALL, gpu=False):
 
 
 def _check(lens, tokens, block_v, o, pool, dims=SMALL, gpu=False):
-    """Bits of chunk_mgpu's state pass (on the GPU: its values, the compiler may contract
+    """Bits of chunk_mgpu's state pass at ``block_v`` (on the GPU: its values, the compiler may contract
     the float32 operations differently); the oracle's values; padding zero; slots nobody
     writes (incl. an empty sequence's) bit-identical to the input pool."""
     o_old, pool_old = _baseline(lens, tokens, block_v, dims, gpu)
@@ -153,58 +147,56 @@ def _check(lens, tokens, block_v, o, pool, dims=SMALL, gpu=False):
 
 
 @pytest.mark.parametrize(
-    "block_v, stages", [(64, 2), (64, 3), (32, 2), (32, 3)], ids=lambda x: str(x)
+    "block_v, stages, chains",
+    [(64, 2, 1), (64, 3, 1), (32, 2, 1), (32, 3, 1), (64, 2, 2), (64, 3, 2)],
+    ids=lambda x: str(x),
 )
-def test_varlen_state_pass_gives_chunk_mgpu_bits_and_writes_only_its_slots(block_v, stages):
+def test_varlen_state_pass_gives_chunk_mgpu_bits_and_writes_only_its_slots(block_v, stages, chains):
+    # Two chains of 32 columns share the stages of a 64-column CTA: each computes what a
+    # 32-column CTA does, so the bits of chunk_mgpu's one-warpgroup pass at block_v 32 (its
+    # wgmmas of 32 columns sum in another order than 64-column ones). SMALL has V=64: one
+    # CTA of two chains holds all of a head's columns.
     lens, tokens = VARLEN
     o, pool = _run(
-        _chunk_state.state_pass, lens, tokens, block_v=block_v, stages=stages, interpret=True
-    )
-    _check(lens, tokens, block_v, o, pool)
-
-
-def test_state_pass_forming_p_gives_the_bits_of_p_from_the_intra_kernel():
-    # The intra kernel without q k^T and P, the output warpgroup forming P from the staged q,
-    # k and the longer vectors: same operands and float32 order as the intra kernel's P, so
-    # chunk_mgpu's one-warpgroup pass (reading the intra kernel's P) gives the same bits.
-    # block_v 32 (K-major B operands); test_gdn_chunk_mgpu.py runs 64 against the oracle.
-    lens, tokens = VARLEN
-    block_v, stages = 32, 3
-    o, pool = _run(
-        _chunk_state.state_pass, lens, tokens, form_p=False, block_v=block_v, stages=stages,
+        _chunk_state.state_pass, lens, tokens, block_v=block_v, stages=stages, chains=chains,
         interpret=True,
     )  # fmt: skip
-    _check(lens, tokens, block_v, o, pool)
+    _check(lens, tokens, block_v // chains, o, pool)
 
 
 @pytest.mark.parametrize(
-    "lens, tokens, block_v, stages",
-    [((30,), 40, 32, 3), ((0, 0), 16, 64, 2)],
-    ids=["shorter-than-a-chunk", "all-empty"],
+    "lens, tokens, block_v, stages, chains",
+    [((30,), 40, 32, 3, 1), ((0, 0), 16, 64, 2, 1), ((0, 0), 16, 64, 2, 2)],
+    ids=["shorter-than-a-chunk", "all-empty", "all-empty-two-chains"],
 )
-def test_tiny_and_empty_calls_write_only_what_they_must(lens, tokens, block_v, stages):
+def test_tiny_and_empty_calls_write_only_what_they_must(lens, tokens, block_v, stages, chains):
     o, pool = _run(
-        _chunk_state.state_pass, lens, tokens, block_v=block_v, stages=stages, interpret=True
-    )
+        _chunk_state.state_pass, lens, tokens, block_v=block_v, stages=stages, chains=chains,
+        interpret=True,
+    )  # fmt: skip
     assert o.shape == (tokens, SMALL[1], SMALL[3])
-    _check(lens, tokens, block_v, o, pool)
+    _check(lens, tokens, block_v // chains, o, pool)
 
 
-def test_warpgroups_hand_over_tiles_without_a_data_race():
-    # The interpreter's happens-before race detector sees every SMEM access of the three
+@pytest.mark.parametrize("block_v, chains", [(32, 1), (64, 2)], ids=["one-chain", "two-chains"])
+def test_warpgroups_hand_over_tiles_without_a_data_race(block_v, chains):
+    # The interpreter's happens-before race detector sees every SMEM access of the
     # warpgroups and the TMA engine. It can fail: without the `retired` wait (tried by hand)
     # it reports a race while the values stay right, and it found the missing proxy fence
-    # before the output warpgroup hands a stage back.
+    # before the output warpgroup hands a stage back. Two chains: the shared stages, the
+    # per-chain hand-offs and the row-by-row staging tile the output reuses per chain.
     lens, tokens = (37, 150), 200
     params = plgpu.InterpretGPUParams(detect_races=True)
-    o, pool = _run(_chunk_state.state_pass, lens, tokens, block_v=32, stages=2, interpret=params)
+    o, pool = _run(
+        _chunk_state.state_pass, lens, tokens, block_v=block_v, stages=2, chains=chains,
+        interpret=params,
+    )  # fmt: skip
     assert not gpu_callbacks.get_races().races_found
-    _check(lens, tokens, 32, o, pool)
+    _check(lens, tokens, block_v // chains, o, pool)
 
 
-def _lower(block_v, stages, d=128, forms_p=False, vec_rows=None):
-    """The state pass jitted with the pool donated, lowered for cuda at Qwen3-Next TP1 dims;
-    ``forms_p``: without P, from the longer vectors (``vec_rows`` of them if given)."""
+def _lower(block_v, stages, d=128, chains=1):
+    """The state pass jitted with the pool donated, lowered for cuda at Qwen3-Next TP1 dims."""
     shape = jax.ShapeDtypeStruct
     tokens, n, h, hv = 4096, 3, 16, 32
     nc = tokens // CHUNK + 2 * (n + 1)
@@ -214,7 +206,7 @@ def _lower(block_v, stages, d=128, forms_p=False, vec_rows=None):
         shape((tokens, hv, d), BF16),
         shape((nc, hv, CHUNK, CHUNK), BF16),
         shape((nc, hv, CHUNK, CHUNK), BF16),
-        shape((nc, hv, vec_rows or (VEC_ROWS_WITHOUT_P if forms_p else VEC_ROWS), CHUNK), F32),
+        shape((nc, hv, VEC_ROWS, CHUNK), F32),
         shape((3, nc), jnp.int32),
         shape((n + 2,), jnp.int32),
         shape((n,), jnp.int32),
@@ -224,10 +216,8 @@ def _lower(block_v, stages, d=128, forms_p=False, vec_rows=None):
 
     def call(*a):
         ref = jax.new_ref(a[-1])
-        q, k, v, m, p, *rest = a[:-1]
-        p = None if forms_p else p
         o = _chunk_state.state_pass(
-            q, k, v, m, p, *rest, ref, n_seqs=n, block_v=block_v, stages=stages
+            *a[:-1], ref, n_seqs=n, block_v=block_v, stages=stages, chains=chains
         )
         return o, jax.freeze(ref)
 
@@ -235,69 +225,55 @@ def _lower(block_v, stages, d=128, forms_p=False, vec_rows=None):
 
 
 @pytest.mark.parametrize(
-    "block_v, stages, forms_p",
-    [(32, 2, False), (32, 3, False), (64, 2, False), (32, 3, True), (64, 2, True)],
-    ids=["32-2", "32-3", "64-2", "32-3-forms-p", "64-2-forms-p"],
+    "block_v, stages, chains",
+    [(32, 2, 1), (32, 3, 1), (64, 2, 1), (64, 2, 2)],
+    ids=["32-2", "32-3", "64-2", "64-2-two-chains"],
 )
-def test_lowers_for_cuda_at_qwen3_next_shapes_within_the_counted_smem(block_v, stages, forms_p):
+def test_lowers_for_cuda_at_qwen3_next_shapes_within_the_counted_smem(block_v, stages, chains):
     # Mosaic GPU refuses at lowering a kernel over its SMEM bound: with the bound set to
     # smem_bytes the kernel lowers, one byte under it does not, so the count is Mosaic's own.
-    need = _chunk_state.smem_bytes(128, block_v, stages, forms_p=forms_p)
+    need = _chunk_state.smem_bytes(128, block_v, stages, chains=chains)
     assert need <= _chunk_state.SMEM_LIMIT
-    name = "gdn_chunk_state_ws_p" if forms_p else "gdn_chunk_state_ws"
     with mosaic_gpu_core.artificial_shared_memory_limit(need):
-        assert name in _lower(block_v, stages, forms_p=forms_p).as_text()
+        assert "gdn_chunk_state_ws" in _lower(block_v, stages, chains=chains).as_text()
     with mosaic_gpu_core.artificial_shared_memory_limit(need - 1):
         with pytest.raises(ValueError, match="exceeds available shared memory"):
-            _lower(block_v, stages, forms_p=forms_p)
+            _lower(block_v, stages, chains=chains)
 
 
 def test_configs_over_the_smem_budget_or_outside_the_kernel_are_refused():
     reason = _chunk_state.unsupported_reason
     allowed = {
-        (bv, st)
-        for bv in (32, 64)
+        (bv, st, ch)
+        for bv in (32, 64, 128)
         for st in (2, 3)
-        if reason(128, 128, block_v=bv, stages=st) is None
+        for ch in (1, 2)
+        if reason(128, 128, block_v=bv, stages=st, chains=ch) is None
     }
-    assert allowed == {(32, 2), (32, 3), (64, 2)}
+    assert allowed == {(32, 2, 1), (32, 3, 1), (64, 2, 1), (64, 2, 2)}
     assert "stages=3" in reason(128, 128, block_v=64, stages=3)
     assert reason(64, 64, block_v=64, stages=3) is None  # K=64 tiles are half the size
+    assert reason(64, 64, block_v=64, stages=3, chains=2) is None
     assert "block_v=48" in reason(128, 128, block_v=48, stages=2)
+    assert "block_v=32" in reason(128, 128, block_v=32, stages=2, chains=2)  # 16 per chain
     assert "stages=4" in reason(128, 128, block_v=32, stages=4)
+    assert "chains=3" in reason(128, 128, block_v=96, stages=2, chains=3)
     with pytest.raises(ValueError, match="SMEM"):
         _lower(64, 3)
-    # Forming P in the output warpgroup frees a P tile per stage but takes one of its own:
-    # 3 stages at block_v 64 still do not fit (262 KB), and every default config still does.
-    allowed_p = {
-        (bv, st)
-        for bv in (32, 64)
-        for st in (2, 3)
-        if reason(128, 128, block_v=bv, stages=st, forms_p=True) is None
-    }
-    assert allowed_p == allowed
-    assert "with P formed" in reason(128, 128, block_v=64, stages=3, forms_p=True)
-    for bv, st in allowed:
-        assert _chunk_state.smem_bytes(128, bv, st, forms_p=True) < _chunk_state.smem_bytes(
-            128, bv, st
-        )
     with pytest.raises(ValueError, match="SMEM"):
-        _lower(64, 3, forms_p=True)
-    with pytest.raises(ValueError, match="form_p=False"):  # P to form, the 4-row vectors
-        _lower(32, 3, forms_p=True, vec_rows=VEC_ROWS)
+        _lower(64, 3, chains=2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper_gpu(), reason="needs an sm_90 GPU")
 @pytest.mark.parametrize(
-    "block_v, stages, forms_p",
-    [(32, 2, False), (32, 3, False), (64, 2, False), (32, 3, True), (64, 2, True)],
-    ids=["32-2", "32-3", "64-2", "32-3-forms-p", "64-2-forms-p"],
+    "block_v, stages, chains",
+    [(32, 2, 1), (32, 3, 1), (64, 2, 1), (64, 2, 2)],
+    ids=["32-2", "32-3", "64-2", "64-2-two-chains"],
 )
-def test_on_the_gpu_state_pass_matches_chunk_mgpu_at_qwen3_next_dims(block_v, stages, forms_p):
+def test_on_the_gpu_state_pass_matches_chunk_mgpu_at_qwen3_next_dims(block_v, stages, chains):
     # Every varlen path at the production dims, compiled: unaligned starts, partial chunks,
-    # an empty sequence, sequences of 16 and 48 chunks, 13 padding tokens. forms_p: the intra
-    # kernel without P, the output warpgroup forming it.
+    # an empty sequence, sequences of 16 and 48 chunks, 13 padding tokens.
     lens, tokens = (1000, 0, 37, 3000, 77, 1), 4128
     o, pool = _run(
         _chunk_state.state_pass,
@@ -305,8 +281,8 @@ def test_on_the_gpu_state_pass_matches_chunk_mgpu_at_qwen3_next_dims(block_v, st
         tokens,
         QWEN3_NEXT,
         True,
-        form_p=not forms_p,
         block_v=block_v,
         stages=stages,
+        chains=chains,
     )
-    _check(lens, tokens, block_v, o, pool, QWEN3_NEXT, True)
+    _check(lens, tokens, block_v // chains, o, pool, QWEN3_NEXT, True)
