@@ -32,32 +32,14 @@ from pallas_kernels._mgpu_chunks import (
     matmul,
 )
 
-__all__ = [
-    "EPS",
-    "SOLVE_SHAPE",
-    "VEC_GC_COLS",
-    "VEC_GC_ROWS",
-    "VEC_RK_COLS",
-    "VEC_RQ_ROWS",
-    "VEC_ROWS",
-    "VEC_ROWS_WITHOUT_P",
-    "causal_decay",
-    "causal_scores",
-    "chunk_gates",
-    "chunk_intra",
-    "unit_lower_inverse",
-]
+__all__ = ["EPS", "SOLVE_SHAPE", "VEC_ROWS", "chunk_gates", "chunk_intra", "unit_lower_inverse"]
 
 EPS = 1e-6  # inside the l2 norm's square root
 
 # Rows of the float32 [rows, 64] vectors the intra kernel writes per (chunk, value head):
 # rk exp(gc), scale rq exp(gc), rk exp(gc_last - gc), exp(gc_last) (only its first entry is
-# read). A state pass that forms P itself (``_chunk_state``, p=None) reads four more: gc once
-# per register layout it is read in (a vector is loaded in one layout per SMEM copy), then
-# P's row scaling ``scale rq`` and column scaling ``rk``.
+# read).
 VEC_ROWS = 4
-VEC_GC_ROWS, VEC_GC_COLS, VEC_RQ_ROWS, VEC_RK_COLS = 4, 5, 6, 7
-VEC_ROWS_WITHOUT_P = 8
 
 
 BLOCK = 16  # diagonal blocks of T solved by substitution before the doubling levels
@@ -158,34 +140,6 @@ def unit_lower_inverse(a: jax.Array, l_s, t_s, solve_s=None) -> jax.Array:
     return t
 
 
-def causal_decay(gc_row: jax.Array, gc_col_s, ri: jax.Array, ci: jax.Array) -> jax.Array:
-    """``exp(gc_i - gc_j)`` on and below the diagonal, 0 above: float32 ``[64, 64]`` (WG).
-
-    ``gc_row``: the chunk's cumulative log decay in the ROWS layout; ``gc_col_s``: its SMEM
-    copy read in the COLS layout (loaded here: the intra kernel's order of operations, which
-    the H200 measured); ``ri``, ``ci``: the caller's row and column iotas. The exponent is
-    masked before exp: acausal pairs have ``gc_i - gc_j > 0``, and the factored form
-    ``exp(gc_i) exp(-gc_j)`` overflows for strong decays.
-    """
-    shape = (CHUNK, CHUNK)
-    expo = along_rows(gc_row, shape) - along_cols(plgpu.load(gc_col_s, layout=COLS), shape)
-    return jnp.exp(jnp.where(ri >= ci, expo, -jnp.inf))
-
-
-def causal_scores(
-    qk: jax.Array, row_scale: jax.Array, col_scale: jax.Array, decay: jax.Array
-) -> jax.Array:
-    """``P = qk_ij row_scale_i col_scale_j decay_ij``, float32 ``[64, 64]`` (WG).
-
-    ``qk``: ``q k^T`` of the raw (not normalised) tiles; ``row_scale`` (ROWS): ``scale rq``;
-    ``col_scale`` (COLS): ``rk``; ``decay``: ``causal_decay``. One order of the float32
-    products wherever ``P`` is formed, so the intra kernel's ``P`` and a state pass's give the
-    same bits from the same inputs.
-    """
-    shape = (CHUNK, CHUNK)
-    return qk * along_rows(row_scale, shape) * along_cols(col_scale, shape) * decay
-
-
 def chunk_intra(q_s, k_s, gc_r, gc_c, b_r, b_c, m_s, p_s, vec_s, *, scale: float, solve_s=None):
     """Fill ``m_s``, ``p_s`` (bf16 ``[64, 64]``) and ``vec_s`` (float32 ``[4, 64]``) for a chunk.
 
@@ -208,8 +162,10 @@ def chunk_intra(q_s, k_s, gc_r, gc_c, b_r, b_c, m_s, p_s, vec_s, *, scale: float
     plgpu.commit_smem()
     rk_col = plgpu.load(vec_s.at[0], layout=COLS)
     gc_row = plgpu.load(gc_r, layout=ROWS)
-    # One exp tile serves P (lower) and A, whose diagonal the inverse never reads.
-    decay = causal_decay(gc_row, gc_c, ri, ci)
+    expo = along_rows(gc_row, shape) - along_cols(plgpu.load(gc_c, layout=COLS), shape)
+    # Exponents are masked before exp (acausal pairs have gc_i - gc_j > 0). One exp tile
+    # serves P (lower) and A, whose diagonal the inverse never reads.
+    decay = jnp.exp(jnp.where(ri >= ci, expo, -jnp.inf))
     beta_row = plgpu.load(b_r, layout=ROWS)
     a = kk * along_rows(beta_row * rk_row, shape) * along_cols(rk_col, shape) * decay
     t = unit_lower_inverse(a, m_s, p_s, solve_s)
@@ -217,7 +173,8 @@ def chunk_intra(q_s, k_s, gc_r, gc_c, b_r, b_c, m_s, p_s, vec_s, *, scale: float
     qk = matmul(q_s, k_s.T, shape)
     qf = plgpu.load(q_s, layout=WG).astype(F32)
     rq_row = lax.rsqrt((qf * qf).sum(axis=1) + EPS)
-    p_s[...] = causal_scores(qk, scale * rq_row, rk_col, decay).astype(BF16)
+    p = qk * along_rows(scale * rq_row, shape) * along_cols(rk_col, shape) * decay
+    p_s[...] = p.astype(BF16)
     g_last = gc_r[CHUNK - 1]  # the chunk's total decay (rows past the end add zeros)
     decay_in = jnp.exp(gc_row)
     vec_s[0] = rk_row * decay_in
