@@ -1,5 +1,5 @@
-"""The state pass of the chunked GDN prefill, warp-specialised: a producer, one or two state
-chains and an output warpgroup per CTA.
+"""The state pass of the chunked GDN prefill, warp-specialised: a producer, and one or two
+pairs of a state chain and an output warpgroup per CTA.
 
 A drop-in for ``chunk_mgpu._state`` (kernel 2; same inputs, outputs, grid and varlen rules,
 math in ``chunk_mgpu.py``'s docstring). There, one warpgroup per CTA runs five dependent
@@ -20,11 +20,12 @@ one CTA per SM that leaves one warp per scheduler and the SM idle on latency. He
   columns share one stage ring: the same q, k, M, P bytes feed 64 columns, and the SM has
   two independent chains in flight instead of one twice as wide (a 64-column chain is
   ~1.5x slower per chunk than a 32-column one, benchmarks/prefill_notes.md).
-* the last warpgroup, the output: ``o = b (q S) + P v'`` per chain from the published tiles,
-  and the stores (a full chunk with one TMA, a partial chunk row by row), overlapping the
-  next chunk's chains. It also writes the zeros of the padding segment. ``published`` (chain
-  -> output) and ``retired`` (output -> chain), one pair per chain, hand a slot over; with
-  two slots the output may lag a chunk.
+* one output warpgroup per chain: ``o = b (q S) + P v'`` for the chain's columns from its
+  published tiles, and the store (a full chunk with one TMA, a partial chunk row by row),
+  overlapping the next chunk's chain. It also writes the zeros of the padding segment.
+  ``published`` (chain -> output) and ``retired`` (output -> chain), one pair per chain,
+  hand a slot over; with two slots the output may lag a chunk. (One output warpgroup
+  serving two chains ran at 1.8 us per chunk on the H200, one chain at 1.1.)
 
 Every waiting warpgroup waits for every phase of each barrier in order (Mosaic GPU tracks a
 barrier's parity per thread): a phase is only signalled when a later chunk waits for it. A
@@ -89,9 +90,9 @@ _BARRIER_BYTES = 8
 
 
 def compute_registers(chains: int) -> int:
-    """Registers per thread of each chain and of the output warpgroup: what the producer
-    leaves, shared evenly (232 with one chain, 152 with two)."""
-    return (512 - PRODUCER_REGS) // (chains + 1) // 8 * 8
+    """Registers per thread of each chain and output warpgroup: what the producer leaves,
+    shared evenly (232 with one chain, 112 with two)."""
+    return (512 - PRODUCER_REGS) // (2 * chains) // 8 * 8
 
 
 def put_b_operand(ref, x: jax.Array, kmajor: bool) -> None:
@@ -174,13 +175,12 @@ def _scratch(key_dim: int, block_v: int, stages: int, out_dtype, chains: int = 1
         b_operand(chains, *tile),  # each chain's Y = v - a kS, then e v'
         smem((chains, *tile), out_dtype),  # output staging of a full chunk
         # A TMA's SMEM address must be 128-byte aligned: rows of the row-by-row staging tile
-        # are padded to 128 bytes (a 32-column bf16 row is only 64). One tile serves every
-        # chain in turn (each row-by-row store is waited for).
-        plgpu.SMEM((CHUNK, max(cv, 128 // out_dtype.itemsize)), out_dtype),
+        # are padded to 128 bytes (a 32-column bf16 row is only 64).
+        plgpu.SMEM((chains, CHUNK, max(cv, 128 // out_dtype.itemsize)), out_dtype),
         plgpu.SMEM((chains, key_dim, cv), F32),  # initial and final state
         # loaded: the TMAs of a stage (q, k, M, P, the vectors and each chain's v)
         plgpu.Barrier(num_arrivals=5 + chains, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=chains + 1, num_barriers=stages),  # consumed
+        plgpu.Barrier(num_arrivals=2 * chains, num_barriers=stages),  # consumed
         plgpu.Barrier(num_arrivals=1, num_barriers=chains * HANDOFF),  # published
         plgpu.Barrier(num_arrivals=1, num_barriers=chains * HANDOFF),  # retired
         plgpu.Barrier(num_barriers=chains),  # the initial state's TMA
@@ -288,7 +288,6 @@ def state_pass(
     kmajor = cv < 64  # see put_b_operand
     put = functools.partial(put_b_operand, kmajor=kmajor)
     view = functools.partial(b_operand_view, kmajor=kmajor)
-    output_wg = chains + 1
     regs = compute_registers(chains)
 
     inputs = (q, k, v, m, p, vecs, table, first, slots, has_init, pool)
@@ -327,7 +326,6 @@ def state_pass(
             retired,
             st_bar,
         ) = scratch
-        o_p = o_rows.at[:, pl.ds(0, cv)]
         wg = lax.axis_index("wg")
         n, h, iv = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("v")
         hk = lax.div(h, group)
@@ -339,10 +337,9 @@ def state_pass(
         slot = slot_ref[seq]
         work = real & (num > 0)
 
-        def store(src_full, rows, j, cols):
-            """Chunk ``j``'s staged output columns ``cols``: one TMA of ``src_full`` when all
-            64 rows are the segment's, else ``rows()`` (it fills ``o_p``) and its valid rows
-            ``lo..hi-1`` one TMA each (never a neighbour's rows)."""
+        def store(src_full, src_rows, j, cols):
+            """Chunk ``j``'s staged output columns ``cols``: one TMA when all 64 rows are the
+            segment's, else its valid rows ``lo..hi-1`` one TMA each (never a neighbour's)."""
             start = pl.multiple_of(tab_ref[0, c0 + j], ALIGN)
             lo, hi = tab_ref[1, c0 + j], tab_ref[2, c0 + j]
             whole = (lo == 0) & (hi == CHUNK)
@@ -353,8 +350,7 @@ def state_pass(
 
             @pl.when(~whole)
             def _():
-                rows()
-                store_valid_rows(o_p, o_ref, start, lo, hi, h, cols)
+                store_valid_rows(src_rows, o_ref, start, lo, hi, h, cols)
 
         @pl.when(wg == PRODUCER)
         def _producer():
@@ -428,28 +424,20 @@ def state_pass(
                 s = lax.fori_loop(0, num, step, s0)
                 write_final_state(s, pool_ref, slot, h, cols, my_st)
 
-        for chain in range(chains):
-
-            @pl.when(wg == PRODUCER + 1 + chain)
-            def _(chain=chain):
-                plgpu.set_max_registers(regs, action="increase")
-                state_chain(chain)
-
-        @pl.when(wg == output_wg)
-        def _output():
-            plgpu.set_max_registers(regs, action="increase")
+        def output(chain: int):
+            cols = chain_cols[chain]
+            my_o, my_rows = o_s.at[chain], o_rows.at[chain, :, pl.ds(0, cv)]
 
             @pl.when(~real)
             def _padding():
                 zeros = plgpu.layout_cast(jnp.zeros(tile, out_dtype), WG)
-                o_s[0] = zeros
-                o_p[...] = zeros
+                my_o[...] = zeros
+                my_rows[...] = zeros
                 plgpu.commit_smem()
 
                 @pl.loop(0, num)
                 def _(j):
-                    for cols in chain_cols:
-                        store(o_s.at[0], lambda: None, j, cols)
+                    store(my_o, my_rows, j, cols)
 
                 plgpu.wait_smem_to_gmem(0)
 
@@ -459,23 +447,26 @@ def state_pass(
                 def _(j):
                     stage = lax.rem(j, stages)
                     half = lax.rem(j, HANDOFF)
+                    slot_bar = chain * HANDOFF + half
+                    lo, hi = tab_ref[1, c0 + j], tab_ref[2, c0 + j]
                     plgpu.barrier_wait(loaded.at[stage])
+                    plgpu.barrier_wait(published.at[slot_bar])
                     b = plgpu.load(w_s.at[stage, 1], layout=ROWS)
-                    outs = []
-                    for chain in range(chains):
-                        slot_bar = chain * HANDOFF + half
-                        plgpu.barrier_wait(published.at[slot_bar])
-                        qs = matmul(q_s.at[stage], view(s_pub.at[chain, half]), tile)
-                        pv = matmul(p_s.at[stage], view(vp_pub.at[chain, half]), tile)
+                    qs = matmul(q_s.at[stage], view(s_pub.at[chain, half]), tile)
+                    pv = matmul(p_s.at[stage], view(vp_pub.at[chain, half]), tile)
 
-                        @pl.when(j + HANDOFF < num)
-                        def _(slot_bar=slot_bar):
-                            plgpu.barrier_arrive(retired.at[slot_bar])
+                    @pl.when(j + HANDOFF < num)
+                    def _():
+                        plgpu.barrier_arrive(retired.at[slot_bar])
 
-                        outs.append((along_rows(b, tile) * qs + pv).astype(out_dtype))
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's stores
-                    for chain, out in enumerate(outs):
-                        o_s[chain] = out
+                    out = (along_rows(b, tile) * qs + pv).astype(out_dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's store
+                    my_o[...] = out
+
+                    @pl.when((lo != 0) | (hi != CHUNK))
+                    def _():
+                        my_rows[...] = out
+
                     # The fence also orders this warpgroup's plain read of the stage (b)
                     # before the producer's next TMA into it (generic, then async proxy):
                     # without it the interpreter's race detector reports that pair.
@@ -485,15 +476,22 @@ def state_pass(
                     def _():
                         plgpu.barrier_arrive(consumed.at[stage])
 
-                    for chain, out in enumerate(outs):
-
-                        def rows(out=out):
-                            o_p[...] = out
-                            plgpu.commit_smem()
-
-                        store(o_s.at[chain], rows, j, chain_cols[chain])
+                    store(my_o, my_rows, j, cols)
 
                 plgpu.wait_smem_to_gmem(0)
+
+        # Warpgroups: the producer, the chains, then one output warpgroup per chain.
+        for chain in range(chains):
+
+            @pl.when(wg == PRODUCER + 1 + chain)
+            def _(chain=chain):
+                plgpu.set_max_registers(regs, action="increase")
+                state_chain(chain)
+
+            @pl.when(wg == PRODUCER + 1 + chains + chain)
+            def _(chain=chain):
+                plgpu.set_max_registers(regs, action="increase")
+                output(chain)
 
     return plgpu.kernel(
         body,
@@ -501,7 +499,7 @@ def state_pass(
         scratch_types=_scratch(key_dim, bv, stages, out_dtype, chains),
         grid=(n_seqs + 1, heads, value_dim // bv),
         grid_names=("n", "h", "v"),
-        num_threads=chains + 2,
+        num_threads=1 + 2 * chains,
         thread_name="wg",
         interpret=interpret,
         kernel_name="gdn_chunk_state_ws",
