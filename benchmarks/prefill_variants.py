@@ -7,11 +7,6 @@ kernels' own durations from a profiler trace, ``device_time.py``, with the top k
 the intra-chunk kernel alone. Prints a table last; ``--out DIR`` also writes JSON.
 
     python benchmarks/prefill_variants.py [--out DIR] [--shapes 1x8192] [--variants auto,dbl]
-
-Two state chains per CTA (``c2``) against the default, every varlen path checked first:
-
-    python benchmarks/prefill_variants.py --shapes ragged,1x8192,4x8192,varlen \
-        --variants auto,ws2/64,c2
 """
 
 from __future__ import annotations
@@ -85,14 +80,11 @@ def _variant(spec: str) -> chunk_mgpu.Config:
     """``"auto"``: the default config; ``"dbl"``: the default with ``T`` doubled from 2x2
     blocks instead of the substitution of its diagonal blocks; ``"64"``: block_v 64; a
     trailing ``k`` forces K-major B operands (``"64k"``); ``"ws2"``, ``"ws3"``: the
-    warp-specialised state pass with 2 or 3 stages, ``"ws2/64"`` with block_v 64; ``"c2"``:
-    ``"ws2/64"`` with two state chains of 32 columns per CTA (``Config.state_chains``)."""
+    warp-specialised state pass with 2 or 3 stages, ``"ws2/64"`` with block_v 64."""
     if spec == "auto":
         return chunk_mgpu.Config()
     if spec == "dbl":
         return chunk_mgpu.Config(substitution=False)
-    if spec == "c2":
-        return chunk_mgpu.Config(block_v=64, state_stages=2, state_chains=2)
     if spec.startswith("ws"):
         stages, _, block_v = spec[2:].partition("/")
         return chunk_mgpu.Config(

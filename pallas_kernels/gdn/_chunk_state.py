@@ -1,5 +1,4 @@
-"""The state pass of the chunked GDN prefill, warp-specialised: a producer, and one or two
-pairs of a state chain and an output warpgroup per CTA.
+"""The state pass of the chunked GDN prefill, warp-specialised: three warpgroups per CTA.
 
 A drop-in for ``chunk_mgpu._state`` (kernel 2; same inputs, outputs, grid and varlen rules,
 math in ``chunk_mgpu.py``'s docstring). There, one warpgroup per CTA runs five dependent
@@ -9,31 +8,24 @@ one CTA per SM that leaves one warp per scheduler and the SM idle on latency. He
 (one per sequence segment, value head and ``block_v`` value columns) splits that work:
 
 * warpgroup 0, the producer (few registers): TMA-streams each chunk's q and k tiles, the v
-  columns, ``M``, ``P`` and the row vectors into a ring of ``stages`` SMEM stages.
-  ``loaded`` (the TMA barrier of a stage) hands a stage to every consumer; ``consumed`` (one
-  arrival per consumer) hands it back once all are done with it.
-* warpgroups 1..``chains``, the state chains: each carries ``block_v / chains`` columns of
-  ``S`` (float32 registers) and per chunk does only ``kS``, ``v' = M (v - a kS)`` and
-  ``S <- d S + k^T (e v')``: three wgmmas, the serial part. It publishes its ``S`` columns
-  (bf16, the same tile its own ``kS`` reads) and ``v'`` (bf16) through a 2-slot hand-off
-  before its third wgmma, and writes its final state columns to the pool. Two chains of 32
-  columns share one stage ring: the same q, k, M, P bytes feed 64 columns, and the SM has
-  two independent chains in flight instead of one twice as wide (a 64-column chain is
-  ~1.5x slower per chunk than a 32-column one, benchmarks/prefill_notes.md).
-* one output warpgroup per chain: ``o = b (q S) + P v'`` for the chain's columns from its
-  published tiles, and the store (a full chunk with one TMA, a partial chunk row by row),
-  overlapping the next chunk's chain. It also writes the zeros of the padding segment.
-  ``published`` (chain -> output) and ``retired`` (output -> chain), one pair per chain,
-  hand a slot over; with two slots the output may lag a chunk. (One output warpgroup
-  serving two chains ran at 1.8 us per chunk on the H200, one chain at 1.1.)
+  block, ``M``, ``P`` and the row vectors into a ring of
+  ``stages`` SMEM stages. ``loaded`` (the TMA barrier of a stage) hands a stage to both
+  consumers; ``consumed`` (two arrivals) hands it back once both are done with it.
+* warpgroup 1, the state chain: carries ``S`` (float32 registers) and per chunk does only
+  ``kS``, ``v' = M (v - a kS)`` and ``S <- d S + k^T (e v')``: three wgmmas, the serial part.
+  It publishes ``S`` (bf16, the same tile its own ``kS`` reads) and ``v'`` (bf16) through a
+  2-slot hand-off before its third wgmma, and writes the final state to the pool.
+* warpgroup 2, the output: ``o = b (q S) + P v'`` from the published tiles, and the store
+  (a full chunk with one TMA, a partial chunk row by row), overlapping the next chunk's
+  chain. It also writes the zeros of the padding segment. ``published`` (state -> output) and
+  ``retired`` (output -> state) hand a slot over; with two slots the output may lag a chunk.
 
 Every waiting warpgroup waits for every phase of each barrier in order (Mosaic GPU tracks a
 barrier's parity per thread): a phase is only signalled when a later chunk waits for it. A
 warpgroup hands a stage back only after a ``commit_smem`` (proxy fence) that follows its last
 plain read of it, since the producer's next write there is a TMA (the async proxy).
 
-Operands and the order of float32 operations are ``_state``'s, so both give the same bits
-(with one chain or two).
+Operands and the order of float32 operations are ``_state``'s, so both give the same bits.
 
 Mosaic GPU constraints kept (benchmarks/prefill_notes.md): one wgmma per ``run_scoped``
 accumulator (``matmul``); no reductions over axis 0 of a WGMMA tile in the concurrent
@@ -42,12 +34,14 @@ warpgroups (they share one SMEM reduction scratch and race; there is no reductio
 registers the producer's ``decrease`` frees, also in CTAs with nothing to do).
 
 SMEM per CTA (``smem_bytes``, equal to Mosaic GPU's count; limit 227 KB), K=128:
-``block_v=32``: 162 KB with 2 stages, 215 KB with 3; ``block_v=64``: 218 KB with 2 stages
-(one chain or two), 3 do not fit (275 KB). K=64: 114 / 151 KB and 154 / 195 KB.
+``block_v=32``: 162 KB with 2 stages, 215 KB with 3; ``block_v=64``: 218 KB with 2 stages,
+3 do not fit (275 KB). K=64: 114 / 151 KB and 154 / 195 KB.
 
-Status: one chain ran on the H200 (benchmarks/prefill_notes.md, session 3 run 4: same errors
-as ``_state``, untouched slots bit-identical). Two chains: checked by the interpreter (the
-bits of one) and the ``cuda`` lowering at the production dims; not yet run on a GPU.
+Status: runs on the H200 (benchmarks/prefill_notes.md, session 3 run 4: same errors as
+``_state``, untouched slots bit-identical). Tried there and dropped (session 4, measured in
+prefill_notes.md): ``P`` formed by the output warpgroup (it became the limit), and two
+32-column chains per 64-column CTA (each with one output warpgroup, or one for both): the
+two chains ran 1.6x slower per chunk than one alone on its SM, a loss on every shape.
 """
 
 from __future__ import annotations
@@ -77,22 +71,16 @@ from pallas_kernels.gdn._chunk_intra import VEC_ROWS
 __all__ = ["SMEM_LIMIT", "smem_bytes", "state_pass", "unsupported_reason"]
 
 SMEM_LIMIT = 227 * 1024  # dynamic SMEM per CTA on sm_90 (what Mosaic GPU checks at lowering)
-CHAIN_V = (32, 64)  # value columns of S one state chain carries
-CHAINS = (1, 2)
+BLOCK_V = (32, 64)
 STAGES = (2, 3)
-HANDOFF = 2  # slots of published S / v' between a state chain and the output warpgroup
-PRODUCER = 0  # then the chains, then the output warpgroup
+HANDOFF = 2  # slots of published S / v' between the state and the output warpgroup
+PRODUCER, STATE, OUTPUT = 0, 1, 2
 # Registers per thread after rebalancing (setmaxnreg: multiples of 8, at most 512 summed over
-# the warpgroups; jax's own warp-specialised attention gives its producer the same 40).
+# three warpgroups; jax's own warp-specialised attention uses the same split).
 PRODUCER_REGS = 40
+COMPUTE_REGS = 232
 _SMEM_ALIGN = 1024  # Mosaic GPU aligns each scratch buffer to this
 _BARRIER_BYTES = 8
-
-
-def compute_registers(chains: int) -> int:
-    """Registers per thread of each chain and output warpgroup: what the producer leaves,
-    shared evenly (232 with one chain, 112 with two)."""
-    return (512 - PRODUCER_REGS) // (2 * chains) // 8 * 8
 
 
 def put_b_operand(ref, x: jax.Array, kmajor: bool) -> None:
@@ -150,14 +138,11 @@ def store_valid_rows(src, o_ref, start, lo, hi, head, cols) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
-def _scratch(key_dim: int, block_v: int, stages: int, out_dtype, chains: int = 1) -> tuple:
-    """The kernel's scratch list (the one place its SMEM is decided; see ``smem_bytes``).
-    Per-chain buffers have a leading ``chains`` axis; the staged q, k, M, P and vectors are
-    shared."""
+def _scratch(key_dim: int, bv: int, stages: int, out_dtype) -> tuple:
+    """The kernel's scratch list (the one place its SMEM is decided; see ``smem_bytes``)."""
     out_dtype = jnp.dtype(out_dtype)
-    cv = block_v // chains
-    tile = (CHUNK, cv)
-    kmajor = cv < 64
+    tile = (CHUNK, bv)
+    kmajor = bv < 64
 
     def b_operand(*shape):  # see ``state_pass``: narrow B operands are stored transposed
         *lead, rows, cols = shape
@@ -166,32 +151,31 @@ def _scratch(key_dim: int, block_v: int, stages: int, out_dtype, chains: int = 1
     return (
         smem((stages, CHUNK, key_dim), BF16),  # q
         smem((stages, CHUNK, key_dim), BF16),  # k
-        smem((stages, chains, *tile), BF16),  # v columns of each chain
+        smem((stages, *tile), BF16),  # v block
         smem((stages, CHUNK, CHUNK), BF16),  # M
         smem((stages, CHUNK, CHUNK), BF16),  # P
         plgpu.SMEM((stages, VEC_ROWS, CHUNK), F32),
-        b_operand(chains, HANDOFF, key_dim, cv),  # published S (bf16)
-        b_operand(chains, HANDOFF, *tile),  # published v'
-        b_operand(chains, *tile),  # each chain's Y = v - a kS, then e v'
-        smem((chains, *tile), out_dtype),  # output staging of a full chunk
+        b_operand(HANDOFF, key_dim, bv),  # published S (bf16)
+        b_operand(HANDOFF, *tile),  # published v'
+        b_operand(*tile),  # the state chain's Y = v - a kS, then e v'
+        smem(tile, out_dtype),  # output staging of a full chunk
         # A TMA's SMEM address must be 128-byte aligned: rows of the row-by-row staging tile
         # are padded to 128 bytes (a 32-column bf16 row is only 64).
-        plgpu.SMEM((chains, CHUNK, max(cv, 128 // out_dtype.itemsize)), out_dtype),
-        plgpu.SMEM((chains, key_dim, cv), F32),  # initial and final state
-        # loaded: the TMAs of a stage (q, k, M, P, the vectors and each chain's v)
-        plgpu.Barrier(num_arrivals=5 + chains, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=2 * chains, num_barriers=stages),  # consumed
-        plgpu.Barrier(num_arrivals=1, num_barriers=chains * HANDOFF),  # published
-        plgpu.Barrier(num_arrivals=1, num_barriers=chains * HANDOFF),  # retired
-        plgpu.Barrier(num_barriers=chains),  # the initial state's TMA
+        plgpu.SMEM((CHUNK, max(bv, 128 // out_dtype.itemsize)), out_dtype),
+        plgpu.SMEM((key_dim, bv), F32),  # initial and final state
+        plgpu.Barrier(num_arrivals=6, num_barriers=stages),  # loaded: q, k, v, M, P, vectors
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # consumed: state + output
+        plgpu.Barrier(num_arrivals=1, num_barriers=HANDOFF),  # published
+        plgpu.Barrier(num_arrivals=1, num_barriers=HANDOFF),  # retired
+        plgpu.Barrier(),  # the initial state's TMA
     )
 
 
-def smem_bytes(key_dim: int, block_v: int, stages: int, out_dtype=BF16, *, chains: int = 1) -> int:
+def smem_bytes(key_dim: int, block_v: int, stages: int, out_dtype=BF16) -> int:
     """Dynamic SMEM of one CTA, counted as Mosaic GPU allocates it (each buffer aligned to
     1 KB, then 8 bytes per barrier)."""
     total = barriers = 0
-    for ref in _scratch(key_dim, block_v, stages, out_dtype, chains):
+    for ref in _scratch(key_dim, block_v, stages, out_dtype):
         if isinstance(ref, plgpu.Barrier):
             barriers += math.prod(ref.num_barriers)
         else:
@@ -207,24 +191,18 @@ def unsupported_reason(
     block_v: int,
     stages: int,
     out_dtype=BF16,
-    chains: int = 1,
 ) -> str | None:
     """One sentence on why the state pass cannot take this configuration, or None."""
-    if chains not in CHAINS:
-        return f"chains={chains} must be one of {CHAINS}"
-    if block_v % chains or block_v // chains not in CHAIN_V or value_dim % block_v:
-        return (
-            f"block_v={block_v} must divide V={value_dim} and give each of the {chains} "
-            f"state chains {' or '.join(map(str, CHAIN_V))} columns"
-        )
+    if block_v not in BLOCK_V or value_dim % block_v:
+        return f"block_v={block_v} must be one of {BLOCK_V} and divide V={value_dim}"
     if stages not in STAGES:
         return f"stages={stages} must be one of {STAGES}"
-    need = smem_bytes(key_dim, block_v, stages, out_dtype, chains=chains)
+    need = smem_bytes(key_dim, block_v, stages, out_dtype)
     if need > SMEM_LIMIT:
         return (
-            f"block_v={block_v} with stages={stages} and {chains} chain(s) needs {need} bytes "
-            f"of SMEM per CTA at K={key_dim}, over the {SMEM_LIMIT} of sm_90: use fewer "
-            f"stages or block_v=32"
+            f"block_v={block_v} with stages={stages} needs {need} bytes of SMEM per "
+            f"CTA at K={key_dim}, over the {SMEM_LIMIT} of sm_90: use fewer stages or "
+            f"block_v=32"
         )
     return None
 
@@ -234,7 +212,7 @@ def state_pass(
     k: jax.Array,
     v: jax.Array,
     m: jax.Array,
-    p: jax.Array,
+    p: jax.Array | None,
     vecs: jax.Array,
     table: jax.Array,
     first: jax.Array,
@@ -245,7 +223,6 @@ def state_pass(
     n_seqs: int,
     block_v: int,
     stages: int = 2,
-    chains: int = 1,
     interpret: object = None,
 ) -> jax.Array:
     """The in-order walk over each sequence's chunks (``chunk_mgpu._state``'s contract).
@@ -259,12 +236,10 @@ def state_pass(
       pool: a mutable ref (``jax.new_ref``) of the float32 ``[S, HV, K, V]`` pool: each
         non-empty sequence reads its slot (when ``has_init``) and writes its final state
         there; nothing else is touched.
-      n_seqs: N. block_v: value columns per CTA (32 or 64 per chain). stages: chunks in
-        flight in the SMEM ring (2 or 3, SMEM permitting: ``unsupported_reason``). chains:
-        state-chain warpgroups per CTA (1 or 2), each carrying ``block_v / chains`` columns.
-        interpret: None for the GPU, True or ``plgpu.InterpretGPUParams`` for the Mosaic GPU
-        CPU interpreter (it runs each warpgroup as a thread of XLA's CPU pool: set ``NPROC``
-        >= ``chains + 3`` before JAX starts).
+      n_seqs: N. block_v: value columns per CTA (32 or 64). stages: chunks in flight in the
+        SMEM ring (2 or 3, SMEM permitting: ``unsupported_reason``). interpret: None for the
+        GPU, True or ``plgpu.InterpretGPUParams`` for the Mosaic GPU CPU interpreter (it runs
+        each warpgroup as a thread of XLA's CPU pool: set ``NPROC`` >= 4 before JAX starts).
 
     Returns:
       ``o [T, HV, V]`` in v's dtype; zeros at tokens of the padding segment ``t >= qsl[N]``.
@@ -273,7 +248,7 @@ def state_pass(
     heads, value_dim = v.shape[1], v.shape[2]
     out_dtype = v.dtype
     reason = unsupported_reason(
-        key_dim, value_dim, block_v=block_v, stages=stages, out_dtype=out_dtype, chains=chains
+        key_dim, value_dim, block_v=block_v, stages=stages, out_dtype=out_dtype
     )
     if reason is not None:
         raise ValueError(f"_chunk_state.state_pass: {reason}")
@@ -282,13 +257,11 @@ def state_pass(
     interpret = interpret or None
     group = heads // kv_heads
     bv = block_v
-    cv = bv // chains  # columns of one chain
-    tile = (CHUNK, cv)
-    state = (key_dim, cv)
-    kmajor = cv < 64  # see put_b_operand
+    tile = (CHUNK, bv)
+    state = (key_dim, bv)
+    kmajor = bv < 64  # see put_b_operand
     put = functools.partial(put_b_operand, kmajor=kmajor)
     view = functools.partial(b_operand_view, kmajor=kmajor)
-    regs = compute_registers(chains)
 
     inputs = (q, k, v, m, p, vecs, table, first, slots, has_init, pool)
 
@@ -326,10 +299,11 @@ def state_pass(
             retired,
             st_bar,
         ) = scratch
+        o_p = o_rows.at[:, pl.ds(0, bv)]
         wg = lax.axis_index("wg")
         n, h, iv = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("v")
         hk = lax.div(h, group)
-        chain_cols = [pl.ds(iv * bv + c * cv, cv) for c in range(chains)]
+        cols = pl.ds(iv * bv, bv)
         c0 = first_ref[n]
         num = first_ref[n + 1] - c0
         real = n < n_seqs
@@ -337,9 +311,9 @@ def state_pass(
         slot = slot_ref[seq]
         work = real & (num > 0)
 
-        def store(src_full, src_rows, j, cols):
-            """Chunk ``j``'s staged output columns ``cols``: one TMA when all 64 rows are the
-            segment's, else its valid rows ``lo..hi-1`` one TMA each (never a neighbour's)."""
+        def store(src_full, src_rows, j):
+            """Chunk ``j``'s staged output: one TMA when all 64 rows are the segment's, else
+            its valid rows ``lo..hi-1`` one TMA each (never a neighbour's rows)."""
             start = pl.multiple_of(tab_ref[0, c0 + j], ALIGN)
             lo, hi = tab_ref[1, c0 + j], tab_ref[2, c0 + j]
             whole = (lo == 0) & (hi == CHUNK)
@@ -371,26 +345,22 @@ def state_pass(
                     bar = loaded.at[stage]
                     plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s.at[stage], bar)
                     plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s.at[stage], bar)
-                    for chain, cols in enumerate(chain_cols):
-                        plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols], v_s.at[stage, chain], bar)
+                    plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols], v_s.at[stage], bar)
                     plgpu.copy_gmem_to_smem(m_ref.at[c, h], m_s.at[stage], bar)
                     plgpu.copy_gmem_to_smem(p_ref.at[c, h], p_s.at[stage], bar)
                     plgpu.copy_gmem_to_smem(w_ref.at[c, h], w_s.at[stage], bar)
 
-        def state_chain(chain: int):
-            cols = chain_cols[chain]
-            my_st = st_s.at[chain]
+        @pl.when(wg == STATE)
+        def _state_chain():
+            plgpu.set_max_registers(COMPUTE_REGS, action="increase")
 
             @pl.when(work)
             def _():
-                s0 = load_initial_state(
-                    pool_ref, init_ref, seq, slot, h, cols, my_st, st_bar.at[chain]
-                )
+                s0 = load_initial_state(pool_ref, init_ref, seq, slot, h, cols, st_s, st_bar)
 
                 def step(j, s):
                     stage = lax.rem(j, stages)
                     half = lax.rem(j, HANDOFF)
-                    slot_bar = chain * HANDOFF + half
                     plgpu.barrier_wait(loaded.at[stage])
                     a = plgpu.load(w_s.at[stage, 0], layout=ROWS)
                     e = plgpu.load(w_s.at[stage, 2], layout=ROWS)
@@ -398,22 +368,22 @@ def state_pass(
 
                     @pl.when(j >= HANDOFF)
                     def _():
-                        plgpu.barrier_wait(retired.at[slot_bar])  # output done with j - 2
+                        plgpu.barrier_wait(retired.at[half])  # output done with j - 2
 
-                    s_bf = s_pub.at[chain, half]
+                    s_bf = s_pub.at[half]
                     put(s_bf, s)
                     plgpu.commit_smem()
                     ks = matmul(k_s.at[stage], view(s_bf), tile)
-                    vt = plgpu.load(v_s.at[stage, chain], layout=WG).astype(F32)
-                    put(y_s.at[chain], vt - along_rows(a, tile) * ks)
+                    vt = plgpu.load(v_s.at[stage], layout=WG).astype(F32)
+                    put(y_s, vt - along_rows(a, tile) * ks)
                     plgpu.commit_smem()
-                    vnew = matmul(m_s.at[stage], view(y_s.at[chain]), tile)
-                    put(vp_pub.at[chain, half], vnew)
+                    vnew = matmul(m_s.at[stage], view(y_s), tile)
+                    put(vp_pub.at[half], vnew)
                     # Y was read by the finished M Y: its tile takes e v' (k^T's B operand).
-                    put(y_s.at[chain], along_rows(e, tile) * vnew)
+                    put(y_s, along_rows(e, tile) * vnew)
                     plgpu.commit_smem()
-                    plgpu.barrier_arrive(published.at[slot_bar])
-                    upd = matmul(k_s.at[stage].T, view(y_s.at[chain]), state)
+                    plgpu.barrier_arrive(published.at[half])
+                    upd = matmul(k_s.at[stage].T, view(y_s), state)
 
                     @pl.when(j + stages < num)
                     def _():
@@ -422,22 +392,22 @@ def state_pass(
                     return d * s + upd
 
                 s = lax.fori_loop(0, num, step, s0)
-                write_final_state(s, pool_ref, slot, h, cols, my_st)
+                write_final_state(s, pool_ref, slot, h, cols, st_s)
 
-        def output(chain: int):
-            cols = chain_cols[chain]
-            my_o, my_rows = o_s.at[chain], o_rows.at[chain, :, pl.ds(0, cv)]
+        @pl.when(wg == OUTPUT)
+        def _output():
+            plgpu.set_max_registers(COMPUTE_REGS, action="increase")
 
             @pl.when(~real)
             def _padding():
                 zeros = plgpu.layout_cast(jnp.zeros(tile, out_dtype), WG)
-                my_o[...] = zeros
-                my_rows[...] = zeros
+                o_s[...] = zeros
+                o_p[...] = zeros
                 plgpu.commit_smem()
 
                 @pl.loop(0, num)
                 def _(j):
-                    store(my_o, my_rows, j, cols)
+                    store(o_s, o_p, j)
 
                 plgpu.wait_smem_to_gmem(0)
 
@@ -447,25 +417,24 @@ def state_pass(
                 def _(j):
                     stage = lax.rem(j, stages)
                     half = lax.rem(j, HANDOFF)
-                    slot_bar = chain * HANDOFF + half
                     lo, hi = tab_ref[1, c0 + j], tab_ref[2, c0 + j]
                     plgpu.barrier_wait(loaded.at[stage])
-                    plgpu.barrier_wait(published.at[slot_bar])
+                    plgpu.barrier_wait(published.at[half])
                     b = plgpu.load(w_s.at[stage, 1], layout=ROWS)
-                    qs = matmul(q_s.at[stage], view(s_pub.at[chain, half]), tile)
-                    pv = matmul(p_s.at[stage], view(vp_pub.at[chain, half]), tile)
+                    qs = matmul(q_s.at[stage], view(s_pub.at[half]), tile)
+                    pv = matmul(p_s.at[stage], view(vp_pub.at[half]), tile)
 
                     @pl.when(j + HANDOFF < num)
                     def _():
-                        plgpu.barrier_arrive(retired.at[slot_bar])
+                        plgpu.barrier_arrive(retired.at[half])
 
                     out = (along_rows(b, tile) * qs + pv).astype(out_dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last chunk's store
-                    my_o[...] = out
+                    o_s[...] = out
 
                     @pl.when((lo != 0) | (hi != CHUNK))
                     def _():
-                        my_rows[...] = out
+                        o_p[...] = out
 
                     # The fence also orders this warpgroup's plain read of the stage (b)
                     # before the producer's next TMA into it (generic, then async proxy):
@@ -476,30 +445,17 @@ def state_pass(
                     def _():
                         plgpu.barrier_arrive(consumed.at[stage])
 
-                    store(my_o, my_rows, j, cols)
+                    store(o_s, o_p, j)
 
                 plgpu.wait_smem_to_gmem(0)
-
-        # Warpgroups: the producer, the chains, then one output warpgroup per chain.
-        for chain in range(chains):
-
-            @pl.when(wg == PRODUCER + 1 + chain)
-            def _(chain=chain):
-                plgpu.set_max_registers(regs, action="increase")
-                state_chain(chain)
-
-            @pl.when(wg == PRODUCER + 1 + chains + chain)
-            def _(chain=chain):
-                plgpu.set_max_registers(regs, action="increase")
-                output(chain)
 
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((tokens, heads, value_dim), out_dtype),
-        scratch_types=_scratch(key_dim, bv, stages, out_dtype, chains),
+        scratch_types=_scratch(key_dim, bv, stages, out_dtype),
         grid=(n_seqs + 1, heads, value_dim // bv),
         grid_names=("n", "h", "v"),
-        num_threads=1 + 2 * chains,
+        num_threads=3,
         thread_name="wg",
         interpret=interpret,
         kernel_name="gdn_chunk_state_ws",

@@ -93,17 +93,12 @@ class Config:
     state_stages: 0 runs the state pass in one warpgroup (``_state``); 2 or 3 run the
       warp-specialised state pass (``_chunk_state.py``) with that many input stages; None
       picks (``_resolve``).
-    state_chains: state-chain warpgroups per CTA of the warp-specialised state pass; each
-      carries ``block_v / state_chains`` value columns of ``S``, all sharing the CTA's staged
-      q, k, ``M`` and ``P`` (2 at block_v 64: two 32-column chains). Needs ``state_stages``
-      2 or 3. Not yet measured on a GPU, hence 1.
     """
 
     block_v: int | None = None
     kmajor: bool | None = None
     substitution: bool = True
     state_stages: int | None = None
-    state_chains: int = 1
 
 
 @functools.cache
@@ -410,18 +405,11 @@ def unsupported_reason(
     config = _resolve(config, qsl.shape[0] - 1, v.shape[1], value_dim, interpret=interpret)
     if value_dim % config.block_v or config.block_v not in (32, 64):
         return f"block_v={config.block_v} must be 32 or 64 and divide V={value_dim}"
-    if config.state_chains != 1 and not config.state_stages:
-        return (
-            f"state_chains={config.state_chains} needs the warp-specialised state pass, got "
-            f"state_stages={config.state_stages} (the one-warpgroup pass has one chain): "
-            f"pass state_stages=2 or 3"
-        )
     if config.state_stages:
         # v enters the kernels as bf16 whatever its dtype (the default out_dtype).
         reason = _chunk_state.unsupported_reason(
-            key_dim, value_dim, block_v=config.block_v, stages=config.state_stages,
-            chains=config.state_chains,
-        )  # fmt: skip
+            key_dim, value_dim, block_v=config.block_v, stages=config.state_stages
+        )
         if reason is not None:
             return reason
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
@@ -516,7 +504,7 @@ def chunk_gated_delta_rule(
     if config.state_stages:
         o = _chunk_state.state_pass(
             *walk, slots, has_init, pool, n_seqs=n_seqs, block_v=config.block_v,
-            stages=config.state_stages, chains=config.state_chains, interpret=interpret,
+            stages=config.state_stages, interpret=interpret,
         )  # fmt: skip
     else:
         o = _state(*walk, slots, has_init, pool, n_seqs=n_seqs, cfg=config, interpret=interpret)

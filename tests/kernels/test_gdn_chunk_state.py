@@ -121,7 +121,7 @@ def _oracle(lens, tokens, dims=SMALL, gpu=False):
 
 
 def _check(lens, tokens, block_v, o, pool, dims=SMALL, gpu=False):
-    """Bits of chunk_mgpu's state pass at ``block_v`` (on the GPU: its values, the compiler may contract
+    """Bits of chunk_mgpu's state pass (on the GPU: its values, the compiler may contract
     the float32 operations differently); the oracle's values; padding zero; slots nobody
     writes (incl. an empty sequence's) bit-identical to the input pool."""
     o_old, pool_old = _baseline(lens, tokens, block_v, dims, gpu)
@@ -147,55 +147,42 @@ def _check(lens, tokens, block_v, o, pool, dims=SMALL, gpu=False):
 
 
 @pytest.mark.parametrize(
-    "block_v, stages, chains",
-    [(64, 2, 1), (64, 3, 1), (32, 2, 1), (32, 3, 1), (64, 2, 2), (64, 3, 2)],
-    ids=lambda x: str(x),
+    "block_v, stages", [(64, 2), (64, 3), (32, 2), (32, 3)], ids=lambda x: str(x)
 )
-def test_varlen_state_pass_gives_chunk_mgpu_bits_and_writes_only_its_slots(block_v, stages, chains):
-    # Two chains of 32 columns share the stages of a 64-column CTA: each computes what a
-    # 32-column CTA does, so the bits of chunk_mgpu's one-warpgroup pass at block_v 32 (its
-    # wgmmas of 32 columns sum in another order than 64-column ones). SMALL has V=64: one
-    # CTA of two chains holds all of a head's columns.
+def test_varlen_state_pass_gives_chunk_mgpu_bits_and_writes_only_its_slots(block_v, stages):
     lens, tokens = VARLEN
     o, pool = _run(
-        _chunk_state.state_pass, lens, tokens, block_v=block_v, stages=stages, chains=chains,
-        interpret=True,
-    )  # fmt: skip
-    _check(lens, tokens, block_v // chains, o, pool)
+        _chunk_state.state_pass, lens, tokens, block_v=block_v, stages=stages, interpret=True
+    )
+    _check(lens, tokens, block_v, o, pool)
 
 
 @pytest.mark.parametrize(
-    "lens, tokens, block_v, stages, chains",
-    [((30,), 40, 32, 3, 1), ((0, 0), 16, 64, 2, 1), ((0, 0), 16, 64, 2, 2)],
-    ids=["shorter-than-a-chunk", "all-empty", "all-empty-two-chains"],
+    "lens, tokens, block_v, stages",
+    [((30,), 40, 32, 3), ((0, 0), 16, 64, 2)],
+    ids=["shorter-than-a-chunk", "all-empty"],
 )
-def test_tiny_and_empty_calls_write_only_what_they_must(lens, tokens, block_v, stages, chains):
+def test_tiny_and_empty_calls_write_only_what_they_must(lens, tokens, block_v, stages):
     o, pool = _run(
-        _chunk_state.state_pass, lens, tokens, block_v=block_v, stages=stages, chains=chains,
-        interpret=True,
-    )  # fmt: skip
+        _chunk_state.state_pass, lens, tokens, block_v=block_v, stages=stages, interpret=True
+    )
     assert o.shape == (tokens, SMALL[1], SMALL[3])
-    _check(lens, tokens, block_v // chains, o, pool)
+    _check(lens, tokens, block_v, o, pool)
 
 
-@pytest.mark.parametrize("block_v, chains", [(32, 1), (64, 2)], ids=["one-chain", "two-chains"])
-def test_warpgroups_hand_over_tiles_without_a_data_race(block_v, chains):
-    # The interpreter's happens-before race detector sees every SMEM access of the
+def test_warpgroups_hand_over_tiles_without_a_data_race():
+    # The interpreter's happens-before race detector sees every SMEM access of the three
     # warpgroups and the TMA engine. It can fail: without the `retired` wait (tried by hand)
     # it reports a race while the values stay right, and it found the missing proxy fence
-    # before the output warpgroup hands a stage back. Two chains: the shared stages, the
-    # per-chain hand-offs and the row-by-row staging tile the output reuses per chain.
+    # before the output warpgroup hands a stage back.
     lens, tokens = (37, 150), 200
     params = plgpu.InterpretGPUParams(detect_races=True)
-    o, pool = _run(
-        _chunk_state.state_pass, lens, tokens, block_v=block_v, stages=2, chains=chains,
-        interpret=params,
-    )  # fmt: skip
+    o, pool = _run(_chunk_state.state_pass, lens, tokens, block_v=32, stages=2, interpret=params)
     assert not gpu_callbacks.get_races().races_found
-    _check(lens, tokens, block_v // chains, o, pool)
+    _check(lens, tokens, 32, o, pool)
 
 
-def _lower(block_v, stages, d=128, chains=1):
+def _lower(block_v, stages, d=128):
     """The state pass jitted with the pool donated, lowered for cuda at Qwen3-Next TP1 dims."""
     shape = jax.ShapeDtypeStruct
     tokens, n, h, hv = 4096, 3, 16, 32
@@ -216,73 +203,50 @@ def _lower(block_v, stages, d=128, chains=1):
 
     def call(*a):
         ref = jax.new_ref(a[-1])
-        o = _chunk_state.state_pass(
-            *a[:-1], ref, n_seqs=n, block_v=block_v, stages=stages, chains=chains
-        )
+        o = _chunk_state.state_pass(*a[:-1], ref, n_seqs=n, block_v=block_v, stages=stages)
         return o, jax.freeze(ref)
 
     return jax.jit(call, donate_argnums=10).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize(
-    "block_v, stages, chains",
-    [(32, 2, 1), (32, 3, 1), (64, 2, 1), (64, 2, 2)],
-    ids=["32-2", "32-3", "64-2", "64-2-two-chains"],
-)
-def test_lowers_for_cuda_at_qwen3_next_shapes_within_the_counted_smem(block_v, stages, chains):
+@pytest.mark.parametrize("block_v, stages", [(32, 2), (32, 3), (64, 2)], ids=lambda x: str(x))
+def test_lowers_for_cuda_at_qwen3_next_shapes_within_the_counted_smem(block_v, stages):
     # Mosaic GPU refuses at lowering a kernel over its SMEM bound: with the bound set to
     # smem_bytes the kernel lowers, one byte under it does not, so the count is Mosaic's own.
-    need = _chunk_state.smem_bytes(128, block_v, stages, chains=chains)
+    need = _chunk_state.smem_bytes(128, block_v, stages)
     assert need <= _chunk_state.SMEM_LIMIT
     with mosaic_gpu_core.artificial_shared_memory_limit(need):
-        assert "gdn_chunk_state_ws" in _lower(block_v, stages, chains=chains).as_text()
+        assert "gdn_chunk_state_ws" in _lower(block_v, stages).as_text()
     with mosaic_gpu_core.artificial_shared_memory_limit(need - 1):
         with pytest.raises(ValueError, match="exceeds available shared memory"):
-            _lower(block_v, stages, chains=chains)
+            _lower(block_v, stages)
 
 
 def test_configs_over_the_smem_budget_or_outside_the_kernel_are_refused():
     reason = _chunk_state.unsupported_reason
     allowed = {
-        (bv, st, ch)
-        for bv in (32, 64, 128)
+        (bv, st)
+        for bv in (32, 64)
         for st in (2, 3)
-        for ch in (1, 2)
-        if reason(128, 128, block_v=bv, stages=st, chains=ch) is None
+        if reason(128, 128, block_v=bv, stages=st) is None
     }
-    assert allowed == {(32, 2, 1), (32, 3, 1), (64, 2, 1), (64, 2, 2)}
+    assert allowed == {(32, 2), (32, 3), (64, 2)}
     assert "stages=3" in reason(128, 128, block_v=64, stages=3)
     assert reason(64, 64, block_v=64, stages=3) is None  # K=64 tiles are half the size
-    assert reason(64, 64, block_v=64, stages=3, chains=2) is None
     assert "block_v=48" in reason(128, 128, block_v=48, stages=2)
-    assert "block_v=32" in reason(128, 128, block_v=32, stages=2, chains=2)  # 16 per chain
     assert "stages=4" in reason(128, 128, block_v=32, stages=4)
-    assert "chains=3" in reason(128, 128, block_v=96, stages=2, chains=3)
     with pytest.raises(ValueError, match="SMEM"):
         _lower(64, 3)
-    with pytest.raises(ValueError, match="SMEM"):
-        _lower(64, 3, chains=2)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not on_hopper_gpu(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize(
-    "block_v, stages, chains",
-    [(32, 2, 1), (32, 3, 1), (64, 2, 1), (64, 2, 2)],
-    ids=["32-2", "32-3", "64-2", "64-2-two-chains"],
-)
-def test_on_the_gpu_state_pass_matches_chunk_mgpu_at_qwen3_next_dims(block_v, stages, chains):
+@pytest.mark.parametrize("block_v, stages", [(32, 2), (32, 3), (64, 2)], ids=lambda x: str(x))
+def test_on_the_gpu_state_pass_matches_chunk_mgpu_at_qwen3_next_dims(block_v, stages):
     # Every varlen path at the production dims, compiled: unaligned starts, partial chunks,
     # an empty sequence, sequences of 16 and 48 chunks, 13 padding tokens.
     lens, tokens = (1000, 0, 37, 3000, 77, 1), 4128
     o, pool = _run(
-        _chunk_state.state_pass,
-        lens,
-        tokens,
-        QWEN3_NEXT,
-        True,
-        block_v=block_v,
-        stages=stages,
-        chains=chains,
+        _chunk_state.state_pass, lens, tokens, QWEN3_NEXT, True, block_v=block_v, stages=stages
     )
-    _check(lens, tokens, block_v // chains, o, pool, QWEN3_NEXT, True)
+    _check(lens, tokens, block_v, o, pool, QWEN3_NEXT, True)
