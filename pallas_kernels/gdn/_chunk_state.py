@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.experimental.pallas as pl
@@ -207,6 +208,24 @@ def unsupported_reason(
     return None
 
 
+# The interpreter runs each warpgroup as a thread of XLA's CPU pool; with fewer than this
+# many threads the three warpgroups wait on each other's barriers forever.
+INTERPRETER_THREADS = 4
+
+
+def _check_interpreter_threads() -> None:
+    """Refuse (instead of hanging) when XLA's CPU pool is too small for the warpgroups. The
+    pool has ``NPROC`` threads (read when the CPU client starts), else one per CPU."""
+    threads = int(os.environ.get("NPROC") or 0) or os.cpu_count() or 1
+    if threads < INTERPRETER_THREADS:
+        raise ValueError(
+            f"_chunk_state.state_pass: the Mosaic GPU interpreter runs the pass's 3 warpgroups "
+            f"as threads of XLA's CPU pool, which has {threads} here (NPROC, else the CPU "
+            f"count); they need at least {INTERPRETER_THREADS} or they deadlock: set NPROC=16 "
+            f"before JAX starts, or run the one-warpgroup pass (chunk_mgpu.Config(state_stages=0))"
+        )
+
+
 def state_pass(
     q: jax.Array,
     k: jax.Array,
@@ -255,6 +274,8 @@ def state_pass(
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     interpret = interpret or None
+    if interpret is not None:
+        _check_interpreter_threads()
     group = heads // kv_heads
     bv = block_v
     tile = (CHUNK, bv)

@@ -117,8 +117,9 @@ def _resolve(
     against 19.3), 64 win once it fills them (4x8192: 26.6 against 21.2; 8x2048, varlen).
     The warp-specialised state pass won on every shape (session 3 notes), with 3 stages at 32
     columns and 2 at 64 (3 do not fit). The interpreter takes the one-warpgroup pass unless
-    asked: its warpgroups are host threads of the XLA CPU client's pool, which must have more
-    than 2 (env ``NPROC``, read when the client starts) or the warpgroups deadlock.
+    asked: its warpgroups are host threads of the XLA CPU client's pool, which needs at least
+    ``_chunk_state.INTERPRETER_THREADS`` (env ``NPROC``, read when the client starts; the pass
+    refuses a smaller pool) or the warpgroups deadlock.
     """
     if config.block_v is None:
         blocks_of_64 = n_seqs * heads * (value_dim // 64)

@@ -182,6 +182,14 @@ def test_warpgroups_hand_over_tiles_without_a_data_race():
     _check(lens, tokens, 32, o, pool)
 
 
+def test_the_interpreter_refuses_a_cpu_pool_too_small_for_its_warpgroups(monkeypatch):
+    # With 2 threads in XLA's CPU pool the warpgroups would wait on each other forever: the
+    # call must stop with the fix instead (the rest of the suite runs with NPROC=16).
+    monkeypatch.setenv("NPROC", "2")
+    with pytest.raises(ValueError, match="has 2 here.*NPROC=16"):
+        _run(_chunk_state.state_pass, *VARLEN, block_v=32, stages=2, interpret=True)
+
+
 def _lower(block_v, stages, d=128):
     """The state pass jitted with the pool donated, lowered for cuda at Qwen3-Next TP1 dims."""
     shape = jax.ShapeDtypeStruct
