@@ -6,9 +6,11 @@ the layout, and ``_GDN_PATHS`` (``_MAMBA2_PATHS``) maps each layout to the one f
 runs it, on every call and in every ahead-of-time compilation. A layout without a path cannot
 be traced.
 
-Data flows layer -> backend -> kernel: the layer projects and gates, the backend runs the
+Data flows layer -> backend -> kernel: the layer projects, the backend gates and runs the
 causal conv1d and the delta rule (or the SSD scan) over the pools through ``pallas_kernels``,
-and the layer finishes with its norm and output projection.
+and the layer finishes with its norm and output projection. The GDN gating is the backend's
+because where it runs depends on the path: the decode kernel gates inside (no g, beta arrays,
+no separate op), the other paths call ``gdn_gating`` before their op.
 """
 
 from __future__ import annotations
@@ -75,6 +77,15 @@ class GDNMixResult(NamedTuple):
     verify: VerifyStates | tuple[()]
 
 
+class _Gating(NamedTuple):
+    """The gating inputs of one GDN layer, in ``gdn_gating``'s order."""
+
+    A_log: jax.Array
+    a: jax.Array
+    dt_bias: jax.Array
+    b: jax.Array
+
+
 def _split_qkv(mixed: jax.Array, dims: GDNDims) -> tuple[jax.Array, jax.Array, jax.Array]:
     lead = mixed.shape[:-1]
     q, k, v = jnp.split(mixed, [dims.key_dim, 2 * dims.key_dim], axis=-1)
@@ -85,7 +96,8 @@ def _split_qkv(mixed: jax.Array, dims: GDNDims) -> tuple[jax.Array, jax.Array, j
     )
 
 
-def _ragged(mixed, conv_weight, g, beta, conv_state, ssm_state, meta, dims, impl):
+def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
+    g, beta = gdn.gdn_gating(*gating)
     qsl, slots, has_init = meta.query_start_loc, meta.state_indices, meta.has_initial_state
     mixed, conv_state = conv1d.causal_conv1d(
         mixed, conv_weight, None, conv_state, qsl, slots, has_init, impl=impl
@@ -108,19 +120,21 @@ def _tree(meta: ForwardMetadata) -> dict[str, jax.Array]:
     return {"parents": meta.parents} if meta.tree else {}
 
 
-def _decode(mixed, conv_weight, g, beta, conv_state, ssm_state, meta, dims, impl):
+def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
     slots = meta.state_indices
     mixed, conv_state = conv1d.causal_conv1d_update(
         _rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl
     )
     q, k, v = _split_qkv(mixed, dims)
-    out, ssm_state = gdn.fused_recurrent_gated_delta_rule(
-        q, k, v, _rows(g, meta), _rows(beta, meta), ssm_state, slots, impl=impl
+    a_log, a, dt_bias, b = gating
+    out, ssm_state = gdn.fused_gating_recurrent_gated_delta_rule(
+        q, k, v, a_log, _rows(a, meta), dt_bias, _rows(b, meta), ssm_state, slots, impl=impl
     )
     return GDNMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, ())
 
 
-def _verify(mixed, conv_weight, g, beta, conv_state, ssm_state, meta, dims, impl):
+def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
+    g, beta = gdn.gdn_gating(*gating)
     slots = meta.state_indices
     mixed, windows = conv1d.causal_conv1d_verify(
         _rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl, **_tree(meta)
@@ -133,7 +147,7 @@ def _verify(mixed, conv_weight, g, beta, conv_state, ssm_state, meta, dims, impl
     return GDNMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, verify)
 
 
-def _idle(mixed, conv_weight, g, beta, conv_state, ssm_state, meta, dims, impl):
+def _idle(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
     out = jnp.zeros((mixed.shape[0], dims.num_value_heads, dims.head_v_dim), mixed.dtype)
     return GDNMixResult(out, conv_state, ssm_state, ())
 
@@ -149,8 +163,10 @@ _GDN_PATHS: dict[TokenLayout, Callable[..., GDNMixResult]] = {
 def gdn_mix(
     mixed_qkv: jax.Array,
     conv_weight: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
+    A_log: jax.Array,
+    a: jax.Array,
+    dt_bias: jax.Array,
+    b: jax.Array,
     conv_state: jax.Array,
     ssm_state: jax.Array,
     meta: ForwardMetadata,
@@ -158,16 +174,19 @@ def gdn_mix(
     *,
     impl: str = "auto",
 ) -> GDNMixResult:
-    """Causal conv1d + SiLU, then the gated delta rule, for one GDN layer in ``meta.mode``.
+    """Causal conv1d + SiLU, the gating, then the gated delta rule, for one GDN layer in
+    ``meta.mode``.
 
     mixed_qkv: ``[T, 2*H*K + HV*V]`` (q, k, v channels before the conv); conv_weight
-    ``[C, W]``; g, beta: float32 ``[T, HV]``; conv_state ``[S, C, W-1]``; ssm_state float32
-    ``[S, HV, K, V]``. Raises ``UnsupportedForwardModeError`` while tracing when GDN layers
-    have no path for the mode.
+    ``[C, W]``; A_log, dt_bias ``[HV]`` and a, b ``[T, HV]``: the inputs of ``gdn_gating``
+    (gated inside the decode kernel in DECODE, by ``gdn_gating`` otherwise); conv_state
+    ``[S, C, W-1]``; ssm_state float32 ``[S, HV, K, V]``. Raises
+    ``UnsupportedForwardModeError`` while tracing when GDN layers have no path for the mode.
     """
     check_supported(LayerKind.GDN, meta.mode)
     path = _GDN_PATHS[token_layout(meta.mode)]
-    return path(mixed_qkv, conv_weight, g, beta, conv_state, ssm_state, meta, dims, impl)
+    gating = _Gating(A_log, a, dt_bias, b)
+    return path(mixed_qkv, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)
 
 
 # ---------------------------------------------------------------------------------- Mamba2

@@ -20,7 +20,6 @@ from hybrid_jax.backend import GDNDims, VerifyStates, gdn_mix
 from hybrid_jax.layers.norm import GatedRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.state_pool import LinearStateSpec
-from pallas_kernels import gdn
 
 __all__ = ["GDNConfig", "GDNLayerOutput", "GatedDeltaNet"]
 
@@ -127,10 +126,9 @@ class GatedDeltaNet(nnx.Module):
         """x: ``[T, hidden]`` packed tokens of ``meta``; conv_state ``[S, C, W-1]``;
         ssm_state float32 ``[S, HV, K, V]``."""
         mixed, z, b, a = self._project(x)
-        g, beta = gdn.gdn_gating(self.A_log[...], a, self.dt_bias[...], b)
         mix = gdn_mix(
-            mixed, self.conv_weight[...], g, beta, conv_state, ssm_state, meta,
-            self.config.dims, impl=impl,
+            mixed, self.conv_weight[...], self.A_log[...], a, self.dt_bias[...], b,
+            conv_state, ssm_state, meta, self.config.dims, impl=impl,
         )  # fmt: skip
         out = self.norm(mix.out, z).reshape(x.shape[0], self.config.dims.value_dim)
         return GDNLayerOutput(self.out_proj(out), mix.conv_state, mix.ssm_state, mix.verify)

@@ -3,6 +3,7 @@
 from pallas_kernels.gdn.chunk import chunk_gated_delta_rule
 from pallas_kernels.gdn.commit import commit_states
 from pallas_kernels.gdn.fused_recurrent import (
+    fused_gating_recurrent_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
     verify_gated_delta_rule,
 )
@@ -11,6 +12,7 @@ from pallas_kernels.gdn.gating import gdn_gating
 __all__ = [
     "chunk_gated_delta_rule",
     "commit_states",
+    "fused_gating_recurrent_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
     "gdn_gating",
     "verify_gated_delta_rule",

@@ -10,7 +10,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["check_commit", "check_gating", "check_rows", "check_varlen", "default_scale"]
+__all__ = [
+    "check_commit",
+    "check_gated_rows",
+    "check_gating",
+    "check_rows",
+    "check_varlen",
+    "default_scale",
+]
 
 
 def _fail(op: str, message: str) -> None:
@@ -101,6 +108,24 @@ def check_varlen(
     _check_vector(op, "has_initial_state", has_initial_state, n_seq, jnp.bool_)
 
 
+def _check_row_layout(
+    op: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+) -> tuple[int, int, int]:
+    """Rows of D >= 1 tokens without their gates -> the gates' shape ``(N, D, HV)``."""
+    _, kd, hv, vd = _check_heads(op, q, k, v, lead=2)
+    n_rows, n_steps = v.shape[:2]
+    if n_steps < 1:
+        _fail(op, f"v.shape={_shape(v)} has D=0 tokens per row; D must be at least 1")
+    _check_pool(op, ssm_pool, hv, kd, vd)
+    _check_vector(op, "state_indices", state_indices, n_rows, jnp.int32)
+    return n_rows, n_steps, hv
+
+
 def check_rows(
     op: str,
     q: jax.Array,
@@ -112,13 +137,31 @@ def check_rows(
     state_indices: jax.Array,
 ) -> None:
     """Rows of D tokens: q, k ``[N, D, H, K]``, v ``[N, D, HV, V]``, g, beta ``[N, D, HV]``."""
-    _, kd, hv, vd = _check_heads(op, q, k, v, lead=2)
-    n_rows, n_steps = v.shape[:2]
-    if n_steps < 1:
-        _fail(op, f"v.shape={_shape(v)} has D=0 tokens per row; D must be at least 1")
-    _check_gates(op, g, beta, (n_rows, n_steps, hv))
-    _check_pool(op, ssm_pool, hv, kd, vd)
-    _check_vector(op, "state_indices", state_indices, n_rows, jnp.int32)
+    _check_gates(op, g, beta, _check_row_layout(op, q, k, v, ssm_pool, state_indices))
+
+
+def check_gated_rows(
+    op: str,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    a_log: jax.Array,
+    a: jax.Array,
+    dt_bias: jax.Array,
+    b: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+) -> None:
+    """``check_rows`` with ``gdn_gating``'s inputs in place of g, beta: a, b ``[N, D, HV]``
+    (any float dtype), A_log, dt_bias ``[HV]``."""
+    want = _check_row_layout(op, q, k, v, ssm_pool, state_indices)
+    for name, x in (("a", a), ("b", b)):
+        if _shape(x) != want:
+            _fail(op, f"{name}.shape={_shape(x)} must be {want} (the token dims of v, then HV)")
+    # The gating op's own rules, on the [N * D, HV] tokens it gates (shape stand-ins: a reshape
+    # here would leave an op in the caller's jaxpr).
+    tokens = lambda x: jax.ShapeDtypeStruct((want[0] * want[1], want[2]), x.dtype)  # noqa: E731
+    check_gating(op, a_log, tokens(a), dt_bias, tokens(b))
 
 
 def check_commit(

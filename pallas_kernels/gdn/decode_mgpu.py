@@ -38,9 +38,11 @@ part separately switchable so that one GPU run says which pays:
 
 Entries: ``fused_recurrent_gated_delta_rule`` (the public op's arguments plus ``interpret``
 and ``variant``), ``fused_gating_recurrent_gated_delta_rule`` (the same with the raw
-Qwen3-Next gating inputs, gated inside the kernel; not yet checked on a GPU) and
-``unsupported_reason`` (which ``impl="auto"`` consults; the verify kernel checks its rows with
-it too). ``VARIANTS`` names the configurations the benchmark times.
+Qwen3-Next gating inputs, gated inside the kernel: the public
+``fused_gating_recurrent_gated_delta_rule``'s kernel, checked on the H200 against the oracle)
+and their ``unsupported_reason`` / ``fused_gating_unsupported_reason`` (which ``impl="auto"``
+consults; the verify kernel checks its rows with the first too). ``VARIANTS`` names the
+configurations the benchmark times.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gdn._checks import check_gating
+from pallas_kernels.gdn._checks import check_gated_rows
 
 __all__ = [
     "DEFAULT",
@@ -61,6 +63,7 @@ __all__ = [
     "VARIANTS",
     "DecodeVariant",
     "fused_gating_recurrent_gated_delta_rule",
+    "fused_gating_unsupported_reason",
     "fused_recurrent_gated_delta_rule",
     "pick_block_v",
     "unsupported_reason",
@@ -438,6 +441,34 @@ def unsupported_reason(
     return None
 
 
+def fused_gating_unsupported_reason(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    A_log: jax.Array,  # noqa: N803 (the model's parameter name)
+    a: jax.Array,
+    dt_bias: jax.Array,
+    b: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> str | None:
+    """``unsupported_reason`` of ``fused_gating_recurrent_gated_delta_rule``'s arguments.
+
+    The kernel gates in float32 from the scalars it reads, so it takes these rows exactly when
+    it takes them with float32 g, beta ``[N, D, HV]``; A_log and dt_bias follow the gating op's
+    rules (``_checks.check_gated_rows``), not the kernel's.
+    """
+    del A_log, dt_bias
+    as_gate = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731 (checks only)
+    return unsupported_reason(
+        q, k, v, as_gate(a), as_gate(b), ssm_pool, state_indices,
+        scale=scale, use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip
+
+
 def fused_recurrent_gated_delta_rule(
     q: jax.Array,
     k: jax.Array,
@@ -492,14 +523,11 @@ def fused_gating_recurrent_gated_delta_rule(
     scalars it reads (no g/beta arrays, no separate gating op). Other arguments and results
     as ``fused_recurrent_gated_delta_rule``.
     """
-    as_gate = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)  # noqa: E731 (checks only)
-    reason = unsupported_reason(q, k, v, as_gate(a), as_gate(b), ssm_pool, state_indices)
+    gating = (A_log, a, dt_bias, b)
+    check_gated_rows(_GATING_OP, q, k, v, *gating, ssm_pool, state_indices)
+    reason = fused_gating_unsupported_reason(q, k, v, *gating, ssm_pool, state_indices)
     if reason is not None:
         raise ValueError(reason)
-    # The gating op's own checks (shapes and dtypes), on the [N * D, HV] rows the kernel gates.
-    n_rows, n_tokens, hv = a.shape
-    as_rows = lambda x: jax.ShapeDtypeStruct((n_rows * n_tokens, hv), x.dtype)  # noqa: E731
-    check_gating(_GATING_OP, A_log, as_rows(a), dt_bias, as_rows(b))
     return _launch(
         q, k, v, (A_log, a, dt_bias, b), ssm_pool, state_indices, scale=scale,
         use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,

@@ -1,10 +1,12 @@
 """Gated DeltaNet on rows of D tokens: decode (``fused_recurrent_gated_delta_rule``, writes the
-pool) and speculative verification (``verify_gated_delta_rule``, returns the state after every
-token and leaves the pool alone).
+pool; ``fused_gating_recurrent_gated_delta_rule``, the same with the Qwen3-Next gating done
+in the kernel) and speculative verification (``verify_gated_delta_rule``, returns the state
+after every token and leaves the pool alone).
 
 The Mosaic GPU kernels live in ``decode_mgpu.py`` (decode: its default variant, the persistent
-TMA-pipelined kernel) and ``recurrent_mgpu.py`` (verify), same arguments plus ``interpret``;
-each module's ``unsupported_reason`` decides whether ``impl="auto"`` may take its op's call.
+TMA-pipelined kernel, with or without the gating) and ``recurrent_mgpu.py`` (verify), same
+arguments plus ``interpret``; each entry's ``unsupported_reason`` decides whether
+``impl="auto"`` may take its op's call.
 """
 
 from __future__ import annotations
@@ -14,9 +16,14 @@ import jax
 from pallas_kernels._common import resolve_impl
 from pallas_kernels._tree import check_parents
 from pallas_kernels.gdn import decode_mgpu, recurrent_mgpu, reference
-from pallas_kernels.gdn._checks import check_rows, default_scale
+from pallas_kernels.gdn._checks import check_gated_rows, check_rows, default_scale
+from pallas_kernels.gdn.gating import gdn_gating
 
-__all__ = ["fused_recurrent_gated_delta_rule", "verify_gated_delta_rule"]
+__all__ = [
+    "fused_gating_recurrent_gated_delta_rule",
+    "fused_recurrent_gated_delta_rule",
+    "verify_gated_delta_rule",
+]
 
 
 def fused_recurrent_gated_delta_rule(
@@ -59,6 +66,56 @@ def fused_recurrent_gated_delta_rule(
         return reference.fused_recurrent_gated_delta_rule(*args, **options)
     return decode_mgpu.fused_recurrent_gated_delta_rule(
         *args, **options, interpret=which == "interpret"
+    )
+
+
+def fused_gating_recurrent_gated_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    A_log: jax.Array,
+    a: jax.Array,
+    dt_bias: jax.Array,
+    b: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """``fused_recurrent_gated_delta_rule`` with ``(g, beta) = gdn_gating(A_log, a, dt_bias, b)``.
+
+    The kernel gates the scalars it reads, so decode neither writes g and beta to memory nor
+    runs a separate gating op; the reference gates with ``gdn_gating`` first.
+
+    Args:
+      q, k, v, ssm_pool, state_indices, scale, use_qk_l2norm, impl: as
+        ``fused_recurrent_gated_delta_rule``.
+      A_log: ``[HV]`` log of the per-head decay rate.
+      a: ``[N, D, HV]`` decay input (any float dtype).
+      dt_bias: ``[HV]`` bias added to ``a``.
+      b: ``[N, D, HV]`` write-strength logits (any float dtype).
+
+    Returns:
+      o ``[N, D, HV, V]`` in v's dtype, and the pool with each row's final state in its slot.
+    """
+    op = "fused_gating_recurrent_gated_delta_rule"
+    gating = (A_log, a, dt_bias, b)
+    check_gated_rows(op, q, k, v, *gating, ssm_pool, state_indices)
+    options = {"scale": default_scale(op, q.shape[-1], scale), "use_qk_l2norm": use_qk_l2norm}
+    reason = decode_mgpu.fused_gating_unsupported_reason(
+        q, k, v, *gating, ssm_pool, state_indices, **options
+    )
+    which = resolve_impl(op, impl, reason)
+    if which != "reference":
+        return decode_mgpu.fused_gating_recurrent_gated_delta_rule(
+            q, k, v, *gating, ssm_pool, state_indices, **options, interpret=which == "interpret"
+        )
+    rows, hv = a.shape, a.shape[-1]
+    g, beta = gdn_gating(A_log, a.reshape(-1, hv), dt_bias, b.reshape(-1, hv), impl="reference")
+    return reference.fused_recurrent_gated_delta_rule(
+        q, k, v, g.reshape(rows), beta.reshape(rows), ssm_pool, state_indices, **options
     )
 
 

@@ -1,0 +1,156 @@
+"""``gdn.fused_gating_recurrent_gated_delta_rule``: decode with the Qwen3-Next gating inside.
+
+The op must equal ``gdn_gating`` followed by ``fused_recurrent_gated_delta_rule`` (float64
+oracle; bits for the reference), choose its implementation like the other GDN ops, and reject
+bad input with the checks of the ops it fuses. Kernels run under the Mosaic GPU interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _common, gdn
+from pallas_kernels.gdn import reference as gdn_reference
+
+H, HV = 1, 2
+SLOTS = 9
+_OP = "fused_gating_recurrent_gated_delta_rule"
+
+
+def _rel(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def _bits(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint32)
+
+
+def _case(seed, *, n=5, d=1, kd=64, dtype=jnp.bfloat16, padded=(1,)):
+    """Fresh random rows at distinct random slots (slot 0 on the ``padded`` rows); the pool is
+    NaN in slot 0 and in every slot no row names, so a read of a wrong slot shows."""
+    rng = np.random.default_rng(seed)
+    real = rng.permutation(np.arange(1, SLOTS))[:n]
+    idx = np.where(np.isin(np.arange(n), padded), 0, real).astype(np.int32)
+    pool = rng.standard_normal((SLOTS, HV, kd, kd)).astype(np.float32) * 0.3
+    pool[np.setdiff1d(np.arange(SLOTS), idx[idx > 0])] = np.nan
+    args = dict(
+        q=jnp.asarray(rng.standard_normal((n, d, H, kd)), dtype),
+        k=jnp.asarray(rng.standard_normal((n, d, H, kd)), dtype),
+        v=jnp.asarray(rng.standard_normal((n, d, HV, kd)), dtype),
+        A_log=jnp.asarray(rng.standard_normal(HV), jnp.float32),
+        a=jnp.asarray(rng.standard_normal((n, d, HV)) * 2, dtype),
+        dt_bias=jnp.asarray(rng.standard_normal(HV), jnp.float32),
+        b=jnp.asarray(rng.standard_normal((n, d, HV)) * 2, dtype),
+        ssm_pool=jnp.asarray(pool),
+        state_indices=jnp.asarray(idx),
+    )
+    return args, idx
+
+
+def _oracle(args):
+    """The gating formula, then the token-by-token decode, all in float64."""
+    wide = {key: np.asarray(x, np.float64) for key, x in args.items() if key != "state_indices"}
+    g = -np.exp(wide["A_log"]) * np.logaddexp(0.0, wide["a"] + wide["dt_bias"])
+    beta = 1 / (1 + np.exp(-wide["b"]))
+    with jax.enable_x64(True):
+        out = gdn_reference.fused_recurrent_gated_delta_rule(
+            *(jnp.asarray(wide[key]) for key in ("q", "k", "v")), jnp.asarray(g),
+            jnp.asarray(beta), jnp.asarray(wide["ssm_pool"]), args["state_indices"],
+        )  # fmt: skip
+        return jax.tree.map(np.asarray, out)
+
+
+def _op(impl):
+    return jax.jit(functools.partial(gdn.fused_gating_recurrent_gated_delta_rule, impl=impl))
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize(
+    "dtype, d, tol", [(jnp.bfloat16, 1, 1e-2), (jnp.float32, 2, 1e-5)], ids=["bf16-D1", "f32-D2"]
+)
+def test_op_matches_gating_then_oracle_and_writes_only_named_slots(impl, dtype, d, tol):
+    args, idx = _case(0, d=d, dtype=dtype)
+    o, pool = _op(impl)(**args)
+    o_ref, pool_ref = _oracle(args)
+    real = idx != 0
+    assert o.shape == args["v"].shape and o.dtype == dtype
+    assert np.isfinite(np.asarray(o, np.float32)).all(), "an output was never written (NaN)"
+    assert _rel(o[real], o_ref[real]) < tol
+    assert not np.asarray(o, np.float32)[~real].any(), "padded rows must give zeros"
+    named = idx[real]
+    assert _rel(pool[named], pool_ref[named]) < 1e-5
+    others = np.setdiff1d(np.arange(SLOTS), named)  # slot 0 included: never touched
+    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
+
+
+def test_interpreted_kernel_matches_the_reference():
+    args, idx = _case(1, n=4, padded=(3,))
+    got, want = _op("interpret")(**args), _op("reference")(**args)
+    real = idx != 0
+    assert _rel(got[0][real], want[0][real]) < 1e-2
+    assert _rel(got[1][idx[real]], want[1][idx[real]]) < 1e-5
+
+
+def test_reference_is_gdn_gating_then_the_reference_decode_bit_for_bit():
+    args, _ = _case(2, d=2, dtype=jnp.float32)
+
+    def unfused(q, k, v, A_log, a, dt_bias, b, ssm_pool, state_indices):  # noqa: N803
+        g, beta = gdn.gdn_gating(A_log, a.reshape(-1, HV), dt_bias, b.reshape(-1, HV))
+        return gdn.fused_recurrent_gated_delta_rule(
+            q, k, v, g.reshape(a.shape), beta.reshape(b.shape), ssm_pool, state_indices,
+            impl="reference",
+        )  # fmt: skip
+
+    for got, want in zip(_op("reference")(**args), jax.jit(unfused)(**args), strict=True):
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@pytest.fixture(params=[False, True], ids=["cpu", "hopper"])
+def on_hopper(request, monkeypatch):
+    monkeypatch.setattr(_common, "on_hopper_gpu", lambda: request.param)
+    return request.param
+
+
+def _program(impl, args):
+    return str(jax.make_jaxpr(functools.partial(gdn.fused_gating_recurrent_gated_delta_rule,
+                                                impl=impl))(**args))  # fmt: skip
+
+
+def test_auto_takes_the_kernel_only_on_hopper_for_calls_it_supports(on_hopper):
+    args, _ = _case(3)
+    assert _program("auto", args) == _program("pallas" if on_hopper else "reference", args)
+    narrow, _ = _case(3, kd=16)  # K=16: outside the kernel's head dims
+    assert _program("auto", narrow) == _program("reference", narrow)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "interpret"])
+def test_kernel_impls_refuse_a_call_the_kernel_cannot_take(impl):
+    args, _ = _case(4, kd=16)
+    with pytest.raises(NotImplementedError, match=f"{_OP}: impl='{impl}' cannot take this call: "):
+        gdn.fused_gating_recurrent_gated_delta_rule(**args, impl=impl)
+
+
+@pytest.mark.parametrize(
+    "name, make, message",
+    [
+        ("A_log", lambda x: x[:1], r"A_log.shape=(1,) must be [HV]=(2,), one value per value"),
+        ("dt_bias", lambda x: x[None], r"dt_bias.shape=(1, 2) must be [HV]=(2,)"),
+        ("a", lambda x: x[:, :, :1], r"a.shape=(5, 1, 1) must be (5, 1, 2) (the token dims of v"),
+        ("b", lambda x: x.astype(jnp.int32), r"b.dtype=int32 must be a floating dtype"),
+        ("ssm_pool", lambda x: x[..., :8], r"ssm_pool.shape=(9, 2, 64, 8) must be [S, HV, K, V]"),
+    ],
+    ids=["A_log-length", "dt_bias-rank", "a-heads", "b-dtype", "pool-dims"],
+)
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_bad_input_is_named_before_any_work(impl, name, make, message):
+    args, _ = _case(5)
+    args[name] = make(args[name])
+    with pytest.raises(ValueError, match=re.escape(f"{_OP}: {message}")):
+        gdn.fused_gating_recurrent_gated_delta_rule(**args, impl=impl)

@@ -1,0 +1,181 @@
+"""The GDN layer's DECODE step runs the decode kernel with the gating fused in.
+
+The step must give what the unfused path gives (``gdn_gating`` in XLA, then the decode op on
+g, beta: written out here as the layer ran it before), gate nowhere outside the kernels, and
+still lower for ``cuda`` with the pools aliased. Head dims are 64: the smallest the decode
+kernel takes, so that ``impl="interpret"`` runs the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybrid_jax.backend import GDNDims, gdn_mix
+from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
+from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
+from hybrid_jax.modes import ForwardMode
+from pallas_kernels import conv1d, gdn
+
+CONFIG = GDNConfig(hidden_size=32, num_key_heads=1, num_value_heads=2, head_k_dim=64, head_v_dim=64)
+SLOTS = 7
+POLICY = BucketPolicy(batch_buckets=(4,), token_buckets=(8,))
+# Three real rows at scattered slots with different prefixes; the bucket adds a padded row.
+ROWS = (RowSpec(5, 3, 1), RowSpec(2, 9, 1), RowSpec(6, 1, 1))
+# The elementwise ops of the gating; none of them may run outside a kernel in DECODE.
+GATING_PRIMITIVES = frozenset({"exp", "log", "log1p", "logistic"})
+# How a Pallas Mosaic GPU kernel appears in a jaxpr in JAX 0.11.2 (interpreted or not).
+KERNEL_CALL = "custom_vmap_call"
+
+
+def _bits(x) -> np.ndarray:
+    return np.asarray(x).view(np.uint32)
+
+
+@pytest.fixture(scope="module")
+def layer() -> GatedDeltaNet:
+    layer = GatedDeltaNet(CONFIG, rngs=nnx.Rngs(0))
+    # dt_bias starts at ones: make it random so that a wrong head's bias shows.
+    layer.dt_bias[...] = jax.random.normal(jax.random.key(1), layer.dt_bias.shape)
+    return layer
+
+
+def _inputs(seed):
+    """Fresh random tokens and pools (every slot random, so stale reads and stray writes show)."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    spec = CONFIG.state_spec()
+    meta = build_metadata(ForwardMode.DECODE, ROWS, POLICY, num_slots=SLOTS)
+    x = jax.random.normal(keys[0], (meta.num_tokens, CONFIG.hidden_size), jnp.float32)
+    conv = jax.random.normal(keys[1], (SLOTS, *spec.conv_shape), jnp.float32)
+    ssm = jax.random.normal(keys[2], (SLOTS, *spec.ssm_shape), jnp.float32) * 0.3
+    return x, conv, ssm, meta
+
+
+def _unfused_decode(layer, x, conv_state, ssm_state, meta, *, impl):
+    """The DECODE step with the gating in XLA and the decode op on g, beta (the layer before
+    the fusion): projections, gating, conv update, delta rule, norm, output projection."""
+    d, bs = CONFIG.dims, meta.batch_size
+    mixed, z, b, a = layer._project(x)
+    g, beta = gdn.gdn_gating(layer.A_log[...], a, layer.dt_bias[...], b)
+    mixed, conv_state = conv1d.causal_conv1d_update(
+        mixed.reshape(bs, 1, -1), layer.conv_weight[...], None, conv_state,
+        meta.state_indices, impl=impl,
+    )  # fmt: skip
+    q, k, v = jnp.split(mixed, [d.key_dim, 2 * d.key_dim], axis=-1)
+    out, ssm_state = gdn.fused_recurrent_gated_delta_rule(
+        q.reshape(bs, 1, d.num_key_heads, d.head_k_dim),
+        k.reshape(bs, 1, d.num_key_heads, d.head_k_dim),
+        v.reshape(bs, 1, d.num_value_heads, d.head_v_dim),
+        g.reshape(bs, 1, -1), beta.reshape(bs, 1, -1), ssm_state, meta.state_indices,
+        impl=impl,
+    )  # fmt: skip
+    out = layer.norm(out.reshape(bs, d.num_value_heads, d.head_v_dim), z)
+    return layer.out_proj(out.reshape(bs, d.value_dim)), conv_state, ssm_state
+
+
+def _fused_decode(layer, x, conv_state, ssm_state, meta, *, impl):
+    out = layer(x, conv_state, ssm_state, meta, impl=impl)
+    return out.y, out.conv_state, out.ssm_state
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_decode_step_equals_the_unfused_path_and_writes_only_its_rows(layer, impl):
+    x, conv, ssm, meta = _inputs(0)
+    step = lambda fn: jax.jit(functools.partial(fn, layer, impl=impl))  # noqa: E731
+    y, conv_out, ssm_out = step(_fused_decode)(x, conv, ssm, meta)
+    y_ref, conv_ref, ssm_ref = step(_unfused_decode)(x, conv, ssm, meta)
+    # Same conv kernel on both sides: the windows agree bit for bit.
+    np.testing.assert_array_equal(_bits(conv_out), _bits(conv_ref))
+    if impl == "reference":  # the same XLA ops in the same order
+        np.testing.assert_array_equal(_bits(y), _bits(y_ref))
+        np.testing.assert_array_equal(_bits(ssm_out), _bits(ssm_ref))
+    else:  # the kernel's float32 gating against XLA's: a few ulps
+        np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ssm_out, ssm_ref, rtol=1e-5, atol=1e-6)
+    ssm, ssm_out, conv, conv_out = map(np.asarray, (ssm, ssm_out, conv, conv_out))
+    named = np.array([row.slot for row in ROWS])
+    others = np.setdiff1d(np.arange(SLOTS), named)  # the pad slot 0 among them
+    np.testing.assert_array_equal(_bits(ssm_out[others]), _bits(ssm[others]))
+    np.testing.assert_array_equal(_bits(conv_out[others]), _bits(conv[others]))
+    assert (ssm_out[named] != ssm[named]).any(axis=(1, 2, 3)).all(), "a real slot was not written"
+
+
+def _primitives_outside_kernels(jaxpr) -> tuple[set[str], int]:
+    """Primitive names of ``jaxpr`` and its sub-jaxprs, not looking inside kernel calls, and the
+    number of kernel calls."""
+    names, kernels = set(), 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == KERNEL_CALL:
+            kernels += 1
+            continue
+        names.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(sub, "eqns"):
+                    sub_names, sub_kernels = _primitives_outside_kernels(sub)
+                    names, kernels = names | sub_names, kernels + sub_kernels
+    return names, kernels
+
+
+def _mix_args(layer, x, conv, ssm, meta):
+    mixed, _, b, a = layer._project(x)
+    return mixed, layer.conv_weight[...], layer.A_log[...], a, layer.dt_bias[...], b, conv, ssm
+
+
+def test_decode_step_gates_only_inside_the_kernel(layer):
+    x, conv, ssm, meta = _inputs(1)
+    args = _mix_args(layer, x, conv, ssm, meta)
+
+    def fused(mixed, conv_weight, a_log, a, dt_bias, b, conv, ssm):
+        return gdn_mix(
+            mixed, conv_weight, a_log, a, dt_bias, b, conv, ssm, meta, CONFIG.dims,
+            impl="interpret",
+        )  # fmt: skip
+
+    names, kernels = _primitives_outside_kernels(jax.make_jaxpr(fused)(*args).jaxpr)
+    assert kernels == 2, "the conv update and the decode kernel"
+    assert not names & GATING_PRIMITIVES, f"gating outside the kernel: {names & GATING_PRIMITIVES}"
+    # The check sees gating where it is: the unfused path gates in XLA.
+    unfused = functools.partial(_unfused_decode, layer, meta=meta, impl="interpret")
+    names, kernels = _primitives_outside_kernels(jax.make_jaxpr(unfused)(x, conv, ssm).jaxpr)
+    assert kernels == 2 and {"exp", "logistic"} <= names
+
+
+def test_decode_step_lowers_for_cuda_with_the_pools_aliased():
+    """Qwen3-Next shapes (H=16, HV=32, K=V=128, bf16 activations) at a bucket of 8 rows."""
+    h, hv, kd, slots, bs = 16, 32, 128, 64, 8
+    dims = (h, hv, kd, kd)
+    meta = example_metadata(ForwardMode.DECODE, bs, bs, BucketPolicy(batch_buckets=(bs,)))
+    channels = 2 * h * kd + hv * kd
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    shapes = (
+        jax.ShapeDtypeStruct((bs, channels), bf16),
+        jax.ShapeDtypeStruct((channels, 4), bf16),
+        jax.ShapeDtypeStruct((hv,), f32),
+        jax.ShapeDtypeStruct((bs, hv), bf16),
+        jax.ShapeDtypeStruct((hv,), f32),
+        jax.ShapeDtypeStruct((bs, hv), bf16),
+        jax.ShapeDtypeStruct((slots, channels, 3), bf16),
+        jax.ShapeDtypeStruct((slots, hv, kd, kd), f32),
+    )
+
+    def step(mixed, conv_weight, a_log, a, dt_bias, b, conv, ssm, meta):
+        mix = gdn_mix(
+            mixed, conv_weight, a_log, a, dt_bias, b, conv, ssm, meta, GDNDims(*dims),
+            impl="pallas",
+        )  # fmt: skip
+        return mix.out, mix.conv_state, mix.ssm_state
+
+    traced = jax.jit(step, donate_argnums=(6, 7)).trace(*shapes, meta)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert re.search(rf"tensor<{slots}x{channels}x3xbf16> {{tf.aliasing_output = 1 ", main)
+    assert re.search(rf"tensor<{slots}x{hv}x{kd}x{kd}xf32> {{tf.aliasing_output = 2 ", main)
+    assert "stablehlo.logistic" not in text, "the gating's sigmoid ran outside the kernel"
