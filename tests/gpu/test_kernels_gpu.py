@@ -117,8 +117,17 @@ def test_gdn_decode_op_on_gpu_matches_oracle_in_place(n, n_padded):
     np.testing.assert_array_equal(_bits(pool[others]), _bits(before[others]))
 
 
-def test_gdn_fused_gating_decode_on_gpu_matches_oracle():
+_FUSED_GATING = {
+    "kernel": decode_mgpu.fused_gating_recurrent_gated_delta_rule,
+    "public-op": functools.partial(gdn.fused_gating_recurrent_gated_delta_rule, impl="pallas"),
+}
+
+
+@pytest.mark.parametrize("entry", list(_FUSED_GATING))
+def test_gdn_fused_gating_decode_on_gpu_matches_oracle(entry):
+    """decode_mgpu's fused-gating entry, and the public op that the DECODE step calls."""
     args, idx = _gdn_case(2, 64, 1, 4)
+    before = np.asarray(args["ssm_pool"])
     rng = np.random.default_rng(3)
     a = jnp.asarray(rng.standard_normal((64, 1, HV)) * 2, jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((64, 1, HV)) * 2, jnp.bfloat16)
@@ -129,12 +138,16 @@ def test_gdn_fused_gating_decode_on_gpu_matches_oracle():
     args["beta"] = 1 / (1 + np.exp(-np.asarray(b, np.float64)))
     o_ref, pool_ref = _oracle(gdn_reference.fused_recurrent_gated_delta_rule, args)
     kernel_args = {name: x for name, x in args.items() if name not in ("g", "beta")}
-    o, pool = jax.jit(decode_mgpu.fused_gating_recurrent_gated_delta_rule)(
-        A_log=jnp.asarray(a_log), a=a, dt_bias=jnp.asarray(dt_bias), b=b, **kernel_args
-    )
+    step = jax.jit(_FUSED_GATING[entry], donate_argnames="ssm_pool")
+    pointer = kernel_args["ssm_pool"].unsafe_buffer_pointer()
+    o, pool = step(A_log=jnp.asarray(a_log), a=a, dt_bias=jnp.asarray(dt_bias), b=b, **kernel_args)
+    assert pool.unsafe_buffer_pointer() == pointer, "the donated pool was copied, not aliased"
     _check_outputs(o, o_ref, idx, 1e-2)
     named = idx[idx != 0]
-    assert _rel(np.asarray(pool)[named], pool_ref[named]) < 1e-5
+    pool = np.asarray(pool)
+    assert _rel(pool[named], pool_ref[named]) < 1e-5
+    others = np.setdiff1d(np.arange(SLOTS), named)
+    np.testing.assert_array_equal(_bits(pool[others]), _bits(before[others]))
 
 
 @pytest.mark.parametrize("n", [16, 64])
