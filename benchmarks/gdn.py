@@ -55,6 +55,7 @@ from pallas_kernels.conv1d import prefill_mgpu, update_mgpu  # noqa: E402
 from pallas_kernels.conv1d import reference as conv_reference  # noqa: E402
 from pallas_kernels.gdn import chunk_mgpu, decode_mgpu, recurrent_mgpu  # noqa: E402
 from pallas_kernels.gdn import reference as gdn_reference  # noqa: E402
+from pallas_kernels.gdn.gating import gdn_gating  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
 SLOTS = 1024
@@ -235,6 +236,29 @@ def _token_inputs(rng, lead: tuple[int, ...]):
     )
 
 
+def _gating_inputs(rng, inputs: dict) -> dict:
+    """``inputs`` with ``gdn_gating``'s raw inputs (A_log, a, dt_bias [HV]; a, b like g) in
+    place of g, beta: what the DECODE step's fused-gating op takes."""
+    lead = inputs["g"].shape
+    rest = {name: x for name, x in inputs.items() if name not in ("g", "beta")}
+    return dict(
+        rest,
+        A_log=jnp.asarray(rng.uniform(-1.0, 1.0, HV), jnp.float32),
+        a=jnp.asarray(rng.standard_normal(lead), jnp.bfloat16),
+        dt_bias=jnp.asarray(rng.standard_normal(HV), jnp.float32),
+        b=jnp.asarray(rng.standard_normal(lead), jnp.bfloat16),
+    )
+
+
+def _gating_then_decode(q, k, v, A_log, a, dt_bias, b, ssm_pool, state_indices):  # noqa: N803
+    """The unfused DECODE step: ``gdn_gating`` in XLA, then our decode kernel."""
+    lead = a.shape
+    g, beta = gdn_gating(A_log, a.reshape(-1, HV), dt_bias, b.reshape(-1, HV), impl="reference")
+    return decode_mgpu.fused_recurrent_gated_delta_rule(
+        q, k, v, g.reshape(lead), beta.reshape(lead), ssm_pool, state_indices
+    )
+
+
 class Pool:
     """The live (donated-through) pool of a benchmark group; remade on the device when a
     failed row left it deleted."""
@@ -342,18 +366,25 @@ def bench_decode(fla) -> None:
         shape = f"batch {n}"
         traffic = 2 * n * STATE_BYTES
         inputs = _token_inputs(rng, (n, 1))
+        gated = _gating_inputs(rng, inputs)
         ours = decode_mgpu.fused_recurrent_gated_delta_rule  # the public decode op's kernel
         impls = {
-            f"ours (decode_mgpu {decode_mgpu.DEFAULT})": ours,
-            "jnp reference": gdn_reference.fused_recurrent_gated_delta_rule,
+            f"ours (decode_mgpu {decode_mgpu.DEFAULT})": (ours, inputs),
+            # The DECODE step's op (the gating in the kernel) and what it replaced.
+            "ours, gating fused in (the DECODE step)": (
+                decode_mgpu.fused_gating_recurrent_gated_delta_rule,
+                gated,
+            ),
+            "ours, gdn_gating in XLA + decode": (_gating_then_decode, gated),
+            "jnp reference": (gdn_reference.fused_recurrent_gated_delta_rule, inputs),
         }
-        for impl, fn in impls.items():
+        for impl, (fn, args) in impls.items():
 
-            def step(pool, idx, inputs, fn=fn):
-                o, pool = fn(**inputs, ssm_pool=pool, state_indices=idx)
+            def step(pool, idx, args, fn=fn):
+                o, pool = fn(**args, ssm_pool=pool, state_indices=idx)
                 return pool, o
 
-            _jax_row("decode", shape, impl, step, pool, n, traffic, rng, inputs)
+            _jax_row("decode", shape, impl, step, pool, n, traffic, rng, args)
         if fla is not None:
             _fla_decode(fla, n, traffic)
 
@@ -615,6 +646,7 @@ def _smoke_mode() -> None:
     DECODE_BATCHES, VERIFY, PREFILL = (1, 2), ((2, 2),), (("2x64", 2, 64),)
     CONV_BATCHES, CONV_PREFILL = (1, 2), (("2x20", 2, 20),)
     for module, name in ((decode_mgpu, "fused_recurrent_gated_delta_rule"),
+                         (decode_mgpu, "fused_gating_recurrent_gated_delta_rule"),
                          (recurrent_mgpu, "verify_gated_delta_rule"),
                          (update_mgpu, "causal_conv1d_update"),
                          (prefill_mgpu, "causal_conv1d"),
