@@ -102,6 +102,22 @@ def b_operand_view(ref, kmajor: bool):
     return ref.T if kmajor else ref
 
 
+def cta_segment(first_ref, slot_ref, *, n_seqs: int, group: int, block_v: int) -> tuple:
+    """What this CTA of a state pass (grid ``("n", "h", "v")``) walks: ``(h, hk, cols, c0,
+    num, real, seq, slot)``, its value head, key head and value columns, the segment's first
+    chunk and chunk count (``first_ref``: ``_mgpu_chunks.chunk_table``), whether the segment
+    is a sequence (segment N is the padding ``t >= qsl[N]``), and the sequence whose slot it
+    reads with that slot (the padding segment reads the last sequence's, never used)."""
+    n, h, iv = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("v")
+    hk = lax.div(h, group)
+    cols = pl.ds(iv * block_v, block_v)
+    c0 = first_ref[n]
+    num = first_ref[n + 1] - c0
+    real = n < n_seqs
+    seq = jnp.minimum(n, n_seqs - 1)  # the padding segment reads no slot
+    return h, hk, cols, c0, num, real, seq, slot_ref[seq]
+
+
 def load_initial_state(pool_ref, init_ref, seq, slot, head, cols, st_s, st_bar) -> jax.Array:
     """The sequence's initial state block (float32 ``st_s``-shaped, WGMMA layout): the pool
     slot's columns ``cols`` of ``head`` when ``init_ref[seq]``, else zeros. Staged through
@@ -322,14 +338,9 @@ def state_pass(
         ) = scratch
         o_p = o_rows.at[:, pl.ds(0, bv)]
         wg = lax.axis_index("wg")
-        n, h, iv = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("v")
-        hk = lax.div(h, group)
-        cols = pl.ds(iv * bv, bv)
-        c0 = first_ref[n]
-        num = first_ref[n + 1] - c0
-        real = n < n_seqs
-        seq = jnp.minimum(n, n_seqs - 1)  # the padding segment reads no slot
-        slot = slot_ref[seq]
+        h, hk, cols, c0, num, real, seq, slot = cta_segment(
+            first_ref, slot_ref, n_seqs=n_seqs, group=group, block_v=bv
+        )
         work = real & (num > 0)
 
         def store(src_full, src_rows, j):

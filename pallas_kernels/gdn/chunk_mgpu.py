@@ -238,14 +238,9 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
         # A TMA's SMEM address must be 128-byte aligned: rows of the row-by-row staging tile
         # are padded to 128 bytes (a 32-column bf16 row is only 64).
         o_p = o_rows.at[:, pl.ds(0, bv)]
-        n, h, iv = lax.axis_index("n"), lax.axis_index("h"), lax.axis_index("v")
-        hk = lax.div(h, group)
-        cols = pl.ds(iv * bv, bv)
-        c0 = first_ref[n]
-        num = first_ref[n + 1] - c0
-        real = n < n_seqs
-        seq = jnp.minimum(n, n_seqs - 1)  # the padding segment reads no slot
-        slot = slot_ref[seq]
+        h, hk, cols, c0, num, real, seq, slot = _chunk_state.cta_segment(
+            first_ref, slot_ref, n_seqs=n_seqs, group=group, block_v=bv
+        )
 
         def store_rows(src, start, lo, hi):
             _chunk_state.store_valid_rows(src, o_ref, start, lo, hi, h, cols)
