@@ -144,6 +144,21 @@ def write_final_state(s: jax.Array, pool_ref, slot, head, cols, st_s) -> None:
     plgpu.wait_smem_to_gmem(0)
 
 
+def store_chunk(full_src, rows_src, whole, o_ref, start, lo, hi, head, cols) -> None:
+    """A staged chunk to ``o_ref[start + i, head, cols]``: ``full_src`` with one TMA (left in
+    flight) when ``whole`` (all 64 rows are the segment's), else the valid rows ``lo..hi-1``
+    of ``rows_src`` one TMA each (a partial chunk never writes a neighbour's rows), waited
+    for."""
+
+    @pl.when(whole)
+    def _():
+        plgpu.copy_smem_to_gmem(full_src, o_ref.at[pl.ds(start, CHUNK), head, cols])
+
+    @pl.when(~whole)
+    def _():
+        store_valid_rows(rows_src, o_ref, start, lo, hi, head, cols)
+
+
 def store_valid_rows(src, o_ref, start, lo, hi, head, cols) -> None:
     """Rows ``lo..hi-1`` of a staged chunk to ``o_ref[start + i, head, cols]``, one TMA each
     (a partial chunk never writes a neighbour's rows), waited for."""
@@ -349,14 +364,7 @@ def state_pass(
             start = pl.multiple_of(tab_ref[0, c0 + j], ALIGN)
             lo, hi = tab_ref[1, c0 + j], tab_ref[2, c0 + j]
             whole = (lo == 0) & (hi == CHUNK)
-
-            @pl.when(whole)
-            def _():
-                plgpu.copy_smem_to_gmem(src_full, o_ref.at[pl.ds(start, CHUNK), h, cols])
-
-            @pl.when(~whole)
-            def _():
-                store_valid_rows(src_rows, o_ref, start, lo, hi, h, cols)
+            store_chunk(src_full, src_rows, whole, o_ref, start, lo, hi, h, cols)
 
         @pl.when(wg == PRODUCER)
         def _producer():

@@ -242,9 +242,6 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
             first_ref, slot_ref, n_seqs=n_seqs, group=group, block_v=bv
         )
 
-        def store_rows(src, start, lo, hi):
-            _chunk_state.store_valid_rows(src, o_ref, start, lo, hi, h, cols)
-
         @pl.when(~real)
         def _padding():
             zeros = plgpu.layout_cast(jnp.zeros(tile, out_dtype), WG)
@@ -258,13 +255,15 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
                 lo, hi = tab_ref[1, c0 + j], tab_ref[2, c0 + j]
                 full = (lo == 0) & (hi == CHUNK)
 
+                # Not _chunk_state.store_chunk(o_s.at[0], ...): a view made outside the branch
+                # would pass its index into it as an operand (another program).
                 @pl.when(full)
                 def _():
                     plgpu.copy_smem_to_gmem(o_s.at[0], o_ref.at[pl.ds(start, CHUNK), h, cols])
 
                 @pl.when(~full)
                 def _():
-                    store_rows(o_p, start, lo, hi)
+                    _chunk_state.store_valid_rows(o_p, o_ref, start, lo, hi, h, cols)
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -327,14 +326,7 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
                     o_p[...] = out
 
                 plgpu.commit_smem()
-
-                @pl.when(full)
-                def _():
-                    plgpu.copy_smem_to_gmem(o_s.at[stage], o_ref.at[pl.ds(start, CHUNK), h, cols])
-
-                @pl.when(~full)
-                def _():
-                    store_rows(o_p, start, lo, hi)
+                _chunk_state.store_chunk(o_s.at[stage], o_p, full, o_ref, start, lo, hi, h, cols)
 
                 return d * s + upd
 
