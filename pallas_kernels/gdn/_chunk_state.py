@@ -118,6 +118,31 @@ def cta_segment(first_ref, slot_ref, *, n_seqs: int, group: int, block_v: int) -
     return h, hk, cols, c0, num, real, seq, slot_ref[seq]
 
 
+def chain_values(s, a, e, k, v, m, *, s_bf, y, vp, ev, kmajor: bool) -> None:
+    """The state chain's ``v' = M (v - a kS)`` for one chunk (its first two wgmmas), staged
+    for the third, ``k^T (e v')``.
+
+    ``s``: float32 ``[K, bv]`` state (WGMMA layout); ``a``, ``e``: the chunk's row vectors
+    (ROWS layout); ``k``, ``v``, ``m``: its SMEM tiles. Writes, as B operands and fenced:
+    ``s_bf`` = ``S`` (bf16, read by ``kS``), ``y`` = ``v - a kS``, ``vp`` = ``v'``, ``ev`` =
+    ``e v'`` (may be ``y``: ``M Y`` has finished with it). Both state passes run this, so
+    their operands and float32 order, hence their bits, are the same.
+    """
+    put = functools.partial(put_b_operand, kmajor=kmajor)
+    view = functools.partial(b_operand_view, kmajor=kmajor)
+    tile = tuple(v.shape)
+    put(s_bf, s)
+    plgpu.commit_smem()
+    ks = matmul(k, view(s_bf), tile)
+    vt = plgpu.load(v, layout=WG).astype(F32)
+    put(y, vt - along_rows(a, tile) * ks)
+    plgpu.commit_smem()
+    vnew = matmul(m, view(y), tile)
+    put(vp, vnew)
+    put(ev, along_rows(e, tile) * vnew)
+    plgpu.commit_smem()
+
+
 def load_initial_state(pool_ref, init_ref, seq, slot, head, cols, st_s, st_bar) -> jax.Array:
     """The sequence's initial state block (float32 ``st_s``-shaped, WGMMA layout): the pool
     slot's columns ``cols`` of ``head`` when ``init_ref[seq]``, else zeros. Staged through
@@ -312,7 +337,6 @@ def state_pass(
     tile = (CHUNK, bv)
     state = (key_dim, bv)
     kmajor = bv < 64  # see put_b_operand
-    put = functools.partial(put_b_operand, kmajor=kmajor)
     view = functools.partial(b_operand_view, kmajor=kmajor)
 
     inputs = (q, k, v, m, p, vecs, table, first, slots, has_init, pool)
@@ -410,18 +434,11 @@ def state_pass(
                     def _():
                         plgpu.barrier_wait(retired.at[half])  # output done with j - 2
 
-                    s_bf = s_pub.at[half]
-                    put(s_bf, s)
-                    plgpu.commit_smem()
-                    ks = matmul(k_s.at[stage], view(s_bf), tile)
-                    vt = plgpu.load(v_s.at[stage], layout=WG).astype(F32)
-                    put(y_s, vt - along_rows(a, tile) * ks)
-                    plgpu.commit_smem()
-                    vnew = matmul(m_s.at[stage], view(y_s), tile)
-                    put(vp_pub.at[half], vnew)
-                    # Y was read by the finished M Y: its tile takes e v' (k^T's B operand).
-                    put(y_s, along_rows(e, tile) * vnew)
-                    plgpu.commit_smem()
+                    # Y's tile takes e v' too (k^T's B operand): two tiles, not three.
+                    chain_values(
+                        s, a, e, k_s.at[stage], v_s.at[stage], m_s.at[stage],
+                        s_bf=s_pub.at[half], y=y_s, vp=vp_pub.at[half], ev=y_s, kmajor=kmajor,
+                    )  # fmt: skip
                     plgpu.barrier_arrive(published.at[half])
                     upd = matmul(k_s.at[stage].T, view(y_s), state)
 

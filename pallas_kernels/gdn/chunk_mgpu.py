@@ -211,7 +211,6 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
     tile = (CHUNK, bv)
     state = (key_dim, bv)
     kmajor = cfg.kmajor if cfg.kmajor is not None else bv < 64  # see put_b_operand
-    put = functools.partial(_chunk_state.put_b_operand, kmajor=kmajor)
     view = functools.partial(_chunk_state.b_operand_view, kmajor=kmajor)
 
     def b_operand(shape):
@@ -302,16 +301,10 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
                 b = plgpu.load(w_s.at[stage, 1], layout=ROWS)
                 e = plgpu.load(w_s.at[stage, 2], layout=ROWS)
                 d = w_s[stage, 3, 0]
-                put(s_bf, s)
-                plgpu.commit_smem()
-                ks = matmul(k_s.at[stage], view(s_bf), tile)
-                vt = plgpu.load(v_s.at[stage], layout=WG).astype(F32)
-                put(y_s, vt - along_rows(a, tile) * ks)
-                plgpu.commit_smem()
-                vnew = matmul(m_s.at[stage], view(y_s), tile)
-                put(vp_s, vnew)
-                put(vc_s, along_rows(e, tile) * vnew)
-                plgpu.commit_smem()
+                _chunk_state.chain_values(
+                    s, a, e, k_s.at[stage], v_s.at[stage], m_s.at[stage],
+                    s_bf=s_bf, y=y_s, vp=vp_s, ev=vc_s, kmajor=kmajor,
+                )  # fmt: skip
                 upd = matmul(k_s.at[stage].T, view(vc_s), state)
                 qs = matmul(q_s.at[stage], view(s_bf), tile)
                 pv = matmul(p_s.at[stage], view(vp_s), tile)
