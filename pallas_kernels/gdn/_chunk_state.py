@@ -25,7 +25,10 @@ barrier's parity per thread): a phase is only signalled when a later chunk waits
 warpgroup hands a stage back only after a ``commit_smem`` (proxy fence) that follows its last
 plain read of it, since the producer's next write there is a TMA (the async proxy).
 
-Operands and the order of float32 operations are ``_state``'s, so both give the same bits.
+Operands and the order of float32 operations are ``_state``'s, so both give the same bits:
+both passes run the helpers defined here for what they share (a CTA's segment,
+``cta_segment``; a chunk's loads, ``load_chunk``; the chain's ``v'``, ``chain_values``; the
+initial and final state; a chunk's store, ``store_chunk``).
 
 Mosaic GPU constraints kept (benchmarks/prefill_notes.md): one wgmma per ``run_scoped``
 accumulator (``matmul``); no reductions over axis 0 of a WGMMA tile in the concurrent
@@ -116,6 +119,25 @@ def cta_segment(first_ref, slot_ref, *, n_seqs: int, group: int, block_v: int) -
     real = n < n_seqs
     seq = jnp.minimum(n, n_seqs - 1)  # the padding segment reads no slot
     return h, hk, cols, c0, num, real, seq, slot_ref[seq]
+
+
+def load_chunk(streamed, tiles, stage, bar, tab_ref, c, head, kv_head, cols) -> None:
+    """Chunk ``c``'s inputs into SMEM stage ``stage``, six TMAs on ``bar``.
+
+    ``streamed``: the pass's q, k, v, M, P and row-vector refs (its first six inputs);
+    ``tiles``: their staged SMEM buffers, in that order. q and k (key head ``kv_head``) and
+    v (columns ``cols`` of ``head``) come from the chunk's 64 token rows, M, P and the
+    vectors from ``[c, head]``.
+    """
+    q_ref, k_ref, v_ref, m_ref, p_ref, w_ref = streamed
+    q_s, k_s, v_s, m_s, p_s, w_s = tiles
+    rows = pl.ds(pl.multiple_of(tab_ref[0, c], ALIGN), CHUNK)
+    plgpu.copy_gmem_to_smem(q_ref.at[rows, kv_head], q_s.at[stage], bar)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_s.at[stage], bar)
+    plgpu.copy_gmem_to_smem(v_ref.at[rows, head, cols], v_s.at[stage], bar)
+    plgpu.copy_gmem_to_smem(m_ref.at[c, head], m_s.at[stage], bar)
+    plgpu.copy_gmem_to_smem(p_ref.at[c, head], p_s.at[stage], bar)
+    plgpu.copy_gmem_to_smem(w_ref.at[c, head], w_s.at[stage], bar)
 
 
 def chain_values(s, a, e, k, v, m, *, s_bf, y, vp, ev, kmajor: bool) -> None:
@@ -342,20 +364,8 @@ def state_pass(
     inputs = (q, k, v, m, p, vecs, table, first, slots, has_init, pool)
 
     def body(*refs):
-        (
-            q_ref,
-            k_ref,
-            v_ref,
-            m_ref,
-            p_ref,
-            w_ref,
-            tab_ref,
-            first_ref,
-            slot_ref,
-            init_ref,
-            pool_ref,
-        ) = refs[: len(inputs)]
-        o_ref, *scratch = refs[len(inputs) :]
+        streamed = refs[:6]  # q, k, v, M, P, vectors: what load_chunk streams
+        tab_ref, first_ref, slot_ref, init_ref, pool_ref, o_ref, *scratch = refs[6:]
         (
             q_s,
             k_s,
@@ -375,6 +385,7 @@ def state_pass(
             retired,
             st_bar,
         ) = scratch
+        tiles = (q_s, k_s, v_s, m_s, p_s, w_s)
         o_p = o_rows.at[:, pl.ds(0, bv)]
         wg = lax.axis_index("wg")
         h, hk, cols, c0, num, real, seq, slot = cta_segment(
@@ -405,14 +416,7 @@ def state_pass(
                     def _():
                         plgpu.barrier_wait(consumed.at[stage])  # chunk j - stages is done
 
-                    rows = pl.ds(pl.multiple_of(tab_ref[0, c], ALIGN), CHUNK)
-                    bar = loaded.at[stage]
-                    plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s.at[stage], bar)
-                    plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s.at[stage], bar)
-                    plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols], v_s.at[stage], bar)
-                    plgpu.copy_gmem_to_smem(m_ref.at[c, h], m_s.at[stage], bar)
-                    plgpu.copy_gmem_to_smem(p_ref.at[c, h], p_s.at[stage], bar)
-                    plgpu.copy_gmem_to_smem(w_ref.at[c, h], w_s.at[stage], bar)
+                    load_chunk(streamed, tiles, stage, loaded.at[stage], tab_ref, c, h, hk, cols)
 
         @pl.when(wg == STATE)
         def _state_chain():

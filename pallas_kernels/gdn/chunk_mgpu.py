@@ -24,10 +24,12 @@ Kernel 2, the state pass (one CTA per (sequence, value head, ``block_v`` value c
 walks the sequence's chunks in order with ``S`` in registers: five wgmmas per chunk (``kS``,
 ``qS``, ``M Y``, ``k^T v'``, ``P v'``). On the GPU it is warp-specialised by default
 (``_chunk_state.py``: a TMA warpgroup, the three-wgmma state chain, the output warpgroup);
-``_state`` is the one-warpgroup form (the interpreter's default). Splitting the value columns
-is what gives a single long sequence more than ``HV`` CTAs. ``P`` stays in kernel 1: formed
-by the state pass's output warpgroup instead, it made that warpgroup the pass's limit (slower
-on every shape, H200; benchmarks/prefill_notes.md).
+``_state`` is the one-warpgroup form (the interpreter's default). The two run the same
+helpers, in ``_chunk_state.py``, for what they share (a CTA's segment, a chunk's loads, the
+chain's ``v'``, the state in and out, a chunk's store). Splitting the value columns is what
+gives a single long sequence more than ``HV`` CTAs. ``P`` stays in kernel 1: formed by the
+state pass's output warpgroup instead, it made that warpgroup the pass's limit (slower on
+every shape, H200; benchmarks/prefill_notes.md).
 
 Chunks start at 8-aligned token positions: a TMA into a swizzled SMEM tile needs its first
 row to be a multiple of the 8-row tiling (layout inference refuses an unproven start). A
@@ -216,24 +218,13 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
     def b_operand(shape):
         return smem(shape[::-1] if kmajor else shape, BF16)
 
-    def body(
-        q_ref,
-        k_ref,
-        v_ref,
-        m_ref,
-        p_ref,
-        w_ref,
-        tab_ref,
-        first_ref,
-        slot_ref,
-        init_ref,
-        pool_ref,
-        o_ref,
-        *scratch,
-    ):
+    def body(*refs):
+        streamed = refs[:6]  # q, k, v, M, P, vectors: what load_chunk streams
+        tab_ref, first_ref, slot_ref, init_ref, pool_ref, o_ref, *scratch = refs[6:]
         (q_s, k_s, v_s, m_s, p_s, w_s, s_bf, y_s, vp_s, vc_s, o_s, o_rows, st_s, bar, st_bar) = (
             scratch
         )
+        tiles = (q_s, k_s, v_s, m_s, p_s, w_s)
         # A TMA's SMEM address must be 128-byte aligned: rows of the row-by-row staging tile
         # are padded to 128 bytes (a 32-column bf16 row is only 64).
         o_p = o_rows.at[:, pl.ds(0, bv)]
@@ -269,15 +260,9 @@ def _state(q, k, v, m, p, vecs, table, first, slots, has_init, pool, *, n_seqs, 
         @pl.when(real & (num > 0))
         def _sequence():
             def issue(j, stage):
-                c = c0 + j
-                rows = pl.ds(pl.multiple_of(tab_ref[0, c], ALIGN), CHUNK)
-                b = bar.at[stage]
-                plgpu.copy_gmem_to_smem(q_ref.at[rows, hk], q_s.at[stage], b)
-                plgpu.copy_gmem_to_smem(k_ref.at[rows, hk], k_s.at[stage], b)
-                plgpu.copy_gmem_to_smem(v_ref.at[rows, h, cols], v_s.at[stage], b)
-                plgpu.copy_gmem_to_smem(m_ref.at[c, h], m_s.at[stage], b)
-                plgpu.copy_gmem_to_smem(p_ref.at[c, h], p_s.at[stage], b)
-                plgpu.copy_gmem_to_smem(w_ref.at[c, h], w_s.at[stage], b)
+                _chunk_state.load_chunk(
+                    streamed, tiles, stage, bar.at[stage], tab_ref, c0 + j, h, hk, cols
+                )
 
             issue(0, 0)
 
