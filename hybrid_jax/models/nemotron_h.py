@@ -5,10 +5,10 @@ pattern comes from ``layers_block_type`` (or ``layer_types``) or from the older
 ``hybrid_override_pattern`` string: ``M`` Mamba2, ``*`` attention, ``-`` MLP, ``E`` MoE.
 Every block is ``x + mixer(norm(x))`` with one RMSNorm and one mixer; there is no separate
 feed-forward sub-block. ``NemotronH`` is the causal LM: embeddings, the blocks, ``norm_f`` and
-``lm_head``; its ``__call__``/``hidden_states``/``logits`` match ``Qwen3Next``'s, so the step
-functions and the engine drive both alike. Mamba2 layers keep their state in the slot pool,
-attention layers in the paged KV cache, each indexed by the layer's position among layers of
-its kind.
+``lm_head``; its ``__call__``/``hidden_states`` are ``Qwen3Next``'s (``HybridCausalLM``),
+so the step functions and the engine drive both alike. Mamba2 layers keep their state in the
+slot pool, attention layers in the paged KV cache, each indexed by the layer's position among
+layers of its kind.
 
 Semantics follow transformers' ``NemotronHForCausalLM``: the Mamba2 time step is clipped to
 ``[time_step_min, inf)`` (its mixer's limit; here in every mode, where transformers skips the
@@ -20,17 +20,14 @@ and no biases whatever ``attention_bias`` says; the LM head is never tied to the
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_jax.backend import VerifyStates
-from hybrid_jax.kv_cache import KVCache, KVCacheSpec
 from hybrid_jax.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from hybrid_jax.layers.nemotron_h_blocks import (
     PlainAttention,
@@ -40,8 +37,19 @@ from hybrid_jax.layers.nemotron_h_blocks import (
     RoutedMoEConfig,
 )
 from hybrid_jax.metadata import ForwardMetadata
+from hybrid_jax.models._decoder import (
+    ConfigError,
+    DecoderOutput,
+    HybridCausalLM,
+    LayerStates,
+    config_errors,
+    hf_dtype,
+    hf_eos_token_ids,
+    read_config_json,
+    require_fields,
+)
 from hybrid_jax.modes import LayerKind
-from hybrid_jax.state_pool import LinearStateSpec, StatePool
+from hybrid_jax.state_pool import LinearStateSpec
 
 __all__ = [
     "BLOCK_TYPES",
@@ -68,10 +76,6 @@ _ALIASES = {
     "mamba_dt_min": "time_step_min",
     "mamba_conv_bias": "use_conv_bias",
 }
-
-
-class ConfigError(ValueError):
-    """A model configuration this implementation cannot build, with the field that says so."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,27 +177,20 @@ class NemotronHConfig:
         if head_dim is None and heads and "hidden_size" in config:
             head_dim = config["hidden_size"] // heads
         derived = {"layers_block_type": list(blocks), "head_dim": head_dim}
-        missing = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING
-            and f.name not in config
-            and derived.get(f.name) is None
-        ]
-        if missing:
-            raise ConfigError(f"config.json lacks {', '.join(missing)}")
-        eos = config.get("eos_token_id")
-        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        require_fields(cls, config, derived=[k for k, v in derived.items() if v is not None])
         names = {f.name for f in dataclasses.fields(cls)} - {"eos_token_id", "dtype", *derived}
         values = {key: config[key] for key in names if config.get(key) is not None}
-        chosen = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
-        return cls(**values, **derived, eos_token_id=eos, dtype=chosen)
+        return cls(
+            **values,
+            **derived,
+            eos_token_id=hf_eos_token_ids(config),
+            dtype=hf_dtype(config, dtype),
+        )
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, *, dtype: str | None = None) -> NemotronHConfig:
         """From a ``config.json`` file (see ``from_hf_dict``)."""
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f), dtype=dtype)
+        return cls.from_hf_dict(read_config_json(path), dtype=dtype)
 
     @property
     def num_hidden_layers(self) -> int:
@@ -205,7 +202,7 @@ class NemotronHConfig:
         return tuple(_KINDS[b] for b in self.layers_block_type if b in _KINDS)
 
     def mamba2_config(self) -> Mamba2Config:
-        try:
+        with config_errors():
             return Mamba2Config(
                 hidden_size=self.hidden_size, num_heads=self.mamba_num_heads,
                 head_dim=self.mamba_head_dim, n_groups=self.n_groups,
@@ -214,17 +211,13 @@ class NemotronHConfig:
                 time_step_limit=(self.time_step_min, float("inf")),
                 rms_norm_eps=self.layer_norm_epsilon, dtype=self.dtype,
             )  # fmt: skip
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
 
     def attention_config(self) -> PlainAttentionConfig:
-        try:
+        with config_errors():
             return PlainAttentionConfig(
                 hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
                 num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, dtype=self.dtype,
             )  # fmt: skip
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
 
     def moe_config(self) -> RoutedMoEConfig:
         if self.n_routed_experts < 1 or self.moe_intermediate_size < 1:
@@ -237,7 +230,7 @@ class NemotronHConfig:
                 "Nemotron-H MoE blocks have a shared expert: moe_shared_expert_intermediate_size "
                 f"must be >= 1, got {self.moe_shared_expert_intermediate_size}"
             )
-        try:
+        with config_errors():
             return RoutedMoEConfig(
                 hidden_size=self.hidden_size, num_experts=self.n_routed_experts,
                 top_k=self.num_experts_per_tok, intermediate_size=self.moe_intermediate_size,
@@ -247,8 +240,6 @@ class NemotronHConfig:
                 routed_scaling_factor=float(self.routed_scaling_factor),
                 latent_size=self.moe_latent_size, mlp_bias=self.mlp_bias, dtype=self.dtype,
             )  # fmt: skip
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
 
 
 class RMSNorm(nnx.Module):
@@ -267,15 +258,12 @@ class RMSNorm(nnx.Module):
         return (self.weight[...].astype(jnp.float32) * normed).astype(x.dtype)
 
 
-class NemotronHOutput(NamedTuple):
+class NemotronHOutput(DecoderOutput):
     """logits: float32 ``[T, vocab]`` (rows at padded tokens mean nothing); the pool and KV
     cache after the step; per-Mamba2-layer verify states (TARGET_VERIFY, for
     ``engine.step.commit_verified``) or an empty tuple."""
 
-    logits: jax.Array
-    pool: StatePool
-    kv: KVCache
-    verify: tuple[VerifyStates, ...]
+    __slots__ = ()  # a plain tuple like its base: no per-instance __dict__
 
 
 class Block(nnx.Module):
@@ -296,9 +284,24 @@ class Block(nnx.Module):
         else:
             self.mixer = RoutedMoE(c.moe_config(), rngs=rngs)
 
+    def __call__(
+        self, x: jax.Array, states: LayerStates, meta: ForwardMetadata, *, impl: str
+    ) -> jax.Array:
+        """x: ``[T, hidden]`` -> the same after the block; a Mamba2 or attention mixer takes
+        its turn of ``states``."""
+        h = self.norm(x)
+        if self.block_type == "linear_attention":
+            return x + states.linear(self.mixer, h, meta, impl=impl)
+        if self.block_type == "full_attention":
+            return x + states.attention(self.mixer, h, meta)
+        return x + self.mixer(h)  # MLP and MoE blocks mix no tokens and hold no state
 
-class NemotronH(nnx.Module):
+
+class NemotronH(HybridCausalLM):
     """The Nemotron-H causal LM over packed tokens, every forward mode through ``meta``."""
+
+    linear_name = "Mamba2"
+    output_type = NemotronHOutput
 
     def __init__(self, config: NemotronHConfig, *, rngs: nnx.Rngs):
         c = config
@@ -313,75 +316,19 @@ class NemotronH(nnx.Module):
             c.hidden_size, c.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
 
-    @property
-    def layer_kinds(self) -> tuple[LayerKind, ...]:
-        return self.config.layer_kinds
-
     def state_specs(self) -> tuple[LinearStateSpec, ...]:
         """The slot-pool layout: one spec per Mamba2 layer, in layer order."""
         spec = self.config.mamba2_config().state_spec()
         return tuple(spec for kind in self.layer_kinds if kind is LayerKind.MAMBA2)
 
-    def kv_specs(self) -> tuple[KVCacheSpec, ...]:
-        """The KV-cache layout: one spec per attention layer, in layer order."""
-        spec = self.config.attention_config().kv_spec()
-        return tuple(spec for kind in self.layer_kinds if kind is LayerKind.FULL_ATTENTION)
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """int32 ``[T]`` -> ``[T, hidden]``."""
+        return self.embeddings(tokens)
 
-    def hidden_states(
-        self,
-        tokens: jax.Array,
-        pool: StatePool,
-        kv: KVCache,
-        meta: ForwardMetadata,
-        *,
-        impl: str = "auto",
-    ) -> tuple[jax.Array, StatePool, KVCache, tuple[VerifyStates, ...]]:
-        """The final-normed hidden states ``[T, hidden]`` and the updated pool and cache."""
-        if len(pool.ssm) != len(self.state_specs()) or len(kv.k) != len(self.kv_specs()):
-            raise ValueError(
-                f"the pool has {len(pool.ssm)} Mamba2 layers and the KV cache {len(kv.k)} "
-                f"attention layers, but the model has {len(self.state_specs())} and "
-                f"{len(self.kv_specs())}; build them from model.state_specs() and model.kv_specs()"
-            )
-        conv, ssm, keys, values = list(pool.conv), list(pool.ssm), list(kv.k), list(kv.v)
-        verify = []
-        x = self.embeddings(tokens)
-        linear = attention = 0
-        for layer in self.layers:
-            h = layer.norm(x)
-            if layer.block_type == "linear_attention":
-                i, linear = linear, linear + 1
-                out = layer.mixer(h, conv[i], ssm[i], meta, impl=impl)
-                conv[i], ssm[i] = out.conv_state, out.ssm_state
-                if out.verify:
-                    verify.append(out.verify)
-                y = out.y
-            elif layer.block_type == "full_attention":
-                i, attention = attention, attention + 1
-                out = layer.mixer(h, keys[i], values[i], meta)
-                keys[i], values[i] = out.k_pages, out.v_pages
-                y = out.y
-            else:
-                y = layer.mixer(h)
-            x = x + y
-        pool = dataclasses.replace(pool, conv=tuple(conv), ssm=tuple(ssm))
-        kv = dataclasses.replace(kv, k=tuple(keys), v=tuple(values))
-        return self.norm_f(x), pool, kv, tuple(verify)
+    def final_norm(self, x: jax.Array) -> jax.Array:
+        """``[T, hidden]`` -> the same; the module keeps its checkpoint name (``norm_f``)."""
+        return self.norm_f(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 ``[T, vocab]`` logits of final hidden states ``[T, hidden]``."""
         return self.lm_head(hidden).astype(jnp.float32)
-
-    def __call__(
-        self,
-        tokens: jax.Array,
-        pool: StatePool,
-        kv: KVCache,
-        meta: ForwardMetadata,
-        *,
-        impl: str = "auto",
-    ) -> NemotronHOutput:
-        """tokens: int32 ``[T]`` packed as ``meta`` lays them out (any id at padding);
-        pool: the Mamba2 layers' slot pool; kv: the attention layers' paged cache."""
-        hidden, pool, kv, verify = self.hidden_states(tokens, pool, kv, meta, impl=impl)
-        return NemotronHOutput(self.logits(hidden), pool, kv, verify)

@@ -26,25 +26,34 @@ differs from Qwen3-Next in weights, not only in configuration.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybrid_jax.backend import VerifyStates
 from hybrid_jax.kv_cache import KVCache, KVCacheSpec
 from hybrid_jax.layers.attention import AttentionConfig, GatedAttention
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.layers.moe import MLP, MoEConfig, SparseMoE
 from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
+from hybrid_jax.models._decoder import (
+    ConfigError,
+    DecoderOutput,
+    HybridCausalLM,
+    LayerStates,
+    config_errors,
+    hf_dtype,
+    hf_eos_token_ids,
+    read_config_json,
+    require_fields,
+)
 from hybrid_jax.modes import LayerKind
-from hybrid_jax.state_pool import LinearStateSpec, StatePool
+from hybrid_jax.state_pool import LinearStateSpec
 
 __all__ = [
     "ConfigError",
@@ -58,10 +67,6 @@ __all__ = [
 ]
 
 _LAYER_TYPES = {"linear_attention": LayerKind.GDN, "full_attention": LayerKind.FULL_ATTENTION}
-
-
-class ConfigError(ValueError):
-    """A model configuration this implementation cannot build, with the field that says so."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,14 +177,7 @@ class Qwen3NextConfig:
                 f"rope type {rope_type!r}: only the default rotary embedding is implemented; "
                 f"remove the rope scaling or serve a shorter context"
             )
-        derived = ("layer_types", "head_dim")  # filled in below when absent
-        missing = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.name not in derived and f.name not in config
-        ]
-        if missing:
-            raise ConfigError(f"config.json lacks {', '.join(missing)}")
+        require_fields(cls, config, derived=("layer_types", "head_dim"))  # filled in below
         layers = config["num_hidden_layers"]
         layer_types = config.get("layer_types")
         if layer_types is None:
@@ -188,8 +186,6 @@ class Qwen3NextConfig:
                 "full_attention" if (i + 1) % interval == 0 else "linear_attention"
                 for i in range(layers)
             ]
-        eos = config.get("eos_token_id")
-        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         fields = {f.name for f in dataclasses.fields(cls)} - {
             "layer_types", "eos_token_id", "dtype", "rope_theta", "partial_rotary_factor",
         }  # fmt: skip
@@ -200,21 +196,19 @@ class Qwen3NextConfig:
             values.pop("mlp_only_layers", None)
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
         factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
-        chosen = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
         return cls(
             **values,
             layer_types=tuple(layer_types),
-            eos_token_id=eos,
+            eos_token_id=hf_eos_token_ids(config),
             rope_theta=float(theta),
             partial_rotary_factor=float(factor),
-            dtype=chosen,
+            dtype=hf_dtype(config, dtype),
         )
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3NextConfig:
         """From a ``config.json`` file (see ``from_hf_dict``)."""
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f), dtype=dtype)
+        return cls.from_hf_dict(read_config_json(path), dtype=dtype)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` contents of this configuration (Hugging Face field names)."""
@@ -244,7 +238,7 @@ class Qwen3NextConfig:
         return self.is_moe_layer(0)
 
     def attention_config(self) -> AttentionConfig:
-        try:
+        with config_errors():
             return AttentionConfig(
                 hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
                 num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
@@ -252,30 +246,24 @@ class Qwen3NextConfig:
                 rms_norm_eps=self.rms_norm_eps, attention_bias=self.attention_bias,
                 dtype=self.dtype,
             )  # fmt: skip
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
 
     def gdn_config(self) -> GDNConfig:
-        try:
+        with config_errors():
             return GDNConfig(
                 hidden_size=self.hidden_size, num_key_heads=self.linear_num_key_heads,
                 num_value_heads=self.linear_num_value_heads, head_k_dim=self.linear_key_head_dim,
                 head_v_dim=self.linear_value_head_dim, conv_kernel=self.linear_conv_kernel_dim,
                 rms_norm_eps=self.rms_norm_eps, dtype=self.dtype,
             )  # fmt: skip
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
 
     def moe_config(self) -> MoEConfig:
-        try:
+        with config_errors():
             return MoEConfig(
                 hidden_size=self.hidden_size, num_experts=self.num_experts,
                 top_k=self.num_experts_per_tok, intermediate_size=self.moe_intermediate_size,
                 shared_intermediate_size=self.shared_expert_intermediate_size,
                 norm_topk_prob=self.norm_topk_prob, dtype=self.dtype,
             )  # fmt: skip
-        except ValueError as err:
-            raise ConfigError(str(err)) from err
 
 
 def tiny_qwen3_next_config(dtype: str = "float32") -> Qwen3NextConfig:
@@ -293,15 +281,12 @@ def tiny_qwen3_next_config(dtype: str = "float32") -> Qwen3NextConfig:
     )  # fmt: skip
 
 
-class Qwen3NextOutput(NamedTuple):
+class Qwen3NextOutput(DecoderOutput):
     """logits: float32 ``[T, vocab]`` (rows at padded tokens mean nothing); the pool and KV
     cache after the step; per-GDN-layer verify states (TARGET_VERIFY, for
     ``engine.step.commit_verified``) or an empty tuple."""
 
-    logits: jax.Array
-    pool: StatePool
-    kv: KVCache
-    verify: tuple[VerifyStates, ...]
+    __slots__ = ()  # a plain tuple like its base: no per-instance __dict__
 
 
 class DecoderLayer(nnx.Module):
@@ -321,6 +306,18 @@ class DecoderLayer(nnx.Module):
             self.mlp = SparseMoE(c.moe_config(), rngs=rngs)
         else:
             self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=c.dtype, rngs=rngs)
+
+    def __call__(
+        self, x: jax.Array, states: LayerStates, meta: ForwardMetadata, *, impl: str
+    ) -> jax.Array:
+        """x: ``[T, hidden]`` -> the same after both residual branches; the mixer takes its
+        turn of ``states``."""
+        h = self.input_layernorm(x)
+        if self.kind is LayerKind.GDN:
+            x = x + states.linear(self.linear_attn, h, meta, impl=impl)
+        else:
+            x = x + states.attention(self.self_attn, h, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class MTPHead(nnx.Module):
@@ -364,8 +361,10 @@ class MTPHead(nnx.Module):
         return self.norm(x), out.k_pages, out.v_pages
 
 
-class Qwen3Next(nnx.Module):
+class Qwen3Next(HybridCausalLM):
     """The Qwen3-Next causal LM over packed tokens, every forward mode through ``meta``."""
+
+    output_type = Qwen3NextOutput
 
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
         c = config
@@ -392,10 +391,6 @@ class Qwen3Next(nnx.Module):
             self.mtp = MTPHead(c, rngs=rngs)
 
     @property
-    def layer_kinds(self) -> tuple[LayerKind, ...]:
-        return self.config.layer_kinds
-
-    @property
     def has_mtp(self) -> bool:
         """The model carries the multi-token-prediction head."""
         return self.config.num_nextn_predict_layers > 0
@@ -404,11 +399,6 @@ class Qwen3Next(nnx.Module):
         """The slot-pool layout: one spec per GDN layer, in layer order."""
         spec = self.config.gdn_config().state_spec()
         return tuple(spec for kind in self.layer_kinds if kind is LayerKind.GDN)
-
-    def kv_specs(self) -> tuple[KVCacheSpec, ...]:
-        """The KV-cache layout: one spec per full-attention layer, in layer order."""
-        spec = self.config.attention_config().kv_spec()
-        return tuple(spec for kind in self.layer_kinds if kind is LayerKind.FULL_ATTENTION)
 
     def mtp_kv_specs(self) -> tuple[KVCacheSpec, ...]:
         """The MTP head's KV-cache layout: one spec (its attention layer), or none."""
@@ -433,64 +423,19 @@ class Qwen3Next(nnx.Module):
         out, k, v = self.mtp(self.embed_tokens(next_tokens), hidden, kv.k[0], kv.v[0], meta)
         return out, dataclasses.replace(kv, k=(k,), v=(v,))
 
-    def hidden_states(
-        self,
-        tokens: jax.Array,
-        pool: StatePool,
-        kv: KVCache,
-        meta: ForwardMetadata,
-        *,
-        impl: str = "auto",
-    ) -> tuple[jax.Array, StatePool, KVCache, tuple[VerifyStates, ...]]:
-        """The final-normed hidden states ``[T, hidden]`` and the updated pool and cache."""
-        if len(pool.ssm) != len(self.state_specs()) or len(kv.k) != len(self.kv_specs()):
-            raise ValueError(
-                f"the pool has {len(pool.ssm)} linear layers and the KV cache "
-                f"{len(kv.k)} attention layers, but the model has {len(self.state_specs())} "
-                f"and {len(self.kv_specs())}; build them from model.state_specs() and "
-                f"model.kv_specs()"
-            )
-        conv, ssm, keys, values = list(pool.conv), list(pool.ssm), list(kv.k), list(kv.v)
-        verify = []
-        x = self.embed_tokens(tokens)
-        linear = attention = 0
-        for layer in self.layers:
-            h = layer.input_layernorm(x)
-            if layer.kind is LayerKind.GDN:
-                i, linear = linear, linear + 1
-                out = layer.linear_attn(h, conv[i], ssm[i], meta, impl=impl)
-                conv[i], ssm[i] = out.conv_state, out.ssm_state
-                if out.verify:
-                    verify.append(out.verify)
-            else:
-                i, attention = attention, attention + 1
-                out = layer.self_attn(h, keys[i], values[i], meta)
-                keys[i], values[i] = out.k_pages, out.v_pages
-            x = x + out.y
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        pool = dataclasses.replace(pool, conv=tuple(conv), ssm=tuple(ssm))
-        kv = dataclasses.replace(kv, k=tuple(keys), v=tuple(values))
-        return self.norm(x), pool, kv, tuple(verify)
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """int32 ``[T]`` -> ``[T, hidden]``."""
+        return self.embed_tokens(tokens)
+
+    def final_norm(self, x: jax.Array) -> jax.Array:
+        """``[T, hidden]`` -> the same; the module keeps its checkpoint name (``model.norm``)."""
+        return self.norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 ``[T, vocab]`` logits of final hidden states ``[T, hidden]``."""
         if self.config.tie_word_embeddings:
             return self.embed_tokens.attend(hidden).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)
-
-    def __call__(
-        self,
-        tokens: jax.Array,
-        pool: StatePool,
-        kv: KVCache,
-        meta: ForwardMetadata,
-        *,
-        impl: str = "auto",
-    ) -> Qwen3NextOutput:
-        """tokens: int32 ``[T]`` packed as ``meta`` lays them out (any id at padding);
-        pool: the GDN layers' slot pool; kv: the attention layers' paged cache."""
-        hidden, pool, kv, verify = self.hidden_states(tokens, pool, kv, meta, impl=impl)
-        return Qwen3NextOutput(self.logits(hidden), pool, kv, verify)
 
 
 def _seeded_value(path: tuple, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
