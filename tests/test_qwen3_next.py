@@ -13,15 +13,11 @@ import json
 import pathlib
 import shutil
 
-import jax
+import _model_parity as parity
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from hybrid_jax.engine.step import commit_verified
-from hybrid_jax.kv_cache import init_kv_cache
-from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.models.loading import CheckpointError, load_qwen3_next, save_checkpoint
 from hybrid_jax.models.qwen3_next import (
     ConfigError,
@@ -31,71 +27,20 @@ from hybrid_jax.models.qwen3_next import (
 )
 from hybrid_jax.models.safetensors_io import read_tensors, write_tensors
 from hybrid_jax.models.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
-from hybrid_jax.modes import ForwardMode, LayerKind, UnsupportedForwardModeError
-from hybrid_jax.state_pool import init_state_pool
+from hybrid_jax.modes import LayerKind
 
-M = ForwardMode
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "qwen3_next"
 NAMES = ("moe", "tied_sparse_step")
-D = 4
-PAGE = 4
-NUM_SLOTS, NUM_PAGES = 4, 16
-# One bucket per mode, so each mode compiles once per model.
-POLICY = BucketPolicy(
-    batch_buckets=(2,), token_buckets=(16,), num_draft_tokens=D, page_size=PAGE, max_context=24
-)
-TOL = 1e-4  # float32 relative error, |ours - ref| / |ref| over a step's logits
-
-
-class Runner:
-    """The model's forward, jitted (one trace per (mode, bucket)); pools are not donated."""
-
-    def __init__(self, model):
-        self.model = model
-        graphdef, self.params = nnx.split(model)
-
-        def forward(params, tokens, pool, kv, meta):
-            return nnx.merge(graphdef, params)(tokens, pool, kv, meta, impl="reference")
-
-        self.forward = jax.jit(forward)
-
-    def fresh(self, seed=0):
-        """A pool of random states (rows without initial state must ignore them) and a KV
-        cache poisoned with NaN (a read of an unwritten entry would show)."""
-        pool = init_state_pool(self.model.state_specs(), NUM_SLOTS)
-        keys = iter(jax.random.split(jax.random.key(seed), 64))
-        pool = jax.tree.map(lambda a: jax.random.normal(next(keys), a.shape, a.dtype), pool)
-        kv = init_kv_cache(self.model.kv_specs(), NUM_PAGES, PAGE)
-        kv = jax.tree.map(lambda a: jnp.full_like(a, jnp.nan), kv)
-        return pool, kv
-
-    def step(self, mode, rows, tokens, pool, kv):
-        """Logits of the real tokens ``[n, vocab]`` and the model output."""
-        meta = build_metadata(mode, rows, POLICY, num_slots=NUM_SLOTS, num_pages=NUM_PAGES)
-        n = sum(row.num_tokens for row in rows)
-        padded = np.zeros(meta.num_tokens, np.int32)
-        padded[:n] = tokens
-        out = self.forward(self.params, jnp.asarray(padded), pool, kv, meta)
-        return np.asarray(out.logits)[:n], out
 
 
 @pytest.fixture(scope="module")
 def runners():
-    return {name: Runner(load_qwen3_next(FIXTURES / name)) for name in NAMES}
+    return {name: parity.Runner(load_qwen3_next(FIXTURES / name)) for name in NAMES}
 
 
 @pytest.fixture(scope="module")
 def refs():
-    return {name: dict(np.load(FIXTURES / name / "reference.npz")) for name in NAMES}
-
-
-def rel_err(got, want):
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
-def assert_close(got, want, what):
-    assert got.shape == want.shape, what
-    assert rel_err(got, want) < TOL, f"{what}: relative error {rel_err(got, want):.2e}"
+    return parity.references(FIXTURES, NAMES)
 
 
 # ---------------------------------------------------------------- parity with transformers
@@ -103,94 +48,34 @@ def assert_close(got, want, what):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_prefill_then_decode_steps_match_transformers(runners, refs, name):
-    run, ref = runners[name], refs[name]
-    prompt, tokens = ref["prompt"], ref["decode_tokens"]
-    p = len(prompt)
-    pages = (9, 2, 14, 5)  # scattered on purpose
-    pool, kv = run.fresh()
-    logits, out = run.step(M.EXTEND, [RowSpec(3, 0, p, pages)], prompt, pool, kv)
-    assert_close(logits, ref["prefill_logits"], "prefill")
-    for i, token in enumerate(tokens):
-        row = RowSpec(3, p + i, 1, pages)
-        logits, out = run.step(M.DECODE, [row], [token], out.pool, out.kv)
-        assert_close(logits[0], ref["decode_logits"][i], f"decode step {i}")
-    others = sorted(set(range(1, NUM_PAGES)) - set(pages))
-    for k, v in zip(out.kv.k, out.kv.v, strict=True):
-        assert np.isnan(np.asarray(k)[others]).all() and np.isnan(np.asarray(v)[others]).all()
+    parity.check_prefill_then_decode(runners[name], refs[name])
 
 
 def test_verify_then_commit_continues_like_transformers(runners, refs):
-    run, ref = runners["moe"], refs["moe"]
-    prompt, tokens = ref["prompt"], ref["decode_tokens"]
-    p, pages = len(prompt), (4, 1, 7, 12)
-    pool, kv = run.fresh(1)
-    _, out = run.step(M.EXTEND, [RowSpec(2, 0, p, pages)], prompt, pool, kv)
-    before = jax.tree.map(np.asarray, out.pool)
-    logits, out = run.step(M.TARGET_VERIFY, [RowSpec(2, p, D, pages)], tokens, out.pool, out.kv)
-    for i in range(D):
-        assert_close(logits[i], ref["decode_logits"][i], f"verify token {i}")
-    for got, want in zip(jax.tree.leaves(out.pool), jax.tree.leaves(before), strict=True):
-        np.testing.assert_array_equal(np.asarray(got), want)  # verify never writes the pool
-    # Accept the first two drafts (step index 1); the rejected drafts' keys stay in the pages
-    # and must be overwritten, never read.
-    slots = jnp.asarray([2, 0], jnp.int32)
-    pool = commit_verified(out.pool, out.verify, slots, jnp.asarray([1, -1], jnp.int32))
-    kv = out.kv
-    for i in (2, 3):
-        logits, out = run.step(M.DECODE, [RowSpec(2, p + i, 1, pages)], [tokens[i]], pool, kv)
-        pool, kv = out.pool, out.kv
-        assert_close(logits[0], ref["decode_logits"][i], f"decode after commit, token {i}")
+    parity.check_verify_then_commit(runners["moe"], refs["moe"])
 
 
 def test_chunked_prefill_mixed_and_draft_extend_match_transformers(runners, refs):
-    run, ref = runners["moe"], refs["moe"]
-    prompt, prompt2 = ref["prompt"], ref["prompt2"]
-    a, b = (3, 8, 10), (6, 11)
-    pool, kv = run.fresh(2)
-    logits, out = run.step(M.EXTEND, [RowSpec(1, 0, 5, a)], prompt[:5], pool, kv)
-    assert_close(logits, ref["prefill_logits"][:5], "first chunk")
-    # MIXED: the first request's second chunk beside a fresh request.
-    rows = [RowSpec(1, 5, 4, a), RowSpec(2, 0, len(prompt2), b)]
-    x = np.concatenate([prompt[5:9], prompt2])
-    logits, out = run.step(M.MIXED, rows, x, out.pool, out.kv)
-    assert_close(logits[:4], ref["prefill_logits"][5:9], "second chunk in MIXED")
-    assert_close(logits[4:], ref["prefill2_logits"], "fresh request in MIXED")
-    # DRAFT_EXTEND: the last two prompt tokens on the fixed bs x D token layout.
-    logits, out = run.step(M.DRAFT_EXTEND, [RowSpec(1, 9, 2, a)], prompt[9:], out.pool, out.kv)
-    assert_close(logits, ref["prefill_logits"][9:], "DRAFT_EXTEND")
+    parity.check_chunked_prefill_mixed_and_draft_extend(runners["moe"], refs["moe"])
 
 
 # ---------------------------------------------------------------- pools, modes, structure
 
 
 def test_idle_step_returns_no_logits_and_changes_nothing(runners):
-    run = runners["moe"]
-    pool, kv = run.fresh(3)
-    pool, kv = jax.tree.map(np.asarray, (pool, kv))
-    logits, out = run.step(M.IDLE, [], [], pool, kv)
-    assert out.logits.shape == (0, run.model.config.vocab_size)
-    for got, want in zip(jax.tree.leaves((out.pool, out.kv)), jax.tree.leaves((pool, kv)),
-                         strict=True):  # fmt: skip
-        np.testing.assert_array_equal(np.asarray(got), want)
+    parity.check_idle_step_changes_nothing(runners["moe"])
 
 
 def test_unsupported_mode_fails_while_tracing(runners):
-    run = runners["moe"]
-    pool, kv = run.fresh()
-    meta = dataclasses.replace(example_metadata(M.DECODE, 2, 2, POLICY), mode=M.DLLM_EXTEND)
-    tokens = jnp.zeros(2, jnp.int32)
-    with pytest.raises(UnsupportedForwardModeError, match="DLLM_EXTEND") as err:
-        jax.eval_shape(run.forward, run.params, tokens, pool, kv, meta)
-    assert err.value.layer_kind in (LayerKind.GDN, LayerKind.FULL_ATTENTION)
+    kinds = (LayerKind.GDN, LayerKind.FULL_ATTENTION)
+    parity.check_unsupported_mode_fails_while_tracing(runners["moe"], kinds)
 
 
 def test_pool_or_cache_of_another_layout_is_refused(runners):
     run = runners["moe"]
     pool, kv = run.fresh()
-    meta = example_metadata(M.DECODE, 2, 2, POLICY)
     short = dataclasses.replace(kv, k=kv.k[:1], v=kv.v[:1])
-    with pytest.raises(ValueError, match="model.kv_specs"):
-        jax.eval_shape(run.forward, run.params, jnp.zeros(2, jnp.int32), pool, short, meta)
+    parity.check_layout_is_refused(run, pool, short, "model.kv_specs")
 
 
 def test_layer_pattern_state_and_cache_specs_follow_the_config(runners):
@@ -265,16 +150,12 @@ def test_config_missing_required_fields_are_named():
 # ---------------------------------------------------------------- checkpoints
 
 
-def params_of(model):
-    return {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(nnx.state(model))}
-
-
 def test_save_then_load_round_trips_every_parameter(tmp_path):
     model = tiny_qwen3_next(seed=5)
     save_checkpoint(model, tmp_path, max_shard_bytes=100_000)
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     loaded = load_qwen3_next(tmp_path)
-    want, got = params_of(model), params_of(loaded)
+    want, got = parity.params_of(model), parity.params_of(loaded)
     assert want.keys() == got.keys()
     for path in want:
         np.testing.assert_array_equal(got[path], want[path], err_msg=str(path))
@@ -291,7 +172,7 @@ def test_fused_expert_layout_loads_like_per_expert(tmp_path):
     tensors[f"{p}gate_up_proj"] = np.concatenate([gate, up], axis=1)
     tensors[f"{p}down_proj"] = down
     write_tensors(tmp_path / "model.safetensors", tensors)
-    want, got = params_of(model), params_of(load_qwen3_next(tmp_path))
+    want, got = parity.params_of(model), parity.params_of(load_qwen3_next(tmp_path))
     for path in want:
         np.testing.assert_array_equal(got[path], want[path], err_msg=str(path))
 
