@@ -45,9 +45,9 @@ store zeros.
 Precision: q, k, v, ``M`` and ``P`` enter the tensor cores as bf16 (float32 inputs are
 rounded to bf16 first); accumulation, the decays, the norms and the state are float32.
 
-Speed (H200, Qwen3-Next TP1 shapes, device time): 34 Mtok/s at 1x8192, 32.5 on the varlen
-serving mix, 42 at 4x8192 (benchmarks/RESULTS.md); what limits it and what comes next:
-benchmarks/prefill_notes.md.
+Speed (H200, Qwen3-Next TP1 shapes, device time, session 4): 34.3 Mtok/s at 1x8192, 32.2 on
+the varlen serving mix, 43.6 at 4x8192 (benchmarks/RESULTS.md); what limits it and what comes
+next: benchmarks/prefill_notes.md.
 """
 
 from __future__ import annotations

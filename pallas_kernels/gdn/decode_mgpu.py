@@ -529,7 +529,7 @@ def fused_gating_recurrent_gated_delta_rule(
     if reason is not None:
         raise ValueError(reason)
     return _launch(
-        q, k, v, (A_log, a, dt_bias, b), ssm_pool, state_indices, scale=scale,
+        q, k, v, gating, ssm_pool, state_indices, scale=scale,
         use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
     )  # fmt: skip
 
