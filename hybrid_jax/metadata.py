@@ -8,7 +8,7 @@ cannot drift apart. What each mode's rows may carry and how its token axis is si
 one ``_Layout`` per mode in ``_LAYOUTS``; a mode missing there raises
 ``UnsupportedForwardModeError`` before anything is built.
 
-Padding rules (DESIGN.md): padded rows have length 0 (query_start_loc repeats), slot 0 (the
+Padding rules (docs/DESIGN.md): padded rows have length 0 (query_start_loc repeats), slot 0 (the
 pad slot) and no initial state; padded tokens sit after ``query_start_loc[num_rows]``, at
 position 0, in row ``batch_size`` (one past the last row, so a segment op drops them).
 

@@ -107,7 +107,7 @@ class LayerKind(enum.Enum):
 
 
 class TokenLayout(enum.StrEnum):
-    """How a mode lays its tokens out along the packed token axis (see DESIGN.md)."""
+    """How a mode lays its tokens out along the packed token axis (see docs/DESIGN.md)."""
 
     RAGGED = "ragged"  # rows of any length, marked by query_start_loc
     ONE_PER_ROW = "one_per_row"  # one token per row: token i belongs to row i

@@ -1,6 +1,6 @@
 """Conventions shared by every op in pallas_kernels, and the choice of implementation.
 
-Layout (the contract of ../DESIGN.md, stated once here):
+Layout (the contract of docs/DESIGN.md, stated once here):
 
 * Packed ("varlen") tokens: the sequences of a batch are concatenated along one token axis
   ``T``; ``query_start_loc`` (qsl) int32 ``[N+1]`` marks them. Tokens at ``t >= qsl[N]`` are

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_jax.engine.step import commit_verified
+from hybrid_jax.backend.commit import commit_verified, linear_kinds
 from hybrid_jax.kv_cache import init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.modes import ForwardMode, LayerKind, UnsupportedForwardModeError
@@ -121,7 +121,10 @@ def check_verify_then_commit(run: Runner, ref: dict) -> None:
     # Accept the first two drafts (step index 1); the rejected drafts' keys stay in the pages
     # and must be overwritten, never read.
     slots = jnp.asarray([2, 0], jnp.int32)
-    pool = commit_verified(out.pool, out.verify, slots, jnp.asarray([1, -1], jnp.int32))
+    kinds = linear_kinds(run.model.layer_kinds)
+    pool = commit_verified(
+        out.pool, out.verify, slots, jnp.asarray([1, -1], jnp.int32), kinds=kinds
+    )
     kv = out.kv
     for i in (2, 3):
         logits, out = run.step(M.DECODE, [RowSpec(2, p + i, 1, pages)], [tokens[i]], pool, kv)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybrid_jax.backend.attention import paged_attention
 from hybrid_jax.kv_cache import (
     KVCache,
     KVCacheSpec,
@@ -25,7 +26,6 @@ from hybrid_jax.kv_cache import (
 from hybrid_jax.layers.moe import MoEConfig, SparseMoE
 from hybrid_jax.metadata import BucketPolicy, MetadataError, RowSpec, build_metadata
 from hybrid_jax.modes import ForwardMode, LayerKind, UnsupportedForwardModeError
-from hybrid_jax.paged_attention import paged_attention
 
 M = ForwardMode
 PAGE = 4

@@ -10,6 +10,7 @@ after it and so cannot change its logits.
 from __future__ import annotations
 
 import collections
+import functools
 import pathlib
 
 import jax
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_jax.engine.step import commit_tree_verified
+from hybrid_jax.backend.commit import commit_tree_verified, linear_kinds
 from hybrid_jax.kv_cache import accepted_path, init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata
 from hybrid_jax.models.loading import load_qwen3_next
@@ -61,7 +62,8 @@ class Runner:
             return nnx.merge(graphdef, params)(tokens, pool, kv, meta, impl="reference")
 
         self.forward = jax.jit(forward)
-        self.commit = jax.jit(commit_tree_verified)
+        kinds = linear_kinds(model.layer_kinds)
+        self.commit = jax.jit(functools.partial(commit_tree_verified, kinds=kinds))
 
     def step(self, mode, rows, tokens, pool, kv, policy=CHAIN):
         meta = build_metadata(mode, rows, policy, num_slots=NUM_SLOTS, num_pages=NUM_PAGES)

@@ -38,7 +38,7 @@ With ``SpeculativeConfig(source="mtp", tree=True)`` the verify rows are trees of
 once): the head drafts along the tree's spine (``engine/mtp.py``), ``TreeVerifier`` walks
 the tree (``speculative.accept_tree``) and commits the accepted node's states, windows and
 the keys and values of its root path, moved to contiguous positions
-(``step.commit_tree_verified``); the head then extends over that path as after a chain.
+(``backend.commit.commit_tree_verified``); the head then extends over that path as after a chain.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from hybrid_jax.engine.speculative import (
     TreeVerifier,
     Verifier,
 )
-from hybrid_jax.engine.step import CompileRecord, StepFunctions, commit_tree_verified
+from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.kv_cache import KVCache, PageAllocator, init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, build_metadata, example_metadata
 from hybrid_jax.models.auto import load_checkpoint
@@ -385,7 +385,7 @@ class Engine:
         self.tree = self.speculative is not None and self.speculative.tree
         self._verifier: Verifier | TreeVerifier = Verifier(self._steps.commit)
         if self.tree:
-            self._verifier = TreeVerifier(jax.jit(commit_tree_verified, donate_argnums=(0, 1)))
+            self._verifier = TreeVerifier(self._steps.commit_tree)
         # Speculative serving never runs DECODE or MIXED: decoding rows verify, prefill extends.
         self._modes = SERVED_MODES
         self.drafter: NgramDrafter | None = None

@@ -36,7 +36,7 @@ shape: k children of the root, then a chain below the first (``(-1, 0, 0, 1)`` f
 k=2). Why this shape: the head's cache is one sequence of positions, so it follows one
 branch at the cost of a chain; siblings come free from the same step's distribution; and a
 chain loses every draft when its first is wrong, which candidates at the root hedge. After the
-verify, ``accept_tree`` walks the tree and ``commit_tree_verified`` (``engine/step.py``)
+verify, ``accept_tree`` walks the tree and ``commit_tree_verified`` (``backend/commit.py``)
 keeps the accepted node's states and moves its root path's keys and values to contiguous
 positions, so the row continues as if the path had been a chain. The n-gram source proposes
 one continuation and builds no trees.
@@ -532,9 +532,9 @@ class TreeVerifier:
     """``accept_tree`` and ``commit_tree_verified`` (pool states and windows, KV compaction),
     compiled ahead of time for each batch bucket, as ``Verifier`` for chains.
 
-    ``commit`` is a jitted ``engine.step.commit_tree_verified`` that donates the pool and the
-    KV cache. Calls for shapes that were not compiled go through jit and count in
-    ``trace_count``.
+    ``commit`` is ``StepFunctions.commit_tree`` (a jitted ``commit_tree_verified`` that
+    donates the pool and the KV cache). Calls for shapes that were not compiled go through
+    jit and count in ``trace_count``.
     """
 
     def __init__(self, commit: Any):

@@ -12,7 +12,7 @@ up, and ``trace_count`` tells whether anything was traced again.
 from __future__ import annotations
 
 import collections
-import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -21,14 +21,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_jax.backend import VerifyStates
-from hybrid_jax.kv_cache import KVCache, commit_tree_kv
+from hybrid_jax.backend.commit import commit_tree_verified, commit_verified, linear_kinds
 from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, example_metadata
 from hybrid_jax.modes import ForwardMode, check_supported
 from hybrid_jax.state_pool import StatePool
-from pallas_kernels import conv1d, gdn
 
-__all__ = ["CompileRecord", "StepFunctions", "commit_tree_verified", "commit_verified"]
+__all__ = ["CompileRecord", "StepFunctions"]
 
 
 class CompileRecord(NamedTuple):
@@ -38,47 +36,10 @@ class CompileRecord(NamedTuple):
     compile_ms: float
 
 
-def commit_verified(
-    pool: StatePool,
-    verify: tuple[VerifyStates, ...],
-    state_indices: jax.Array,
-    accepted_steps: jax.Array,
-) -> StatePool:
-    """Writes, for every linear layer, the conv window and state after draft token
-    ``accepted_steps[n]`` (0-based) into slot ``state_indices[n]``; rows with a negative
-    ``accepted_steps`` keep their slot as it was."""
-    if len(verify) != len(pool.ssm):
-        raise ValueError(f"{len(verify)} verify states for a pool of {len(pool.ssm)} layers")
-    conv = tuple(
-        conv1d.commit_windows(c, v.windows, state_indices, accepted_steps)
-        for c, v in zip(pool.conv, verify, strict=True)
-    )
-    ssm = tuple(
-        gdn.commit_states(s, v.ssm, state_indices, accepted_steps)
-        for s, v in zip(pool.ssm, verify, strict=True)
-    )
-    return dataclasses.replace(pool, conv=conv, ssm=ssm)
-
-
-def commit_tree_verified(
-    pool: StatePool,
-    kv: KVCache,
-    verify: tuple[VerifyStates, ...],
-    meta: ForwardMetadata,
-    accepted_nodes: jax.Array,
-) -> tuple[StatePool, KVCache]:
-    """The commit of a tree verify step (``meta.tree``): every linear layer keeps the state
-    and window after node ``accepted_nodes[n]`` (which already folded its root path in), and
-    the full-attention cache moves that path's entries to contiguous positions
-    (``kv_cache.commit_tree_kv``). Rows with a negative ``accepted_nodes`` keep both."""
-    pool = commit_verified(pool, verify, meta.state_indices, accepted_nodes)
-    prefix = meta.context_lens - meta.seq_lens
-    kv = commit_tree_kv(kv, meta.pages.table, prefix, meta.parents, accepted_nodes)
-    return pool, kv
-
-
 class StepFunctions:
-    """The jitted forward step of ``model`` for every mode, and the commit after a verify."""
+    """The jitted forward step of ``model`` for every mode, and the commits after a verify
+    (``commit``: a chain's, ``commit_tree``: a tree's; both donate the pool, the tree's also
+    the KV cache)."""
 
     def __init__(self, model: nnx.Module, *, impl: str = "auto"):
         self.graphdef, self.params = nnx.split(model)
@@ -87,7 +48,11 @@ class StepFunctions:
         self.trace_count: collections.Counter[ForwardMode] = collections.Counter()
         self._compiled: dict[tuple[ForwardMode, int, int], Any] = {}
         self._jitted = jax.jit(self._forward, static_argnums=0, donate_argnums=2)
-        self.commit = jax.jit(commit_verified, donate_argnums=0)
+        kinds = linear_kinds(self.layer_kinds)
+        self.commit = jax.jit(functools.partial(commit_verified, kinds=kinds), donate_argnums=0)
+        self.commit_tree = jax.jit(
+            functools.partial(commit_tree_verified, kinds=kinds), donate_argnums=(0, 1)
+        )
 
     def _forward(self, mode: ForwardMode, params, pool: StatePool, x, meta: ForwardMetadata):
         self.trace_count[mode] += 1

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_jax.backend.attention import paged_attention
 from hybrid_jax.kv_cache import KVCacheSpec
 from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
-from hybrid_jax.paged_attention import paged_attention
 
 __all__ = ["AttentionConfig", "AttentionOutput", "GatedAttention", "apply_rotary"]
 

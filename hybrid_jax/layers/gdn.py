@@ -9,19 +9,19 @@ runs over the channels ``[q | k | v]``.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybrid_jax.backend import GDNDims, VerifyStates, gdn_mix
+from hybrid_jax.backend import GDNDims, gdn_mix
+from hybrid_jax.backend.linear import LinearLayerOutput
 from hybrid_jax.layers.norm import GatedRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.state_pool import LinearStateSpec
 
-__all__ = ["GDNConfig", "GDNLayerOutput", "GatedDeltaNet"]
+__all__ = ["GDNConfig", "GatedDeltaNet"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,15 +63,6 @@ class GDNConfig:
             ssm_shape=(self.num_value_heads, self.head_k_dim, self.head_v_dim),
             conv_dtype=jnp.dtype(self.dtype),
         )
-
-
-class GDNLayerOutput(NamedTuple):
-    """y: ``[T, hidden]``; the layer's pools after the step; verify states or ()."""
-
-    y: jax.Array
-    conv_state: jax.Array
-    ssm_state: jax.Array
-    verify: VerifyStates | tuple[()]
 
 
 class GatedDeltaNet(nnx.Module):
@@ -122,7 +113,7 @@ class GatedDeltaNet(nnx.Module):
         meta: ForwardMetadata,
         *,
         impl: str = "auto",
-    ) -> GDNLayerOutput:
+    ) -> LinearLayerOutput:
         """x: ``[T, hidden]`` packed tokens of ``meta``; conv_state ``[S, C, W-1]``;
         ssm_state float32 ``[S, HV, K, V]``."""
         mixed, z, b, a = self._project(x)
@@ -131,4 +122,4 @@ class GatedDeltaNet(nnx.Module):
             conv_state, ssm_state, meta, self.config.dims, impl=impl,
         )  # fmt: skip
         out = self.norm(mix.out, z).reshape(x.shape[0], self.config.dims.value_dim)
-        return GDNLayerOutput(self.out_proj(out), mix.conv_state, mix.ssm_state, mix.verify)
+        return LinearLayerOutput(self.out_proj(out), mix.conv_state, mix.ssm_state, mix.verify)

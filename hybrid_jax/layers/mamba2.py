@@ -12,18 +12,18 @@ without its singleton axis and ``conv1d.bias``).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybrid_jax.backend import Mamba2Dims, VerifyStates, mamba2_mix
+from hybrid_jax.backend import Mamba2Dims, mamba2_mix
+from hybrid_jax.backend.linear import LinearLayerOutput
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.state_pool import LinearStateSpec
 
-__all__ = ["GroupedGatedRMSNorm", "Mamba2Config", "Mamba2LayerOutput", "Mamba2Mixer"]
+__all__ = ["GroupedGatedRMSNorm", "Mamba2Config", "Mamba2Mixer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,15 +108,6 @@ class GroupedGatedRMSNorm(nnx.Module):
         return (self.weight[...] * normed.astype(x.dtype)).astype(x.dtype)
 
 
-class Mamba2LayerOutput(NamedTuple):
-    """y: ``[T, hidden]``; the layer's pools after the step; verify states or ()."""
-
-    y: jax.Array
-    conv_state: jax.Array
-    ssm_state: jax.Array
-    verify: VerifyStates | tuple[()]
-
-
 class Mamba2Mixer(nnx.Module):
     """in_proj -> causal conv1d (bias, SiLU) -> SSD scan -> grouped gated RMSNorm -> out_proj."""
 
@@ -149,7 +140,7 @@ class Mamba2Mixer(nnx.Module):
         meta: ForwardMetadata,
         *,
         impl: str = "auto",
-    ) -> Mamba2LayerOutput:
+    ) -> LinearLayerOutput:
         """x: ``[T, hidden]`` packed tokens of ``meta``; conv_state ``[S, C, W-1]``;
         ssm_state float32 ``[S, H, P, N]``."""
         c = self.config
@@ -163,4 +154,4 @@ class Mamba2Mixer(nnx.Module):
         )  # fmt: skip
         # Explicit sizes: an IDLE step has t == 0, where -1 cannot be inferred.
         y = self.norm(mix.out.reshape(t, c.inner_dim), z)
-        return Mamba2LayerOutput(self.out_proj(y), mix.conv_state, mix.ssm_state, mix.verify)
+        return LinearLayerOutput(self.out_proj(y), mix.conv_state, mix.ssm_state, mix.verify)

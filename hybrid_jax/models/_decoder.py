@@ -155,7 +155,7 @@ class LayerStates:
 class DecoderOutput(NamedTuple):
     """logits: float32 ``[T, vocab]`` (rows at padded tokens mean nothing); the pool and KV
     cache after the step; per-linear-layer verify states (TARGET_VERIFY, for
-    ``engine.step.commit_verified``) or an empty tuple."""
+    ``backend.commit_verified``) or an empty tuple."""
 
     logits: jax.Array
     pool: StatePool

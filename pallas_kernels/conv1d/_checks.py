@@ -1,4 +1,4 @@
-"""Trace-time checks of the conv1d ops' shapes and dtypes (the contract of DESIGN.md).
+"""Trace-time checks of the conv1d ops' shapes and dtypes (the contract of docs/DESIGN.md).
 
 Only static facts are checked. Values (slots inside ``1..S-1``, unique slots among real
 sequences, ``qsl`` non-decreasing with ``qsl[N] <= T``, ``accepted_steps < D``) are the host

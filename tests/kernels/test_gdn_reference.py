@@ -88,7 +88,7 @@ def _oracle(args, **options):
 
 
 def _numpy_sequence(q, k, v, g, beta, state, scale, l2norm=True):
-    """DESIGN.md's formula transcribed with NumPy loops, one sequence, float64."""
+    """docs/DESIGN.md's formula transcribed with NumPy loops, one sequence, float64."""
     q, k, v, g, beta = _f64((q, k, v, g, beta))
     state = np.array(state, np.float64)
     o = np.zeros(v.shape)

@@ -1,0 +1,145 @@
+"""The Gated DeltaNet mixer's backend: gating, causal conv1d and the delta rule over the pools.
+
+The CUDA engines choose a path with an if/elif chain on the forward mode, repeated in their
+eager, capture and replay code. Here the mode is static: ``_PATHS`` maps each token layout to
+the one function that runs it, on every call and in every ahead-of-time compilation, and a
+layout without a path cannot be traced.
+
+The layer projects; this module gates and runs the conv and the delta rule through
+``pallas_kernels``; the layer finishes with its norm and output projection. The gating is the
+backend's because where it runs depends on the path: the decode kernel gates inside (no g,
+beta arrays, no separate op), the other paths call ``gdn_gating`` before their op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from hybrid_jax.backend.linear import LinearMixResult, VerifyStates, mix_path, rows, tree_args
+from hybrid_jax.metadata import ForwardMetadata
+from hybrid_jax.modes import LayerKind, TokenLayout
+from pallas_kernels import conv1d, gdn
+
+__all__ = ["GDNDims", "gdn_mix"]
+
+
+class GDNDims(NamedTuple):
+    """Head counts and head dims of one GDN layer (static)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.head_v_dim
+
+
+class _Gating(NamedTuple):
+    """The gating inputs of one GDN layer, in ``gdn_gating``'s order."""
+
+    A_log: jax.Array
+    a: jax.Array
+    dt_bias: jax.Array
+    b: jax.Array
+
+
+def _split_qkv(mixed: jax.Array, dims: GDNDims) -> tuple[jax.Array, jax.Array, jax.Array]:
+    lead = mixed.shape[:-1]
+    q, k, v = jnp.split(mixed, [dims.key_dim, 2 * dims.key_dim], axis=-1)
+    return (
+        q.reshape(*lead, dims.num_key_heads, dims.head_k_dim),
+        k.reshape(*lead, dims.num_key_heads, dims.head_k_dim),
+        v.reshape(*lead, dims.num_value_heads, dims.head_v_dim),
+    )
+
+
+def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
+    g, beta = gdn.gdn_gating(*gating)
+    qsl, slots, has_init = meta.query_start_loc, meta.state_indices, meta.has_initial_state
+    mixed, conv_state = conv1d.causal_conv1d(
+        mixed, conv_weight, None, conv_state, qsl, slots, has_init, impl=impl
+    )
+    q, k, v = _split_qkv(mixed, dims)
+    out, ssm_state = gdn.chunk_gated_delta_rule(
+        q, k, v, g, beta, ssm_state, qsl, slots, has_init, impl=impl
+    )
+    return LinearMixResult(out, conv_state, ssm_state, ())
+
+
+def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
+    slots = meta.state_indices
+    mixed, conv_state = conv1d.causal_conv1d_update(
+        rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl
+    )
+    q, k, v = _split_qkv(mixed, dims)
+    a_log, a, dt_bias, b = gating
+    out, ssm_state = gdn.fused_gating_recurrent_gated_delta_rule(
+        q, k, v, a_log, rows(a, meta), dt_bias, rows(b, meta), ssm_state, slots, impl=impl
+    )
+    return LinearMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, ())
+
+
+def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
+    g, beta = gdn.gdn_gating(*gating)
+    slots = meta.state_indices
+    mixed, windows = conv1d.causal_conv1d_verify(
+        rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl, **tree_args(meta)
+    )
+    q, k, v = _split_qkv(mixed, dims)
+    out, states = gdn.verify_gated_delta_rule(
+        q, k, v, rows(g, meta), rows(beta, meta), ssm_state, slots, impl=impl, **tree_args(meta)
+    )
+    verify = VerifyStates(windows, states)
+    return LinearMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, verify)
+
+
+def _idle(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
+    out = jnp.zeros((mixed.shape[0], dims.num_value_heads, dims.head_v_dim), mixed.dtype)
+    return LinearMixResult(out, conv_state, ssm_state, ())
+
+
+_PATHS: dict[TokenLayout, Callable[..., LinearMixResult]] = {
+    TokenLayout.RAGGED: _ragged,
+    TokenLayout.ONE_PER_ROW: _decode,
+    TokenLayout.DRAFT_PER_ROW: _verify,
+    TokenLayout.EMPTY: _idle,
+}
+
+
+def gdn_mix(
+    mixed_qkv: jax.Array,
+    conv_weight: jax.Array,
+    A_log: jax.Array,
+    a: jax.Array,
+    dt_bias: jax.Array,
+    b: jax.Array,
+    conv_state: jax.Array,
+    ssm_state: jax.Array,
+    meta: ForwardMetadata,
+    dims: GDNDims,
+    *,
+    impl: str = "auto",
+) -> LinearMixResult:
+    """Causal conv1d + SiLU, the gating, then the gated delta rule, for one GDN layer in
+    ``meta.mode``.
+
+    mixed_qkv: ``[T, 2*H*K + HV*V]`` (q, k, v channels before the conv); conv_weight
+    ``[C, W]``; A_log, dt_bias ``[HV]`` and a, b ``[T, HV]``: the inputs of ``gdn_gating``
+    (gated inside the decode kernel in DECODE, by ``gdn_gating`` otherwise); conv_state
+    ``[S, C, W-1]``; ssm_state float32 ``[S, HV, K, V]``. Returns the delta rule's output
+    ``[T, HV, V]`` and the pools (see ``LinearMixResult``). Raises
+    ``UnsupportedForwardModeError`` while tracing when GDN layers have no path for the mode.
+    """
+    path = mix_path(LayerKind.GDN, _PATHS, meta)
+    gating = _Gating(A_log, a, dt_bias, b)
+    return path(mixed_qkv, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)
