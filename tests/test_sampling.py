@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jax_core
 
 from hybrid_jax.engine.sampling import (
     Sampler,
@@ -138,3 +139,48 @@ def test_sampler_records_tokens_per_slot_and_does_not_retrace_once_compiled():
     batch = SamplingBatch.pack([], [], [], 3)
     sampler(jnp.asarray(logits(3)), batch, jnp.zeros(5, jnp.int32), jnp.zeros(3, jnp.int32))
     assert sampler.trace_count == traces + 1
+
+
+def _primitives(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax_core.jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+def test_the_sampler_never_sorts_the_vocabulary():
+    b = SamplingBatch.pack([SamplingParams(temperature=1.0, top_k=4, top_p=0.5)], [0], [0], 2)
+    args = (b.temperature, b.top_k, b.top_p, b.seeds, b.steps)
+    jaxpr = jax.make_jaxpr(sample)(jnp.asarray(logits(2)), *map(jnp.asarray, args)).jaxpr
+    used = _primitives(jaxpr)
+    assert "argmax" in used and "cond" in used
+    assert not used & {"sort", "top_k", "approx_top_k"}, used
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_masks_match_a_sorting_oracle_on_wide_rows_with_ties_and_signed_zeros(seed):
+    rng = np.random.default_rng(seed)
+    vocab = 4096
+    x = rng.standard_normal((6, vocab)).astype(np.float32) * 4
+    x[:, :64] = np.round(x[:, :64])  # exact ties
+    x[0, 100], x[0, 101] = 0.0, -0.0
+    x[1, 200:] = -np.inf  # masked by an earlier filter
+    k = np.array([1, 7, 64, 500, vocab - 1, 0])
+    got = np.asarray(top_k_mask(jnp.asarray(x), jnp.asarray(k, np.int32)))
+    for row, kk in enumerate(k):
+        kth = np.sort(x[row])[::-1][max(kk, 1) - 1]
+        want = (x[row] >= kth) | (kk <= 0)
+        np.testing.assert_array_equal(got[row], want)
+    p = np.array([0.05, 0.5, 0.9, 0.999, 1.0, 1e-6], np.float32)
+    got = np.asarray(top_p_mask(jnp.asarray(x), jnp.asarray(p)))
+    for row in range(6):
+        z = x[row].astype(np.float64)
+        probs = np.exp(z - z.max())
+        probs /= probs.sum()
+        above = np.array([probs[z > v].sum() for v in z])  # strictly more likely tokens
+        want = (above < p[row]) | (p[row] >= 1)
+        margin = np.abs(above - p[row]) > 1e-5  # float32 sums may differ within rounding
+        np.testing.assert_array_equal(got[row][margin], want[margin])
+        assert got[row][np.argmax(z)]

@@ -117,16 +117,44 @@ class SamplingParams:
                 )
 
 
+def _ordered_keys(logits: jax.Array) -> jax.Array:
+    """uint32 keys in the order of the float32 ``logits`` (``-0.0`` and ``0.0`` alike).
+
+    A float's bits read as an unsigned integer order the positive floats; flipping every bit
+    of a negative float and the sign bit of a positive one orders them all.
+    """
+    bits = jax.lax.bitcast_convert_type(logits.astype(jnp.float32) + 0.0, jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_key_where(keys: jax.Array, holds) -> jax.Array:
+    """Per row the largest uint32 ``t`` with ``holds(keys >= t)`` (a predicate ``[B, V]`` bool ->
+    ``[B]`` bool that is monotone: true for every smaller ``t`` when true for ``t``), found bit
+    by bit from the top in 32 passes over the row, with no sort.
+
+    ``holds`` must be true at ``t = 0``, where every key counts."""
+    rows = keys.shape[0]
+
+    def bit(i, answer):
+        candidate = answer | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
+        return jnp.where(holds(keys >= candidate[:, None]), candidate, answer)
+
+    return jax.lax.fori_loop(0, 32, bit, jnp.zeros(rows, jnp.uint32))
+
+
 def top_k_mask(logits: jax.Array, k: jax.Array) -> jax.Array:
     """``[B, V]`` bool: True where a token is among its row's ``k[b]`` largest logits.
 
     k: int32 ``[B]``; 0 (or >= V) keeps every token. Ties with the k-th largest logit are kept,
-    so a row may keep more than k tokens only when logits are exactly equal.
+    so a row may keep more than k tokens only when logits are exactly equal. The k-th largest
+    value is found by a bitwise search over the logits' order (no sort of the vocabulary).
     """
     vocab = logits.shape[-1]
-    ordered = jnp.sort(logits, axis=-1, descending=True)
-    kth = jnp.take_along_axis(ordered, jnp.clip(k - 1, 0, vocab - 1)[:, None], axis=-1)
-    return (logits >= kth) | ((k <= 0) | (k >= vocab))[:, None]
+    keys = _ordered_keys(logits)
+    wanted = jnp.clip(k, 1, vocab)
+    kth = _largest_key_where(keys, lambda seen: jnp.sum(seen, axis=-1) >= wanted)
+    return (keys >= kth[:, None]) | ((k <= 0) | (k >= vocab))[:, None]
 
 
 def top_p_mask(logits: jax.Array, p: jax.Array) -> jax.Array:
@@ -134,17 +162,20 @@ def top_p_mask(logits: jax.Array, p: jax.Array) -> jax.Array:
     ``p[b]`` (nucleus); the most likely token is always kept.
 
     logits: float32 ``[B, V]`` (``-inf`` for tokens already masked out); p: float32 ``[B]`` in
-    (0, 1]. A token is kept when the probability of the tokens strictly more likely than it is
-    below p.
+    (0, 1], 1 keeping every token. A token is kept when the probability of the tokens strictly
+    more likely than it is below p (so tokens of equal logit are kept or dropped together).
+    The boundary is found by a bitwise search over the logits' order (no sort).
     """
     probs = jax.nn.softmax(logits, axis=-1)
-    order = jnp.argsort(-logits, axis=-1, stable=True)
-    sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
-    before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    keep_sorted = (before < p[:, None]) | (jnp.arange(logits.shape[-1]) == 0)
-    keep = jnp.zeros_like(keep_sorted)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    return keep.at[rows, order].set(keep_sorted)
+    keys = _ordered_keys(logits)
+
+    def reaches_p(seen):  # the probability at or above a key reaches p
+        return jnp.sum(jnp.where(seen, probs, 0.0), axis=-1) >= p
+
+    # The largest key whose upper set still holds p: every token above it is kept, and the
+    # tokens at it too, since what lies strictly above them is below p.
+    boundary = _largest_key_where(keys, reaches_p)
+    return (keys >= boundary[:, None]) | (p >= 1.0)[:, None]
 
 
 def sample(
@@ -161,19 +192,34 @@ def sample(
     top_k: int32 ``[B]``; seeds: uint32 ``[B]``; steps: int32 ``[B]``, the index of the token
     being drawn in its request's output (the key is ``fold_in(key(seed), step)``). Rows with
     temperature 0 take the argmax. Rows are independent of each other (batch invariant).
+
+    Nothing sorts the vocabulary: a batch of greedy rows runs only the argmax, and the top-k
+    and top-p masks run only when some row asks for them (a mask that keeps every token is
+    the identity, so skipping it for a batch changes no row).
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    scaled = jnp.where(top_k_mask(scaled, top_k), scaled, -jnp.inf)
-    scaled = jnp.where(top_p_mask(scaled, top_p), scaled, -jnp.inf)
+    vocab = logits.shape[-1]
 
-    def one(row_logits, seed, step):
-        key = jax.random.fold_in(jax.random.key(seed), step)
-        return jax.random.categorical(key, row_logits)
+    def masked(mask_fn, param, active):
+        def apply(x):
+            return jnp.where(mask_fn(x, param), x, -jnp.inf)
 
-    drawn = jax.vmap(one)(scaled, seeds, steps).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, greedy)
+        return lambda x: jax.lax.cond(jnp.any(active), apply, lambda x: x, x)
+
+    def drawn() -> jax.Array:
+        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+        scaled = masked(top_k_mask, top_k, (top_k > 0) & (top_k < vocab))(scaled)
+        scaled = masked(top_p_mask, top_p, top_p < 1.0)(scaled)
+
+        def one(row_logits, seed, step):
+            key = jax.random.fold_in(jax.random.key(seed), step)
+            return jax.random.categorical(key, row_logits)
+
+        tokens = jax.vmap(one)(scaled, seeds, steps).astype(jnp.int32)
+        return jnp.where(temperature > 0, tokens, greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: greedy)
 
 
 @dataclasses.dataclass(frozen=True)

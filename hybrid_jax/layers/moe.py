@@ -18,11 +18,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels import moe
+
 __all__ = ["MLP", "MoEConfig", "SparseMoE"]
 
 
 class MLP(nnx.Module):
-    """``down(silu(gate(x)) * up(x))``; x: ``[T, hidden]`` -> ``[T, hidden]``."""
+    """``down(silu(gate(x)) * up(x))``; x: ``[T, hidden]`` -> ``[T, hidden]``. ``impl`` is the
+    feed-forward blocks' kernel choice, which a dense MLP (XLA's matmuls) does not use."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: str, rngs: nnx.Rngs):
         dt = jnp.dtype(dtype)
@@ -31,7 +34,7 @@ class MLP(nnx.Module):
         self.up_proj = nnx.Linear(hidden_size, intermediate_size, **linear)
         self.down_proj = nnx.Linear(intermediate_size, hidden_size, **linear)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, impl: str = "auto") -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -61,7 +64,8 @@ def _expert_weights(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) ->
 
 
 class SparseMoE(nnx.Module):
-    """Top-k routed experts plus a sigmoid-gated shared expert; x ``[T, hidden]`` -> same."""
+    """Top-k routed experts plus a sigmoid-gated shared expert; x ``[T, hidden]`` -> same;
+    ``impl`` chooses the experts' grouped matmul (``moe.grouped_matmul``)."""
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         c = config
@@ -94,7 +98,7 @@ class SparseMoE(nnx.Module):
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return weights.astype(x.dtype), experts.astype(jnp.int32)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, impl: str = "auto") -> jax.Array:
         c = self.config
         weights, experts = self.route(x)
         flat = experts.reshape(-1)  # [T * top_k], token-major
@@ -102,9 +106,13 @@ class SparseMoE(nnx.Module):
         tokens = order // c.top_k
         group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
         xs = x[tokens]
-        hidden = jax.nn.silu(jax.lax.ragged_dot(xs, self.gate_proj[...], group_sizes))
-        hidden = hidden * jax.lax.ragged_dot(xs, self.up_proj[...], group_sizes)
-        ys = jax.lax.ragged_dot(hidden, self.down_proj[...], group_sizes)
+
+        def experts_matmul(rows: jax.Array, w: nnx.Param) -> jax.Array:
+            return moe.grouped_matmul(rows, w[...], group_sizes, impl=impl)
+
+        hidden = jax.nn.silu(experts_matmul(xs, self.gate_proj))
+        hidden = hidden * experts_matmul(xs, self.up_proj)
+        ys = experts_matmul(hidden, self.down_proj)
         ys = ys * weights.reshape(-1)[order][:, None]
         routed = jnp.zeros_like(x).at[tokens].add(ys)
         shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_jax.backend.attention import paged_attention
 from hybrid_jax.kv_cache import KVCacheSpec
 from hybrid_jax.metadata import ForwardMetadata
-from hybrid_jax.paged_attention import paged_attention
+from pallas_kernels import moe
 
 __all__ = [
     "PlainAttention",
@@ -100,7 +101,8 @@ class PlainAttention(nnx.Module):
 
 
 class ReLU2MLP(nnx.Module):
-    """``down(relu(up(x)) ** 2)``; x: ``[T, hidden]`` -> ``[T, hidden]``."""
+    """``down(relu(up(x)) ** 2)``; x: ``[T, hidden]`` -> ``[T, hidden]``. ``impl`` is the
+    feed-forward blocks' kernel choice, which a dense MLP (XLA's matmuls) does not use."""
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, *, bias: bool, dtype: str, rngs: nnx.Rngs
@@ -110,7 +112,7 @@ class ReLU2MLP(nnx.Module):
         self.up_proj = nnx.Linear(hidden_size, intermediate_size, **linear)
         self.down_proj = nnx.Linear(intermediate_size, hidden_size, **linear)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, impl: str = "auto") -> jax.Array:
         return self.down_proj(relu2(self.up_proj(x)))
 
 
@@ -205,7 +207,8 @@ class RoutedMoE(nnx.Module):
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
         return weights * c.routed_scaling_factor, experts.astype(jnp.int32)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, impl: str = "auto") -> jax.Array:
+        """x ``[T, hidden]`` -> the same; ``impl`` chooses the experts' grouped matmul."""
         c = self.config
         weights, experts = self.route(x)
         h = self.fc1_latent_proj(x) if c.latent_size is not None else x
@@ -213,8 +216,8 @@ class RoutedMoE(nnx.Module):
         order = jnp.argsort(flat, stable=True)
         tokens = order // c.top_k
         group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
-        hidden = relu2(jax.lax.ragged_dot(h[tokens], self.up_proj[...], group_sizes))
-        ys = jax.lax.ragged_dot(hidden, self.down_proj[...], group_sizes)
+        hidden = relu2(moe.grouped_matmul(h[tokens], self.up_proj[...], group_sizes, impl=impl))
+        ys = moe.grouped_matmul(hidden, self.down_proj[...], group_sizes, impl=impl)
         # Weighted sum in float32 (the router's dtype), cast back once, as the reference does.
         ys = ys.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
         routed = jnp.zeros(h.shape, jnp.float32).at[tokens].add(ys).astype(x.dtype)

@@ -261,7 +261,7 @@ class RMSNorm(nnx.Module):
 class NemotronHOutput(DecoderOutput):
     """logits: float32 ``[T, vocab]`` (rows at padded tokens mean nothing); the pool and KV
     cache after the step; per-Mamba2-layer verify states (TARGET_VERIFY, for
-    ``engine.step.commit_verified``) or an empty tuple."""
+    ``backend.commit_verified``) or an empty tuple."""
 
     __slots__ = ()  # a plain tuple like its base: no per-instance __dict__
 
@@ -294,7 +294,7 @@ class Block(nnx.Module):
             return x + states.linear(self.mixer, h, meta, impl=impl)
         if self.block_type == "full_attention":
             return x + states.attention(self.mixer, h, meta)
-        return x + self.mixer(h)  # MLP and MoE blocks mix no tokens and hold no state
+        return x + self.mixer(h, impl=impl)  # MLP and MoE blocks mix no tokens, hold no state
 
 
 class NemotronH(HybridCausalLM):

@@ -284,7 +284,7 @@ def tiny_qwen3_next_config(dtype: str = "float32") -> Qwen3NextConfig:
 class Qwen3NextOutput(DecoderOutput):
     """logits: float32 ``[T, vocab]`` (rows at padded tokens mean nothing); the pool and KV
     cache after the step; per-GDN-layer verify states (TARGET_VERIFY, for
-    ``engine.step.commit_verified``) or an empty tuple."""
+    ``backend.commit_verified``) or an empty tuple."""
 
     __slots__ = ()  # a plain tuple like its base: no per-instance __dict__
 
@@ -317,7 +317,7 @@ class DecoderLayer(nnx.Module):
             x = x + states.linear(self.linear_attn, h, meta, impl=impl)
         else:
             x = x + states.attention(self.self_attn, h, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), impl=impl)
 
 
 class MTPHead(nnx.Module):
