@@ -36,7 +36,8 @@ def distinct(n, num_tokens):
 
 
 def host(meta):
-    return {k: np.asarray(v) for k, v in vars(meta).items() if isinstance(v, jax.Array)}
+    arrays = jax.Array | np.ndarray | np.generic
+    return {k: np.asarray(v) for k, v in vars(meta).items() if isinstance(v, arrays)}
 
 
 def shapes(meta):

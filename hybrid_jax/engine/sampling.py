@@ -5,7 +5,9 @@ reaches the scheduler. ``sample`` draws one token per row from last-token logits
 every row is computed from its own logits and parameters only, and its random key is
 ``fold_in(key(seed), step)`` (the request's seed and the index of the token being drawn), so a
 request gets the same tokens whatever else shares its batch and however its prompt was
-chunked. ``temperature == 0`` is greedy (argmax, no randomness).
+chunked. ``temperature == 0`` is greedy (argmax, no randomness). Which stages run (argmax
+only, the draw, the top-k and top-p masks) is chosen on the host from the batch's parameters,
+among executables compiled for each choice: nothing sorts the vocabulary.
 """
 
 from __future__ import annotations
@@ -14,13 +16,16 @@ import dataclasses
 import math
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "EVERY_STAGE",
+    "VARIANTS",
+    "Filters",
     "Sampler",
     "SamplingBatch",
     "SamplingParams",
@@ -140,7 +145,8 @@ def _largest_key_where(keys: jax.Array, holds) -> jax.Array:
         candidate = answer | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
         return jnp.where(holds(keys >= candidate[:, None]), candidate, answer)
 
-    return jax.lax.fori_loop(0, 32, bit, jnp.zeros(rows, jnp.uint32))
+    # Unrolled: a device-side loop condition would make the host wait on every pass.
+    return jax.lax.fori_loop(0, 32, bit, jnp.zeros(rows, jnp.uint32), unroll=True)
 
 
 def top_k_mask(logits: jax.Array, k: jax.Array) -> jax.Array:
@@ -178,6 +184,28 @@ def top_p_mask(logits: jax.Array, p: jax.Array) -> jax.Array:
     return (keys >= boundary[:, None]) | (p >= 1.0)[:, None]
 
 
+class Filters(NamedTuple):
+    """Which stages a batch's sampler runs (static; chosen on the host from the batch).
+
+    ``draws``: some row samples (temperature > 0), else every row takes the argmax;
+    ``top_k`` / ``top_p``: some row asks for that mask. A stage no row asks for is left out:
+    its mask would keep every token, so leaving it out changes no row's token.
+    """
+
+    draws: bool = True
+    top_k: bool = True
+    top_p: bool = True
+
+
+VARIANTS: tuple[Filters, ...] = (
+    Filters(False, False, False),
+    *(Filters(True, k, p) for k in (False, True) for p in (False, True)),
+)
+"""Every ``Filters`` a batch can need: the sampler is compiled for each."""
+
+EVERY_STAGE = Filters(True, True, True)
+
+
 def sample(
     logits: jax.Array,
     temperature: jax.Array,
@@ -185,6 +213,7 @@ def sample(
     top_p: jax.Array,
     seeds: jax.Array,
     steps: jax.Array,
+    filters: Filters = EVERY_STAGE,
 ) -> jax.Array:
     """One token per row: int32 ``[B]`` (traceable; ``Sampler`` is the compiled form).
 
@@ -192,34 +221,28 @@ def sample(
     top_k: int32 ``[B]``; seeds: uint32 ``[B]``; steps: int32 ``[B]``, the index of the token
     being drawn in its request's output (the key is ``fold_in(key(seed), step)``). Rows with
     temperature 0 take the argmax. Rows are independent of each other (batch invariant).
+    ``filters`` (static) leaves out the stages no row needs (``SamplingBatch.filters``).
 
-    Nothing sorts the vocabulary: a batch of greedy rows runs only the argmax, and the top-k
-    and top-p masks run only when some row asks for them (a mask that keeps every token is
-    the identity, so skipping it for a batch changes no row).
+    Nothing sorts the vocabulary, and nothing decides on the device which stages run: a
+    device-side condition makes the host wait for the step's logits before it can dispatch
+    the next step.
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    vocab = logits.shape[-1]
+    if not filters.draws:
+        return greedy
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    if filters.top_k:
+        scaled = jnp.where(top_k_mask(scaled, top_k), scaled, -jnp.inf)
+    if filters.top_p:
+        scaled = jnp.where(top_p_mask(scaled, top_p), scaled, -jnp.inf)
 
-    def masked(mask_fn, param, active):
-        def apply(x):
-            return jnp.where(mask_fn(x, param), x, -jnp.inf)
+    def one(row_logits, seed, step):
+        key = jax.random.fold_in(jax.random.key(seed), step)
+        return jax.random.categorical(key, row_logits)
 
-        return lambda x: jax.lax.cond(jnp.any(active), apply, lambda x: x, x)
-
-    def drawn() -> jax.Array:
-        scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-        scaled = masked(top_k_mask, top_k, (top_k > 0) & (top_k < vocab))(scaled)
-        scaled = masked(top_p_mask, top_p, top_p < 1.0)(scaled)
-
-        def one(row_logits, seed, step):
-            key = jax.random.fold_in(jax.random.key(seed), step)
-            return jax.random.categorical(key, row_logits)
-
-        tokens = jax.vmap(one)(scaled, seeds, steps).astype(jnp.int32)
-        return jnp.where(temperature > 0, tokens, greedy)
-
-    return jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: greedy)
+    drawn = jax.vmap(one)(scaled, seeds, steps).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,10 +286,21 @@ class SamplingBatch:
         step[:n] = steps
         return cls(temperature, top_k, top_p, seed, step)
 
+    @property
+    def filters(self) -> Filters:
+        """The sampler stages some row of this batch needs."""
+        draws = bool((self.temperature > 0).any())
+        sampled = self.temperature > 0
+        return Filters(
+            draws,
+            draws and bool((self.top_k[sampled] > 0).any()),
+            draws and bool((self.top_p[sampled] < 1.0).any()),
+        )
+
 
 class Sampler:
-    """``sample`` compiled ahead of time for each batch size, recording every row's token in a
-    per-slot buffer; counts its traces.
+    """``sample`` compiled ahead of time for each batch size and each of its ``VARIANTS``,
+    recording every row's token in a per-slot buffer; counts its traces.
 
     ``__call__(logits, batch, last_tokens, slots)`` returns ``(tokens [B], last_tokens)``
     with ``last_tokens[slots[b]] = tokens[b]``: a serving loop keeps the buffer on the device
@@ -279,19 +313,18 @@ class Sampler:
 
     def __init__(self) -> None:
         self.trace_count = 0
-        self._jitted = jax.jit(self._traced, donate_argnums=6)
-        self._compiled: dict[tuple[int, int, int], Any] = {}
+        self._jitted = jax.jit(self._traced, donate_argnums=6, static_argnums=8)
+        self._compiled: dict[tuple[int, int, int, Filters], Any] = {}
 
-    def _traced(self, logits, temperature, top_k, top_p, seeds, steps, last_tokens, slots):
+    def _traced(self, logits, temperature, top_k, top_p, seeds, steps, last_tokens, slots, filters):
         self.trace_count += 1
-        tokens = sample(logits, temperature, top_k, top_p, seeds, steps)
+        tokens = sample(logits, temperature, top_k, top_p, seeds, steps, filters)
         return tokens, last_tokens.at[slots].set(tokens)
 
     def compile(self, batch_size: int, vocab_size: int, num_slots: int) -> float:
-        """Compiles for ``[batch_size, vocab_size]`` float32 logits and a buffer of
-        ``num_slots``; returns the milliseconds it took."""
-        key = (batch_size, vocab_size, num_slots)
-        if key in self._compiled:
+        """Compiles every variant for ``[batch_size, vocab_size]`` float32 logits and a buffer
+        of ``num_slots``; returns the milliseconds it took."""
+        if (batch_size, vocab_size, num_slots, VARIANTS[0]) in self._compiled:
             return 0.0
         b, spec = batch_size, jax.ShapeDtypeStruct
         args = (
@@ -305,7 +338,9 @@ class Sampler:
             spec((b,), jnp.int32),
         )
         start = time.perf_counter()
-        self._compiled[key] = self._jitted.lower(*args).compile()
+        for filters in VARIANTS:
+            key = (batch_size, vocab_size, num_slots, filters)
+            self._compiled[key] = self._jitted.lower(*args, filters).compile()
         return 1e3 * (time.perf_counter() - start)
 
     def __call__(
@@ -314,7 +349,8 @@ class Sampler:
         """int32 ``[B]`` tokens for ``logits`` ``[B, V]`` and the updated buffer (dispatched,
         not waited for; ``last_tokens`` is donated)."""
         args = (batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
-        compiled = self._compiled.get((*logits.shape, last_tokens.shape[0]))
+        filters = batch.filters
+        compiled = self._compiled.get((*logits.shape, last_tokens.shape[0], filters))
         if compiled is not None:
             return compiled(logits, *args, last_tokens, slots)
-        return self._jitted(logits, *args, last_tokens, slots)
+        return self._jitted(logits, *args, last_tokens, slots, filters)

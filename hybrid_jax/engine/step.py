@@ -42,7 +42,10 @@ class StepFunctions:
     the KV cache)."""
 
     def __init__(self, model: nnx.Module, *, impl: str = "auto"):
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, params = nnx.split(model)
+        # The weights travel as a flat list of arrays: every call flattens its arguments,
+        # and a list of arrays flattens in C++, where nnx Variables call back into Python.
+        self.params, self._params_tree = jax.tree.flatten(params)
         self.layer_kinds = tuple(model.layer_kinds)
         self.impl = impl
         self.trace_count: collections.Counter[ForwardMode] = collections.Counter()
@@ -66,7 +69,7 @@ class StepFunctions:
                 f"x has {num_tokens} tokens but the {mode.name} bucket has {meta.num_tokens}; "
                 "pad x to meta.num_tokens"
             )
-        model = nnx.merge(self.graphdef, params)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_tree, params))
         return model(x, pool, meta, impl=self.impl)
 
     def lower(self, mode: ForwardMode, pool: StatePool, x: jax.Array, meta: ForwardMetadata):

@@ -1,0 +1,468 @@
+"""The Engine end to end at real model dimensions (random weights), against the hardware's limit.
+
+Run on the GPU machine (see benchmarks/README.md)::
+
+    python3 benchmarks/serve.py --preset qwen3-next-80b-a3b --layers 4 [--out DIR]
+    python3 benchmarks/serve.py --smoke            # tiny, on the CPU: keeps the script alive
+
+Every row builds an ``Engine`` as a user would (``impl="auto"``, bucket ladders cut to the
+row's shapes so that start-up compiles only what the row runs) and serves requests through
+``Engine.generate``:
+
+* ``decode B``: B requests of ``--prompt-len`` tokens, ``--decode-steps`` new tokens each;
+  the row's time is the median DECODE step (dispatch-ahead serving loop, ``Engine.step_times``).
+* ``prefill N x L``: N prompts of L tokens, one output token each; tokens/s over the wall time
+  of ``generate`` (prefill chunks of L tokens, one prompt per step).
+
+Each row prints its limit and the fraction reached. Decode: the bytes a step must move (every
+weight it touches once: attention, GDN and dense projections, the router and shared expert,
+the expected number of distinct experts the batch routes to, the LM head; the recurrent
+states read and written; the KV entries read) at ``--bandwidth`` (4.3e12 B/s, the measured
+copy rate). Prefill: 2 x active parameters x tokens (plus causal attention's FLOPs) at
+``--flops`` (7.9e14, the measured bf16 matmul rate). Decode rows also print a device-kernel
+breakdown by category from a profiler trace of ``--profile-steps`` steps, and the share of
+wall time the GPU is idle.
+
+``--moe both`` runs the MoE rows twice: with the experts' grouped matmul in tokamax's Mosaic GPU
+kernel (``auto`` when tokamax is installed) and in ``jax.lax.ragged_dot`` (the reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import datetime
+import importlib
+import logging
+import pathlib
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from device_time import call_events  # noqa: E402
+
+from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa: E402
+from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig  # noqa: E402
+from hybrid_jax.modes import LayerKind  # noqa: E402
+
+_GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
+
+
+def _qwen3_next_layers(n: int) -> tuple[str, ...]:
+    """Qwen3-Next's pattern: three GDN layers, then one full-attention layer."""
+    return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n))
+
+
+def _qwen_config(layers: int, **dims) -> Qwen3NextConfig:
+    base = dict(
+        hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, partial_rotary_factor=0.25, max_position_embeddings=65536,
+        intermediate_size=5120, dtype="bfloat16",
+    )  # fmt: skip
+    base.update(dims)
+    return Qwen3NextConfig(num_hidden_layers=layers, layer_types=_qwen3_next_layers(layers), **base)
+
+
+PRESETS: dict[str, tuple[int, Callable[[int], Qwen3NextConfig]]] = {
+    # name: (default depth, config of that depth)
+    "qwen3-next-80b-a3b": (
+        4,
+        lambda n: _qwen_config(
+            n,
+            vocab_size=151936,
+            num_experts=512,
+            num_experts_per_tok=10,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+        ),  # fmt: skip
+    ),
+    "qwen3.5-35b-a3b-like": (
+        40,
+        lambda n: _qwen_config(
+            n,
+            vocab_size=248320,
+            num_experts=256,
+            num_experts_per_tok=8,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+        ),  # fmt: skip
+    ),
+    "qwen3-next-dense": (8, lambda n: _qwen_config(n, vocab_size=151936)),
+    "smoke": (
+        4,
+        lambda n: Qwen3NextConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=n,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            layer_types=_qwen3_next_layers(n),
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            max_position_embeddings=4096,
+            dtype="float32",
+        ),  # fmt: skip
+    ),
+}
+
+
+# ------------------------------------------------------------------------------- limits
+
+
+def _itemsize(c: Qwen3NextConfig) -> int:
+    return jnp.dtype(c.dtype).itemsize
+
+
+def _mixer_params(c: Qwen3NextConfig, kind: LayerKind) -> int:
+    h = c.hidden_size
+    if kind is LayerKind.GDN:
+        g = c.gdn_config()
+        d = g.dims
+        qkvz = h * (2 * d.key_dim + 2 * d.value_dim)
+        return qkvz + h * 2 * g.num_value_heads + d.value_dim * h + g.conv_dim * g.conv_kernel
+    a = c.attention_config()
+    q = h * a.num_heads * a.head_dim * 2  # query and its output gate
+    kv = h * a.num_kv_heads * a.head_dim * 2
+    return q + kv + a.num_heads * a.head_dim * h
+
+
+def _mlp_params(c: Qwen3NextConfig, i: int) -> tuple[int, int, int]:
+    """(always-read params, params of one routed expert, experts) of layer i's feed-forward."""
+    h = c.hidden_size
+    if not c.is_moe_layer(i):
+        return 3 * h * c.intermediate_size, 0, 0
+    m = c.moe_config()
+    fixed = h * m.num_experts + 3 * h * m.shared_intermediate_size + h
+    return fixed, 3 * h * m.intermediate_size, m.num_experts
+
+
+def decode_bytes(c: Qwen3NextConfig, batch: int, context: int) -> float:
+    """Bytes one decode step of ``batch`` rows at ``context`` positions must move."""
+    item = _itemsize(c)
+    total = 0.0
+    for i, kind in enumerate(c.layer_kinds):
+        total += _mixer_params(c, kind) * item
+        fixed, expert, experts = _mlp_params(c, i)
+        total += fixed * item
+        if experts:
+            hit = experts * (1 - (1 - c.num_experts_per_tok / experts) ** batch)
+            total += hit * expert * item
+        if kind is LayerKind.GDN:
+            g = c.gdn_config()
+            total += batch * 2 * (g.num_value_heads * g.head_k_dim * g.head_v_dim * 4)
+            total += batch * 2 * g.conv_dim * (g.conv_kernel - 1) * item
+        else:
+            a = c.attention_config()
+            total += batch * context * 2 * a.num_kv_heads * a.head_dim * item
+    return total + c.vocab_size * c.hidden_size * item
+
+
+def prefill_flops(c: Qwen3NextConfig, prompts: int, length: int) -> float:
+    """Weight FLOPs (2 x active params per token) plus causal attention's, of the prompts."""
+    tokens = prompts * length
+    flops = 0.0
+    for i, kind in enumerate(c.layer_kinds):
+        fixed, expert, _ = _mlp_params(c, i)
+        active = _mixer_params(c, kind) + fixed + c.num_experts_per_tok * expert * bool(expert)
+        flops += 2 * active * tokens
+        if kind is LayerKind.FULL_ATTENTION:
+            a = c.attention_config()
+            flops += prompts * 2 * a.num_heads * a.head_dim * length * length  # QK^T, PV, causal
+    return flops + prompts * 2 * c.vocab_size * c.hidden_size  # the last token's logits
+
+
+# ----------------------------------------------------------------------- device breakdown
+
+_CATEGORIES = (
+    (
+        "GDN/Mamba2 kernels",
+        ("gdn", "delta", "chunk", "recurrent", "conv1d", "ssd", "mamba", "state"),
+    ),
+    ("MoE grouped matmul", ("ragged", "grouped", "gmm")),
+    ("matmuls (XLA/cuBLAS)", ("gemm", "xmma", "cutlass", "nvjet", "dot", "matmul", "cublas")),
+    ("sort/top-k", ("sort", "cub::", "topk", "top_k")),
+    ("copies/transposes", ("memcpy", "memset", "copy", "transpose")),
+)
+
+
+def _category(name: str) -> str:
+    low = name.lower()
+    for label, needles in _CATEGORIES:
+        if any(n in low for n in needles):
+            return label
+    return "other fusions"
+
+
+def profile_steps(
+    engine: Engine, steps: int
+) -> tuple[dict[str, float], list[tuple[str, float]], float]:
+    """Runs ``steps`` engine steps under the profiler; per-step device us by category, the
+    top kernels (name, us per step) and the wall us per step."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, profiler_options=options):
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            jax.block_until_ready(engine.state)
+            wall = (time.perf_counter() - start) / steps * 1e6
+        files = sorted(pathlib.Path(log_dir).rglob("*.xplane.pb"))
+        profile = jax.profiler.ProfileData.from_file(str(files[0]))
+        events = call_events(profile)
+    by_category: dict[str, float] = {}
+    by_kernel: dict[str, float] = {}
+    for name, _, duration_ns in events:
+        us = duration_ns / 1e3 / steps
+        by_category[_category(name)] = by_category.get(_category(name), 0.0) + us
+        by_kernel[name] = by_kernel.get(name, 0.0) + us
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
+    return by_category, top, wall
+
+
+# -------------------------------------------------------------------------------- rows
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    value: str
+    limit: str
+    fraction: float
+    compile_s: float
+    note: str = ""
+
+
+def _host_profile(engine: Engine, steps: int, title: str) -> None:
+    """Prints where the host spends a serving step (cProfile, by own time)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    jax.block_until_ready(engine.state)
+    profiler.disable()
+    print(f"host profile of {steps} steps, {title}:")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+
+
+class _IdsOnly:
+    """A tokenizer for a model with random weights and any vocabulary: the rows send token
+    ids, and there is no text to read back."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError("benchmark rows send token ids")
+
+    def decode(self, ids) -> str:
+        return ""
+
+
+def _engine(model, *, batch: int, tokens: int, context: int) -> Engine:
+    config = EngineConfig(
+        max_batch=batch, max_tokens=tokens, max_context=context, batch_buckets=(batch,),
+        token_buckets=(tokens,), cache_dir=None,
+    )  # fmt: skip
+    return Engine(model, _IdsOnly(model.config.vocab_size), config, progress=False)
+
+
+def _prompts(rng: np.random.Generator, n: int, length: int) -> list[list[int]]:
+    return [rng.integers(1, 256, length).tolist() for _ in range(n)]
+
+
+def decode_row(model, c, batch, args, rng, label) -> Row:
+    prompt, steps = args.prompt_len, args.decode_steps
+    budget = steps + 2 * args.profile_steps + 4  # measured, host-profiled, traced steps
+    context = -(-(prompt + budget + 4) // 16) * 16
+    engine = _engine(model, batch=batch, tokens=batch * prompt, context=context)
+    params = SamplingParams(max_new_tokens=budget)
+    ids = [engine.add_request(p, params) for p in _prompts(rng, batch, prompt)]
+    while len(engine.step_times[ForwardMode.DECODE]) < steps:
+        engine.step()
+    times = engine.step_times[ForwardMode.DECODE][2:]
+    step_s = statistics.median(times)
+    if args.host_profile:
+        _host_profile(engine, args.profile_steps, f"decode B={batch}")
+    note = ""
+    if jax.default_backend() == "gpu":
+        categories, top, wall_us = profile_steps(engine, args.profile_steps)
+        busy = sum(categories.values())
+        ranked = sorted(categories.items(), key=lambda kv: -kv[1])
+        note = (
+            "device us/step: " + ", ".join(f"{k} {v:.0f}" for k, v in ranked)
+            + f"; idle {max(0.0, 1 - busy / wall_us):.0%} of {wall_us:.0f} us; top: "
+            + "; ".join(f"{n[:60]} {us:.0f}" for n, us in top)
+        )  # fmt: skip
+    for rid in ids:
+        engine.abort(rid)
+    limit_s = decode_bytes(c, batch, prompt + steps) / args.bandwidth
+    return Row(
+        f"decode B={batch} ({label})", f"{step_s * 1e3:.3f} ms", f"{limit_s * 1e3:.3f} ms",
+        limit_s / step_s, engine.compile_s, note,
+    )  # fmt: skip
+
+
+def prefill_row(model, c, prompts, length, args, rng, label) -> Row:
+    engine = _engine(model, batch=1, tokens=length, context=length + 16)
+    engine.generate(_prompts(rng, 1, length), SamplingParams(max_new_tokens=1))  # warm
+    start = time.perf_counter()
+    engine.generate(_prompts(rng, prompts, length), SamplingParams(max_new_tokens=1))
+    wall = time.perf_counter() - start
+    rate = prompts * length / wall
+    limit = prompts * length / (prefill_flops(c, prompts, length) / args.flops)
+    return Row(
+        f"prefill {prompts}x{length} ({label})", f"{rate / 1e3:.1f}k tok/s",
+        f"{limit / 1e3:.0f}k tok/s", rate / limit, engine.compile_s,
+    )  # fmt: skip
+
+
+def _failed(name: str, err: Exception) -> Row:
+    return Row(name, "failed", "", 0.0, 0.0, repr(err)[:300])
+
+
+def _versions() -> str:
+    names = ("jax", "jaxlib", "flax", "tokamax")
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {importlib.import_module(name).__version__}")
+        except ImportError:
+            found.append(f"{name} absent")
+    return ", ".join(found + [f"python {platform.python_version()}"])
+
+
+def _device() -> str:
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", d.platform)
+
+
+def write_results(path: pathlib.Path, title: str, rows: list[Row]) -> None:
+    lines = [
+        f"## {title}", "",
+        f"{datetime.date.today()}, {_device()}, {_versions()}.", "",
+        "| row | measured | limit | fraction | compile (s) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r.name} | {r.value} | {r.limit} | {r.fraction:.0%} | {r.compile_s:.0f} |")
+    notes = [f"* {r.name}: {r.note}" for r in rows if r.note]
+    text = "\n".join(lines + [""] + notes) + "\n"
+    with path.open("a") as f:
+        f.write(text + "\n")
+    print(text)
+
+
+def _plot(path: pathlib.Path, rows: list[Row]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.4 * len(rows)))
+    ax.barh([r.name for r in rows], [100 * r.fraction for r in rows])
+    ax.set_xlabel("% of the hardware limit (bytes for decode, FLOPs for prefill)")
+    ax.set_xlim(0, 100)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="qwen3-next-80b-a3b", choices=sorted(PRESETS))
+    parser.add_argument("--layers", type=int, default=None, help="depth (default: the preset's)")
+    parser.add_argument("--decode", default="1,64", help="decode batch sizes, comma-separated")
+    parser.add_argument("--prefill", default="8x4096", help="NxL prefill rows, comma-separated")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--decode-steps", type=int, default=24)
+    parser.add_argument("--profile-steps", type=int, default=6)
+    parser.add_argument("--host-profile", action="store_true", help="cProfile decode steps")
+    parser.add_argument("--moe", choices=("auto", "reference", "both"), default="auto")
+    parser.add_argument("--bandwidth", type=float, default=4.3e12)
+    parser.add_argument("--flops", type=float, default=7.9e14)
+    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent))
+    args = parser.parse_args(argv)
+    # tokamax logs every autotuning-cache miss as a warning; its heuristics choose the config.
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    if args.smoke:
+        args.preset, args.decode, args.prefill = "smoke", "2", "2x64"
+        args.prompt_len, args.decode_steps, args.profile_steps = 8, 4, 2
+    depth, make = PRESETS[args.preset]
+    c = make(args.layers or depth)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    model = Qwen3Next(c, rngs=nnx.Rngs(0))
+    jax.block_until_ready(nnx.state(model))
+    print(
+        f"built {args.preset} x{c.num_hidden_layers} in {time.perf_counter() - start:.0f} s",
+        flush=True,
+    )
+    rng = np.random.default_rng(0)
+    kernel = _GROUPED_MATMUL._tokamax_ragged_dot
+    both = ["auto", "reference"] if kernel() is not None else ["reference"]
+    variants = {"auto": ["auto"], "reference": ["reference"], "both": both}
+    rows: list[Row] = []
+    for variant in variants[args.moe]:
+        # The reference rows hide tokamax from the grouped matmul, so auto takes ragged_dot.
+        _GROUPED_MATMUL._tokamax_ragged_dot = kernel if variant == "auto" else (lambda: None)
+        label = "MoE " + ("tokamax" if variant == "auto" and kernel() is not None else "ragged_dot")
+        if not c.num_experts:
+            label = "dense"
+        for batch in (int(b) for b in args.decode.split(",") if b):
+            try:
+                rows.append(decode_row(model, c, batch, args, rng, label))
+            except Exception as err:  # a failed row is reported, the rest still runs
+                if args.smoke:
+                    raise
+                rows.append(
+                    Row(f"decode B={batch} ({label})", "failed", "", 0.0, 0.0, repr(err)[:300])
+                )
+            print(rows[-1], flush=True)
+        for spec in (s for s in args.prefill.split(",") if s):
+            n, length = (int(v) for v in spec.split("x"))
+            try:
+                rows.append(prefill_row(model, c, n, length, args, rng, label))
+            except Exception as err:
+                if args.smoke:
+                    raise
+                rows.append(
+                    Row(f"prefill {spec} ({label})", "failed", "", 0.0, 0.0, repr(err)[:300])
+                )
+            print(rows[-1], flush=True)
+        if not c.num_experts:
+            break
+    _GROUPED_MATMUL._tokamax_ragged_dot = kernel
+    title = f"{args.preset}, {c.num_hidden_layers} layers"
+    name = "RESULTS_serve_smoke.md" if args.smoke else "RESULTS_serve.md"
+    write_results(out / name, title, rows)
+    _plot(out / f"serve_{args.preset}.png", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
