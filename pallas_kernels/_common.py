@@ -22,11 +22,20 @@ import functools
 from typing import Literal
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 
-__all__ = ["IMPLS", "Impl", "on_hopper_gpu", "resolve_impl"]
+__all__ = ["IMPLS", "NUM_SMS", "Impl", "interpret_params", "on_hopper_gpu", "resolve_impl"]
 
 Impl = Literal["auto", "pallas", "interpret", "reference"]
 IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "reference")
+
+NUM_SMS = 132
+"""Multiprocessors of an H100/H200 SXM: the kernels' grid heuristics size their launches by it."""
+
+
+def interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:
+    """``plgpu.kernel``'s ``interpret=``: the Mosaic GPU CPU interpreter, or the compiled kernel."""
+    return plgpu.InterpretGPUParams() if interpret else False
 
 
 @functools.cache

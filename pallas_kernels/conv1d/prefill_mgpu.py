@@ -26,6 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import interpret_params
+
 __all__ = ["BLOCK_T", "causal_conv1d", "unsupported_reason"]
 
 BLOCK_C = 128  # one channel per thread of the warpgroup
@@ -33,10 +35,6 @@ BLOCK_T = 16  # tokens per program of the output kernel
 MAX_WIDTH = 8
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _LANE = plgpu.Layout.WG_STRIDED((BLOCK_C,), 1)
-
-
-def _interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:
-    return plgpu.InterpretGPUParams() if interpret else False
 
 
 def unsupported_reason(
@@ -165,7 +163,7 @@ def _outputs(x, weight, bias, pool_ref, qsl, idx, init, token_seq, activation, i
         out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
         grid=(pl.cdiv(t_total, BLOCK_T), channels // BLOCK_C),
         grid_names=("t", "c"),
-        interpret=_interpret_params(interpret),
+        interpret=interpret_params(interpret),
     )
     operands = (x, weight) + ((bias,) if has_bias else ()) + (qsl, idx, init, token_seq, pool_ref)
     return kernel(*operands)
@@ -202,7 +200,7 @@ def _windows(x, pool_ref, qsl, idx, init, width, interpret) -> None:
         out_type=(),
         grid=(n_seq, channels // BLOCK_C),
         grid_names=("n", "c"),
-        interpret=_interpret_params(interpret),
+        interpret=interpret_params(interpret),
     )
     kernel(x, qsl, idx, init, pool_ref)
 

@@ -28,6 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import interpret_params
+
 __all__ = ["causal_conv1d_update", "causal_conv1d_verify", "unsupported_reason"]
 
 BLOCK_C = 128  # one channel per thread of the warpgroup
@@ -35,10 +37,6 @@ MAX_TOKENS = 16
 MAX_WIDTH = 8
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _LANE = plgpu.Layout.WG_STRIDED((BLOCK_C,), 1)
-
-
-def _interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:
-    return plgpu.InterpretGPUParams() if interpret else False
 
 
 def unsupported_reason(
@@ -204,7 +202,7 @@ def _rows(
         out_type=out_type,
         grid=(n_rows, channels // BLOCK_C),
         grid_names=("n", "c"),
-        interpret=_interpret_params(interpret),
+        interpret=interpret_params(interpret),
     )
     # parents flat [N*D]: a scalar load from a 1-D GMEM ref, as for state_indices.
     tree_args = (parents.reshape(-1),) if tree else ()

@@ -199,7 +199,7 @@ def chunk_gates(g_t: jax.Array, beta_t: jax.Array, table: jax.Array) -> tuple[ja
     heads = g_t.shape[0]
     # The windows are materialised before the sums, and the sum over 64 is taken as 8 x 8:
     # XLA's cumulative sum is a reduce-window that reads (and re-gathers, when fused) every
-    # element once per window position (51 us at 4x8192 on the H200 with one plain cumsum).
+    # element once per window position (benchmarks/prefill_notes.md has its cost).
     g = lax.optimization_barrier(jnp.where(own, g_t[:, tokens], 0.0))
     inner = jnp.cumsum(g.reshape(heads, -1, CHUNK // 8, 8), axis=-1)
     ends = inner[..., -1]

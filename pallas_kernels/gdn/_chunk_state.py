@@ -40,11 +40,8 @@ SMEM per CTA (``smem_bytes``, equal to Mosaic GPU's count; limit 227 KB), K=128:
 ``block_v=32``: 162 KB with 2 stages, 215 KB with 3; ``block_v=64``: 218 KB with 2 stages,
 3 do not fit (275 KB). K=64: 114 / 151 KB and 154 / 195 KB.
 
-Status: runs on the H200 (benchmarks/prefill_notes.md, session 3 run 4: same errors as
-``_state``, untouched slots bit-identical). Tried there and dropped (session 4, measured in
-prefill_notes.md): ``P`` formed by the output warpgroup (it became the limit), and two
-32-column chains per 64-column CTA (each with one output warpgroup, or one for both): the
-two chains ran 1.6x slower per chunk than one alone on its SM, a loss on every shape.
+One state chain per CTA and ``P`` formed by the intra kernel: the alternatives measured
+slower on every shape (benchmarks/prefill_notes.md).
 """
 
 from __future__ import annotations

@@ -45,9 +45,7 @@ store zeros.
 Precision: q, k, v, ``M`` and ``P`` enter the tensor cores as bf16 (float32 inputs are
 rounded to bf16 first); accumulation, the decays, the norms and the state are float32.
 
-Speed (H200, Qwen3-Next TP1 shapes, device time, session 4): 34.3 Mtok/s at 1x8192, 32.2 on
-the varlen serving mix, 43.6 at 4x8192 (benchmarks/RESULTS.md); what limits it and what comes
-next: benchmarks/prefill_notes.md.
+Speed: benchmarks/RESULTS.md; what limits it: benchmarks/prefill_notes.md.
 """
 
 from __future__ import annotations
@@ -61,6 +59,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._common import NUM_SMS
 from pallas_kernels._mgpu_chunks import (
     ALIGN,
     BF16,
@@ -104,28 +103,21 @@ class Config:
 
 
 @functools.cache
-def _num_sms() -> int:
-    """Multiprocessors of the default device (132, an H100/H200 SXM, when not a GPU)."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or 0) or 132
-
-
 def _resolve(
     config: Config, n_seqs: int, heads: int, value_dim: int, *, interpret: object = None
 ) -> Config:
     """``config`` with ``block_v`` and ``state_stages`` chosen where they are None.
 
-    Measured on the H200 (benchmarks/prefill_notes.md, run 2): 32 columns win while a grid
-    of 64-column blocks would leave SMs idle (1x8192: 19.2 against 17.5 Mtok/s; 1x32768: 21.3
-    against 19.3), 64 win once it fills them (4x8192: 26.6 against 21.2; 8x2048, varlen).
-    The warp-specialised state pass won on every shape (session 3 notes), with 3 stages at 32
-    columns and 2 at 64 (3 do not fit). The interpreter takes the one-warpgroup pass unless
+    32 columns while a grid of 64-column blocks would leave SMs idle, 64 once it fills them;
+    the warp-specialised state pass with 3 stages at 32 columns and 2 at 64 (3 do not fit in
+    SMEM). The measurements behind both choices are in benchmarks/prefill_notes.md. The interpreter takes the one-warpgroup pass unless
     asked: its warpgroups are host threads of the XLA CPU client's pool, which needs at least
     ``_chunk_state.INTERPRETER_THREADS`` (env ``NPROC``, read when the client starts; the pass
     refuses a smaller pool) or the warpgroups deadlock.
     """
     if config.block_v is None:
         blocks_of_64 = n_seqs * heads * (value_dim // 64)
-        config = dataclasses.replace(config, block_v=32 if blocks_of_64 < _num_sms() else 64)
+        config = dataclasses.replace(config, block_v=32 if blocks_of_64 < NUM_SMS else 64)
     if config.state_stages is None:
         stages = 0 if interpret else (3 if config.block_v == 32 else 2)
         config = dataclasses.replace(config, state_stages=stages)

@@ -1,14 +1,8 @@
 """Mosaic GPU decode kernel of Gated DeltaNet: the public decode op's kernel and its variants.
 
-``DEFAULT`` ("pipe3-cols") is what ``fused_recurrent.fused_recurrent_gated_delta_rule`` runs.
-Kernel device time on the H200 (ncu, ``DEFAULT``, Qwen3-Next H=16 HV=32 K=V=128, bf16, fp32
-pool of 1024 slots, random slots): batch 1: 4.0-4.3 us; 16: 17.3-18.0 us; 64: 66.8-69.9 us;
-256: 272.6-277.4 us (3.9 TB/s of state traffic). The variants, timed against one another by
-``benchmarks/decode_variants.py`` (state TB/s at batch 256 / time at batch 64, two runs):
-"wgmma" 3.69, 3.65 / 76.1 us; "cols" 3.73, 3.64 / 74.4 us; "pipe3-cols" 3.79, 3.77 / not
-reached; "cols-bv32" 2.82 (narrow tiles lose). The first decode kernel, a slot-indexed one in
-the verify kernel's shape (``recurrent_mgpu``), reached 3.23 and 3.18 / 88.6 us and is gone
-(``benchmarks/notes.md`` says what held it back).
+``DEFAULT`` ("pipe3-cols") is what ``fused_recurrent.fused_recurrent_gated_delta_rule`` runs:
+the fastest of the variants below, which ``benchmarks/decode_variants.py`` times against one
+another (numbers in benchmarks/RESULTS.md and benchmarks/notes.md).
 
 Contract: rows of D tokens, the pool updated in place through ``state_indices`` under ``jit``
 with the pool donated; slot 0 = padded row, never touched, zeros in ``o``. The design, each
@@ -55,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import NUM_SMS, interpret_params
 from pallas_kernels.gdn._checks import check_gated_rows
 
 __all__ = [
@@ -69,7 +64,6 @@ __all__ = [
     "unsupported_reason",
 ]
 
-_NUM_SMS = 132  # H100/H200 SXM
 _HEAD_DIMS = (64, 128)
 _ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # The D tokens' q/k/v/o tiles sit in SMEM next to the state tile of every ring stage; at 16
@@ -97,7 +91,7 @@ class DecodeVariant:
     layout: str = "cols"
     block_v: int = 0
     stages: int = 0
-    programs: int = 2 * _NUM_SMS
+    programs: int = 2 * NUM_SMS
     one_pass: bool = True
 
 
@@ -114,7 +108,7 @@ def pick_block_v(n_rows: int, hv: int, v_dim: int) -> int:
     """64 columns per item; halved (down to 16) while the grid would give an SM fewer than
     two programs: at batch 1 latency, not bandwidth, decides, and more programs share it."""
     block_v = min(64, v_dim)
-    while block_v > 16 and n_rows * hv * (v_dim // block_v) < 2 * _NUM_SMS:
+    while block_v > 16 and n_rows * hv * (v_dim // block_v) < 2 * NUM_SMS:
         block_v //= 2
     return block_v
 
@@ -131,10 +125,6 @@ def _layouts(variant: DecodeVariant, bv: int):
         tiling = plgpu.Tiling(((row_lanes, bv), (row_lanes, cols_per_warp), (_VEC,)))
         state = plgpu.Layout.TILED(tiling, warp_dims=(-4,), lane_dims=(-3, -2), vector_dim=-1)
     return state, state.reduce(1), state.reduce(0)
-
-
-def _interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:
-    return plgpu.InterpretGPUParams() if interpret else False
 
 
 def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use_qk_l2norm,
@@ -277,7 +267,7 @@ def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scal
             plgpu.Barrier(num_arrivals=3),
             plgpu.Barrier(num_arrivals=1),
         ],
-        interpret=_interpret_params(interpret),
+        interpret=interpret_params(interpret),
     )
     return kernel(idx, q, k, v, *gates_in, pool_ref)
 
@@ -387,7 +377,7 @@ def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, inte
             plgpu.SMEM((stages, n_tokens, bv), v.dtype),
             plgpu.Barrier(num_arrivals=4, num_barriers=stages),
         ],
-        interpret=_interpret_params(interpret),
+        interpret=interpret_params(interpret),
     )
     return kernel(idx, q, k, v, *gates_in, pool_ref)
 

@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import NUM_SMS, interpret_params
 from pallas_kernels.gdn import decode_mgpu
 
 __all__ = [
@@ -53,7 +54,6 @@ _COL = plgpu.Layout.WGMMA.reduce(0)  # [block_v]: one value per state column
 # The decode kernel's limit, which verify shares: the D tokens of q/k/v/o live in SMEM next
 # to the two state tiles of a chain (the tree's D+1 tiles have their own budget below).
 MAX_TOKENS = decode_mgpu.MAX_TOKENS
-_NUM_SMS = 132  # H100/H200 SXM
 # SMEM for the D+1 state tiles of a tree verify; the rest of the 227 KiB an sm_90 block may
 # use holds the q/k/v/o tiles.
 TREE_SMEM_BYTES = 160 * 1024
@@ -76,7 +76,7 @@ class RecurrentConfig:
 def pick_config(n_rows: int, hv: int, v_dim: int) -> RecurrentConfig:
     """64 columns per program, or 32 (twice the programs) when 64 would not give every SM two."""
     block_v = min(64, v_dim)
-    if n_rows * hv * (v_dim // block_v) < 2 * _NUM_SMS and v_dim % 32 == 0:
+    if n_rows * hv * (v_dim // block_v) < 2 * NUM_SMS and v_dim % 32 == 0:
         block_v = 32
     return RecurrentConfig(block_v=block_v)
 
@@ -88,10 +88,6 @@ def _tree_config(config: RecurrentConfig, n_tokens: int, k_dim: int) -> Recurren
         bv //= 2
     swizzle = min(config.swizzle, bv * 4)  # a swizzle row may not exceed a tile row
     return RecurrentConfig(block_v=bv, swizzle=swizzle)
-
-
-def _interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:
-    return plgpu.InterpretGPUParams() if interpret else False
 
 
 def _verify(
@@ -215,7 +211,7 @@ def _verify(
             plgpu.SMEM((n_tokens, bv), v.dtype),
             plgpu.Barrier(num_arrivals=4),
         ],
-        interpret=_interpret_params(interpret),
+        interpret=interpret_params(interpret),
     )
     # parents flat [N*D]: a scalar load from a 1-D GMEM ref, as for state_indices.
     tree_args = (parents.reshape(-1),) if tree else ()

@@ -43,6 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._common import interpret_params
+
 __all__ = [
     "MAX_TOKENS",
     "TREE_SMEM_BYTES",
@@ -70,14 +72,10 @@ TREE_SMEM_BYTES = 160 * 1024
 @dataclasses.dataclass(frozen=True)
 class StateUpdateConfig:
     """Static tiling of one call: ``block_p`` state rows per program (64: a WGMMA-layout
-    array has a multiple of 64 rows; with P=64, N=128 one program holds a 32 KiB tile, the
-    size that gave 3.2-3.4 TB/s in the Gated DeltaNet decode kernel)."""
+    array has a multiple of 64 rows; with P=64, N=128 one program holds a contiguous 32 KiB
+    tile, the size the Gated DeltaNet decode kernel streams at near the copy bandwidth)."""
 
     block_p: int = 64
-
-
-def _interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:
-    return plgpu.InterpretGPUParams() if interpret else False
 
 
 def _softplus(x: jax.Array) -> jax.Array:
@@ -240,7 +238,7 @@ def _state_update(
         grid=(n_rows, n_heads, p_dim // bp),
         grid_names=("n", "h", "j"),
         scratch_types=scratch_types,
-        interpret=_interpret_params(interpret),
+        interpret=interpret_params(interpret),
     )
     operands = (x, dt, A, B, C, D, dt_bias, *((z,) if has_z else ()), ssm_pool)
     # parents flat [N*Dt]: a scalar load from a 1-D GMEM ref, as for state_indices.
