@@ -5,8 +5,8 @@
 with ``rows=()`` and an explicit bucket (``example_metadata``), gives the all-padding
 metadata that ahead-of-time compilation traces with, so the compiled and the served shapes
 cannot drift apart. What each mode's rows may carry and how its token axis is sized is data,
-one ``_Layout`` per mode in ``_LAYOUTS``; a mode missing there raises
-``UnsupportedForwardModeError`` before anything is built.
+the mode's row of ``modes.MODES``; a mode missing there raises ``UnsupportedForwardModeError``
+before anything is built.
 
 Padding rules (docs/DESIGN.md): padded rows have length 0 (query_start_loc repeats), slot 0 (the
 pad slot) and no initial state; padded tokens sit after ``query_start_loc[num_rows]``, at
@@ -29,12 +29,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from types import MappingProxyType
 
 import jax
 import numpy as np
 
-from hybrid_jax.modes import TOKEN_LAYOUTS, ForwardMode, TokenLayout, UnsupportedForwardModeError
+from hybrid_jax.modes import (
+    DRAFT,
+    MODES,
+    TOKEN_LAYOUTS,
+    ForwardMode,
+    TokenLayout,
+    UnsupportedForwardModeError,
+)
 
 __all__ = [
     "BUILDABLE_MODES",
@@ -333,46 +339,35 @@ class ForwardMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """What one mode's rows may carry and how its token axis is sized."""
+    """A mode's ``ModeSpec`` with ``DRAFT`` resolved to the policy's draft tokens."""
 
     min_row_tokens: int
     max_row_tokens: int | None  # None: bounded only by the token bucket
     tokens_per_row: int | None  # token axis = bs * tokens_per_row; None: a token bucket
     num_draft_tokens: int  # ForwardMetadata.num_draft_tokens
     hint: str  # the fix, for a row that breaks the rule
-    has_rows: bool = True  # False: the mode's single bucket is (0, 0)
+    has_rows: bool  # False: the mode's single bucket is (0, 0)
 
 
-def _ragged(d: int) -> _Layout:
-    return _Layout(1, None, None, 0, "leave requests without new tokens out of the batch")
-
-
-_LAYOUTS = MappingProxyType(
-    {
-        ForwardMode.DECODE: lambda d: _Layout(1, 1, 1, 1, "send longer rows as EXTEND or MIXED"),
-        ForwardMode.TARGET_VERIFY: lambda d: _Layout(
-            d, d, d, d, "pad every draft to D tokens (BucketPolicy.num_draft_tokens)"
-        ),
-        ForwardMode.DRAFT_EXTEND: lambda d: _Layout(
-            1, d, d, d, "a draft-extend row carries the accepted drafts plus one token"
-        ),
-        ForwardMode.EXTEND: _ragged,
-        ForwardMode.MIXED: _ragged,
-        ForwardMode.IDLE: lambda d: _Layout(0, 0, 0, 0, "", has_rows=False),
-    }
-)
-
-BUILDABLE_MODES: frozenset[ForwardMode] = frozenset(_LAYOUTS)
-"""The modes ``build_metadata`` has a layout for."""
+BUILDABLE_MODES: frozenset[ForwardMode] = frozenset(MODES)
+"""The modes ``build_metadata`` has a layout for (those of ``modes.MODES``)."""
 
 
 def _layout(mode: ForwardMode, policy: BucketPolicy) -> _Layout:
     mode = ForwardMode(mode)
-    if mode not in _LAYOUTS:
+    if mode not in MODES:
         raise UnsupportedForwardModeError(
             mode, BUILDABLE_MODES, what=f"no metadata builder for forward mode {mode.name}"
         )
-    return _LAYOUTS[mode](policy.num_draft_tokens)
+    spec = MODES[mode]
+
+    def resolve(count):
+        return policy.num_draft_tokens if count == DRAFT else count
+
+    return _Layout(
+        resolve(spec.min_row_tokens), resolve(spec.max_row_tokens),
+        resolve(spec.tokens_per_row), resolve(spec.num_draft_tokens), spec.hint, spec.has_rows,
+    )  # fmt: skip
 
 
 def _slot_range(num_slots: int) -> str:

@@ -1,23 +1,28 @@
-"""Forward modes, layer kinds and the one table that says which layer kind runs which mode.
+"""Forward modes, layer kinds, and the two tables that describe them.
 
-A forward mode is a static argument of every jitted step. Whether a layer kind can run a
-mode is looked up in ``CAPABILITIES`` and nowhere else: ``check_supported`` is called while
-tracing, so an unsupported (layer kind, mode) pair fails at ``.lower()`` / ``eval_shape`` /
-engine construction with a message naming the pair and what is supported, before anything
-runs on a device.
+A forward mode is a static argument of every jitted step. ``MODES`` holds one row per mode
+that is built: its token layout and what a row of it may carry (read by the metadata builder,
+the backend's path tables and the engine). ``CAPABILITIES`` says which layer kind runs which
+mode; ``check_supported`` is called while tracing, so an unsupported (layer kind, mode) pair
+fails at ``.lower()`` / ``eval_shape`` / engine construction with a message naming the pair
+and what is supported, before anything runs on a device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 __all__ = [
     "CAPABILITIES",
+    "DRAFT",
+    "MODES",
     "TOKEN_LAYOUTS",
     "ForwardMode",
     "LayerKind",
+    "ModeSpec",
     "TokenLayout",
     "UnsupportedForwardModeError",
     "check_supported",
@@ -45,58 +50,6 @@ class ForwardMode(enum.Enum):
         # Accept member names too ("DECODE"), as command lines and configs spell them.
         return cls.__members__.get(value.upper()) if isinstance(value, str) else None
 
-    def is_extend(self) -> bool:
-        """Ragged token layouts: rows of any length packed along one token axis."""
-        return self in _EXTEND
-
-    def is_decode(self) -> bool:
-        return self is ForwardMode.DECODE
-
-    def is_idle(self) -> bool:
-        return self is ForwardMode.IDLE
-
-    def is_decode_or_idle(self) -> bool:
-        return self in _DECODE_OR_IDLE
-
-    def is_mixed(self) -> bool:
-        return self is ForwardMode.MIXED
-
-    def is_target_verify(self) -> bool:
-        return self is ForwardMode.TARGET_VERIFY
-
-    def is_draft_extend(self) -> bool:
-        """Both draft-extend variants (the draft model catching up on accepted tokens)."""
-        return self in _DRAFT_EXTEND
-
-    def is_speculative(self) -> bool:
-        """Modes that exist only under speculative decoding: target verify and draft extend."""
-        return self in _SPECULATIVE
-
-    def is_split_prefill(self) -> bool:
-        return self is ForwardMode.SPLIT_PREFILL
-
-    def is_dllm_extend(self) -> bool:
-        return self is ForwardMode.DLLM_EXTEND
-
-    def is_prebuilt(self) -> bool:
-        return self is ForwardMode.PREBUILT
-
-
-# Module-level sets: an enum body would turn these into members.
-_EXTEND = frozenset(
-    {
-        ForwardMode.EXTEND,
-        ForwardMode.MIXED,
-        ForwardMode.DRAFT_EXTEND,
-        ForwardMode.DRAFT_EXTEND_V2,
-        ForwardMode.SPLIT_PREFILL,
-        ForwardMode.DLLM_EXTEND,
-    }
-)
-_DECODE_OR_IDLE = frozenset({ForwardMode.DECODE, ForwardMode.IDLE})
-_DRAFT_EXTEND = frozenset({ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2})
-_SPECULATIVE = frozenset({ForwardMode.TARGET_VERIFY}) | _DRAFT_EXTEND
-
 
 class LayerKind(enum.Enum):
     """The kinds of sequence-mixing layer a hybrid model stacks."""
@@ -115,16 +68,75 @@ class TokenLayout(enum.StrEnum):
     EMPTY = "empty"  # no rows and no tokens
 
 
-_BUILT = frozenset(
+DRAFT = "D"
+"""In a ``ModeSpec``: the policy's draft tokens per row (``BucketPolicy.num_draft_tokens``)."""
+
+type RowTokens = int | str | None  # a count, DRAFT, or None (bounded by the token bucket)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeSpec:
+    """One mode's row: how it lays its tokens out and what each of its rows may carry.
+
+    ``min_row_tokens`` / ``max_row_tokens``: the new tokens of one row (``None``: bounded
+    only by the token bucket); ``tokens_per_row``: the token axis is ``bs * tokens_per_row``
+    (``None``: a token bucket); ``num_draft_tokens``: ``ForwardMetadata.num_draft_tokens``.
+    Each may be ``DRAFT``. ``hint``: the fix for a row that breaks the bounds.
+    """
+
+    layout: TokenLayout
+    min_row_tokens: RowTokens
+    max_row_tokens: RowTokens
+    tokens_per_row: RowTokens
+    num_draft_tokens: RowTokens
+    hint: str
+
+    @property
+    def has_rows(self) -> bool:
+        """False for the empty layout: the mode's single bucket is (0, 0)."""
+        return self.layout is not TokenLayout.EMPTY
+
+
+def _ragged(hint: str) -> ModeSpec:
+    return ModeSpec(TokenLayout.RAGGED, 1, None, None, 0, hint)
+
+
+MODES: Mapping[ForwardMode, ModeSpec] = MappingProxyType(
     {
-        ForwardMode.EXTEND,
-        ForwardMode.DECODE,
-        ForwardMode.MIXED,
-        ForwardMode.IDLE,
-        ForwardMode.TARGET_VERIFY,
-        ForwardMode.DRAFT_EXTEND,
+        ForwardMode.EXTEND: _ragged("leave requests without new tokens out of the batch"),
+        ForwardMode.MIXED: _ragged("leave requests without new tokens out of the batch"),
+        ForwardMode.DECODE: ModeSpec(
+            TokenLayout.ONE_PER_ROW, 1, 1, 1, 1, "send longer rows as EXTEND or MIXED"
+        ),
+        ForwardMode.TARGET_VERIFY: ModeSpec(
+            TokenLayout.DRAFT_PER_ROW,
+            DRAFT,
+            DRAFT,
+            DRAFT,
+            DRAFT,
+            "pad every draft to D tokens (BucketPolicy.num_draft_tokens)",
+        ),  # fmt: skip
+        # A fixed bs*D token axis, ragged within it: the draft model catching up on accepted
+        # tokens, 1..D per row.
+        ForwardMode.DRAFT_EXTEND: ModeSpec(
+            TokenLayout.RAGGED,
+            1,
+            DRAFT,
+            DRAFT,
+            DRAFT,
+            "a draft-extend row carries the accepted drafts plus one token",
+        ),  # fmt: skip
+        ForwardMode.IDLE: ModeSpec(TokenLayout.EMPTY, 0, 0, 0, 0, ""),
     }
 )
+"""One row per built mode; a mode missing here has no metadata, no layout and no path."""
+
+TOKEN_LAYOUTS: Mapping[ForwardMode, TokenLayout] = MappingProxyType(
+    {mode: spec.layout for mode, spec in MODES.items()}
+)
+"""The token layout of every built mode (a view of ``MODES``)."""
+
+_BUILT = frozenset(MODES)
 
 CAPABILITIES: Mapping[LayerKind, frozenset[ForwardMode]] = MappingProxyType(
     {
@@ -134,18 +146,6 @@ CAPABILITIES: Mapping[LayerKind, frozenset[ForwardMode]] = MappingProxyType(
     }
 )
 """The one capability table: the forward modes each layer kind can be traced in."""
-
-TOKEN_LAYOUTS: Mapping[ForwardMode, TokenLayout] = MappingProxyType(
-    {
-        ForwardMode.EXTEND: TokenLayout.RAGGED,
-        ForwardMode.MIXED: TokenLayout.RAGGED,
-        ForwardMode.DRAFT_EXTEND: TokenLayout.RAGGED,
-        ForwardMode.DECODE: TokenLayout.ONE_PER_ROW,
-        ForwardMode.TARGET_VERIFY: TokenLayout.DRAFT_PER_ROW,
-        ForwardMode.IDLE: TokenLayout.EMPTY,
-    }
-)
-"""The token layout of every mode that some layer kind supports."""
 
 
 def _names(modes: Iterable[ForwardMode]) -> str:

@@ -1,9 +1,11 @@
-"""Forward-mode predicates, the capability table and its errors, token layouts."""
+"""Forward modes: the mode table, the capability table and its errors, token layouts."""
 
 import pytest
 
 from hybrid_jax.modes import (
     CAPABILITIES,
+    DRAFT,
+    MODES,
     TOKEN_LAYOUTS,
     ForwardMode,
     LayerKind,
@@ -16,22 +18,6 @@ from hybrid_jax.modes import (
 
 M = ForwardMode
 
-# Each predicate and exactly the modes it must answer True for.
-PREDICATES = {
-    "is_extend": {M.EXTEND, M.MIXED, M.DRAFT_EXTEND, M.DRAFT_EXTEND_V2, M.SPLIT_PREFILL,
-                  M.DLLM_EXTEND},
-    "is_decode": {M.DECODE},
-    "is_idle": {M.IDLE},
-    "is_decode_or_idle": {M.DECODE, M.IDLE},
-    "is_mixed": {M.MIXED},
-    "is_target_verify": {M.TARGET_VERIFY},
-    "is_draft_extend": {M.DRAFT_EXTEND, M.DRAFT_EXTEND_V2},
-    "is_speculative": {M.TARGET_VERIFY, M.DRAFT_EXTEND, M.DRAFT_EXTEND_V2},
-    "is_split_prefill": {M.SPLIT_PREFILL},
-    "is_dllm_extend": {M.DLLM_EXTEND},
-    "is_prebuilt": {M.PREBUILT},
-}  # fmt: skip
-
 BUILT = {M.EXTEND, M.DECODE, M.MIXED, M.IDLE, M.TARGET_VERIFY, M.DRAFT_EXTEND}
 
 
@@ -40,12 +26,6 @@ def test_enum_lists_every_engine_mode():
         "EXTEND", "DECODE", "MIXED", "IDLE", "TARGET_VERIFY", "DRAFT_EXTEND", "DRAFT_EXTEND_V2",
         "SPLIT_PREFILL", "DLLM_EXTEND", "PREBUILT",
     }  # fmt: skip
-
-
-@pytest.mark.parametrize("predicate", sorted(PREDICATES))
-@pytest.mark.parametrize("mode", list(ForwardMode), ids=lambda m: m.name)
-def test_predicate_is_true_exactly_on_its_modes(predicate, mode):
-    assert getattr(mode, predicate)() is (mode in PREDICATES[predicate])
 
 
 def test_mode_parses_from_value_and_name():
@@ -121,3 +101,15 @@ def test_token_layout_of_unbuilt_mode_raises_without_layer_kind():
         token_layout(M.PREBUILT)
     assert e.value.layer_kind is None
     assert e.value.supported == frozenset(TOKEN_LAYOUTS)
+
+
+def test_mode_table_has_one_row_per_built_mode_and_the_layouts_are_its_view():
+    assert set(MODES) == BUILT
+    assert dict(TOKEN_LAYOUTS) == {mode: spec.layout for mode, spec in MODES.items()}
+    assert not MODES[M.IDLE].has_rows and all(MODES[m].has_rows for m in BUILT - {M.IDLE})
+    # Rows of fixed tokens-per-row layouts carry exactly that many tokens.
+    for spec in MODES.values():
+        if spec.layout in (TokenLayout.ONE_PER_ROW, TokenLayout.DRAFT_PER_ROW):
+            assert spec.min_row_tokens == spec.max_row_tokens == spec.tokens_per_row
+    assert MODES[M.TARGET_VERIFY].tokens_per_row == DRAFT
+    assert MODES[M.DECODE].num_draft_tokens == 1

@@ -110,8 +110,9 @@ def _resolve(
 
     32 columns while a grid of 64-column blocks would leave SMs idle, 64 once it fills them;
     the warp-specialised state pass with 3 stages at 32 columns and 2 at 64 (3 do not fit in
-    SMEM). The measurements behind both choices are in benchmarks/prefill_notes.md. The interpreter takes the one-warpgroup pass unless
-    asked: its warpgroups are host threads of the XLA CPU client's pool, which needs at least
+    SMEM); the measurements behind both choices are in benchmarks/prefill_notes.md. The
+    interpreter takes the one-warpgroup pass unless asked: its warpgroups are host threads of
+    the XLA CPU client's pool, which needs at least
     ``_chunk_state.INTERPRETER_THREADS`` (env ``NPROC``, read when the client starts; the pass
     refuses a smaller pool) or the warpgroups deadlock.
     """
