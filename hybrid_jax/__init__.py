@@ -5,7 +5,9 @@ errors, the metadata builder and the jitted steps. ``docs/DESIGN.md`` describes 
 architecture (engine -> model -> layer -> backend -> kernel).
 """
 
-from hybrid_jax.engine.engine import Engine, EngineConfig, Result, StepEvent
+from hybrid_jax.engine.config import EngineConfig
+from hybrid_jax.engine.engine import Engine
+from hybrid_jax.engine.requests import Result, StepEvent
 from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import FinishReason, RequestError
 from hybrid_jax.engine.speculative import SpeculativeConfig

@@ -20,8 +20,8 @@ import pytest
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
+from hybrid_jax import Engine, EngineConfig
 from hybrid_jax.cli import main
-from hybrid_jax.engine.engine import Engine, EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams
 from hybrid_jax.engine.scheduler import Request
 from hybrid_jax.kv_cache import init_kv_cache

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from hybrid_jax.engine.engine import Engine, EngineConfig
+from hybrid_jax import Engine, EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import FinishReason, RequestError
-from hybrid_jax.models.loading import CheckpointError, save_checkpoint
+from hybrid_jax.models.checkpoint import CheckpointError
+from hybrid_jax.models.qwen3_next_loading import save_checkpoint
 from hybrid_jax.models.safetensors_io import read_header
 from hybrid_jax.models.tokenizer import ByteTokenizer
 from hybrid_jax.modes import ForwardMode

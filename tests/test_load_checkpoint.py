@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from hybrid_jax.models.auto import MODEL_LOADERS, load_checkpoint
-from hybrid_jax.models.loading import CheckpointError
+from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.nemotron_h import NemotronH
 from hybrid_jax.models.qwen3_next import Qwen3Next
 

@@ -32,17 +32,17 @@ from _engine_helpers import (
 )
 from flax import nnx
 
-from hybrid_jax.engine.engine import Engine, EngineConfig
+from hybrid_jax import Engine, EngineConfig
 from hybrid_jax.engine.speculative import SpeculativeConfig, SpeculativeConfigError
 from hybrid_jax.kv_cache import init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata
-from hybrid_jax.models.loading import load_qwen3_next, save_checkpoint
 from hybrid_jax.models.qwen3_next import (
     Qwen3Next,
     _seeded_value,
     tiny_qwen3_next,
     tiny_qwen3_next_config,
 )
+from hybrid_jax.models.qwen3_next_loading import load_qwen3_next, save_checkpoint
 from hybrid_jax.models.safetensors_io import read_tensors, write_tensors
 from hybrid_jax.models.tokenizer import ByteTokenizer
 from hybrid_jax.modes import ForwardMode

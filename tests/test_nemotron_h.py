@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_jax.engine.engine import Engine, EngineConfig
+from hybrid_jax import Engine, EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams
 from hybrid_jax.metadata import RowSpec
-from hybrid_jax.models.loading import CheckpointError
+from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.nemotron_h import ConfigError, NemotronHConfig
 from hybrid_jax.models.nemotron_h_loading import load_nemotron_h
 from hybrid_jax.models.safetensors_io import read_tensors, write_tensors

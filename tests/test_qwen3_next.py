@@ -18,13 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybrid_jax.models.loading import CheckpointError, load_qwen3_next, save_checkpoint
+from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.qwen3_next import (
     ConfigError,
     Qwen3NextConfig,
     tiny_qwen3_next,
     tiny_qwen3_next_config,
 )
+from hybrid_jax.models.qwen3_next_loading import load_qwen3_next, save_checkpoint
 from hybrid_jax.models.safetensors_io import read_tensors, write_tensors
 from hybrid_jax.models.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
 from hybrid_jax.modes import LayerKind

@@ -25,7 +25,7 @@ from _engine_helpers import (
     states_by_position,
 )
 
-from hybrid_jax.engine.engine import EngineConfig
+from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams
 from hybrid_jax.engine.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
 from hybrid_jax.engine.speculative import (

@@ -33,7 +33,7 @@ from _engine_helpers import (
     states_by_position,
 )
 
-from hybrid_jax.engine.engine import EngineConfig
+from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.speculative import (
     SpeculativeConfig,
     SpeculativeConfigError,

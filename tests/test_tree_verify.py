@@ -22,8 +22,8 @@ from flax import nnx
 from hybrid_jax.backend.commit import commit_tree_verified, linear_kinds
 from hybrid_jax.kv_cache import accepted_path, init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata
-from hybrid_jax.models.loading import load_qwen3_next
 from hybrid_jax.models.nemotron_h_loading import load_nemotron_h
+from hybrid_jax.models.qwen3_next_loading import load_qwen3_next
 from hybrid_jax.modes import ForwardMode
 from hybrid_jax.state_pool import init_state_pool
 

@@ -1,10 +1,11 @@
 """The serving loop: requests in, tokens out, every step a precompiled (mode, bucket) executable.
 
-``Engine`` owns a Qwen3-Next model, its tokenizer, the GDN layers' slot pool and the attention
-layers' paged KV cache. At construction it compiles, ahead of time, the forward step of every
-(mode, bucket) the scheduler can produce (EXTEND, DECODE and MIXED on the bucket policy) and
-the sampler for every batch bucket, through JAX's persistent compilation cache, so that a
-second start loads them, and runs each once on padding. After that warm-up nothing is traced
+``Engine`` owns a hybrid LM (``lm_step.HybridLM``: Qwen3-Next, Nemotron-H), its tokenizer, the
+linear layers' slot pool and the attention layers' paged KV cache. At construction it
+compiles, ahead of time, the forward step of every (mode, bucket) the scheduler can produce
+(EXTEND, DECODE and MIXED on the bucket policy) and the sampler for every batch bucket,
+through JAX's persistent compilation cache, so that a second start loads them, and runs each
+once on padding. After that warm-up nothing is traced
 again (``retraces`` counts it; a retrace also warns).
 
 A step: the scheduler picks the rows, ``build_metadata`` pads them to their bucket, the step
@@ -46,24 +47,21 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import pathlib
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental.compilation_cache import compilation_cache
 
+from hybrid_jax.engine.config import EngineConfig
+from hybrid_jax.engine.lm_step import HybridLM, LastTokenLogits, ServingState
 from hybrid_jax.engine.mtp import MTPDrafter
+from hybrid_jax.engine.requests import InFlight, Result, StepEvent, Tracked
 from hybrid_jax.engine.sampling import Sampler, SamplingBatch, SamplingParams
 from hybrid_jax.engine.scheduler import (
-    PENDING,
-    FinishReason,
     Request,
     RequestError,
     ScheduledStep,
@@ -72,253 +70,28 @@ from hybrid_jax.engine.scheduler import (
 )
 from hybrid_jax.engine.speculative import (
     NgramDrafter,
-    SpeculativeConfig,
     SpeculativeStats,
     TreeVerifier,
     Verifier,
 )
+from hybrid_jax.engine.startup import Progress, use_compilation_cache
 from hybrid_jax.engine.step import CompileRecord, StepFunctions
-from hybrid_jax.kv_cache import KVCache, PageAllocator, init_kv_cache
-from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, build_metadata, example_metadata
+from hybrid_jax.kv_cache import PageAllocator, init_kv_cache
+from hybrid_jax.metadata import ForwardMetadata, build_metadata, example_metadata
 from hybrid_jax.models.auto import load_checkpoint
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
 from hybrid_jax.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from hybrid_jax.modes import ForwardMode
-from hybrid_jax.state_pool import SlotAllocator, StatePool, bytes_per_slot, init_state_pool
+from hybrid_jax.state_pool import SlotAllocator, bytes_per_slot, init_state_pool
 
-__all__ = [
-    "DEFAULT_CACHE_DIR",
-    "Engine",
-    "EngineConfig",
-    "Result",
-    "ServingState",
-    "SpeculativeConfig",
-    "StepEvent",
-]
+__all__ = ["Engine"]
 
-DEFAULT_CACHE_DIR = str(pathlib.Path.home() / ".cache" / "hybrid_jax" / "xla")
 SERVED_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)
 PRESETS = {"tiny": tiny_qwen3_next_config}
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Sizes of the engine.
-
-    ``max_batch``: requests running at once (the largest batch bucket). ``max_tokens``: tokens
-    of one step (the largest token bucket; longer prompts are prefilled in chunks of
-    ``chunk_size``, default ``max_tokens``). ``max_context``: positions of one request (prompt
-    plus generated tokens, a multiple of ``page_size``; None: the model's
-    ``max_position_embeddings`` rounded down to whole pages). ``num_pages``: KV
-    pages of ``page_size`` tokens (None: enough for ``max_batch`` requests at full context).
-    ``batch_buckets`` / ``token_buckets`` override the default ladders. ``cache_dir``: JAX's
-    persistent compilation cache (None: off). ``seed``: draws the seeds of requests that give
-    none. ``impl``: the kernels' implementation choice. ``overlap``: dispatch each step
-    before reading the previous one back (False: read every step back at once).
-    ``speculative``: speculative decoding of decoding requests (None: off); it reads every
-    step back at once whatever ``overlap`` says.
-    """
-
-    max_batch: int = 8
-    max_tokens: int = 128
-    chunk_size: int | None = None
-    max_context: int | None = 512
-    page_size: int = 16
-    num_pages: int | None = None
-    batch_buckets: tuple[int, ...] | None = None
-    token_buckets: tuple[int, ...] | None = None
-    cache_dir: str | None = DEFAULT_CACHE_DIR
-    seed: int = 0
-    impl: str = "auto"
-    overlap: bool = True
-    speculative: SpeculativeConfig | None = None
-
-    def context(self, model_context: int) -> int:
-        """Positions of one request, for a model with ``model_context`` positions."""
-        if self.max_context is None:
-            # Whole pages only, and never past what the model was trained for.
-            context = model_context // self.page_size * self.page_size
-        else:
-            context = self.max_context
-        if context > model_context:
-            raise ValueError(
-                f"max_context={context} exceeds the model's max_position_embeddings="
-                f"{model_context}; lower max_context"
-            )
-        return context
-
-    @property
-    def lookahead(self) -> int:
-        """Positions a verify row may run past a request's last useful one (D-1; 0 without
-        speculation)."""
-        return 0 if self.speculative is None else self.speculative.num_draft_tokens - 1
-
-    def policy(self, model_context: int) -> BucketPolicy:
-        """The bucket policy of these sizes, for a model with ``model_context`` positions.
-
-        Under speculation its ``max_context`` holds ``lookahead`` more positions, in whole
-        pages: only drafts past a request's budget land there, and they are never kept.
-        """
-        context = self.context(model_context)
-        extra = -(-self.lookahead // self.page_size) * self.page_size
-        spec = self.speculative
-        draft = 4 if spec is None else spec.num_draft_tokens
-        policy = BucketPolicy.default(
-            self.max_batch, self.max_tokens, draft, page_size=self.page_size,
-            max_context=context + extra, tree_drafts=spec is not None and spec.tree,
-        )  # fmt: skip
-        buckets = {}
-        if self.batch_buckets is not None:
-            buckets["batch_buckets"] = tuple(self.batch_buckets)
-        if self.token_buckets is not None:
-            buckets["token_buckets"] = tuple(self.token_buckets)
-        return dataclasses.replace(policy, **buckets)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ServingState:
-    """Everything a step updates in place: the GDN slot pool, the attention KV cache, and
-    ``last_tokens`` int32 ``[num_slots]``, each slot's last sampled token (slot 0: padding)."""
-
-    pool: StatePool
-    kv: KVCache
-    last_tokens: jax.Array
-
-
-class StepOutput(NamedTuple):
-    """logits: float32 ``[bs, vocab]`` at each row's last token, or ``[bs, D, vocab]`` at
-    every token for TARGET_VERIFY (padded rows: garbage); verify: the per-layer verify
-    states of TARGET_VERIFY (else empty); hidden: the final-normed hidden states ``[T,
-    hidden]`` of every token when the step keeps them (for the MTP head), else empty."""
-
-    logits: jax.Array
-    state: ServingState
-    verify: tuple = ()
-    hidden: jax.Array | tuple = ()
-
-
-class _LastTokenLogits(nnx.Module):
-    """``Qwen3Next`` in the shape ``StepFunctions`` drives: ``(x, state, meta) -> output``.
-
-    Only each row's last token reaches the LM head, so a prefill step computes ``[bs, vocab]``
-    logits, not ``[T, vocab]`` (TARGET_VERIFY needs them at all D tokens of every row).
-    Tokens arrive as int32 ``[T]`` (``compile_all(token_shape=())``); a token ``PENDING`` is
-    read from ``state.last_tokens`` at its row's slot. With ``keep_hidden`` the step also
-    returns the hidden states of every token (the MTP head's input).
-    """
-
-    def __init__(self, model: Qwen3Next, keep_hidden: bool = False):
-        self.model = model
-        self.keep_hidden = keep_hidden
-
-    @property
-    def layer_kinds(self):
-        return self.model.layer_kinds
-
-    def __call__(
-        self, x: jax.Array, state: ServingState, meta: ForwardMetadata, *, impl: str = "auto"
-    ) -> StepOutput:
-        slots = jnp.take(meta.state_indices, meta.token_rows, mode="clip")
-        tokens = jnp.where(x == PENDING, state.last_tokens[slots], x)
-        hidden, pool, kv, verify = self.model.hidden_states(
-            tokens, state.pool, state.kv, meta, impl=impl
-        )
-        kept = hidden if self.keep_hidden else ()
-        if meta.mode is ForwardMode.TARGET_VERIFY:
-            logits = self.model.logits(hidden).reshape(meta.batch_size, meta.num_draft_tokens, -1)
-            return StepOutput(logits, ServingState(pool, kv, state.last_tokens), verify, kept)
-        # A padded row repeats the previous boundary; clipping keeps its index in range.
-        last = jnp.clip(meta.query_start_loc[1:] - 1, 0, hidden.shape[0] - 1)
-        logits = self.model.logits(hidden[last])
-        return StepOutput(logits, ServingState(pool, kv, state.last_tokens), hidden=kept)
-
-
-@dataclasses.dataclass
-class Result:
-    """One finished request. Times are seconds: ``ttft`` from submission to the first token,
-    ``token_latencies`` between consecutive tokens, ``total`` from submission to the end."""
-
-    request_id: int
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason
-    ttft: float
-    token_latencies: list[float]
-    total: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Decode rate after the first token (0 with fewer than two tokens)."""
-        spent = sum(self.token_latencies)
-        return len(self.token_latencies) / spent if spent > 0 else 0.0
-
-
-class StepEvent(NamedTuple):
-    """A token for ``request_id`` (``text``: the new text it completes, possibly empty);
-    ``result`` is set when the request finished with this event."""
-
-    request_id: int
-    token_id: int
-    text: str
-    result: Result | None
-
-
-class _InFlight(NamedTuple):
-    step: ScheduledStep
-    sampled: jax.Array  # int32 [bs], on the device
-    dispatched: float
-    meta: ForwardMetadata
-    hidden: jax.Array | tuple  # [T, hidden] when the step keeps them (MTP drafts), else ()
-
-
-@dataclasses.dataclass(eq=False)
-class _Tracked:
-    request: Request
-    params: SamplingParams
-    seed: int
-    submitted: float
-    token_times: list[float] = dataclasses.field(default_factory=list)
-    text: str = ""
-
-
-def _use_compilation_cache(path: str) -> None:
-    # The cache directory is read once, when the first compile initialises the cache; a
-    # different directory needs a reset to take effect.
-    if jax.config.jax_compilation_cache_dir != path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        compilation_cache.reset_cache()
-    # Our executables are small on CPU: cache every one, however quick to compile.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
-class _Progress:
-    """A one-line progress bar on stderr (one line per few items when not a terminal)."""
-
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.done, self.enabled = total, 0, enabled
-        self.interactive = sys.stderr.isatty()
-
-    def __call__(self, label: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        if self.interactive:
-            bar = "#" * (30 * self.done // self.total)
-            end = "\n" if self.done == self.total else ""
-            print(
-                f"\rcompiling [{bar:<30}] {self.done}/{self.total} {label:<24}",
-                end=end,
-                file=sys.stderr,
-                flush=True,
-            )
-        elif self.done == self.total or self.done % 8 == 0:
-            print(f"compiled {self.done}/{self.total} executables", file=sys.stderr, flush=True)
-
-
 class Engine:
-    """Continuous-batching generation with a Qwen3-Next model (see the module docstring).
+    """Continuous-batching generation with a hybrid LM (see the module docstring).
 
     ``Engine.from_preset("tiny")`` needs no download; ``Engine.from_checkpoint(folder)`` loads
     a Hugging Face folder. ``generate`` returns finished ``Result``s; ``stream`` yields
@@ -337,7 +110,7 @@ class Engine:
 
     def __init__(
         self,
-        model: Qwen3Next,
+        model: HybridLM,
         tokenizer: Tokenizer,
         config: EngineConfig = EngineConfig(),
         *,
@@ -380,7 +153,7 @@ class Engine:
                 model, self.policy, num_slots=num_slots, num_pages=num_pages,
                 parents=self.speculative.parents, impl=config.impl,
             )  # fmt: skip
-        self._steps = StepFunctions(_LastTokenLogits(model, use_mtp), impl=config.impl)
+        self._steps = StepFunctions(LastTokenLogits(model, use_mtp), impl=config.impl)
         self._sampler = Sampler()
         self.tree = self.speculative is not None and self.speculative.tree
         self._verifier: Verifier | TreeVerifier = Verifier(self._steps.commit)
@@ -398,8 +171,8 @@ class Engine:
                 )
         self.speculative_stats = SpeculativeStats()
         self._rng = np.random.default_rng(config.seed)
-        self._tracked: dict[int, _Tracked] = {}
-        self._inflight: _InFlight | None = None
+        self._tracked: dict[int, Tracked] = {}
+        self._inflight: InFlight | None = None
         self.overlap = config.overlap
         # Events read back for requests that a stream other than the one stepping follows.
         self._followed: dict[int, list[StepEvent]] = {}
@@ -413,7 +186,7 @@ class Engine:
             m: [] for m in dict.fromkeys((*SERVED_MODES, *self._modes, *drafting))
         }
         if config.cache_dir is not None:
-            _use_compilation_cache(config.cache_dir)
+            use_compilation_cache(config.cache_dir)
         start = time.perf_counter()
         self._compile(progress)
         self.compile_s = time.perf_counter() - start
@@ -437,7 +210,7 @@ class Engine:
         config.policy(model_config.max_position_embeddings)  # bad sizes fail before the build
         if config.cache_dir is not None:
             # Before the model: its random initialisation compiles a few dozen small programs.
-            _use_compilation_cache(config.cache_dir)
+            use_compilation_cache(config.cache_dir)
         model = Qwen3Next(model_config, rngs=nnx.Rngs(seed))
         return cls(model, ByteTokenizer(), config, progress=progress)
 
@@ -456,7 +229,7 @@ class Engine:
         tokenizer.json). A missing or misshapen tensor raises ``CheckpointError`` before
         anything is compiled."""
         if config.cache_dir is not None:
-            _use_compilation_cache(config.cache_dir)
+            use_compilation_cache(config.cache_dir)
         model = load_checkpoint(path, dtype=dtype)
         tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
         if tokenizer.vocab_size > model.config.vocab_size:
@@ -474,7 +247,7 @@ class Engine:
             total += len(self.policy.buckets(ForwardMode.TARGET_VERIFY))
         if self.mtp is not None:
             total += self.mtp.num_executables()
-        bar = _Progress(total, progress)
+        bar = Progress(total, progress)
 
         def on_step(record: CompileRecord) -> None:
             self.compile_records.append(record)
@@ -579,7 +352,7 @@ class Engine:
         )
         self.scheduler.add(request)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
-        self._tracked[request_id] = _Tracked(request, params, seed, time.perf_counter())
+        self._tracked[request_id] = Tracked(request, params, seed, time.perf_counter())
         return request_id
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
@@ -601,7 +374,7 @@ class Engine:
             return None
         return self._result(self._tracked.pop(request_id), time.perf_counter())
 
-    def _result(self, tracked: _Tracked, now: float) -> Result:
+    def _result(self, tracked: Tracked, now: float) -> Result:
         req, times = tracked.request, tracked.token_times
         return Result(
             request_id=req.request_id,
@@ -614,7 +387,7 @@ class Engine:
             total=now - tracked.submitted,
         )
 
-    def _new_text(self, tracked: _Tracked, finished: bool) -> str:
+    def _new_text(self, tracked: Tracked, finished: bool) -> str:
         text = self.tokenizer.decode(tracked.request.output_ids)
         # Hold back a trailing replacement character: it may be the first bytes of a
         # multi-byte character that the next token completes.
@@ -761,16 +534,16 @@ class Engine:
         self._warn_on_retrace(step)
         return events
 
-    def _launch(self, step: ScheduledStep) -> _InFlight:
+    def _launch(self, step: ScheduledStep) -> InFlight:
         meta, batch = self._metadata_and_sampling(step)
         tokens = np.zeros((meta.num_tokens,), np.int32)
         tokens[: step.num_tokens] = step.token_ids
         start = time.perf_counter()
         sampled, hidden = self._dispatch(meta, jnp.asarray(tokens), batch)
         self.scheduler.advance(step)
-        return _InFlight(step, sampled, start, meta, hidden)
+        return InFlight(step, sampled, start, meta, hidden)
 
-    def _land(self, inflight: _InFlight) -> list[StepEvent]:
+    def _land(self, inflight: InFlight) -> list[StepEvent]:
         """Reads a dispatched step's tokens back and turns them into events."""
         step = inflight.step
         sampled = np.asarray(inflight.sampled)[: len(step.rows)].tolist()

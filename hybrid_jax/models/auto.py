@@ -9,8 +9,9 @@ from collections.abc import Callable
 
 from flax import nnx
 
-from hybrid_jax.models.loading import CheckpointError, load_qwen3_next
+from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.nemotron_h_loading import load_nemotron_h
+from hybrid_jax.models.qwen3_next_loading import load_qwen3_next
 
 __all__ = ["MODEL_LOADERS", "load_checkpoint"]
 

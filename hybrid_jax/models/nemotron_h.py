@@ -29,24 +29,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.layers.mamba2 import Mamba2Config, Mamba2Mixer
-from hybrid_jax.layers.nemotron_h_blocks import (
-    PlainAttention,
-    PlainAttentionConfig,
-    ReLU2MLP,
-    RoutedMoE,
-    RoutedMoEConfig,
-)
 from hybrid_jax.metadata import ForwardMetadata
-from hybrid_jax.models._decoder import (
+from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates
+from hybrid_jax.models.hf_config import (
     ConfigError,
-    DecoderOutput,
-    HybridCausalLM,
-    LayerStates,
     config_errors,
     hf_dtype,
     hf_eos_token_ids,
     read_config_json,
     require_fields,
+)
+from hybrid_jax.models.nemotron_h_blocks import (
+    PlainAttention,
+    PlainAttentionConfig,
+    ReLU2MLP,
+    RoutedMoE,
+    RoutedMoEConfig,
 )
 from hybrid_jax.modes import LayerKind
 from hybrid_jax.state_pool import LinearStateSpec

@@ -13,37 +13,27 @@ one ``CheckpointError``. Tensors the model does not use (the multi-token-predict
 
 from __future__ import annotations
 
-import json
 import pathlib
 from collections.abc import Callable, Iterator
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-# The rule and file helpers of the Qwen3-Next loader serve every Hugging Face folder.
-from hybrid_jax.models.loading import (
-    CheckpointError,
-    _linear,
-    _param,
-    _plain,
-    _read,
-    _Rule,
-    _weight_map,
-)
+from hybrid_jax.models.checkpoint import Rule, linear, load_weights, plain, read_config
+from hybrid_jax.models.checkpoint import weight_map as checkpoint_files
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig
 
 __all__ = ["load_nemotron_h", "load_nemotron_h_config"]
 
 
-def _experts(target, p: str, name: str, shape: tuple[int, int], e: int, fused: bool) -> _Rule:
+def _experts(target, p: str, name: str, shape: tuple[int, int], e: int, fused: bool) -> Rule:
     """Expert matrices ``[out, in]`` (one per expert, or stacked) into ours ``[E, in, out]``."""
     if fused:
-        return _Rule(
+        return Rule(
             target, ((f"{p}{name}", (e, *shape)),), lambda a: a[0].transpose(0, 2, 1),
             lambda w: [w.transpose(0, 2, 1)],
         )  # fmt: skip
-    return _Rule(
+    return Rule(
         target,
         tuple((f"{p}{j}.{name}.weight", shape) for j in range(e)),
         lambda a: np.stack([m.T for m in a]),
@@ -51,54 +41,54 @@ def _experts(target, p: str, name: str, shape: tuple[int, int], e: int, fused: b
     )
 
 
-def _mlp(p: str, target: tuple, hidden: int, inter: int, bias: bool) -> Iterator[_Rule]:
-    yield _linear((*target, "up_proj", "kernel"), f"{p}up_proj.weight", inter, hidden)
-    yield _linear((*target, "down_proj", "kernel"), f"{p}down_proj.weight", hidden, inter)
+def _mlp(p: str, target: tuple, hidden: int, inter: int, bias: bool) -> Iterator[Rule]:
+    yield linear((*target, "up_proj", "kernel"), f"{p}up_proj.weight", inter, hidden)
+    yield linear((*target, "down_proj", "kernel"), f"{p}down_proj.weight", hidden, inter)
     if bias:
-        yield _plain((*target, "up_proj", "bias"), f"{p}up_proj.bias", (inter,))
-        yield _plain((*target, "down_proj", "bias"), f"{p}down_proj.bias", (hidden,))
+        yield plain((*target, "up_proj", "bias"), f"{p}up_proj.bias", (inter,))
+        yield plain((*target, "down_proj", "bias"), f"{p}down_proj.bias", (hidden,))
 
 
-def _rules(c: NemotronHConfig, prefix: str, fused: Callable[[str], bool]) -> Iterator[_Rule]:
+def _rules(c: NemotronHConfig, prefix: str, fused: Callable[[str], bool]) -> Iterator[Rule]:
     """Every parameter of ``NemotronH(c)`` and the checkpoint tensors it comes from."""
     h = c.hidden_size
-    yield _plain(("embeddings", "embedding"), f"{prefix}embeddings.weight", (c.vocab_size, h))
-    yield _plain(("norm_f", "weight"), f"{prefix}norm_f.weight", (h,))
-    yield _linear(("lm_head", "kernel"), "lm_head.weight", c.vocab_size, h)
+    yield plain(("embeddings", "embedding"), f"{prefix}embeddings.weight", (c.vocab_size, h))
+    yield plain(("norm_f", "weight"), f"{prefix}norm_f.weight", (h,))
+    yield linear(("lm_head", "kernel"), "lm_head.weight", c.vocab_size, h)
     m2, at = c.mamba2_config(), c.attention_config()
     for i, kind in enumerate(c.layers_block_type):
         p, t = f"{prefix}layers.{i}.", ("layers", i)
-        yield _plain((*t, "norm", "weight"), f"{p}norm.weight", (h,))
+        yield plain((*t, "norm", "weight"), f"{p}norm.weight", (h,))
         q, m = f"{p}mixer.", (*t, "mixer")
         if kind == "linear_attention":
             proj = m2.inner_dim + m2.conv_dim + m2.num_heads
-            yield _linear((*m, "in_proj", "kernel"), f"{q}in_proj.weight", proj, h)
-            yield _linear((*m, "out_proj", "kernel"), f"{q}out_proj.weight", h, m2.inner_dim)
+            yield linear((*m, "in_proj", "kernel"), f"{q}in_proj.weight", proj, h)
+            yield linear((*m, "out_proj", "kernel"), f"{q}out_proj.weight", h, m2.inner_dim)
             if m2.use_bias:
-                yield _plain((*m, "in_proj", "bias"), f"{q}in_proj.bias", (proj,))
-                yield _plain((*m, "out_proj", "bias"), f"{q}out_proj.bias", (h,))
-            yield _Rule(
+                yield plain((*m, "in_proj", "bias"), f"{q}in_proj.bias", (proj,))
+                yield plain((*m, "out_proj", "bias"), f"{q}out_proj.bias", (h,))
+            yield Rule(
                 (*m, "conv_weight"), ((f"{q}conv1d.weight", (m2.conv_dim, 1, m2.conv_kernel)),),
                 lambda x: x[0][:, 0, :], lambda w: [w[:, None, :]],
             )  # fmt: skip
             if m2.use_conv_bias:
-                yield _plain((*m, "conv_bias"), f"{q}conv1d.bias", (m2.conv_dim,))
+                yield plain((*m, "conv_bias"), f"{q}conv1d.bias", (m2.conv_dim,))
             for name in ("dt_bias", "A_log", "D"):
-                yield _plain((*m, name), f"{q}{name}", (m2.num_heads,))
-            yield _plain((*m, "norm", "weight"), f"{q}norm.weight", (m2.inner_dim,))
+                yield plain((*m, name), f"{q}{name}", (m2.num_heads,))
+            yield plain((*m, "norm", "weight"), f"{q}norm.weight", (m2.inner_dim,))
         elif kind == "full_attention":
             heads, kv = at.num_heads * at.head_dim, at.num_kv_heads * at.head_dim
             for name, out_dim, in_dim in (
                 ("q_proj", heads, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, heads),
             ):  # fmt: skip
-                yield _linear((*m, name, "kernel"), f"{q}{name}.weight", out_dim, in_dim)
+                yield linear((*m, name, "kernel"), f"{q}{name}.weight", out_dim, in_dim)
         elif kind == "mlp":
             yield from _mlp(q, m, h, c.intermediate_size, c.mlp_bias)
         else:
             moe = c.moe_config()
             e, inter, w = moe.num_experts, moe.intermediate_size, moe.expert_width
-            yield _linear((*m, "gate", "kernel"), f"{q}gate.weight", e, h)
-            yield _plain((*m, "e_score_correction_bias"), f"{q}gate.e_score_correction_bias", (e,))
+            yield linear((*m, "gate", "kernel"), f"{q}gate.weight", e, h)
+            yield plain((*m, "e_score_correction_bias"), f"{q}gate.e_score_correction_bias", (e,))
             stacked = fused(q)
             x = f"{q}experts."
             yield _experts((*m, "up_proj"), x, "up_proj", (inter, w), e, stacked)
@@ -110,22 +100,16 @@ def _rules(c: NemotronHConfig, prefix: str, fused: Callable[[str], bool]) -> Ite
                 for name, out_dim, in_dim in (
                     ("fc1_latent_proj", latent, h), ("fc2_latent_proj", h, latent),
                 ):  # fmt: skip
-                    yield _linear((*m, name, "kernel"), f"{q}{name}.weight", out_dim, in_dim)
+                    yield linear((*m, name, "kernel"), f"{q}{name}.weight", out_dim, in_dim)
                     if c.mlp_bias:
-                        yield _plain((*m, name, "bias"), f"{q}{name}.bias", (out_dim,))
+                        yield plain((*m, name, "bias"), f"{q}{name}.bias", (out_dim,))
 
 
 def load_nemotron_h_config(
     folder: str | pathlib.Path, *, dtype: str | None = None
 ) -> NemotronHConfig:
     """The ``NemotronHConfig`` of a checkpoint folder's ``config.json``."""
-    path = pathlib.Path(folder) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{path} does not exist; a checkpoint folder needs its config.json")
-    try:
-        return NemotronHConfig.from_json(path, dtype=dtype)
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+    return read_config(folder, NemotronHConfig, dtype)
 
 
 def _prefix(names: set[str]) -> str:
@@ -143,35 +127,8 @@ def load_nemotron_h(folder: str | pathlib.Path, *, dtype: str | None = None) -> 
     """
     folder = pathlib.Path(folder)
     config = load_nemotron_h_config(folder, dtype=dtype)
-    weight_map = _weight_map(folder)
+    weight_map = checkpoint_files(folder)
     prefix = _prefix(set(weight_map))
     rules = list(_rules(config, prefix, lambda q: f"{q}experts.up_proj" in weight_map))
-    needed = {name for rule in rules for name, _ in rule.sources}
-    missing = sorted(needed - set(weight_map))
-    if missing:
-        shown = ", ".join(missing[:5]) + (
-            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        )
-        raise CheckpointError(
-            f"{folder} lacks {len(missing)} tensors the config requires: {shown}; the "
-            f"checkpoint does not match its config.json (or is incomplete)"
-        )
-    tensors = _read(weight_map, needed)
-    wrong = list(
-        dict.fromkeys(
-            f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}"
-            for rule in rules
-            for name, shape in rule.sources
-            if tuple(tensors[name].shape) != shape
-        )
-    )
-    if wrong:
-        raise CheckpointError(
-            f"{folder}: {len(wrong)} tensors do not match config.json: " + "; ".join(wrong[:5])
-        )
     model = nnx.eval_shape(lambda: NemotronH(config, rngs=nnx.Rngs(0)))
-    for rule in rules:
-        param = _param(model, rule.target)
-        value = rule.to_ours([tensors[name] for name, _ in rule.sources])
-        param.set_value(jnp.asarray(np.asarray(value), param.get_value().dtype))
-    return model
+    return load_weights(folder, model, rules, weight_map)

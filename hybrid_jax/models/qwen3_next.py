@@ -41,11 +41,9 @@ from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.layers.moe import MLP, MoEConfig, SparseMoE
 from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
-from hybrid_jax.models._decoder import (
+from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates
+from hybrid_jax.models.hf_config import (
     ConfigError,
-    DecoderOutput,
-    HybridCausalLM,
-    LayerStates,
     config_errors,
     hf_dtype,
     hf_eos_token_ids,

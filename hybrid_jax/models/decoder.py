@@ -1,6 +1,6 @@
-"""What the hybrid decoders (``qwen3_next``, ``nemotron_h``) share: reading a Hugging Face
-``config.json`` into their configs, handing the slot pool and the paged KV cache to their
-layers, and the forward the step functions and the engine call on either.
+"""What the hybrid decoders (``qwen3_next``, ``nemotron_h``) share: handing the slot pool and
+the paged KV cache to their layers, and the forward the step functions and the engine call on
+either (``hf_config`` reads their Hugging Face ``config.json``).
 
 A linear layer (GDN or Mamba2) owns the pool entry, and a full-attention layer the cache
 entry, at its position among layers of its kind; ``LayerStates`` keeps that count, so a model's
@@ -9,12 +9,9 @@ layer loop only says which mixer a layer has.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
-import os
-from collections.abc import Collection, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 from flax import nnx
@@ -24,66 +21,12 @@ from hybrid_jax.kv_cache import KVCache, KVCacheSpec
 from hybrid_jax.layers.attention import GatedAttention
 from hybrid_jax.layers.gdn import GatedDeltaNet
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
-from hybrid_jax.layers.nemotron_h_blocks import PlainAttention
 from hybrid_jax.metadata import ForwardMetadata
+from hybrid_jax.models.nemotron_h_blocks import PlainAttention
 from hybrid_jax.modes import LayerKind
 from hybrid_jax.state_pool import LinearStateSpec, StatePool
 
-__all__ = [
-    "ConfigError",
-    "DecoderOutput",
-    "HybridCausalLM",
-    "LayerStates",
-    "config_errors",
-    "hf_dtype",
-    "hf_eos_token_ids",
-    "read_config_json",
-    "require_fields",
-]
-
-
-class ConfigError(ValueError):
-    """A model configuration this implementation cannot build, with the field that says so."""
-
-
-@contextlib.contextmanager
-def config_errors() -> Iterator[None]:
-    """Re-raises a layer config's ``ValueError`` as ``ConfigError``: the model's ``config.json``
-    is what the user fixes, and the layer's message already names the field."""
-    try:
-        yield
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-
-
-def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
-    """The contents of a ``config.json`` file."""
-    with open(path) as f:
-        return json.load(f)
-
-
-def require_fields(cls: type, config: Mapping[str, Any], derived: Collection[str]) -> None:
-    """Raises ``ConfigError`` naming the fields of dataclass ``cls`` without a default that
-    ``config`` lacks; names in ``derived`` are filled in by the caller and count as present."""
-    missing = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.default is dataclasses.MISSING and f.name not in config and f.name not in derived
-    ]
-    if missing:
-        raise ConfigError(f"config.json lacks {', '.join(missing)}")
-
-
-def hf_eos_token_ids(config: Mapping[str, Any]) -> tuple[int, ...]:
-    """``eos_token_id`` as a tuple: Hugging Face writes one id, a list, or null."""
-    eos = config.get("eos_token_id")
-    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-
-
-def hf_dtype(config: Mapping[str, Any], override: str | None) -> str:
-    """``override``, else the checkpoint's ``dtype`` (``torch_dtype`` in older files), else
-    float32."""
-    return override or config.get("dtype") or config.get("torch_dtype") or "float32"
+__all__ = ["DecoderOutput", "HybridCausalLM", "LayerStates"]
 
 
 class LayerStates:

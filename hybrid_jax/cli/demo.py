@@ -1,9 +1,6 @@
-"""``hybrid-jax``: the command line.
+"""``hybrid-jax demo``: the backend alone, on the built-in tiny GDN stack.
 
-``hybrid-jax generate`` and ``hybrid-jax bench`` serve the built-in tiny Qwen3-Next model (or a
-checkpoint) through the engine (``engine/commands.py``).
-
-``hybrid-jax demo`` builds the built-in tiny GDN stack with random weights, compiles every
+It builds the built-in tiny GDN stack with random weights, compiles every
 supported (mode, bucket) ahead of time, runs each once on a real batch of that bucket, and
 prints a table (mode, bucket, compile ms, run ms), then shows the error an unsupported mode
 gives while tracing.
@@ -23,14 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from hybrid_jax.engine.commands import add_bench_parser, add_generate_parser
 from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.models.gdn_stack import GDNStack, tiny_gdn_stack_config
 from hybrid_jax.modes import CAPABILITIES, ForwardMode, LayerKind, UnsupportedForwardModeError
 from hybrid_jax.state_pool import SlotAllocator, allocate_slots, bytes_per_slot, init_state_pool
 
-__all__ = ["main"]
+__all__ = ["add_demo_parser", "demo"]
 
 
 def _demo_rows(
@@ -139,9 +135,7 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if retraced == 0 else 1
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="hybrid-jax", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_demo_parser(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("demo", help="every mode and bucket of the built-in tiny GDN stack")
     d.add_argument("--max-batch", type=int, default=8, help="largest batch bucket (rows)")
     d.add_argument("--max-tokens", type=int, default=64, help="largest token bucket")
@@ -155,7 +149,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="persistent compilation cache ('' to disable)",
     )
     d.set_defaults(func=demo)
-    add_generate_parser(sub)
-    add_bench_parser(sub)
-    args = parser.parse_args(argv)
-    raise SystemExit(args.func(args))

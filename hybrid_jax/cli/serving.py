@@ -1,4 +1,4 @@
-"""The engine's command-line subcommands: ``hybrid-jax generate`` and ``hybrid-jax bench``.
+"""The serving subcommands of the command line: ``hybrid-jax generate`` and ``hybrid-jax bench``.
 
 ``generate`` serves prompts (arguments, or one per line on stdin) with the built-in tiny
 model or a checkpoint folder, printing tokens as they arrive. ``bench`` submits a batch of
@@ -24,7 +24,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hybrid_jax.engine.engine import DEFAULT_CACHE_DIR, Engine, EngineConfig, Result
+from hybrid_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig
+from hybrid_jax.engine.engine import Engine
+from hybrid_jax.engine.requests import Result
 from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import RequestError
 from hybrid_jax.engine.speculative import DRAFT_SOURCES, SpeculativeConfig, SpeculativeStats

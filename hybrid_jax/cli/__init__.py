@@ -1,0 +1,26 @@
+"""``hybrid-jax``: the command line.
+
+``hybrid-jax generate`` and ``hybrid-jax bench`` serve the built-in tiny Qwen3-Next model (or a
+checkpoint) through the engine (``serving.py``); ``hybrid-jax demo`` runs the backend alone
+(``demo.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from hybrid_jax.cli.demo import add_demo_parser
+from hybrid_jax.cli.serving import add_bench_parser, add_generate_parser
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="hybrid-jax", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_demo_parser(sub)
+    add_generate_parser(sub)
+    add_bench_parser(sub)
+    args = parser.parse_args(argv)
+    raise SystemExit(args.func(args))

@@ -1,0 +1,87 @@
+"""The sizes of an engine (``EngineConfig``) and where it keeps compiled executables."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from hybrid_jax.engine.speculative import SpeculativeConfig
+from hybrid_jax.metadata import BucketPolicy
+
+__all__ = ["DEFAULT_CACHE_DIR", "EngineConfig"]
+
+DEFAULT_CACHE_DIR = str(pathlib.Path.home() / ".cache" / "hybrid_jax" / "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes of the engine.
+
+    ``max_batch``: requests running at once (the largest batch bucket). ``max_tokens``: tokens
+    of one step (the largest token bucket; longer prompts are prefilled in chunks of
+    ``chunk_size``, default ``max_tokens``). ``max_context``: positions of one request (prompt
+    plus generated tokens, a multiple of ``page_size``; None: the model's
+    ``max_position_embeddings`` rounded down to whole pages). ``num_pages``: KV
+    pages of ``page_size`` tokens (None: enough for ``max_batch`` requests at full context).
+    ``batch_buckets`` / ``token_buckets`` override the default ladders. ``cache_dir``: JAX's
+    persistent compilation cache (None: off). ``seed``: draws the seeds of requests that give
+    none. ``impl``: the kernels' implementation choice. ``overlap``: dispatch each step
+    before reading the previous one back (False: read every step back at once).
+    ``speculative``: speculative decoding of decoding requests (None: off); it reads every
+    step back at once whatever ``overlap`` says.
+    """
+
+    max_batch: int = 8
+    max_tokens: int = 128
+    chunk_size: int | None = None
+    max_context: int | None = 512
+    page_size: int = 16
+    num_pages: int | None = None
+    batch_buckets: tuple[int, ...] | None = None
+    token_buckets: tuple[int, ...] | None = None
+    cache_dir: str | None = DEFAULT_CACHE_DIR
+    seed: int = 0
+    impl: str = "auto"
+    overlap: bool = True
+    speculative: SpeculativeConfig | None = None
+
+    def context(self, model_context: int) -> int:
+        """Positions of one request, for a model with ``model_context`` positions."""
+        if self.max_context is None:
+            # Whole pages only, and never past what the model was trained for.
+            context = model_context // self.page_size * self.page_size
+        else:
+            context = self.max_context
+        if context > model_context:
+            raise ValueError(
+                f"max_context={context} exceeds the model's max_position_embeddings="
+                f"{model_context}; lower max_context"
+            )
+        return context
+
+    @property
+    def lookahead(self) -> int:
+        """Positions a verify row may run past a request's last useful one (D-1; 0 without
+        speculation)."""
+        return 0 if self.speculative is None else self.speculative.num_draft_tokens - 1
+
+    def policy(self, model_context: int) -> BucketPolicy:
+        """The bucket policy of these sizes, for a model with ``model_context`` positions.
+
+        Under speculation its ``max_context`` holds ``lookahead`` more positions, in whole
+        pages: only drafts past a request's budget land there, and they are never kept.
+        """
+        context = self.context(model_context)
+        extra = -(-self.lookahead // self.page_size) * self.page_size
+        spec = self.speculative
+        draft = 4 if spec is None else spec.num_draft_tokens
+        policy = BucketPolicy.default(
+            self.max_batch, self.max_tokens, draft, page_size=self.page_size,
+            max_context=context + extra, tree_drafts=spec is not None and spec.tree,
+        )  # fmt: skip
+        buckets = {}
+        if self.batch_buckets is not None:
+            buckets["batch_buckets"] = tuple(self.batch_buckets)
+        if self.token_buckets is not None:
+            buckets["token_buckets"] = tuple(self.token_buckets)
+        return dataclasses.replace(policy, **buckets)

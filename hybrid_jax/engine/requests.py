@@ -1,0 +1,69 @@
+"""What the engine reports per request: finished ``Result``s, ``StepEvent``s as tokens arrive,
+and the bookkeeping behind them (``Tracked`` requests, the ``InFlight`` step)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+
+from hybrid_jax.engine.sampling import SamplingParams
+from hybrid_jax.engine.scheduler import FinishReason, Request, ScheduledStep
+from hybrid_jax.metadata import ForwardMetadata
+
+__all__ = ["InFlight", "Result", "StepEvent", "Tracked"]
+
+
+@dataclasses.dataclass
+class Result:
+    """One finished request. Times are seconds: ``ttft`` from submission to the first token,
+    ``token_latencies`` between consecutive tokens, ``total`` from submission to the end."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    ttft: float
+    token_latencies: list[float]
+    total: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode rate after the first token (0 with fewer than two tokens)."""
+        spent = sum(self.token_latencies)
+        return len(self.token_latencies) / spent if spent > 0 else 0.0
+
+
+class StepEvent(NamedTuple):
+    """A token for ``request_id`` (``text``: the new text it completes, possibly empty);
+    ``result`` is set when the request finished with this event."""
+
+    request_id: int
+    token_id: int
+    text: str
+    result: Result | None
+
+
+class InFlight(NamedTuple):
+    """A dispatched step whose tokens are not read back yet."""
+
+    step: ScheduledStep
+    sampled: jax.Array  # int32 [bs], on the device
+    dispatched: float
+    meta: ForwardMetadata
+    hidden: jax.Array | tuple  # [T, hidden] when the step keeps them (MTP drafts), else ()
+
+
+@dataclasses.dataclass(eq=False)
+class Tracked:
+    """A request the engine serves, with what it reports: its sampling, submission time, the
+    time of each token read back, and the text reported so far."""
+
+    request: Request
+    params: SamplingParams
+    seed: int
+    submitted: float
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    text: str = ""

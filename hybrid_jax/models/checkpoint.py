@@ -1,0 +1,214 @@
+"""Hugging Face checkpoint folders, whatever the model: their files, the rules that map
+checkpoint tensors to a model's parameters, and the checked load and the sharded save.
+
+A folder holds ``config.json`` and the weights, either one ``model.safetensors`` or shards
+listed by ``model.safetensors.index.json`` (``{"weight_map": {tensor: file}}``). Every model
+parameter comes from one or more named tensors through a ``Rule``; ``load_weights`` checks
+every tensor the rules name against its expected shape before any is converted, and names
+every missing or misshapen one in one ``CheckpointError``. The model loaders
+(``qwen3_next_loading``, ``nemotron_h_loading``) give the rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from hybrid_jax.models.safetensors_io import (
+    SafetensorsError,
+    read_header,
+    read_tensors,
+    write_tensors,
+)
+
+__all__ = [
+    "CheckpointError",
+    "Rule",
+    "linear",
+    "load_weights",
+    "param_at",
+    "plain",
+    "read",
+    "read_config",
+    "weight_map",
+    "write_checkpoint",
+]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded: missing files, tensors or shapes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Parameter ``target`` (attribute path in the model) from HF tensors ``sources``."""
+
+    target: tuple[str | int, ...]
+    sources: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) in the checkpoint
+    to_ours: Callable[[Sequence[np.ndarray]], np.ndarray]
+    to_hf: Callable[[np.ndarray], list[np.ndarray]]
+
+
+def _plain(target, name, shape) -> Rule:
+    return Rule(target, ((name, shape),), lambda a: a[0], lambda w: [w])
+
+
+def _linear(target, name, out_dim, in_dim) -> Rule:
+    return Rule(target, ((name, (out_dim, in_dim)),), lambda a: a[0].T, lambda w: [w.T])
+
+
+def read_config[C](folder: str | pathlib.Path, config_cls: type[C], dtype: str | None) -> C:
+    """``config_cls.from_json`` of the folder's ``config.json``, with the folder's faults
+    (no file, not JSON) as ``CheckpointError``."""
+    path = pathlib.Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist; a checkpoint folder needs its config.json")
+    try:
+        return config_cls.from_json(path, dtype=dtype)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+
+
+def plain(target, name, shape) -> Rule:
+    """A parameter stored as it is."""
+    return Rule(target, ((name, shape),), lambda a: a[0], lambda w: [w])
+
+
+def linear(target, name, out_dim, in_dim) -> Rule:
+    """A linear weight: HF ``[out, in]``, ours ``[in, out]``."""
+    return Rule(target, ((name, (out_dim, in_dim)),), lambda a: a[0].T, lambda w: [w.T])
+
+
+def param_at(model: nnx.Module, path: tuple[str | int, ...]) -> nnx.Variable:
+    node = model
+    for key in path:
+        node = node[key] if isinstance(key, int) else getattr(node, key)
+    return node
+
+
+def weight_map(folder: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Tensor name -> the file that holds it."""
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            names = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index} has no readable 'weight_map': {err}") from err
+        files = {file: folder / file for file in set(names.values())}
+        for file, path in files.items():
+            if not path.is_file():
+                raise CheckpointError(f"{index} lists {file}, which is not in {folder}")
+        return {name: files[file] for name, file in names.items()}
+    single = folder / SINGLE
+    if not single.is_file():
+        raise CheckpointError(
+            f"{folder} has neither {INDEX} nor {SINGLE}; a checkpoint folder needs its weights"
+        )
+    try:
+        header, _ = read_header(single)
+    except SafetensorsError as err:
+        raise CheckpointError(str(err)) from err
+    return dict.fromkeys(header, single)
+
+
+def read(weight_map: Mapping[str, pathlib.Path], names: set[str]) -> dict[str, np.ndarray]:
+    """The tensors ``names``, reading each file once; every file's header is checked."""
+    out = {}
+    for path in sorted({weight_map[n] for n in names}):
+        try:
+            tensors = read_tensors(path)
+        except SafetensorsError as err:
+            raise CheckpointError(str(err)) from err
+        for name in names:
+            if weight_map[name] == path:
+                if name not in tensors:
+                    raise CheckpointError(
+                        f"the index places {name} in {path.name}, but that file lacks it"
+                    )
+                out[name] = tensors[name]
+    return out
+
+
+def load_weights(
+    folder: pathlib.Path,
+    model: nnx.Module,
+    rules: Iterable[Rule],
+    tensor_files: Mapping[str, pathlib.Path],
+) -> nnx.Module:
+    """Sets every parameter of ``model`` (an abstract one, from ``nnx.eval_shape``) from its
+    rule's tensors, after checking that every tensor exists with its expected shape."""
+    rules = list(rules)
+    needed = {name for rule in rules for name, _ in rule.sources}
+    missing = sorted(needed - set(tensor_files))
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        raise CheckpointError(
+            f"{folder} lacks {len(missing)} tensors the config requires: {shown}; the "
+            f"checkpoint does not match its config.json (or is incomplete)"
+        )
+    tensors = read(tensor_files, needed)
+    wrong = list(
+        dict.fromkeys(
+            f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}"
+            for rule in rules
+            for name, shape in rule.sources
+            if tuple(tensors[name].shape) != shape
+        )
+    )
+    if wrong:
+        raise CheckpointError(
+            f"{folder}: {len(wrong)} tensors do not match config.json: " + "; ".join(wrong[:5])
+        )
+    for rule in rules:
+        param = param_at(model, rule.target)
+        value = rule.to_ours([tensors[name] for name, _ in rule.sources])
+        param.set_value(jnp.asarray(np.asarray(value), param.get_value().dtype))
+    return model
+
+
+def write_checkpoint(
+    folder: pathlib.Path,
+    config: Mapping[str, object],
+    model: nnx.Module,
+    rules: Iterable[Rule],
+    max_shard_bytes: int | None,
+) -> None:
+    """Writes ``config.json`` and the rules' tensors of ``model`` (one file, or shards of at
+    most ``max_shard_bytes`` with an index)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    for rule in rules:
+        value = np.asarray(param_at(model, rule.target).get_value())
+        for (name, _), array in zip(rule.sources, rule.to_hf(value), strict=True):
+            tensors[name] = array
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if max_shard_bytes is None:
+        write_tensors(folder / SINGLE, tensors)
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    index_map = {}
+    for k, shard in enumerate(shards, 1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        write_tensors(folder / file, shard)
+        index_map.update(dict.fromkeys(shard, file))
+    total = sum(a.nbytes for a in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": index_map}
+    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,196 @@
+"""Hugging Face Qwen3-Next checkpoint folders: load into ``Qwen3Next``, and save from it.
+
+The folder's files and the checked load are ``checkpoint.py``'s; ``tokenizer.json`` is read
+separately (``tokenizer.load_tokenizer``). Every model parameter comes from one or more named
+tensors through a fixed rule (``_rules``): linear weights are
+transposed (HF ``[out, in]``, ours ``[in, out]``), the conv weight loses its channel axis,
+per-expert matrices are stacked (HF's fused ``experts.gate_up_proj`` layout is read too).
+All tensors are checked against the config before any is converted; every missing or
+misshapen one is named in one ``CheckpointError``. The multi-token-prediction head is loaded
+when the checkpoint has it (``mtp.fc.weight`` present: ``mtp.fc``, ``mtp.pre_fc_norm_*``,
+``mtp.layers.0.*`` laid out like a full-attention decoder layer, ``mtp.norm``) and left out
+otherwise, whatever ``config.json`` says. Tensors the model does not use (a tied
+checkpoint's ``lm_head``) are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from flax import nnx
+
+from hybrid_jax.models.checkpoint import (
+    Rule,
+    linear,
+    load_weights,
+    plain,
+    read_config,
+    write_checkpoint,
+)
+from hybrid_jax.models.checkpoint import weight_map as checkpoint_files
+from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig
+from hybrid_jax.modes import LayerKind
+
+__all__ = ["load_config", "load_qwen3_next", "save_checkpoint"]
+
+MTP_MARKER = "mtp.fc.weight"  # a checkpoint with this tensor carries the MTP head
+
+
+def _experts(target, names, out_dim, in_dim) -> Rule:
+    """Per-expert ``[out, in]`` matrices stacked into ours ``[E, in, out]``."""
+    return Rule(
+        target,
+        tuple((name, (out_dim, in_dim)) for name in names),
+        lambda a: np.stack([m.T for m in a]),
+        lambda w: [m.T for m in w],
+    )
+
+
+def _fused_experts(p, target, c: Qwen3NextConfig) -> list[Rule]:
+    """HF's in-memory layout: ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``."""
+    e, i, h = c.num_experts, c.moe_intermediate_size, c.hidden_size
+    gate_up = (f"{p}mlp.experts.gate_up_proj", (e, 2 * i, h))
+    return [
+        Rule(
+            (*target, "gate_proj"),
+            (gate_up,),
+            lambda a: a[0][:, :i].transpose(0, 2, 1),
+            lambda w: [w.transpose(0, 2, 1)],
+        ),  # fmt: skip
+        Rule(
+            (*target, "up_proj"),
+            (gate_up,),
+            lambda a: a[0][:, i:].transpose(0, 2, 1),
+            lambda w: [w.transpose(0, 2, 1)],
+        ),  # fmt: skip
+        Rule(
+            (*target, "down_proj"),
+            ((f"{p}mlp.experts.down_proj", (e, h, i)),),
+            lambda a: a[0].transpose(0, 2, 1),
+            lambda w: [w.transpose(0, 2, 1)],
+        ),  # fmt: skip
+    ]
+
+
+def _mlp(p: str, target: tuple, hidden: int, inter: int) -> list[Rule]:
+    return [
+        linear((*target, "gate_proj", "kernel"), f"{p}gate_proj.weight", inter, hidden),
+        linear((*target, "up_proj", "kernel"), f"{p}up_proj.weight", inter, hidden),
+        linear((*target, "down_proj", "kernel"), f"{p}down_proj.weight", hidden, inter),
+    ]
+
+
+def _layer_rules(
+    c: Qwen3NextConfig, p: str, t: tuple, kind: LayerKind, moe: bool, fused: bool
+) -> Iterator[Rule]:
+    """One decoder layer: checkpoint prefix ``p`` (``model.layers.3.``), model path ``t``."""
+    h = c.hidden_size
+    g, a = c.gdn_config(), c.attention_config()
+    d = g.dims
+    yield plain((*t, "input_layernorm", "weight"), f"{p}input_layernorm.weight", (h,))
+    yield plain(
+        (*t, "post_attention_layernorm", "weight"), f"{p}post_attention_layernorm.weight", (h,)
+    )
+    if kind is LayerKind.GDN:
+        q, m = f"{p}linear_attn.", (*t, "linear_attn")
+        qkvz = 2 * d.key_dim + 2 * d.value_dim
+        yield linear((*m, "in_proj_qkvz", "kernel"), f"{q}in_proj_qkvz.weight", qkvz, h)
+        yield linear((*m, "in_proj_ba", "kernel"), f"{q}in_proj_ba.weight",
+                      2 * d.num_value_heads, h)  # fmt: skip
+        yield Rule(
+            (*m, "conv_weight"), ((f"{q}conv1d.weight", (g.conv_dim, 1, g.conv_kernel)),),
+            lambda x: x[0][:, 0, :], lambda w: [w[:, None, :]],
+        )  # fmt: skip
+        yield plain((*m, "dt_bias"), f"{q}dt_bias", (d.num_value_heads,))
+        yield plain((*m, "A_log"), f"{q}A_log", (d.num_value_heads,))
+        yield plain((*m, "norm", "weight"), f"{q}norm.weight", (d.head_v_dim,))
+        yield linear((*m, "out_proj", "kernel"), f"{q}out_proj.weight", h, d.value_dim)
+    else:
+        q, m = f"{p}self_attn.", (*t, "self_attn")
+        heads, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        for name, out_dim, in_dim in (
+            ("q_proj", 2 * heads, h), ("k_proj", kv, h), ("v_proj", kv, h),
+            ("o_proj", h, heads),
+        ):  # fmt: skip
+            yield linear((*m, name, "kernel"), f"{q}{name}.weight", out_dim, in_dim)
+            if a.attention_bias:
+                yield plain((*m, name, "bias"), f"{q}{name}.bias", (out_dim,))
+        yield plain((*m, "q_norm", "weight"), f"{q}q_norm.weight", (a.head_dim,))
+        yield plain((*m, "k_norm", "weight"), f"{q}k_norm.weight", (a.head_dim,))
+    m = (*t, "mlp")
+    if not moe:
+        yield from _mlp(f"{p}mlp.", m, h, c.intermediate_size)
+        return
+    e, inter = c.num_experts, c.moe_intermediate_size
+    yield linear((*m, "gate", "kernel"), f"{p}mlp.gate.weight", e, h)
+    if fused:
+        yield from _fused_experts(p, m, c)
+    else:
+        experts = [f"{p}mlp.experts.{j}." for j in range(e)]
+        for name, out_dim, in_dim in (
+            ("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter),
+        ):  # fmt: skip
+            names = [f"{x}{name}.weight" for x in experts]
+            yield _experts((*m, name), names, out_dim, in_dim)
+    s = c.shared_expert_intermediate_size
+    yield from _mlp(f"{p}mlp.shared_expert.", (*m, "shared_expert"), h, s)
+    yield linear((*m, "shared_expert_gate", "kernel"), f"{p}mlp.shared_expert_gate.weight",
+                  1, h)  # fmt: skip
+
+
+def _rules(c: Qwen3NextConfig, fused_experts: Callable[[str], bool]) -> Iterator[Rule]:
+    """Every parameter of ``Qwen3Next(c)`` and the checkpoint tensors it comes from."""
+    h = c.hidden_size
+    yield plain(("embed_tokens", "embedding"), "model.embed_tokens.weight", (c.vocab_size, h))
+    yield plain(("norm", "weight"), "model.norm.weight", (h,))
+    if not c.tie_word_embeddings:
+        yield linear(("lm_head", "kernel"), "lm_head.weight", c.vocab_size, h)
+    for i, kind in enumerate(c.layer_kinds):
+        p = f"model.layers.{i}."
+        yield from _layer_rules(c, p, ("layers", i), kind, c.is_moe_layer(i), fused_experts(p))
+    if not c.num_nextn_predict_layers:
+        return
+    yield linear(("mtp", "fc", "kernel"), "mtp.fc.weight", h, 2 * h)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        yield plain(("mtp", name, "weight"), f"mtp.{name}.weight", (h,))
+    p = "mtp.layers.0."
+    yield from _layer_rules(
+        c, p, ("mtp", "layers", 0), LayerKind.FULL_ATTENTION, c.mtp_is_moe, fused_experts(p)
+    )
+
+
+def load_config(folder: str | os.PathLike, *, dtype: str | None = None) -> Qwen3NextConfig:
+    """The ``Qwen3NextConfig`` of a checkpoint folder's ``config.json``."""
+    return read_config(folder, Qwen3NextConfig, dtype)
+
+
+def load_qwen3_next(folder: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Next:
+    """A ``Qwen3Next`` with the weights of a Hugging Face checkpoint folder (and its MTP head
+    when the checkpoint has ``mtp.*`` tensors).
+
+    ``dtype`` overrides the checkpoint's dtype for weights and activations (norm weights and
+    the GDN decay parameters stay float32). Raises ``CheckpointError`` naming every missing
+    or misshapen tensor before any weight is converted.
+    """
+    folder = pathlib.Path(folder)
+    config = load_config(folder, dtype=dtype)
+    weight_map = checkpoint_files(folder)
+    has_mtp = MTP_MARKER in weight_map
+    config = dataclasses.replace(config, num_nextn_predict_layers=int(has_mtp))
+    rules = list(_rules(config, lambda p: f"{p}mlp.experts.gate_up_proj" in weight_map))
+    model = nnx.eval_shape(lambda: Qwen3Next(config, rngs=nnx.Rngs(0)))
+    return load_weights(folder, model, rules, weight_map)
+
+
+def save_checkpoint(
+    model: Qwen3Next, folder: str | os.PathLike, *, max_shard_bytes: int | None = None
+) -> None:
+    """Writes ``model`` as a Hugging Face checkpoint folder (config.json and safetensors,
+    per-expert layout); with ``max_shard_bytes``, sharded with an index."""
+    rules = _rules(model.config, lambda p: False)
+    config = model.config.to_hf_dict()
+    write_checkpoint(pathlib.Path(folder), config, model, rules, max_shard_bytes)
