@@ -279,10 +279,10 @@ class _IdsOnly:
         return ""
 
 
-def _engine(model, *, batch: int, tokens: int, context: int) -> Engine:
+def _engine(model, *, batch: int, tokens: int, context: int, cache_dir: str) -> Engine:
     config = EngineConfig(
         max_batch=batch, max_tokens=tokens, max_context=context, batch_buckets=(batch,),
-        token_buckets=(tokens,), cache_dir=None,
+        token_buckets=(tokens,), cache_dir=cache_dir,
     )  # fmt: skip
     return Engine(model, _IdsOnly(model.config.vocab_size), config, progress=False)
 
@@ -295,7 +295,9 @@ def decode_row(model, c, batch, args, rng, label) -> Row:
     prompt, steps = args.prompt_len, args.decode_steps
     budget = steps + 2 * args.profile_steps + 4  # measured, host-profiled, traced steps
     context = -(-(prompt + budget + 4) // 16) * 16
-    engine = _engine(model, batch=batch, tokens=batch * prompt, context=context)
+    engine = _engine(
+        model, batch=batch, tokens=batch * prompt, context=context, cache_dir=args.cache_dir
+    )
     params = SamplingParams(max_new_tokens=budget)
     ids = [engine.add_request(p, params) for p in _prompts(rng, batch, prompt)]
     while len(engine.step_times[ForwardMode.DECODE]) < steps:
@@ -324,7 +326,7 @@ def decode_row(model, c, batch, args, rng, label) -> Row:
 
 
 def prefill_row(model, c, prompts, length, args, rng, label) -> Row:
-    engine = _engine(model, batch=1, tokens=length, context=length + 16)
+    engine = _engine(model, batch=1, tokens=length, context=length + 16, cache_dir=args.cache_dir)
     engine.generate(_prompts(rng, 1, length), SamplingParams(max_new_tokens=1))  # warm
     start = time.perf_counter()
     engine.generate(_prompts(rng, prompts, length), SamplingParams(max_new_tokens=1))
@@ -404,6 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--flops", type=float, default=7.9e14)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    parser.add_argument(
+        "--cache-dir", default=None,
+        help="JAX's persistent compilation cache (default: a new empty folder, a cold start)",
+    )  # fmt: skip
     parser.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent))
     args = parser.parse_args(argv)
     # tokamax logs every autotuning-cache miss as a warning; its heuristics choose the config.
@@ -411,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.preset, args.decode, args.prefill = "smoke", "2", "2x64"
         args.prompt_len, args.decode_steps, args.profile_steps = 8, 4, 2
+    if args.cache_dir is None:
+        # Cold, as a first start is; within the run the rows share it, as an engine's own
+        # executables do (EXTEND and MIXED lower to the same program).
+        args.cache_dir = tempfile.mkdtemp(prefix="serve-xla-")
     depth, make = PRESETS[args.preset]
     c = make(args.layers or depth)
     out = pathlib.Path(args.out)

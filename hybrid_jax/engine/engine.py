@@ -399,7 +399,7 @@ class Engine:
         return new
 
     def _dispatch(
-        self, meta: ForwardMetadata, tokens: jax.Array, batch: SamplingBatch
+        self, meta: ForwardMetadata, tokens: np.ndarray | jax.Array, batch: SamplingBatch
     ) -> tuple[jax.Array, jax.Array | tuple]:
         """Dispatches the step and the sampler (no wait); the sampled tokens ``[bs]`` and the
         step's kept hidden states (see ``StepOutput``)."""
@@ -539,7 +539,8 @@ class Engine:
         tokens = np.zeros((meta.num_tokens,), np.int32)
         tokens[: step.num_tokens] = step.token_ids
         start = time.perf_counter()
-        sampled, hidden = self._dispatch(meta, jnp.asarray(tokens), batch)
+        # The host array goes as it is: the step's call copies it with the metadata.
+        sampled, hidden = self._dispatch(meta, tokens, batch)
         self.scheduler.advance(step)
         return InFlight(step, sampled, start, meta, hidden)
 

@@ -12,31 +12,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._checks import check_dtype, check_float, check_vector, fail, shape
+
 __all__ = ["check_commit", "check_options", "check_rows", "check_varlen"]
-
-
-def _fail(op: str, message: str) -> None:
-    raise ValueError(f"{op}: {message}")
-
-
-def _shape(x: jax.Array) -> tuple[int, ...]:
-    return tuple(x.shape)
-
-
-def _check_dtype(op: str, name: str, x: jax.Array, want: jnp.dtype) -> None:
-    if x.dtype != want:
-        _fail(op, f"{name}.dtype={x.dtype} must be {jnp.dtype(want).name}; cast it before the call")
-
-
-def _check_float(op: str, name: str, x: jax.Array) -> None:
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        _fail(op, f"{name}.dtype={x.dtype} must be a floating dtype")
-
-
-def _check_vector(op: str, name: str, x: jax.Array, length: int, dtype: jnp.dtype) -> None:
-    if _shape(x) != (length,):
-        _fail(op, f"{name}.shape={_shape(x)} must be ({length},)")
-    _check_dtype(op, name, x, dtype)
 
 
 def _check_tokens(
@@ -50,32 +28,32 @@ def _check_tokens(
 ) -> tuple[int, int, int, int]:
     """x ``[*lead, H, P]``, dt ``[*lead, H]``, B, C ``[*lead, G, N]``, z like x -> (H, P, G, N)."""
     if x.ndim != lead + 2:
-        _fail(op, f"x.shape={_shape(x)} must have {lead + 2} dims")
-    lead_dims = _shape(x)[:lead]
-    n_heads, p_dim = _shape(x)[lead:]
-    _check_float(op, "x", x)
-    if _shape(dt) != (*lead_dims, n_heads):
-        _fail(op, f"dt.shape={_shape(dt)} must be {(*lead_dims, n_heads)} (x's token dims, then H)")
-    _check_float(op, "dt", dt)
-    if B.ndim != lead + 2 or _shape(B)[:lead] != lead_dims:
-        _fail(op, f"B.shape={_shape(B)} must be [{', '.join(map(str, lead_dims))}, G, N]")
-    n_groups, n_dim = _shape(B)[lead:]
+        fail(op, f"x.shape={shape(x)} must have {lead + 2} dims")
+    lead_dims = shape(x)[:lead]
+    n_heads, p_dim = shape(x)[lead:]
+    check_float(op, "x", x)
+    if shape(dt) != (*lead_dims, n_heads):
+        fail(op, f"dt.shape={shape(dt)} must be {(*lead_dims, n_heads)} (x's token dims, then H)")
+    check_float(op, "dt", dt)
+    if B.ndim != lead + 2 or shape(B)[:lead] != lead_dims:
+        fail(op, f"B.shape={shape(B)} must be [{', '.join(map(str, lead_dims))}, G, N]")
+    n_groups, n_dim = shape(B)[lead:]
     if n_groups == 0 or n_heads % n_groups:
-        _fail(
+        fail(
             op,
             f"H=x.shape[{lead}]={n_heads} must be a multiple of G=B.shape[{lead}]={n_groups} "
             "(head h uses group h // (H // G))",
         )
-    if _shape(C) != _shape(B):
-        _fail(op, f"C.shape={_shape(C)} must equal B.shape={_shape(B)}")
+    if shape(C) != shape(B):
+        fail(op, f"C.shape={shape(C)} must equal B.shape={shape(B)}")
     for name, v in (("B", B), ("C", C)):
         if v.dtype != x.dtype:
-            _fail(op, f"{name}.dtype={v.dtype} must equal x.dtype={x.dtype}")
+            fail(op, f"{name}.dtype={v.dtype} must equal x.dtype={x.dtype}")
     if z is not None:
-        if _shape(z) != _shape(x):
-            _fail(op, f"z.shape={_shape(z)} must equal x.shape={_shape(x)}")
+        if shape(z) != shape(x):
+            fail(op, f"z.shape={shape(z)} must equal x.shape={shape(x)}")
         if z.dtype != x.dtype:
-            _fail(op, f"z.dtype={z.dtype} must equal x.dtype={x.dtype}")
+            fail(op, f"z.dtype={z.dtype} must equal x.dtype={x.dtype}")
     return n_heads, p_dim, n_groups, n_dim
 
 
@@ -87,28 +65,28 @@ def _check_params(
     n_heads: int,
 ) -> None:
     for name, v in (("A", A), ("D", D), ("dt_bias", dt_bias)):
-        if _shape(v) != (n_heads,):
-            _fail(op, f"{name}.shape={_shape(v)} must be [H]=({n_heads},), one value per head")
-        _check_dtype(op, name, v, jnp.float32)
+        if shape(v) != (n_heads,):
+            fail(op, f"{name}.shape={shape(v)} must be [H]=({n_heads},), one value per head")
+        check_dtype(op, name, v, jnp.float32)
 
 
 def _check_pool(op: str, ssm_pool: jax.Array, n_heads: int, p_dim: int, n_dim: int) -> None:
     want = (n_heads, p_dim, n_dim)
-    if ssm_pool.ndim != 4 or _shape(ssm_pool)[1:] != want or ssm_pool.shape[0] < 1:
-        _fail(op, f"ssm_pool.shape={_shape(ssm_pool)} must be [S, H, P, N] = [S, {n_heads}, "
+    if ssm_pool.ndim != 4 or shape(ssm_pool)[1:] != want or ssm_pool.shape[0] < 1:
+        fail(op, f"ssm_pool.shape={shape(ssm_pool)} must be [S, H, P, N] = [S, {n_heads}, "
               f"{p_dim}, {n_dim}]")  # fmt: skip
-    _check_dtype(op, "ssm_pool", ssm_pool, jnp.float32)
+    check_dtype(op, "ssm_pool", ssm_pool, jnp.float32)
 
 
 def check_options(op: str, dt_min: float, dt_max: float) -> None:
     """dt limits are static Python floats with ``dt_min <= dt_max``."""
     for name, v in (("dt_min", dt_min), ("dt_max", dt_max)):
         if isinstance(v, jax.Array) or not isinstance(v, (int, float)):
-            _fail(op, f"{name}={v!r} must be a Python float (it is static), not an array")
+            fail(op, f"{name}={v!r} must be a Python float (it is static), not an array")
         if math.isnan(v):
-            _fail(op, f"{name}=nan must be a number")
+            fail(op, f"{name}=nan must be a number")
     if dt_min > dt_max:
-        _fail(op, f"dt_min={dt_min} must be <= dt_max={dt_max}")
+        fail(op, f"dt_min={dt_min} must be <= dt_max={dt_max}")
 
 
 def check_varlen(
@@ -131,13 +109,13 @@ def check_varlen(
     _check_params(op, A, D, dt_bias, n_heads)
     _check_pool(op, ssm_pool, n_heads, p_dim, n_dim)
     if state_indices.ndim != 1:
-        _fail(op, f"state_indices.shape={_shape(state_indices)} must be [N]")
+        fail(op, f"state_indices.shape={shape(state_indices)} must be [N]")
     n_seq = state_indices.shape[0]
-    if _shape(qsl) != (n_seq + 1,):
-        _fail(op, f"qsl.shape={_shape(qsl)} must be [N+1]=({n_seq + 1},) for N={n_seq} sequences")
-    _check_dtype(op, "qsl", qsl, jnp.int32)
-    _check_vector(op, "state_indices", state_indices, n_seq, jnp.int32)
-    _check_vector(op, "has_initial_state", has_initial_state, n_seq, jnp.bool_)
+    if shape(qsl) != (n_seq + 1,):
+        fail(op, f"qsl.shape={shape(qsl)} must be [N+1]=({n_seq + 1},) for N={n_seq} sequences")
+    check_dtype(op, "qsl", qsl, jnp.int32)
+    check_vector(op, "state_indices", state_indices, n_seq, jnp.int32)
+    check_vector(op, "has_initial_state", has_initial_state, n_seq, jnp.bool_)
 
 
 def check_rows(
@@ -156,10 +134,10 @@ def check_rows(
     """Rows of Dt tokens: x ``[N, Dt, H, P]``, dt ``[N, Dt, H]``, B, C ``[N, Dt, G, N]``."""
     n_heads, p_dim, _, n_dim = _check_tokens(op, x, dt, B, C, z, lead=2)
     if x.shape[1] < 1:
-        _fail(op, f"x.shape={_shape(x)} has Dt=0 tokens per row; Dt must be at least 1")
+        fail(op, f"x.shape={shape(x)} has Dt=0 tokens per row; Dt must be at least 1")
     _check_params(op, A, D, dt_bias, n_heads)
     _check_pool(op, ssm_pool, n_heads, p_dim, n_dim)
-    _check_vector(op, "state_indices", state_indices, x.shape[0], jnp.int32)
+    check_vector(op, "state_indices", state_indices, x.shape[0], jnp.int32)
 
 
 def check_commit(
@@ -171,9 +149,9 @@ def check_commit(
 ) -> None:
     """intermediates ``[N, Dt, H, P, N]`` from verify, pool ``[S, H, P, N]``."""
     if intermediates.ndim != 5 or intermediates.shape[1] < 1:
-        _fail(op, f"intermediates.shape={_shape(intermediates)} must be [N, Dt, H, P, N], Dt >= 1")
-    n_rows, _, n_heads, p_dim, n_dim = _shape(intermediates)
+        fail(op, f"intermediates.shape={shape(intermediates)} must be [N, Dt, H, P, N], Dt >= 1")
+    n_rows, _, n_heads, p_dim, n_dim = shape(intermediates)
     _check_pool(op, ssm_pool, n_heads, p_dim, n_dim)
-    _check_dtype(op, "intermediates", intermediates, ssm_pool.dtype)
-    _check_vector(op, "state_indices", state_indices, n_rows, jnp.int32)
-    _check_vector(op, "accepted_steps", accepted_steps, n_rows, jnp.int32)
+    check_dtype(op, "intermediates", intermediates, ssm_pool.dtype)
+    check_vector(op, "state_indices", state_indices, n_rows, jnp.int32)
+    check_vector(op, "accepted_steps", accepted_steps, n_rows, jnp.int32)
