@@ -7,7 +7,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["commit_steps", "write_where"]
+from pallas_kernels._common import resolve_impl
+
+__all__ = ["commit", "commit_steps", "write_where"]
+
+# A scatter of whole slots into the donated pool is already in place under jit.
+_NO_KERNEL = "no Pallas kernel for the commit (XLA's scatter into the donated pool is in place)"
 
 
 def write_where(pool: jax.Array, slots: jax.Array, values: jax.Array, keep: jax.Array) -> jax.Array:
@@ -24,7 +29,17 @@ def commit_steps(
     accepted_steps: jax.Array,
 ) -> jax.Array:
     """``pool[idx[n]] = per_step[n, accepted_steps[n]]`` where ``accepted_steps[n] >= 0`` and
-    ``idx[n] != 0`` (the pad slot is never written)."""
+    ``idx[n] != 0`` (the pad slot is never written).
+
+    ``accepted_steps[n]`` indexes the D verified tokens of row n (``0..D-1``): the state after
+    token ``accepted_steps[n]``, i.e. the number of accepted draft tokens when token 0 is the
+    root (the bonus token is not folded in). A negative value leaves the slot as it is, and so
+    does a padded row (slot 0). Example with D=3: ``accepted_steps = [2, 0, -1]`` writes the
+    state after token 2 of row 0, after token 0 of row 1, and leaves row 2's slot alone. Slots
+    of rows with ``accepted_steps[n] >= 0`` must be distinct (the caller's invariant, not
+    checked); values ``>= D`` are not allowed. Tree drafts: ``accepted_steps[n]`` is the last
+    accepted node's index in the row, whose per-step value already holds its root path.
+    """
     pool, per_step, state_indices, accepted_steps = (
         jnp.asarray(x) for x in (pool, per_step, state_indices, accepted_steps)
     )
@@ -33,3 +48,17 @@ def commit_steps(
     chosen = per_step[jnp.arange(n_rows), step]
     keep = (accepted_steps >= 0) & (state_indices != 0)
     return write_where(pool, state_indices, chosen, keep)
+
+
+def commit(
+    op: str,
+    pool: jax.Array,
+    per_step: jax.Array,
+    state_indices: jax.Array,
+    accepted_steps: jax.Array,
+    impl: str,
+) -> jax.Array:
+    """The public commits' body once their op's checks passed: ``commit_steps``, the only
+    implementation (``impl="pallas"`` raises, saying why)."""
+    resolve_impl(op, impl, _NO_KERNEL)
+    return commit_steps(pool, per_step, state_indices, accepted_steps)

@@ -18,9 +18,9 @@ checked here):
   when it lies inside the token's own sequence, else from the sequence's saved window. The
   new windows are gathered the same way from the end of each sequence. No loop over tokens.
 * ``causal_conv1d_update`` / ``causal_conv1d_verify``: ``[N, D]`` rows (decode, verify),
-  ``commit_windows``: the scatter that ends speculation. A row whose slot is the pad slot 0
-  is a padded row: its outputs (and windows) are zeros and it writes nothing, so the padded
-  rows of a bucket cannot race on slot 0.
+  the commit that ends speculation is ``pallas_kernels._commit.commit_steps``. A row whose
+  slot is the pad slot 0 is a padded row: its outputs (and windows) are zeros and it writes
+  nothing, so the padded rows of a bucket cannot race on slot 0.
 
 Computation is in float32 (float64 when an input is float64); outputs take x's dtype,
 windows the pool's (the activations' dtype: windows hold raw inputs, so nothing is rounded).
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._commit import commit_steps, write_where
+from pallas_kernels._commit import write_where
 from pallas_kernels._tree import start_of_node
 from pallas_kernels._varlen import token_segments
 
@@ -41,7 +41,6 @@ __all__ = [
     "causal_conv1d_recurrent",
     "causal_conv1d_update",
     "causal_conv1d_verify",
-    "commit_windows",
 ]
 
 
@@ -246,14 +245,3 @@ def causal_conv1d_verify(
     width = weight.shape[1]
     windows = jnp.stack([ext[:, :, d + 1 : d + width] for d in range(x.shape[1])], axis=1)
     return y, windows.astype(conv_pool.dtype)
-
-
-def commit_windows(
-    conv_pool: jax.Array,
-    windows: jax.Array,
-    state_indices: jax.Array,
-    accepted_steps: jax.Array,
-) -> jax.Array:
-    """``pool[idx[n]] = windows[n, accepted_steps[n]]`` where ``accepted_steps[n] >= 0`` and
-    ``idx[n] != 0``."""
-    return commit_steps(conv_pool, windows, state_indices, accepted_steps)

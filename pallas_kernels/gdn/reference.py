@@ -16,9 +16,10 @@ checked here):
   benchmarks.
 * ``fused_recurrent_gated_delta_rule`` / ``verify_gated_delta_rule``: the ``[N, D]`` rows
   layout of decode and verify, token by token over ``D`` (a Python loop: ``D`` is static and
-  small), so they are oracles too. ``commit_states``: the scatter that ends speculation.
-  A row whose slot is the pad slot 0 is a padded row: its outputs (and intermediates) are
-  zeros and it writes nothing, so the padded rows of a bucket cannot race on slot 0.
+  small), so they are oracles too (the commit that ends speculation is
+  ``pallas_kernels._commit.commit_steps``, every op's). A row whose slot is the pad slot 0
+  is a padded row: its outputs (and intermediates) are zeros and it writes nothing, so the
+  padded rows of a bucket cannot race on slot 0.
 
 How the chunked version is laid out (static shapes, ``qsl`` dynamic): each sequence is cut
 into chunks of 64 aligned to its own first token, and the chunks of all sequences are
@@ -54,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._commit import commit_steps, write_where
+from pallas_kernels._commit import write_where
 from pallas_kernels._tree import start_of_node
 from pallas_kernels._varlen import num_tiles, tile_layout, token_segments
 
@@ -62,7 +63,6 @@ __all__ = [
     "CHUNK",
     "chunk_gated_delta_rule_chunked",
     "chunk_gated_delta_rule_recurrent",
-    "commit_states",
     "fused_recurrent_gated_delta_rule",
     "verify_gated_delta_rule",
 ]
@@ -359,14 +359,3 @@ def verify_gated_delta_rule(
     parents = None if parents is None else jnp.asarray(parents)
     o, states = _rows(*args, scale, use_qk_l2norm, keep_all=True, parents=parents)
     return o.astype(v.dtype), states.astype(ssm_pool.dtype)
-
-
-def commit_states(
-    ssm_pool: jax.Array,
-    intermediates: jax.Array,
-    state_indices: jax.Array,
-    accepted_steps: jax.Array,
-) -> jax.Array:
-    """``pool[idx[n]] = intermediates[n, accepted_steps[n]]`` where ``accepted_steps[n] >= 0``
-    and ``idx[n] != 0``."""
-    return commit_steps(ssm_pool, intermediates, state_indices, accepted_steps)

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels._common import resolve_impl
-from pallas_kernels.mamba2 import reference
+from pallas_kernels._commit import commit
 from pallas_kernels.mamba2._checks import check_commit
 
 __all__ = ["commit_states"]
 
 _OP = "commit_states"
-# A scatter of whole slots into the donated pool is already in place under jit.
-_NO_KERNEL = "no Pallas kernel for commit_states (XLA's scatter into the donated pool is in place)"
 
 
 def commit_states(
@@ -23,15 +20,9 @@ def commit_states(
     *,
     impl: str = "auto",
 ) -> jax.Array:
-    """Writes ``pool[state_indices[n]] = intermediates[n, accepted_steps[n]]``.
-
-    ``accepted_steps[n]`` indexes the Dt verified tokens of row n (``0..Dt-1``): the state after
-    token ``accepted_steps[n]``, i.e. the number of accepted draft tokens when token 0 is the
-    root (the bonus token is not folded in). A negative value leaves the slot as it is, and so
-    does a padded row (slot 0): the pad slot is never written. Slots of rows with
-    ``accepted_steps[n] >= 0`` must be distinct (the caller's invariant, not checked); values
-    ``>= Dt`` are not allowed. Tree drafts: ``accepted_steps[n]`` is the last accepted node's
-    index in the row; its intermediate already holds the state after its root path.
+    """Writes ``pool[state_indices[n]] = intermediates[n, accepted_steps[n]]`` where
+    ``accepted_steps[n] >= 0``; the pad slot 0 is never written (the rule of
+    ``pallas_kernels._commit.commit_steps``, with its example).
 
     Args:
       ssm_pool: float32 ``[S, H, P, N]``; donate it under jit for an in-place update.
@@ -41,8 +32,7 @@ def commit_states(
       impl: ``"auto" | "reference"``; there is no kernel (``"pallas"`` raises).
 
     Returns:
-      the new ssm pool ``[S, H, P, N]``.
+      the new pool, ``ssm_pool``'s shape.
     """
     check_commit(_OP, ssm_pool, intermediates, state_indices, accepted_steps)
-    resolve_impl(_OP, impl, _NO_KERNEL)
-    return reference.commit_states(ssm_pool, intermediates, state_indices, accepted_steps)
+    return commit(_OP, ssm_pool, intermediates, state_indices, accepted_steps, impl)

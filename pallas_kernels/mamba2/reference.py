@@ -18,8 +18,8 @@ checked here):
 * ``selective_state_update`` / ``verify_selective_state_update``: the ``[N, Dt]`` rows layout of
   decode and verify, token by token over ``Dt`` (a Python loop: ``Dt`` is static and small), so
   they are oracles too. A row whose slot is the pad slot 0 is a padded row: its outputs (and
-  intermediates) are zeros and it writes nothing. ``commit_states``: the scatter that ends
-  speculation (``pallas_kernels._commit``).
+  intermediates) are zeros and it writes nothing. The commit that ends speculation is
+  ``pallas_kernels._commit.commit_steps``.
 
 The chunked version uses the tile layout of ``pallas_kernels._varlen`` (masked tokens get
 ``dt = 0``, which makes them no-ops: no decay and no input). Per tile, with ``c`` the in-chunk
@@ -44,13 +44,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._commit import commit_steps, write_where
+from pallas_kernels._commit import write_where
 from pallas_kernels._tree import start_of_node
 from pallas_kernels._varlen import num_tiles, tile_layout, token_segments
 
 __all__ = [
     "CHUNK",
-    "commit_states",
     "prepare_dt",
     "selective_state_update",
     "ssd_chunk_scan_chunked",
@@ -335,14 +334,3 @@ def verify_selective_state_update(
     parents = None if parents is None else jnp.asarray(parents)
     y, states = _rows(args, z, dt_softplus, dt_min, dt_max, keep_all=True, parents=parents)
     return y.astype(args[0].dtype), states.astype(args[7].dtype)
-
-
-def commit_states(
-    ssm_pool: jax.Array,
-    intermediates: jax.Array,
-    state_indices: jax.Array,
-    accepted_steps: jax.Array,
-) -> jax.Array:
-    """``pool[idx[n]] = intermediates[n, accepted_steps[n]]`` where ``accepted_steps[n] >= 0``
-    and ``idx[n] != 0``."""
-    return commit_steps(ssm_pool, intermediates, state_indices, accepted_steps)
