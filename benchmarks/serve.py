@@ -100,6 +100,18 @@ PRESETS: dict[str, tuple[int, Callable[[int], Qwen3NextConfig]]] = {
         ),  # fmt: skip
     ),
     "qwen3-next-dense": (8, lambda n: _qwen_config(n, vocab_size=151936)),
+    # Qwen3.5-9B's counts (32 layers, hidden 4096, a dense MLP of 12288, 16 query / 4 KV
+    # attention heads) on the Qwen3-Next layer code, which computes the same functions.
+    "qwen3.5-9b-like": (
+        32,
+        lambda n: _qwen_config(
+            n,
+            vocab_size=248320,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_key_value_heads=4,
+        ),  # fmt: skip
+    ),
     "smoke": (
         4,
         lambda n: Qwen3NextConfig(
