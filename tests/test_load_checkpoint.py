@@ -22,6 +22,19 @@ def test_each_fixture_loads_as_its_model_type(folder, model_class):
     assert isinstance(load_checkpoint(folder), model_class)
 
 
+@pytest.mark.parametrize(
+    "folder", [FIXTURES / "qwen3_next" / "moe", FIXTURES / "nemotron_h" / "hybrid"]
+)
+def test_loading_reports_progress_per_parameter_only_when_asked(folder, capsys):
+    load_checkpoint(folder)
+    assert capsys.readouterr().err == ""
+    load_checkpoint(folder, progress=True)
+    lines = capsys.readouterr().err.strip().splitlines()
+    total = int(lines[-1].split()[1].split("/")[1])
+    assert lines[-1] == f"loaded {total}/{total} parameters" and total > 8
+    assert len(lines) == total // 8 + (total % 8 != 0)
+
+
 def test_unknown_model_type_names_the_supported_ones(tmp_path):
     shutil.copytree(FIXTURES / "nemotron_h" / "hybrid", tmp_path / "ckpt")
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.models.gdn_stack import GDNStack, tiny_gdn_stack_config
 from hybrid_jax.modes import CAPABILITIES, ForwardMode, LayerKind, UnsupportedForwardModeError
+from hybrid_jax.progress import Progress
 from hybrid_jax.state_pool import SlotAllocator, allocate_slots, bytes_per_slot, init_state_pool
 
 __all__ = ["add_demo_parser", "demo"]
@@ -81,22 +81,13 @@ def demo(args: argparse.Namespace) -> int:
         f"backend {jax.default_backend()}"
     )
     records: list[CompileRecord] = []
-    total = sum(len(policy.buckets(m)) for m in modes)
-
-    interactive = sys.stderr.isatty()
+    bar = Progress(sum(len(policy.buckets(m)) for m in modes), every=5)
 
     def progress(record: CompileRecord) -> None:
         records.append(record)
-        done = len(records)
-        if interactive:
-            bar = "#" * (30 * done // total)
-            print(f"\rcompiling [{bar:<30}] {done}/{total}", end="", file=sys.stderr, flush=True)
-        elif done == total or done % 5 == 0:
-            print(f"compiled {done}/{total} executables", file=sys.stderr, flush=True)
+        bar()
 
     steps.compile_all(policy, pool, modes, token_shape=(hidden,), progress=progress)
-    if interactive:
-        print(file=sys.stderr)
     traces_after_warmup = steps.total_traces
 
     rng = np.random.default_rng(args.seed)

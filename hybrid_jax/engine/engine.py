@@ -74,7 +74,7 @@ from hybrid_jax.engine.speculative import (
     TreeVerifier,
     Verifier,
 )
-from hybrid_jax.engine.startup import Progress, use_compilation_cache
+from hybrid_jax.engine.startup import use_compilation_cache
 from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.kv_cache import PageAllocator, init_kv_cache
 from hybrid_jax.metadata import ForwardMetadata, build_metadata, example_metadata
@@ -82,6 +82,7 @@ from hybrid_jax.models.auto import load_checkpoint
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
 from hybrid_jax.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from hybrid_jax.modes import ForwardMode
+from hybrid_jax.progress import Progress
 from hybrid_jax.state_pool import SlotAllocator, bytes_per_slot, init_state_pool
 
 __all__ = ["Engine"]
@@ -230,7 +231,7 @@ class Engine:
         anything is compiled."""
         if config.cache_dir is not None:
             use_compilation_cache(config.cache_dir)
-        model = load_checkpoint(path, dtype=dtype)
+        model = load_checkpoint(path, dtype=dtype, progress=progress)
         tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(

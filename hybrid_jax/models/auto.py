@@ -22,8 +22,11 @@ MODEL_LOADERS: dict[str, Callable[..., nnx.Module]] = {
 """config.json ``model_type`` -> the loader that builds that model."""
 
 
-def load_checkpoint(folder: str | os.PathLike, *, dtype: str | None = None) -> nnx.Module:
-    """The model of a checkpoint folder, chosen by the ``model_type`` of its config.json."""
+def load_checkpoint(
+    folder: str | os.PathLike, *, dtype: str | None = None, progress: bool = False
+) -> nnx.Module:
+    """The model of a checkpoint folder, chosen by the ``model_type`` of its config.json;
+    ``progress`` draws a bar on stderr while the weights load."""
     path = pathlib.Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist; a checkpoint folder needs its config.json")
@@ -36,4 +39,4 @@ def load_checkpoint(folder: str | os.PathLike, *, dtype: str | None = None) -> n
             f"{path}: model_type={model_type!r} is not served here; supported: "
             f"{', '.join(sorted(MODEL_LOADERS))}"
         )
-    return MODEL_LOADERS[model_type](folder, dtype=dtype)
+    return MODEL_LOADERS[model_type](folder, dtype=dtype, progress=progress)

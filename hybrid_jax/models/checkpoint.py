@@ -26,6 +26,7 @@ from hybrid_jax.models.safetensors_io import (
     read_tensors,
     write_tensors,
 )
+from hybrid_jax.progress import Progress
 
 __all__ = [
     "CheckpointError",
@@ -143,9 +144,13 @@ def load_weights(
     model: nnx.Module,
     rules: Iterable[Rule],
     tensor_files: Mapping[str, pathlib.Path],
+    *,
+    progress: bool = False,
 ) -> nnx.Module:
     """Sets every parameter of ``model`` (an abstract one, from ``nnx.eval_shape``) from its
-    rule's tensors, after checking that every tensor exists with its expected shape."""
+    rule's tensors, after checking that every tensor exists with its expected shape. Each
+    parameter goes to the device once, from the memory-mapped file (``progress``: a bar on
+    stderr, one step per parameter)."""
     rules = list(rules)
     needed = {name for rule in rules for name, _ in rule.sources}
     missing = sorted(needed - set(tensor_files))
@@ -170,10 +175,12 @@ def load_weights(
         raise CheckpointError(
             f"{folder}: {len(wrong)} tensors do not match config.json: " + "; ".join(wrong[:5])
         )
+    bar = Progress(len(rules), progress, doing="loading", done="loaded", items="parameters")
     for rule in rules:
         param = param_at(model, rule.target)
         value = rule.to_ours([tensors[name] for name, _ in rule.sources])
         param.set_value(jnp.asarray(np.asarray(value), param.get_value().dtype))
+        bar(".".join(map(str, rule.target))[-24:])
     return model
 
 

@@ -117,7 +117,9 @@ def _prefix(names: set[str]) -> str:
     return "backbone." if any(n.startswith("backbone.") for n in names) else "model."
 
 
-def load_nemotron_h(folder: str | pathlib.Path, *, dtype: str | None = None) -> NemotronH:
+def load_nemotron_h(
+    folder: str | pathlib.Path, *, dtype: str | None = None, progress: bool = False
+) -> NemotronH:
     """A ``NemotronH`` with the weights of a Hugging Face checkpoint folder.
 
     ``dtype`` overrides the checkpoint's dtype for weights and activations (the Mamba2 decay
@@ -131,4 +133,4 @@ def load_nemotron_h(folder: str | pathlib.Path, *, dtype: str | None = None) -> 
     prefix = _prefix(set(weight_map))
     rules = list(_rules(config, prefix, lambda q: f"{q}experts.up_proj" in weight_map))
     model = nnx.eval_shape(lambda: NemotronH(config, rngs=nnx.Rngs(0)))
-    return load_weights(folder, model, rules, weight_map)
+    return load_weights(folder, model, rules, weight_map, progress=progress)

@@ -168,7 +168,9 @@ def load_config(folder: str | os.PathLike, *, dtype: str | None = None) -> Qwen3
     return read_config(folder, Qwen3NextConfig, dtype)
 
 
-def load_qwen3_next(folder: str | os.PathLike, *, dtype: str | None = None) -> Qwen3Next:
+def load_qwen3_next(
+    folder: str | os.PathLike, *, dtype: str | None = None, progress: bool = False
+) -> Qwen3Next:
     """A ``Qwen3Next`` with the weights of a Hugging Face checkpoint folder (and its MTP head
     when the checkpoint has ``mtp.*`` tensors).
 
@@ -183,7 +185,7 @@ def load_qwen3_next(folder: str | os.PathLike, *, dtype: str | None = None) -> Q
     config = dataclasses.replace(config, num_nextn_predict_layers=int(has_mtp))
     rules = list(_rules(config, lambda p: f"{p}mlp.experts.gate_up_proj" in weight_map))
     model = nnx.eval_shape(lambda: Qwen3Next(config, rngs=nnx.Rngs(0)))
-    return load_weights(folder, model, rules, weight_map)
+    return load_weights(folder, model, rules, weight_map, progress=progress)
 
 
 def save_checkpoint(
