@@ -53,7 +53,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from device_time import call_events  # noqa: E402
 
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa: E402
-from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig  # noqa: E402
+from hybrid_jax.models.qwen3_next import (  # noqa: E402
+    Qwen3Next,
+    Qwen3NextConfig,
+    tiny_qwen3_next_config,
+)
 from hybrid_jax.modes import LayerKind  # noqa: E402
 
 _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
@@ -86,7 +90,7 @@ PRESETS: dict[str, tuple[int, Callable[[int], Qwen3NextConfig]]] = {
             num_experts_per_tok=10,
             moe_intermediate_size=512,
             shared_expert_intermediate_size=512,
-        ),  # fmt: skip
+        ),
     ),
     "qwen3.5-35b-a3b-like": (
         40,
@@ -97,7 +101,7 @@ PRESETS: dict[str, tuple[int, Callable[[int], Qwen3NextConfig]]] = {
             num_experts_per_tok=8,
             moe_intermediate_size=512,
             shared_expert_intermediate_size=512,
-        ),  # fmt: skip
+        ),
     ),
     "qwen3-next-dense": (8, lambda n: _qwen_config(n, vocab_size=151936)),
     # Qwen3.5-9B's counts (32 layers, hidden 4096, a dense MLP of 12288, 16 query / 4 KV
@@ -110,30 +114,18 @@ PRESETS: dict[str, tuple[int, Callable[[int], Qwen3NextConfig]]] = {
             hidden_size=4096,
             intermediate_size=12288,
             num_key_value_heads=4,
-        ),  # fmt: skip
+        ),
     ),
+    # The built-in tiny model at any depth, without its MTP head (the rows never draft).
     "smoke": (
         4,
-        lambda n: Qwen3NextConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
+        lambda n: dataclasses.replace(
+            tiny_qwen3_next_config(),
             num_hidden_layers=n,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
             layer_types=_qwen3_next_layers(n),
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            max_position_embeddings=4096,
-            dtype="float32",
-        ),  # fmt: skip
+            mlp_only_layers=(),
+            num_nextn_predict_layers=0,
+        ),
     ),
 }
 
