@@ -192,9 +192,9 @@ class Filters(NamedTuple):
     its mask would keep every token, so leaving it out changes no row's token.
     """
 
-    draws: bool = True
-    top_k: bool = True
-    top_p: bool = True
+    draws: bool
+    top_k: bool
+    top_p: bool
 
 
 VARIANTS: tuple[Filters, ...] = (
@@ -289,8 +289,8 @@ class SamplingBatch:
     @property
     def filters(self) -> Filters:
         """The sampler stages some row of this batch needs."""
-        draws = bool((self.temperature > 0).any())
         sampled = self.temperature > 0
+        draws = bool(sampled.any())
         return Filters(
             draws,
             draws and bool((self.top_k[sampled] > 0).any()),
