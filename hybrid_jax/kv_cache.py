@@ -1,12 +1,15 @@
 """The paged key/value cache of full-attention layers, and its host-side page allocator.
 
 Each full-attention layer keeps keys and values in pages: ``k[l]`` and ``v[l]`` are
-``[P, page_size, KVH, head_dim]``. A request owns a list of pages (``RowSpec.pages``);
-position p of the request lives at offset ``p % page_size`` of its page ``p // page_size``.
-Page 0 is the pad page: padded tokens write into it and no real row reads it, so it is never
-handed out. Pages need no zeroing on reuse: attention reads only positions below a row's
-context length, and every one of those was written by the request that owns the page.
-Which request owns which page is host-side bookkeeping (``PageAllocator``).
+``[P, page_size, KVH, head_dim]``, all layers stacked in one array ``k`` (and ``v``) ``[L, P,
+page_size, KVH, head_dim]``; a layer reads the flat ``[L*P, ...]`` view through its page
+table shifted by ``l*P`` (``ForwardMetadata.at_attention_layer``). A request owns a list of
+pages (``RowSpec.pages``); position p of the request lives at offset ``p % page_size`` of
+its page ``p // page_size``. Page 0 is the pad page: padded tokens write into it and no real
+row reads it, so it is never handed out. Pages need no zeroing on reuse: attention reads only
+positions below a row's context length, and every one of those was written by the request
+that owns the page. Which request owns which page is host-side bookkeeping
+(``PageAllocator``).
 
 Tree drafts store node i of a verify row at ``prefix_len + i``; after acceptance
 ``commit_tree_kv`` moves the accepted root path's entries to ``prefix_len .. prefix_len +
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.index_allocator import IndexAllocator, is_int
+from hybrid_jax.state_pool import common_spec
 
 __all__ = [
     "KVCache",
@@ -100,29 +104,30 @@ class KVCacheSpec:
 class KVCache:
     """Keys and values of every full-attention layer, ``num_pages`` pages of ``page_size``.
 
-    k[l], v[l]: ``[P, page_size, KVH_l, head_dim_l]`` in the layer's dtype; page 0 is the pad
-    page.
+    k, v: ``[L, P, page_size, KVH, head_dim]`` in the layers' dtype (``k[l]``: layer l's
+    pages); page 0 of every layer is its pad page.
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: jax.Array
+    v: jax.Array
     num_pages: int = dataclasses.field(metadata={"static": True})
     page_size: int = dataclasses.field(metadata={"static": True})
 
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
 
 def init_kv_cache(specs: Sequence[KVCacheSpec], num_pages: int, page_size: int) -> KVCache:
-    """A zeroed cache of ``num_pages`` pages of ``page_size`` tokens for ``specs``' layers."""
+    """A zeroed cache of ``num_pages`` pages of ``page_size`` tokens for ``specs``' layers
+    (all of one layout)."""
     _check_geometry(num_pages, page_size)
-
-    def pages(s: KVCacheSpec) -> jax.Array:
-        return jnp.zeros((num_pages, page_size, s.num_kv_heads, s.head_dim), s.dtype)
-
+    spec = common_spec(specs, "full-attention") or KVCacheSpec(1, 1)
+    shape = (len(specs), num_pages, page_size, spec.num_kv_heads, spec.head_dim)
     return KVCache(
-        k=tuple(pages(s) for s in specs),
-        v=tuple(pages(s) for s in specs),
-        num_pages=num_pages,
+        k=jnp.zeros(shape, spec.dtype), v=jnp.zeros(shape, spec.dtype), num_pages=num_pages,
         page_size=page_size,
-    )
+    )  # fmt: skip
 
 
 class PageAllocator(IndexAllocator):
@@ -219,10 +224,8 @@ def commit_tree_kv(
     # Rows and depths with nothing to move write out of range: dropped.
     dst = jnp.where(moves, flat_index(prefix + depth), cache.num_pages * size).reshape(-1)
 
-    def move(pages: jax.Array) -> jax.Array:
-        flat = pages.reshape(-1, *pages.shape[2:])
-        return flat.at[dst].set(flat[src], mode="drop").reshape(pages.shape)
+    def move(pages: jax.Array) -> jax.Array:  # [L, P, page_size, ...], every layer at once
+        flat = pages.reshape(pages.shape[0], -1, *pages.shape[3:])
+        return flat.at[:, dst].set(flat[:, src], mode="drop").reshape(pages.shape)
 
-    return dataclasses.replace(
-        cache, k=tuple(move(k) for k in cache.k), v=tuple(move(v) for v in cache.v)
-    )
+    return dataclasses.replace(cache, k=move(cache.k), v=move(cache.v))

@@ -336,6 +336,18 @@ class ForwardMetadata:
     def token_layout(self) -> TokenLayout:
         return TOKEN_LAYOUTS[self.mode]
 
+    def at_linear_layer(self, layer: jax.Array | int, num_slots: int) -> ForwardMetadata:
+        """The metadata of linear layer ``layer`` (an int, or traced inside a scan over
+        layers): its slots are rows ``layer * num_slots + slot`` of the flat ``[L*S, ...]``
+        pool (``state_pool.StatePool``)."""
+        return dataclasses.replace(self, state_indices=self.state_indices + layer * num_slots)
+
+    def at_attention_layer(self, layer: jax.Array | int, num_pages: int) -> ForwardMetadata:
+        """The metadata of full-attention layer ``layer``: its pages are pages ``layer *
+        num_pages + page`` of the flat ``[L*P, ...]`` cache (``kv_cache.KVCache``)."""
+        table = self.pages.table + layer * num_pages
+        return dataclasses.replace(self, pages=dataclasses.replace(self.pages, table=table))
+
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:

@@ -1,10 +1,13 @@
 """Per-request recurrent state: conv-window and ssm-state pools, and the host-side slot allocator.
 
 Every linear-attention layer (GDN, later Mamba2) keeps, per request, the last W-1 inputs of
-its causal conv1d and its recurrent ssm state. They live in pools indexed by slot:
-``conv[l]`` is ``[S, C, W-1]`` (activations' dtype, oldest input first on the last axis) and
-``ssm[l]`` is ``[S, *ssm_shape]`` (float32). Slot 0 is the pad slot: padded rows read and
-write it, nothing real is ever read from it, so it is never handed out. Which request owns
+its causal conv1d and its recurrent ssm state. They live in pools indexed by layer and slot,
+one array for all layers: ``conv`` is ``[L, S, C, W-1]`` (activations' dtype, oldest input
+first on the last axis) and ``ssm`` is ``[L, S, *ssm_shape]`` (float32), so a forward that scans
+over its layers carries one array and each layer's kernel reads the flat ``[L*S, ...]`` view
+at rows ``l*S + slot`` (``ForwardMetadata.at_linear_layer``). Slot 0 of every layer is its pad
+slot: padded rows read and write it, nothing real is ever read from it, so it is never handed
+out. Which request owns
 which slot is host-side bookkeeping (``SlotAllocator``) and never enters jitted code.
 """
 
@@ -30,6 +33,7 @@ __all__ = [
     "StatePool",
     "allocate_slots",
     "bytes_per_slot",
+    "common_spec",
     "init_state_pool",
     "reset_slots",
 ]
@@ -131,20 +135,42 @@ def bytes_per_slot(specs: Iterable[LinearStateSpec]) -> int:
 class StatePool:
     """The state of every linear layer for ``num_slots`` slots (slot 0 is the pad slot).
 
-    conv[l]: ``[S, C_l, W_l - 1]`` activations' dtype; ssm[l]: ``[S, *ssm_shape_l]`` float32.
+    conv: ``[L, S, C, W - 1]`` activations' dtype; ssm: ``[L, S, *ssm_shape]`` float32;
+    ``conv[l]`` and ``ssm[l]`` are layer l's pools.
     """
 
-    conv: tuple[jax.Array, ...]
-    ssm: tuple[jax.Array, ...]
+    conv: jax.Array
+    ssm: jax.Array
     num_slots: int = dataclasses.field(metadata={"static": True})
+
+    @property
+    def num_layers(self) -> int:
+        return self.ssm.shape[0]
+
+
+def common_spec[Spec](specs: Sequence[Spec], what: str) -> Spec | None:
+    """The one layout all of ``specs`` share (None for no layers); a ValueError naming the
+    first layer that differs otherwise: a pool or cache stacks its layers in one array."""
+    for i, spec in enumerate(specs):
+        if spec != specs[0]:
+            raise ValueError(
+                f"{what} layer {i} has layout {spec}, layer 0 has {specs[0]}: the layers are "
+                f"stacked in one array, so every one needs the same layout"
+            )
+    return specs[0] if specs else None
 
 
 def init_state_pool(specs: Sequence[LinearStateSpec], num_slots: int) -> StatePool:
-    """A zeroed pool with ``num_slots`` slots for the linear layers described by ``specs``."""
+    """A zeroed pool with ``num_slots`` slots for the linear layers described by ``specs``
+    (all of one layout)."""
     _check_num_slots(num_slots)
+    spec = common_spec(specs, "linear")
+    if spec is None:  # no linear layers: empty arrays keep the pool's structure
+        spec = LinearStateSpec(1, 2, (1,))
+    layers = len(specs)
     return StatePool(
-        conv=tuple(jnp.zeros((num_slots, *s.conv_shape), s.conv_dtype) for s in specs),
-        ssm=tuple(jnp.zeros((num_slots, *s.ssm_shape), s.ssm_dtype) for s in specs),
+        conv=jnp.zeros((layers, num_slots, *spec.conv_shape), spec.conv_dtype),
+        ssm=jnp.zeros((layers, num_slots, *spec.ssm_shape), spec.ssm_dtype),
         num_slots=num_slots,
     )
 
@@ -152,10 +178,9 @@ def init_state_pool(specs: Sequence[LinearStateSpec], num_slots: int) -> StatePo
 @functools.partial(jax.jit, donate_argnums=0)
 def _zero_slots(pool: StatePool, slots: jax.Array) -> StatePool:
     return StatePool(
-        conv=tuple(c.at[slots].set(0) for c in pool.conv),
-        ssm=tuple(s.at[slots].set(0) for s in pool.ssm),
+        conv=pool.conv.at[:, slots].set(0), ssm=pool.ssm.at[:, slots].set(0),
         num_slots=pool.num_slots,
-    )
+    )  # fmt: skip
 
 
 def _pad_to_power_of_two(slots: list[int]) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_jax.backend.commit import commit_verified, linear_kinds
+from hybrid_jax.backend.commit import commit_verified, linear_kind
 from hybrid_jax.kv_cache import init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.modes import ForwardMode, LayerKind, UnsupportedForwardModeError
@@ -117,14 +117,14 @@ def check_verify_then_commit(run: Runner, ref: dict) -> None:
         assert_close(logits[i], ref["decode_logits"][i], f"verify token {i}")
     for got, want in zip(jax.tree.leaves(out.pool), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(np.asarray(got), want)  # verify never writes the pool
-    assert len(out.verify) == len(run.model.state_specs())
+    assert sorted(i for v in out.verify for i in v.layers) == list(
+        range(len(run.model.state_specs()))
+    )
     # Accept the first two drafts (step index 1); the rejected drafts' keys stay in the pages
     # and must be overwritten, never read.
     slots = jnp.asarray([2, 0], jnp.int32)
-    kinds = linear_kinds(run.model.layer_kinds)
-    pool = commit_verified(
-        out.pool, out.verify, slots, jnp.asarray([1, -1], jnp.int32), kinds=kinds
-    )
+    kind = linear_kind(run.model.layer_kinds)
+    pool = commit_verified(out.pool, out.verify, slots, jnp.asarray([1, -1], jnp.int32), kind=kind)
     kv = out.kv
     for i in (2, 3):
         logits, out = run.step(M.DECODE, [RowSpec(2, p + i, 1, pages)], [tokens[i]], pool, kv)

@@ -291,24 +291,24 @@ def test_commit_tree_kv_moves_the_accepted_path_and_nothing_else():
     prefix = np.asarray([2, 5, 0], np.int32)
     parents = np.asarray([[-1, 0, 0, 2], [-1, 0, 1, 1], [-1, 0, 1, 2]], np.int32)
     accepted = np.asarray([3, 3, -1], np.int32)  # paths 0-2-3 and 0-1-3; row 2 keeps all
-    shape = (NUM_PAGES, PAGE, 2, 8)
+    shape = (2, NUM_PAGES, PAGE, 2, 8)  # two layers: both move
     cache = KVCache(
-        k=(jnp.asarray(rng.standard_normal(shape), jnp.float32),),
-        v=(jnp.asarray(rng.standard_normal(shape), jnp.float32),),
+        k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+        v=jnp.asarray(rng.standard_normal(shape), jnp.float32),
         num_pages=NUM_PAGES,
         page_size=PAGE,
     )
     after = jax.jit(commit_tree_kv)(cache, *map(jnp.asarray, (pages, prefix, parents, accepted)))
-    want = [np.asarray(cache.k[0]).copy(), np.asarray(cache.v[0]).copy()]
-    for r, path in enumerate(([0, 2, 3], [0, 1, 3])):
-        for depth, node in enumerate(path):
-            src, dst = prefix[r] + node, prefix[r] + depth
-            for w, old in zip(want, (cache.k[0], cache.v[0]), strict=True):
-                w[pages[r, dst // PAGE], dst % PAGE] = np.asarray(old)[
-                    pages[r, src // PAGE], src % PAGE
-                ]
-    np.testing.assert_array_equal(np.asarray(after.k[0]), want[0])
-    np.testing.assert_array_equal(np.asarray(after.v[0]), want[1])
+    for layer in range(2):
+        old = [np.asarray(cache.k[layer]), np.asarray(cache.v[layer])]
+        want = [a.copy() for a in old]
+        for r, path in enumerate(([0, 2, 3], [0, 1, 3])):
+            for depth, node in enumerate(path):
+                src, dst = prefix[r] + node, prefix[r] + depth
+                for w, o in zip(want, old, strict=True):
+                    w[pages[r, dst // PAGE], dst % PAGE] = o[pages[r, src // PAGE], src % PAGE]
+        np.testing.assert_array_equal(np.asarray(after.k[layer]), want[0])
+        np.testing.assert_array_equal(np.asarray(after.v[layer]), want[1])
 
 
 # ---------------------------------------------------------------- MoE

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_jax.backend import VerifyStates
+from hybrid_jax.backend import VerifyStack
 from hybrid_jax.engine.step import StepFunctions
 from hybrid_jax.layers.mamba2 import GroupedGatedRMSNorm, Mamba2Config, Mamba2Mixer
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
+from hybrid_jax.models.decoder import LayerStates
 from hybrid_jax.modes import CAPABILITIES, ForwardMode, LayerKind, UnsupportedForwardModeError
 from hybrid_jax.state_pool import StatePool, init_state_pool
 
@@ -33,7 +34,7 @@ CONFIG = Mamba2Config(
 class StackOutput(NamedTuple):
     hidden: jax.Array
     pool: StatePool
-    verify: tuple[VerifyStates, ...]
+    verify: tuple[VerifyStack, ...]
 
 
 class Mamba2Stack(nnx.Module):
@@ -60,15 +61,13 @@ class Mamba2Stack(nnx.Module):
         return (self.config.state_spec(),) * len(self.mixers)
 
     def __call__(self, x, pool, meta, *, impl="auto"):
-        conv, ssm, verify = list(pool.conv), list(pool.ssm), []
-        for i, mixer in enumerate(self.mixers):
-            out = mixer(x, conv[i], ssm[i], meta, impl=impl)
-            x = x + out.y
-            conv[i], ssm[i] = out.conv_state, out.ssm_state
-            if out.verify:
-                verify.append(out.verify)
-        pool = dataclasses.replace(pool, conv=tuple(conv), ssm=tuple(ssm))
-        return StackOutput(x, pool, tuple(verify))
+        states = LayerStates(
+            pool, None, num_linear=len(self.mixers), num_attention=0, linear_name="Mamba2"
+        )
+        for mixer in self.mixers:
+            x = x + states.linear(mixer, x, meta, impl=impl)
+        pool, _, verify = states.updated()
+        return StackOutput(x, pool, verify)
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +210,8 @@ def test_one_extend_equals_two_chunks_decodes_verify_commit_and_mixed(setup):
     b, out = run(steps, out.pool, M.TARGET_VERIFY, [RowSpec(slot, prefix, D)], seq[prefix:])
     for got, ref in zip(jax.tree.leaves(host(out.pool)), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(got, ref)  # verify leaves the pool untouched
-    assert len(out.verify) == 2 and out.verify[0].ssm.shape[1:] == (D, 4, 8, 8)
+    assert [v.layers for v in out.verify] == [(0,), (1,)]
+    assert out.verify[0].ssm.shape[2:] == (D, 4, 8, 8)
     meta = build_metadata(M.TARGET_VERIFY, [RowSpec(slot, prefix, D)], POLICY, num_slots=NUM_SLOTS)
     accepted = jnp.full((meta.batch_size,), -1, jnp.int32).at[0].set(D - 1)
     pool = steps.commit(out.pool, out.verify, meta.state_indices, accepted)

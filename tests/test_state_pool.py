@@ -19,10 +19,9 @@ from hybrid_jax.state_pool import (
 )
 
 S = 9  # real slots 1..8
-SPECS = (
-    LinearStateSpec.gdn(num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4),
-    LinearStateSpec(conv_channels=6, conv_width=3, ssm_shape=(2, 3, 5), conv_dtype=jnp.float32),
-)
+GDN = LinearStateSpec.gdn(num_k_heads=1, num_v_heads=2, head_k_dim=4, head_v_dim=4)
+OTHER = LinearStateSpec(conv_channels=6, conv_width=3, ssm_shape=(2, 3, 5), conv_dtype=jnp.float32)
+SPECS = (GDN, GDN)
 
 
 def random_pool(seed=0):
@@ -33,7 +32,8 @@ def random_pool(seed=0):
 
 
 def snapshot(pool):
-    return [np.asarray(a) for a in pool.conv + pool.ssm]
+    """Each layer's conv and ssm pool, ``[S, ...]`` each."""
+    return [np.asarray(a) for a in (*pool.conv, *pool.ssm)]
 
 
 def state(allocator):
@@ -52,10 +52,9 @@ def test_gdn_spec_convolves_q_k_v_and_keeps_hv_k_v_state():
 
 
 def test_bytes_per_slot_sums_conv_and_ssm_of_every_layer():
-    gdn, other = SPECS
-    assert gdn.slot_bytes == (2 * 4 + 2 * 4) * 3 * 2 + 2 * 4 * 4 * 4
-    assert other.slot_bytes == 6 * 2 * 4 + 2 * 3 * 5 * 4
-    assert bytes_per_slot(SPECS) == gdn.slot_bytes + other.slot_bytes
+    assert GDN.slot_bytes == (2 * 4 + 2 * 4) * 3 * 2 + 2 * 4 * 4 * 4
+    assert OTHER.slot_bytes == 6 * 2 * 4 + 2 * 3 * 5 * 4
+    assert bytes_per_slot((GDN, OTHER)) == GDN.slot_bytes + OTHER.slot_bytes
 
 
 @pytest.mark.parametrize(
@@ -73,23 +72,27 @@ def test_spec_rejects_degenerate_shapes(kwargs, message):
         LinearStateSpec(**args)
 
 
-def test_init_pool_shapes_dtypes_and_zeros():
+def test_init_pool_stacks_the_layers_in_one_array_each_zeroed():
     pool = init_state_pool(SPECS, S)
-    assert pool.num_slots == S
-    assert [(a.shape, a.dtype) for a in pool.conv] == [
-        ((S, 16, 3), jnp.bfloat16),
-        ((S, 6, 2), jnp.float32),
-    ]
-    assert [(a.shape, a.dtype) for a in pool.ssm] == [
-        ((S, 2, 4, 4), jnp.float32),
-        ((S, 2, 3, 5), jnp.float32),
-    ]
-    assert all(not np.asarray(a).any() for a in pool.conv + pool.ssm)
+    assert (pool.num_slots, pool.num_layers) == (S, 2)
+    assert (pool.conv.shape, pool.conv.dtype) == ((2, S, 16, 3), jnp.bfloat16)
+    assert (pool.ssm.shape, pool.ssm.dtype) == ((2, S, 2, 4, 4), jnp.float32)
+    assert not np.asarray(pool.conv).any() and not np.asarray(pool.ssm).any()
+
+
+def test_init_pool_without_linear_layers_has_empty_arrays():
+    pool = init_state_pool((), S)
+    assert pool.num_layers == 0 and pool.conv.shape[:2] == (0, S)
+
+
+def test_init_pool_rejects_layers_of_different_layouts():
+    with pytest.raises(ValueError, match="linear layer 1 has layout .* layer 0 has .* same layout"):
+        init_state_pool((GDN, OTHER), S)
 
 
 def test_pool_is_a_pytree_with_static_slot_count():
     pool = init_state_pool(SPECS, S)
-    assert len(jax.tree.leaves(pool)) == 4
+    assert len(jax.tree.leaves(pool)) == 2  # conv and ssm, every layer stacked
     other = init_state_pool(SPECS, S + 1)
     assert jax.tree.structure(pool) != jax.tree.structure(other)
     assert isinstance(jax.jit(lambda p: p)(pool), StatePool)
@@ -117,7 +120,7 @@ def test_reset_zeroes_exactly_the_given_slots_in_every_layer():
 def test_reset_donates_the_pool():
     pool = random_pool()
     reset_slots(pool, [1])
-    assert all(a.is_deleted() for a in pool.conv + pool.ssm)
+    assert pool.conv.is_deleted() and pool.ssm.is_deleted()
 
 
 def test_reset_of_no_slots_returns_the_pool_unchanged():
@@ -147,7 +150,7 @@ def test_reset_rejects_slots_outside_the_pool_before_touching_it(slot):
         SlotError, match=rf"slots\[1\]={slot!r} is outside the pool \(slots 0\.\.8\)"
     ):
         reset_slots(pool, [1, slot])
-    assert not any(a.is_deleted() for a in pool.conv + pool.ssm)
+    assert not pool.conv.is_deleted() and not pool.ssm.is_deleted()
     for old, new in zip(before, snapshot(pool), strict=True):
         np.testing.assert_array_equal(new, old)
 

@@ -9,6 +9,7 @@ layout (IDLE) touches nothing. ``mix_path`` picks the path for the step's mode w
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -17,7 +18,15 @@ import jax
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.modes import LayerKind, TokenLayout, check_supported, token_layout
 
-__all__ = ["LinearLayerOutput", "LinearMixResult", "VerifyStates", "mix_path", "rows", "tree_args"]
+__all__ = [
+    "LinearLayerOutput",
+    "LinearMixResult",
+    "VerifyStack",
+    "VerifyStates",
+    "mix_path",
+    "rows",
+    "tree_args",
+]
 
 
 class VerifyStates(NamedTuple):
@@ -32,6 +41,21 @@ class VerifyStates(NamedTuple):
 
     windows: jax.Array
     ssm: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VerifyStack:
+    """The verify states of the linear layers ``layers`` (static: their indices in the pool,
+    in the order of the leading axis), as a model's forward returns them: one stack per layer
+    outside a scan, one per position of a scanned block inside one.
+
+    windows: ``[n, bs, D, C, W-1]``; ssm: ``[n, bs, D, *ssm_shape]`` (see ``VerifyStates``).
+    """
+
+    windows: jax.Array
+    ssm: jax.Array
+    layers: tuple[int, ...] = dataclasses.field(metadata={"static": True})
 
 
 class LinearMixResult(NamedTuple):

@@ -28,7 +28,10 @@ class EngineConfig:
     none. ``impl``: the kernels' implementation choice. ``overlap``: dispatch each step
     before reading the previous one back (False: read every step back at once).
     ``speculative``: speculative decoding of decoding requests (None: off); it reads every
-    step back at once whatever ``overlap`` says.
+    step back at once whatever ``overlap`` says. ``scan_layers``: the steps run each run of
+    repeated layers under ``lax.scan`` over stacked weights (``models.layer_scan``), so a
+    step compiles in about the time of one repeated block whatever the depth (False: every
+    layer unrolled, as the model's own forward).
     """
 
     max_batch: int = 8
@@ -44,6 +47,7 @@ class EngineConfig:
     impl: str = "auto"
     overlap: bool = True
     speculative: SpeculativeConfig | None = None
+    scan_layers: bool = True
 
     def context(self, model_context: int) -> int:
         """Positions of one request, for a model with ``model_context`` positions."""

@@ -80,6 +80,7 @@ from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.kv_cache import PageAllocator, init_kv_cache
 from hybrid_jax.metadata import ForwardMetadata, build_metadata, example_metadata
 from hybrid_jax.models.auto import load_checkpoint
+from hybrid_jax.models.layer_scan import scan_layers
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
 from hybrid_jax.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from hybrid_jax.modes import ForwardMode
@@ -117,8 +118,16 @@ class Engine(SpeculativeServing):
         config: EngineConfig = EngineConfig(),
         *,
         progress: bool = True,
+        donate_weights: bool = False,
     ):
-        self.model = model
+        """``donate_weights``: under ``config.scan_layers`` the repeated layers' weights move
+        into the engine's stacked copy (``layer_scan.scan_layers(donate=True)``): memory
+        for one model, not two, and ``model``'s repeated layers are deleted (``engine.model``
+        is then the scanned model). The built-in constructors donate the model they build."""
+        step_model = model
+        if config.scan_layers:
+            step_model = scan_layers(model, donate=donate_weights)
+        self.model = step_model if donate_weights else model
         self.tokenizer = tokenizer
         self.config = config
         self.vocab_size = model.config.vocab_size
@@ -155,7 +164,7 @@ class Engine(SpeculativeServing):
                 model, self.policy, num_slots=num_slots, num_pages=num_pages,
                 parents=self.speculative.parents, impl=config.impl,
             )  # fmt: skip
-        self._steps = StepFunctions(LastTokenLogits(model, use_mtp), impl=config.impl)
+        self._steps = StepFunctions(LastTokenLogits(step_model, use_mtp), impl=config.impl)
         self._sampler = Sampler()
         self.tree = self.speculative is not None and self.speculative.tree
         self._verifier: Verifier | TreeVerifier = Verifier(self._steps.commit)
@@ -214,7 +223,7 @@ class Engine(SpeculativeServing):
             # Before the model: its random initialisation compiles a few dozen small programs.
             use_compilation_cache(config.cache_dir)
         model = Qwen3Next(model_config, rngs=nnx.Rngs(seed))
-        return cls(model, ByteTokenizer(), config, progress=progress)
+        return cls(model, ByteTokenizer(), config, progress=progress, donate_weights=True)
 
     @classmethod
     def from_checkpoint(
@@ -239,7 +248,7 @@ class Engine(SpeculativeServing):
                 f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                 f"is {model.config.vocab_size}; load the tokenizer of this checkpoint"
             )
-        return cls(model, tokenizer, config, progress=progress)
+        return cls(model, tokenizer, config, progress=progress, donate_weights=True)
 
     def _compile(self, progress: bool) -> None:
         sampled = [m for m in self._modes if m is not ForwardMode.TARGET_VERIFY]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_jax.backend.commit import commit_tree_verified, commit_verified, linear_kinds
+from hybrid_jax.backend.commit import commit_tree_verified, commit_verified, linear_kind
 from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, example_metadata
 from hybrid_jax.modes import ForwardMode, check_supported
 from hybrid_jax.state_pool import StatePool
@@ -51,10 +51,10 @@ class StepFunctions:
         self.trace_count: collections.Counter[ForwardMode] = collections.Counter()
         self._compiled: dict[tuple[ForwardMode, int, int], Any] = {}
         self._jitted = jax.jit(self._forward, static_argnums=0, donate_argnums=2)
-        kinds = linear_kinds(self.layer_kinds)
-        self.commit = jax.jit(functools.partial(commit_verified, kinds=kinds), donate_argnums=0)
+        kind = linear_kind(self.layer_kinds)
+        self.commit = jax.jit(functools.partial(commit_verified, kind=kind), donate_argnums=0)
         self.commit_tree = jax.jit(
-            functools.partial(commit_tree_verified, kinds=kinds), donate_argnums=(0, 1)
+            functools.partial(commit_tree_verified, kind=kind), donate_argnums=(0, 1)
         )
 
     def _forward(self, mode: ForwardMode, params, pool: StatePool, x, meta: ForwardMetadata):

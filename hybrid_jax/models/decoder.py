@@ -10,13 +10,14 @@ layer loop only says which mixer a layer has.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_jax.backend import VerifyStates
+from hybrid_jax.backend import VerifyStack, VerifyStates
 from hybrid_jax.kv_cache import KVCache, KVCacheSpec
 from hybrid_jax.layers.attention import GatedAttention
 from hybrid_jax.layers.gdn import GatedDeltaNet
@@ -24,7 +25,7 @@ from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.models.nemotron_h_blocks import PlainAttention
 from hybrid_jax.modes import LayerKind
-from hybrid_jax.state_pool import LinearStateSpec, StatePool
+from hybrid_jax.state_pool import StatePool
 
 __all__ = ["DecoderOutput", "HybridCausalLM", "LayerStates"]
 
@@ -34,31 +35,38 @@ class LayerStates:
 
     Built once per forward (it checks the layout), called once per stateful layer, read once
     at the end with ``updated``: Python bookkeeping that runs while the forward is traced.
+    Each layer reads the flat ``[L*S, ...]`` pool and ``[L*P, ...]`` cache through metadata
+    shifted to its rows (``ForwardMetadata.at_linear_layer`` / ``at_attention_layer``), so a
+    layer's index may be traced: ``scan`` runs a block of layers over stacked weights with
+    the whole pool and cache as its carry.
     """
 
     def __init__(
         self,
         pool: StatePool,
-        kv: KVCache,
+        kv: KVCache | None,
         *,
-        state_specs: Sequence[LinearStateSpec],
-        kv_specs: Sequence[KVCacheSpec],
+        num_linear: int,
+        num_attention: int,
         linear_name: str,
     ):
-        """``state_specs``/``kv_specs``: the model's layout; ``linear_name`` names its linear
-        layers in the error for a pool or cache of another layout."""
-        if len(pool.ssm) != len(state_specs) or len(kv.k) != len(kv_specs):
+        """``num_linear``/``num_attention``: the model's stateful layers; ``linear_name``
+        names its linear layers in the error for a pool or cache of another layout. ``kv`` is
+        None for a model without attention layers."""
+        kv_layers = 0 if kv is None else kv.num_layers
+        if pool.num_layers != num_linear or kv_layers != num_attention:
             raise ValueError(
-                f"the pool has {len(pool.ssm)} {linear_name} layers and the KV cache "
-                f"{len(kv.k)} attention layers, but the model has {len(state_specs)} "
-                f"and {len(kv_specs)}; build them from model.state_specs() and "
-                f"model.kv_specs()"
+                f"the pool has {pool.num_layers} {linear_name} layers and the KV cache "
+                f"{kv_layers} attention layers, but the model has {num_linear} and "
+                f"{num_attention}; build them from model.state_specs() and model.kv_specs()"
             )
         self._pool, self._kv = pool, kv
-        self._conv, self._ssm = list(pool.conv), list(pool.ssm)
-        self._keys, self._values = list(kv.k), list(kv.v)
-        self._verify: list[VerifyStates] = []
-        self._linear = self._attention = 0
+        pages = () if kv is None else (kv.k, kv.v)
+        self._arrays = tuple(a.reshape(-1, *a.shape[2:]) for a in (pool.conv, pool.ssm, *pages))
+        self._verify: list[tuple[jax.Array | int, VerifyStates]] = []
+        self._stacks: list[VerifyStack] = []
+        self._linear: jax.Array | int = 0
+        self._attention: jax.Array | int = 0
 
     def linear(
         self,
@@ -68,13 +76,14 @@ class LayerStates:
         *,
         impl: str,
     ) -> jax.Array:
-        """The next linear layer's mixer on normed ``h`` ``[T, hidden]`` and its pool entry;
+        """The next linear layer's mixer on normed ``h`` ``[T, hidden]`` and its pool rows;
         returns its output ``[T, hidden]`` and keeps its new states (and verify states)."""
         i, self._linear = self._linear, self._linear + 1
-        out = mixer(h, self._conv[i], self._ssm[i], meta, impl=impl)
-        self._conv[i], self._ssm[i] = out.conv_state, out.ssm_state
+        conv, ssm, *pages = self._arrays
+        out = mixer(h, conv, ssm, meta.at_linear_layer(i, self._pool.num_slots), impl=impl)
+        self._arrays = (out.conv_state, out.ssm_state, *pages)
         if out.verify:
-            self._verify.append(out.verify)
+            self._verify.append((i, out.verify))
         return out.y
 
     def attention(
@@ -83,16 +92,66 @@ class LayerStates:
         """The next full-attention layer's mixer on normed ``h`` ``[T, hidden]`` and its cache
         pages; returns its output ``[T, hidden]`` and keeps its new pages."""
         i, self._attention = self._attention, self._attention + 1
-        out = mixer(h, self._keys[i], self._values[i], meta)
-        self._keys[i], self._values[i] = out.k_pages, out.v_pages
+        conv, ssm, k, v = self._arrays
+        out = mixer(h, k, v, meta.at_attention_layer(i, self._kv.num_pages))
+        self._arrays = (conv, ssm, out.k_pages, out.v_pages)
         return out.y
 
-    def updated(self) -> tuple[StatePool, KVCache, tuple[VerifyStates, ...]]:
-        """The pool and cache after every layer, and the linear layers' verify states in layer
-        order (empty outside TARGET_VERIFY)."""
-        pool = dataclasses.replace(self._pool, conv=tuple(self._conv), ssm=tuple(self._ssm))
-        kv = dataclasses.replace(self._kv, k=tuple(self._keys), v=tuple(self._values))
-        return pool, kv, tuple(self._verify)
+    def _stack_verify(self) -> None:
+        for i, states in self._verify:  # outside a scan: static indices, one layer each
+            self._stacks.append(VerifyStack(states.windows[None], states.ssm[None], (i,)))
+        self._verify = []
+
+    def scan(
+        self,
+        block: Callable[[jax.Array, Any], jax.Array],
+        x: jax.Array,
+        weights: Any,
+        *,
+        repeats: int,
+        linear_per_repeat: int,
+        attention_per_repeat: int,
+    ) -> jax.Array:
+        """``x = block(x, weights[r])`` for r in ``range(repeats)`` under ``lax.scan``, the
+        pool and cache carried; ``weights``: a pytree of arrays stacked on a leading
+        ``repeats`` axis. Each repeat runs ``linear_per_repeat`` linear and
+        ``attention_per_repeat`` attention layers (in that count, any order)."""
+        self._stack_verify()
+        linear0, attention0 = self._linear, self._attention
+
+        def step(carry, xs):
+            x, self._arrays = carry
+            r, w = xs
+            self._linear = linear0 + r * linear_per_repeat
+            self._attention = attention0 + r * attention_per_repeat
+            x = block(x, w)
+            verify, self._verify = [states for _, states in self._verify], []
+            return (x, self._arrays), verify
+
+        (x, self._arrays), verify = jax.lax.scan(
+            step, (x, self._arrays), (jnp.arange(repeats, dtype=jnp.int32), weights)
+        )
+        self._linear = linear0 + repeats * linear_per_repeat
+        self._attention = attention0 + repeats * attention_per_repeat
+        for q, states in enumerate(verify):  # [repeats, bs, D, ...] per linear position
+            layers = tuple(linear0 + r * linear_per_repeat + q for r in range(repeats))
+            self._stacks.append(VerifyStack(states.windows, states.ssm, layers))
+        return x
+
+    def updated(self) -> tuple[StatePool, KVCache | None, tuple[VerifyStack, ...]]:
+        """The pool and cache after every layer, and the linear layers' verify states
+        (empty outside TARGET_VERIFY)."""
+        self._stack_verify()
+        conv, ssm, *pages = self._arrays
+        pool = dataclasses.replace(
+            self._pool, conv=conv.reshape(self._pool.conv.shape),
+            ssm=ssm.reshape(self._pool.ssm.shape),
+        )  # fmt: skip
+        kv = self._kv
+        if kv is not None:
+            k, v = pages
+            kv = dataclasses.replace(kv, k=k.reshape(kv.k.shape), v=v.reshape(kv.v.shape))
+        return pool, kv, tuple(self._stacks)
 
 
 class DecoderOutput(NamedTuple):
@@ -103,7 +162,7 @@ class DecoderOutput(NamedTuple):
     logits: jax.Array
     pool: StatePool
     kv: KVCache
-    verify: tuple[VerifyStates, ...]
+    verify: tuple[VerifyStack, ...]
 
 
 class HybridCausalLM(nnx.Module):
@@ -122,7 +181,14 @@ class HybridCausalLM(nnx.Module):
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """The kinds of the stateful layers (their mixers), in order."""
         return self.config.layer_kinds
+
+    @property
+    def block_kinds(self) -> tuple[LayerKind | None, ...]:
+        """Per entry of ``layers``, the kind of state it keeps, None for a block that keeps
+        none (``models.layer_scan`` counts each repeated block's stateful layers with it)."""
+        return self.config.block_kinds
 
     def kv_specs(self) -> tuple[KVCacheSpec, ...]:
         """The KV-cache layout: one spec per full-attention layer, in layer order."""
@@ -137,10 +203,10 @@ class HybridCausalLM(nnx.Module):
         meta: ForwardMetadata,
         *,
         impl: str = "auto",
-    ) -> tuple[jax.Array, StatePool, KVCache, tuple[VerifyStates, ...]]:
+    ) -> tuple[jax.Array, StatePool, KVCache, tuple[VerifyStack, ...]]:
         """The final-normed hidden states ``[T, hidden]`` and the updated pool and cache."""
         states = LayerStates(
-            pool, kv, state_specs=self.state_specs(), kv_specs=self.kv_specs(),
+            pool, kv, num_linear=len(self.state_specs()), num_attention=len(self.kv_specs()),
             linear_name=self.linear_name,
         )  # fmt: skip
         x = self.embed(tokens)

@@ -13,10 +13,11 @@ from typing import NamedTuple
 import jax
 from flax import nnx
 
-from hybrid_jax.backend import VerifyStates
+from hybrid_jax.backend import VerifyStack
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
+from hybrid_jax.models.decoder import LayerStates
 from hybrid_jax.modes import LayerKind
 from hybrid_jax.state_pool import LinearStateSpec, StatePool
 
@@ -39,12 +40,12 @@ def tiny_gdn_stack_config(dtype: str = "float32") -> GDNStackConfig:
 
 
 class StackOutput(NamedTuple):
-    """hidden: ``[T, hidden]``; the pool after the step; per-layer verify states (TARGET_VERIFY)
-    or an empty tuple."""
+    """hidden: ``[T, hidden]``; the pool after the step; the verify states (TARGET_VERIFY, one
+    stack per layer) or an empty tuple."""
 
     hidden: jax.Array
     pool: StatePool
-    verify: tuple[VerifyStates, ...]
+    verify: tuple[VerifyStack, ...]
 
 
 class _Block(nnx.Module):
@@ -71,12 +72,10 @@ class GDNStack(nnx.Module):
         self, x: jax.Array, pool: StatePool, meta: ForwardMetadata, *, impl: str = "auto"
     ) -> StackOutput:
         """x: ``[T, hidden]`` packed tokens laid out as ``meta`` says."""
-        conv, ssm, verify = list(pool.conv), list(pool.ssm), []
-        for i, block in enumerate(self.blocks):
-            out = block.mixer(block.norm(x), conv[i], ssm[i], meta, impl=impl)
-            x = x + out.y
-            conv[i], ssm[i] = out.conv_state, out.ssm_state
-            if out.verify:
-                verify.append(out.verify)
-        pool = dataclasses.replace(pool, conv=tuple(conv), ssm=tuple(ssm))
-        return StackOutput(x, pool, tuple(verify))
+        states = LayerStates(
+            pool, None, num_linear=self.config.num_layers, num_attention=0, linear_name="GDN"
+        )
+        for block in self.blocks:
+            x = x + states.linear(block.mixer, block.norm(x), meta, impl=impl)
+        pool, _, verify = states.updated()
+        return StackOutput(x, pool, verify)

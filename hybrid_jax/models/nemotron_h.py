@@ -197,7 +197,12 @@ class NemotronHConfig:
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
         """The sequence-mixing blocks' kinds, in block order (MLP and MoE blocks mix nothing)."""
-        return tuple(_KINDS[b] for b in self.layers_block_type if b in _KINDS)
+        return tuple(kind for kind in self.block_kinds if kind is not None)
+
+    @property
+    def block_kinds(self) -> tuple[LayerKind | None, ...]:
+        """Per block, the kind of its mixer's state; None for MLP and MoE blocks (no state)."""
+        return tuple(_KINDS.get(b) for b in self.layers_block_type)
 
     def mamba2_config(self) -> Mamba2Config:
         with config_errors():

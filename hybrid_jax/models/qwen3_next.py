@@ -222,6 +222,11 @@ class Qwen3NextConfig:
     def layer_kinds(self) -> tuple[LayerKind, ...]:
         return tuple(_LAYER_TYPES[kind] for kind in self.layer_types)
 
+    @property
+    def block_kinds(self) -> tuple[LayerKind, ...]:
+        """Per decoder layer, the kind of its mixer's state: every layer keeps one."""
+        return self.layer_kinds
+
     def is_moe_layer(self, i: int) -> bool:
         return (
             self.num_experts > 0
@@ -413,13 +418,13 @@ class Qwen3Next(HybridCausalLM):
                 "this model has no multi-token-prediction head (num_nextn_predict_layers=0); "
                 "load a checkpoint with mtp.* tensors or use another draft source"
             )
-        if len(kv.k) != 1:
+        if kv.num_layers != 1:
             raise ValueError(
-                f"the MTP head has one attention layer but its KV cache has {len(kv.k)}; build "
-                f"it from model.mtp_kv_specs()"
+                f"the MTP head has one attention layer but its KV cache has {kv.num_layers}; "
+                f"build it from model.mtp_kv_specs()"
             )
         out, k, v = self.mtp(self.embed_tokens(next_tokens), hidden, kv.k[0], kv.v[0], meta)
-        return out, dataclasses.replace(kv, k=(k,), v=(v,))
+        return out, dataclasses.replace(kv, k=k[None], v=v[None])
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """int32 ``[T]`` -> ``[T, hidden]``."""

@@ -1,0 +1,205 @@
+"""Repeated layers under ``lax.scan`` (``models.layer_scan``): the runs found, the same step
+results as the layer-by-layer model in every mode, a trace whose size does not grow with
+depth, and weights moved (not copied) when donated."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import _model_parity as parity
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybrid_jax import Engine, EngineConfig, SamplingParams
+from hybrid_jax.backend.commit import commit_verified, linear_kind
+from hybrid_jax.metadata import RowSpec, build_metadata
+from hybrid_jax.models.layer_scan import LayerRun, ScannedRun, layer_runs, scan_layers
+from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig
+from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
+from hybrid_jax.models.tokenizer import ByteTokenizer
+
+M = parity.M
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+G, A = "linear_attention", "full_attention"
+
+
+def qwen3_next(num_repeats: int, seed: int = 0) -> Qwen3Next:
+    """The tiny Qwen3-Next with ``num_repeats`` blocks of (GDN, GDN, attention), all MoE."""
+    config = dataclasses.replace(
+        tiny_qwen3_next_config(), num_hidden_layers=3 * num_repeats,
+        layer_types=(G, G, A) * num_repeats, mlp_only_layers=(), num_nextn_predict_layers=0,
+    )  # fmt: skip
+    return Qwen3Next(config, rngs=nnx.Rngs(seed))
+
+
+def nemotron_h() -> NemotronH:
+    """The hybrid Nemotron-H fixture's dimensions in the pattern M E M E M E A M (runs of
+    (Mamba2, MoE) three times, then two single blocks)."""
+    config = json.loads((FIXTURES / "nemotron_h" / "hybrid" / "config.json").read_text())
+    config["layers_block_type"] = [G, "moe"] * 3 + [A, G]
+    config["num_hidden_layers"] = len(config["layers_block_type"])
+    return NemotronH(NemotronHConfig.from_hf_dict(config), rngs=nnx.Rngs(0))
+
+
+# ---------------------------------------------------------------- runs
+
+
+@pytest.mark.parametrize(
+    ("pattern", "runs"),
+    [
+        ("GGGA" * 12, [(0, 4, 12)]),
+        ("GAGA", [(0, 2, 2)]),
+        ("GAGM", [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1)]),  # nothing repeats
+        ("MEMEMEAM", [(0, 2, 3), (6, 1, 1), (7, 1, 1)]),
+        # A block may start anywhere: MMMAM repeats from layer 0, then MMM and A are left.
+        ("MMMA" + "MMMMA" * 3, [(0, 5, 3), (15, 1, 3), (18, 1, 1)]),
+        ("X", [(0, 1, 1)]),
+    ],
+)
+def test_layer_runs_cover_the_layers_with_the_longest_repeated_blocks(pattern, runs):
+    assert layer_runs(pattern) == tuple(LayerRun(*run) for run in runs)
+
+
+@pytest.mark.parametrize("pattern", ["GGGA" * 3 + "GG", "MEMEAMMMEEE", "ABCABCABD", "AAAAB"])
+def test_layer_runs_tile_the_layers_in_order(pattern):
+    runs = layer_runs(pattern)
+    assert runs[0].start == 0 and runs[-1].stop == len(pattern)
+    for before, after in zip(runs, runs[1:], strict=False):
+        assert before.stop == after.start
+    for run in runs:
+        block = pattern[run.start : run.start + run.period]
+        assert pattern[run.start : run.stop] == block * run.repeats
+
+
+def test_scan_layers_groups_qwen3_next_in_its_period_and_leaves_singles_alone():
+    model = qwen3_next(4)
+    scanned = scan_layers(model)
+    (run,) = scanned.layers
+    assert isinstance(run, ScannedRun) and run.repeats == 4
+    assert (run.linear_per_repeat, run.attention_per_repeat) == (2, 1)
+    kernel = run.blocks[0].linear_attn.in_proj_qkvz.kernel.get_value()
+    assert kernel.shape == (4, *model.layers[0].linear_attn.in_proj_qkvz.kernel.shape)
+    np.testing.assert_array_equal(kernel[2], model.layers[6].linear_attn.in_proj_qkvz.kernel)
+    # The tiny preset repeats nothing: its layers stay as they are.
+    tiny = Qwen3Next(tiny_qwen3_next_config(), rngs=nnx.Rngs(0))
+    assert not any(isinstance(layer, ScannedRun) for layer in scan_layers(tiny).layers)
+
+
+# ---------------------------------------------------------------- same results
+
+
+def _runners(model):
+    return parity.Runner(model), parity.Runner(scan_layers(model))
+
+
+def _check_same_steps(model):
+    """EXTEND of two rows, DECODE, a chain TARGET_VERIFY and its commit: the scanned model's
+    logits, pool (random states), cache (NaN where unwritten) and verify states are the
+    layer-by-layer model's."""
+    plain, scanned = _runners(model)
+    rng = np.random.default_rng(1)
+    rows = [RowSpec(1, 0, 5, (3, 7)), RowSpec(3, 0, 7, (1, 12))]
+    tokens = rng.integers(0, model.config.vocab_size, 12)
+    states = [plain.fresh(seed=4), scanned.fresh(seed=4)]
+    for mode, step_rows, step_tokens in (
+        (M.EXTEND, rows, tokens),
+        (M.DECODE, [RowSpec(1, 5, 1, (3, 7)), RowSpec(3, 7, 1, (1, 12))], tokens[:2]),
+        (M.TARGET_VERIFY, [RowSpec(1, 6, parity.D, (3, 7, 9))], tokens[:4]),
+    ):
+        outs = [
+            run.step(mode, step_rows, step_tokens, *state)
+            for run, state in zip((plain, scanned), states, strict=True)
+        ]
+        (logits, out), (logits_scanned, out_scanned) = outs
+        chex.assert_trees_all_close(logits_scanned, logits, rtol=1e-5, atol=1e-5)
+        chex.assert_trees_all_close(
+            (out_scanned.pool, out_scanned.kv), (out.pool, out.kv), rtol=1e-5, atol=1e-5
+        )
+        states = [(o.pool, o.kv) for _, o in outs]
+    # Verify states: one stack per layer unrolled, one per block position scanned; the same
+    # states per layer, and the commits agree.
+    per_layer = {v.layers[0]: v for v in out.verify}
+    for stack in out_scanned.verify:
+        for i, layer in enumerate(stack.layers):
+            chex.assert_trees_all_close(
+                (stack.windows[i], stack.ssm[i]),
+                (per_layer[layer].windows[0], per_layer[layer].ssm[0]),
+                rtol=1e-5, atol=1e-5,
+            )  # fmt: skip
+    kind = linear_kind(model.layer_kinds)
+    slots, steps = jnp.asarray([1, 0], jnp.int32), jnp.asarray([2, -1], jnp.int32)
+    committed = [commit_verified(o.pool, o.verify, slots, steps, kind=kind) for _, o in outs]
+    chex.assert_trees_all_close(committed[1], committed[0], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(committed[0].ssm[:, 1]), np.asarray(out.pool.ssm[:, 1]))
+
+
+def test_scanned_qwen3_next_steps_equal_the_layer_by_layer_model():
+    _check_same_steps(qwen3_next(3))
+
+
+def test_scanned_nemotron_h_steps_equal_the_layer_by_layer_model():
+    model = nemotron_h()
+    assert [type(layer).__name__ for layer in scan_layers(model).layers] == [
+        "ScannedRun", "Block", "Block",
+    ]  # fmt: skip
+    _check_same_steps(model)
+
+
+# ---------------------------------------------------------------- compile size
+
+
+def _decode_equations(model) -> int:
+    run = parity.Runner(model)
+    pool, kv = run.fresh()
+    meta = build_metadata(
+        M.DECODE, [RowSpec(1, 3, 1, (2,))], parity.POLICY, num_slots=parity.NUM_SLOTS,
+        num_pages=parity.NUM_PAGES,
+    )  # fmt: skip
+    tokens = jnp.zeros(meta.num_tokens, jnp.int32)
+    forward = run.forward.__wrapped__  # the traced function itself, not its one jit equation
+    jaxpr = jax.make_jaxpr(forward)(run.params, tokens, pool, kv, meta)
+    return len(jaxpr.eqns)
+
+
+def test_the_scanned_step_traces_one_block_whatever_the_depth():
+    shallow, deep = qwen3_next(2), qwen3_next(5)
+    assert _decode_equations(scan_layers(shallow)) == _decode_equations(scan_layers(deep))
+    assert _decode_equations(deep) > _decode_equations(shallow)  # unrolled: grows with depth
+
+
+# ---------------------------------------------------------------- weights
+
+
+def test_donated_layers_are_moved_into_the_stack():
+    model = qwen3_next(2)
+    originals = [layer.linear_attn.in_proj_qkvz.kernel.get_value() for layer in model.layers[:4:3]]
+    want = np.stack([np.asarray(a) for a in originals])
+    scanned = scan_layers(model, donate=True)
+    assert all(a.is_deleted() for a in originals)
+    np.testing.assert_array_equal(
+        scanned.layers[0].blocks[0].linear_attn.in_proj_qkvz.kernel.get_value(), want
+    )
+    assert not model.embed_tokens.embedding.get_value().is_deleted()  # only layers move
+
+
+def test_engine_greedy_tokens_are_the_same_with_and_without_the_scan():
+    model = qwen3_next(2)
+    config = EngineConfig(
+        max_batch=2, max_tokens=16, max_context=32, batch_buckets=(2,), token_buckets=(16,),
+        cache_dir=None,
+    )  # fmt: skip
+    tokens = {}
+    for scan in (False, True):
+        engine = Engine(
+            model, ByteTokenizer(), dataclasses.replace(config, scan_layers=scan), progress=False
+        )
+        params = SamplingParams(max_new_tokens=6, temperature=0.0)
+        results = engine.generate(["hello", "hybrid models"], params)
+        tokens[scan] = [r.token_ids for r in results]
+    assert tokens[True] == tokens[False]
