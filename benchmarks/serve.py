@@ -245,6 +245,20 @@ def profile_steps(
     return by_category, top, wall
 
 
+def _breakdown(engine: Engine, steps: int) -> str:
+    """The device breakdown of the engine's next ``steps`` steps, as a row's note (GPU only)."""
+    if jax.default_backend() != "gpu":
+        return ""
+    categories, top, wall_us = profile_steps(engine, steps)
+    busy = sum(categories.values())
+    ranked = sorted(categories.items(), key=lambda kv: -kv[1])
+    return (
+        "device us/step: " + ", ".join(f"{k} {v:.0f}" for k, v in ranked)
+        + f"; idle {max(0.0, 1 - busy / wall_us):.0%} of {wall_us:.0f} us; top: "
+        + "; ".join(f"{n[:60]} {us:.0f}" for n, us in top)
+    )  # fmt: skip
+
+
 # -------------------------------------------------------------------------------- rows
 
 
@@ -317,16 +331,7 @@ def decode_row(model, c, batch, args, rng, label) -> Row:
     step_s = statistics.median(times)
     if args.host_profile:
         _host_profile(engine, args.profile_steps, f"decode B={batch}")
-    note = ""
-    if jax.default_backend() == "gpu":
-        categories, top, wall_us = profile_steps(engine, args.profile_steps)
-        busy = sum(categories.values())
-        ranked = sorted(categories.items(), key=lambda kv: -kv[1])
-        note = (
-            "device us/step: " + ", ".join(f"{k} {v:.0f}" for k, v in ranked)
-            + f"; idle {max(0.0, 1 - busy / wall_us):.0%} of {wall_us:.0f} us; top: "
-            + "; ".join(f"{n[:60]} {us:.0f}" for n, us in top)
-        )  # fmt: skip
+    note = _breakdown(engine, args.profile_steps)
     for rid in ids:
         engine.abort(rid)
     limit_s = decode_bytes(c, batch, prompt + steps) / args.bandwidth
@@ -344,9 +349,13 @@ def prefill_row(model, c, prompts, length, args, rng, label) -> Row:
     wall = time.perf_counter() - start
     rate = prompts * length / wall
     limit = prompts * length / (prefill_flops(c, prompts, length) / args.flops)
+    # Two more prompts, profiled: each step is one prompt's prefill.
+    for prompt in _prompts(rng, 2, length):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=1))
+    note = _breakdown(engine, 2)
     return Row(
         f"prefill {prompts}x{length} ({label})", f"{rate / 1e3:.1f}k tok/s",
-        f"{limit / 1e3:.0f}k tok/s", rate / limit, engine.compile_s, _slowest(engine),
+        f"{limit / 1e3:.0f}k tok/s", rate / limit, engine.compile_s, _slowest(engine), note,
     )  # fmt: skip
 
 

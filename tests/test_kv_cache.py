@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybrid_jax.backend import attention as attention_backend
 from hybrid_jax.backend.attention import paged_attention
 from hybrid_jax.kv_cache import (
     KVCache,
@@ -164,8 +165,25 @@ def _oracle(q, keys, values, scale):
     return out
 
 
-@pytest.mark.parametrize("mode", [M.EXTEND, M.MIXED, M.DRAFT_EXTEND, M.DECODE, M.TARGET_VERIFY])
-def test_paged_attention_matches_dense_causal_oracle_and_writes_only_its_pages(mode):
+@pytest.mark.parametrize(
+    ("mode", "block"),
+    [
+        *((m, 128) for m in (M.EXTEND, M.MIXED, M.DRAFT_EXTEND, M.DECODE, M.TARGET_VERIFY)),
+        # Ragged rows in blocks of 2 and 3 tokens: several blocks per row, a partial last one.
+        (M.EXTEND, 2), (M.EXTEND, 3), (M.MIXED, 2), (M.DRAFT_EXTEND, 2),
+        # Blocks shortened to keep the scores in a budget: 4 heads x 24 positions x 4 bytes
+        # x 2 tokens.
+        (M.EXTEND, "budget"),
+    ],
+)  # fmt: skip
+def test_paged_attention_matches_dense_causal_oracle_and_writes_only_its_pages(
+    mode, block, monkeypatch
+):
+    if block == "budget":
+        monkeypatch.setattr(attention_backend, "SCORES_BYTES", 4 * 24 * 4 * 2 + 7)
+        assert attention_backend.query_block(16, 4, 24) == 2
+    else:
+        monkeypatch.setattr(attention_backend, "QUERY_BLOCK", block)
     rng = np.random.default_rng(0)
     heads, kv_heads, dim = 4, 2, 8
     new = {M.DECODE: (1, 1), M.TARGET_VERIFY: (3, 3), M.DRAFT_EXTEND: (2, 3)}.get(mode, (5, 3))

@@ -1,11 +1,12 @@
-"""Causal attention over the paged KV cache, one path for every token layout (plain jnp).
+"""Causal attention over the paged KV cache, for every token layout (plain jnp).
 
 The step's new keys and values are first written into the pages of their rows (padded
 tokens into the pad page 0); then every query token attends to positions ``0..p`` of its
-own row, read back through the row's page table. Because a token's row and position are in
-``ForwardMetadata`` for every layout (``token_rows``, ``positions``), ragged EXTEND / MIXED /
-DRAFT_EXTEND, DECODE and TARGET_VERIFY share this one function; IDLE has no tokens. There
-is no Pallas paged-attention kernel yet, so this op has no ``impl`` choice.
+own row, read back through the row's page table. The ragged layouts (EXTEND, MIXED,
+DRAFT_EXTEND) attend in blocks of one row's consecutive tokens, which read the row's keys
+once per block; DECODE and TARGET_VERIFY attend token by token (``token_rows`` and
+``positions`` say each token's row and position); IDLE has no tokens. There is no Pallas
+paged-attention kernel yet, so this op has no ``impl`` choice.
 
 TARGET_VERIFY writes the D draft tokens' keys and values into the row's pages like any other
 step. Nothing needs undoing when drafts are rejected: their entries sit at positions past
@@ -29,13 +30,83 @@ import jax
 import jax.numpy as jnp
 
 from hybrid_jax.metadata import ForwardMetadata
-from hybrid_jax.modes import LayerKind, check_supported
+from hybrid_jax.modes import LayerKind, TokenLayout, check_supported
 
 __all__ = ["paged_attention", "tree_ancestors", "write_pages"]
 
 # Query tokens attended per vectorised batch: bounds the gathered keys to
 # TOKEN_BLOCK x (max_pages * page_size) x KVH x head_dim while a kernel does not exist.
 TOKEN_BLOCK = 64
+# Ragged layouts attend in blocks of up to QUERY_BLOCK tokens of one row, which read the
+# row's keys once per block rather than once per token; a block's float32 scores stay within
+# SCORES_BYTES (a shorter block at long contexts).
+QUERY_BLOCK = 2048
+SCORES_BYTES = 2 << 30
+
+
+def query_block(num_tokens: int, num_heads: int, num_positions: int) -> int:
+    """Tokens per block of a ragged step: ``QUERY_BLOCK`` at most, a power of two whose
+    float32 scores over ``num_positions`` keys stay within ``SCORES_BYTES``."""
+    fits = SCORES_BYTES // (4 * num_heads * num_positions)
+    return max(1, min(QUERY_BLOCK, num_tokens, 1 << max(0, fits.bit_length() - 1)))
+
+
+def _row_blocks(meta: ForwardMetadata, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Cuts every row's tokens into blocks of at most ``block``: per block its row, first
+    token and length (0 for the blocks past the last; there are ``ceil(T / block) + bs``
+    blocks, enough for any rows of a T-token bucket)."""
+    num_blocks = -(-meta.num_tokens // block) + meta.batch_size
+    per_row = -(-meta.seq_lens // block)
+    ends = jnp.cumsum(per_row)
+    ids = jnp.arange(num_blocks, dtype=jnp.int32)
+    row = jnp.minimum(jnp.searchsorted(ends, ids, side="right"), meta.batch_size - 1)
+    j = ids - (ends[row] - per_row[row])  # the block's index within its row
+    start = jnp.asarray(meta.query_start_loc)[row] + j * block
+    length = jnp.where(ids < ends[-1], jnp.clip(meta.seq_lens[row] - j * block, 0, block), 0)
+    return row.astype(jnp.int32), start.astype(jnp.int32), length.astype(jnp.int32)
+
+
+def _ragged_rows(q, k_flat, v_flat, meta: ForwardMetadata, scale: float, acc) -> jax.Array:
+    """Causal attention of a ragged layout, block by block of one row's tokens: ``[T, H,
+    hd]`` (rows past the real tokens: anything)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_flat.shape[1]
+    groups = num_heads // num_kv_heads
+    size = meta.pages.page_size
+    table = jnp.asarray(meta.pages.table)
+    span = jnp.arange(table.shape[1] * size)
+    block = query_block(num_tokens, num_heads, span.shape[0])
+    rows, starts, lengths = _row_blocks(meta, block)
+    # Room past the last token, so a block's slice never starts out of range.
+    q_pad = jnp.concatenate([q, jnp.zeros((block, *q.shape[1:]), q.dtype)])
+    pos_pad = jnp.concatenate([jnp.asarray(meta.positions), jnp.zeros(block, jnp.int32)])
+
+    def attend(args):
+        row, start, length = args
+        q_b = jax.lax.dynamic_slice_in_dim(q_pad, start, block)  # [Q, H, hd]
+        pos = jax.lax.dynamic_slice_in_dim(pos_pad, start, block)
+        index = (table[row][:, None] * size + jnp.arange(size)).reshape(-1)
+        seen = span[None, :] <= pos[:, None]  # [Q, L]: causal within the row
+        # Unwritten or stale entries may hold anything (even NaN): keys and values past
+        # what the block's last token sees are zeroed, and scores are masked per token.
+        last = span <= pos[jnp.maximum(length - 1, 0)]
+        keys = jnp.where(last[:, None, None], k_flat[index], 0)
+        values = jnp.where(last[:, None, None], v_flat[index], 0)
+        # The products run in the cache's dtype (tensor cores for bf16), accumulating in acc.
+        q_g = q_b.reshape(block, num_kv_heads, groups, head_dim).astype(keys.dtype)
+        scores = jnp.einsum("qkgd,lkd->kgql", q_g, keys, preferred_element_type=acc) * scale
+        scores = jnp.where(seen[None, None], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+        out = jnp.einsum("kgql,lkd->qkgd", probs, values, preferred_element_type=acc)
+        return out.reshape(block, num_heads, head_dim)
+
+    outs = jax.lax.map(attend, (rows, starts, lengths))  # [blocks, Q, H, hd]
+    # Each real token lies in exactly one block; the rest of a block is dropped.
+    offsets = jnp.arange(block, dtype=jnp.int32)
+    inside = offsets[None] < lengths[:, None]
+    target = jnp.where(inside, starts[:, None] + offsets[None], num_tokens)
+    out = jnp.zeros((num_tokens, num_heads, head_dim), acc)
+    return out.at[target.reshape(-1)].set(outs.reshape(-1, num_heads, head_dim), mode="drop")
 
 
 def _token_pages(meta: ForwardMetadata) -> jax.Array:
@@ -169,7 +240,12 @@ def paged_attention(
         probs = jax.nn.softmax(scores, axis=-1)
         return jnp.einsum("kgl,lkd->kgd", probs, values).reshape(num_heads, head_dim)
 
-    tree_args = None if tree is None else (tree.prefix, tree.path)
-    out = jax.lax.map(attend, (q, token_pages, meta.positions, tree_args), batch_size=TOKEN_BLOCK)
+    if meta.token_layout is TokenLayout.RAGGED:
+        out = _ragged_rows(q, k_flat, v_flat, meta, scale, acc)
+    else:
+        tree_args = None if tree is None else (tree.prefix, tree.path)
+        out = jax.lax.map(
+            attend, (q, token_pages, meta.positions, tree_args), batch_size=TOKEN_BLOCK
+        )
     real = (meta.token_rows < meta.batch_size)[:, None, None]
     return jnp.where(real, out, 0).astype(q.dtype), k_pages, v_pages
