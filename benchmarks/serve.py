@@ -359,6 +359,43 @@ def prefill_row(model, c, prompts, length, args, rng, label) -> Row:
     )  # fmt: skip
 
 
+def stream_row(model, c, requests, rate, args, rng, label) -> Row:
+    """``requests`` requests arriving as a Poisson stream of ``rate`` per second (prompts of
+    ``--prompt-len``, ``--output-len`` tokens each), served by an engine of ``--stream-batch``
+    rows: TTFT and inter-token latency percentiles. Its limit is the decode step at that
+    batch: the best inter-token latency a full batch allows."""
+    batch, prompt, output = args.stream_batch, args.prompt_len, args.output_len
+    context = -(-(prompt + output + 4) // 16) * 16
+    engine = _engine(model, batch=batch, tokens=batch * prompt, context=context,
+                     cache_dir=args.cache_dir)  # fmt: skip
+    params = SamplingParams(max_new_tokens=output)
+    engine.generate(_prompts(rng, 1, prompt), SamplingParams(max_new_tokens=2))  # warm
+    arrivals = np.cumsum(rng.exponential(1 / rate, requests))
+    prompts = _prompts(rng, requests, prompt)
+    results, sent, start = [], 0, time.perf_counter()
+    while len(results) < requests:
+        now = time.perf_counter() - start
+        while sent < requests and arrivals[sent] <= now:
+            engine.add_request(prompts[sent], params)
+            sent += 1
+        if not engine.has_work:
+            if sent < requests:
+                time.sleep(max(0.0, arrivals[sent] - now))
+            continue
+        results += [e.result for e in engine.step() if e.result is not None]
+    ttft = np.asarray([r.ttft for r in results]) * 1e3
+    itl = np.concatenate([r.token_latencies for r in results]) * 1e3
+    limit_s = decode_bytes(c, batch, prompt + output) / args.bandwidth
+    pct = lambda a: "/".join(f"{np.percentile(a, q):.1f}" for q in (50, 90, 99))  # noqa: E731
+    return Row(
+        f"stream {requests} req at {rate:g}/s, B<={batch} ({label})",
+        f"ITL p50/p90/p99 {pct(itl)} ms", f"{limit_s * 1e3:.3f} ms/token at B={batch}",
+        float(limit_s / (np.median(itl) / 1e3)), engine.compile_s, _slowest(engine),
+        f"TTFT p50/p90/p99 {pct(ttft)} ms; {requests * output / (time.perf_counter() - start):.0f}"
+        " output tok/s",
+    )  # fmt: skip
+
+
 def _failed(name: str, err: Exception) -> Row:
     return Row(name, "failed", "", 0.0, 0.0, repr(err)[:300])
 
@@ -421,6 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=None, help="depth (default: the preset's)")
     parser.add_argument("--decode", default="1,64", help="decode batch sizes, comma-separated")
     parser.add_argument("--prefill", default="8x4096", help="NxL prefill rows, comma-separated")
+    parser.add_argument(
+        "--stream", default="", help="request-stream rows as NxRATE (requests x per second)"
+    )
+    parser.add_argument("--stream-batch", type=int, default=16, help="rows of the stream engine")
+    parser.add_argument("--output-len", type=int, default=64, help="tokens per stream request")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--profile-steps", type=int, default=6)
@@ -440,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.preset, args.decode, args.prefill = "smoke", "2", "2x64"
         args.prompt_len, args.decode_steps, args.profile_steps = 8, 4, 2
+        args.stream, args.stream_batch, args.output_len = "6x200", 2, 4
     if args.cache_dir is None:
         # Cold, as a first start is; within the run the rows share it, as an engine's own
         # executables do (EXTEND and MIXED lower to the same program).
@@ -487,6 +530,17 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 rows.append(
                     Row(f"prefill {spec} ({label})", "failed", "", 0.0, 0.0, repr(err)[:300])
+                )
+            print(rows[-1], flush=True)
+        for spec in (s for s in args.stream.split(",") if s):
+            n, rate = spec.split("x")
+            try:
+                rows.append(stream_row(model, c, int(n), float(rate), args, rng, label))
+            except Exception as err:
+                if args.smoke:
+                    raise
+                rows.append(
+                    Row(f"stream {spec} ({label})", "failed", "", 0.0, 0.0, note=repr(err)[:300])
                 )
             print(rows[-1], flush=True)
         if not c.num_experts:

@@ -28,11 +28,11 @@ def test_smoke_rows_all_measure_and_write_results(serve, tmp_path):
     assert serve.main(["--smoke", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "RESULTS_serve_smoke.md").read_text()
     rows = [
-        line
-        for line in text.splitlines()
-        if line.startswith("| decode") or line.startswith("| prefill")
+        line for line in text.splitlines() if line.startswith(("| decode", "| prefill", "| stream"))
     ]
-    assert len(rows) == 2 and not any("failed" in row for row in rows), text
+    assert len(rows) == 3 and not any("failed" in row for row in rows), text
+    stream = rows[2]
+    assert "ITL p50/p90/p99" in stream and "TTFT p50/p90/p99" in text, text
 
 
 def test_decode_limit_counts_only_the_experts_a_batch_can_touch(serve):
