@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.preset, args.decode, args.prefill = "smoke", "2", "2x64"
         args.prompt_len, args.decode_steps, args.profile_steps = 8, 4, 2
-        args.stream, args.stream_batch, args.output_len = "6x200", 2, 4
+        args.stream, args.stream_batch, args.output_len = "3x200", 2, 3
     if args.cache_dir is None:
         # Cold, as a first start is; within the run the rows share it, as an engine's own
         # executables do (EXTEND and MIXED lower to the same program).

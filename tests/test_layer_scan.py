@@ -21,7 +21,12 @@ from hybrid_jax.backend.commit import commit_verified, linear_kind
 from hybrid_jax.metadata import RowSpec, build_metadata
 from hybrid_jax.models.layer_scan import LayerRun, ScannedRun, layer_runs, scan_layers
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig
-from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
+from hybrid_jax.models.qwen3_next import (
+    Qwen3Next,
+    _seeded_value,
+    tiny_qwen3_next,
+    tiny_qwen3_next_config,
+)
 from hybrid_jax.models.tokenizer import ByteTokenizer
 
 M = parity.M
@@ -37,7 +42,18 @@ def qwen3_next(num_repeats: int, seed: int = 0) -> Qwen3Next:
         layer_types=(G, G, A) * num_repeats, num_experts=0, mlp_only_layers=(),
         num_nextn_predict_layers=0,
     )  # fmt: skip
-    return Qwen3Next(config, rngs=nnx.Rngs(seed))
+    return _seeded(lambda: Qwen3Next(config, rngs=nnx.Rngs(0)), seed)
+
+
+def _seeded(build, seed: int = 0):
+    """The model ``build`` makes, its weights drawn by numpy (no device random programs to
+    compile), in the built-in model's ranges."""
+    model = nnx.eval_shape(build)
+    rng = np.random.default_rng(seed)
+    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        abstract = param.get_value()
+        param.set_value(jnp.asarray(_seeded_value(path, abstract.shape, rng), abstract.dtype))
+    return model
 
 
 def nemotron_h() -> NemotronH:
@@ -46,7 +62,7 @@ def nemotron_h() -> NemotronH:
     config = json.loads((FIXTURES / "nemotron_h" / "hybrid" / "config.json").read_text())
     config["layers_block_type"] = [G, "moe"] * 3 + [A, G]
     config["num_hidden_layers"] = len(config["layers_block_type"])
-    return NemotronH(NemotronHConfig.from_hf_dict(config), rngs=nnx.Rngs(0))
+    return _seeded(lambda: NemotronH(NemotronHConfig.from_hf_dict(config), rngs=nnx.Rngs(0)))
 
 
 # ---------------------------------------------------------------- runs
@@ -80,16 +96,16 @@ def test_layer_runs_tile_the_layers_in_order(pattern):
 
 
 def test_scan_layers_groups_qwen3_next_in_its_period_and_leaves_singles_alone():
-    model = qwen3_next(4)
+    model = qwen3_next(3)
     scanned = scan_layers(model)
     (run,) = scanned.layers
-    assert isinstance(run, ScannedRun) and run.repeats == 4
+    assert isinstance(run, ScannedRun) and run.repeats == 3
     assert (run.linear_per_repeat, run.attention_per_repeat) == (2, 1)
     kernel = run.blocks[0].linear_attn.in_proj_qkvz.kernel.get_value()
-    assert kernel.shape == (4, *model.layers[0].linear_attn.in_proj_qkvz.kernel.shape)
+    assert kernel.shape == (3, *model.layers[0].linear_attn.in_proj_qkvz.kernel.shape)
     np.testing.assert_array_equal(kernel[2], model.layers[6].linear_attn.in_proj_qkvz.kernel)
     # The tiny preset repeats nothing: its layers stay as they are.
-    tiny = Qwen3Next(tiny_qwen3_next_config(), rngs=nnx.Rngs(0))
+    tiny = tiny_qwen3_next()
     assert not any(isinstance(layer, ScannedRun) for layer in scan_layers(tiny).layers)
 
 
