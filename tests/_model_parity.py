@@ -68,6 +68,19 @@ class Runner:
         return np.asarray(out.logits)[:n], out
 
 
+def greedy_tokens(run: Runner, prompt: list[int], pages: tuple[int, ...], n: int) -> list[int]:
+    """The ``n`` greedy tokens after ``prompt``, step by step: EXTEND over the prompt in slot
+    1 on ``pages``, then DECODE of each argmax."""
+    pool, kv = run.fresh()
+    logits, out = run.step(M.EXTEND, [RowSpec(1, 0, len(prompt), pages)], prompt, pool, kv)
+    tokens = [int(np.argmax(logits[-1]))]
+    for i in range(n - 1):
+        row = RowSpec(1, len(prompt) + i, 1, pages)
+        logits, out = run.step(M.DECODE, [row], tokens[-1:], out.pool, out.kv)
+        tokens.append(int(np.argmax(logits[0])))
+    return tokens
+
+
 def references(fixtures: pathlib.Path, names: Iterable[str]) -> dict[str, dict[str, np.ndarray]]:
     """Each fixture's ``reference.npz`` (transformers' tokens and logits), by fixture name."""
     return {name: dict(np.load(fixtures / name / "reference.npz")) for name in names}

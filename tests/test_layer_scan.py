@@ -209,15 +209,7 @@ def test_donated_layers_are_moved_into_the_stack():
 def test_engine_on_a_scanned_model_serves_the_greedy_tokens_of_the_layer_by_layer_model():
     model = qwen3_next(2)
     prompt = list(b"hybrid")
-    run = parity.Runner(model)  # the unrolled model, step by step
-    pool, kv = run.fresh()
-    pages = (1, 2, 3)
-    logits, out = run.step(M.EXTEND, [RowSpec(1, 0, len(prompt), pages)], prompt, pool, kv)
-    want = [int(np.argmax(logits[-1]))]
-    for i in range(3):
-        row = RowSpec(1, len(prompt) + i, 1, pages)
-        logits, out = run.step(M.DECODE, [row], want[-1:], out.pool, out.kv)
-        want.append(int(np.argmax(logits[0])))
+    want = parity.greedy_tokens(parity.Runner(model), prompt, (1, 2, 3), 4)  # unrolled
     config = EngineConfig(
         max_batch=1, max_tokens=16, max_context=24, page_size=parity.PAGE, cache_dir=None,
         impl="reference", overlap=False,

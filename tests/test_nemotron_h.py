@@ -250,13 +250,6 @@ def test_engine_serves_nemotron_h_greedy_like_the_model_step_by_step(runners, re
     )  # fmt: skip
     engine = Engine(run.model, ByteTokenizer(), config, progress=False)
     (result,) = engine.generate([prompt], SamplingParams(max_new_tokens=4))
-    pool, kv = run.fresh()
-    pages = (1, 2, 3, 4, 5, 6)
-    logits, out = run.step(M.EXTEND, [RowSpec(1, 0, len(prompt), pages)], prompt, pool, kv)
-    want = [int(np.argmax(logits[-1]))]
-    for i in range(3):
-        row = RowSpec(1, len(prompt) + i, 1, pages)
-        logits, out = run.step(M.DECODE, [row], want[-1:], out.pool, out.kv)
-        want.append(int(np.argmax(logits[0])))
+    want = parity.greedy_tokens(run, prompt, (1, 2, 3, 4, 5, 6), 4)
     assert want[0] == int(np.argmax(refs["hybrid"]["prefill_logits"][-1]))
     assert result.token_ids == want
