@@ -20,7 +20,7 @@ from flax import nnx
 
 from pallas_kernels import moe
 
-__all__ = ["MLP", "MoEConfig", "SparseMoE"]
+__all__ = ["MLP", "ExpertDispatch", "MoEConfig", "SparseMoE"]
 
 
 class MLP(nnx.Module):
@@ -36,6 +36,52 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, *, impl: str = "auto") -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertDispatch:
+    """Where each routed (token, choice) pair goes in the expert-sorted row order.
+
+    ``token`` ``[T * top_k]``: the token of each sorted row; ``position`` ``[T * top_k]``: the
+    sorted row of each token-major (token, choice) pair; ``group_sizes`` ``[E]``: rows per
+    expert, the grouped matmul's groups.
+    """
+
+    token: jax.Array
+    position: jax.Array
+    group_sizes: jax.Array
+
+    @classmethod
+    def sort(cls, experts: jax.Array, num_experts: int) -> ExpertDispatch:
+        """The dispatch of int32 ``experts`` ``[T, top_k]`` over ``num_experts`` experts."""
+        flat = experts.reshape(-1)  # token-major
+        order = jnp.argsort(flat, stable=True)
+        rows = jnp.arange(flat.shape[0], dtype=order.dtype)
+        return cls(
+            token=order // experts.shape[1],
+            position=jnp.zeros_like(order).at[order].set(rows),
+            group_sizes=jnp.bincount(flat, length=num_experts).astype(jnp.int32),
+        )
+
+    def rows(self, x: jax.Array) -> jax.Array:
+        """x ``[T, d]`` -> the experts' input rows ``[T * top_k, d]``, sorted by expert."""
+        return x[self.token]
+
+    def combine(self, ys: jax.Array, weights: jax.Array) -> jax.Array:
+        """Sorted expert outputs ``[T * top_k, d]`` -> float32 ``[T, d]``, each token's rows
+        weighted by its ``weights`` ``[T, top_k]``.
+
+        A gather back into token-major order and a sum over the choices: a scatter-add into
+        the token rows would serialise on the repeated token indices.
+        """
+        tokens, top_k = weights.shape
+        per_token = ys[self.position].reshape(tokens, top_k, ys.shape[-1])
+        return jnp.einsum(
+            "tk,tkd->td",
+            weights.astype(jnp.float32),
+            per_token.astype(jnp.float32),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,21 +145,15 @@ class SparseMoE(nnx.Module):
         return weights.astype(x.dtype), experts.astype(jnp.int32)
 
     def __call__(self, x: jax.Array, *, impl: str = "auto") -> jax.Array:
-        c = self.config
         weights, experts = self.route(x)
-        flat = experts.reshape(-1)  # [T * top_k], token-major
-        order = jnp.argsort(flat, stable=True)
-        tokens = order // c.top_k
-        group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
-        xs = x[tokens]
+        dispatch = ExpertDispatch.sort(experts, self.config.num_experts)
+        xs = dispatch.rows(x)
 
         def experts_matmul(rows: jax.Array, w: nnx.Param) -> jax.Array:
-            return moe.grouped_matmul(rows, w[...], group_sizes, impl=impl)
+            return moe.grouped_matmul(rows, w[...], dispatch.group_sizes, impl=impl)
 
         hidden = jax.nn.silu(experts_matmul(xs, self.gate_proj))
         hidden = hidden * experts_matmul(xs, self.up_proj)
-        ys = experts_matmul(hidden, self.down_proj)
-        ys = ys * weights.reshape(-1)[order][:, None]
-        routed = jnp.zeros_like(x).at[tokens].add(ys)
+        routed = dispatch.combine(experts_matmul(hidden, self.down_proj), weights)
         shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        return routed.astype(x.dtype) + shared

@@ -21,6 +21,7 @@ from flax import nnx
 
 from hybrid_jax.backend.attention import paged_attention
 from hybrid_jax.kv_cache import KVCacheSpec
+from hybrid_jax.layers.moe import ExpertDispatch
 from hybrid_jax.metadata import ForwardMetadata
 from pallas_kernels import moe
 
@@ -212,15 +213,12 @@ class RoutedMoE(nnx.Module):
         c = self.config
         weights, experts = self.route(x)
         h = self.fc1_latent_proj(x) if c.latent_size is not None else x
-        flat = experts.reshape(-1)  # [T * top_k], token-major
-        order = jnp.argsort(flat, stable=True)
-        tokens = order // c.top_k
-        group_sizes = jnp.bincount(flat, length=c.num_experts).astype(jnp.int32)
-        hidden = relu2(moe.grouped_matmul(h[tokens], self.up_proj[...], group_sizes, impl=impl))
-        ys = moe.grouped_matmul(hidden, self.down_proj[...], group_sizes, impl=impl)
+        dispatch = ExpertDispatch.sort(experts, c.num_experts)
+        sizes = dispatch.group_sizes
+        hidden = relu2(moe.grouped_matmul(dispatch.rows(h), self.up_proj[...], sizes, impl=impl))
+        ys = moe.grouped_matmul(hidden, self.down_proj[...], sizes, impl=impl)
         # Weighted sum in float32 (the router's dtype), cast back once, as the reference does.
-        ys = ys.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-        routed = jnp.zeros(h.shape, jnp.float32).at[tokens].add(ys).astype(x.dtype)
+        routed = dispatch.combine(ys, weights).astype(x.dtype)
         if c.latent_size is not None:
             routed = self.fc2_latent_proj(routed)
         return routed + self.shared_experts(x)
