@@ -1,6 +1,6 @@
 """Standalone Pallas kernels for hybrid linear attention (no import of hybrid_jax)."""
 
-from pallas_kernels import conv1d, gdn, mamba2, moe
-from pallas_kernels._common import IMPLS, on_hopper_gpu
+from pallas_kernels import attention, conv1d, gdn, mamba2, moe
+from pallas_kernels._common import IMPLS, on_hopper_gpu, resolve_impl
 
-__all__ = ["IMPLS", "conv1d", "gdn", "mamba2", "moe", "on_hopper_gpu"]
+__all__ = ["IMPLS", "attention", "conv1d", "gdn", "mamba2", "moe", "on_hopper_gpu", "resolve_impl"]

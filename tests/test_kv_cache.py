@@ -166,30 +166,33 @@ def _oracle(q, keys, values, scale):
 
 
 @pytest.mark.parametrize(
-    ("mode", "block"),
+    ("mode", "block", "chunk"),
     [
-        *((m, 128) for m in (M.EXTEND, M.MIXED, M.DRAFT_EXTEND, M.DECODE, M.TARGET_VERIFY)),
-        # Ragged rows in blocks of 2 and 3 tokens: several blocks per row, a partial last one.
-        (M.EXTEND, 2), (M.EXTEND, 3), (M.MIXED, 2), (M.DRAFT_EXTEND, 2),
-        # Blocks shortened to keep the scores in a budget: 4 heads x 24 positions x 4 bytes
-        # x 2 tokens.
-        (M.EXTEND, "budget"),
+        *((m, 128, 1024) for m in (M.EXTEND, M.MIXED, M.DRAFT_EXTEND, M.DECODE, M.TARGET_VERIFY)),
+        # Ragged rows in blocks of 2 and 3 tokens: several blocks per row, a partial last one;
+        # keys in chunks of one page (4) or two: several chunks per block, the online softmax.
+        (M.EXTEND, 2, 4), (M.EXTEND, 3, 8), (M.MIXED, 2, 4), (M.DRAFT_EXTEND, 2, 4),
+        # A chunk that is not whole pages rounds down to them (5 -> one page of 4).
+        (M.EXTEND, 128, 5),
     ],
 )  # fmt: skip
+# interpret: ragged steps split into the new tokens' segment attention and the cached prefix,
+# merged by log-sum-exp (the kernel's jnp reference stands in for it on the CPU).
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
 def test_paged_attention_matches_dense_causal_oracle_and_writes_only_its_pages(
-    mode, block, monkeypatch
+    mode, block, chunk, impl, monkeypatch
 ):
-    if block == "budget":
-        monkeypatch.setattr(attention_backend, "SCORES_BYTES", 4 * 24 * 4 * 2 + 7)
-        assert attention_backend.query_block(16, 4, 24) == 2
-    else:
-        monkeypatch.setattr(attention_backend, "QUERY_BLOCK", block)
+    monkeypatch.setattr(attention_backend, "QUERY_BLOCK", block)
+    monkeypatch.setattr(attention_backend, "KEY_CHUNK", chunk)
+    assert attention_backend.key_chunk(PAGE) == max(PAGE, chunk // PAGE * PAGE)
     rng = np.random.default_rng(0)
     heads, kv_heads, dim = 4, 2, 8
     new = {M.DECODE: (1, 1), M.TARGET_VERIFY: (3, 3), M.DRAFT_EXTEND: (2, 3)}.get(mode, (5, 3))
     prefix = (6, 2)
     # Scattered, non-contiguous pages; the cache is poisoned everywhere else (NaN).
     rows = [RowSpec(1, prefix[0], new[0], (9, 2, 14)), RowSpec(2, prefix[1], new[1], (5, 11))]
+    if mode in (M.EXTEND, M.MIXED, M.DRAFT_EXTEND):
+        rows.append(RowSpec(3, 0, new[0], (7, 12)))  # a fresh row: nothing cached
     meta = build_metadata(mode, rows, POLICY, num_slots=4, num_pages=NUM_PAGES, batch_size=4)
     with jax.enable_x64(True):
         k_pages = np.full((NUM_PAGES, PAGE, kv_heads, dim), np.nan)
@@ -211,8 +214,8 @@ def test_paged_attention_matches_dense_causal_oracle_and_writes_only_its_pages(
         for r, row in enumerate(rows):
             k[qsl[r] : qsl[r + 1]] = full_k[r][row.prefix_len :]
             v[qsl[r] : qsl[r + 1]] = full_v[r][row.prefix_len :]
-        out, k_after, v_after = jax.jit(paged_attention, static_argnames="scale")(
-            *map(jnp.asarray, (q, k, v, k_pages, v_pages)), meta, scale=dim**-0.5
+        out, k_after, v_after = jax.jit(paged_attention, static_argnames=("scale", "impl"))(
+            *map(jnp.asarray, (q, k, v, k_pages, v_pages)), meta, scale=dim**-0.5, impl=impl
         )
         out, k_after = np.asarray(out), np.asarray(k_after)
     for r, row in enumerate(rows):

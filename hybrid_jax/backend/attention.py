@@ -1,12 +1,19 @@
-"""Causal attention over the paged KV cache, for every token layout (plain jnp).
+"""Causal attention over the paged KV cache, for every token layout.
 
 The step's new keys and values are first written into the pages of their rows (padded
 tokens into the pad page 0); then every query token attends to positions ``0..p`` of its
 own row, read back through the row's page table. The ragged layouts (EXTEND, MIXED,
-DRAFT_EXTEND) attend in blocks of one row's consecutive tokens, which read the row's keys
-once per block; DECODE and TARGET_VERIFY attend token by token (``token_rows`` and
-``positions`` say each token's row and position); IDLE has no tokens. There is no Pallas
-paged-attention kernel yet, so this op has no ``impl`` choice.
+DRAFT_EXTEND) attend in blocks of one row's consecutive tokens, over the row's keys in
+chunks with an online softmax (flash attention's recurrence, in jnp); DECODE and
+TARGET_VERIFY attend token by token (``token_rows`` and ``positions`` say each token's row
+and position); IDLE has no tokens.
+
+``impl`` (``"auto" | "pallas" | "interpret" | "reference"``) chooses how a ragged step runs:
+with the segment kernel (``pallas_kernels.attention``: tokamax's Mosaic GPU flash attention
+on an sm_90 GPU), the new tokens attend among themselves in the kernel and to their row's
+cached prefix in jnp, and the two parts merge by their log-sum-exps; ``interpret`` takes the
+same split with the segment op's jnp reference; ``reference`` (and ``auto`` off the GPU) reads
+every key from the pages in jnp. DECODE and TARGET_VERIFY are jnp under every ``impl``.
 
 TARGET_VERIFY writes the D draft tokens' keys and values into the row's pages like any other
 step. Nothing needs undoing when drafts are rejected: their entries sit at positions past
@@ -31,24 +38,26 @@ import jax.numpy as jnp
 
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.modes import LayerKind, TokenLayout, check_supported
+from pallas_kernels import attention as attention_kernels
+from pallas_kernels import resolve_impl
 
 __all__ = ["paged_attention", "tree_ancestors", "write_pages"]
 
 # Query tokens attended per vectorised batch: bounds the gathered keys to
 # TOKEN_BLOCK x (max_pages * page_size) x KVH x head_dim while a kernel does not exist.
 TOKEN_BLOCK = 64
-# Ragged layouts attend in blocks of up to QUERY_BLOCK tokens of one row, which read the
-# row's keys once per block rather than once per token; a block's float32 scores stay within
-# SCORES_BYTES (a shorter block at long contexts).
-QUERY_BLOCK = 2048
-SCORES_BYTES = 2 << 30
+# Ragged layouts attend in blocks of up to QUERY_BLOCK tokens of one row, each block over
+# its row's keys in chunks of KEY_CHUNK positions with an online softmax: the scores of one
+# (block, chunk) pair are all that is ever materialised, and a block reads only the chunks
+# up to its last token's position, so the cost follows the row's length, not max_context.
+QUERY_BLOCK = 1024
+KEY_CHUNK = 1024
 
 
-def query_block(num_tokens: int, num_heads: int, num_positions: int) -> int:
-    """Tokens per block of a ragged step: ``QUERY_BLOCK`` at most, a power of two whose
-    float32 scores over ``num_positions`` keys stay within ``SCORES_BYTES``."""
-    fits = SCORES_BYTES // (4 * num_heads * num_positions)
-    return max(1, min(QUERY_BLOCK, num_tokens, 1 << max(0, fits.bit_length() - 1)))
+def key_chunk(page_size: int) -> int:
+    """Positions per key chunk: ``KEY_CHUNK`` rounded down to whole pages, one page at least
+    (a chunk is a run of the row's page table)."""
+    return page_size * max(1, KEY_CHUNK // page_size)
 
 
 def _row_blocks(meta: ForwardMetadata, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -56,7 +65,7 @@ def _row_blocks(meta: ForwardMetadata, block: int) -> tuple[jax.Array, jax.Array
     token and length (0 for the blocks past the last; there are ``ceil(T / block) + bs``
     blocks, enough for any rows of a T-token bucket)."""
     num_blocks = -(-meta.num_tokens // block) + meta.batch_size
-    per_row = -(-meta.seq_lens // block)
+    per_row = -(-jnp.asarray(meta.seq_lens) // block)
     ends = jnp.cumsum(per_row)
     ids = jnp.arange(num_blocks, dtype=jnp.int32)
     row = jnp.minimum(jnp.searchsorted(ends, ids, side="right"), meta.batch_size - 1)
@@ -66,47 +75,135 @@ def _row_blocks(meta: ForwardMetadata, block: int) -> tuple[jax.Array, jax.Array
     return row.astype(jnp.int32), start.astype(jnp.int32), length.astype(jnp.int32)
 
 
-def _ragged_rows(q, k_flat, v_flat, meta: ForwardMetadata, scale: float, acc) -> jax.Array:
-    """Causal attention of a ragged layout, block by block of one row's tokens: ``[T, H,
-    hd]`` (rows past the real tokens: anything)."""
+def _ragged_block(num_tokens: int, batch_size: int) -> int:
+    """Tokens per query block: ``QUERY_BLOCK`` at most, and no longer than a power of two
+    that holds an average row (many short rows would otherwise fill mostly empty blocks)."""
+    average = -(-num_tokens // batch_size)
+    return max(1, min(QUERY_BLOCK, num_tokens, 1 << (average - 1).bit_length()))
+
+
+def _ragged_rows(
+    q, k_flat, v_flat, meta: ForwardMetadata, scale: float, acc, *, prefix_only: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """Causal attention of a ragged layout, block by block of one row's tokens, each block
+    over key chunks with an online softmax: ``(out [T, H, hd], lse [T, H])`` (rows past the
+    real tokens: anything). ``prefix_only``: each row's tokens see only its cached prefix
+    (positions below ``context_lens - seq_lens``); a token that sees nothing gets out 0 and
+    lse ``-inf``."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_flat.shape[1]
     groups = num_heads // num_kv_heads
     size = meta.pages.page_size
+    chunk = key_chunk(size)
+    chunk_pages = chunk // size
     table = jnp.asarray(meta.pages.table)
-    span = jnp.arange(table.shape[1] * size)
-    block = query_block(num_tokens, num_heads, span.shape[0])
+    # Whole chunks of page table per row, so a chunk's slice never starts out of range.
+    table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % chunk_pages)))
+    prefix = jnp.asarray(meta.context_lens) - jnp.asarray(meta.seq_lens)
+    block = _ragged_block(num_tokens, meta.batch_size)
     rows, starts, lengths = _row_blocks(meta, block)
     # Room past the last token, so a block's slice never starts out of range.
     q_pad = jnp.concatenate([q, jnp.zeros((block, *q.shape[1:]), q.dtype)])
     pos_pad = jnp.concatenate([jnp.asarray(meta.positions), jnp.zeros(block, jnp.int32)])
+    offsets = jnp.arange(block, dtype=jnp.int32)
 
     def attend(args):
         row, start, length = args
         q_b = jax.lax.dynamic_slice_in_dim(q_pad, start, block)  # [Q, H, hd]
-        pos = jax.lax.dynamic_slice_in_dim(pos_pad, start, block)
-        index = (table[row][:, None] * size + jnp.arange(size)).reshape(-1)
-        seen = span[None, :] <= pos[:, None]  # [Q, L]: causal within the row
-        # Unwritten or stale entries may hold anything (even NaN): keys and values past
-        # what the block's last token sees are zeroed, and scores are masked per token.
-        last = span <= pos[jnp.maximum(length - 1, 0)]
-        keys = jnp.where(last[:, None, None], k_flat[index], 0)
-        values = jnp.where(last[:, None, None], v_flat[index], 0)
-        # The products run in the cache's dtype (tensor cores for bf16), accumulating in acc.
-        q_g = q_b.reshape(block, num_kv_heads, groups, head_dim).astype(keys.dtype)
-        scores = jnp.einsum("qkgd,lkd->kgql", q_g, keys, preferred_element_type=acc) * scale
-        scores = jnp.where(seen[None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-        out = jnp.einsum("kgql,lkd->qkgd", probs, values, preferred_element_type=acc)
-        return out.reshape(block, num_heads, head_dim)
+        last = jax.lax.dynamic_slice_in_dim(pos_pad, start + jnp.maximum(length - 1, 0), 1)[0]
+        # The block's tokens are consecutive positions of one row; the rows past its length
+        # take the last token's position, so every row sees position 0 and stays finite.
+        pos = last - jnp.maximum(length - 1 - offsets, 0)
+        if prefix_only:
+            last = prefix[row] - 1  # -1: no prefix, no chunk
+            pos = jnp.minimum(pos, last)
+        q_g = q_b.reshape(block, num_kv_heads, groups, head_dim).astype(k_flat.dtype)
+        table_row = table[row]
 
-    outs = jax.lax.map(attend, (rows, starts, lengths))  # [blocks, Q, H, hd]
+        def step(c, carry):
+            peak, total, out = carry
+            pages = jax.lax.dynamic_slice_in_dim(table_row, c * chunk_pages, chunk_pages)
+            index = (pages[:, None] * size + jnp.arange(size)).reshape(-1)
+            key_pos = c * chunk + jnp.arange(chunk)
+            # Unwritten or stale entries may hold anything (even NaN): keys and values past
+            # the block's last position are zeroed, and scores are masked per token.
+            live = (key_pos <= last)[:, None, None]
+            keys = jnp.where(live, k_flat[index], 0)
+            values = jnp.where(live, v_flat[index], 0)
+            # Products in the cache's dtype (tensor cores for bf16), accumulating in acc.
+            scores = jnp.einsum("qkgd,lkd->kgql", q_g, keys, preferred_element_type=acc)
+            seen = key_pos[None, :] <= pos[:, None]  # [Q, C]
+            scores = jnp.where(seen, scores * scale, -jnp.inf)
+            new_peak = jnp.maximum(peak, scores.max(-1))
+            probs = jnp.exp(scores - new_peak[..., None])
+            decay = jnp.exp(peak - new_peak)
+            total = total * decay + probs.sum(-1)
+            out = out * decay[..., None] + jnp.einsum(
+                "kgql,lkd->kgqd", probs.astype(values.dtype), values, preferred_element_type=acc
+            )
+            return new_peak, total, out
+
+        stats = (num_kv_heads, groups, block)
+        init = (
+            jnp.full(stats, -jnp.inf, acc),
+            jnp.zeros(stats, acc),
+            jnp.zeros((*stats, head_dim), acc),
+        )
+        num_chunks = jnp.where(length > 0, last // chunk + 1, 0)
+        peak, total, out = jax.lax.fori_loop(0, num_chunks, step, init)
+        seen_any = total > 0
+        out = out / jnp.where(seen_any, total, 1)[..., None]
+        lse = jnp.where(seen_any, peak + jnp.log(jnp.where(seen_any, total, 1)), -jnp.inf)
+        return (
+            out.transpose(2, 0, 1, 3).reshape(block, num_heads, head_dim),
+            lse.transpose(2, 0, 1).reshape(block, num_heads),
+        )
+
+    # Short blocks run side by side, up to QUERY_BLOCK tokens at a time (each sequential
+    # iteration costs a loop trip on the device).
+    together = max(1, QUERY_BLOCK // block)
+    outs, lses = jax.lax.map(attend, (rows, starts, lengths), batch_size=together)
     # Each real token lies in exactly one block; the rest of a block is dropped.
-    offsets = jnp.arange(block, dtype=jnp.int32)
     inside = offsets[None] < lengths[:, None]
-    target = jnp.where(inside, starts[:, None] + offsets[None], num_tokens)
+    target = jnp.where(inside, starts[:, None] + offsets[None], num_tokens).reshape(-1)
     out = jnp.zeros((num_tokens, num_heads, head_dim), acc)
-    return out.at[target.reshape(-1)].set(outs.reshape(-1, num_heads, head_dim), mode="drop")
+    out = out.at[target].set(outs.reshape(-1, num_heads, head_dim), mode="drop")
+    lse = jnp.full((num_tokens, num_heads), -jnp.inf, acc)
+    return out, lse.at[target].set(lses.reshape(-1, num_heads), mode="drop")
+
+
+def _segment_starts(meta: ForwardMetadata) -> jax.Array:
+    """int32 ``[T]``: the first token of each token's row in the packed layout (a padded
+    token is its own segment)."""
+    qsl = jnp.asarray(meta.query_start_loc)
+    rows = jnp.asarray(meta.token_rows)
+    tokens = jnp.arange(meta.num_tokens, dtype=jnp.int32)
+    return jnp.where(rows < meta.batch_size, qsl[jnp.minimum(rows, meta.batch_size - 1)], tokens)
+
+
+def _merge(parts: list[tuple[jax.Array, jax.Array]]) -> jax.Array:
+    """Softmax attention over the union of disjoint key sets, from each set's ``(out [T, H,
+    hd], lse [T, H])``; a set a token did not see has lse ``-inf`` and weighs nothing."""
+    peak = jnp.maximum(*(lse for _, lse in parts))
+    weights = [jnp.exp(lse - peak) for _, lse in parts]
+    total = sum(weights)
+    return (
+        sum(w[..., None] * out.astype(w.dtype) for w, (out, _) in zip(weights, parts, strict=True))
+        / total[..., None]
+    )
+
+
+def _ragged_kernel(impl: str, q: jax.Array, k_pages: jax.Array) -> str | None:
+    """The implementation of the new tokens' segment attention for a ragged step, or None for
+    the all-jnp path (keys of every position read from the pages). ``interpret`` runs the
+    split path with the segment attention's jnp reference (its kernel is tokamax's, which has
+    no interpreter run)."""
+    if impl == "interpret":
+        return "reference"
+    reason = attention_kernels.unsupported_reason(q.astype(k_pages.dtype), k_pages)
+    if resolve_impl("paged_attention", impl, reason) == "pallas":
+        return "pallas"
+    return None
 
 
 def _token_pages(meta: ForwardMetadata) -> jax.Array:
@@ -179,6 +276,7 @@ def paged_attention(
     meta: ForwardMetadata,
     *,
     scale: float,
+    impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Writes this step's keys and values, then causal grouped-query attention per row.
 
@@ -241,7 +339,28 @@ def paged_attention(
         return jnp.einsum("kgl,lkd->kgd", probs, values).reshape(num_heads, head_dim)
 
     if meta.token_layout is TokenLayout.RAGGED:
-        out = _ragged_rows(q, k_flat, v_flat, meta, scale, acc)
+        kernel = _ragged_kernel(impl, q, k_pages)
+        if kernel is None:
+            out, _ = _ragged_rows(q, k_flat, v_flat, meta, scale, acc)
+        else:
+            # The new tokens among themselves (causal within each row) in the segment kernel,
+            # the cached prefix from the pages in jnp, merged by their log-sum-exps.
+            dtype = k_pages.dtype
+            fresh = attention_kernels.segment_causal_attention(
+                q.astype(dtype), k.astype(dtype), v.astype(dtype), _segment_starts(meta),
+                scale=scale, impl=kernel,
+            )  # fmt: skip
+            prefix = jnp.asarray(meta.context_lens) - jnp.asarray(meta.seq_lens)
+            # A step of fresh prompts only (no row has a cached prefix) skips the prefix pass.
+            cached = jax.lax.cond(
+                jnp.any(prefix > 0),
+                lambda: _ragged_rows(q, k_flat, v_flat, meta, scale, acc, prefix_only=True),
+                lambda: (
+                    jnp.zeros((num_tokens, num_heads, head_dim), acc),
+                    jnp.full((num_tokens, num_heads), -jnp.inf, acc),
+                ),
+            )
+            out = _merge([fresh, cached])
     else:
         tree_args = None if tree is None else (tree.prefix, tree.path)
         out = jax.lax.map(

@@ -104,7 +104,13 @@ class GatedAttention(nnx.Module):
         self.k_norm = ZeroCenteredRMSNorm(c.head_dim, eps=c.rms_norm_eps)
 
     def __call__(
-        self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: ForwardMetadata
+        self,
+        x: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        meta: ForwardMetadata,
+        *,
+        impl: str = "auto",
     ) -> AttentionOutput:
         """x: ``[T, hidden]`` packed tokens of ``meta``; k_pages, v_pages:
         ``[P, page_size, KVH, head_dim]``."""
@@ -118,7 +124,7 @@ class GatedAttention(nnx.Module):
         q = apply_rotary(q, meta.positions, c.rotary_dim, c.rope_theta)
         k = apply_rotary(k, meta.positions, c.rotary_dim, c.rope_theta)
         out, k_pages, v_pages = paged_attention(
-            q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5
+            q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5, impl=impl
         )
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         out = out.reshape(t, c.num_heads * c.head_dim)  # explicit: t == 0 when IDLE

@@ -87,13 +87,18 @@ class LayerStates:
         return out.y
 
     def attention(
-        self, mixer: GatedAttention | PlainAttention, h: jax.Array, meta: ForwardMetadata
+        self,
+        mixer: GatedAttention | PlainAttention,
+        h: jax.Array,
+        meta: ForwardMetadata,
+        *,
+        impl: str,
     ) -> jax.Array:
         """The next full-attention layer's mixer on normed ``h`` ``[T, hidden]`` and its cache
         pages; returns its output ``[T, hidden]`` and keeps its new pages."""
         i, self._attention = self._attention, self._attention + 1
         conv, ssm, k, v = self._arrays
-        out = mixer(h, k, v, meta.at_attention_layer(i, self._kv.num_pages))
+        out = mixer(h, k, v, meta.at_attention_layer(i, self._kv.num_pages), impl=impl)
         self._arrays = (conv, ssm, out.k_pages, out.v_pages)
         return out.y
 

@@ -296,7 +296,7 @@ class Block(nnx.Module):
         if self.block_type == "linear_attention":
             return x + states.linear(self.mixer, h, meta, impl=impl)
         if self.block_type == "full_attention":
-            return x + states.attention(self.mixer, h, meta)
+            return x + states.attention(self.mixer, h, meta, impl=impl)
         return x + self.mixer(h, impl=impl)  # MLP and MoE blocks mix no tokens, hold no state
 
 

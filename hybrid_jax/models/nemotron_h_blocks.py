@@ -85,7 +85,13 @@ class PlainAttention(nnx.Module):
         self.o_proj = nnx.Linear(c.num_heads * c.head_dim, c.hidden_size, **linear)
 
     def __call__(
-        self, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, meta: ForwardMetadata
+        self,
+        x: jax.Array,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        meta: ForwardMetadata,
+        *,
+        impl: str = "auto",
     ) -> PlainAttentionOutput:
         """x: ``[T, hidden]`` packed tokens of ``meta``; k_pages, v_pages:
         ``[P, page_size, KVH, head_dim]``."""
@@ -95,7 +101,7 @@ class PlainAttention(nnx.Module):
         k = self.k_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
         out, k_pages, v_pages = paged_attention(
-            q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5
+            q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5, impl=impl
         )
         out = out.reshape(t, c.num_heads * c.head_dim)
         return PlainAttentionOutput(self.o_proj(out), k_pages, v_pages)

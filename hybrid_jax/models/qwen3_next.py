@@ -319,7 +319,7 @@ class DecoderLayer(nnx.Module):
         if self.kind is LayerKind.GDN:
             x = x + states.linear(self.linear_attn, h, meta, impl=impl)
         else:
-            x = x + states.attention(self.self_attn, h, meta)
+            x = x + states.attention(self.self_attn, h, meta, impl=impl)
         return x + self.mlp(self.post_attention_layernorm(x), impl=impl)
 
 

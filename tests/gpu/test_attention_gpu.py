@@ -1,0 +1,88 @@
+"""Ragged prefill attention on an sm_90 GPU at Qwen3-Next attention shapes: the segment kernel
+(tokamax's Mosaic GPU flash attention) against its jnp reference, and the paged attention's
+split path (kernel + cached prefix + merge) against its all-jnp path, with the cache poisoned
+outside the rows; skipped without tokamax."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hybrid_jax.backend.attention import paged_attention
+from hybrid_jax.metadata import BucketPolicy, ForwardMode, RowSpec, build_metadata
+from pallas_kernels import attention
+from pallas_kernels._common import on_hopper_gpu
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not on_hopper_gpu(), reason="needs an sm_90 GPU"),
+]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(16, 2, 256), (32, 8, 128), (8, 8, 64)])
+def test_segment_kernel_matches_the_reference(heads, kv_heads, dim):
+    lengths = (1000, 1, 2047, 3, 777)
+    tokens = 4096
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    segment_start = np.concatenate(
+        [np.repeat(starts, lengths), np.arange(sum(lengths), tokens)]
+    ).astype(np.int32)
+    keys = jax.random.split(jax.random.key(dim), 3)
+    q = jax.random.normal(keys[0], (tokens, heads, dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (tokens, kv_heads, dim), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (tokens, kv_heads, dim), jnp.bfloat16)
+    assert attention.unsupported_reason(q, k) is None, attention.unsupported_reason(q, k)
+    run = jax.jit(attention.segment_causal_attention, static_argnames=("scale", "impl"))
+    got, got_lse = run(q, k, v, jnp.asarray(segment_start), scale=dim**-0.5, impl="pallas")
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    want, want_lse = run(
+        f32(q), f32(k), f32(v), jnp.asarray(segment_start), scale=dim**-0.5, impl="reference"
+    )
+    got, want = np.asarray(got, np.float32), np.asarray(want)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+    assert np.abs(np.asarray(got_lse) - np.asarray(want_lse)).max() < 2e-2
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED])
+def test_split_paged_attention_matches_the_all_jnp_path(mode):
+    page, heads, kv_heads, dim = 16, 16, 2, 256
+    rows_shape = [(0, 700), (1500, 300), (33, 1), (0, 1024)]  # (prefix, new) per row
+    per_row = [-(-(p + n) // page) for p, n in rows_shape]
+    num_pages = sum(per_row) + 8
+    rng = np.random.default_rng(0)
+    order = rng.permutation(np.arange(1, num_pages))
+    pages, used = [], 0
+    for count in per_row:
+        pages.append(tuple(int(p) for p in order[used : used + count]))
+        used += count
+    specs = [RowSpec(r + 1, p, n, pages[r]) for r, (p, n) in enumerate(rows_shape)]
+    policy = BucketPolicy(
+        batch_buckets=(4,), token_buckets=(2048,), page_size=page, max_context=2048
+    )
+    meta = build_metadata(mode, specs, policy, num_slots=8, num_pages=num_pages)
+    keys = jax.random.split(jax.random.key(1), 5)
+    shape = (num_pages, page, kv_heads, dim)
+    cached_k = jax.random.normal(keys[0], shape, jnp.bfloat16)
+    cached_v = jax.random.normal(keys[1], shape, jnp.bfloat16)
+    # Pages no row holds are NaN: the split path must never read them.
+    outside = np.setdiff1d(np.arange(1, num_pages), np.concatenate([np.array(p) for p in pages]))
+    cached_k = cached_k.at[outside].set(jnp.nan)
+    cached_v = cached_v.at[outside].set(jnp.nan)
+    tokens = meta.num_tokens
+    q = jax.random.normal(keys[2], (tokens, heads, dim), jnp.bfloat16)
+    k = jax.random.normal(keys[3], (tokens, kv_heads, dim), jnp.bfloat16)
+    v = jax.random.normal(keys[4], (tokens, kv_heads, dim), jnp.bfloat16)
+    run = jax.jit(paged_attention, static_argnames=("scale", "impl"))
+    got, got_k, _ = run(q, k, v, cached_k, cached_v, meta, scale=dim**-0.5, impl="pallas")
+    want, want_k, _ = run(q, k, v, cached_k, cached_v, meta, scale=dim**-0.5, impl="reference")
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+    # Page 0 is the pad page: padded tokens race to write it, so it is compared nowhere.
+    np.testing.assert_array_equal(
+        np.asarray(got_k[1:], np.float32), np.asarray(want_k[1:], np.float32)
+    )
+    real = int(np.asarray(meta.query_start_loc)[-1])
+    np.testing.assert_array_equal(got[real:], 0)
