@@ -343,7 +343,8 @@ def test_sparse_moe_matches_per_token_oracle(norm_topk):
     x = np.random.default_rng(1).standard_normal((9, 16)).astype(np.float32)
     got = np.asarray(jax.jit(lambda m, a: m(a))(moe, jnp.asarray(x)))
     params = {k: np.asarray(v, np.float64) for k, v in {
-        "router": moe.gate.kernel[...], "gate": moe.gate_proj[...], "up": moe.up_proj[...],
+        "router": moe.gate.kernel[...],
+        "gate": moe.gate_up_proj[..., :8], "up": moe.gate_up_proj[..., 8:],
         "down": moe.down_proj[...], "sg": moe.shared_expert.gate_proj.kernel[...],
         "su": moe.shared_expert.up_proj.kernel[...], "sd": moe.shared_expert.down_proj.kernel[...],
         "sgate": moe.shared_expert_gate.kernel[...],

@@ -5,9 +5,10 @@ the chosen ones when ``norm_topk_prob``), runs the chosen experts as grouped mat
 tokens sorted by expert (``jax.lax.ragged_dot``: each expert multiplies only its own tokens),
 and adds a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
 
-Expert weights are stacked in ``[E, in, out]`` order (``gate_proj``, ``up_proj``: ``[E, hidden,
-I]``; ``down_proj``: ``[E, I, hidden]``); the loader transposes Hugging Face's per-expert
-``[out, in]`` matrices into them.
+Expert weights are stacked in ``[E, in, out]`` order, the layout the grouped matmul reads:
+``gate_up_proj`` ``[E, hidden, 2I]`` (the gate's I columns, then the up projection's: one
+product for both), ``down_proj`` ``[E, I, hidden]``; the loader transposes Hugging Face's
+per-expert ``[out, in]`` matrices (or its fused ``gate_up_proj``) into them.
 """
 
 from __future__ import annotations
@@ -77,11 +78,10 @@ class ExpertDispatch:
         """
         tokens, top_k = weights.shape
         per_token = ys[self.position].reshape(tokens, top_k, ys.shape[-1])
-        return jnp.einsum(
-            "tk,tkd->td",
-            weights.astype(jnp.float32),
-            per_token.astype(jnp.float32),
-        )
+        # A product and a sum over the choices, which XLA fuses with the gather into one
+        # reduction (a dot would materialise the gathered rows first).
+        scaled = per_token.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]
+        return scaled.sum(axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,12 +120,9 @@ class SparseMoE(nnx.Module):
         self.gate = nnx.Linear(
             c.hidden_size, c.num_experts, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.gate_proj = _expert_weights(
-            rngs, (c.num_experts, c.hidden_size, c.intermediate_size), dtype
-        )
-        self.up_proj = _expert_weights(
-            rngs, (c.num_experts, c.hidden_size, c.intermediate_size), dtype
-        )
+        gate = _expert_weights(rngs, (c.num_experts, c.hidden_size, c.intermediate_size), dtype)
+        up = _expert_weights(rngs, (c.num_experts, c.hidden_size, c.intermediate_size), dtype)
+        self.gate_up_proj = nnx.Param(jnp.concatenate([gate[...], up[...]], axis=-1))
         self.down_proj = _expert_weights(
             rngs, (c.num_experts, c.intermediate_size, c.hidden_size), dtype
         )
@@ -152,8 +149,8 @@ class SparseMoE(nnx.Module):
         def experts_matmul(rows: jax.Array, w: nnx.Param) -> jax.Array:
             return moe.grouped_matmul(rows, w[...], dispatch.group_sizes, impl=impl)
 
-        hidden = jax.nn.silu(experts_matmul(xs, self.gate_proj))
-        hidden = hidden * experts_matmul(xs, self.up_proj)
+        gate, up = jnp.split(experts_matmul(xs, self.gate_up_proj), 2, axis=-1)
+        hidden = jax.nn.silu(gate) * up
         routed = dispatch.combine(experts_matmul(hidden, self.down_proj), weights)
         shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed.astype(x.dtype) + shared

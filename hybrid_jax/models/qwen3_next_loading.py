@@ -50,21 +50,29 @@ def _experts(target, names, out_dim, in_dim) -> Rule:
     )
 
 
+def _gate_up_experts(target, experts: list[str], inter: int, hidden: int) -> Rule:
+    """Per-expert ``gate_proj`` and ``up_proj`` ``[I, H]`` into ours ``[E, H, 2I]``."""
+    names = [f"{x}{name}.weight" for name in ("gate_proj", "up_proj") for x in experts]
+    e = len(experts)
+    return Rule(
+        target,
+        tuple((name, (inter, hidden)) for name in names),
+        lambda a: np.concatenate(
+            [np.stack([m.T for m in a[:e]]), np.stack([m.T for m in a[e:]])], -1
+        ),
+        lambda w: [m.T for m in w[..., :inter]] + [m.T for m in w[..., inter:]],
+    )
+
+
 def _fused_experts(p, target, c: Qwen3NextConfig) -> list[Rule]:
     """HF's in-memory layout: ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``."""
     e, i, h = c.num_experts, c.moe_intermediate_size, c.hidden_size
     gate_up = (f"{p}mlp.experts.gate_up_proj", (e, 2 * i, h))
     return [
         Rule(
-            (*target, "gate_proj"),
+            (*target, "gate_up_proj"),
             (gate_up,),
-            lambda a: a[0][:, :i].transpose(0, 2, 1),
-            lambda w: [w.transpose(0, 2, 1)],
-        ),  # fmt: skip
-        Rule(
-            (*target, "up_proj"),
-            (gate_up,),
-            lambda a: a[0][:, i:].transpose(0, 2, 1),
+            lambda a: a[0].transpose(0, 2, 1),
             lambda w: [w.transpose(0, 2, 1)],
         ),  # fmt: skip
         Rule(
@@ -131,11 +139,9 @@ def _layer_rules(
         yield from _fused_experts(p, m, c)
     else:
         experts = [f"{p}mlp.experts.{j}." for j in range(e)]
-        for name, out_dim, in_dim in (
-            ("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter),
-        ):  # fmt: skip
-            names = [f"{x}{name}.weight" for x in experts]
-            yield _experts((*m, name), names, out_dim, in_dim)
+        yield _gate_up_experts((*m, "gate_up_proj"), experts, inter, h)
+        names = [f"{x}down_proj.weight" for x in experts]
+        yield _experts((*m, "down_proj"), names, h, inter)
     s = c.shared_expert_intermediate_size
     yield from _mlp(f"{p}mlp.shared_expert.", (*m, "shared_expert"), h, s)
     yield linear((*m, "shared_expert_gate", "kernel"), f"{p}mlp.shared_expert_gate.weight",

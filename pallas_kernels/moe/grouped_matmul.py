@@ -23,6 +23,9 @@ _OP = "grouped_matmul"
 # The kernel's row tiles are multiples of 8 rows: shorter inputs are padded to it.
 _ROW_TILE = 8
 _DTYPES = (jnp.bfloat16, jnp.float16)
+# Rows per group on average and K from which the 128-row-tile config runs.
+_LONG_ROWS = 128
+_WIDE_K = 1024
 
 
 @functools.cache
@@ -32,6 +35,21 @@ def _tokamax_ragged_dot():
     except ImportError:
         return None
     return ragged_dot
+
+
+@functools.cache
+def _long_rows_kernel():
+    """tokamax's kernel with 128-row tiles, 4 pipeline stages: faster than its heuristic
+    config (64-row tiles, 2 stages) once every group holds a full tile of rows and K is wide
+    (prefill's gate/up product; benchmarks/moe_variants.py)."""
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as kernel
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as common
+
+    config = common.Config(
+        block_m=128, block_n=64, block_k=128, num_stages=4, split_k=1, persistent=False,
+        grid_minor_dim=common.MatmulDimension.M, grid_tile_width=1,
+    )  # fmt: skip
+    return kernel.PallasMosaicGpuRaggedDot(config=config)
 
 
 def unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
@@ -82,10 +100,13 @@ def grouped_matmul(
     rows = x.shape[0]
     padded = -(-rows // _ROW_TILE) * _ROW_TILE
     xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
-    out = _tokamax_ragged_dot()(
-        xp, w, group_sizes.astype(jnp.int32), preferred_element_type=x.dtype,
-        implementation="mosaic",
-    )  # fmt: skip
+    sizes = group_sizes.astype(jnp.int32)
+    if padded >= _LONG_ROWS * w.shape[0] and x.shape[1] >= _WIDE_K:
+        out = _long_rows_kernel()(xp, w, group_sizes=sizes, preferred_element_type=x.dtype)
+    else:
+        out = _tokamax_ragged_dot()(
+            xp, w, sizes, preferred_element_type=x.dtype, implementation="mosaic"
+        )
     # The kernel leaves rows past the groups unwritten; the reference's are zeros.
     valid = jnp.arange(padded) < jnp.sum(group_sizes)
     return jnp.where(valid[:, None], out, 0)[:rows]

@@ -20,7 +20,14 @@ pytestmark = [
 
 @pytest.mark.parametrize(
     ("rows", "experts", "k", "n"),
-    [(10, 512, 2048, 512), (640, 512, 2048, 512), (4096 * 8, 256, 512, 2048), (37, 64, 512, 2048)],
+    [
+        (10, 512, 2048, 512),
+        (640, 512, 2048, 512),
+        (4096 * 8, 256, 512, 2048),
+        (37, 64, 512, 2048),
+        # Prefill's fused gate/up: 128-row tiles (every group averages a full tile, K wide).
+        (128 * 64, 64, 2048, 1024),
+    ],
 )
 def test_kernel_matches_the_oracle_and_zeroes_padding(rows, experts, k, n):
     rng = np.random.default_rng(rows)

@@ -1,0 +1,111 @@
+"""tokamax's Mosaic GPU ragged dot at the MoE shapes of the Qwen3.5-35B-A3B-like preset, per
+kernel config, beside the heuristic config tokamax picks without an autotuning cache.
+
+Run on the GPU machine (see benchmarks/README.md)::
+
+    python3 benchmarks/moe_variants.py [--out DIR]
+
+Shapes: 256 experts of width 512 on hidden 2048, top 8; ``prefill``: 8192 tokens (65536 routed
+rows), ``decode B``: B tokens; the gate/up product (K=2048, N=512), gate and up fused (N=1024)
+and the down product (K=512, N=2048). Rows are spread over the experts at random (multinomial).
+Device time from a profiler trace; the limit is the larger of the FLOP time (7.9e14 FLOP/s)
+and the byte time of the experts touched (4.3e12 B/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_time import device_time  # noqa: E402
+
+EXPERTS, HIDDEN, WIDTH, TOP_K = 256, 2048, 512, 8
+CONFIGS = {
+    # name: (block_m, block_n, block_k, num_stages, persistent, grid_minor_dim, tile_width)
+    "m128 k128 s4": (128, 64, 128, 4, False, "M", 1),
+    "m128 k256 s4": (128, 64, 256, 4, False, "M", 1),
+    "m128 k128 s4 N4 pers": (128, 64, 128, 4, True, "N", 4),
+    "m128 k256 s2 M8 pers": (128, 64, 256, 2, True, "M", 8),
+    "m64 k256 s4": (64, 64, 256, 4, False, "M", 1),
+    "m32 k512 s4": (32, 64, 512, 4, False, "M", 1),
+    "m16 k512 s4": (16, 64, 512, 4, False, "M", 1),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", default="8192,64,1")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    args = parser.parse_args()
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as rd
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as rd_common
+
+    lines = [
+        f"# tokamax ragged dot configs ({datetime.date.today()}, jax {jax.__version__}, "
+        f"{jax.devices()[0].device_kind})",
+        "",
+        "| tokens | product | config | device us | limit us | fraction |",
+        "| ---: | --- | --- | ---: | ---: | ---: |",
+    ]
+    print("\n".join(lines), flush=True)
+    rng = np.random.default_rng(0)
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        rows = tokens * TOP_K
+        sizes = rng.multinomial(rows, np.ones(EXPERTS) / EXPERTS).astype(np.int32)
+        touched = int((sizes > 0).sum())
+        group_sizes = jnp.asarray(sizes)
+        for product, k, n in (("gate/up", HIDDEN, WIDTH), ("gate+up fused", HIDDEN, 2 * WIDTH),
+                              ("down", WIDTH, HIDDEN)):  # fmt: skip
+            keys = jax.random.split(jax.random.key(k * n + rows), 2)
+            x = jax.random.normal(keys[0], (rows, k), jnp.bfloat16)
+            w = jax.random.normal(keys[1], (EXPERTS, k, n), jnp.bfloat16) * k**-0.5
+            flops = 2.0 * rows * k * n
+            moved = touched * k * n * 2 + rows * (k + n) * 2
+            limit_us = max(flops / 7.9e14, moved / 4.3e12) * 1e6
+            want = None
+            for name, cfg in [("heuristic", None), *CONFIGS.items()]:
+                try:
+                    if cfg is None:
+                        op = rd.PallasMosaicGpuRaggedDot()
+                    else:
+                        bm, bn, bk, stages, persistent, minor, width = cfg
+                        op = rd.PallasMosaicGpuRaggedDot(
+                            config=rd_common.Config(
+                                block_m=bm, block_n=bn, block_k=bk, num_stages=stages,
+                                split_k=1, persistent=persistent,
+                                grid_minor_dim=getattr(rd_common.MatmulDimension, minor),
+                                grid_tile_width=width,
+                            )
+                        )  # fmt: skip
+                    f = jax.jit(
+                        lambda x, w, g, op=op: op(
+                            x, w, group_sizes=g, preferred_element_type=jnp.bfloat16
+                        )
+                    )
+                    out = f(x, w, group_sizes)
+                    if want is None:
+                        want = out
+                    err = float(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32)).max())
+                    us = device_time(lambda f=f, a=(x, w, group_sizes): f(*a), calls=5).us
+                    row = (
+                        f"| {tokens} | {product} | {name} | {us:.1f} | {limit_us:.1f} | "
+                        f"{limit_us / us:.0%} |" + (f" err {err:.2g}" if err > 0.05 else "")
+                    )
+                except Exception as exc:  # noqa: BLE001 (a failing config is a row)
+                    traceback.print_exc(limit=1)
+                    row = f"| {tokens} | {product} | {name} | failed: {str(exc)[:80]} | | |"
+                print(row, flush=True)
+                lines.append(row)
+    (Path(args.out) / "RESULTS_moe_variants.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
