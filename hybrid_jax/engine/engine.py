@@ -132,6 +132,8 @@ class Engine(SpeculativeServing):
         self.config = config
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_id)
+        # A vision-language checkpoint's image and video placeholders: text only here.
+        self.vision_token_ids = frozenset(getattr(model.config, "vision_token_ids", ()))
         self.max_context = config.context(model.config.max_position_embeddings)
         self.policy = config.policy(model.config.max_position_embeddings)
         self.speculative = config.speculative
@@ -334,6 +336,12 @@ class Engine(SpeculativeServing):
                 raise RequestError(
                     f"{what} token_ids[{i}]={token} is outside the vocabulary "
                     f"(ids 0..{self.vocab_size - 1})"
+                )
+            if token in self.vision_token_ids:
+                raise RequestError(
+                    f"{what} token_ids[{i}]={token} is an image or video placeholder of this "
+                    f"vision-language checkpoint; only text is served here, so give a prompt "
+                    f"without image or video input"
                 )
         context = self.max_context
         if len(ids) > context:

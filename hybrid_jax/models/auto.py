@@ -11,6 +11,8 @@ from flax import nnx
 
 from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.nemotron_h_loading import load_nemotron_h
+from hybrid_jax.models.qwen3_5_loading import MODEL_TYPES as QWEN3_5_TYPES
+from hybrid_jax.models.qwen3_5_loading import load_qwen3_5
 from hybrid_jax.models.qwen3_next_loading import load_qwen3_next
 
 __all__ = ["MODEL_LOADERS", "load_checkpoint"]
@@ -18,6 +20,7 @@ __all__ = ["MODEL_LOADERS", "load_checkpoint"]
 MODEL_LOADERS: dict[str, Callable[..., nnx.Module]] = {
     "qwen3_next": load_qwen3_next,
     "nemotron_h": load_nemotron_h,
+    **dict.fromkeys(QWEN3_5_TYPES, load_qwen3_5),
 }
 """config.json ``model_type`` -> the loader that builds that model."""
 

@@ -18,9 +18,8 @@ norm is the zero-centred ``(1 + w)`` RMSNorm. Its attention layer keeps its own 
 (``mtp_kv_specs``) on the same pages as the model's: it writes position p of a request where
 the model does.
 
-Qwen3.5's text model is not covered: its GDN layers project q/k/v, z, b and a with separate
-matrices (``in_proj_qkv``, ``in_proj_z``, ...) and its rotary embedding is multimodal, so it
-differs from Qwen3-Next in weights, not only in configuration.
+Qwen3.5 and Qwen3.6 checkpoints build this model too (``qwen3_5_loading``): their text model
+is the same computation with other tensor names and layouts.
 """
 
 from __future__ import annotations
@@ -76,7 +75,9 @@ class Qwen3NextConfig:
     Layer i has a sparse MoE block when ``num_experts > 0``, ``i`` is not in
     ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``, else a dense MLP of
     ``intermediate_size``. ``num_nextn_predict_layers``: 1 builds the multi-token-prediction
-    head (``MTPHead``), 0 leaves it out.
+    head (``MTPHead``), 0 leaves it out. ``vision_token_ids``: the image and video placeholder
+    ids of a vision-language checkpoint (Qwen3.5), which this text-only model refuses in a
+    prompt.
     """
 
     vocab_size: int
@@ -107,11 +108,13 @@ class Qwen3NextConfig:
     tie_word_embeddings: bool = False
     eos_token_id: tuple[int, ...] = ()
     num_nextn_predict_layers: int = 0
+    vision_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        object.__setattr__(self, "vision_token_ids", tuple(self.vision_token_ids))
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
@@ -186,6 +189,7 @@ class Qwen3NextConfig:
             ]
         fields = {f.name for f in dataclasses.fields(cls)} - {
             "layer_types", "eos_token_id", "dtype", "rope_theta", "partial_rotary_factor",
+            "vision_token_ids",
         }  # fmt: skip
         values = {key: config[key] for key in fields if key in config}
         if values.get("head_dim") is None:
@@ -214,6 +218,7 @@ class Qwen3NextConfig:
         out["layer_types"] = list(self.layer_types)
         out["mlp_only_layers"] = list(self.mlp_only_layers)
         out["eos_token_id"] = list(self.eos_token_id) or None
+        out.pop("vision_token_ids")
         out.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"])
         out.update(hidden_act="silu", dtype=self.dtype)
         return out

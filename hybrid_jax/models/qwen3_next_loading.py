@@ -35,9 +35,61 @@ from hybrid_jax.models.checkpoint import weight_map as checkpoint_files
 from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig
 from hybrid_jax.modes import LayerKind
 
-__all__ = ["load_config", "load_qwen3_next", "save_checkpoint"]
+__all__ = ["CheckpointLayout", "load_config", "load_qwen3_next", "model_rules", "save_checkpoint"]
 
 MTP_MARKER = "mtp.fc.weight"  # a checkpoint with this tensor carries the MTP head
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointLayout:
+    """How a checkpoint family names the tensors of the same model: the text model's prefix
+    (``model.``; ``model.language_model.`` in Qwen3.5's vision-language folders) and whether
+    the GDN input projections are Qwen3.5's four matrices (``in_proj_qkv``, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a``) rather than Qwen3-Next's two grouped per key head."""
+
+    text_prefix: str = "model."
+    split_gdn_projections: bool = False
+
+
+def _split_gdn_projections(m: tuple, q: str, c: Qwen3NextConfig) -> list[Rule]:
+    """Qwen3.5's contiguous ``in_proj_qkv`` ``[Q | K | V]`` and ``in_proj_z`` into ours
+    ``in_proj_qkvz`` (per key head ``[q, k, v group, z group]``), ``in_proj_b`` and
+    ``in_proj_a`` into ours ``in_proj_ba`` (per key head ``[b group, a group]``)."""
+    d, h = c.gdn_config().dims, c.hidden_size
+    heads, group = d.num_key_heads, d.num_value_heads // d.num_key_heads
+    cuts = np.cumsum([d.head_k_dim, d.head_k_dim, group * d.head_v_dim])
+
+    def qkvz_to_ours(a):
+        qkv, z = a
+        parts = np.split(qkv, [d.key_dim, 2 * d.key_dim])
+        per_head = [x.reshape(heads, -1, h) for x in (*parts, z)]
+        return np.concatenate(per_head, axis=1).reshape(-1, h).T
+
+    def qkvz_to_hf(w):
+        q_, k_, v_, z_ = np.split(w.T.reshape(heads, -1, h), cuts, axis=1)
+        return [np.concatenate([x.reshape(-1, h) for x in (q_, k_, v_)]), z_.reshape(-1, h)]
+
+    def ba_to_ours(a):
+        return np.concatenate([x.reshape(heads, group, h) for x in a], axis=1).reshape(-1, h).T
+
+    def ba_to_hf(w):
+        return [x.reshape(-1, h) for x in np.split(w.T.reshape(heads, 2 * group, h), 2, axis=1)]
+
+    conv = 2 * d.key_dim + d.value_dim
+    return [
+        Rule(
+            (*m, "in_proj_qkvz", "kernel"),
+            ((f"{q}in_proj_qkv.weight", (conv, h)), (f"{q}in_proj_z.weight", (d.value_dim, h))),
+            qkvz_to_ours,
+            qkvz_to_hf,
+        ),  # fmt: skip
+        Rule(
+            (*m, "in_proj_ba", "kernel"),
+            tuple((f"{q}in_proj_{x}.weight", (d.num_value_heads, h)) for x in "ba"),
+            ba_to_ours,
+            ba_to_hf,
+        ),  # fmt: skip
+    ]
 
 
 def _experts(target, names, out_dim, in_dim) -> Rule:
@@ -93,7 +145,13 @@ def _mlp(p: str, target: tuple, hidden: int, inter: int) -> list[Rule]:
 
 
 def _layer_rules(
-    c: Qwen3NextConfig, p: str, t: tuple, kind: LayerKind, moe: bool, fused: bool
+    c: Qwen3NextConfig,
+    p: str,
+    t: tuple,
+    kind: LayerKind,
+    moe: bool,
+    fused: bool,
+    layout: CheckpointLayout,
 ) -> Iterator[Rule]:
     """One decoder layer: checkpoint prefix ``p`` (``model.layers.3.``), model path ``t``."""
     h = c.hidden_size
@@ -106,9 +164,12 @@ def _layer_rules(
     if kind is LayerKind.GDN:
         q, m = f"{p}linear_attn.", (*t, "linear_attn")
         qkvz = 2 * d.key_dim + 2 * d.value_dim
-        yield linear((*m, "in_proj_qkvz", "kernel"), f"{q}in_proj_qkvz.weight", qkvz, h)
-        yield linear((*m, "in_proj_ba", "kernel"), f"{q}in_proj_ba.weight",
-                      2 * d.num_value_heads, h)  # fmt: skip
+        if layout.split_gdn_projections:
+            yield from _split_gdn_projections(m, q, c)
+        else:
+            yield linear((*m, "in_proj_qkvz", "kernel"), f"{q}in_proj_qkvz.weight", qkvz, h)
+            yield linear((*m, "in_proj_ba", "kernel"), f"{q}in_proj_ba.weight",
+                          2 * d.num_value_heads, h)  # fmt: skip
         yield Rule(
             (*m, "conv_weight"), ((f"{q}conv1d.weight", (g.conv_dim, 1, g.conv_kernel)),),
             lambda x: x[0][:, 0, :], lambda w: [w[:, None, :]],
@@ -148,24 +209,31 @@ def _layer_rules(
                   1, h)  # fmt: skip
 
 
-def _rules(c: Qwen3NextConfig, fused_experts: Callable[[str], bool]) -> Iterator[Rule]:
-    """Every parameter of ``Qwen3Next(c)`` and the checkpoint tensors it comes from."""
-    h = c.hidden_size
-    yield plain(("embed_tokens", "embedding"), "model.embed_tokens.weight", (c.vocab_size, h))
-    yield plain(("norm", "weight"), "model.norm.weight", (h,))
+def model_rules(
+    c: Qwen3NextConfig,
+    fused_experts: Callable[[str], bool],
+    layout: CheckpointLayout = CheckpointLayout(),
+) -> Iterator[Rule]:
+    """Every parameter of ``Qwen3Next(c)`` and the checkpoint tensors it comes from;
+    ``fused_experts(prefix)``: whether the layer at ``prefix`` stores its experts fused."""
+    h, text = c.hidden_size, layout.text_prefix
+    yield plain(("embed_tokens", "embedding"), f"{text}embed_tokens.weight", (c.vocab_size, h))
+    yield plain(("norm", "weight"), f"{text}norm.weight", (h,))
     if not c.tie_word_embeddings:
         yield linear(("lm_head", "kernel"), "lm_head.weight", c.vocab_size, h)
     for i, kind in enumerate(c.layer_kinds):
-        p = f"model.layers.{i}."
-        yield from _layer_rules(c, p, ("layers", i), kind, c.is_moe_layer(i), fused_experts(p))
+        p = f"{text}layers.{i}."
+        moe, fused = c.is_moe_layer(i), fused_experts(p)
+        yield from _layer_rules(c, p, ("layers", i), kind, moe, fused, layout)
     if not c.num_nextn_predict_layers:
         return
     yield linear(("mtp", "fc", "kernel"), "mtp.fc.weight", h, 2 * h)
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         yield plain(("mtp", name, "weight"), f"mtp.{name}.weight", (h,))
     p = "mtp.layers.0."
+    kind = LayerKind.FULL_ATTENTION
     yield from _layer_rules(
-        c, p, ("mtp", "layers", 0), LayerKind.FULL_ATTENTION, c.mtp_is_moe, fused_experts(p)
+        c, p, ("mtp", "layers", 0), kind, c.mtp_is_moe, fused_experts(p), layout
     )
 
 
@@ -189,7 +257,7 @@ def load_qwen3_next(
     weight_map = checkpoint_files(folder)
     has_mtp = MTP_MARKER in weight_map
     config = dataclasses.replace(config, num_nextn_predict_layers=int(has_mtp))
-    rules = list(_rules(config, lambda p: f"{p}mlp.experts.gate_up_proj" in weight_map))
+    rules = list(model_rules(config, lambda p: f"{p}mlp.experts.gate_up_proj" in weight_map))
     model = nnx.eval_shape(lambda: Qwen3Next(config, rngs=nnx.Rngs(0)))
     return load_weights(folder, model, rules, weight_map, progress=progress)
 
@@ -199,6 +267,6 @@ def save_checkpoint(
 ) -> None:
     """Writes ``model`` as a Hugging Face checkpoint folder (config.json and safetensors,
     per-expert layout); with ``max_shard_bytes``, sharded with an index."""
-    rules = _rules(model.config, lambda p: False)
+    rules = model_rules(model.config, lambda p: False)
     config = model.config.to_hf_dict()
     write_checkpoint(pathlib.Path(folder), config, model, rules, max_shard_bytes)
