@@ -2,7 +2,8 @@
 random checkpoints in tests/fixtures/qwen3_5 (tools/make_qwen3_5_fixtures.py: vision-language
 and text-only folders, dense and MoE, GDN value/key head ratios 1, 2 and 3, fused and
 per-expert experts, tied and untied), the config's nesting and errors, and the engine (greedy
-generation, MTP drafting, image and video placeholders refused)."""
+generation, MTP drafting, image and video placeholders refused), and the chat template that
+comes with the tokenizer."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.hf_config import ConfigError
 from hybrid_jax.models.qwen3_5_loading import qwen3_5_config
 from hybrid_jax.models.qwen3_next import Qwen3Next
-from hybrid_jax.models.tokenizer import ByteTokenizer
+from hybrid_jax.models.tokenizer import ByteTokenizer, TokenizerError, load_tokenizer
 from hybrid_jax.modes import LayerKind
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "qwen3_5"
@@ -196,3 +197,49 @@ def test_image_and_video_placeholders_are_refused_and_nothing_changes(mtp_engine
     # A text request afterwards is served as usual.
     (result,) = plain.generate([PROMPTS[1]], SamplingParams(max_new_tokens=2))
     assert len(result.token_ids) == 2
+
+
+# ---------------------------------------------------------------- the chat template
+
+# The part of Qwen3.5's template that decides the opening of the answer.
+THINK_TEMPLATE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def _tokenizer_folder(tmp_path, config):
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "hello": 1}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return load_tokenizer(tmp_path)
+
+
+def test_chat_template_loads_with_the_tokenizer_and_renders_the_think_switch(tmp_path):
+    pytest.importorskip("jinja2")
+    tok = _tokenizer_folder(tmp_path, {"chat_template": THINK_TEMPLATE, "eos_token": "<|im_end|>"})
+    messages = [{"role": "user", "content": "hi"}]
+    thinking = tok.apply_chat_template(messages)
+    assert thinking == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    plain = tok.apply_chat_template(messages, enable_thinking=False)
+    assert plain == thinking + "<think>\n\n</think>\n\n"
+    assert tok.special_tokens == {"eos_token": "<|im_end|>"}
+    # A chat_template.jinja file takes precedence, as in Hugging Face's loader.
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content | tojson }}")
+    assert load_tokenizer(tmp_path).apply_chat_template(messages) == '"hi"'
+
+
+def test_missing_or_broken_chat_template_is_a_clear_error(tmp_path):
+    pytest.importorskip("jinja2")
+    tok = _tokenizer_folder(tmp_path, {})
+    with pytest.raises(TokenizerError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    broken = "{{ raise_exception('system messages only') }}"
+    tok = _tokenizer_folder(tmp_path, {"chat_template": broken})
+    with pytest.raises(TokenizerError, match="refused the conversation: system messages only"):
+        tok.apply_chat_template([])

@@ -2,14 +2,18 @@
 
 Both offer ``encode(text) -> list[int]``, ``decode(ids) -> str`` and ``vocab_size``. A
 ``tokenizer.json`` is read with Hugging Face's ``tokenizers`` package, imported only when
-such a file is loaded, so the byte-level default needs nothing beyond the project.
+such a file is loaded, so the byte-level default needs nothing beyond the project. The
+checkpoint's chat template (``chat_template`` of ``tokenizer_config.json``, or a
+``chat_template.jinja`` file) comes with it and renders conversations
+(``HFTokenizer.apply_chat_template``, in a sandboxed Jinja environment as Hugging Face's).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "TokenizerError", "load_tokenizer"]
@@ -49,11 +53,59 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizers.Tokenizer`` behind the ``Tokenizer`` protocol."""
+    """A ``tokenizers.Tokenizer`` behind the ``Tokenizer`` protocol, with the checkpoint's
+    chat template (None when it has none) and the special tokens the template may name."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str | None = None,
+        special_tokens: Mapping[str, str] | None = None,
+    ):
         self._tokenizer = tokenizer
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **variables: Any,
+    ) -> str:
+        """The prompt text of a conversation (``[{"role": ..., "content": ...}, ...]``) under
+        the checkpoint's template; ``variables`` are the template's own switches (Qwen3.5:
+        ``enable_thinking=False`` opens the answer with an empty ``<think>`` block)."""
+        if self.chat_template is None:
+            raise TokenizerError(
+                "this tokenizer has no chat template (no chat_template in tokenizer_config.json "
+                "and no chat_template.jinja); pass the prompt as text instead"
+            )
+        try:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError as err:
+            raise TokenizerError("chat templates need jinja2: pip install jinja2") from err
+
+        def raise_exception(message: str) -> None:
+            raise TokenizerError(f"the chat template refused the conversation: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(
+            x, ensure_ascii=False, indent=indent
+        )
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+                **variables,
+            )
+        except TemplateError as err:
+            raise TokenizerError(f"the chat template does not render: {err}") from err
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
@@ -80,6 +132,35 @@ def load_tokenizer(folder: str | os.PathLike) -> HFTokenizer:
             f"reading {path} needs the 'tokenizers' package: pip install tokenizers"
         ) from err
     try:
-        return HFTokenizer(tokenizers.Tokenizer.from_file(str(path)))
+        tokenizer = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:  # the Rust side raises its own exception type
         raise TokenizerError(f"{path} is not a readable tokenizer.json: {err}") from err
+    template, special = _chat_template(pathlib.Path(folder))
+    return HFTokenizer(tokenizer, template, special)
+
+
+def _chat_template(folder: pathlib.Path) -> tuple[str | None, dict[str, str]]:
+    """The folder's chat template (``chat_template.jinja``, else ``chat_template`` of
+    ``tokenizer_config.json``; of a list of named templates, the ``default`` one) and the
+    special tokens ``tokenizer_config.json`` names (``bos_token``, ``eos_token``, ...)."""
+    config_path = folder / "tokenizer_config.json"
+    config: dict[str, Any] = {}
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as err:
+            raise TokenizerError(f"{config_path} is not valid JSON: {err}") from err
+    special = {}
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, Mapping) else value
+        if isinstance(value, str):
+            special[key] = value
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(), special
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    return (template if isinstance(template, str) else None), special
