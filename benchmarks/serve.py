@@ -117,6 +117,20 @@ PRESETS: dict[str, tuple[int, Callable[[int], Qwen3NextConfig]]] = {
             num_key_value_heads=4,
         ),
     ),
+    # Qwen3.5-27B's counts (64 layers, hidden 5120, a dense MLP of 17408, 24 query / 4 KV
+    # attention heads, GDN 16 key / 48 value heads: the ratio 3 of issue 15).
+    "qwen3.5-27b-like": (
+        64,
+        lambda n: _qwen_config(
+            n,
+            vocab_size=248320,
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            linear_num_value_heads=48,
+        ),
+    ),
     # The built-in tiny model at any depth, without its MTP head (the rows never draft).
     "smoke": (
         4,

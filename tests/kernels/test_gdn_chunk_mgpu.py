@@ -88,6 +88,19 @@ def test_varlen_prefill_matches_oracle_and_writes_only_its_slots(block_v, stages
     np.testing.assert_array_equal(_bits(pool[kept]), _bits(args["ssm_pool"][kept]))
 
 
+# Qwen3.5's value/key head ratios 1, 3 and 4 (2 is the case above).
+@pytest.mark.parametrize(("h", "hv"), [(2, 2), (1, 3), (1, 4)], ids=["ratio1", "ratio3", "ratio4"])
+def test_varlen_prefill_takes_every_value_key_head_ratio(h, hv):
+    lens = [40, 20]  # one chunk holds both: the cheapest interpreter run with a state carried
+    args = _case(3, lens, 64, h=h, hv=hv, kd=64, vd=64, slots=5)
+    o, pool = jax.jit(lambda a: chunk_mgpu.chunk_gated_delta_rule(**a, interpret=True))(args)
+    o_ref, pool_ref = _oracle(args)
+    end = int(np.asarray(args["qsl"])[-1])
+    assert _rel(np.asarray(o, np.float32)[:end], o_ref[:end]) < 1e-2
+    idx = np.asarray(args["state_indices"])
+    assert _rel(pool[idx], pool_ref[idx]) < 1e-2
+
+
 def test_chunk_table_covers_every_token_once_from_aligned_starts():
     lens = [100, 0, 37, 150, 1, 64, 7]
     tokens = 376  # 17 padding tokens

@@ -38,11 +38,10 @@ def _bits(x) -> np.ndarray:
     return np.asarray(x).view(np.uint32)
 
 
-def _case(seed, *, n, d, kd, vd, slots, dtype, padded):
+def _case(seed, *, n, d, kd, vd, slots, dtype, padded, h=1, hv=2):
     """Random inputs, distinct random slots (slot 0 on the rows in ``padded``); the pool is
     NaN in slot 0 and in every slot no row names, so reading a wrong slot shows."""
     rng = np.random.default_rng(seed)
-    h, hv = 1, 2
     real = rng.permutation(np.arange(1, slots))[:n]
     idx = np.where(np.isin(np.arange(n), padded), 0, real).astype(np.int32)
     pool = rng.standard_normal((slots, hv, kd, vd)).astype(np.float32) * 0.3
@@ -90,6 +89,23 @@ def test_variant_matches_oracle_and_writes_only_named_slots(name, dtype, kd, d, 
     assert _rel(pool[named], pool_ref[named]) < 1e-5
     others = np.setdiff1d(np.arange(pool.shape[0]), named)  # slot 0 included: never touched
     np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
+
+
+# Qwen3.5's value/key head ratios: 1 (0.8B, 2B), 3 (27B), 4 (122B, 397B); 2 is every case above.
+@pytest.mark.parametrize(("h", "hv"), [(2, 2), (1, 3), (1, 4)], ids=["ratio1", "ratio3", "ratio4"])
+def test_default_variant_takes_every_value_key_head_ratio(h, hv):
+    args, idx = _case(
+        7, n=3, d=2, kd=64, vd=64, slots=7, dtype=jnp.bfloat16, padded=[1], h=h, hv=hv
+    )
+    fn = functools.partial(
+        variants.fused_recurrent_gated_delta_rule, variant=variants.VARIANTS[variants.DEFAULT],
+        interpret=True,
+    )  # fmt: skip
+    o, pool = jax.jit(fn)(**args)
+    o_ref, pool_ref = _oracle(args)
+    real = idx != 0
+    assert _rel(o[real], o_ref[real]) < 1e-2
+    assert _rel(pool[idx[real]], pool_ref[idx[real]]) < 1e-5
 
 
 def test_public_decode_op_runs_the_default_variant():
