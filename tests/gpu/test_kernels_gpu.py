@@ -55,18 +55,18 @@ def _poisoned(pool: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return pool
 
 
-def _gdn_case(seed, n, d, n_padded):
+def _gdn_case(seed, n, d, n_padded, hv=HV):
     rng = np.random.default_rng(seed)
     idx = _slots(rng, n, n_padded)
-    pool = _poisoned(rng.standard_normal((SLOTS, HV, K, V), np.float32) * 0.3, idx)
+    pool = _poisoned(rng.standard_normal((SLOTS, hv, K, V), np.float32) * 0.3, idx)
     bf16 = jnp.bfloat16
     return (
         dict(
             q=jnp.asarray(rng.standard_normal((n, d, H, K)), bf16),
             k=jnp.asarray(rng.standard_normal((n, d, H, K)), bf16),
-            v=jnp.asarray(rng.standard_normal((n, d, HV, V)), bf16),
-            g=jnp.asarray(-np.logaddexp(0, rng.standard_normal((n, d, HV))), jnp.float32),
-            beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((n, d, HV)))), jnp.float32),
+            v=jnp.asarray(rng.standard_normal((n, d, hv, V)), bf16),
+            g=jnp.asarray(-np.logaddexp(0, rng.standard_normal((n, d, hv))), jnp.float32),
+            beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((n, d, hv)))), jnp.float32),
             ssm_pool=jnp.asarray(pool),
             state_indices=jnp.asarray(idx),
         ),
@@ -115,6 +115,50 @@ def test_gdn_decode_op_on_gpu_matches_oracle_in_place(n, n_padded):
     assert _rel(pool[named], pool_ref[named]) < 1e-5
     others = np.setdiff1d(np.arange(SLOTS), named)
     np.testing.assert_array_equal(_bits(pool[others]), _bits(before[others]))
+
+
+# Qwen3.5's value/key head ratios on 16 key heads: 1 (0.8B, 2B), 3 (27B), 4 (122B, 397B).
+@pytest.mark.parametrize("hv", [16, 48, 64], ids=["ratio1", "ratio3", "ratio4"])
+def test_gdn_decode_and_verify_take_every_value_key_head_ratio(hv):
+    for d in (1, 4):  # decode, and verify's per-token states
+        args, idx = _gdn_case(hv + d, 64, d, 3, hv=hv)
+        o_ref, pool_ref = _oracle(gdn_reference.fused_recurrent_gated_delta_rule, args)
+        op = functools.partial(gdn.fused_recurrent_gated_delta_rule, impl="pallas")
+        o, pool = jax.jit(op)(**args)
+        _check_outputs(o, o_ref, idx, 1e-2)
+        named = idx[idx != 0]
+        assert _rel(np.asarray(pool)[named], pool_ref[named]) < 1e-5
+
+
+@pytest.mark.parametrize("hv", [16, 48, 64], ids=["ratio1", "ratio3", "ratio4"])
+def test_gdn_chunk_prefill_takes_every_value_key_head_ratio(hv):
+    rng = np.random.default_rng(hv)
+    lens = [1000, 1, 513, 300]
+    tokens = 2048
+    idx = rng.permutation(np.arange(1, SLOTS))[: len(lens)].astype(np.int32)
+    init = np.arange(len(lens)) % 2 == 0
+    pool = rng.standard_normal((SLOTS, hv, K, V)).astype(np.float32) * 0.3
+    pool[np.setdiff1d(np.arange(SLOTS), idx[init])] = np.nan
+    bf16 = jnp.bfloat16
+    args = dict(
+        q=jnp.asarray(rng.standard_normal((tokens, H, K)), bf16),
+        k=jnp.asarray(rng.standard_normal((tokens, H, K)), bf16),
+        v=jnp.asarray(rng.standard_normal((tokens, hv, V)), bf16),
+        g=jnp.asarray(-np.logaddexp(0, rng.standard_normal((tokens, hv)) - 1), jnp.float32),
+        beta=jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((tokens, hv)))), jnp.float32),
+        ssm_pool=jnp.asarray(pool),
+        qsl=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
+        state_indices=jnp.asarray(idx),
+        has_initial_state=jnp.asarray(init),
+    )
+    op = functools.partial(gdn.chunk_gated_delta_rule, impl="pallas")
+    o, new_pool = jax.jit(op)(**args)
+    ref = functools.partial(gdn.chunk_gated_delta_rule, impl="reference")
+    o_ref, pool_ref = jax.jit(ref)(**args)
+    end = sum(lens)
+    o, o_ref = np.asarray(o, np.float32), np.asarray(o_ref, np.float32)
+    assert np.isfinite(o[:end]).all() and _rel(o[:end], o_ref[:end]) < 2e-2
+    assert _rel(np.asarray(new_pool)[idx], np.asarray(pool_ref)[idx]) < 2e-2
 
 
 _FUSED_GATING = {
