@@ -6,11 +6,24 @@ read from ``NPROC`` (default: the CPU count) when the CPU client is created. A w
 kernel (``pallas_kernels/gdn/_chunk_state.py``: three warpgroups, each blocked in barrier
 waits while another must run) deadlocks the interpreter on a 2-CPU machine with the default.
 This file is imported before every test module of the suite (also by each xdist worker), so
-setting the variable here precedes the first backend in any order of collection.
+setting the variables here precedes the first backend in any order of collection.
+
+On a machine without an NVIDIA GPU, XLA's CPU backend compiles at LLVM optimisation level 0:
+the suite's shapes are tiny, so compiling is most of its time (an engine's start-up is about
+30% shorter) and running the unoptimised code costs little. Child processes (notebook
+kernels, the README's commands) inherit it. A GPU machine keeps XLA's defaults, since there
+the same flag would also apply to the GPU kernels XLA emits.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
 os.environ.setdefault("NPROC", "16")
+if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    ).strip()

@@ -174,6 +174,8 @@ def _oracle(q, keys, values, scale):
         (M.EXTEND, 2, 4), (M.EXTEND, 3, 8), (M.MIXED, 2, 4), (M.DRAFT_EXTEND, 2, 4),
         # A chunk that is not whole pages rounds down to them (5 -> one page of 4).
         (M.EXTEND, 128, 5),
+        # Decode and verify rows over several chunks of their keys (a loop), and in one.
+        (M.DECODE, 128, 4), (M.TARGET_VERIFY, 128, 8), (M.TARGET_VERIFY, 128, 24),
     ],
 )  # fmt: skip
 # interpret: ragged steps split into the new tokens' segment attention and the cached prefix,

@@ -135,9 +135,11 @@ def _check_same_steps(model):
             for run, state in zip((plain, scanned), states, strict=True)
         ]
         (logits, out), (logits_scanned, out_scanned) = outs
-        chex.assert_trees_all_close(logits_scanned, logits, rtol=1e-5, atol=1e-5)
+        # float32 round-off only (XLA may order a scanned block's sums differently): a wrong
+        # layer's weights or state would differ by O(1).
+        chex.assert_trees_all_close(logits_scanned, logits, rtol=1e-4, atol=1e-4)
         chex.assert_trees_all_close(
-            (out_scanned.pool, out_scanned.kv), (out.pool, out.kv), rtol=1e-5, atol=1e-5
+            (out_scanned.pool, out_scanned.kv), (out.pool, out.kv), rtol=1e-4, atol=1e-4
         )
         states = [(o.pool, o.kv) for _, o in outs]
     # Verify states: one stack per layer unrolled, one per block position scanned; the same

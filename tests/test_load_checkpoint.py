@@ -42,7 +42,9 @@ def test_unknown_model_type_names_the_supported_ones(tmp_path):
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="model_type='llama' is not served here; supported: "):
         load_checkpoint(tmp_path / "ckpt")
-    assert sorted(MODEL_LOADERS) == ["nemotron_h", "qwen3_next"]
+    assert sorted(MODEL_LOADERS) == [
+        "nemotron_h", "qwen3_5", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next",
+    ]  # fmt: skip
 
 
 def test_folder_without_config_is_refused(tmp_path):

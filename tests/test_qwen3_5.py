@@ -85,6 +85,17 @@ def test_each_folder_kind_builds_the_model_it_describes(runners):
     assert ratio3.config.partial_rotary_factor == 0.25
 
 
+def test_nested_config_takes_eos_ids_from_either_level_and_tying_from_the_top():
+    raw = _config("dense_vl")
+    raw["text_config"] = {**raw["text_config"], "eos_token_id": [248046, 248044]}
+    raw["tie_word_embeddings"], raw["text_config"]["tie_word_embeddings"] = True, False
+    config = qwen3_5_config(raw)
+    assert config.eos_token_id == (248046, 248044) and config.tie_word_embeddings
+    raw["text_config"]["eos_token_id"], raw["eos_token_id"] = None, 248046
+    assert qwen3_5_config(raw).eos_token_id == (248046,)
+    assert qwen3_5_config(raw, dtype="bfloat16").dtype == "bfloat16"
+
+
 def _config(name):
     return json.loads((FIXTURES / name / "config.json").read_text())
 

@@ -2,18 +2,20 @@
 
 The step's new keys and values are first written into the pages of their rows (padded
 tokens into the pad page 0); then every query token attends to positions ``0..p`` of its
-own row, read back through the row's page table. The ragged layouts (EXTEND, MIXED,
-DRAFT_EXTEND) attend in blocks of one row's consecutive tokens, over the row's keys in
-chunks with an online softmax (flash attention's recurrence, in jnp); DECODE and
-TARGET_VERIFY attend token by token (``token_rows`` and ``positions`` say each token's row
-and position); IDLE has no tokens.
+own row, read back through the row's page table. Every layout attends in blocks of one row's
+consecutive tokens (a DECODE row is one token, a TARGET_VERIFY chain its D tokens), over the
+row's keys in chunks with an online softmax (flash attention's recurrence, in jnp), up to the
+row's own length: the cost follows the served context, not ``max_context``. Tree drafts
+attend token by token through the whole page table (their mask is not causal); IDLE has no
+tokens.
 
 ``impl`` (``"auto" | "pallas" | "interpret" | "reference"``) chooses how a ragged step runs:
 with the segment kernel (``pallas_kernels.attention``: tokamax's Mosaic GPU flash attention
 on an sm_90 GPU), the new tokens attend among themselves in the kernel and to their row's
 cached prefix in jnp, and the two parts merge by their log-sum-exps; ``interpret`` takes the
 same split with the segment op's jnp reference; ``reference`` (and ``auto`` off the GPU) reads
-every key from the pages in jnp. DECODE and TARGET_VERIFY are jnp under every ``impl``.
+every key from the pages in jnp. DECODE and TARGET_VERIFY are jnp under every ``impl``
+(their new tokens are few: the chunks over the cached keys are the work).
 
 TARGET_VERIFY writes the D draft tokens' keys and values into the row's pages like any other
 step. Nothing needs undoing when drafts are rejected: their entries sit at positions past
@@ -43,8 +45,8 @@ from pallas_kernels import resolve_impl
 
 __all__ = ["paged_attention", "tree_ancestors", "write_pages"]
 
-# Query tokens attended per vectorised batch: bounds the gathered keys to
-# TOKEN_BLOCK x (max_pages * page_size) x KVH x head_dim while a kernel does not exist.
+# Tree-draft tokens attended per vectorised batch: bounds their gathered keys to
+# TOKEN_BLOCK x (max_pages * page_size) x KVH x head_dim.
 TOKEN_BLOCK = 64
 # Ragged layouts attend in blocks of up to QUERY_BLOCK tokens of one row, each block over
 # its row's keys in chunks of KEY_CHUNK positions with an online softmax: the scores of one
@@ -94,11 +96,13 @@ def _ragged_rows(
     num_kv_heads = k_flat.shape[1]
     groups = num_heads // num_kv_heads
     size = meta.pages.page_size
-    chunk = key_chunk(size)
-    chunk_pages = chunk // size
     table = jnp.asarray(meta.pages.table)
+    # A chunk is never longer than a row's whole page table.
+    chunk_pages = min(key_chunk(size) // size, table.shape[1])
+    chunk = chunk_pages * size
     # Whole chunks of page table per row, so a chunk's slice never starts out of range.
     table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % chunk_pages)))
+    max_chunks = table.shape[1] // chunk_pages
     prefix = jnp.asarray(meta.context_lens) - jnp.asarray(meta.seq_lens)
     block = _ragged_block(num_tokens, meta.batch_size)
     rows, starts, lengths = _row_blocks(meta, block)
@@ -134,9 +138,12 @@ def _ragged_rows(
             scores = jnp.einsum("qkgd,lkd->kgql", q_g, keys, preferred_element_type=acc)
             seen = key_pos[None, :] <= pos[:, None]  # [Q, C]
             scores = jnp.where(seen, scores * scale, -jnp.inf)
+            # A row that has seen nothing yet keeps peak -inf; 0 stands in for it, so that
+            # exp gives 0 rather than exp(-inf + inf) = NaN.
             new_peak = jnp.maximum(peak, scores.max(-1))
-            probs = jnp.exp(scores - new_peak[..., None])
-            decay = jnp.exp(peak - new_peak)
+            shift = jnp.where(jnp.isfinite(new_peak), new_peak, 0)
+            probs = jnp.exp(scores - shift[..., None])
+            decay = jnp.exp(peak - shift)
             total = total * decay + probs.sum(-1)
             out = out * decay[..., None] + jnp.einsum(
                 "kgql,lkd->kgqd", probs.astype(values.dtype), values, preferred_element_type=acc
@@ -149,8 +156,12 @@ def _ragged_rows(
             jnp.zeros(stats, acc),
             jnp.zeros((*stats, head_dim), acc),
         )
-        num_chunks = jnp.where(length > 0, last // chunk + 1, 0)
-        peak, total, out = jax.lax.fori_loop(0, num_chunks, step, init)
+        if max_chunks == 1:
+            # One chunk covers every row: no loop (a block that sees nothing keeps total 0).
+            peak, total, out = step(0, init)
+        else:
+            num_chunks = jnp.where(length > 0, last // chunk + 1, 0)
+            peak, total, out = jax.lax.fori_loop(0, num_chunks, step, init)
         seen_any = total > 0
         out = out / jnp.where(seen_any, total, 1)[..., None]
         lse = jnp.where(seen_any, peak + jnp.log(jnp.where(seen_any, total, 1)), -jnp.inf)
@@ -267,6 +278,37 @@ def _tree_tokens(meta: ForwardMetadata) -> _TreeTokens:
     return _TreeTokens(store, prefix, ancestors[meta.token_rows, node])
 
 
+def _tree_tokens_attention(
+    q, k_flat, v_flat, token_pages, meta: ForwardMetadata, tree: _TreeTokens, scale: float, acc
+) -> jax.Array:
+    """Tree drafts, token by token: each token over its row's committed context and its own
+    root path (``tree_ancestors``), read through the row's whole page table."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_flat.shape[1]
+    groups = num_heads // num_kv_heads
+    size = meta.pages.page_size
+    span = jnp.arange(token_pages.shape[1] * size)
+
+    def attend(args):
+        q_t, pages_t, prefix_t, path_t = args  # [H, hd], [max_pages], [], [D]
+        index = (pages_t[:, None] * size + jnp.arange(size)).reshape(-1)
+        node = span - prefix_t
+        on_path = path_t[jnp.clip(node, 0, path_t.shape[0] - 1)]
+        seen = (node < 0) | ((node < path_t.shape[0]) & on_path)
+        # Unwritten or stale entries may hold anything (even NaN): mask values as well as
+        # scores, since 0 * NaN would still poison the sum.
+        keys = jnp.where(seen[:, None, None], k_flat[index], 0).astype(acc)
+        values = jnp.where(seen[:, None, None], v_flat[index], 0).astype(acc)
+        q_g = q_t.reshape(num_kv_heads, groups, head_dim).astype(acc)
+        scores = jnp.einsum("kgd,lkd->kgl", q_g, keys) * scale
+        scores = jnp.where(seen, scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1)
+        return jnp.einsum("kgl,lkd->kgd", probs, values).reshape(num_heads, head_dim)
+
+    args = (q, token_pages, tree.prefix, tree.path)
+    return jax.lax.map(attend, args, batch_size=TOKEN_BLOCK)
+
+
 def paged_attention(
     q: jax.Array,
     k: jax.Array,
@@ -308,63 +350,34 @@ def paged_attention(
     k_pages = write_pages(k_pages, k, meta, token_pages, store)
     v_pages = write_pages(v_pages, v, meta, token_pages, store)
 
-    size = meta.pages.page_size
-    groups = num_heads // num_kv_heads
-    span = jnp.arange(token_pages.shape[1] * size)
     k_flat = k_pages.reshape(-1, num_kv_heads, head_dim)
     v_flat = v_pages.reshape(-1, num_kv_heads, head_dim)
     acc = jnp.promote_types(q.dtype, jnp.float32)  # float32 at least; float64 oracles stay so
-
-    def visible(pos_t, tree_t):
-        """Which of the row's storage positions the token sees: causal, or the tree mask."""
-        if tree_t is None:
-            return span <= pos_t
-        prefix_t, path_t = tree_t  # [], [D]
-        node = span - prefix_t
-        on_path = path_t[jnp.clip(node, 0, path_t.shape[0] - 1)]
-        return (node < 0) | ((node < path_t.shape[0]) & on_path)
-
-    def attend(args):
-        q_t, pages_t, pos_t, tree_t = args  # [H, hd], [max_pages], [], tree or None
-        index = (pages_t[:, None] * size + jnp.arange(size)).reshape(-1)
-        seen = visible(pos_t, tree_t)
-        # Unwritten or stale entries may hold anything (even NaN): mask values as well as
-        # scores, since 0 * NaN would still poison the sum.
-        keys = jnp.where(seen[:, None, None], k_flat[index], 0).astype(acc)
-        values = jnp.where(seen[:, None, None], v_flat[index], 0).astype(acc)
-        q_g = q_t.reshape(num_kv_heads, groups, head_dim).astype(acc)
-        scores = jnp.einsum("kgd,lkd->kgl", q_g, keys) * scale
-        scores = jnp.where(seen, scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1)
-        return jnp.einsum("kgl,lkd->kgd", probs, values).reshape(num_heads, head_dim)
-
-    if meta.token_layout is TokenLayout.RAGGED:
-        kernel = _ragged_kernel(impl, q, k_pages)
-        if kernel is None:
-            out, _ = _ragged_rows(q, k_flat, v_flat, meta, scale, acc)
-        else:
-            # The new tokens among themselves (causal within each row) in the segment kernel,
-            # the cached prefix from the pages in jnp, merged by their log-sum-exps.
-            dtype = k_pages.dtype
-            fresh = attention_kernels.segment_causal_attention(
-                q.astype(dtype), k.astype(dtype), v.astype(dtype), _segment_starts(meta),
-                scale=scale, impl=kernel,
-            )  # fmt: skip
-            prefix = jnp.asarray(meta.context_lens) - jnp.asarray(meta.seq_lens)
-            # A step of fresh prompts only (no row has a cached prefix) skips the prefix pass.
-            cached = jax.lax.cond(
-                jnp.any(prefix > 0),
-                lambda: _ragged_rows(q, k_flat, v_flat, meta, scale, acc, prefix_only=True),
-                lambda: (
-                    jnp.zeros((num_tokens, num_heads, head_dim), acc),
-                    jnp.full((num_tokens, num_heads), -jnp.inf, acc),
-                ),
-            )
-            out = _merge([fresh, cached])
+    kernel = _ragged_kernel(impl, q, k_pages) if meta.token_layout is TokenLayout.RAGGED else None
+    if tree is not None:
+        out = _tree_tokens_attention(q, k_flat, v_flat, token_pages, meta, tree, scale, acc)
+    elif kernel is None:
+        # Every layout but trees holds consecutive positions per row: key chunks up to each
+        # row's length, never the whole max_context window.
+        out, _ = _ragged_rows(q, k_flat, v_flat, meta, scale, acc)
     else:
-        tree_args = None if tree is None else (tree.prefix, tree.path)
-        out = jax.lax.map(
-            attend, (q, token_pages, meta.positions, tree_args), batch_size=TOKEN_BLOCK
+        # The new tokens among themselves (causal within each row) in the segment kernel,
+        # the cached prefix from the pages in jnp, merged by their log-sum-exps.
+        dtype = k_pages.dtype
+        fresh = attention_kernels.segment_causal_attention(
+            q.astype(dtype), k.astype(dtype), v.astype(dtype), _segment_starts(meta),
+            scale=scale, impl=kernel,
+        )  # fmt: skip
+        prefix = jnp.asarray(meta.context_lens) - jnp.asarray(meta.seq_lens)
+        # A step of fresh prompts only (no row has a cached prefix) skips the prefix pass.
+        cached = jax.lax.cond(
+            jnp.any(prefix > 0),
+            lambda: _ragged_rows(q, k_flat, v_flat, meta, scale, acc, prefix_only=True),
+            lambda: (
+                jnp.zeros((num_tokens, num_heads, head_dim), acc),
+                jnp.full((num_tokens, num_heads), -jnp.inf, acc),
+            ),
         )
+        out = _merge([fresh, cached])
     real = (meta.token_rows < meta.batch_size)[:, None, None]
     return jnp.where(real, out, 0).astype(q.dtype), k_pages, v_pages

@@ -239,8 +239,8 @@ class Engine(SpeculativeServing):
     ) -> Engine:
         """A Hugging Face checkpoint folder of a supported ``model_type`` (Qwen3-Next,
         Qwen3.5/3.6, Nemotron-H: ``models.auto.MODEL_LOADERS``; config.json, safetensors and,
-        unless ``tokenizer`` is given, tokenizer.json). A missing or misshapen tensor raises ``CheckpointError`` before
-        anything is compiled."""
+        unless ``tokenizer`` is given, tokenizer.json). A missing or misshapen tensor raises
+        ``CheckpointError`` before anything is compiled."""
         if config.cache_dir is not None:
             use_compilation_cache(config.cache_dir)
         model = load_checkpoint(path, dtype=dtype, progress=progress)
