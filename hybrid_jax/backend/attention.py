@@ -65,7 +65,15 @@ def key_chunk(page_size: int) -> int:
 def _row_blocks(meta: ForwardMetadata, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Cuts every row's tokens into blocks of at most ``block``: per block its row, first
     token and length (0 for the blocks past the last; there are ``ceil(T / block) + bs``
-    blocks, enough for any rows of a T-token bucket)."""
+    blocks, enough for any rows of a T-token bucket). Layouts with a fixed number of tokens
+    per row (DECODE, TARGET_VERIFY) whose rows fit a block take one block per row."""
+    rows_fit = meta.token_layout is not TokenLayout.RAGGED and meta.num_tokens <= (
+        block * meta.batch_size
+    )
+    if rows_fit:
+        row = jnp.arange(meta.batch_size, dtype=jnp.int32)
+        start = jnp.asarray(meta.query_start_loc)[:-1].astype(jnp.int32)
+        return row, start, jnp.asarray(meta.seq_lens).astype(jnp.int32)
     num_blocks = -(-meta.num_tokens // block) + meta.batch_size
     per_row = -(-jnp.asarray(meta.seq_lens) // block)
     ends = jnp.cumsum(per_row)
