@@ -129,6 +129,17 @@ def test_bad_configs_raise_naming_the_field(raw, message):
         qwen3_5_config(raw)
 
 
+def test_the_vision_tower_is_left_unread_with_a_note(caplog):
+    with caplog.at_level("INFO", logger="hybrid_jax.models.qwen3_5_loading"):
+        model = load_checkpoint(FIXTURES / "dense_vl")
+    index = json.loads((FIXTURES / "dense_vl" / "model.safetensors.index.json").read_text())
+    vision = [k for k in index["weight_map"] if k.startswith("model.visual.")]
+    assert vision and f"{len(vision)} vision-tower tensors (model.visual.*) are not loaded" in (
+        caplog.text
+    )
+    assert not any("visual" in str(path) for path in parity.params_of(model))
+
+
 def test_mismatched_fused_experts_are_named_with_both_shapes(tmp_path):
     folder = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / "moe_vl", folder)

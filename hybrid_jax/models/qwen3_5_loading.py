@@ -23,6 +23,7 @@ translates once, at load time:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pathlib
 from collections.abc import Mapping
@@ -37,6 +38,8 @@ from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig
 from hybrid_jax.models.qwen3_next_loading import MTP_MARKER, CheckpointLayout, model_rules
 
 __all__ = ["MODEL_TYPES", "load_qwen3_5", "qwen3_5_config"]
+
+log = logging.getLogger(__name__)
 
 MODEL_TYPES: dict[str, tuple[bool, bool]] = {
     "qwen3_5": (False, True),
@@ -125,6 +128,12 @@ def load_qwen3_5(
         text_prefix="model.language_model." if nested else "model.", split_gdn_projections=True
     )
     weight_map = checkpoint_files(folder)
+    vision = [name for name in weight_map if name.startswith("model.visual.")]
+    if vision:
+        log.info(
+            "%s: %d vision-tower tensors (model.visual.*) are not loaded; the text model is "
+            "served, without image or video input", folder, len(vision)
+        )  # fmt: skip
     config = dataclasses.replace(config, num_nextn_predict_layers=int(MTP_MARKER in weight_map))
     rules = list(
         model_rules(config, lambda p: f"{p}mlp.experts.gate_up_proj" in weight_map, layout)
