@@ -29,9 +29,8 @@ import argparse
 import json
 import pathlib
 
-import numpy as np
 import torch
-import transformers
+from make_qwen3_next_fixtures import randomize, write_reference  # tools/, the script's folder
 from safetensors.torch import save_file
 from transformers import (
     Qwen3_5Config,
@@ -117,20 +116,6 @@ CONFIGS = {
 }
 
 
-def randomize(model: torch.nn.Module, generator: torch.Generator) -> None:
-    """Every weight random: matrices ~ N(0, 1/fan_in), norm weights perturbed, dt_bias spread."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log") or "conv1d" in name:
-                continue  # already random: log-uniform decay, uniform conv taps
-            if name.endswith("dt_bias"):
-                p.copy_(torch.rand(p.shape, generator=generator) + 0.5)
-            elif p.ndim == 1:
-                p.add_(0.1 * torch.randn(p.shape, generator=generator))
-            else:
-                p.copy_(torch.randn(p.shape, generator=generator) * p.shape[-1] ** -0.5)
-
-
 def save_fused(folder: pathlib.Path, model) -> None:
     """The weights as the released MoE checkpoints store them: experts fused
     (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``, the in-memory
@@ -193,33 +178,8 @@ def build(name: str, seed: int, prompt_len: int, decode_steps: int) -> None:
     if text_prefix is not None:
         add_mtp(folder, model, text_prefix, generator)
 
-    vocab = TEXT_IDS  # text ids only, below the vision placeholders
-    rng = np.random.default_rng(seed)
-    prompt = rng.integers(0, vocab, prompt_len).astype(np.int64)
-    decode_tokens = rng.integers(0, vocab, decode_steps).astype(np.int64)
-    prompt2 = rng.integers(0, vocab, prompt_len // 2).astype(np.int64)
-    with torch.no_grad():
-        out = model(input_ids=torch.from_numpy(prompt)[None], use_cache=True)
-        prefill_logits = out.logits[0].numpy()
-        cache = out.cache
-        decode_logits = []
-        for token in decode_tokens:
-            out = model(input_ids=torch.tensor([[int(token)]]), cache=cache, use_cache=True)
-            cache = out.cache
-            decode_logits.append(out.logits[0, -1].numpy())
-        prefill2_logits = model(input_ids=torch.from_numpy(prompt2)[None]).logits[0].numpy()
-    np.savez(
-        folder / "reference.npz",
-        prompt=prompt.astype(np.int32),
-        prefill_logits=prefill_logits.astype(np.float32),
-        decode_tokens=decode_tokens.astype(np.int32),
-        decode_logits=np.stack(decode_logits).astype(np.float32),
-        prompt2=prompt2.astype(np.int32),
-        prefill2_logits=prefill2_logits.astype(np.float32),
-    )
-    (folder / "versions.json").write_text(
-        json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}) + "\n"
-    )
+    # Text ids only, below the vision placeholders.
+    write_reference(folder, model, TEXT_IDS, seed, prompt_len, decode_steps)
     sizes = {p.name: p.stat().st_size for p in sorted(folder.iterdir())}
     print(name, sizes)
 

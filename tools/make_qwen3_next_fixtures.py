@@ -89,25 +89,15 @@ def randomize(model: torch.nn.Module, generator: torch.Generator) -> None:
                 p.copy_(torch.randn(p.shape, generator=generator) * p.shape[-1] ** -0.5)
 
 
-def build(name: str, kwargs: dict, seed: int, prompt_len: int, decode_steps: int) -> None:
-    folder = OUT / name
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("*"):
-        old.unlink()
-    torch.manual_seed(seed)
-    config = Qwen3NextConfig(**kwargs)
-    config._attn_implementation = "eager"
-    model = Qwen3NextForCausalLM(config).eval()
-    generator = torch.Generator().manual_seed(seed)
-    randomize(model, generator)
-    # Small shards, so the loader's index path is what the tests exercise.
-    model.save_pretrained(folder, max_shard_size="200KB")
-    (folder / "generation_config.json").unlink(missing_ok=True)
-
+def write_reference(
+    folder: pathlib.Path, model, vocab: int, seed: int, prompt_len: int, decode_steps: int
+) -> None:
+    """``reference.npz`` (random prompts of ids below ``vocab``: a prefill, decode steps with
+    the cache, a second prompt on its own) and ``versions.json`` in ``folder``."""
     rng = np.random.default_rng(seed)
-    prompt = rng.integers(0, config.vocab_size, prompt_len).astype(np.int64)
-    decode_tokens = rng.integers(0, config.vocab_size, decode_steps).astype(np.int64)
-    prompt2 = rng.integers(0, config.vocab_size, prompt_len // 2).astype(np.int64)
+    prompt = rng.integers(0, vocab, prompt_len).astype(np.int64)
+    decode_tokens = rng.integers(0, vocab, decode_steps).astype(np.int64)
+    prompt2 = rng.integers(0, vocab, prompt_len // 2).astype(np.int64)
     with torch.no_grad():
         out = model(input_ids=torch.from_numpy(prompt)[None], use_cache=True)
         prefill_logits = out.logits[0].numpy()
@@ -130,6 +120,24 @@ def build(name: str, kwargs: dict, seed: int, prompt_len: int, decode_steps: int
     (folder / "versions.json").write_text(
         json.dumps({"torch": torch.__version__, "transformers": transformers.__version__}) + "\n"
     )
+
+
+def build(name: str, kwargs: dict, seed: int, prompt_len: int, decode_steps: int) -> None:
+    folder = OUT / name
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("*"):
+        old.unlink()
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(**kwargs)
+    config._attn_implementation = "eager"
+    model = Qwen3NextForCausalLM(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    randomize(model, generator)
+    # Small shards, so the loader's index path is what the tests exercise.
+    model.save_pretrained(folder, max_shard_size="200KB")
+    (folder / "generation_config.json").unlink(missing_ok=True)
+
+    write_reference(folder, model, config.vocab_size, seed, prompt_len, decode_steps)
     sizes = {p.name: p.stat().st_size for p in sorted(folder.iterdir())}
     print(name, sizes)
 
