@@ -11,6 +11,8 @@ row's shapes so that start-up compiles only what the row runs) and serves reques
 
 * ``decode B``: B requests of ``--prompt-len`` tokens, ``--decode-steps`` new tokens each;
   the row's time is the median DECODE step (dispatch-ahead serving loop, ``Engine.step_times``).
+  ``--decode-long B@L`` adds rows whose prompts are L tokens long (prefilled in chunks of
+  8192), so the attention layers read an L-token context every step.
 * ``prefill N x L``: N prompts of L tokens, one output token each; tokens/s over the wall time
   of ``generate`` (prefill chunks of L tokens, one prompt per step).
 
@@ -313,10 +315,15 @@ class _IdsOnly:
         return ""
 
 
+# Off while the reference rows hide tokamax by patching the grouped matmul: the program
+# store's key sees the source, not a patch.
+_PROGRAM_STORE = [True]
+
+
 def _engine(model, *, batch: int, tokens: int, context: int, cache_dir: str) -> Engine:
     config = EngineConfig(
         max_batch=batch, max_tokens=tokens, max_context=context, batch_buckets=(batch,),
-        token_buckets=(tokens,), cache_dir=cache_dir,
+        token_buckets=(tokens,), cache_dir=cache_dir, program_store=_PROGRAM_STORE[0],
     )  # fmt: skip
     return Engine(model, _IdsOnly(model.config.vocab_size), config, progress=False)
 
@@ -330,12 +337,14 @@ def _prompts(rng: np.random.Generator, n: int, length: int) -> list[list[int]]:
     return [rng.integers(1, 256, length).tolist() for _ in range(n)]
 
 
-def decode_row(model, c, batch, args, rng, label) -> Row:
-    prompt, steps = args.prompt_len, args.decode_steps
+def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
+    steps = args.decode_steps
     budget = steps + 2 * args.profile_steps + 4  # measured, host-profiled, traced steps
     context = -(-(prompt + budget + 4) // 16) * 16
+    # Long prompts prefill in chunks of at most 8192 tokens: one EXTEND executable.
+    tokens = min(batch * prompt, max(prompt, 8192))
     engine = _engine(
-        model, batch=batch, tokens=batch * prompt, context=context, cache_dir=args.cache_dir
+        model, batch=batch, tokens=tokens, context=context, cache_dir=args.cache_dir
     )
     params = SamplingParams(max_new_tokens=budget)
     ids = [engine.add_request(p, params) for p in _prompts(rng, batch, prompt)]
@@ -349,8 +358,9 @@ def decode_row(model, c, batch, args, rng, label) -> Row:
     for rid in ids:
         engine.abort(rid)
     limit_s = decode_bytes(c, batch, prompt + steps) / args.bandwidth
+    at = f" at {prompt // 1024}k" if prompt >= 1024 else ""
     return Row(
-        f"decode B={batch} ({label})", f"{step_s * 1e3:.3f} ms", f"{limit_s * 1e3:.3f} ms",
+        f"decode B={batch}{at} ({label})", f"{step_s * 1e3:.3f} ms", f"{limit_s * 1e3:.3f} ms",
         limit_s / step_s, engine.compile_s, _slowest(engine), note,
     )  # fmt: skip
 
@@ -478,6 +488,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-batch", type=int, default=16, help="rows of the stream engine")
     parser.add_argument("--output-len", type=int, default=64, help="tokens per stream request")
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument(
+        "--decode-long", default="", help="decode rows at long contexts, BATCH@PROMPT_LEN, "
+        "comma-separated (e.g. 1@8192,64@8192)",
+    )  # fmt: skip
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--profile-steps", type=int, default=6)
     parser.add_argument("--host-profile", action="store_true", help="cProfile decode steps")
@@ -522,12 +536,17 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants[args.moe]:
         # The reference rows hide tokamax from the grouped matmul, so auto takes ragged_dot.
         _GROUPED_MATMUL._tokamax_ragged_dot = kernel if variant == "auto" else (lambda: None)
+        _PROGRAM_STORE[0] = variant == "auto"
         label = "MoE " + ("tokamax" if variant == "auto" and kernel() is not None else "ragged_dot")
         if not c.num_experts:
             label = "dense"
-        for batch in (int(b) for b in args.decode.split(",") if b):
+        decode_rows = [(int(b), args.prompt_len) for b in args.decode.split(",") if b]
+        decode_rows += [
+            tuple(int(v) for v in spec.split("@")) for spec in args.decode_long.split(",") if spec
+        ]
+        for batch, prompt in decode_rows:
             try:
-                rows.append(decode_row(model, c, batch, args, rng, label))
+                rows.append(decode_row(model, c, batch, prompt, args, rng, label))
             except Exception as err:  # a failed row is reported, the rest still runs
                 if args.smoke:
                     raise

@@ -26,6 +26,7 @@ __all__ = [
     "TokenLayout",
     "UnsupportedForwardModeError",
     "check_supported",
+    "program_mode",
     "supported_modes",
     "token_layout",
 ]
@@ -193,6 +194,20 @@ def check_supported(kind: LayerKind | str, mode: ForwardMode | str) -> None:
     kind, mode = LayerKind(kind), ForwardMode(mode)
     if mode not in CAPABILITIES[kind]:
         raise UnsupportedForwardModeError(mode, CAPABILITIES[kind], kind)
+
+
+def program_mode(mode: ForwardMode | str) -> ForwardMode:
+    """The mode whose step program runs ``mode``: the first mode of ``MODES`` with an equal row.
+
+    The layers read a mode only through its row (its token layout and bounds) and the
+    capability table, so modes with equal rows compute the same function of the same
+    metadata: MIXED runs EXTEND's program (the scheduler tells them apart, the layers do not)
+    and needs no executable of its own. Capabilities stay per mode: check them for ``mode``.
+    """
+    mode = ForwardMode(mode)
+    if mode not in MODES:
+        return mode  # no row, no program: tracing it raises UnsupportedForwardModeError
+    return next(m for m, spec in MODES.items() if spec == MODES[mode])
 
 
 def token_layout(mode: ForwardMode | str) -> TokenLayout:

@@ -18,7 +18,7 @@ from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.qwen3_next_loading import save_checkpoint
 from hybrid_jax.models.safetensors_io import read_header
 from hybrid_jax.models.tokenizer import ByteTokenizer
-from hybrid_jax.modes import ForwardMode
+from hybrid_jax.modes import ForwardMode, program_mode
 
 M = ForwardMode
 # Max context 64 in pages of 8: a full-context request holds 8 of the 16 real pages, so two
@@ -270,6 +270,27 @@ def test_interleaved_streams_each_get_all_their_tokens(engine, alone):
 
 def test_persistent_compilation_cache_is_written(engine):
     assert any(pathlib.Path(engine.config.cache_dir).iterdir())
+
+
+def test_second_start_reads_every_step_program_back_without_tracing(engine, alone, caplog):
+    programs = pathlib.Path(engine.config.cache_dir) / "programs"
+    stored = sorted(programs.glob("*.program"))
+    records = engine.compile_records
+    executables = {(program_mode(r.mode), r.batch_size, r.num_tokens) for r in records}
+    assert len(stored) == len(executables)  # MIXED shares EXTEND's programs
+    again = Engine.from_preset("tiny", engine.config, progress=False)
+    assert again._steps.total_traces == 0
+    assert sorted(programs.glob("*.program")) == stored
+    prompts, want = alone
+    assert [r.token_ids for r in again.generate(prompts, GREEDY)] == want
+    # A damaged program is exported again, with a warning naming it.
+    stored[0].write_bytes(b"not a program")
+    again = Engine.from_preset("tiny", engine.config, progress=False)
+    assert again._steps.total_traces == 1
+    assert str(stored[0]) in caplog.text
+    assert [r.token_ids for r in again.generate(prompts, GREEDY)] == want
+    again = Engine.from_preset("tiny", engine.config, progress=False)
+    assert again._steps.total_traces == 0
 
 
 def test_checkpoint_with_a_missing_tensor_fails_before_compiling(engine, tmp_path):

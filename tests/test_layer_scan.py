@@ -101,9 +101,9 @@ def test_scan_layers_groups_qwen3_next_in_its_period_and_leaves_singles_alone():
     (run,) = scanned.layers
     assert isinstance(run, ScannedRun) and run.repeats == 3
     assert (run.linear_per_repeat, run.attention_per_repeat) == (2, 1)
-    kernel = run.blocks[0].linear_attn.in_proj_qkvz.kernel.get_value()
-    assert kernel.shape == (3, *model.layers[0].linear_attn.in_proj_qkvz.kernel.shape)
-    np.testing.assert_array_equal(kernel[2], model.layers[6].linear_attn.in_proj_qkvz.kernel)
+    kernel = run.blocks[0].linear_attn.in_proj_qkv.kernel.get_value()
+    assert kernel.shape == (3, *model.layers[0].linear_attn.in_proj_qkv.kernel.shape)
+    np.testing.assert_array_equal(kernel[2], model.layers[6].linear_attn.in_proj_qkv.kernel)
     # The tiny preset repeats nothing: its layers stay as they are.
     tiny = tiny_qwen3_next()
     assert not any(isinstance(layer, ScannedRun) for layer in scan_layers(tiny).layers)
@@ -198,12 +198,12 @@ def test_the_scanned_step_traces_one_block_whatever_the_depth():
 
 def test_donated_layers_are_moved_into_the_stack():
     model = qwen3_next(2)
-    originals = [layer.linear_attn.in_proj_qkvz.kernel.get_value() for layer in model.layers[:4:3]]
+    originals = [layer.linear_attn.in_proj_qkv.kernel.get_value() for layer in model.layers[:4:3]]
     want = np.stack([np.asarray(a) for a in originals])
     scanned = scan_layers(model, donate=True)
     assert all(a.is_deleted() for a in originals)
     np.testing.assert_array_equal(
-        scanned.layers[0].blocks[0].linear_attn.in_proj_qkvz.kernel.get_value(), want
+        scanned.layers[0].blocks[0].linear_attn.in_proj_qkv.kernel.get_value(), want
     )
     assert not model.embed_tokens.embedding.get_value().is_deleted()  # only layers move
 
@@ -216,7 +216,7 @@ def test_engine_on_a_scanned_model_serves_the_greedy_tokens_of_the_layer_by_laye
         max_batch=1, max_tokens=16, max_context=24, page_size=parity.PAGE, cache_dir=None,
         impl="reference", overlap=False,
     )  # fmt: skip
-    first = model.layers[0].linear_attn.in_proj_qkvz.kernel.get_value()
+    first = model.layers[0].linear_attn.in_proj_qkv.kernel.get_value()
     engine = Engine(model, ByteTokenizer(), config, progress=False, donate_weights=True)
     assert first.is_deleted() and isinstance(engine.model.layers[0], ScannedRun)
     (result,) = engine.generate([prompt], SamplingParams(max_new_tokens=4))

@@ -255,3 +255,33 @@ def test_compile_all_then_serving_never_retraces(setup):
         _, out = run(steps, pool, mode, rows, tokens(n, hidden, 3))
         pool = out.pool
     assert steps.total_traces == traces
+
+
+def test_mixed_runs_the_extend_executable_and_keeps_its_own_capability(monkeypatch):
+    from hybrid_jax import modes
+
+    assert {m: modes.program_mode(m) for m in M} == {m: M.EXTEND if m is M.MIXED else m for m in M}
+    model = GDNStack(tiny_gdn_stack_config(), rngs=nnx.Rngs(3))
+    steps = StepFunctions(model, impl="reference")
+    hidden = tiny_gdn_stack_config().layer.hidden_size
+    pool = init_state_pool(model.state_specs(), NUM_SLOTS)
+    records = steps.compile_all(POLICY, pool, [M.EXTEND, M.MIXED], token_shape=(hidden,))
+    assert {(r.mode, r.batch_size, r.num_tokens) for r in records} == {
+        (m, bs, t) for m in (M.EXTEND, M.MIXED) for bs, t in POLICY.buckets(m)
+    }
+    assert steps.trace_count == {M.EXTEND: len(POLICY.buckets(M.EXTEND))}
+    pool = fresh_pool(model)
+    rows = [RowSpec(1, 0, 5), RowSpec(2, 4, 1)]
+    x = tokens(6, hidden, 4)
+    mixed, out = run(steps, pool, M.MIXED, rows, x)
+    extend, _ = run(steps, fresh_pool(model), M.EXTEND, rows, x)
+    np.testing.assert_array_equal(mixed, extend)
+    assert steps.trace_count == {M.EXTEND: len(POLICY.buckets(M.EXTEND))}
+    # A layer kind that could run EXTEND but not MIXED refuses MIXED, while tracing nothing.
+    without_mixed = {k: v - {M.MIXED} for k, v in CAPABILITIES.items()}
+    monkeypatch.setattr(modes, "CAPABILITIES", without_mixed)
+    meta = example_metadata(M.MIXED, 2, 8, POLICY)
+    with pytest.raises(UnsupportedForwardModeError, match="MIXED"):
+        steps.lower(M.MIXED, pool, jnp.zeros((8, hidden)), meta)
+    with pytest.raises(UnsupportedForwardModeError, match="MIXED"):
+        steps(out.pool, jnp.zeros((8, hidden)), meta)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 
 from hybrid_jax.engine.speculative import SpeculativeConfig
+from hybrid_jax.engine.startup import ProgramStore
 from hybrid_jax.metadata import BucketPolicy
 
 __all__ = ["DEFAULT_CACHE_DIR", "EngineConfig"]
@@ -31,7 +33,10 @@ class EngineConfig:
     step back at once whatever ``overlap`` says. ``scan_layers``: the steps run each run of
     repeated layers under ``lax.scan`` over stacked weights (``models.layer_scan``), so a
     step compiles in about the time of one repeated block whatever the depth (False: every
-    layer unrolled, as the model's own forward).
+    layer unrolled, as the model's own forward). ``program_store``: keep each step's lowered
+    program under ``cache_dir`` (``startup.ProgramStore``), so that a warm start-up neither
+    traces nor lowers it; its key covers the package's source but not code patched at run
+    time, so turn it off while monkeypatching.
     """
 
     max_batch: int = 8
@@ -48,6 +53,13 @@ class EngineConfig:
     overlap: bool = True
     speculative: SpeculativeConfig | None = None
     scan_layers: bool = True
+    program_store: bool = True
+
+    def store(self) -> ProgramStore | None:
+        """The program store of these settings (None: off, no cache, or interpret mode)."""
+        if not self.program_store or self.cache_dir is None or self.impl == "interpret":
+            return None
+        return ProgramStore(os.path.join(self.cache_dir, "programs"))
 
     def context(self, model_context: int) -> int:
         """Positions of one request, for a model with ``model_context`` positions."""

@@ -160,13 +160,16 @@ class Engine(SpeculativeServing):
             jnp.zeros(num_slots, jnp.int32),
         )
         use_mtp = self.speculative is not None and self.speculative.source == "mtp"
+        store = config.store()
         self.mtp: MTPDrafter | None = None
         if use_mtp:
             self.mtp = MTPDrafter(
                 model, self.policy, num_slots=num_slots, num_pages=num_pages,
-                parents=self.speculative.parents, impl=config.impl,
+                parents=self.speculative.parents, impl=config.impl, store=store,
             )  # fmt: skip
-        self._steps = StepFunctions(LastTokenLogits(step_model, use_mtp), impl=config.impl)
+        self._steps = StepFunctions(
+            LastTokenLogits(step_model, use_mtp), impl=config.impl, store=store
+        )
         self._sampler = Sampler()
         self.tree = self.speculative is not None and self.speculative.tree
         self._verifier: Verifier | TreeVerifier = Verifier(self._steps.commit)

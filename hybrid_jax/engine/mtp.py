@@ -51,6 +51,7 @@ from flax import nnx
 
 from hybrid_jax.engine.scheduler import Request, ScheduledStep
 from hybrid_jax.engine.speculative import SpeculativeConfigError, candidate_ranks, tree_spine
+from hybrid_jax.engine.startup import ProgramStore
 from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.kv_cache import KVCache, init_kv_cache
 from hybrid_jax.metadata import (
@@ -148,6 +149,7 @@ class MTPDrafter:
         num_pages: int,
         parents: tuple[int, ...] | None = None,
         impl: str = "auto",
+        store: ProgramStore | None = None,
     ):
         if not getattr(model, "has_mtp", False):
             raise SpeculativeConfigError(
@@ -171,7 +173,7 @@ class MTPDrafter:
         self.num_slots, self.num_pages = num_slots, num_pages
         self.hidden_size = model.config.hidden_size
         self.dtype = jnp.dtype(model.config.dtype)
-        self.steps = StepFunctions(_HeadStep(model, width), impl=impl)
+        self.steps = StepFunctions(_HeadStep(model, width), impl=impl, store=store)
         self.kv = init_kv_cache(model.mtp_kv_specs(), num_pages, policy.page_size)
         self.drafts: dict[int, tuple[int, ...]] = {}
         self.compile_records: list[CompileRecord] = []

@@ -6,12 +6,14 @@ leaf has one entry per token). ``lower`` checks every layer kind against the
 capability table while tracing, so an unsupported mode fails at ``.lower()`` and nothing
 runs. ``compile_all`` compiles every (mode, bucket) of a ``BucketPolicy`` ahead of time from
 the same metadata builder the real calls use; after that, ``__call__`` only looks executables
-up, and ``trace_count`` tells whether anything was traced again.
+up, and ``trace_count`` tells whether anything was traced again. Modes that share a program
+(``modes.program_mode``: MIXED runs EXTEND's) share one executable per bucket.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterable
@@ -22,8 +24,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.backend.commit import commit_tree_verified, commit_verified, linear_kind
+from hybrid_jax.engine.startup import ProgramStore
 from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, example_metadata
-from hybrid_jax.modes import ForwardMode, check_supported
+from hybrid_jax.modes import ForwardMode, check_supported, program_mode
 from hybrid_jax.state_pool import StatePool
 
 __all__ = ["CompileRecord", "StepFunctions"]
@@ -41,15 +44,19 @@ class StepFunctions:
     (``commit``: a chain's, ``commit_tree``: a tree's; both donate the pool, the tree's also
     the KV cache)."""
 
-    def __init__(self, model: nnx.Module, *, impl: str = "auto"):
+    def __init__(self, model: nnx.Module, *, impl: str = "auto", store: ProgramStore | None = None):
         self.graphdef, params = nnx.split(model)
         # The weights travel as a flat list of arrays: every call flattens its arguments,
         # and a list of arrays flattens in C++, where nnx Variables call back into Python.
         self.params, self._params_tree = jax.tree.flatten(params)
         self.layer_kinds = tuple(model.layer_kinds)
         self.impl = impl
+        self.store = store
         self.trace_count: collections.Counter[ForwardMode] = collections.Counter()
+        # (program mode, batch bucket, token bucket) -> executable; the (mode, buckets) that
+        # compile_all has compiled, each with its record.
         self._compiled: dict[tuple[ForwardMode, int, int], Any] = {}
+        self._compiled_buckets: set[tuple[ForwardMode, int, int]] = set()
         self._jitted = jax.jit(self._forward, static_argnums=0, donate_argnums=2)
         kind = linear_kind(self.layer_kinds)
         self.commit = jax.jit(functools.partial(commit_verified, kind=kind), donate_argnums=0)
@@ -74,7 +81,23 @@ class StepFunctions:
 
     def lower(self, mode: ForwardMode, pool: StatePool, x: jax.Array, meta: ForwardMetadata):
         """Traces and lowers the step of ``mode`` (raises UnsupportedForwardModeError here)."""
-        return self._jitted.lower(ForwardMode(mode), self.params, pool, x, meta)
+        mode = ForwardMode(mode)
+        program, meta = self._as_program(mode, meta)
+        return self._jitted.lower(program, self.params, pool, x, meta)
+
+    def _as_program(
+        self, mode: ForwardMode, meta: ForwardMetadata
+    ) -> tuple[ForwardMode, ForwardMetadata]:
+        """The program that runs ``mode`` and ``meta`` relabelled for it; the layers'
+        capabilities are checked for ``mode`` itself first."""
+        program = program_mode(mode)
+        if program is mode:
+            return mode, meta
+        for kind in dict.fromkeys(self.layer_kinds):
+            check_supported(kind, mode)
+        if meta.mode is mode:
+            meta = dataclasses.replace(meta, mode=program)
+        return program, meta
 
     def compile_all(
         self,
@@ -96,17 +119,22 @@ class StepFunctions:
         for mode in modes:
             mode = ForwardMode(mode)
             for batch_size, num_tokens in policy.buckets(mode):
-                key = (mode, batch_size, num_tokens)
-                if key in self._compiled:
+                if (mode, batch_size, num_tokens) in self._compiled_buckets:
                     continue
                 meta = example_metadata(mode, batch_size, num_tokens, policy)
-                if inputs is None:
-                    x = jax.ShapeDtypeStruct((num_tokens, *token_shape), dtype)
-                else:
-                    x = inputs(num_tokens)
-                pool_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), pool)
                 start = time.perf_counter()
-                self._compiled[key] = self.lower(mode, pool_shape, x, meta).compile()
+                program, meta = self._as_program(mode, meta)
+                key = (program, batch_size, num_tokens)
+                if key not in self._compiled:
+                    if inputs is None:
+                        x = jax.ShapeDtypeStruct((num_tokens, *token_shape), dtype)
+                    else:
+                        x = inputs(num_tokens)
+                    pool_shape = jax.tree.map(
+                        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), pool
+                    )
+                    self._compiled[key] = self._compile(program, pool_shape, x, meta)
+                self._compiled_buckets.add((mode, batch_size, num_tokens))
                 record = CompileRecord(
                     mode, batch_size, num_tokens, 1e3 * (time.perf_counter() - start)
                 )
@@ -115,14 +143,29 @@ class StepFunctions:
                     progress(record)
         return records
 
+    def _compile(self, program: ForwardMode, pool, x, meta: ForwardMetadata):
+        """The executable of ``program`` for these argument shapes: through the program store
+        when there is one (a stored program is neither traced nor lowered again)."""
+        if self.store is not None:
+            params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in self.params]
+            stored = self.store.compile(
+                functools.partial(self._forward, program),
+                (params, pool, x, meta),
+                key_parts=("step", program.value, self.impl, self.graphdef, self._params_tree),
+                donate_argnums=(1,),
+            )
+            if stored is not None:
+                return stored
+        return self._jitted.lower(program, self.params, pool, x, meta).compile()
+
     def __call__(self, pool: StatePool, x: jax.Array, meta: ForwardMetadata):
         """Runs one step; ``pool`` is donated (do not use it afterwards). Uses the executable
         compiled ahead of time for (mode, bucket) when there is one, else jit (a trace)."""
-        key = (meta.mode, meta.batch_size, meta.num_tokens)
-        compiled = self._compiled.get(key)
+        program, meta = self._as_program(meta.mode, meta)
+        compiled = self._compiled.get((program, meta.batch_size, meta.num_tokens))
         if compiled is not None:
             return compiled(self.params, pool, x, meta)
-        return self._jitted(meta.mode, self.params, pool, x, meta)
+        return self._jitted(program, self.params, pool, x, meta)
 
     @property
     def total_traces(self) -> int:

@@ -1,9 +1,12 @@
 """Qwen3-Next's Gated DeltaNet block as a Flax NNX module, served over the slot pools.
 
-Weights follow Hugging Face's Qwen3-Next layout so checkpoints load as they are:
-``in_proj_qkvz`` packs, per key head, ``[q (K), k (K), v (HV/H*V), z (HV/H*V)]``;
-``in_proj_ba`` packs, per key head, ``[b (HV/H), a (HV/H)]``; the depthwise conv (no bias)
-runs over the channels ``[q | k | v]``.
+The input projections are stored in the order the step reads them, Qwen3.5's:
+``in_proj_qkv`` yields the conv channels ``[Q | K | V]`` (every key head's q, then every k,
+then every value head's v), ``in_proj_z`` the output gate ``[Z]``, ``in_proj_ba`` ``[b | a]``
+per value head. The depthwise conv (no bias) runs over ``[Q | K | V]``. Qwen3-Next's
+checkpoints group both projections per key head (``[q, k, v group, z group]`` and
+``[b group, a group]``); ``grouped_qkvz_columns`` / ``grouped_ba_columns`` say where each of
+our columns sits there, and the loader reorders once, so no step regroups activations.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from hybrid_jax.layers.norm import GatedRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.state_pool import LinearStateSpec
 
-__all__ = ["GDNConfig", "GatedDeltaNet"]
+__all__ = ["GDNConfig", "GatedDeltaNet", "grouped_ba_columns", "grouped_qkvz_columns"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +68,53 @@ class GDNConfig:
         )
 
 
+def grouped_qkvz_columns(dims: GDNDims) -> tuple[np.ndarray, np.ndarray]:
+    """Where ``[Q | K | V]`` and ``[Z]`` sit in Qwen3-Next's per-key-head
+    ``[q (K), k (K), v (g*V), z (g*V)]`` columns (g = HV/H): ``grouped[:, qkv]`` is
+    ``in_proj_qkv``, ``grouped[:, z]`` is ``in_proj_z``."""
+    group = dims.num_value_heads // dims.num_key_heads
+    k, v = dims.head_k_dim, group * dims.head_v_dim
+    per_head = 2 * k + 2 * v
+    starts = np.arange(dims.num_key_heads)[:, None] * per_head
+
+    def part(offset: int, width: int) -> np.ndarray:
+        return (starts + offset + np.arange(width)).reshape(-1)
+
+    qkv = np.concatenate([part(0, k), part(k, k), part(2 * k, v)])
+    return qkv, part(2 * k + v, v)
+
+
+def grouped_ba_columns(dims: GDNDims) -> np.ndarray:
+    """Where ``[b | a]`` sits in Qwen3-Next's per-key-head ``[b (g), a (g)]`` columns."""
+    group = dims.num_value_heads // dims.num_key_heads
+    starts = np.arange(dims.num_key_heads)[:, None] * 2 * group
+    b = (starts + np.arange(group)).reshape(-1)
+    return np.concatenate([b, b + group])
+
+
 class GatedDeltaNet(nnx.Module):
     """Projections -> causal conv1d (SiLU) -> gating -> delta rule -> gated RMSNorm -> out."""
 
     def __init__(self, config: GDNConfig, *, rngs: nnx.Rngs):
         c, d = config, config.dims
         dtype = jnp.dtype(c.dtype)
-        linear = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.config = c
-        self.in_proj_qkvz = nnx.Linear(c.hidden_size, 2 * d.key_dim + 2 * d.value_dim, **linear)
-        self.in_proj_ba = nnx.Linear(c.hidden_size, 2 * d.num_value_heads, **linear)
+        # Drawn as Qwen3-Next's grouped matrices, then reordered: a seed gives the same
+        # function in either layout.
+        init = nnx.initializers.lecun_normal()
+        qkvz = init(rngs.params(), (c.hidden_size, 2 * d.key_dim + 2 * d.value_dim), dtype)
+        ba = init(rngs.params(), (c.hidden_size, 2 * d.num_value_heads), dtype)
+        qkv_cols, z_cols = grouped_qkvz_columns(d)
+
+        def linear(weight: jax.Array) -> nnx.Linear:
+            return nnx.Linear(
+                *weight.shape, use_bias=False, dtype=dtype, param_dtype=dtype,
+                kernel_init=lambda *_: weight, rngs=nnx.Rngs(0),
+            )  # fmt: skip
+
+        self.in_proj_qkv = linear(qkvz[:, qkv_cols])
+        self.in_proj_z = linear(qkvz[:, z_cols])
+        self.in_proj_ba = linear(ba[:, grouped_ba_columns(d)])
         bound = 1.0 / np.sqrt(c.conv_kernel)
         self.conv_weight = nnx.Param(
             jax.random.uniform(rngs.params(), (c.conv_dim, c.conv_kernel), dtype, -bound, bound)
@@ -83,27 +123,16 @@ class GatedDeltaNet(nnx.Module):
         decay = jax.random.uniform(rngs.params(), (d.num_value_heads,), jnp.float32, 1.0, 16.0)
         self.A_log = nnx.Param(jnp.log(decay))
         self.norm = GatedRMSNorm(d.head_v_dim, eps=c.rms_norm_eps)
-        self.out_proj = nnx.Linear(d.value_dim, c.hidden_size, **linear)
+        self.out_proj = nnx.Linear(d.value_dim, c.hidden_size, use_bias=False, dtype=dtype,
+                                   param_dtype=dtype, rngs=rngs)  # fmt: skip
 
     def _project(self, x: jax.Array):
         d = self.config.dims
-        groups = d.num_value_heads // d.num_key_heads
         t = x.shape[0]
         # Explicit sizes everywhere: an IDLE step has t == 0, where -1 cannot be inferred.
-        per_head = 2 * d.head_k_dim + 2 * groups * d.head_v_dim
-        qkvz = self.in_proj_qkvz(x).reshape(t, d.num_key_heads, per_head)
-        q, k, v, z = jnp.split(
-            qkvz,
-            np.cumsum([d.head_k_dim, d.head_k_dim, groups * d.head_v_dim]),
-            axis=-1,
-        )
-        ba = self.in_proj_ba(x).reshape(t, d.num_key_heads, 2 * groups)
-        b, a = jnp.split(ba, 2, axis=-1)
-        mixed = jnp.concatenate(
-            [q.reshape(t, d.key_dim), k.reshape(t, d.key_dim), v.reshape(t, d.value_dim)], axis=-1
-        )
-        z = z.reshape(t, d.num_value_heads, d.head_v_dim)
-        return mixed, z, b.reshape(t, d.num_value_heads), a.reshape(t, d.num_value_heads)
+        z = self.in_proj_z(x).reshape(t, d.num_value_heads, d.head_v_dim)
+        b, a = jnp.split(self.in_proj_ba(x), 2, axis=-1)
+        return self.in_proj_qkv(x), z, b, a
 
     def __call__(
         self,

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import pathlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -51,20 +52,31 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """Parameter ``target`` (attribute path in the model) from HF tensors ``sources``."""
+    """Parameter ``target`` (attribute path in the model) from HF tensors ``sources``.
+
+    ``also``: further parameters filled from the same tensors (one tensor split into
+    several of ours); ``to_ours`` then returns one array per target (``target`` first) and
+    ``to_hf`` takes them in that order.
+    """
 
     target: tuple[str | int, ...]
     sources: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) in the checkpoint
-    to_ours: Callable[[Sequence[np.ndarray]], np.ndarray]
-    to_hf: Callable[[np.ndarray], list[np.ndarray]]
+    to_ours: Callable[[Sequence[np.ndarray]], Any]
+    to_hf: Callable[[Any], list[np.ndarray]]
+    also: tuple[tuple[str | int, ...], ...] = ()
 
+    @property
+    def targets(self) -> tuple[tuple[str | int, ...], ...]:
+        return (self.target, *self.also)
 
-def _plain(target, name, shape) -> Rule:
-    return Rule(target, ((name, shape),), lambda a: a[0], lambda w: [w])
+    def ours(self, tensors: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """One array per target, from the source tensors."""
+        values = self.to_ours(tensors)
+        return list(values) if self.also else [values]
 
-
-def _linear(target, name, out_dim, in_dim) -> Rule:
-    return Rule(target, ((name, (out_dim, in_dim)),), lambda a: a[0].T, lambda w: [w.T])
+    def hf(self, values: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The source tensors, from one array per target."""
+        return self.to_hf(list(values) if self.also else values[0])
 
 
 def read_config[C](folder: str | pathlib.Path, config_cls: type[C], dtype: str | None) -> C:
@@ -177,9 +189,10 @@ def load_weights(
         )
     bar = Progress(len(rules), progress, doing="loading", done="loaded", items="parameters")
     for rule in rules:
-        param = param_at(model, rule.target)
-        value = rule.to_ours([tensors[name] for name, _ in rule.sources])
-        param.set_value(jnp.asarray(np.asarray(value), param.get_value().dtype))
+        values = rule.ours([tensors[name] for name, _ in rule.sources])
+        for target, value in zip(rule.targets, values, strict=True):
+            param = param_at(model, target)
+            param.set_value(jnp.asarray(np.asarray(value), param.get_value().dtype))
         bar(".".join(map(str, rule.target))[-24:])
     return model
 
@@ -196,8 +209,8 @@ def write_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
     for rule in rules:
-        value = np.asarray(param_at(model, rule.target).get_value())
-        for (name, _), array in zip(rule.sources, rule.to_hf(value), strict=True):
+        values = [np.asarray(param_at(model, t).get_value()) for t in rule.targets]
+        for (name, _), array in zip(rule.sources, rule.hf(values), strict=True):
             tensors[name] = array
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if max_shard_bytes is None:

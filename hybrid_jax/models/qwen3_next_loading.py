@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from flax import nnx
 
+from hybrid_jax.layers.gdn import grouped_ba_columns, grouped_qkvz_columns
 from hybrid_jax.models.checkpoint import (
     Rule,
     linear,
@@ -51,42 +52,48 @@ class CheckpointLayout:
     split_gdn_projections: bool = False
 
 
-def _split_gdn_projections(m: tuple, q: str, c: Qwen3NextConfig) -> list[Rule]:
-    """Qwen3.5's contiguous ``in_proj_qkv`` ``[Q | K | V]`` and ``in_proj_z`` into ours
-    ``in_proj_qkvz`` (per key head ``[q, k, v group, z group]``), ``in_proj_b`` and
-    ``in_proj_a`` into ours ``in_proj_ba`` (per key head ``[b group, a group]``)."""
+def _gdn_projections(m: tuple, q: str, c: Qwen3NextConfig, split: bool) -> list[Rule]:
+    """The GDN input projections. Ours are Qwen3.5's order (``layers.gdn``): its four
+    matrices load as they are (``in_proj_b`` and ``in_proj_a`` side by side); Qwen3-Next's
+    two, grouped per key head, are reordered into ours."""
     d, h = c.gdn_config().dims, c.hidden_size
-    heads, group = d.num_key_heads, d.num_value_heads // d.num_key_heads
-    cuts = np.cumsum([d.head_k_dim, d.head_k_dim, group * d.head_v_dim])
-
-    def qkvz_to_ours(a):
-        qkv, z = a
-        parts = np.split(qkv, [d.key_dim, 2 * d.key_dim])
-        per_head = [x.reshape(heads, -1, h) for x in (*parts, z)]
-        return np.concatenate(per_head, axis=1).reshape(-1, h).T
+    conv, heads = 2 * d.key_dim + d.value_dim, d.num_value_heads
+    if split:
+        return [
+            linear((*m, "in_proj_qkv", "kernel"), f"{q}in_proj_qkv.weight", conv, h),
+            linear((*m, "in_proj_z", "kernel"), f"{q}in_proj_z.weight", d.value_dim, h),
+            Rule(
+                (*m, "in_proj_ba", "kernel"),
+                tuple((f"{q}in_proj_{x}.weight", (heads, h)) for x in "ba"),
+                lambda a: np.concatenate([a[0].T, a[1].T], axis=1),
+                lambda w: [w[:, :heads].T, w[:, heads:].T],
+            ),  # fmt: skip
+        ]
+    qkv_cols, z_cols = grouped_qkvz_columns(d)
+    ba_cols = grouped_ba_columns(d)
 
     def qkvz_to_hf(w):
-        q_, k_, v_, z_ = np.split(w.T.reshape(heads, -1, h), cuts, axis=1)
-        return [np.concatenate([x.reshape(-1, h) for x in (q_, k_, v_)]), z_.reshape(-1, h)]
-
-    def ba_to_ours(a):
-        return np.concatenate([x.reshape(heads, group, h) for x in a], axis=1).reshape(-1, h).T
+        grouped = np.empty((h, conv + d.value_dim), w[0].dtype)
+        grouped[:, qkv_cols], grouped[:, z_cols] = w
+        return [grouped.T]
 
     def ba_to_hf(w):
-        return [x.reshape(-1, h) for x in np.split(w.T.reshape(heads, 2 * group, h), 2, axis=1)]
+        grouped = np.empty_like(w)
+        grouped[:, ba_cols] = w
+        return [grouped.T]
 
-    conv = 2 * d.key_dim + d.value_dim
     return [
         Rule(
-            (*m, "in_proj_qkvz", "kernel"),
-            ((f"{q}in_proj_qkv.weight", (conv, h)), (f"{q}in_proj_z.weight", (d.value_dim, h))),
-            qkvz_to_ours,
+            (*m, "in_proj_qkv", "kernel"),
+            ((f"{q}in_proj_qkvz.weight", (conv + d.value_dim, h)),),
+            lambda a: (a[0].T[:, qkv_cols], a[0].T[:, z_cols]),
             qkvz_to_hf,
+            also=((*m, "in_proj_z", "kernel"),),
         ),  # fmt: skip
         Rule(
             (*m, "in_proj_ba", "kernel"),
-            tuple((f"{q}in_proj_{x}.weight", (d.num_value_heads, h)) for x in "ba"),
-            ba_to_ours,
+            ((f"{q}in_proj_ba.weight", (2 * heads, h)),),
+            lambda a: a[0].T[:, ba_cols],
             ba_to_hf,
         ),  # fmt: skip
     ]
@@ -163,13 +170,7 @@ def _layer_rules(
     )
     if kind is LayerKind.GDN:
         q, m = f"{p}linear_attn.", (*t, "linear_attn")
-        qkvz = 2 * d.key_dim + 2 * d.value_dim
-        if layout.split_gdn_projections:
-            yield from _split_gdn_projections(m, q, c)
-        else:
-            yield linear((*m, "in_proj_qkvz", "kernel"), f"{q}in_proj_qkvz.weight", qkvz, h)
-            yield linear((*m, "in_proj_ba", "kernel"), f"{q}in_proj_ba.weight",
-                          2 * d.num_value_heads, h)  # fmt: skip
+        yield from _gdn_projections(m, q, c, layout.split_gdn_projections)
         yield Rule(
             (*m, "conv_weight"), ((f"{q}conv1d.weight", (g.conv_dim, 1, g.conv_kernel)),),
             lambda x: x[0][:, 0, :], lambda w: [w[:, None, :]],
