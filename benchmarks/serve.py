@@ -421,7 +421,7 @@ def stream_row(model, c, requests, rate, args, rng, label) -> Row:
 
 
 def _failed(name: str, err: Exception) -> Row:
-    return Row(name, "failed", "", 0.0, 0.0, repr(err)[:300])
+    return Row(name, "failed", "", 0.0, 0.0, note=repr(err)[:300])
 
 
 def _versions() -> str:
@@ -550,9 +550,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as err:  # a failed row is reported, the rest still runs
                 if args.smoke:
                     raise
-                rows.append(
-                    Row(f"decode B={batch} ({label})", "failed", "", 0.0, 0.0, repr(err)[:300])
-                )
+                rows.append(_failed(f"decode B={batch} ({label})", err))
             print(rows[-1], flush=True)
         for spec in (s for s in args.prefill.split(",") if s):
             n, length = (int(v) for v in spec.split("x"))
@@ -561,9 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as err:
                 if args.smoke:
                     raise
-                rows.append(
-                    Row(f"prefill {spec} ({label})", "failed", "", 0.0, 0.0, repr(err)[:300])
-                )
+                rows.append(_failed(f"prefill {spec} ({label})", err))
             print(rows[-1], flush=True)
         for spec in (s for s in args.stream.split(",") if s):
             n, rate = spec.split("x")
@@ -572,9 +568,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as err:
                 if args.smoke:
                     raise
-                rows.append(
-                    Row(f"stream {spec} ({label})", "failed", "", 0.0, 0.0, note=repr(err)[:300])
-                )
+                rows.append(_failed(f"stream {spec} ({label})", err))
             print(rows[-1], flush=True)
         if not c.num_experts:
             break

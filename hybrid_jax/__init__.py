@@ -5,16 +5,20 @@ errors, the metadata builder and the jitted steps. ``docs/DESIGN.md`` describes 
 architecture (engine -> model -> layer -> backend -> kernel).
 """
 
-from hybrid_jax.engine.config import EngineConfig
-from hybrid_jax.engine.engine import Engine
-from hybrid_jax.engine.requests import Result, StepEvent
-from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
-from hybrid_jax.engine.scheduler import FinishReason, RequestError
-from hybrid_jax.engine.speculative import SpeculativeConfig
-from hybrid_jax.engine.step import StepFunctions
-from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, RowSpec, build_metadata
-from hybrid_jax.models.auto import load_checkpoint
-from hybrid_jax.modes import CAPABILITIES, ForwardMode, LayerKind, UnsupportedForwardModeError
+from hybrid_jax.xla_flags import add_serving_flags
+
+add_serving_flags()  # before anything starts a JAX backend
+
+from hybrid_jax.engine.config import EngineConfig  # noqa: E402
+from hybrid_jax.engine.engine import Engine  # noqa: E402
+from hybrid_jax.engine.requests import Result, StepEvent  # noqa: E402
+from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError  # noqa: E402
+from hybrid_jax.engine.scheduler import FinishReason, RequestError  # noqa: E402
+from hybrid_jax.engine.speculative import SpeculativeConfig  # noqa: E402
+from hybrid_jax.engine.step import StepFunctions  # noqa: E402
+from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, RowSpec, build_metadata  # noqa: E402
+from hybrid_jax.models.auto import load_checkpoint  # noqa: E402
+from hybrid_jax.modes import CAPABILITIES, ForwardMode, LayerKind, UnsupportedForwardModeError  # noqa: E402
 
 __all__ = [
     "CAPABILITIES",

@@ -1,0 +1,46 @@
+"""XLA flags the serving steps rely on, added to ``XLA_FLAGS`` when hybrid_jax is imported.
+
+XLA reads ``XLA_FLAGS`` once, when JAX starts its first backend, so they are added at import
+(``hybrid_jax/__init__.py`` runs this first) and only when absent: a flag the user set keeps
+its value. ``HYBRID_JAX_KEEP_XLA_FLAGS=1`` leaves ``XLA_FLAGS`` untouched.
+
+* ``--xla_gpu_enable_triton_gemm=false`` and ``--xla_gpu_enable_dynamic_slice_fusion=true``:
+  under ``lax.scan`` each layer's weights are a slice of the stacked weights. A Triton GEMM
+  fusion reads its operand from a buffer of its own, so every step copied every layer's
+  weights before using them; a cuBLAS GEMM with the slice fused into its operand address
+  reads them where they lie (``benchmarks/RESULTS_serve.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["SERVING_XLA_FLAGS", "add_serving_flags"]
+
+SERVING_XLA_FLAGS = (
+    "--xla_gpu_enable_triton_gemm=false",
+    "--xla_gpu_enable_dynamic_slice_fusion=true",
+)
+
+log = logging.getLogger(__name__)
+
+
+def add_serving_flags() -> None:
+    """Adds each of ``SERVING_XLA_FLAGS`` that ``XLA_FLAGS`` does not name yet."""
+    if os.environ.get("HYBRID_JAX_KEEP_XLA_FLAGS") == "1":
+        return
+    current = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in SERVING_XLA_FLAGS if f.split("=")[0] not in current]
+    if not missing:
+        return
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        log.warning(
+            "JAX started its backend before hybrid_jax was imported, so XLA runs without %s; "
+            "import hybrid_jax first, or put them in XLA_FLAGS",
+            " ".join(missing),
+        )
+        return
+    os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
