@@ -1,7 +1,8 @@
 """``hybrid-jax``: the command line.
 
 ``hybrid-jax generate`` and ``hybrid-jax bench`` serve the built-in tiny Qwen3-Next model (or a
-checkpoint) through the engine (``serving.py``); ``hybrid-jax demo`` runs the backend alone
+checkpoint) through the engine (``serving.py``); ``hybrid-jax serve`` puts it behind the
+OpenAI-compatible HTTP API (``serve.py``); ``hybrid-jax demo`` runs the backend alone
 (``demo.py``).
 """
 
@@ -11,6 +12,7 @@ import argparse
 from collections.abc import Sequence
 
 from hybrid_jax.cli.demo import add_demo_parser
+from hybrid_jax.cli.serve import add_serve_parser
 from hybrid_jax.cli.serving import add_bench_parser, add_generate_parser
 
 __all__ = ["main"]
@@ -22,5 +24,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_demo_parser(sub)
     add_generate_parser(sub)
     add_bench_parser(sub)
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
     raise SystemExit(args.func(args))

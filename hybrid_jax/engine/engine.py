@@ -82,7 +82,7 @@ from hybrid_jax.metadata import ForwardMetadata, build_metadata, example_metadat
 from hybrid_jax.models.auto import load_checkpoint
 from hybrid_jax.models.layer_scan import scan_layers
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
-from hybrid_jax.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from hybrid_jax.models.tokenizer import ByteTokenizer, TextStream, Tokenizer, load_tokenizer
 from hybrid_jax.modes import ForwardMode
 from hybrid_jax.progress import Progress
 from hybrid_jax.state_pool import SlotAllocator, bytes_per_slot, init_state_pool
@@ -374,7 +374,9 @@ class Engine(SpeculativeServing):
         )
         self.scheduler.add(request)
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
-        self._tracked[request_id] = Tracked(request, params, seed, time.perf_counter())
+        self._tracked[request_id] = Tracked(
+            request, params, seed, time.perf_counter(), TextStream(self.tokenizer)
+        )
         return request_id
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
@@ -410,15 +412,8 @@ class Engine(SpeculativeServing):
         )
 
     def _new_text(self, tracked: Tracked, finished: bool) -> str:
-        text = self.tokenizer.decode(tracked.request.output_ids)
-        # Hold back a trailing replacement character: it may be the first bytes of a
-        # multi-byte character that the next token completes.
-        if not finished:
-            text = text.rstrip("\ufffd")
-        if not text.startswith(tracked.text):
-            return ""  # the tokenizer rewrote earlier text; nothing can be appended safely
-        new, tracked.text = text[len(tracked.text) :], text
-        return new
+        req, stream = tracked.request, tracked.text
+        return stream.extend(req.token_ids[req.prompt_len + stream.num_tokens :], final=finished)
 
     def _dispatch(
         self, meta: ForwardMetadata, tokens: np.ndarray | jax.Array, batch: SamplingBatch

@@ -11,6 +11,7 @@ import jax
 from hybrid_jax.engine.sampling import SamplingParams
 from hybrid_jax.engine.scheduler import FinishReason, Request, ScheduledStep
 from hybrid_jax.metadata import ForwardMetadata
+from hybrid_jax.models.tokenizer import TextStream
 
 __all__ = ["InFlight", "Result", "StepEvent", "Tracked"]
 
@@ -59,11 +60,11 @@ class InFlight(NamedTuple):
 @dataclasses.dataclass(eq=False)
 class Tracked:
     """A request the engine serves, with what it reports: its sampling, submission time, the
-    time of each token read back, and the text reported so far."""
+    text of its tokens as they are read back, and the time of each."""
 
     request: Request
     params: SamplingParams
     seed: int
     submitted: float
+    text: TextStream
     token_times: list[float] = dataclasses.field(default_factory=list)
-    text: str = ""

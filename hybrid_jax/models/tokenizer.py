@@ -16,7 +16,14 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "TokenizerError", "load_tokenizer"]
+__all__ = [
+    "ByteTokenizer",
+    "HFTokenizer",
+    "TextStream",
+    "Tokenizer",
+    "TokenizerError",
+    "load_tokenizer",
+]
 
 
 class TokenizerError(ValueError):
@@ -29,6 +36,37 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class TextStream:
+    """The text of a growing token sequence, decoded a few tokens at a time.
+
+    Each ``extend`` decodes only the tokens since the last text it returned plus the new ones
+    (a window of a few tokens), so a long generation costs O(1) per token instead of
+    re-decoding the whole output. Text that ends in a partial character (U+FFFD: a
+    multi-byte character whose last bytes are still to come) is held back until a later token
+    completes it, or until ``final``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._start = 0  # the window: tokens [start, end) produced the text returned last
+        self._end = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._ids)
+
+    def extend(self, ids: Sequence[int], *, final: bool = False) -> str:
+        """The new text that ``ids`` (the tokens after those seen so far) complete."""
+        self._ids.extend(int(i) for i in ids)
+        shown = self._tokenizer.decode(self._ids[self._start : self._end])
+        text = self._tokenizer.decode(self._ids[self._start :])
+        if len(text) <= len(shown) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._start, self._end = self._end, len(self._ids)
+        return text[len(shown) :]
 
 
 class ByteTokenizer:

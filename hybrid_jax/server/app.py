@@ -1,0 +1,375 @@
+"""The OpenAI-compatible HTTP API over an ``EngineWorker`` (FastAPI).
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the checkpoint's chat
+template), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Streams use server-sent
+events (``data: {json}`` lines, ``data: [DONE]`` at the end). A request is checked whole
+before it reaches the engine: a malformed body, an unknown field or a value out of range
+answers 400 naming the field; a full queue answers 503. A client that disconnects aborts its
+request, which frees its slot and pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from hybrid_jax.engine.requests import StepEvent
+from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
+from hybrid_jax.engine.scheduler import FinishReason, RequestError
+from hybrid_jax.models.tokenizer import TokenizerError
+from hybrid_jax.server.metrics import ServerMetrics
+from hybrid_jax.server.worker import EngineClosed, EngineWorker, QueueFull
+
+__all__ = ["ChatRequest", "CompletionRequest", "create_app"]
+
+_SEED_LIMIT = 2**32
+# How often a non-streaming handler checks whether its client is still there.
+_DISCONNECT_POLL_S = 0.25
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """The fields both endpoints share. ``top_k`` and ``stop_token_ids`` are extensions (as in
+    vLLM); ``top_k`` -1 or 0 keeps every token."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    seed: Annotated[int, Field(ge=0, lt=_SEED_LIMIT)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Fields that clients send at their defaults; any other value is refused, by name.
+    logprobs: int | bool | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _unserved(self):
+        unserved = {
+            "logprobs": self.logprobs not in (None, False, 0),
+            "top_logprobs": self.top_logprobs not in (None, 0),
+            "presence_penalty": self.presence_penalty != 0,
+            "frequency_penalty": self.frequency_penalty != 0,
+            "logit_bias": bool(self.logit_bias),
+        }
+        for name, asked in unserved.items():
+            if asked:
+                raise PydanticCustomError(
+                    "unserved", "{field} is not served by hybrid_jax; leave it unset",
+                    {"field": name},
+                )  # fmt: skip
+        return self
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str | None = None):
+    kind = kind or ("invalid_request_error" if status == 400 else "server_error")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if any(not s for s in stops):
+        raise RequestError("stop strings must not be empty")
+    return stops
+
+
+class _Generation:
+    """One request's events on the handler's event loop, with the stop strings applied."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stops: tuple[str, ...]):
+        self.loop = loop
+        self.queue: asyncio.Queue[StepEvent | BaseException] = asyncio.Queue()
+        self.stops = stops
+        self.text = ""
+        self.sent = 0  # characters of text handed out
+        self.tokens = 0
+        self.finish: str | None = None
+        self.prompt_tokens = 0
+
+    def sink(self, item: StepEvent | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def take(self, event: StepEvent) -> str:
+        """The text this event releases (held back while it may begin a stop string)."""
+        if event.token_id >= 0:
+            self.tokens += 1
+        self.text += event.text
+        if event.result is not None:
+            self.prompt_tokens = len(event.result.prompt_token_ids)
+            reason = event.result.finish_reason
+            self.finish = "length" if reason is FinishReason.LENGTH else "stop"
+        for stop in self.stops:
+            at = self.text.find(stop, max(0, self.sent - len(stop)))
+            if at >= 0:
+                self.text, self.finish = self.text[:at], "stop"
+        end = len(self.text)
+        if self.finish is None and self.stops:
+            # Hold back a tail that a stop string could still start with.
+            longest = max(len(s) for s in self.stops) - 1
+            for k in range(min(longest, end - self.sent), 0, -1):
+                if any(s.startswith(self.text[end - k :]) for s in self.stops):
+                    end -= k
+                    break
+        new, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return new
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.tokens,
+            "total_tokens": self.prompt_tokens + self.tokens,
+        }
+
+
+def create_app(
+    worker: EngineWorker, *, model_name: str, metrics: ServerMetrics | None = None
+) -> FastAPI:
+    """The API over a started ``worker``; ``model_name`` is the id ``/v1/models`` lists.
+    The app closes the worker when it shuts down."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        worker.close()
+
+    app = FastAPI(title="hybrid_jax", version="0.1.0", lifespan=lifespan)
+    app.state.worker = worker
+    tokenizer = worker.engine.tokenizer
+    created = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, err: RequestValidationError):
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        kind = first.get("type", "")
+        if kind == "json_invalid":
+            return _error(
+                400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+            )
+        if kind == "unserved":
+            return _error(400, first["msg"], first["ctx"]["field"])
+        if not where:
+            return _error(400, "the body is not a JSON object (send Content-Type: "
+                               "application/json and an object of request fields)")  # fmt: skip
+        if kind == "extra_forbidden":
+            return _error(400, f"unknown field {where!r}", where)
+        value = first.get("input")
+        return _error(400, f"{where}={value!r}: {first.get('msg', 'invalid')}", where)
+
+    @app.get("/health")
+    async def health():
+        if not worker.alive:
+            return _error(503, f"the engine is not running: {worker._closed_reason()}")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "hybrid_jax"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics_text():
+        if metrics is None:
+            return PlainTextResponse("", status_code=404)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def _params(body: _Sampling, max_tokens: int | None) -> SamplingParams:
+        limit = worker.engine.max_context
+        return SamplingParams(
+            max_new_tokens=limit if max_tokens is None else max_tokens,
+            temperature=body.temperature,
+            top_k=max(body.top_k, 0),
+            top_p=body.top_p,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids),
+        )
+
+    async def _start(http: Request, body: _Sampling, prompt, max_tokens: int | None):
+        """Submits the request; (generation, request id) or an error response."""
+        if body.model is not None and body.model != model_name:
+            return _error(404, f"model {body.model!r} is not served here; use {model_name!r}",
+                          "model", "not_found_error")  # fmt: skip
+        try:
+            params = _params(body, max_tokens)
+            generation = _Generation(asyncio.get_running_loop(), _stop_strings(body.stop))
+            future = worker.submit(prompt, params, generation.sink)
+            request_id = await asyncio.wrap_future(future)
+        except (RequestError, SamplingParamsError, TokenizerError) as err:
+            return _error(400, str(err))
+        except QueueFull as err:
+            return _error(503, str(err))
+        except EngineClosed as err:
+            return _error(503, str(err))
+        return generation, request_id
+
+    async def _events(http: Request, generation: _Generation, request_id: int, stream: bool):
+        """The request's released text pieces, until it finishes; aborts it when the client
+        goes away or a stop string ends it."""
+        finished = False  # by the engine: nothing left to abort
+        try:
+            while generation.finish is None:
+                try:
+                    item = await asyncio.wait_for(generation.queue.get(), _DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if not stream and await http.is_disconnected():
+                        return
+                    continue
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.result is not None
+                piece = generation.take(item)
+                if piece or generation.finish is not None:
+                    yield piece
+        finally:
+            if not finished:
+                worker.abort(request_id)
+
+    async def _answer(http: Request, body: _Sampling, generation: _Generation,
+                      request_id: int, chunk, whole):  # fmt: skip
+        """Server-sent ``chunk(piece, finish)`` events when the request streams; else
+        ``whole()`` once it finished."""
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(http, generation, _events(http, generation, request_id, True),
+                        chunk, include_usage)  # fmt: skip
+        try:
+            async for _ in _events(http, generation, request_id, False):
+                pass
+        except EngineClosed as err:
+            return _error(503, str(err))
+        return whole()
+
+    def _prompt_of(body: CompletionRequest) -> str | list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise RequestError(
+                    f"prompt holds {len(prompt)} prompts; send one prompt per request"
+                )
+            return prompt[0]
+        return prompt
+
+    @app.post("/v1/completions")
+    async def completions(http: Request, body: CompletionRequest):
+        try:
+            prompt = _prompt_of(body)
+        except RequestError as err:
+            return _error(400, str(err), "prompt")
+        started = await _start(http, body, prompt, body.max_tokens)
+        if isinstance(started, Response):
+            return started
+        generation, request_id = started
+        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def chunk(text: str, finish: str | None) -> dict[str, Any]:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": "text_completion", "created": now,
+                    "model": model_name, "choices": [choice]}  # fmt: skip
+
+        def whole() -> dict[str, Any]:
+            return {**chunk(generation.text, generation.finish), "usage": generation.usage()}
+
+        return await _answer(http, body, generation, request_id, chunk, whole)
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: Request, body: ChatRequest):
+        render = getattr(tokenizer, "apply_chat_template", None)
+        if render is None:
+            return _error(400, "this model's tokenizer has no chat template; use "
+                               "/v1/completions with a text prompt", "messages")  # fmt: skip
+        try:
+            prompt = render([m.model_dump() for m in body.messages])
+        except TokenizerError as err:
+            return _error(400, str(err), "messages")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        started = await _start(http, body, prompt, max_tokens)
+        if isinstance(started, Response):
+            return started
+        generation, request_id = started
+        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        first = [True]
+
+        def chunk(text: str, finish: str | None) -> dict[str, Any]:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if first[0]:
+                delta, first[0] = {"role": "assistant", **delta}, False
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": "chat.completion.chunk", "created": now,
+                    "model": model_name, "choices": [choice]}  # fmt: skip
+
+        def whole() -> dict[str, Any]:
+            message = {"role": "assistant", "content": generation.text}
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": generation.finish}  # fmt: skip
+            usage = generation.usage()
+            return {"id": rid, "object": "chat.completion", "created": now,
+                    "model": model_name, "choices": [choice], "usage": usage}  # fmt: skip
+
+        return await _answer(http, body, generation, request_id, chunk, whole)
+
+    return app
+
+
+def _sse(http, generation: _Generation, pieces: AsyncIterator[str], chunk, include_usage: bool):
+    """A ``text/event-stream`` response of ``chunk(piece, finish)`` per released piece."""
+
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for piece in pieces:
+                yield f"data: {json.dumps(chunk(piece, generation.finish))}\n\n"
+        except EngineClosed as err:
+            error = {"error": {"message": str(err), "type": "server_error", "code": 503}}
+            yield f"data: {json.dumps(error)}\n\n"
+            return
+        if include_usage:
+            last = chunk("", None)
+            last["choices"], last["usage"] = [], generation.usage()
+            yield f"data: {json.dumps(last)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
