@@ -293,3 +293,25 @@ def test_serve_cli_exits_cleanly_on_sigterm_with_a_stream_in_flight(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_bench_serve_reports_latencies_of_a_running_server(server, tmp_path, capsys):
+    from hybrid_jax.cli import main
+
+    _, url, _ = server
+    path = tmp_path / "bench.json"
+    argv = ["bench", "serve", "--url", url, "--num-prompts", "6", "--random-input-len", "12",
+            "--random-output-len", "5", "--max-concurrency", "3", "--request-rate", "50",
+            "--save-result", str(path)]  # fmt: skip
+    with pytest.raises(SystemExit) as code:
+        main(argv)
+    assert code.value.code == 0
+    report = json.loads(path.read_text())
+    assert report["completed"] == 6 and report["failed"] == 0
+    assert report["total_output_tokens"] == sum(r["output_tokens"] for r in report["requests"])
+    assert all(0 < r["ttft"] <= r["latency"] for r in report["requests"])
+    assert report["ttft"]["median_ms"] > 0 and report["output_throughput"] > 0
+    assert "TTFT" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as code:
+        main(["bench", "serve", "--url", url, "--request-rate", "0"])
+    assert code.value.code == 2 and "--request-rate=0.0 must be > 0" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hybrid_jax.cli.bench_serve import add_serve_bench_arguments, bench_serve
 from hybrid_jax.engine.config import DEFAULT_CACHE_DIR, EngineConfig
 from hybrid_jax.engine.engine import Engine
 from hybrid_jax.engine.requests import Result
@@ -226,7 +227,15 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="throughput, time to first token, step times by mode")
+    p = sub.add_parser(
+        "bench",
+        help="throughput, time to first token, step times by mode ('bench serve': of a "
+        "running server, over HTTP)",
+    )
+    p.add_argument(
+        "target", nargs="?", choices=("engine", "serve"), default="engine",
+        help="engine: an engine built here (default); serve: a running server at --url",
+    )  # fmt: skip
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -234,6 +243,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--plot", default="hybrid_jax_bench.png", help="PNG path ('' for none; needs matplotlib)"
     )
     _engine_arguments(p)
+    add_serve_bench_arguments(p)
     p.set_defaults(func=bench)
 
 
@@ -286,6 +296,8 @@ def _rate(results: Sequence[Result], wall: float) -> float:
 
 
 def bench(args: argparse.Namespace) -> int:
+    if args.target == "serve":
+        return bench_serve(args)
     engine = _engine(args, "bench")
     if engine is None:
         return 2
