@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import threading
 
 import jax
 import numpy as np
@@ -336,3 +337,74 @@ def test_engine_context_is_whole_pages_within_the_model():
 def test_stream_rejects_bad_input_when_called_not_when_iterated(engine):
     with pytest.raises(RequestError, match=r"prompts\[0\] is empty"):
         engine.stream([""], GREEDY)
+
+
+def _drain(iterator, timeout=120.0):
+    """Every item of ``iterator``, consumed on a thread: a stream that never ends fails the
+    test instead of hanging it."""
+    items, error = [], []
+
+    def consume():
+        try:
+            items.extend(iterator)
+        except BaseException as err:  # re-raised on the test's thread
+            error.append(err)
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), "the stream did not end"
+    if error:
+        raise error[0]
+    return items
+
+
+def test_a_stream_ends_when_its_consumer_aborts_one_of_its_requests(engine, alone):
+    prompts, want = alone
+    params = SamplingParams(max_new_tokens=20)
+    stream = engine.stream(prompts[:2], params)
+    _, first = next(stream)
+    engine.abort(first.request_id)
+    events = _drain(stream)
+    ends = {e.request_id: e.result for _, e in events if e.result is not None}
+    assert ends[first.request_id].finish_reason is FinishReason.ABORT
+    other = next(rid for rid in ends if rid != first.request_id)
+    assert ends[other].finish_reason is not FinishReason.ABORT
+    assert not engine.has_work and engine.slots.num_free == engine.slots.capacity
+
+
+def test_a_stream_created_before_another_is_consumed_keeps_all_its_events(engine, alone):
+    prompts, want = alone
+    first = engine.stream([prompts[0]], GREEDY)
+    second = engine.stream([prompts[1]], GREEDY)
+    for stream, tokens in ((first, want[0]), (second, want[1])):
+        events = [e for _, e in _drain(stream)]
+        assert [e.token_id for e in events] == tokens == events[-1].result.token_ids
+
+
+def test_interleaved_streams_deliver_each_requests_tokens_in_order(engine, alone):
+    prompts, want = alone
+    streams = [engine.stream([p], GREEDY) for p in prompts[:3]]
+    got: list[list[int]] = [[] for _ in streams]
+    live = set(range(len(streams)))
+    while live:
+        for i in sorted(live):
+            try:
+                _, event = next(streams[i])
+            except StopIteration:
+                live.discard(i)
+                continue
+            got[i].append(event.token_id)
+    assert got == want[:3]
+
+
+def test_a_call_with_a_prompt_the_cache_cannot_hold_queues_nothing(tmp_path):
+    # 3 real pages of 8 tokens: a 30-token prompt never fits, a 5-token one does.
+    config = dataclasses.replace(CONFIG, max_batch=2, num_pages=4, cache_dir=str(tmp_path))
+    small = Engine.from_preset("tiny", config, progress=False)
+    before = (small._next_id, small.slots.num_free, small.pages.num_free)
+    with pytest.raises(RequestError, match=r"prompts\[1\].*KV pages"):
+        small.generate([prompt(5, 0), prompt(30, 1)], GREEDY)
+    assert not small.has_work and not small.scheduler.waiting
+    assert (small._next_id, small.slots.num_free, small.pages.num_free) == before
+    assert len(small.generate([prompt(5, 0)], GREEDY)[0].token_ids) == GREEDY.max_new_tokens

@@ -361,18 +361,21 @@ class Engine(SpeculativeServing):
         params.check_vocab(self.vocab_size)
         return ids, params
 
-    def _submit(self, ids: list[int], params: SamplingParams) -> int:
-        request_id = self._next_id
-        self._next_id += 1
+    def _request(self, request_id: int, ids: list[int], params: SamplingParams) -> Request:
         # Capped so that prompt + new tokens - 1 (the last token is never fed) fits the context.
         room = self.max_context - len(ids) + 1
-        request = Request(
+        return Request(
             request_id,
             ids,
             min(params.max_new_tokens, room),
             frozenset(params.stop_token_ids) | self.eos_token_ids,
         )
+
+    def _submit(self, ids: list[int], params: SamplingParams) -> int:
+        request_id = self._next_id
+        request = self._request(request_id, ids, params)
         self.scheduler.add(request)
+        self._next_id += 1
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
         self._tracked[request_id] = Tracked(
             request, params, seed, time.perf_counter(), TextStream(self.tokenizer)
@@ -396,7 +399,11 @@ class Engine(SpeculativeServing):
             self.mtp.drafts.pop(request_id, None)
         if request is None:
             return None
-        return self._result(self._tracked.pop(request_id), time.perf_counter())
+        result = self._result(self._tracked.pop(request_id), time.perf_counter())
+        if request_id in self._followed:
+            # The stream that follows it ends it with this event (no token).
+            self._followed[request_id].append(StepEvent(request_id, -1, "", result))
+        return result
 
     def _result(self, tracked: Tracked, now: float) -> Result:
         req, times = tracked.request, tracked.token_times
@@ -484,7 +491,15 @@ class Engine(SpeculativeServing):
     def step(self) -> list[StepEvent]:
         """Schedules and dispatches one step, then reads back the step dispatched before it
         (this one too when ``overlap`` is False); returns one event per token read back.
-        Under speculative decoding every step is read back at once."""
+        Under speculative decoding every step is read back at once. Events of requests that
+        a stream follows are also kept for that stream."""
+        events = self._step()
+        for event in events:
+            if event.request_id in self._followed:
+                self._followed[event.request_id].append(event)
+        return events
+
+    def _step(self) -> list[StepEvent]:
         if self.speculative is not None:
             return self._speculative_step()
         step = self.scheduler.schedule()
@@ -506,7 +521,7 @@ class Engine(SpeculativeServing):
                 f"the engine traced a step after warm-up ({step.mode.name}, {len(step.rows)} "
                 f"rows, {step.num_tokens} tokens): a shape escaped the compiled buckets",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
 
     def _submit_all(self, prompts, params) -> list[int]:
@@ -525,11 +540,17 @@ class Engine(SpeculativeServing):
                 f"{len(params)} SamplingParams for {len(prompts)} prompts; give one, or one "
                 f"per prompt"
             )
-        # Every prompt is checked before any is queued: a bad one rejects the call whole.
+        # Every prompt is checked before any is queued, the scheduler's capacity checks
+        # included: a bad one rejects the call whole and leaves no request, id or page behind.
         checked = [
             self._check(p, s, f"prompts[{i}]")
             for i, (p, s) in enumerate(zip(prompts, params, strict=True))
         ]
+        for i, (ids, p) in enumerate(checked):
+            try:
+                self.scheduler.check(self._request(self._next_id + i, ids, p))
+            except RequestError as err:
+                raise RequestError(f"prompts[{i}]: {err}") from None
         return [self._submit(ids, p) for ids, p in checked]
 
     def stream(
@@ -544,23 +565,36 @@ class Engine(SpeculativeServing):
         alongside: events of requests another stream follows are kept for it. Closing the
         iterator early aborts the prompts that had not finished.
         """
-        return self._follow(self._submit_all(prompts, params))
+        ids = self._submit_all(prompts, params)
+        # Followed from now on, not from the first next(): another stream or step() may read
+        # their tokens back before this iterator starts.
+        for rid in ids:
+            self._followed[rid] = []
+        return self._follow(ids)
 
     def _follow(self, ids: list[int]) -> Iterator[tuple[int, StepEvent]]:
         index = {rid: i for i, rid in enumerate(ids)}
         pending = set(ids)
-        for rid in ids:
-            self._followed[rid] = []
         try:
             while pending:
-                kept = [e for rid in ids for e in self._followed.get(rid, ())]
+                mine = [e for rid in ids for e in self._followed.get(rid, ())]
                 for rid in ids:
                     self._followed[rid] = []
-                for event in kept or self.step():
-                    if event.request_id not in index:
-                        if event.request_id in self._followed:
+                if not mine:
+                    if not self.has_work:
+                        raise RuntimeError(
+                            f"requests {sorted(pending)} ended without a result while this "
+                            f"stream followed them"
+                        )
+                    # Every event of the step is handed out before any is yielded: another
+                    # stream stepping while this one waits at a yield must find its earlier
+                    # tokens already kept, ahead of its later ones.
+                    for event in self._step():
+                        if event.request_id in index:
+                            mine.append(event)
+                        elif event.request_id in self._followed:
                             self._followed[event.request_id].append(event)
-                        continue
+                for event in mine:
                     if event.result is not None:
                         pending.discard(event.request_id)
                     yield index[event.request_id], event

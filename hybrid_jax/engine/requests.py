@@ -39,7 +39,8 @@ class Result:
 
 class StepEvent(NamedTuple):
     """A token for ``request_id`` (``text``: the new text it completes, possibly empty);
-    ``result`` is set when the request finished with this event."""
+    ``result`` is set when the request finished with this event. An aborted request that a
+    stream follows ends with an event of ``token_id`` -1 (no token) carrying its result."""
 
     request_id: int
     token_id: int

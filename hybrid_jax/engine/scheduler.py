@@ -264,6 +264,12 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queues ``request``; raises ``RequestError`` (nothing queued) if it can never run."""
+        self.check(request)
+        self.waiting.append(request)
+        self._ids[request.request_id] = request
+
+    def check(self, request: Request) -> None:
+        """Raises ``RequestError`` if ``add(request)`` would refuse it; changes nothing."""
         if request.request_id in self._ids:
             raise RequestError(f"request_id={request.request_id} is already queued or running")
         if request.prompt_len < 1:
@@ -280,8 +286,6 @@ class Scheduler:
                 f"request {request.request_id} needs {need} KV pages but the cache has "
                 f"{self.pages.capacity}; it could never be admitted, build a larger cache"
             )
-        self.waiting.append(request)
-        self._ids[request.request_id] = request
 
     def abort(self, request_id: int) -> Request | None:
         """Removes the request, frees what it holds; returns it (None if unknown/finished)."""
