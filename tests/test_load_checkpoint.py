@@ -50,3 +50,47 @@ def test_unknown_model_type_names_the_supported_ones(tmp_path):
 def test_folder_without_config_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="needs its config.json"):
         load_checkpoint(tmp_path)
+
+
+def _corrupt(tmp_path, source, change):
+    """A copy of the fixture folder ``source`` with ``change(tensors)`` applied to the
+    tensors of its first safetensors file; the name of the tensor changed."""
+    import numpy as np
+
+    from hybrid_jax.models.safetensors_io import read_tensors, write_tensors
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(source, folder)
+    path = sorted(folder.glob("*.safetensors"))[0]
+    tensors = {k: np.array(v) for k, v in read_tensors(path).items()}
+    name = change(tensors)
+    write_tensors(path, tensors)
+    return folder, name
+
+
+@pytest.mark.parametrize(
+    "source", [FIXTURES / "qwen3_next" / "moe", FIXTURES / "nemotron_h" / "hybrid"]
+)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_weight_holding_inf_or_nan_is_refused_naming_it(tmp_path, source, bad):
+    def poison(tensors):
+        name = sorted(n for n, t in tensors.items() if t.ndim == 2)[0]
+        tensors[name].flat[3] = bad
+        return name
+
+    folder, name = _corrupt(tmp_path, source, poison)
+    with pytest.raises(CheckpointError, match=f"1 tensors hold inf or NaN: {name}"):
+        load_checkpoint(folder)
+    load_checkpoint(folder, check_finite=False)  # a trusted checkpoint skips the check
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool"])
+def test_an_integer_or_bool_tensor_where_a_weight_belongs_is_refused(tmp_path, dtype):
+    def retype(tensors):
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name].astype(dtype)
+        return name
+
+    folder, name = _corrupt(tmp_path, FIXTURES / "qwen3_next" / "moe", retype)
+    with pytest.raises(CheckpointError, match=f"not floating point.*{name} \\({dtype}\\)"):
+        load_checkpoint(folder)

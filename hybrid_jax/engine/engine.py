@@ -239,14 +239,16 @@ class Engine(SpeculativeServing):
         tokenizer: Tokenizer | None = None,
         dtype: str | None = None,
         progress: bool = True,
+        check_finite: bool = True,
     ) -> Engine:
         """A Hugging Face checkpoint folder of a supported ``model_type`` (Qwen3-Next,
         Qwen3.5/3.6, Nemotron-H: ``models.auto.MODEL_LOADERS``; config.json, safetensors and,
-        unless ``tokenizer`` is given, tokenizer.json). A missing or misshapen tensor raises
+        unless ``tokenizer`` is given, tokenizer.json). A missing, misshapen or non-float
+        tensor, or one holding inf or NaN (``check_finite=False`` skips that check), raises
         ``CheckpointError`` before anything is compiled."""
         if config.cache_dir is not None:
             use_compilation_cache(config.cache_dir)
-        model = load_checkpoint(path, dtype=dtype, progress=progress)
+        model = load_checkpoint(path, dtype=dtype, progress=progress, check_finite=check_finite)
         tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(

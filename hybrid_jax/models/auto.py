@@ -26,10 +26,16 @@ MODEL_LOADERS: dict[str, Callable[..., nnx.Module]] = {
 
 
 def load_checkpoint(
-    folder: str | os.PathLike, *, dtype: str | None = None, progress: bool = False
+    folder: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    progress: bool = False,
+    check_finite: bool = True,
 ) -> nnx.Module:
     """The model of a checkpoint folder, chosen by the ``model_type`` of its config.json;
-    ``progress`` draws a bar on stderr while the weights load."""
+    ``progress`` draws a bar on stderr while the weights load; ``check_finite`` refuses a
+    weight holding inf or NaN (one reduction per tensor on the device; turn it off for a
+    huge trusted checkpoint)."""
     path = pathlib.Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist; a checkpoint folder needs its config.json")
@@ -42,4 +48,6 @@ def load_checkpoint(
             f"{path}: model_type={model_type!r} is not served here; supported: "
             f"{', '.join(sorted(MODEL_LOADERS))}"
         )
-    return MODEL_LOADERS[model_type](folder, dtype=dtype, progress=progress)
+    return MODEL_LOADERS[model_type](
+        folder, dtype=dtype, progress=progress, check_finite=check_finite
+    )

@@ -17,6 +17,7 @@ import pathlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -158,11 +159,14 @@ def load_weights(
     tensor_files: Mapping[str, pathlib.Path],
     *,
     progress: bool = False,
+    check_finite: bool = True,
 ) -> nnx.Module:
     """Sets every parameter of ``model`` (an abstract one, from ``nnx.eval_shape``) from its
-    rule's tensors, after checking that every tensor exists with its expected shape. Each
-    parameter goes to the device once, from the memory-mapped file (``progress``: a bar on
-    stderr, one step per parameter)."""
+    rule's tensors, after checking that every tensor exists with its expected shape and a
+    floating dtype. Each parameter goes to the device once, from the memory-mapped file
+    (``progress``: a bar on stderr, one step per parameter). ``check_finite``: then refuses
+    parameters holding inf or NaN (as stored, or after the cast to the model's dtype), naming
+    their tensors."""
     rules = list(rules)
     needed = {name for rule in rules for name, _ in rule.sources}
     missing = sorted(needed - set(tensor_files))
@@ -187,13 +191,40 @@ def load_weights(
         raise CheckpointError(
             f"{folder}: {len(wrong)} tensors do not match config.json: " + "; ".join(wrong[:5])
         )
+    not_float = list(
+        dict.fromkeys(
+            f"{name} ({tensors[name].dtype})"
+            for rule in rules
+            for name, _ in rule.sources
+            if not jnp.issubdtype(tensors[name].dtype, jnp.floating)
+        )
+    )
+    if not_float:
+        raise CheckpointError(
+            f"{folder}: {len(not_float)} tensors are not floating point where weights belong: "
+            + ", ".join(not_float[:5])
+            + "; the checkpoint is corrupt or not this model's"
+        )
     bar = Progress(len(rules), progress, doing="loading", done="loaded", items="parameters")
+    finite = []
     for rule in rules:
         values = rule.ours([tensors[name] for name, _ in rule.sources])
         for target, value in zip(rule.targets, values, strict=True):
             param = param_at(model, target)
-            param.set_value(jnp.asarray(np.asarray(value), param.get_value().dtype))
+            array = jnp.asarray(np.asarray(value), param.get_value().dtype)
+            param.set_value(array)
+            if check_finite:
+                finite.append((rule, jnp.isfinite(array).all()))
         bar(".".join(map(str, rule.target))[-24:])
+    flags = jax.device_get([ok for _, ok in finite])  # one read-back for every parameter
+    bad = [rule for (rule, _), ok in zip(finite, flags, strict=True) if not ok]
+    if bad:
+        names = list(dict.fromkeys(name for rule in bad for name, _ in rule.sources))
+        raise CheckpointError(
+            f"{folder}: {len(names)} tensors hold inf or NaN: {', '.join(names[:5])}"
+            + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            + "; the checkpoint is corrupt (check_finite=False skips this check)"
+        )
     return model
 
 

@@ -118,7 +118,11 @@ def _prefix(names: set[str]) -> str:
 
 
 def load_nemotron_h(
-    folder: str | pathlib.Path, *, dtype: str | None = None, progress: bool = False
+    folder: str | pathlib.Path,
+    *,
+    dtype: str | None = None,
+    progress: bool = False,
+    check_finite: bool = True,
 ) -> NemotronH:
     """A ``NemotronH`` with the weights of a Hugging Face checkpoint folder.
 
@@ -133,4 +137,6 @@ def load_nemotron_h(
     prefix = _prefix(set(weight_map))
     rules = list(_rules(config, prefix, lambda q: f"{q}experts.up_proj" in weight_map))
     model = nnx.eval_shape(lambda: NemotronH(config, rngs=nnx.Rngs(0)))
-    return load_weights(folder, model, rules, weight_map, progress=progress)
+    return load_weights(
+        folder, model, rules, weight_map, progress=progress, check_finite=check_finite
+    )

@@ -112,7 +112,11 @@ def qwen3_5_config(raw: Mapping[str, Any], *, dtype: str | None = None) -> Qwen3
 
 
 def load_qwen3_5(
-    folder: str | os.PathLike, *, dtype: str | None = None, progress: bool = False
+    folder: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    progress: bool = False,
+    check_finite: bool = True,
 ) -> Qwen3Next:
     """A ``Qwen3Next`` with the text weights of a Qwen3.5 checkpoint folder (its MTP head
     when ``mtp.*`` tensors are present); raises ``CheckpointError`` naming every missing or
@@ -139,4 +143,6 @@ def load_qwen3_5(
         model_rules(config, lambda p: f"{p}mlp.experts.gate_up_proj" in weight_map, layout)
     )
     model = nnx.eval_shape(lambda: Qwen3Next(config, rngs=nnx.Rngs(0)))
-    return load_weights(folder, model, rules, weight_map, progress=progress)
+    return load_weights(
+        folder, model, rules, weight_map, progress=progress, check_finite=check_finite
+    )

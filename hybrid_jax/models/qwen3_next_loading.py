@@ -244,7 +244,11 @@ def load_config(folder: str | os.PathLike, *, dtype: str | None = None) -> Qwen3
 
 
 def load_qwen3_next(
-    folder: str | os.PathLike, *, dtype: str | None = None, progress: bool = False
+    folder: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    progress: bool = False,
+    check_finite: bool = True,
 ) -> Qwen3Next:
     """A ``Qwen3Next`` with the weights of a Hugging Face checkpoint folder (and its MTP head
     when the checkpoint has ``mtp.*`` tensors).
@@ -260,7 +264,9 @@ def load_qwen3_next(
     config = dataclasses.replace(config, num_nextn_predict_layers=int(has_mtp))
     rules = list(model_rules(config, lambda p: f"{p}mlp.experts.gate_up_proj" in weight_map))
     model = nnx.eval_shape(lambda: Qwen3Next(config, rngs=nnx.Rngs(0)))
-    return load_weights(folder, model, rules, weight_map, progress=progress)
+    return load_weights(
+        folder, model, rules, weight_map, progress=progress, check_finite=check_finite
+    )
 
 
 def save_checkpoint(
