@@ -408,3 +408,23 @@ def test_a_call_with_a_prompt_the_cache_cannot_hold_queues_nothing(tmp_path):
     assert not small.has_work and not small.scheduler.waiting
     assert (small._next_id, small.slots.num_free, small.pages.num_free) == before
     assert len(small.generate([prompt(5, 0)], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
+
+
+def test_a_request_whose_logits_turn_non_finite_ends_saying_so(tmp_path):
+    from flax import nnx
+
+    from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
+
+    model = Qwen3Next(tiny_qwen3_next_config(), rngs=nnx.Rngs(0))
+    table = model.embed_tokens.embedding
+    table.set_value(table.get_value().at[7].set(float("nan")))  # token 7 poisons its request
+    config = dataclasses.replace(CONFIG, cache_dir=str(tmp_path))
+    poisoned = Engine(model, ByteTokenizer(), config, progress=False, donate_weights=True)
+    clean = [prompt(6, 3), prompt(9, 4)]
+    assert 7 not in clean[0] + clean[1]
+    alone = [r.token_ids for r in poisoned.generate(clean, GREEDY)]
+    results = poisoned.generate([clean[0], [1, 7, 2], clean[1]], GREEDY)
+    assert results[1].finish_reason is FinishReason.NON_FINITE and results[1].token_ids == []
+    assert [results[0].token_ids, results[2].token_ids] == alone  # the others undisturbed
+    assert [r.token_ids for r in poisoned.generate(clean, GREEDY)] == alone  # slot reused clean
+    assert poisoned.slots.num_free == poisoned.slots.capacity

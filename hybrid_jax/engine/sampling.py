@@ -24,6 +24,7 @@ import numpy as np
 
 __all__ = [
     "EVERY_STAGE",
+    "NON_FINITE_TOKEN",
     "VARIANTS",
     "Filters",
     "Sampler",
@@ -36,6 +37,10 @@ __all__ = [
 ]
 
 _MAX_SEED = 2**32
+
+NON_FINITE_TOKEN = -1
+"""The token ``Sampler`` returns for a row whose logits hold inf or NaN (no token is drawn:
+the request ends with ``FinishReason.NON_FINITE``)."""
 
 
 class SamplingParamsError(ValueError):
@@ -303,7 +308,8 @@ class Sampler:
     recording every row's token in a per-slot buffer; counts its traces.
 
     ``__call__(logits, batch, last_tokens, slots)`` returns ``(tokens [B], last_tokens)``
-    with ``last_tokens[slots[b]] = tokens[b]``: a serving loop keeps the buffer on the device
+    with ``last_tokens[slots[b]] = tokens[b]`` (``NON_FINITE_TOKEN`` for a row whose logits
+    hold inf or NaN, 0 in the buffer): a serving loop keeps the buffer on the device
     and its next decode step reads each request's input token from there, without waiting
     for this step's tokens to reach the host. Padded rows name slot 0, the pad slot.
     ``compile(batch_size, vocab_size, num_slots)`` before serving; a call with a shape that
@@ -319,7 +325,11 @@ class Sampler:
     def _traced(self, logits, temperature, top_k, top_p, seeds, steps, last_tokens, slots, filters):
         self.trace_count += 1
         tokens = sample(logits, temperature, top_k, top_p, seeds, steps, filters)
-        return tokens, last_tokens.at[slots].set(tokens)
+        finite = jnp.isfinite(logits).all(axis=-1)
+        # The buffer keeps a valid id: a step dispatched before this one is read back may
+        # feed it, and that row's output is dropped when the request ends.
+        kept = last_tokens.at[slots].set(jnp.where(finite, tokens, 0))
+        return jnp.where(finite, tokens, NON_FINITE_TOKEN), kept
 
     def compile(self, batch_size: int, vocab_size: int, num_slots: int) -> float:
         """Compiles every variant for ``[batch_size, vocab_size]`` float32 logits and a buffer

@@ -50,6 +50,7 @@ import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 
+from hybrid_jax.engine.sampling import NON_FINITE_TOKEN
 from hybrid_jax.kv_cache import PageAllocator, pages_needed
 from hybrid_jax.metadata import BucketPolicy, RowSpec
 from hybrid_jax.modes import ForwardMode
@@ -80,6 +81,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # produced one of its stop tokens
     LENGTH = "length"  # reached max_new_tokens or the context
     ABORT = "abort"  # aborted by the caller
+    NON_FINITE = "non_finite"  # its logits held inf or NaN: the model gave no distribution
 
 
 @dataclasses.dataclass(eq=False)
@@ -416,7 +418,8 @@ class Scheduler:
 
     def resolve(self, step: ScheduledStep, sampled: Sequence[int]) -> list[Request]:
         """Records the read-back tokens of an advanced ``step`` (``sampled[i]`` for row i) and
-        finishes requests on a stop token or their budget; returns those finished now.
+        finishes requests on a stop token, their budget, or the sampler's ``NON_FINITE_TOKEN``
+        (the row's logits held inf or NaN); returns those finished now.
 
         Rows of a request that already finished (aborted, or stopped in an earlier step) are
         dropped.
@@ -429,6 +432,10 @@ class Scheduler:
             if not row.samples or req.finish_reason is not None:
                 continue
             req.num_pending -= 1
+            if int(token) == NON_FINITE_TOKEN:
+                self._finish(req, FinishReason.NON_FINITE)  # no token to keep
+                finished.append(req)
+                continue
             req.token_ids.append(int(token))
             if int(token) in req.stop_token_ids:
                 reason = FinishReason.STOP

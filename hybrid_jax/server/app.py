@@ -141,7 +141,9 @@ class _Generation:
         if event.result is not None:
             self.prompt_tokens = len(event.result.prompt_token_ids)
             reason = event.result.finish_reason
-            self.finish = "length" if reason is FinishReason.LENGTH else "stop"
+            # OpenAI's names where they exist; "non_finite" (logits held inf or NaN) and
+            # "abort" as they are.
+            self.finish = "stop" if reason is FinishReason.STOP else str(reason)
         for stop in self.stops:
             at = self.text.find(stop, max(0, self.sent - len(stop)))
             if at >= 0:
