@@ -94,3 +94,49 @@ def test_an_integer_or_bool_tensor_where_a_weight_belongs_is_refused(tmp_path, d
     folder, name = _corrupt(tmp_path, FIXTURES / "qwen3_next" / "moe", retype)
     with pytest.raises(CheckpointError, match=f"not floating point.*{name} \\({dtype}\\)"):
         load_checkpoint(folder)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("tie_word_embeddings", "false", "tie_word_embeddings='false' must be true or false"),
+        ("eos_token_id", "2", "eos_token_id='2' must be a token id"),
+        ("eos_token_id", True, "eos_token_id=True must be a token id"),
+        ("eos_token_id", 10**6, r"eos_token_id \[1000000\] is outside the vocabulary"),
+        ("max_position_embeddings", "1024", "max_position_embeddings='1024' must be an integer"),
+        ("rms_norm_eps", "1e-6", "rms_norm_eps='1e-6' must be a number"),
+        ("hidden_size", "64", "hidden_size='64' must be an integer"),
+        ("mlp_only_layers", 3, "mlp_only_layers=3 must be a list of integers"),
+    ],
+)
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_config_values_of_the_wrong_type_are_refused_naming_the_field(
+    tmp_path, family, field, value, message
+):
+    source = FIXTURES / family / ("moe" if family == "qwen3_next" else "hybrid")
+    config = json.loads((source / "config.json").read_text())
+    if family == "nemotron_h" and field in ("mlp_only_layers", "tie_word_embeddings"):
+        pytest.skip(f"Nemotron-H's config has no {field}")
+    if family == "nemotron_h" and field == "rms_norm_eps":
+        field, message = "layer_norm_epsilon", message.replace(field, "layer_norm_epsilon")
+    config[field] = value
+    shutil.copytree(source, tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(tmp_path / "ckpt")
+
+
+def test_an_index_pointing_outside_the_folder_is_refused(tmp_path):
+    shutil.copytree(FIXTURES / "qwen3_next" / "moe", tmp_path / "ckpt")
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    index_path = next((tmp_path / "ckpt").glob("*.index.json"))
+    index = json.loads(index_path.read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = "../outside.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="outside .*every shard must be a file"):
+        load_checkpoint(tmp_path / "ckpt")
+    index["weight_map"] = ["a list"]
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="weight_map must map tensor names"):
+        load_checkpoint(tmp_path / "ckpt")

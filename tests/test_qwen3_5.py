@@ -87,13 +87,16 @@ def test_each_folder_kind_builds_the_model_it_describes(runners):
 
 def test_nested_config_takes_eos_ids_from_either_level_and_tying_from_the_top():
     raw = _config("dense_vl")
-    raw["text_config"] = {**raw["text_config"], "eos_token_id": [248046, 248044]}
+    raw["text_config"] = {**raw["text_config"], "eos_token_id": [250, 248]}
     raw["tie_word_embeddings"], raw["text_config"]["tie_word_embeddings"] = True, False
     config = qwen3_5_config(raw)
-    assert config.eos_token_id == (248046, 248044) and config.tie_word_embeddings
-    raw["text_config"]["eos_token_id"], raw["eos_token_id"] = None, 248046
-    assert qwen3_5_config(raw).eos_token_id == (248046,)
+    assert config.eos_token_id == (250, 248) and config.tie_word_embeddings
+    raw["text_config"]["eos_token_id"], raw["eos_token_id"] = None, 250
+    assert qwen3_5_config(raw).eos_token_id == (250,)
     assert qwen3_5_config(raw, dtype="bfloat16").dtype == "bfloat16"
+    raw["eos_token_id"] = 248046  # Qwen3.5's real id, past this fixture's 256 tokens
+    with pytest.raises(ConfigError, match=r"eos_token_id \[248046\] is outside the vocab"):
+        qwen3_5_config(raw)
 
 
 def _config(name):

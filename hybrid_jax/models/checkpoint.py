@@ -117,8 +117,19 @@ def weight_map(folder: pathlib.Path) -> dict[str, pathlib.Path]:
             names = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise CheckpointError(f"{index} has no readable 'weight_map': {err}") from err
+        if not isinstance(names, dict) or not all(isinstance(f, str) for f in names.values()):
+            raise CheckpointError(
+                f"{index}: weight_map must map tensor names to file names, got "
+                f"{type(names).__name__}"
+            )
         files = {file: folder / file for file in set(names.values())}
+        root = folder.resolve()
         for file, path in files.items():
+            if path.resolve().parent != root:
+                raise CheckpointError(
+                    f"{index} lists {file!r}, outside {folder}; every shard must be a file of "
+                    f"the checkpoint folder itself"
+                )
             if not path.is_file():
                 raise CheckpointError(f"{index} lists {file}, which is not in {folder}")
         return {name: files[file] for name, file in names.items()}

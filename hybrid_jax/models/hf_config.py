@@ -7,11 +7,14 @@ import contextlib
 import dataclasses
 import json
 import os
+import typing
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 __all__ = [
     "ConfigError",
+    "check_eos_in_vocabulary",
+    "check_field_types",
     "config_errors",
     "hf_dtype",
     "hf_eos_token_ids",
@@ -52,13 +55,70 @@ def require_fields(cls: type, config: Mapping[str, Any], derived: Collection[str
         raise ConfigError(f"config.json lacks {', '.join(missing)}")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _matches(value: object, hint: Any) -> bool:
+    """Whether a JSON value is of the field type ``hint`` (int, float, bool, str, optional,
+    or a tuple of one of those)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return _is_int(value)
+    if hint is float:
+        return _is_int(value) or isinstance(value, float)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        return isinstance(value, list | tuple) and all(_matches(v, args[0]) for v in value)
+    if args and type(None) in args:  # X | None
+        return value is None or any(_matches(value, a) for a in args if a is not type(None))
+    return True  # a type this check does not know: the config's own checks decide
+
+
+_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_PLURALS = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+
+
+def check_field_types(cls: type, values: Mapping[str, Any]) -> None:
+    """Raises ``ConfigError`` naming the first field of ``values`` (config.json's) whose JSON
+    type does not fit dataclass ``cls``'s field: a string for a number, ``"false"`` for a
+    boolean, a number for a list."""
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        hint = hints.get(name)
+        if hint is not None and not _matches(value, hint):
+            args = typing.get_args(hint)
+            want = _NAMES.get(hint) or (
+                f"a list of {_PLURALS.get(args[0], args[0])}" if typing.get_origin(hint) is tuple
+                else str(hint)
+            )  # fmt: skip
+            raise ConfigError(f"config.json: {name}={value!r} must be {want}")
+
+
 def hf_eos_token_ids(config: Mapping[str, Any]) -> tuple[int, ...]:
-    """``eos_token_id`` as a tuple: Hugging Face writes one id, a list, or null."""
+    """``eos_token_id`` as a tuple: Hugging Face writes one id, a list, or null. Raises
+    ``ConfigError`` for anything else (a string, a boolean, a negative id)."""
     eos = config.get("eos_token_id")
-    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    ids = () if eos is None else (eos,) if not isinstance(eos, list) else tuple(eos)
+    if not all(_is_int(i) and i >= 0 for i in ids):
+        raise ConfigError(
+            f"config.json: eos_token_id={eos!r} must be a token id (an integer >= 0), a list "
+            f"of them, or null"
+        )
+    return ids
 
 
 def hf_dtype(config: Mapping[str, Any], override: str | None) -> str:
     """``override``, else the checkpoint's ``dtype`` (``torch_dtype`` in older files), else
     float32."""
     return override or config.get("dtype") or config.get("torch_dtype") or "float32"
+
+
+def check_eos_in_vocabulary(eos_token_id: tuple[int, ...], vocab_size: int) -> None:
+    """Raises ``ConfigError`` for an end-of-sequence id that no token can take."""
+    bad = [i for i in eos_token_id if not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError(f"eos_token_id {bad} is outside the vocabulary (ids 0..{vocab_size - 1})")

@@ -33,6 +33,8 @@ from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates
 from hybrid_jax.models.hf_config import (
     ConfigError,
+    check_eos_in_vocabulary,
+    check_field_types,
     config_errors,
     hf_dtype,
     hf_eos_token_ids,
@@ -126,6 +128,7 @@ class NemotronHConfig:
                     f"layers_block_type[{i}]={kind!r} is not a Nemotron-H block type; use one of "
                     f"{sorted(BLOCK_TYPES.values())}"
                 )
+        check_eos_in_vocabulary(self.eos_token_id, self.vocab_size)
         # Building the per-block configs validates heads, groups and routing.
         self.mamba2_config()
         self.attention_config()
@@ -178,6 +181,7 @@ class NemotronHConfig:
         require_fields(cls, config, derived=[k for k, v in derived.items() if v is not None])
         names = {f.name for f in dataclasses.fields(cls)} - {"eos_token_id", "dtype", *derived}
         values = {key: config[key] for key in names if config.get(key) is not None}
+        check_field_types(cls, values)
         return cls(
             **values,
             **derived,

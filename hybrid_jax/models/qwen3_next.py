@@ -43,6 +43,8 @@ from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates
 from hybrid_jax.models.hf_config import (
     ConfigError,
+    check_eos_in_vocabulary,
+    check_field_types,
     config_errors,
     hf_dtype,
     hf_eos_token_ids,
@@ -142,6 +144,7 @@ class Qwen3NextConfig:
                 f"num_nextn_predict_layers={self.num_nextn_predict_layers}: Qwen3-Next has one "
                 f"multi-token-prediction layer (1) or none (0)"
             )
+        check_eos_in_vocabulary(self.eos_token_id, self.vocab_size)
         for layer in self.mlp_only_layers:
             if not 0 <= layer < self.num_hidden_layers:
                 raise ConfigError(
@@ -192,12 +195,16 @@ class Qwen3NextConfig:
             "vision_token_ids",
         }  # fmt: skip
         values = {key: config[key] for key in fields if key in config}
+        check_field_types(cls, {k: v for k, v in values.items() if v is not None})
         if values.get("head_dim") is None:
             values["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
         if values.get("mlp_only_layers") is None:
             values.pop("mlp_only_layers", None)
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
         factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+        check_field_types(cls, {"rope_theta": theta, "partial_rotary_factor": factor})
+        if not isinstance(layer_types, list | tuple):
+            raise ConfigError(f"config.json: layer_types={layer_types!r} must be a list")
         return cls(
             **values,
             layer_types=tuple(layer_types),
