@@ -29,7 +29,7 @@ def test_generate_rejects_invalid_sampling_flags_before_building_a_model(capsys)
 
 def test_generate_reports_a_bad_engine_size_without_a_traceback(capsys):
     code, _, err = run(["generate", "hi", "--max-context", "100"], capsys)
-    assert code == 2 and "max_context=100 is not a multiple of page_size=16" in err
+    assert code == 2 and "--max-context=100 is not a multiple of page_size=16" in err
 
 
 def test_generate_without_prompts_says_so(capsys, monkeypatch):

@@ -428,3 +428,29 @@ def test_a_request_whose_logits_turn_non_finite_ends_saying_so(tmp_path):
     assert [results[0].token_ids, results[2].token_ids] == alone  # the others undisturbed
     assert [r.token_ids for r in poisoned.generate(clean, GREEDY)] == alone  # slot reused clean
     assert poisoned.slots.num_free == poisoned.slots.capacity
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(page_size=0), "page_size=0 must be an int >= 1"),
+        (dict(max_context=0), "max_context=0 must be an int >= 1"),
+        (dict(max_context=60, page_size=16), "max_context=60 is not a multiple of page_size=16"),
+        (dict(num_pages=1), "num_pages=1 must be an int >= 2"),
+        (dict(seed=-1), "seed=-1 must be an int"),
+        (dict(seed="x"), "seed='x' must be an int"),
+        (dict(seed=1.5), "seed=1.5 must be an int"),
+        (dict(max_batch=True), "max_batch=True must be an int"),
+        (dict(impl="fast"), "impl='fast' is not one of"),
+    ],
+)
+def test_engine_config_refuses_bad_sizes_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=f"EngineConfig.{message}"):
+        EngineConfig(**kwargs)
+
+
+def test_a_preset_refuses_a_bad_seed_or_dtype():
+    with pytest.raises(ValueError, match="seed='x' must be an int"):
+        Engine.from_preset("tiny", CONFIG, seed="x", progress=False)
+    with pytest.raises(ValueError, match="dtype='float7' is not one of"):
+        Engine.from_preset("tiny", CONFIG, dtype="float7", progress=False)

@@ -121,23 +121,26 @@ def _engine(args: argparse.Namespace, command: str, *, speculative: bool = True)
     except ValueError as err:
         print(f"hybrid-jax {command}: {err}", file=sys.stderr)
         return None
-    config = EngineConfig(
-        max_batch=args.max_batch,
-        max_tokens=args.max_tokens,
-        max_context=args.max_context,
-        chunk_size=args.chunk_size,
-        cache_dir=args.cache_dir or None,
-        seed=args.seed,
-        impl=args.impl,
-        speculative=spec,
-    )
     try:
+        config = EngineConfig(
+            max_batch=args.max_batch,
+            max_tokens=args.max_tokens,
+            max_context=args.max_context,
+            chunk_size=args.chunk_size,
+            cache_dir=args.cache_dir or None,
+            seed=args.seed,
+            impl=args.impl,
+            speculative=spec,
+        )
         if args.checkpoint:
             return Engine.from_checkpoint(args.checkpoint, config)
         return Engine.from_preset("tiny", config, seed=args.seed)
     # CheckpointError, TokenizerError, ConfigError and MetadataError are ValueErrors too.
     except ValueError as err:
-        print(f"hybrid-jax {command}: {err}", file=sys.stderr)
+        message = str(err)
+        for field in ("max_batch", "max_tokens", "max_context", "chunk_size", "seed", "impl"):
+            message = message.replace(f"EngineConfig.{field}=", f"--{field.replace('_', '-')}=")
+        print(f"hybrid-jax {command}: {message}", file=sys.stderr)
         return None
 
 

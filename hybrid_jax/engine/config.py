@@ -9,6 +9,7 @@ import pathlib
 from hybrid_jax.engine.speculative import SpeculativeConfig
 from hybrid_jax.engine.startup import ProgramStore
 from hybrid_jax.metadata import BucketPolicy
+from pallas_kernels import IMPLS
 
 __all__ = ["DEFAULT_CACHE_DIR", "EngineConfig"]
 
@@ -54,6 +55,32 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     scan_layers: bool = True
     program_store: bool = True
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value, *, optional: bool = False, least: int = 1) -> None:
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                none = " or None" if optional else ""
+                raise ValueError(f"EngineConfig.{name}={value!r} must be an int >= {least}{none}")
+
+        positive("max_batch", self.max_batch)
+        positive("max_tokens", self.max_tokens)
+        positive("chunk_size", self.chunk_size, optional=True)
+        positive("page_size", self.page_size)
+        positive("max_context", self.max_context, optional=True)
+        # Page 0 is the pad page: a cache needs it and one page to hold anything.
+        positive("num_pages", self.num_pages, optional=True, least=2)
+        if self.max_context is not None and self.max_context % self.page_size:
+            raise ValueError(
+                f"EngineConfig.max_context={self.max_context} is not a multiple of "
+                f"page_size={self.page_size}; use whole pages"
+            )
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"EngineConfig.seed={seed!r} must be an int in 0..{2**32 - 1}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"EngineConfig.impl={self.impl!r} is not one of {list(IMPLS)}")
 
     def store(self) -> ProgramStore | None:
         """The program store of these settings (None: off, no cache, or interpret mode)."""

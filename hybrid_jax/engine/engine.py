@@ -222,6 +222,10 @@ class Engine(SpeculativeServing):
         """A built-in model with seeded random weights and the byte-level tokenizer."""
         if name not in PRESETS:
             raise ValueError(f"preset {name!r} does not exist; choose one of {sorted(PRESETS)}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} must be an int >= 0 (it seeds the random weights)")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
         model_config = PRESETS[name](dtype)
         config.policy(model_config.max_position_embeddings)  # bad sizes fail before the build
         if config.cache_dir is not None:
