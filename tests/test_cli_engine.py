@@ -58,3 +58,43 @@ def test_generate_streams_stdin_prompts_and_bench_prints_its_table(capsys, monke
     argv = ["bench", "--num-prompts", "3", "--prompt-len", "5", "--new-tokens", "2", "--plot", ""]
     code, out, _ = run([*argv, *SMALL, *cache], capsys)
     assert code == 0 and "retraces after warm-up: 0" in out and "DECODE step" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--new-tokens", "0"], "--new-tokens=0 must be >= 1"),
+        (["bench", "--num-prompts", "0"], "--num-prompts=0 must be >= 1"),
+        (["bench", "--plot", "missing/dir/x.png"], "--plot=missing/dir/x.png: its folder"),
+        (["generate", "hi", "--max-context", "0"], "--max-context=0 must be an int >= 1"),
+    ],
+)
+def test_bad_flags_get_one_line_naming_the_flag_before_any_compile(capsys, argv, message):
+    code, _, err = run(argv, capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_version_and_defaults_in_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("hybrid-jax ")
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "(default: 32)" in capsys.readouterr().out
+
+
+def test_a_prompt_that_is_not_utf8_is_refused(capsys):
+    code, _, err = run(["generate", "bad \udcff byte"], capsys)
+    assert code == 2 and "not valid UTF-8" in err
+
+
+def test_ctrl_c_exits_130_without_a_traceback(capsys, monkeypatch):
+    import hybrid_jax.cli.serving as serving
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serving, "generate", interrupted)  # main() builds its parsers anew
+    code, _, err = run(["generate", "hi"], capsys)
+    assert code == 130 and err.strip() == "hybrid-jax: interrupted"

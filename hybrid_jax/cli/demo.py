@@ -127,7 +127,11 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def add_demo_parser(sub: argparse._SubParsersAction) -> None:
-    d = sub.add_parser("demo", help="every mode and bucket of the built-in tiny GDN stack")
+    d = sub.add_parser(
+        "demo",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="every mode and bucket of the built-in tiny GDN stack",
+    )
     d.add_argument("--max-batch", type=int, default=8, help="largest batch bucket (rows)")
     d.add_argument("--max-tokens", type=int, default=64, help="largest token bucket")
     d.add_argument("--draft-tokens", type=int, default=4, help="D for TARGET_VERIFY")

@@ -17,7 +17,11 @@ __all__ = ["add_serve_parser", "build_server"]
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    p = sub.add_parser(
+        "serve",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="an OpenAI-compatible HTTP server",
+    )
     _engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")

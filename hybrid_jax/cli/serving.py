@@ -16,7 +16,9 @@ nodes.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -56,7 +58,7 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--speculative",
         default=None,
-        metavar="SOURCE",
+        choices=DRAFT_SOURCES,
         help=f"speculative decoding with this draft source ({', '.join(DRAFT_SOURCES)}; "
         "default: off)",
     )
@@ -135,9 +137,10 @@ def _engine(args: argparse.Namespace, command: str, *, speculative: bool = True)
         if args.checkpoint:
             return Engine.from_checkpoint(args.checkpoint, config)
         return Engine.from_preset("tiny", config, seed=args.seed)
-    # CheckpointError, TokenizerError, ConfigError and MetadataError are ValueErrors too.
-    except ValueError as err:
-        message = str(err)
+    # CheckpointError, TokenizerError, ConfigError and MetadataError are ValueErrors too; a
+    # kernel that cannot run here (--impl pallas off an sm_90 GPU) is a NotImplementedError.
+    except (ValueError, NotImplementedError) as err:
+        message = str(err).splitlines()[0] if str(err) else repr(err)
         for field in ("max_batch", "max_tokens", "max_context", "chunk_size", "seed", "impl"):
             message = message.replace(f"EngineConfig.{field}=", f"--{field.replace('_', '-')}=")
         print(f"hybrid-jax {command}: {message}", file=sys.stderr)
@@ -145,9 +148,13 @@ def _engine(args: argparse.Namespace, command: str, *, speculative: bool = True)
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text (built-in tiny model by default)")
+    p = sub.add_parser(
+        "generate",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="generate text (built-in tiny model by default)",
+    )
     p.add_argument("prompts", nargs="*", help="prompts; none: one per line from stdin")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1: off")
@@ -169,16 +176,26 @@ def _summary(results: Sequence[Result]) -> str:
     tokens = sum(len(r.token_ids) for r in results)
     ttft = statistics.median(r.ttft for r in results)
     rate = statistics.median(r.tokens_per_s for r in results)
+    reasons = collections.Counter(str(r.finish_reason) for r in results)
+    finished = ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items()))
     return (
         f"{len(results)} requests, {tokens} tokens; median time to first token "
-        f"{1e3 * ttft:.1f} ms, median decode {rate:.1f} tokens/s per request"
+        f"{1e3 * ttft:.1f} ms, median decode {rate:.1f} tokens/s per request; finished: "
+        f"{finished} (length: --max-new-tokens or the context, --max-context, ran out)"
     )
 
 
 def generate(args: argparse.Namespace) -> int:
     if not args.prompts and sys.stdin.isatty():
         print("reading prompts from stdin, one per line (end with Ctrl-D)", file=sys.stderr)
-    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    try:
+        prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        for text in prompts:
+            text.encode("utf-8")
+    except (UnicodeDecodeError, UnicodeEncodeError) as err:
+        print(f"hybrid-jax generate: a prompt is not valid UTF-8 ({err.reason} at byte "
+              f"{err.start}); give prompts as UTF-8 text", file=sys.stderr)  # fmt: skip
+        return 2
     if not prompts:
         print("hybrid-jax generate: no prompt given (arguments or stdin)", file=sys.stderr)
         return 2
@@ -232,6 +249,7 @@ def generate(args: argparse.Namespace) -> int:
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="throughput, time to first token, step times by mode ('bench serve': of a "
         "running server, over HTTP)",
     )
@@ -239,11 +257,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "target", nargs="?", choices=("engine", "serve"), default="engine",
         help="engine: an engine built here (default); serve: a running server at --url",
     )  # fmt: skip
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=16, help="random prompts to serve")
+    p.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt")
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens to generate per prompt")
     p.add_argument(
-        "--plot", default="hybrid_jax_bench.png", help="PNG path ('' for none; needs matplotlib)"
+        "--plot", default="", metavar="PATH", help="write a PNG plot there (needs matplotlib)"
     )
     _engine_arguments(p)
     add_serve_bench_arguments(p)
@@ -301,6 +319,14 @@ def _rate(results: Sequence[Result], wall: float) -> float:
 def bench(args: argparse.Namespace) -> int:
     if args.target == "serve":
         return bench_serve(args)
+    for flag, value in (("--num-prompts", args.num_prompts), ("--prompt-len", args.prompt_len),
+                        ("--new-tokens", args.new_tokens)):  # fmt: skip
+        if value < 1:
+            print(f"hybrid-jax bench: {flag}={value} must be >= 1", file=sys.stderr)
+            return 2
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        print(f"hybrid-jax bench: --plot={args.plot}: its folder does not exist", file=sys.stderr)
+        return 2
     engine = _engine(args, "bench")
     if engine is None:
         return 2
@@ -390,4 +416,10 @@ def _compare(
         "accepted: drafts accepted per draft proposed (a tree proposes D-1 nodes, of which at "
         "most its depth can be accepted); length: tokens per verify row (accepted drafts + 1)"
     )
+    if not args.checkpoint:
+        print(
+            "the built-in model has random weights, which no draft can predict: acceptance "
+            "stays near 0 and speculation costs time here; run with --checkpoint DIR to see "
+            "what a trained model gives"
+        )
     return plain.retraces
