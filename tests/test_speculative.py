@@ -140,7 +140,7 @@ def test_speculative_config_refuses_what_is_not_built(kwargs, match):
 @pytest.mark.parametrize(
     ("flags", "match"),
     [
-        (["--speculative", "eagle"], "not a draft source; supported sources: 'ngram', 'mtp'"),
+        (["--speculative", "eagle"], "--speculative: invalid choice: 'eagle'.*ngram.*mtp"),
         (["--speculative", "ngram", "--num-draft-tokens", "9"], "num_draft_tokens=9"),
         (["--speculative", "ngram", "--tree-width", "2"], "source='ngram'.* source='mtp'"),
         (["--tree-width", "2"], "--tree-width / --tree-parents need --speculative mtp"),

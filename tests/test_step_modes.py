@@ -285,3 +285,23 @@ def test_mixed_runs_the_extend_executable_and_keeps_its_own_capability(monkeypat
         steps.lower(M.MIXED, pool, jnp.zeros((8, hidden)), meta)
     with pytest.raises(UnsupportedForwardModeError, match="MIXED"):
         steps(out.pool, jnp.zeros((8, hidden)), meta)
+
+
+def test_a_compiled_step_checks_x_and_the_pool_before_running():
+    model = GDNStack(tiny_gdn_stack_config(), rngs=nnx.Rngs(5))
+    steps = StepFunctions(model, impl="reference")
+    hidden = tiny_gdn_stack_config().layer.hidden_size
+    pool = fresh_pool(model)
+    steps.compile_all(POLICY, pool, [M.DECODE], token_shape=(hidden,))
+    before = host(pool)
+    meta = build_metadata(M.DECODE, [RowSpec(3, 2, 1)], POLICY, num_slots=NUM_SLOTS)
+    with pytest.raises(ValueError, match=r"x is float32\[2, .*pad x to meta.num_tokens=1"):
+        steps(pool, jnp.zeros((meta.num_tokens + 1, hidden)), meta)
+    small = jax.tree.map(lambda a: a[:-1], pool)  # one slot short
+    with pytest.raises(ValueError, match=r"pool.* but the DECODE executable was compiled for"):
+        steps(small, jnp.zeros((meta.num_tokens, hidden)), meta)
+    for got, want in zip(jax.tree.leaves(host(pool)), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert steps.total_traces == len(POLICY.buckets(M.DECODE))  # nothing traced again
+    out = steps(pool, jnp.ones((meta.num_tokens, hidden)), meta)
+    assert np.isfinite(np.asarray(out.hidden)).all()

@@ -57,6 +57,7 @@ class StepFunctions:
         # compile_all has compiled, each with its record.
         self._compiled: dict[tuple[ForwardMode, int, int], Any] = {}
         self._compiled_buckets: set[tuple[ForwardMode, int, int]] = set()
+        self._compiled_shapes: dict[tuple[ForwardMode, int, int], tuple] = {}
         self._jitted = jax.jit(self._forward, static_argnums=0, donate_argnums=2)
         kind = linear_kind(self.layer_kinds)
         self.commit = jax.jit(functools.partial(commit_verified, kind=kind), donate_argnums=0)
@@ -134,6 +135,7 @@ class StepFunctions:
                         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), pool
                     )
                     self._compiled[key] = self._compile(program, pool_shape, x, meta)
+                    self._compiled_shapes[key] = _shapes((pool_shape, x))
                 self._compiled_buckets.add((mode, batch_size, num_tokens))
                 record = CompileRecord(
                     mode, batch_size, num_tokens, 1e3 * (time.perf_counter() - start)
@@ -162,11 +164,43 @@ class StepFunctions:
         """Runs one step; ``pool`` is donated (do not use it afterwards). Uses the executable
         compiled ahead of time for (mode, bucket) when there is one, else jit (a trace)."""
         program, meta = self._as_program(meta.mode, meta)
-        compiled = self._compiled.get((program, meta.batch_size, meta.num_tokens))
+        key = (program, meta.batch_size, meta.num_tokens)
+        compiled = self._compiled.get(key)
         if compiled is not None:
+            self._check_shapes(key, pool, x)
             return compiled(self.params, pool, x, meta)
         return self._jitted(program, self.params, pool, x, meta)
+
+    def _check_shapes(self, key, pool, x) -> None:
+        """Raises ``ValueError`` naming the first array of ``pool`` or ``x`` whose shape or
+        dtype differs from what the executable of ``key`` was compiled for (the jit path's
+        own checks, for the compiled path)."""
+        got = _shapes((pool, x))
+        want = self._compiled_shapes[key]
+        if got == want:
+            return
+        mode, _, num_tokens = key
+        leaves = jax.tree_util.tree_flatten_with_path((pool, x))[0]
+        for (path, leaf), expected in zip(leaves, want[1], strict=False):
+            if (leaf.shape, jnp.dtype(leaf.dtype)) != expected:
+                where = "x" if path[0].idx == 1 else "pool" + jax.tree_util.keystr(path[1:])
+                hint = f"; pad x to meta.num_tokens={num_tokens}" if where == "x" else ""
+                raise ValueError(
+                    f"{where} is {jnp.dtype(leaf.dtype).name}{list(leaf.shape)}, but the "
+                    f"{mode.name} executable was compiled for "
+                    f"{expected[1].name}{list(expected[0])}{hint}"
+                )
+        raise ValueError(
+            f"the pool or x has another structure than the {mode.name} executable was "
+            f"compiled for: {got[0]} vs {want[0]}"
+        )
 
     @property
     def total_traces(self) -> int:
         return sum(self.trace_count.values())
+
+
+def _shapes(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:
+    """The structure of ``tree`` and each leaf's (shape, dtype)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((tuple(a.shape), jnp.dtype(a.dtype)) for a in leaves)
