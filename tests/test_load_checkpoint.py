@@ -140,3 +140,26 @@ def test_an_index_pointing_outside_the_folder_is_refused(tmp_path):
     index_path.write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="weight_map must map tensor names"):
         load_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"shape": None}, "has shape None; a shape is a list of integers >= 0"),
+        ({"shape": ["2"]}, r"has shape \['2'\]"),
+        ({"shape": [-1, 2]}, r"has shape \[-1, 2\]"),
+        ({"data_offsets": ["0", "8"]}, "has data_offsets .* two integers >= 0"),
+        ({"data_offsets": [0, 4]}, "claims bytes"),
+    ],
+)
+def test_a_malformed_safetensors_header_is_refused_naming_the_tensor(tmp_path, entry, message):
+    import struct
+
+    from hybrid_jax.models.safetensors_io import SafetensorsError, read_tensors
+
+    header = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], **entry}}
+    raw = json.dumps(header).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(SafetensorsError, match=f"tensor 'w' {message}"):
+        read_tensors(path)

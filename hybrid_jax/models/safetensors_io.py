@@ -60,6 +60,10 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
     return header, 8 + size
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Every tensor of ``path``, as read-only arrays backed by a memory map of the file."""
     header, start = read_header(path)
@@ -75,6 +79,15 @@ def read_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
                 f"{path}: tensor {name!r} has dtype {dtype_name}, which this reader does not "
                 f"support (supported: {', '.join(_DTYPES)}); quantised checkpoints need "
                 f"dequantising to bfloat16 or float32 first"
+            )
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise SafetensorsError(
+                f"{path}: tensor {name!r} has shape {shape!r}; a shape is a list of integers >= 0"
+            )
+        if not (_is_count(begin) and _is_count(end)):
+            raise SafetensorsError(
+                f"{path}: tensor {name!r} has data_offsets {entry['data_offsets']!r}; they are "
+                f"two integers >= 0"
             )
         dtype = _DTYPES[dtype_name]
         nbytes = math.prod(shape) * dtype.itemsize
