@@ -44,7 +44,10 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-batch", type=int, default=4, help="requests running at once")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per step")
-    parser.add_argument("--max-context", type=int, default=256, help="positions per request")
+    # EngineConfig's default: the README's Python example then finds these executables.
+    parser.add_argument(
+        "--max-context", type=int, default=EngineConfig.max_context, help="positions per request"
+    )
     parser.add_argument("--chunk-size", type=int, default=None, help="prefill chunk (tokens)")
     parser.add_argument(
         "--impl", default="auto", choices=["auto", "pallas", "interpret", "reference"]
