@@ -6,9 +6,9 @@ its value. ``HYBRID_JAX_KEEP_XLA_FLAGS=1`` leaves ``XLA_FLAGS`` untouched.
 
 * ``--xla_gpu_enable_triton_gemm=false`` and ``--xla_gpu_enable_dynamic_slice_fusion=true``:
   under ``lax.scan`` each layer's weights are a slice of the stacked weights. A Triton GEMM
-  fusion reads its operand from a buffer of its own, so every step copied every layer's
-  weights before using them; a cuBLAS GEMM with the slice fused into its operand address
-  reads them where they lie (``benchmarks/RESULTS_serve.md``).
+  fusion reads its operand from a buffer of its own, so each step would copy every layer's
+  weights first; a cuBLAS GEMM with the slice fused into its operand address reads them
+  where they lie (``benchmarks/RESULTS_serve.md``).
 """
 
 from __future__ import annotations
