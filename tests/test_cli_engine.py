@@ -98,3 +98,23 @@ def test_ctrl_c_exits_130_without_a_traceback(capsys, monkeypatch):
     monkeypatch.setattr(serving, "generate", interrupted)  # main() builds its parsers anew
     code, _, err = run(["generate", "hi"], capsys)
     assert code == 130 and err.strip() == "hybrid-jax: interrupted"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "x" * 40, "--max-context", "32"], "prompt 0 has 40 tokens, longer than "
+         "--max-context=32"),
+        (["generate", "hi", "--stop-token-id", "300"], "--stop-token-id 300 is outside the "
+         "vocabulary"),
+    ],
+)  # fmt: skip
+def test_prompt_problems_are_found_before_the_model_is_built(capsys, monkeypatch, argv, message):
+    from hybrid_jax.engine.engine import Engine
+
+    def not_now(*args, **kwargs):
+        raise AssertionError("the model was built before the prompts were checked")
+
+    monkeypatch.setattr(Engine, "from_preset", not_now)
+    code, _, err = run(argv, capsys)
+    assert code == 2 and message in err

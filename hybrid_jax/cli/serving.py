@@ -33,6 +33,7 @@ from hybrid_jax.engine.requests import Result
 from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import RequestError
 from hybrid_jax.engine.speculative import DRAFT_SOURCES, SpeculativeConfig, SpeculativeStats
+from hybrid_jax.models.tokenizer import ByteTokenizer, load_tokenizer
 from hybrid_jax.modes import ForwardMode
 
 __all__ = ["add_bench_parser", "add_generate_parser", "bench", "generate"]
@@ -188,6 +189,30 @@ def _summary(results: Sequence[Result]) -> str:
     )
 
 
+def _prompt_problem(args: argparse.Namespace, prompts: Sequence[str], params) -> str:
+    """What is wrong with the prompts or stop ids for these flags ("" if nothing), found with
+    the tokenizer alone, before the model is built and its steps compiled."""
+    try:
+        tokenizer = load_tokenizer(args.checkpoint) if args.checkpoint else ByteTokenizer()
+    except ValueError as err:  # TokenizerError: the engine's own load reports it in full
+        return str(err).splitlines()[0]
+    for i, text in enumerate(prompts):
+        n = len(tokenizer.encode(text))
+        if n == 0:
+            return f"prompt {i} is empty; give at least one token"
+        # A --max-context below 1 is EngineConfig's to refuse, by its own rule.
+        if args.max_context is not None and 0 < args.max_context < n:
+            return (
+                f"prompt {i} has {n} tokens, longer than --max-context={args.max_context}; "
+                f"shorten it or raise --max-context"
+            )
+    vocab = tokenizer.vocab_size
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        return f"--stop-token-id {bad[0]} is outside the vocabulary (ids 0..{vocab - 1})"
+    return ""
+
+
 def generate(args: argparse.Namespace) -> int:
     if not args.prompts and sys.stdin.isatty():
         print("reading prompts from stdin, one per line (end with Ctrl-D)", file=sys.stderr)
@@ -213,6 +238,10 @@ def generate(args: argparse.Namespace) -> int:
         )
     except SamplingParamsError as err:
         print(f"hybrid-jax generate: {err}", file=sys.stderr)
+        return 2
+    problem = _prompt_problem(args, prompts, params)
+    if problem:
+        print(f"hybrid-jax generate: {problem}", file=sys.stderr)
         return 2
     engine = _engine(args, "generate")
     if engine is None:
