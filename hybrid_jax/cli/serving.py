@@ -185,7 +185,7 @@ def _summary(results: Sequence[Result]) -> str:
     return (
         f"{len(results)} requests, {tokens} tokens; median time to first token "
         f"{1e3 * ttft:.1f} ms, median decode {rate:.1f} tokens/s per request; finished: "
-        f"{finished} (length: --max-new-tokens or the context, --max-context, ran out)"
+        f"{finished} (length: --max-new-tokens reached or the context, --max-context, full)"
     )
 
 
