@@ -377,16 +377,15 @@ class Engine(SpeculativeServing):
             frozenset(params.stop_token_ids) | self.eos_token_ids,
         )
 
-    def _submit(self, ids: list[int], params: SamplingParams) -> int:
-        request_id = self._next_id
-        request = self._request(request_id, ids, params)
+    def _submit(self, request: Request, params: SamplingParams) -> int:
+        """Queues ``request`` (built by ``_request`` with the next id) and tracks it."""
         self.scheduler.add(request)
         self._next_id += 1
         seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
-        self._tracked[request_id] = Tracked(
+        self._tracked[request.request_id] = Tracked(
             request, params, seed, time.perf_counter(), TextStream(self.tokenizer)
         )
-        return request_id
+        return request.request_id
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
         """Queues one request (text or token ids) and returns its id. Raises ``RequestError``
@@ -396,7 +395,7 @@ class Engine(SpeculativeServing):
         ``generate`` running meanwhile serves it but keeps only its own requests' events.
         """
         ids, params = self._check(prompt, params or SamplingParams(), "prompt")
-        return self._submit(ids, params)
+        return self._submit(self._request(self._next_id, ids, params), params)
 
     def abort(self, request_id: int) -> Result | None:
         """Stops a request and frees its slot and pages; its result so far (None if unknown)."""
@@ -552,12 +551,13 @@ class Engine(SpeculativeServing):
             self._check(p, s, f"prompts[{i}]")
             for i, (p, s) in enumerate(zip(prompts, params, strict=True))
         ]
-        for i, (ids, p) in enumerate(checked):
+        requests = [self._request(self._next_id + i, ids, p) for i, (ids, p) in enumerate(checked)]
+        for i, request in enumerate(requests):
             try:
-                self.scheduler.check(self._request(self._next_id + i, ids, p))
+                self.scheduler.check(request)
             except RequestError as err:
                 raise RequestError(f"prompts[{i}]: {err}") from None
-        return [self._submit(ids, p) for ids, p in checked]
+        return [self._submit(r, p) for r, (_, p) in zip(requests, checked, strict=True)]
 
     def stream(
         self,
