@@ -205,7 +205,7 @@ def create_app(
     @app.get("/health")
     async def health():
         if not worker.alive:
-            return _error(503, f"the engine is not running: {worker._closed_reason()}")
+            return _error(503, f"the engine is not running: {worker.closed_reason}")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -230,7 +230,7 @@ def create_app(
             stop_token_ids=tuple(body.stop_token_ids),
         )
 
-    async def _start(http: Request, body: _Sampling, prompt, max_tokens: int | None):
+    async def _start(body: _Sampling, prompt, max_tokens: int | None):
         """Submits the request; (generation, request id) or an error response."""
         if body.model is not None and body.model != model_name:
             return _error(404, f"model {body.model!r} is not served here; use {model_name!r}",
@@ -242,9 +242,7 @@ def create_app(
             request_id = await asyncio.wrap_future(future)
         except (RequestError, SamplingParamsError, TokenizerError) as err:
             return _error(400, str(err))
-        except QueueFull as err:
-            return _error(503, str(err))
-        except EngineClosed as err:
+        except (QueueFull, EngineClosed) as err:
             return _error(503, str(err))
         return generation, request_id
 
@@ -277,8 +275,8 @@ def create_app(
         ``whole()`` once it finished."""
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(http, generation, _events(http, generation, request_id, True),
-                        chunk, include_usage)  # fmt: skip
+            return _sse(generation, _events(http, generation, request_id, True), chunk,
+                        include_usage)  # fmt: skip
         try:
             async for _ in _events(http, generation, request_id, False):
                 pass
@@ -302,7 +300,7 @@ def create_app(
             prompt = _prompt_of(body)
         except RequestError as err:
             return _error(400, str(err), "prompt")
-        started = await _start(http, body, prompt, body.max_tokens)
+        started = await _start(body, prompt, body.max_tokens)
         if isinstance(started, Response):
             return started
         generation, request_id = started
@@ -329,7 +327,7 @@ def create_app(
         except TokenizerError as err:
             return _error(400, str(err), "messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
-        started = await _start(http, body, prompt, max_tokens)
+        started = await _start(body, prompt, max_tokens)
         if isinstance(started, Response):
             return started
         generation, request_id = started
@@ -357,7 +355,7 @@ def create_app(
     return app
 
 
-def _sse(http, generation: _Generation, pieces: AsyncIterator[str], chunk, include_usage: bool):
+def _sse(generation: _Generation, pieces: AsyncIterator[str], chunk, include_usage: bool):
     """A ``text/event-stream`` response of ``chunk(piece, finish)`` per released piece."""
 
     async def lines() -> AsyncIterator[str]:

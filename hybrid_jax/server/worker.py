@@ -107,7 +107,7 @@ class EngineWorker:
         the engine's ``RequestError`` / ``SamplingParamsError``. Raises ``QueueFull`` or
         ``EngineClosed`` at once, with nothing queued."""
         if not self.alive:
-            raise EngineClosed(self._closed_reason())
+            raise EngineClosed(self.closed_reason)
         with self._lock:
             waiting = self._unadmitted + len(self.engine.scheduler.waiting)
             if waiting >= self.max_waiting:
@@ -147,7 +147,9 @@ class EngineWorker:
             retraces=engine.retraces,
         )
 
-    def _closed_reason(self) -> str:
+    @property
+    def closed_reason(self) -> str:
+        """Why the worker takes no more requests (once it has stopped)."""
         if self.error is not None:
             return f"the engine failed: {self.error!r}"
         return "the server is shutting down"
@@ -215,7 +217,7 @@ class EngineWorker:
 
     def _finish_all(self) -> None:
         """After the loop: refuse what is still in the inbox, abort what is running."""
-        reason = EngineClosed(self._closed_reason())
+        reason = EngineClosed(self.closed_reason)
         while True:
             try:
                 command = self._inbox.get_nowait()
