@@ -33,7 +33,7 @@ from hybrid_jax.engine.requests import Result
 from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import RequestError
 from hybrid_jax.engine.speculative import DRAFT_SOURCES, SpeculativeConfig, SpeculativeStats
-from hybrid_jax.models.tokenizer import ByteTokenizer, load_tokenizer
+from hybrid_jax.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from hybrid_jax.modes import ForwardMode
 
 __all__ = ["add_bench_parser", "add_generate_parser", "bench", "generate"]
@@ -119,9 +119,16 @@ def _label(args: argparse.Namespace) -> str:
     return f"{args.speculative} D={args.num_draft_tokens}{tree}"
 
 
-def _engine(args: argparse.Namespace, command: str, *, speculative: bool = True) -> Engine | None:
-    """The engine the flags describe (without speculation when ``speculative`` is False), or
-    None after printing why it cannot be built."""
+def _engine(
+    args: argparse.Namespace,
+    command: str,
+    *,
+    speculative: bool = True,
+    tokenizer: Tokenizer | None = None,
+) -> Engine | None:
+    """The engine the flags describe (without speculation when ``speculative`` is False; a
+    checkpoint's ``tokenizer`` when it is already loaded), or None after printing why it
+    cannot be built."""
     try:
         spec = _speculative(args) if speculative else None
     except ValueError as err:
@@ -139,7 +146,7 @@ def _engine(args: argparse.Namespace, command: str, *, speculative: bool = True)
             speculative=spec,
         )
         if args.checkpoint:
-            return Engine.from_checkpoint(args.checkpoint, config)
+            return Engine.from_checkpoint(args.checkpoint, config, tokenizer=tokenizer)
         return Engine.from_preset("tiny", config, seed=args.seed)
     # CheckpointError, TokenizerError, ConfigError and MetadataError are ValueErrors too; a
     # kernel that cannot run here (--impl pallas off an sm_90 GPU) is a NotImplementedError.
@@ -189,28 +196,28 @@ def _summary(results: Sequence[Result]) -> str:
     )
 
 
-def _prompt_problem(args: argparse.Namespace, prompts: Sequence[str], params) -> str:
-    """What is wrong with the prompts or stop ids for these flags ("" if nothing), found with
-    the tokenizer alone, before the model is built and its steps compiled."""
-    try:
-        tokenizer = load_tokenizer(args.checkpoint) if args.checkpoint else ByteTokenizer()
-    except ValueError as err:  # TokenizerError: the engine's own load reports it in full
-        return str(err).splitlines()[0]
-    for i, text in enumerate(prompts):
-        n = len(tokenizer.encode(text))
-        if n == 0:
-            return f"prompt {i} is empty; give at least one token"
+def _encode_prompts(
+    args: argparse.Namespace, prompts: Sequence[str], params: SamplingParams
+) -> tuple[Tokenizer, list[list[int]]]:
+    """The tokenizer of the flags and the prompts' token ids, checked (empty, longer than
+    --max-context, stop ids outside the vocabulary) before the model is built and its steps
+    compiled; raises ``ValueError`` saying what is wrong."""
+    tokenizer = load_tokenizer(args.checkpoint) if args.checkpoint else ByteTokenizer()
+    encoded = [tokenizer.encode(text) for text in prompts]
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {i} is empty; give at least one token")
         # A --max-context below 1 is EngineConfig's to refuse, by its own rule.
-        if args.max_context is not None and 0 < args.max_context < n:
-            return (
-                f"prompt {i} has {n} tokens, longer than --max-context={args.max_context}; "
-                f"shorten it or raise --max-context"
+        if args.max_context is not None and 0 < args.max_context < len(ids):
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens, longer than --max-context="
+                f"{args.max_context}; shorten it or raise --max-context"
             )
     vocab = tokenizer.vocab_size
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
     if bad:
-        return f"--stop-token-id {bad[0]} is outside the vocabulary (ids 0..{vocab - 1})"
-    return ""
+        raise ValueError(f"--stop-token-id {bad[0]} is outside the vocabulary (ids 0..{vocab - 1})")
+    return tokenizer, encoded
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -239,16 +246,17 @@ def generate(args: argparse.Namespace) -> int:
     except SamplingParamsError as err:
         print(f"hybrid-jax generate: {err}", file=sys.stderr)
         return 2
-    problem = _prompt_problem(args, prompts, params)
-    if problem:
-        print(f"hybrid-jax generate: {problem}", file=sys.stderr)
+    try:
+        tokenizer, encoded = _encode_prompts(args, prompts, params)
+    except ValueError as err:  # TokenizerError too: its first line names the file
+        print(f"hybrid-jax generate: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
-    engine = _engine(args, "generate")
+    engine = _engine(args, "generate", tokenizer=tokenizer)
     if engine is None:
         return 2
     results: list[Result] = []
     try:
-        stream = engine.stream(prompts, params)
+        stream = engine.stream(encoded, params)
         if len(prompts) == 1:
             print(_printable(prompts[0]), end="", flush=True)
             for _, event in stream:
