@@ -315,15 +315,13 @@ class _IdsOnly:
         return ""
 
 
-# Off while the reference rows hide tokamax by patching the grouped matmul: the program
-# store's key sees the source, not a patch.
-_PROGRAM_STORE = [True]
-
-
-def _engine(model, *, batch: int, tokens: int, context: int, cache_dir: str) -> Engine:
+def _engine(model, args, *, batch: int, tokens: int, context: int) -> Engine:
+    """An engine of one batch and one token bucket; ``args.program_store`` is off while the
+    reference rows hide tokamax by patching the grouped matmul (the program store's key sees
+    the source, not a patch)."""
     config = EngineConfig(
         max_batch=batch, max_tokens=tokens, max_context=context, batch_buckets=(batch,),
-        token_buckets=(tokens,), cache_dir=cache_dir, program_store=_PROGRAM_STORE[0],
+        token_buckets=(tokens,), cache_dir=args.cache_dir, program_store=args.program_store,
     )  # fmt: skip
     return Engine(model, _IdsOnly(model.config.vocab_size), config, progress=False)
 
@@ -343,9 +341,7 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     context = -(-(prompt + budget + 4) // 16) * 16
     # Long prompts prefill in chunks of at most 8192 tokens: one EXTEND executable.
     tokens = min(batch * prompt, max(prompt, 8192))
-    engine = _engine(
-        model, batch=batch, tokens=tokens, context=context, cache_dir=args.cache_dir
-    )
+    engine = _engine(model, args, batch=batch, tokens=tokens, context=context)
     params = SamplingParams(max_new_tokens=budget)
     ids = [engine.add_request(p, params) for p in _prompts(rng, batch, prompt)]
     while len(engine.step_times[ForwardMode.DECODE]) < steps:
@@ -366,7 +362,7 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
 
 
 def prefill_row(model, c, prompts, length, args, rng, label) -> Row:
-    engine = _engine(model, batch=1, tokens=length, context=length + 16, cache_dir=args.cache_dir)
+    engine = _engine(model, args, batch=1, tokens=length, context=length + 16)
     engine.generate(_prompts(rng, 1, length), SamplingParams(max_new_tokens=1))  # warm
     start = time.perf_counter()
     engine.generate(_prompts(rng, prompts, length), SamplingParams(max_new_tokens=1))
@@ -390,8 +386,7 @@ def stream_row(model, c, requests, rate, args, rng, label) -> Row:
     batch: the best inter-token latency a full batch allows."""
     batch, prompt, output = args.stream_batch, args.prompt_len, args.output_len
     context = -(-(prompt + output + 4) // 16) * 16
-    engine = _engine(model, batch=batch, tokens=batch * prompt, context=context,
-                     cache_dir=args.cache_dir)  # fmt: skip
+    engine = _engine(model, args, batch=batch, tokens=batch * prompt, context=context)
     params = SamplingParams(max_new_tokens=output)
     engine.generate(_prompts(rng, 1, prompt), SamplingParams(max_new_tokens=2))  # warm
     arrivals = np.cumsum(rng.exponential(1 / rate, requests))
@@ -536,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants[args.moe]:
         # The reference rows hide tokamax from the grouped matmul, so auto takes ragged_dot.
         _GROUPED_MATMUL._tokamax_ragged_dot = kernel if variant == "auto" else (lambda: None)
-        _PROGRAM_STORE[0] = variant == "auto"
+        args.program_store = variant == "auto"
         label = "MoE " + ("tokamax" if variant == "auto" and kernel() is not None else "ragged_dot")
         if not c.num_experts:
             label = "dense"
