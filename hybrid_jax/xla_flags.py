@@ -9,6 +9,10 @@ its value. ``HYBRID_JAX_KEEP_XLA_FLAGS=1`` leaves ``XLA_FLAGS`` untouched.
   fusion reads its operand from a buffer of its own, so each step would copy every layer's
   weights first; a cuBLAS GEMM with the slice fused into its operand address reads them
   where they lie (``benchmarks/RESULTS_serve.md``).
+* ``--xla_gpu_dot_merger_threshold_mb=0``: XLA merges products that share an input (an
+  attention layer's q, k and v projections) into one product over the concatenated weights.
+  The weights are arguments of the step, not constants, so the merged weight would be
+  concatenated again every step.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ __all__ = ["SERVING_XLA_FLAGS", "add_serving_flags"]
 SERVING_XLA_FLAGS = (
     "--xla_gpu_enable_triton_gemm=false",
     "--xla_gpu_enable_dynamic_slice_fusion=true",
+    "--xla_gpu_dot_merger_threshold_mb=0",
 )
 
 log = logging.getLogger(__name__)
