@@ -118,10 +118,12 @@ def test_gdn_decode_op_on_gpu_matches_oracle_in_place(n, n_padded):
 
 
 # Qwen3.5's value/key head ratios on 16 key heads: 1 (0.8B, 2B), 3 (27B), 4 (122B, 397B).
+# Batch 1 takes the one-item-per-program grid with 16-column blocks, 64 the pipelined one.
+@pytest.mark.parametrize("n, n_padded", [(1, 0), (64, 3)], ids=["batch1", "batch64"])
 @pytest.mark.parametrize("hv", [16, 48, 64], ids=["ratio1", "ratio3", "ratio4"])
-def test_gdn_decode_and_verify_take_every_value_key_head_ratio(hv):
+def test_gdn_decode_and_verify_take_every_value_key_head_ratio(hv, n, n_padded):
     for d in (1, 4):  # decode, and verify's per-token states
-        args, idx = _gdn_case(hv + d, 64, d, 3, hv=hv)
+        args, idx = _gdn_case(hv + d, n, d, n_padded, hv=hv)
         o_ref, pool_ref = _oracle(gdn_reference.fused_recurrent_gated_delta_rule, args)
         op = functools.partial(gdn.fused_recurrent_gated_delta_rule, impl="pallas")
         o, pool = jax.jit(op)(**args)
@@ -130,11 +132,14 @@ def test_gdn_decode_and_verify_take_every_value_key_head_ratio(hv):
         assert _rel(np.asarray(pool)[named], pool_ref[named]) < 1e-5
 
 
+# Four ragged rows in a 2048-token bucket, and one short prompt alone in a 32-token bucket
+# (a batch-1 engine's first prefill).
+@pytest.mark.parametrize(
+    "lens, tokens", [([1000, 1, 513, 300], 2048), ([32], 32)], ids=["ragged", "one-short"]
+)
 @pytest.mark.parametrize("hv", [16, 48, 64], ids=["ratio1", "ratio3", "ratio4"])
-def test_gdn_chunk_prefill_takes_every_value_key_head_ratio(hv):
+def test_gdn_chunk_prefill_takes_every_value_key_head_ratio(hv, lens, tokens):
     rng = np.random.default_rng(hv)
-    lens = [1000, 1, 513, 300]
-    tokens = 2048
     idx = rng.permutation(np.arange(1, SLOTS))[: len(lens)].astype(np.int32)
     init = np.arange(len(lens)) % 2 == 0
     pool = rng.standard_normal((SLOTS, hv, K, V)).astype(np.float32) * 0.3
@@ -167,16 +172,21 @@ _FUSED_GATING = {
 }
 
 
+# The DECODE step's shapes of the Qwen3-Next/3.5 presets: batch 64, and batch 1 at the value
+# head ratios 2 and 3 (the 27B-like preset's 48 value heads).
+@pytest.mark.parametrize(
+    "n, n_padded, hv", [(64, 4, HV), (1, 0, HV), (1, 0, 48)], ids=["b64", "b1", "b1-ratio3"]
+)
 @pytest.mark.parametrize("entry", list(_FUSED_GATING))
-def test_gdn_fused_gating_decode_on_gpu_matches_oracle(entry):
+def test_gdn_fused_gating_decode_on_gpu_matches_oracle(entry, n, n_padded, hv):
     """decode_mgpu's fused-gating entry, and the public op that the DECODE step calls."""
-    args, idx = _gdn_case(2, 64, 1, 4)
+    args, idx = _gdn_case(2, n, 1, n_padded, hv=hv)
     before = np.asarray(args["ssm_pool"])
     rng = np.random.default_rng(3)
-    a = jnp.asarray(rng.standard_normal((64, 1, HV)) * 2, jnp.bfloat16)
-    b = jnp.asarray(rng.standard_normal((64, 1, HV)) * 2, jnp.bfloat16)
-    a_log = rng.standard_normal(HV).astype(np.float32)
-    dt_bias = rng.standard_normal(HV).astype(np.float32)
+    a = jnp.asarray(rng.standard_normal((n, 1, hv)) * 2, jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((n, 1, hv)) * 2, jnp.bfloat16)
+    a_log = rng.standard_normal(hv).astype(np.float32)
+    dt_bias = rng.standard_normal(hv).astype(np.float32)
     x = np.asarray(a, np.float64) + dt_bias
     args["g"] = -np.exp(a_log.astype(np.float64)) * np.logaddexp(0.0, x)
     args["beta"] = 1 / (1 + np.exp(-np.asarray(b, np.float64)))
