@@ -454,3 +454,27 @@ def test_a_preset_refuses_a_bad_seed_or_dtype():
         Engine.from_preset("tiny", CONFIG, seed="x", progress=False)
     with pytest.raises(ValueError, match="dtype='float7' is not one of"):
         Engine.from_preset("tiny", CONFIG, dtype="float7", progress=False)
+
+
+def test_logprobs_are_reported_only_for_the_requests_that_ask(engine, alone):
+    """Greedy rows: each token is its step's most likely one, so it heads its alternatives,
+    with its own log-probability; a request beside it that asks nothing gets None."""
+    prompts, tokens = alone
+    asking = dataclasses.replace(GREEDY, logprobs=3)
+    only_chosen = dataclasses.replace(GREEDY, logprobs=0)
+    top, chosen, plain = engine.generate(prompts[:3], [asking, only_chosen, GREEDY])
+    assert [r.token_ids for r in (top, chosen, plain)] == tokens[:3]
+    assert plain.logprobs is None and plain.top_logprobs is None
+    assert chosen.top_logprobs is None and len(chosen.logprobs) == len(chosen.token_ids)
+    assert len(top.logprobs) == len(top.top_logprobs) == len(top.token_ids)
+    for token, logprob, alternatives in zip(
+        top.token_ids, top.logprobs, top.top_logprobs, strict=True
+    ):
+        ids, values = zip(*alternatives, strict=True)
+        assert len(ids) == 3 and ids[0] == token and values[0] == logprob
+        assert values == tuple(sorted(values, reverse=True)) and values[0] <= 0
+        assert sum(np.exp(values)) <= 1 + 1e-6
+    events = [e for _, e in engine.stream([prompts[1]], only_chosen)]
+    assert [e.logprob for e in events] == events[-1].result.logprobs
+    assert all(e.top_logprobs is None for e in events)
+

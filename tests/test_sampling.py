@@ -9,6 +9,7 @@ import pytest
 from jax.extend import core as jax_core
 
 from hybrid_jax.engine.sampling import (
+    NON_FINITE_TOKEN,
     VARIANTS,
     Filters,
     Sampler,
@@ -49,6 +50,10 @@ def draw(x, params, seeds, steps):
         (dict(seed=2**32), "seed=4294967296"),
         (dict(stop_token_ids=(3, -2)), r"stop_token_ids\[1\]=-2"),
         (dict(stop_token_ids="ab"), "stop_token_ids='ab'"),
+        (dict(logprobs=-1), "logprobs=-1"),
+        (dict(logprobs=21), "logprobs=21"),
+        (dict(logprobs=True), "logprobs=True"),
+        (dict(logprobs=2.0), "logprobs=2.0"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):
@@ -62,6 +67,36 @@ def test_vocab_dependent_params_are_checked_against_the_vocabulary():
         SamplingParams(top_k=V + 1).check_vocab(V)
     with pytest.raises(SamplingParamsError, match=rf"stop_token_ids\[0\]={V}"):
         SamplingParams(stop_token_ids=(V,)).check_vocab(V)
+    SamplingParams(logprobs=20).check_vocab(20)
+    with pytest.raises(SamplingParamsError, match="logprobs=20 asks for more tokens"):
+        SamplingParams(logprobs=20).check_vocab(19)
+
+
+def test_sampler_logprobs_match_a_float64_log_softmax():
+    """The chosen tokens' log-probabilities (greedy and drawn rows, a non-finite row) and each
+    row's most likely tokens, against float64 on fresh random logits."""
+    vocab = 300  # more tokens than MAX_TOP_LOGPROBS
+    x = np.random.default_rng(21).standard_normal((3, vocab)).astype(np.float32) * 4
+    x[2, 7] = np.nan
+    sampler = Sampler()
+    sampler.compile(3, vocab, 4)
+    traces = sampler.trace_count
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5), SamplingParams()]
+    batch = SamplingBatch.pack(params, [0, 4, 0], [0, 2, 0], 3)
+    tokens, logprobs, _ = sampler(jnp.asarray(x), batch, jnp.zeros(4, jnp.int32), jnp.arange(3))
+    top_values, top_ids = sampler.top_logprobs(jnp.asarray(x))
+    assert sampler.trace_count == traces  # compiled with the sampler
+    wide = x.astype(np.float64)
+    log_softmax = wide - np.log(np.exp(wide - wide.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    log_softmax -= wide.max(-1, keepdims=True)
+    tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+    for row in (0, 1):
+        np.testing.assert_allclose(logprobs[row], log_softmax[row, tokens[row]], rtol=1e-6)
+        order = np.argsort(-wide[row])[:20]
+        np.testing.assert_array_equal(np.asarray(top_ids)[row], order)
+        np.testing.assert_allclose(np.asarray(top_values)[row], log_softmax[row, order], rtol=1e-6)
+    assert tokens[0] == np.argmax(x[0]) and tokens[2] == NON_FINITE_TOKEN
+    assert np.isnan(logprobs[2]) and np.isnan(np.asarray(top_values)[2]).all()
 
 
 def test_top_k_mask_keeps_exactly_the_k_largest():
@@ -133,7 +168,7 @@ def test_sampler_records_tokens_per_slot_and_does_not_retrace_once_compiled():
     traces = sampler.trace_count
     batch = SamplingBatch.pack([SamplingParams()] * 2, [0, 0], [0, 0], 2)
     buffer = jnp.full(5, -7, jnp.int32)
-    tokens, buffer = sampler(jnp.asarray(logits(2)), batch, buffer, jnp.asarray([3, 1]))
+    tokens, _, buffer = sampler(jnp.asarray(logits(2)), batch, buffer, jnp.asarray([3, 1]))
     want = logits(2).argmax(-1)
     np.testing.assert_array_equal(np.asarray(tokens), want)
     np.testing.assert_array_equal(np.asarray(buffer), [-7, want[1], -7, want[0], -7])
@@ -215,7 +250,7 @@ def test_a_row_gets_the_same_token_whichever_stages_its_batch_runs():
     beside = SamplingBatch.pack([plain, filtered], [9, 3], [4, 4], 2)
     assert alone.filters != beside.filters
     buffer, slots = jnp.zeros(4, jnp.int32), jnp.asarray([1, 2])
-    a, _ = sampler(jnp.asarray(x), alone, buffer, slots)
-    b, _ = sampler(jnp.asarray(x), beside, jnp.zeros(4, jnp.int32), slots)
+    a, _, _ = sampler(jnp.asarray(x), alone, buffer, slots)
+    b, _, _ = sampler(jnp.asarray(x), beside, jnp.zeros(4, jnp.int32), slots)
     assert int(a[0]) == int(b[0])
     assert sampler.trace_count == traces  # every variant was compiled ahead of time

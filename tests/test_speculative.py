@@ -27,6 +27,7 @@ from _engine_helpers import (
 
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams
+from hybrid_jax.engine.scheduler import RequestError
 from hybrid_jax.engine.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
 from hybrid_jax.engine.speculative import (
     NgramDrafter,
@@ -262,6 +263,13 @@ PROMPTS = [
     [7, 7, 7, 7, 7],
     list(b"the cat the cat the"),
 ]
+
+
+def test_a_speculative_engine_refuses_logprobs_naming_the_field(engines):
+    speculative, _ = engines
+    with pytest.raises(RequestError, match="logprobs=0 .* speculative"):
+        speculative.add_request([1, 2, 3], SamplingParams(logprobs=0))
+    assert not speculative.has_work
 
 
 @pytest.fixture(scope="module")

@@ -300,7 +300,7 @@ class Engine(SpeculativeServing):
                 bar(f"verify commit {record.batch_size}")
             else:
                 tokens = jnp.zeros((record.num_tokens,), jnp.int32)
-                self._dispatch(meta, tokens, batch)
+                self._dispatch(meta, tokens, batch, top_logprobs=True)
         jax.block_until_ready(self._state)
         if self.mtp is not None:
             self.mtp.compile(lambda r: bar(f"MTP {r.mode.name} {r.batch_size}x{r.num_tokens}"))
@@ -365,6 +365,11 @@ class Engine(SpeculativeServing):
             raise RequestError(f"sampling params for {what} are {params!r}, not SamplingParams")
         ids = self._prompt_ids(prompt, what)
         params.check_vocab(self.vocab_size)
+        if params.logprobs is not None and self.speculative is not None:
+            raise RequestError(
+                f"logprobs={params.logprobs} for {what}: a speculative engine does not report "
+                "log-probabilities; leave logprobs None or serve without speculative decoding"
+            )
         return ids, params
 
     def _request(self, request_id: int, ids: list[int], params: SamplingParams) -> Request:
@@ -421,6 +426,8 @@ class Engine(SpeculativeServing):
             ttft=times[0] - tracked.submitted if times else math.nan,
             token_latencies=[b - a for a, b in zip(times, times[1:], strict=False)],
             total=now - tracked.submitted,
+            logprobs=tracked.logprobs if tracked.params.logprobs is not None else None,
+            top_logprobs=tracked.top_logprobs if tracked.params.logprobs else None,
         )
 
     def _new_text(self, tracked: Tracked, finished: bool) -> str:
@@ -428,16 +435,22 @@ class Engine(SpeculativeServing):
         return stream.extend(req.token_ids[req.prompt_len + stream.num_tokens :], final=finished)
 
     def _dispatch(
-        self, meta: ForwardMetadata, tokens: np.ndarray | jax.Array, batch: SamplingBatch
-    ) -> tuple[jax.Array, jax.Array | tuple]:
-        """Dispatches the step and the sampler (no wait); the sampled tokens ``[bs]`` and the
-        step's kept hidden states (see ``StepOutput``)."""
+        self,
+        meta: ForwardMetadata,
+        tokens: np.ndarray | jax.Array,
+        batch: SamplingBatch,
+        top_logprobs: bool = False,
+    ) -> tuple[jax.Array, jax.Array, tuple, jax.Array | tuple]:
+        """Dispatches the step and the sampler (no wait); the sampled tokens ``[bs]``, their
+        log-probabilities, each row's most likely tokens when ``top_logprobs`` (else ``()``)
+        and the step's kept hidden states (see ``StepOutput``)."""
         out = self._steps(self._state, tokens, meta)
-        sampled, last_tokens = self._sampler(
+        sampled, logprobs, last_tokens = self._sampler(
             out.logits, batch, out.state.last_tokens, meta.state_indices
         )
+        top = self._sampler.top_logprobs(out.logits) if top_logprobs else ()
         self._state = dataclasses.replace(out.state, last_tokens=last_tokens)
-        return sampled, out.hidden
+        return sampled, logprobs, top, out.hidden
 
     def _metadata_and_sampling(self, step: ScheduledStep) -> tuple[ForwardMetadata, SamplingBatch]:
         """The padded metadata of a scheduled step and its rows' sampling parameters."""
@@ -465,15 +478,22 @@ class Engine(SpeculativeServing):
         tokens = np.zeros((meta.num_tokens,), np.int32)
         tokens[: step.num_tokens] = step.token_ids
         start = time.perf_counter()
+        top = any(self._tracked[row.request.request_id].params.logprobs for row in step.rows)
         # The host array goes as it is: the step's call copies it with the metadata.
-        sampled, hidden = self._dispatch(meta, tokens, batch)
+        sampled, logprobs, top, hidden = self._dispatch(meta, tokens, batch, top)
         self.scheduler.advance(step)
-        return InFlight(step, sampled, start, meta, hidden)
+        return InFlight(step, sampled, start, meta, hidden, logprobs, top)
 
     def _land(self, inflight: InFlight) -> list[StepEvent]:
         """Reads a dispatched step's tokens back and turns them into events."""
         step = inflight.step
-        sampled = np.asarray(inflight.sampled)[: len(step.rows)].tolist()
+        n = len(step.rows)
+        sampled = np.asarray(inflight.sampled)[:n].tolist()
+        # Read back only when a row of the step reports them.
+        wanted = any(self._tracked[r.request.request_id].params.logprobs is not None
+                     for r in step.rows if r.request.request_id in self._tracked)  # fmt: skip
+        logprobs = np.asarray(inflight.logprobs)[:n].tolist() if wanted else [None] * n
+        top = [np.asarray(a)[:n].tolist() for a in inflight.top_logprobs]
         now = time.perf_counter()
         # The device ran this step after the previous one landed or after its own dispatch,
         # whichever came later: that span is this step's time.
@@ -481,17 +501,33 @@ class Engine(SpeculativeServing):
         self._last_resolved = now
         finished = {r.request_id for r in self.scheduler.resolve(step, sampled)}
         events = []
-        for row, token in zip(step.rows, sampled, strict=True):
+        for i, (row, token) in enumerate(zip(step.rows, sampled, strict=True)):
             rid = row.request.request_id
             if not row.samples or rid not in self._tracked:
                 continue  # an earlier prompt chunk, or a request already finished or aborted
             tracked = self._tracked[rid]
             tracked.token_times.append(now)
+            logprob, alternatives = self._logprobs(tracked, logprobs[i], top, i)
             done = rid in finished
             text = self._new_text(tracked, done)
             result = self._result(self._tracked.pop(rid), now) if done else None
-            events.append(StepEvent(rid, int(token), text, result))
+            events.append(StepEvent(rid, int(token), text, result, logprob, alternatives))
         return events
+
+    @staticmethod
+    def _logprobs(tracked: Tracked, logprob: float | None, top: list, row: int):
+        """The event's log-probabilities for ``tracked`` (recorded on it too): its token's,
+        and its ``params.logprobs`` most likely tokens'."""
+        asked = tracked.params.logprobs
+        if asked is None:
+            return None, None
+        tracked.logprobs.append(logprob)
+        if not asked:
+            return logprob, None
+        values, ids = top
+        alternatives = tuple(zip(ids[row][:asked], values[row][:asked], strict=True))
+        tracked.top_logprobs.append(list(alternatives))
+        return logprob, alternatives
 
     def step(self) -> list[StepEvent]:
         """Schedules and dispatches one step, then reads back the step dispatched before it

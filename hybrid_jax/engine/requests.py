@@ -19,7 +19,10 @@ __all__ = ["InFlight", "Result", "StepEvent", "Tracked"]
 @dataclasses.dataclass
 class Result:
     """One finished request. Times are seconds: ``ttft`` from submission to the first token,
-    ``token_latencies`` between consecutive tokens, ``total`` from submission to the end."""
+    ``token_latencies`` between consecutive tokens, ``total`` from submission to the end.
+    ``logprobs``: each output token's log-probability, and ``top_logprobs`` each step's most
+    likely ``(token id, log-probability)`` pairs, when ``SamplingParams.logprobs`` asked
+    (None otherwise; ``top_logprobs`` holds ``logprobs`` of them per step)."""
 
     request_id: int
     prompt_token_ids: list[int]
@@ -29,6 +32,8 @@ class Result:
     ttft: float
     token_latencies: list[float]
     total: float
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -40,12 +45,16 @@ class Result:
 class StepEvent(NamedTuple):
     """A token for ``request_id`` (``text``: the new text it completes, possibly empty);
     ``result`` is set when the request finished with this event. An aborted request that a
-    stream follows ends with an event of ``token_id`` -1 (no token) carrying its result."""
+    stream follows ends with an event of ``token_id`` -1 (no token) carrying its result.
+    ``logprob`` and ``top_logprobs``: the token's, as ``Result`` has them (None unless the
+    request asked)."""
 
     request_id: int
     token_id: int
     text: str
     result: Result | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 class InFlight(NamedTuple):
@@ -56,6 +65,8 @@ class InFlight(NamedTuple):
     dispatched: float
     meta: ForwardMetadata
     hidden: jax.Array | tuple  # [T, hidden] when the step keeps them (MTP drafts), else ()
+    logprobs: jax.Array  # float32 [bs], each sampled token's
+    top_logprobs: tuple  # (float32 [bs, N], int32 [bs, N]) when a row asked for N > 0, else ()
 
 
 @dataclasses.dataclass(eq=False)
@@ -69,3 +80,5 @@ class Tracked:
     submitted: float
     text: TextStream
     token_times: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)

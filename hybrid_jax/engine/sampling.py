@@ -24,6 +24,7 @@ import numpy as np
 
 __all__ = [
     "EVERY_STAGE",
+    "MAX_TOP_LOGPROBS",
     "NON_FINITE_TOKEN",
     "VARIANTS",
     "Filters",
@@ -37,6 +38,9 @@ __all__ = [
 ]
 
 _MAX_SEED = 2**32
+
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives ``SamplingParams.logprobs`` may ask for (the OpenAI API's limit)."""
 
 NON_FINITE_TOKEN = -1
 """The token ``Sampler`` returns for a row whose logits hold inf or NaN (no token is drawn:
@@ -64,7 +68,10 @@ class SamplingParams:
     (0: all). ``top_p``: keep the smallest set of most likely tokens whose probability reaches
     ``top_p`` (1: all); applied after top-k. ``seed``: the request's random stream (None: the
     engine picks one); with a seed the tokens are reproducible. ``stop_token_ids``: generation
-    ends after any of these is produced (it is kept in the output).
+    ends after any of these is produced (it is kept in the output). ``logprobs``: None reports
+    nothing; 0 reports each generated token's log-probability under the model (the log-softmax
+    of its logits, before temperature, top-k and top-p); N in 1..``MAX_TOP_LOGPROBS`` also the
+    N most likely tokens of each step with theirs.
     """
 
     max_new_tokens: int = 16
@@ -73,6 +80,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -104,6 +112,12 @@ class SamplingParams:
                 raise SamplingParamsError(
                     f"stop_token_ids[{i}]={token!r} must be a token id (an int >= 0)"
                 )
+        lp = self.logprobs
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+            raise SamplingParamsError(
+                f"logprobs={lp!r} must be None or an int in 0..{MAX_TOP_LOGPROBS} (0: the "
+                "chosen token's only)"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
@@ -118,6 +132,11 @@ class SamplingParams:
             raise SamplingParamsError(
                 f"top_k={self.top_k} exceeds the vocabulary of {vocab_size} tokens; use "
                 f"0..{vocab_size} (0 keeps every token)"
+            )
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise SamplingParamsError(
+                f"logprobs={self.logprobs} asks for more tokens than the vocabulary of "
+                f"{vocab_size} holds"
             )
         for i, token in enumerate(self.stop_token_ids):
             if token >= vocab_size:
@@ -307,9 +326,11 @@ class Sampler:
     """``sample`` compiled ahead of time for each batch size and each of its ``VARIANTS``,
     recording every row's token in a per-slot buffer; counts its traces.
 
-    ``__call__(logits, batch, last_tokens, slots)`` returns ``(tokens [B], last_tokens)``
-    with ``last_tokens[slots[b]] = tokens[b]`` (``NON_FINITE_TOKEN`` for a row whose logits
-    hold inf or NaN, 0 in the buffer): a serving loop keeps the buffer on the device
+    ``__call__(logits, batch, last_tokens, slots)`` returns ``(tokens [B], logprobs [B],
+    last_tokens)`` with ``last_tokens[slots[b]] = tokens[b]`` (``NON_FINITE_TOKEN`` for a row
+    whose logits hold inf or NaN, 0 in the buffer) and each token's log-probability under the
+    model; ``top_logprobs(logits)`` the ``MAX_TOP_LOGPROBS`` most likely tokens of each row
+    and their log-probabilities. A serving loop keeps the buffer on the device
     and its next decode step reads each request's input token from there, without waiting
     for this step's tokens to reach the host. Padded rows name slot 0, the pad slot.
     ``compile(batch_size, vocab_size, num_slots)`` before serving; a call with a shape that
@@ -321,6 +342,8 @@ class Sampler:
         self.trace_count = 0
         self._jitted = jax.jit(self._traced, donate_argnums=6, static_argnums=8)
         self._compiled: dict[tuple[int, int, int, Filters], Any] = {}
+        self._top_jitted = jax.jit(self._traced_top)
+        self._top_compiled: dict[tuple[int, int], Any] = {}
 
     def _traced(self, logits, temperature, top_k, top_p, seeds, steps, last_tokens, slots, filters):
         self.trace_count += 1
@@ -329,7 +352,16 @@ class Sampler:
         # The buffer keeps a valid id: a step dispatched before this one is read back may
         # feed it, and that row's output is dropped when the request ends.
         kept = last_tokens.at[slots].set(jnp.where(finite, tokens, 0))
-        return jnp.where(finite, tokens, NON_FINITE_TOKEN), kept
+        logits = logits.astype(jnp.float32)
+        chosen = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
+        logprobs = chosen - jax.nn.logsumexp(logits, axis=-1)
+        return jnp.where(finite, tokens, NON_FINITE_TOKEN), logprobs, kept
+
+    def _traced_top(self, logits):
+        self.trace_count += 1
+        logits = logits.astype(jnp.float32)
+        values, ids = jax.lax.top_k(logits, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
+        return values - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
 
     def compile(self, batch_size: int, vocab_size: int, num_slots: int) -> float:
         """Compiles every variant for ``[batch_size, vocab_size]`` float32 logits and a buffer
@@ -351,16 +383,27 @@ class Sampler:
         for filters in VARIANTS:
             key = (batch_size, vocab_size, num_slots, filters)
             self._compiled[key] = self._jitted.lower(*args, filters).compile()
+        if (batch_size, vocab_size) not in self._top_compiled:
+            self._top_compiled[batch_size, vocab_size] = self._top_jitted.lower(args[0]).compile()
         return 1e3 * (time.perf_counter() - start)
 
     def __call__(
         self, logits: jax.Array, batch: SamplingBatch, last_tokens: jax.Array, slots: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-        """int32 ``[B]`` tokens for ``logits`` ``[B, V]`` and the updated buffer (dispatched,
-        not waited for; ``last_tokens`` is donated)."""
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """int32 ``[B]`` tokens for ``logits`` ``[B, V]``, their float32 log-probabilities and
+        the updated buffer (dispatched, not waited for; ``last_tokens`` is donated)."""
         args = (batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
         filters = batch.filters
         compiled = self._compiled.get((*logits.shape, last_tokens.shape[0], filters))
         if compiled is not None:
             return compiled(logits, *args, last_tokens, slots)
         return self._jitted(logits, *args, last_tokens, slots, filters)
+
+    def top_logprobs(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """float32 ``[B, N]`` log-probabilities, descending, and int32 ``[B, N]`` token ids of
+        each row's N = ``min(MAX_TOP_LOGPROBS, V)`` most likely tokens (dispatched, not waited
+        for); a row whose logits are not finite gets NaN values."""
+        compiled = self._top_compiled.get(tuple(logits.shape))
+        if compiled is not None:
+            return compiled(logits)
+        return self._top_jitted(logits)
