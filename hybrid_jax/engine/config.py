@@ -37,7 +37,11 @@ class EngineConfig:
     layer unrolled, as the model's own forward). ``program_store``: keep each step's lowered
     program under ``cache_dir`` (``startup.ProgramStore``), so that a warm start-up neither
     traces nor lowers it; its key covers the package's source but not code patched at run
-    time, so turn it off while monkeypatching.
+    time, so turn it off while monkeypatching. ``batch_invariant``: a request's logits do not
+    depend on what it is batched with: every step runs the one bucket ``(max_batch,
+    max_tokens)``, decodes and prompt chunks never share a step (no MIXED), and a prompt is
+    cut into chunks of ``chunk_size`` from its start whatever else is served. It costs the
+    bucket ladder: a step of one request runs as a full batch.
     """
 
     max_batch: int = 8
@@ -55,6 +59,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     scan_layers: bool = True
     program_store: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str, value, *, optional: bool = False, least: int = 1) -> None:
@@ -81,6 +86,19 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.seed={seed!r} must be an int in 0..{2**32 - 1}")
         if self.impl not in IMPLS:
             raise ValueError(f"EngineConfig.impl={self.impl!r} is not one of {list(IMPLS)}")
+        if self.batch_invariant:
+            for name, want in (("batch_buckets", self.max_batch), ("token_buckets", self.max_tokens)):
+                value = getattr(self, name)
+                if value is not None and tuple(value) != (want,):
+                    raise ValueError(
+                        f"EngineConfig.{name}={value!r}: batch_invariant=True runs the one "
+                        f"bucket ({want},); leave {name} unset"
+                    )
+            if self.speculative is not None:
+                raise ValueError(
+                    "EngineConfig.batch_invariant=True with speculative decoding is not built; "
+                    "turn one of them off"
+                )
 
     def store(self) -> ProgramStore | None:
         """The program store of these settings (None: off, no cache, or interpret mode)."""
@@ -123,6 +141,8 @@ class EngineConfig:
             max_context=context + extra, tree_drafts=spec is not None and spec.tree,
         )  # fmt: skip
         buckets = {}
+        if self.batch_invariant:
+            buckets = dict(batch_buckets=(self.max_batch,), token_buckets=(self.max_tokens,))
         if self.batch_buckets is not None:
             buckets["batch_buckets"] = tuple(self.batch_buckets)
         if self.token_buckets is not None:

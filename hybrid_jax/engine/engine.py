@@ -138,8 +138,9 @@ class Engine(SpeculativeServing):
         self.policy = config.policy(model.config.max_position_embeddings)
         self.speculative = config.speculative
         sched_config = SchedulerConfig.for_policy(
-            self.policy, config.max_batch, config.max_tokens, config.chunk_size
-        )
+            self.policy, config.max_batch, config.max_tokens, config.chunk_size,
+            batch_invariant=config.batch_invariant,
+        )  # fmt: skip
         specs, kv_specs = model.state_specs(), model.kv_specs()
         num_slots = sched_config.max_running + 1
         num_pages = config.num_pages

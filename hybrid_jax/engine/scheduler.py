@@ -182,11 +182,15 @@ class SchedulerConfig:
     """Limits of one step. ``max_running``: requests running at once (rows of a step; at
     most the policy's largest batch bucket). ``max_step_tokens``: tokens of a step (at most
     the largest token bucket, at least ``max_running`` so every decode fits). ``chunk_size``:
-    prompt tokens one request feeds per step (chunked prefill)."""
+    prompt tokens one request feeds per step (chunked prefill). ``batch_invariant``: steps
+    never mix decodes with prompt chunks (DECODE and EXTEND alternate while both wait), and a
+    prompt chunk is always ``chunk_size`` tokens (or the prompt's rest): one that does not fit
+    a step's remaining tokens waits for the next step instead of being cut shorter."""
 
     max_running: int
     max_step_tokens: int
     chunk_size: int
+    batch_invariant: bool = False
 
     @classmethod
     def for_policy(
@@ -195,6 +199,8 @@ class SchedulerConfig:
         max_running: int | None = None,
         max_step_tokens: int | None = None,
         chunk_size: int | None = None,
+        *,
+        batch_invariant: bool = False,
     ) -> SchedulerConfig:
         """Defaults from ``policy`` (largest batch and token buckets), checked against it."""
         max_running = policy.max_batch if max_running is None else max_running
@@ -222,7 +228,7 @@ class SchedulerConfig:
                 f"max_step_tokens={max_step_tokens} is below max_running={max_running}: a step "
                 f"could not carry one decode token per running request; raise max_step_tokens"
             )
-        return cls(max_running, max_step_tokens, chunk_size)
+        return cls(max_running, max_step_tokens, chunk_size, batch_invariant)
 
 
 class Scheduler:
@@ -248,6 +254,7 @@ class Scheduler:
         self.max_context = max_context
         self.lookahead = lookahead
         self._last_verified = False
+        self._decoded_last = False  # batch_invariant: the last step with decodes ran them
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self._ids: dict[int, Request] = {}
@@ -328,7 +335,10 @@ class Scheduler:
         self.running.append(request)
 
     def _chunk(self, request: Request, budget: int) -> ScheduledRow | None:
-        n = min(request.prompt_len - request.num_computed, self.config.chunk_size, budget)
+        n = min(request.prompt_len - request.num_computed, self.config.chunk_size)
+        if n > budget and self.config.batch_invariant:
+            return None  # its whole chunk in a later step: chunk borders never move
+        n = min(n, budget)
         if n < 1:
             return None
         start = request.num_computed
@@ -348,6 +358,9 @@ class Scheduler:
             and len(self.running) < self.config.max_running
             and self._can_admit(self.waiting[0])
         ):
+            first = min(self.waiting[0].prompt_len, self.config.chunk_size)
+            if self.config.batch_invariant and first > budget:
+                break
             req = self.waiting.popleft()
             self._admit(req)
             row = self._chunk(req, budget)
@@ -364,6 +377,13 @@ class Scheduler:
             if req.is_decoding:
                 token = PENDING if req.num_pending else req.token_ids[-1]
                 decodes.append(ScheduledRow(req, req.num_computed, (token,), True))
+        if self.config.batch_invariant and decodes:
+            # Alternate: a decode row of a MIXED step would run the prompts' path.
+            chunks = self._prefill_rows(self.config.max_step_tokens) if self._decoded_last else []
+            self._decoded_last = not chunks
+            if chunks:
+                return ScheduledStep(ForwardMode.EXTEND, tuple(chunks))
+            return ScheduledStep(ForwardMode.DECODE, tuple(decodes))
         chunks = self._prefill_rows(self.config.max_step_tokens - len(decodes))
         mode = (
             ForwardMode.MIXED
