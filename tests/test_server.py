@@ -123,6 +123,44 @@ def test_chat_streamed_and_not(client):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "length"
 
 
+def test_logprobs_in_completions_and_chat_streamed_and_not(client, server):
+    """Greedy: each token heads its alternatives, with its own log-probability; streamed
+    chunks carry the same entries as the whole answer."""
+    _, url, _ = server
+    kw = dict(model="tiny", prompt="Hybrid models", max_tokens=5, temperature=0, logprobs=2)
+    whole = client.completions.create(**kw).choices[0]
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5
+    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(5)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        # Two alternatives may decode to the same text (bytes >= 128 each decode to U+FFFD).
+        assert 1 <= len(top) <= 2 and top[token] == logprob == max(top.values())
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True)]
+    assert sum((c.logprobs.token_logprobs for c in chunks), []) == lp.token_logprobs
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    raw = bytes(b for c in content for b in c.bytes)  # one byte per token here
+    assert raw.decode(errors="replace") == chat.choices[0].message.content
+    for c in content:
+        assert len(c.bytes) == 1 and len(c.top_logprobs) == 3
+        assert c.top_logprobs[0].token == c.token and c.top_logprobs[0].logprob == c.logprob
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                           temperature=0)  # fmt: skip
+    assert plain.choices[0].logprobs is None
+    streamed = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=4, temperature=0, logprobs=True, stream=True
+    )
+    entries = [e for c in streamed if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in entries] == [c.logprob for c in content]
+    with httpx.Client(timeout=TIMEOUT) as http:
+        body = {"messages": messages, "top_logprobs": 2}
+        answer = http.post(f"{url}/v1/chat/completions", json=body)
+    assert answer.status_code == 400 and "top_logprobs needs logprobs" in answer.text
+
+
 def test_concurrent_clients_get_the_tokens_they_get_alone(client, server):
     def ask(prompt):
         return client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
@@ -184,7 +222,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
         ({"prompt": "x", "stop": [""]}, 400, "stop strings"),
         ({"prompt": "x", "model": "gpt-9"}, 404, "gpt-9"),
         ({"max_tokens": 3}, 400, "prompt"),
-        ({"prompt": "x", "logprobs": 2}, 400, "logprobs is not served"),
+        ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ({"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ],
 )

@@ -86,6 +86,11 @@ class ByteTokenizer:
             )
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (a token may hold part of a character)."""
+        self.decode([token_id])  # the range check
+        return bytes([int(token_id)])
+
     def __repr__(self) -> str:
         return "ByteTokenizer()"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 import uuid
@@ -25,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from hybrid_jax.engine.requests import StepEvent
-from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
+from hybrid_jax.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import FinishReason, RequestError
 from hybrid_jax.models.tokenizer import TokenizerError
 from hybrid_jax.server.metrics import ServerMetrics
@@ -63,17 +64,17 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Fields that clients send at their defaults; any other value is refused, by name.
-    logprobs: int | bool | None = None
-    top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
 
+    def engine_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs`` of the request (None: it asks for none)."""
+        return None
+
     @model_validator(mode="after")
     def _unserved(self):
         unserved = {
-            "logprobs": self.logprobs not in (None, False, 0),
-            "top_logprobs": self.top_logprobs not in (None, 0),
             "presence_penalty": self.presence_penalty != 0,
             "frequency_penalty": self.frequency_penalty != 0,
             "logit_bias": bool(self.logit_bias),
@@ -87,9 +88,17 @@ class _Sampling(_Strict):
         return self
 
 
+_TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[Annotated[int, Field(ge=0)]] | list[str]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # The chosen token's log-probability and that many alternatives per token.
+    logprobs: _TopLogprobs | None = None
+
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(_Strict):
@@ -100,6 +109,19 @@ class ChatMessage(_Strict):
 class ChatRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: _TopLogprobs | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError(
+                "unserved", "{field} needs logprobs=true", {"field": "top_logprobs"}
+            )
+        return self
+
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str | None = None):
@@ -120,8 +142,9 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 class _Generation:
     """One request's events on the handler's event loop, with the stop strings applied."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, stops: tuple[str, ...]):
+    def __init__(self, loop: asyncio.AbstractEventLoop, stops: tuple[str, ...], decode):
         self.loop = loop
+        self.decode = decode  # token ids -> text
         self.queue: asyncio.Queue[StepEvent | BaseException] = asyncio.Queue()
         self.stops = stops
         self.text = ""
@@ -129,6 +152,9 @@ class _Generation:
         self.tokens = 0
         self.finish: str | None = None
         self.prompt_tokens = 0
+        # (token id, log-probability, alternatives) of each token, when the request asked.
+        self.logprobs: list[tuple[int, float, tuple]] = []
+        self.reported = 0  # entries of logprobs handed out
 
     def sink(self, item: StepEvent | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -137,6 +163,8 @@ class _Generation:
         """The text this event releases (held back while it may begin a stop string)."""
         if event.token_id >= 0:
             self.tokens += 1
+            if event.logprob is not None:
+                self.logprobs.append((event.token_id, event.logprob, event.top_logprobs or ()))
         self.text += event.text
         if event.result is not None:
             self.prompt_tokens = len(event.result.prompt_token_ids)
@@ -148,6 +176,7 @@ class _Generation:
             at = self.text.find(stop, max(0, self.sent - len(stop)))
             if at >= 0:
                 self.text, self.finish = self.text[:at], "stop"
+                self._trim_logprobs(at)
         end = len(self.text)
         if self.finish is None and self.stops:
             # Hold back a tail that a stop string could still start with.
@@ -157,6 +186,22 @@ class _Generation:
                     end -= k
                     break
         new, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return new
+
+    def _trim_logprobs(self, length: int) -> None:
+        """Drops the entries of tokens whose text starts at or past ``length`` characters
+        (a stop string cut the answer there); handed-out entries stay."""
+        start, keep = 0, 0
+        for token_id, _, _ in self.logprobs:
+            if start >= length:
+                break
+            start += len(self.decode([token_id]))
+            keep += 1
+        del self.logprobs[max(keep, self.reported) :]
+
+    def new_logprobs(self) -> list[tuple[int, float, tuple]]:
+        """The entries not handed out yet (all of them once), marked as handed out."""
+        new, self.reported = self.logprobs[self.reported :], len(self.logprobs)
         return new
 
     def usage(self) -> dict[str, int]:
@@ -219,9 +264,42 @@ def create_app(
             return PlainTextResponse("", status_code=404)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def _token(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    def _completion_logprobs(entries, offset: int) -> dict[str, Any]:
+        """The completions API's logprobs object of ``entries`` whose text starts at
+        ``offset`` characters into the answer."""
+        tokens = [_token(i) for i, _, _ in entries]
+        offsets = list(itertools.accumulate((len(s) for s in tokens[:-1]), initial=offset))
+        top = []
+        for _, _, alts in entries:
+            # Keyed by text: alternatives that decode alike keep the most likely one's value.
+            by_text: dict[str, float] = {}
+            for i, lp in alts:
+                by_text.setdefault(_token(i), lp)
+            top.append(by_text)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": top if any(alts for _, _, alts in entries) else None,
+                "text_offset": offsets[: len(tokens)]}  # fmt: skip
+
+    # A token's own bytes where the tokenizer knows them (one token may hold part of a
+    # character); else the UTF-8 of its decoded text.
+    token_bytes = getattr(tokenizer, "token_bytes", lambda i: _token(i).encode())
+
+    def _chat_logprobs(entries) -> dict[str, Any]:
+        def one(token_id: int, logprob: float) -> dict[str, Any]:
+            return {"token": _token(token_id), "logprob": logprob,
+                    "bytes": list(token_bytes(token_id))}  # fmt: skip
+
+        content = [{**one(i, lp), "top_logprobs": [one(a, alp) for a, alp in alts]}
+                   for i, lp, alts in entries]  # fmt: skip
+        return {"content": content}
+
     def _params(body: _Sampling, max_tokens: int | None) -> SamplingParams:
         limit = worker.engine.max_context
         return SamplingParams(
+            logprobs=body.engine_logprobs(),
             max_new_tokens=limit if max_tokens is None else max_tokens,
             temperature=body.temperature,
             top_k=max(body.top_k, 0),
@@ -237,7 +315,9 @@ def create_app(
                           "model", "not_found_error")  # fmt: skip
         try:
             params = _params(body, max_tokens)
-            generation = _Generation(asyncio.get_running_loop(), _stop_strings(body.stop))
+            generation = _Generation(
+                asyncio.get_running_loop(), _stop_strings(body.stop), tokenizer.decode
+            )
             future = worker.submit(prompt, params, generation.sink)
             request_id = await asyncio.wrap_future(future)
         except (RequestError, SamplingParamsError, TokenizerError) as err:
@@ -306,8 +386,15 @@ def create_app(
         generation, request_id = started
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
+        sent = [0]  # characters of text in earlier chunks
+
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            entries = generation.new_logprobs()
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = _completion_logprobs(entries, sent[0])
+            sent[0] += len(text)
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
             return {"id": rid, "object": "text_completion", "created": now,
                     "model": model_name, "choices": [choice]}  # fmt: skip
 
@@ -338,13 +425,17 @@ def create_app(
             delta: dict[str, Any] = {"content": text} if text else {}
             if first[0]:
                 delta, first[0] = {"role": "assistant", **delta}, False
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            entries = generation.new_logprobs()
+            logprobs = _chat_logprobs(entries) if body.logprobs else None
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {"id": rid, "object": "chat.completion.chunk", "created": now,
                     "model": model_name, "choices": [choice]}  # fmt: skip
 
         def whole() -> dict[str, Any]:
             message = {"role": "assistant", "content": generation.text}
-            choice = {"index": 0, "message": message, "logprobs": None,
+            entries = generation.new_logprobs()
+            logprobs = _chat_logprobs(entries) if body.logprobs else None
+            choice = {"index": 0, "message": message, "logprobs": logprobs,
                       "finish_reason": generation.finish}  # fmt: skip
             usage = generation.usage()
             return {"id": rid, "object": "chat.completion", "created": now,
