@@ -67,6 +67,10 @@ def test_generate_streams_stdin_prompts_and_bench_prints_its_table(capsys, monke
         (["bench", "--num-prompts", "0"], "--num-prompts=0 must be >= 1"),
         (["bench", "--plot", "missing/dir/x.png"], "--plot=missing/dir/x.png: its folder"),
         (["generate", "hi", "--max-context", "0"], "--max-context=0 must be an int >= 1"),
+        (
+            ["generate", "hi", "--batch-invariant", "--speculative", "ngram"],
+            "--batch-invariant=True with speculative decoding is not built",
+        ),
     ],
 )
 def test_bad_flags_get_one_line_naming_the_flag_before_any_compile(capsys, argv, message):

@@ -60,6 +60,12 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="model weights (tiny) and seeds")
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's outputs do not depend on what it is batched with (one bucket, no "
+        "mixed steps, fixed prompt chunks; a lone request runs as a full batch)",
+    )
+    parser.add_argument(
         "--speculative",
         default=None,
         choices=DRAFT_SOURCES,
@@ -144,6 +150,7 @@ def _engine(
             seed=args.seed,
             impl=args.impl,
             speculative=spec,
+            batch_invariant=args.batch_invariant,
         )
         if args.checkpoint:
             return Engine.from_checkpoint(args.checkpoint, config, tokenizer=tokenizer)
@@ -152,7 +159,8 @@ def _engine(
     # kernel that cannot run here (--impl pallas off an sm_90 GPU) is a NotImplementedError.
     except (ValueError, NotImplementedError) as err:
         message = str(err).splitlines()[0] if str(err) else repr(err)
-        for field in ("max_batch", "max_tokens", "max_context", "chunk_size", "seed", "impl"):
+        for field in ("max_batch", "max_tokens", "max_context", "chunk_size", "seed", "impl",
+                      "batch_invariant"):  # fmt: skip
             message = message.replace(f"EngineConfig.{field}=", f"--{field.replace('_', '-')}=")
         print(f"hybrid-jax {command}: {message}", file=sys.stderr)
         return None

@@ -87,7 +87,8 @@ class EngineConfig:
         if self.impl not in IMPLS:
             raise ValueError(f"EngineConfig.impl={self.impl!r} is not one of {list(IMPLS)}")
         if self.batch_invariant:
-            for name, want in (("batch_buckets", self.max_batch), ("token_buckets", self.max_tokens)):
+            pinned = (("batch_buckets", self.max_batch), ("token_buckets", self.max_tokens))
+            for name, want in pinned:
                 value = getattr(self, name)
                 if value is not None and tuple(value) != (want,):
                     raise ValueError(
