@@ -477,4 +477,3 @@ def test_logprobs_are_reported_only_for_the_requests_that_ask(engine, alone):
     events = [e for _, e in engine.stream([prompts[1]], only_chosen)]
     assert [e.logprob for e in events] == events[-1].result.logprobs
     assert all(e.top_logprobs is None for e in events)
-

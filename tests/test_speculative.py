@@ -27,8 +27,13 @@ from _engine_helpers import (
 
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams
-from hybrid_jax.engine.scheduler import RequestError
-from hybrid_jax.engine.scheduler import FinishReason, Request, Scheduler, SchedulerConfig
+from hybrid_jax.engine.scheduler import (
+    FinishReason,
+    Request,
+    RequestError,
+    Scheduler,
+    SchedulerConfig,
+)
 from hybrid_jax.engine.speculative import (
     NgramDrafter,
     SpeculativeConfig,
