@@ -24,6 +24,7 @@ from _engine_helpers import (
     seeded_runs,
     states_by_position,
 )
+from flax import nnx
 
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams
@@ -35,14 +36,17 @@ from hybrid_jax.engine.scheduler import (
     SchedulerConfig,
 )
 from hybrid_jax.engine.speculative import (
+    NON_FINITE_MARK,
     NgramDrafter,
     SpeculativeConfig,
     SpeculativeConfigError,
     accept,
+    mark_non_finite,
     rejection_sample,
 )
 from hybrid_jax.kv_cache import PageAllocator
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata
+from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
 from hybrid_jax.modes import ForwardMode
 from hybrid_jax.state_pool import SlotAllocator
 
@@ -317,6 +321,48 @@ def test_requests_joining_and_leaving_mid_run_match_each_alone(oracle, plain_tok
     got = run_joining_and_leaving(oracle, PROMPTS, GREEDY)
     assert got == [plain_tokens[0], plain_tokens[1][:3], plain_tokens[3]]
     assert oracle.slots.num_used == 0 and oracle.pages.num_used == 0
+
+
+def test_mark_non_finite_cuts_a_row_at_its_first_undecidable_token():
+    logits = np.random.default_rng(0).standard_normal((3, D, 5)).astype(np.float32)
+    logits[0, 2, 1] = np.nan  # decides row 0's third token
+    logits[1, 3, 0] = np.inf  # row 1 emits only two tokens: never read
+    logits[2, 1, 4] = np.nan  # row 2's tree path: node 3 decides its second token
+    emitted = np.array([[5, 6, 7, 8], [5, 6, -1, -1], [5, 6, 7, -1]], np.int32)
+    deciders = np.array([[0, 1, 2, 3], [0, 1, 2, 3], [0, 3, 1, 0]], np.int32)
+    got = np.asarray(mark_non_finite(jnp.asarray(emitted), jnp.asarray(logits), deciders))
+    mark = NON_FINITE_MARK
+    np.testing.assert_array_equal(got, [[5, 6, mark, -1], [5, 6, -1, -1], [5, 6, mark, -1]])
+
+
+def test_a_request_whose_logits_turn_non_finite_ends_alike_with_and_without_speculation(
+    engines, plain_tokens, cache_dir
+):
+    """Token X's embedding is NaN; X is the third token the clean model generates, so the
+    request keeps X and ends there, whether X comes as a verify row's root, an accepted
+    draft or a bonus token."""
+    _, plain = engines
+    index = next(i for i, t in enumerate(plain_tokens) if t[2] not in PROMPTS[i] + t[:2])
+    poison = plain_tokens[index][2]
+
+    def poisoned():
+        model = Qwen3Next(tiny_qwen3_next_config(), rngs=nnx.Rngs(0))
+        table = model.embed_tokens.embedding
+        table.set_value(table.get_value().at[poison].set(float("nan")))
+        return model
+
+    spec, plain = engine_pair(SPEC_CONFIG, cache_dir, poisoned)
+    want = plain.generate([PROMPTS[index]], GREEDY)[0]
+    assert want.finish_reason is FinishReason.NON_FINITE
+    assert want.token_ids == plain_tokens[index][:3]
+    for drafter in (None, OracleDrafter([PROMPTS[index] + plain_tokens[index]], D - 1)):
+        if drafter is not None:
+            spec.drafter = drafter
+        events = [e for _, e in spec.stream([PROMPTS[index]], GREEDY)]
+        got = events[-1].result
+        assert (got.finish_reason, got.token_ids) == (want.finish_reason, want.token_ids)
+        assert [e.token_id for e in events if e.token_id >= 0] == want.token_ids
+        assert spec.slots.num_used == 0 and spec.pages.num_used == 0
 
 
 def test_pool_after_each_verify_and_commit_equals_the_plain_run(engines, oracle):

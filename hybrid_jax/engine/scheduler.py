@@ -51,6 +51,7 @@ import enum
 from collections.abc import Callable, Sequence
 
 from hybrid_jax.engine.sampling import NON_FINITE_TOKEN
+from hybrid_jax.engine.speculative import NON_FINITE_MARK
 from hybrid_jax.kv_cache import PageAllocator, pages_needed
 from hybrid_jax.metadata import BucketPolicy, RowSpec
 from hybrid_jax.modes import ForwardMode
@@ -479,7 +480,8 @@ class Scheduler:
         """Records a TARGET_VERIFY step read back: ``emitted[i]``, row i's accepted drafts
         then its bonus token. The root and the accepted drafts are now in the state
         (``num_computed`` moves by ``len(emitted[i])``); tokens after a stop token or past the
-        budget are dropped. Returns, per row still live, the request and the tokens kept;
+        budget are dropped, and ``NON_FINITE_MARK`` ends the request with the tokens before
+        it. Returns, per row still live, the request and the tokens kept;
         finished requests free their slot and pages.
         """
         if step.mode is not ForwardMode.TARGET_VERIFY:
@@ -499,6 +501,9 @@ class Scheduler:
             req.num_computed = row.start + len(tokens)
             new, reason = [], None
             for token in tokens:
+                if int(token) == NON_FINITE_MARK:
+                    self._finish(req, FinishReason.NON_FINITE)  # no token to keep
+                    break
                 new.append(int(token))
                 req.token_ids.append(int(token))
                 if int(token) in req.stop_token_ids:

@@ -80,6 +80,7 @@ from hybrid_jax.metadata import MAX_DRAFT_TOKENS, chain_parents, tree_depths
 __all__ = [
     "Acceptance",
     "DRAFT_SOURCES",
+    "NON_FINITE_MARK",
     "NgramDrafter",
     "SpeculativeConfig",
     "SpeculativeConfigError",
@@ -90,6 +91,7 @@ __all__ = [
     "accept",
     "accept_tree",
     "candidate_ranks",
+    "mark_non_finite",
     "rejection_sample",
     "target_probs",
     "tree_rejection_sample",
@@ -98,6 +100,10 @@ __all__ = [
 ]
 
 DRAFT_SOURCES = ("ngram", "mtp")
+
+NON_FINITE_MARK = -2
+"""In a verify row's emitted tokens: the logits that would decide this token held inf or NaN
+(the row keeps the tokens before it, and its request ends with ``FinishReason.NON_FINITE``)."""
 """The draft sources that are built."""
 
 
@@ -358,11 +364,24 @@ def _position_keys(seeds: jax.Array, steps: jax.Array, d: int) -> jax.Array:
 
 class TreeAcceptance(NamedTuple):
     """emitted, num_accepted: as ``Acceptance`` (the accepted path's tokens below the root,
-    then the bonus); nodes: int32 ``[B]``, the last accepted node (0: only the root)."""
+    then the bonus); nodes: int32 ``[B]``, the last accepted node (0: only the root);
+    deciders: int32 ``[B, D]``, the node whose logits decided each emitted token."""
 
     emitted: jax.Array
     num_accepted: jax.Array
     nodes: jax.Array
+    deciders: jax.Array
+
+
+def mark_non_finite(emitted: jax.Array, logits: jax.Array, deciders: jax.Array) -> jax.Array:
+    """``emitted`` ``[B, D]`` (-1 after a row's tokens) cut at the first token whose deciding
+    logits (``logits[b, deciders[b, j]]``, ``[B, D, V]``) are not finite: that token becomes
+    ``NON_FINITE_MARK`` and the ones after it -1. Other rows are returned as they are."""
+    finite = jnp.isfinite(logits).all(axis=-1)
+    bad = ~jnp.take_along_axis(finite, deciders, axis=1) & (emitted >= 0)
+    first = jnp.where(bad.any(axis=1), jnp.argmax(bad, axis=1), emitted.shape[1])[:, None]
+    j = jnp.arange(emitted.shape[1])[None, :]
+    return jnp.where(j < first, emitted, jnp.where(j == first, NON_FINITE_MARK, -1))
 
 
 def _walk_row(
@@ -390,7 +409,8 @@ def _walk_row(
     same = tokens[None, :] == tokens[:, None]
 
     def depth(j, carry):
-        emitted, num, cur, done = carry
+        emitted, num, cur, done, deciders = carry
+        deciders = deciders.at[j].set(cur)
         p = probs[cur]
         child = (parents == cur) & (node_ids > 0)
         rank = jnp.cumsum(child) - 1
@@ -417,12 +437,14 @@ def _walk_row(
         token = jnp.where(took, tokens[chosen], jnp.where(greedy, argmax[cur], drawn))
         emitted = emitted.at[j].set(jnp.where(done, -1, token))
         step = ~done & took
-        return emitted, num + step.astype(jnp.int32), jnp.where(step, chosen, cur), ~step
+        cur = jnp.where(step, chosen, cur)
+        return emitted, num + step.astype(jnp.int32), cur, ~step, deciders
 
     # A path is at most D-1 edges long: the D-th step always ends it.
-    start = (jnp.full(d, -1, jnp.int32), jnp.int32(0), jnp.int32(0), jnp.bool_(False))
-    emitted, num, cur, _ = jax.lax.fori_loop(0, d, depth, start)
-    return emitted, num, cur
+    start = (jnp.full(d, -1, jnp.int32), jnp.int32(0), jnp.int32(0), jnp.bool_(False),
+             jnp.zeros(d, jnp.int32))  # fmt: skip
+    emitted, num, cur, _, deciders = jax.lax.fori_loop(0, d, depth, start)
+    return emitted, num, cur, deciders
 
 
 def tree_rejection_sample(
@@ -442,8 +464,10 @@ def tree_rejection_sample(
     rows that follow the argmax instead of sampling. Over a chain this draws exactly the
     tokens of ``rejection_sample``.
     """
-    emitted, num, nodes = jax.vmap(_walk_row)(probs, argmax, tokens, parents, keys, greedy)
-    return TreeAcceptance(emitted, num, nodes)
+    emitted, num, nodes, deciders = jax.vmap(_walk_row)(
+        probs, argmax, tokens, parents, keys, greedy
+    )
+    return TreeAcceptance(emitted, num, nodes, deciders)
 
 
 def accept_tree(
@@ -484,6 +508,9 @@ class Verifier:
     def _traced_accept(self, logits, tokens, temperature, top_k, top_p, seeds, steps, slots):
         self.trace_count += 1
         acc = accept(logits, tokens, temperature, top_k, top_p, seeds, steps)
+        # A chain's j-th emitted token is decided by the logits after its j-th token.
+        deciders = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        acc = acc._replace(emitted=mark_non_finite(acc.emitted, logits, deciders))
         # Padded rows (the pad slot) keep their slot: the commit skips negative steps.
         return acc, jnp.where(slots > 0, acc.num_accepted, -1)
 
@@ -549,6 +576,7 @@ class TreeVerifier:
     ):
         self.trace_count += 1
         acc = accept_tree(logits, tokens, parents, temperature, top_k, top_p, seeds, steps)
+        acc = acc._replace(emitted=mark_non_finite(acc.emitted, logits, acc.deciders))
         # Padded rows (the pad slot) keep their slot and cache: the commit skips them.
         return acc, jnp.where(slots > 0, acc.nodes, -1)
 

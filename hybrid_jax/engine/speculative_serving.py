@@ -72,7 +72,7 @@ class SpeculativeServing:
         now = time.perf_counter()
         self.step_times[step.mode].append(now - start)
         self._last_resolved = now
-        rows = [row[: int((row >= 0).sum())].tolist() for row in emitted]
+        rows = [row[: int((row != -1).sum())].tolist() for row in emitted]
         stats = self.speculative_stats
         stats.steps += 1
         stats.rows += len(rows)
@@ -96,6 +96,8 @@ class SpeculativeServing:
             for i, token in enumerate(kept):
                 last = i == len(kept) - 1
                 events.append(StepEvent(rid, token, text if last else "", result if last else None))
+            if not kept:  # ended without a token (non-finite logits at the root)
+                events.append(StepEvent(rid, -1, text, result))
         return events
 
     def _path(self, node: int) -> list[int]:
