@@ -477,3 +477,26 @@ def test_logprobs_are_reported_only_for_the_requests_that_ask(engine, alone):
     events = [e for _, e in engine.stream([prompts[1]], only_chosen)]
     assert [e.logprob for e in events] == events[-1].result.logprobs
     assert all(e.top_logprobs is None for e in events)
+
+
+def test_generation_config_sets_the_default_sampling_and_adds_stop_ids(engine, alone, tmp_path):
+    """A checkpoint's generation_config.json: its eos ids stop every request, its sampling
+    fields are the defaults of calls that give none; a field of the wrong type is refused
+    before anything loads."""
+    prompts, want = alone
+    save_checkpoint(engine.model, tmp_path)
+    stop = want[0][1]  # the second greedy token of the first prompt
+    generation = {"do_sample": False, "top_k": 20, "max_new_tokens": 6, "eos_token_id": [stop]}
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    config = dataclasses.replace(CONFIG, cache_dir=engine.config.cache_dir)
+    loaded = Engine.from_checkpoint(tmp_path, config, tokenizer=ByteTokenizer(), progress=False)
+    assert loaded.generation_config == {"temperature": 0.0, "top_k": 20, "max_new_tokens": 6}
+    assert loaded.default_params == SamplingParams(max_new_tokens=6, top_k=20)
+    first = loaded.generate([prompts[0]])[0]  # no params: the file's defaults
+    assert first.token_ids == want[0][:2] and first.finish_reason is FinishReason.STOP
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(ValueError, match=r"generation_config.json: temperature='hot' must be"):
+        Engine.from_checkpoint(tmp_path, config, tokenizer=ByteTokenizer(), progress=False)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match=r"generation_config.json: temperature=-1"):
+        Engine.from_checkpoint(tmp_path, config, tokenizer=ByteTokenizer(), progress=False)

@@ -161,6 +161,19 @@ def test_logprobs_in_completions_and_chat_streamed_and_not(client, server):
     assert answer.status_code == 400 and "top_logprobs needs logprobs" in answer.text
 
 
+def test_fields_a_request_leaves_out_take_the_checkpoints_generation_config(client, server):
+    _, _, engine = server
+    kw = dict(model="tiny", prompt="Hybrid models", max_tokens=6)
+    greedy = client.completions.create(**kw, temperature=0).choices[0].text
+    engine.generation_config = {"temperature": 0.0}  # as from_checkpoint sets it
+    try:
+        assert client.completions.create(**kw).choices[0].text == greedy
+        seeded = dict(kw, temperature=1.0, seed=5)
+        assert client.completions.create(**seeded).choices[0].text != greedy  # sent: kept
+    finally:
+        engine.generation_config = {}
+
+
 def test_concurrent_clients_get_the_tokens_they_get_alone(client, server):
     def ask(prompt):
         return client.completions.create(model="tiny", prompt=prompt, max_tokens=12,

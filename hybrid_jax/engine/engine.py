@@ -60,7 +60,7 @@ from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.lm_step import HybridLM, LastTokenLogits, ServingState
 from hybrid_jax.engine.mtp import MTPDrafter
 from hybrid_jax.engine.requests import InFlight, Result, StepEvent, Tracked
-from hybrid_jax.engine.sampling import Sampler, SamplingBatch, SamplingParams
+from hybrid_jax.engine.sampling import Sampler, SamplingBatch, SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import (
     Request,
     RequestError,
@@ -80,6 +80,7 @@ from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.kv_cache import PageAllocator, init_kv_cache
 from hybrid_jax.metadata import ForwardMetadata, build_metadata, example_metadata
 from hybrid_jax.models.auto import load_checkpoint
+from hybrid_jax.models.hf_config import ConfigError, check_eos_in_vocabulary, read_generation_config
 from hybrid_jax.models.layer_scan import scan_layers
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
 from hybrid_jax.models.tokenizer import ByteTokenizer, TextStream, Tokenizer, load_tokenizer
@@ -99,10 +100,14 @@ class Engine(SpeculativeServing):
     ``Engine.from_preset("tiny")`` needs no download; ``Engine.from_checkpoint(folder)`` loads
     a Hugging Face folder. ``generate`` returns finished ``Result``s; ``stream`` yields
     ``StepEvent``s as tokens arrive; ``add_request`` / ``step`` / ``abort`` drive it by hand.
-    The model's ``eos_token_id``s stop every request, besides its own stop tokens.
-    ``compile_records`` (one per step executable), ``sampler_compile_ms``, ``compile_s`` and
-    ``step_times`` (seconds per step, by mode; under MTP drafts, DRAFT_EXTEND holds the
-    head's whole drafting chain after each step) describe where time went;
+    The model's ``eos_token_id``s stop every request, besides its own stop tokens (a
+    checkpoint's ``generation_config.json`` may add more). ``generation_config``: the
+    sampling defaults a checkpoint's ``generation_config.json`` sets (``SamplingParams``
+    fields; empty for a preset); ``default_params``, the sampling of calls that give none, is
+    ``SamplingParams`` with them. ``compile_records`` (one per step executable),
+    ``sampler_compile_ms``, ``compile_s`` and ``step_times`` (seconds per step, by mode;
+    under MTP drafts, DRAFT_EXTEND holds the head's whole drafting chain after each step)
+    describe where time went;
     ``speculative_stats`` counts draft acceptance under speculative decoding; ``drafter``
     proposes the drafts (any object with ``propose(token_ids) -> D-1 token ids`` may
     replace it: acceptance never trusts a draft, so tokens stay those of the target; under
@@ -132,6 +137,7 @@ class Engine(SpeculativeServing):
         self.config = config
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = frozenset(model.config.eos_token_id)
+        self.generation_config: dict[str, float | int] = {}
         # A vision-language checkpoint's image and video placeholders: text only here.
         self.vision_token_ids = frozenset(getattr(model.config, "vision_token_ids", ()))
         self.max_context = config.context(model.config.max_position_embeddings)
@@ -253,14 +259,23 @@ class Engine(SpeculativeServing):
         ``CheckpointError`` before anything is compiled."""
         if config.cache_dir is not None:
             use_compilation_cache(config.cache_dir)
+        fields, eos = read_generation_config(path)
+        try:
+            SamplingParams(**fields)
+        except SamplingParamsError as err:
+            raise ConfigError(f"generation_config.json: {err}") from None
         model = load_checkpoint(path, dtype=dtype, progress=progress, check_finite=check_finite)
+        check_eos_in_vocabulary(eos, model.config.vocab_size)
         tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
         if tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(
                 f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                 f"is {model.config.vocab_size}; load the tokenizer of this checkpoint"
             )
-        return cls(model, tokenizer, config, progress=progress, donate_weights=True)
+        engine = cls(model, tokenizer, config, progress=progress, donate_weights=True)
+        engine.eos_token_ids |= frozenset(eos)
+        engine.generation_config = fields
+        return engine
 
     def _compile(self, progress: bool) -> None:
         sampled = [m for m in self._modes if m is not ForwardMode.TARGET_VERIFY]
@@ -321,6 +336,11 @@ class Engine(SpeculativeServing):
     def retraces(self) -> int:
         """Traces since the warm-up compiled everything (0 unless a shape escaped the buckets)."""
         return self._traces() - self._warm_traces
+
+    @property
+    def default_params(self) -> SamplingParams:
+        """The sampling of calls that give none: ``generation_config`` over the defaults."""
+        return SamplingParams(**self.generation_config)
 
     @property
     def has_work(self) -> bool:
@@ -575,7 +595,7 @@ class Engine(SpeculativeServing):
             prompts = [prompts]
         prompts = list(prompts)
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+            params = [params or self.default_params] * len(prompts)
         params = list(params)
         if len(params) != len(prompts):
             raise RequestError(

@@ -19,6 +19,7 @@ __all__ = [
     "hf_dtype",
     "hf_eos_token_ids",
     "read_config_json",
+    "read_generation_config",
     "require_fields",
 ]
 
@@ -98,17 +99,52 @@ def check_field_types(cls: type, values: Mapping[str, Any]) -> None:
             raise ConfigError(f"config.json: {name}={value!r} must be {want}")
 
 
-def hf_eos_token_ids(config: Mapping[str, Any]) -> tuple[int, ...]:
+def hf_eos_token_ids(config: Mapping[str, Any], where: str = "config.json") -> tuple[int, ...]:
     """``eos_token_id`` as a tuple: Hugging Face writes one id, a list, or null. Raises
-    ``ConfigError`` for anything else (a string, a boolean, a negative id)."""
+    ``ConfigError`` (naming the file ``where``) for anything else (a string, a boolean, a
+    negative id)."""
     eos = config.get("eos_token_id")
     ids = () if eos is None else (eos,) if not isinstance(eos, list) else tuple(eos)
     if not all(_is_int(i) and i >= 0 for i in ids):
         raise ConfigError(
-            f"config.json: eos_token_id={eos!r} must be a token id (an integer >= 0), a list "
+            f"{where}: eos_token_id={eos!r} must be a token id (an integer >= 0), a list "
             f"of them, or null"
         )
     return ids
+
+
+def read_generation_config(folder: str | os.PathLike) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """A checkpoint's ``generation_config.json``: the sampling defaults it sets, as
+    ``SamplingParams`` fields (``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``;
+    ``do_sample: false`` is greedy), and its ``eos_token_id``s. ``({}, ())`` when the folder
+    has none. Raises ``ConfigError`` naming a field of the wrong type."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
+        return {}, ()
+    where = "generation_config.json"
+    try:
+        raw = read_config_json(path)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{where} is not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} holds {type(raw).__name__}, not a JSON object")
+    fields: dict[str, Any] = {}
+    for name, kind, want in (
+        ("temperature", (int, float), "a number"),
+        ("top_p", (int, float), "a number"),
+        ("top_k", (int,), "an integer"),
+        ("max_new_tokens", (int,), "an integer"),
+        ("do_sample", (bool,), "true or false"),
+    ):
+        value = raw.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in kind):
+            raise ConfigError(f"{where}: {name}={value!r} must be {want}")
+        fields[name] = value
+    if fields.pop("do_sample", True) is False:
+        fields["temperature"] = 0.0
+    return fields, hf_eos_token_ids(raw, where)
 
 
 def hf_dtype(config: Mapping[str, Any], override: str | None) -> str:

@@ -298,12 +298,19 @@ def create_app(
 
     def _params(body: _Sampling, max_tokens: int | None) -> SamplingParams:
         limit = worker.engine.max_context
+        # A field the request leaves out takes the checkpoint's generation_config.json value.
+        given = body.model_fields_set
+        defaults = worker.engine.generation_config
+
+        def value(name: str, sent):
+            return sent if name in given or name not in defaults else defaults[name]
+
         return SamplingParams(
             logprobs=body.engine_logprobs(),
             max_new_tokens=limit if max_tokens is None else max_tokens,
-            temperature=body.temperature,
-            top_k=max(body.top_k, 0),
-            top_p=body.top_p,
+            temperature=value("temperature", body.temperature),
+            top_k=value("top_k", max(body.top_k, 0)),
+            top_p=value("top_p", body.top_p),
             seed=body.seed,
             stop_token_ids=tuple(body.stop_token_ids),
         )
