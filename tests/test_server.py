@@ -174,6 +174,26 @@ def test_fields_a_request_leaves_out_take_the_checkpoints_generation_config(clie
         engine.generation_config = {}
 
 
+def test_n_choices_are_requests_of_their_own_seeded_in_turn(client, server):
+    kw = dict(model="tiny", prompt="Hybrid models", max_tokens=5, temperature=1.0)
+    alone = [client.completions.create(**kw, seed=7 + i).choices[0].text for i in range(3)]
+    answer = client.completions.create(**kw, seed=7, n=3)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert [c.text for c in answer.choices] == alone
+    assert answer.usage.completion_tokens == 15
+    assert answer.usage.prompt_tokens == len(b"Hybrid models")
+    chunks = list(client.completions.create(**kw, seed=7, n=3, stream=True))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i)
+                for i in range(3)]  # fmt: skip
+    assert streamed == alone
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                          temperature=0, n=2)  # fmt: skip
+    assert len(chat.choices) == 2
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy
+    _wait(lambda: _idle(server))
+
+
 def test_concurrent_clients_get_the_tokens_they_get_alone(client, server):
     def ask(prompt):
         return client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
@@ -225,7 +245,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
         ({"prompt": "x", "temprature": 0.5}, 400, "temprature"),
         ({"prompt": "x", "temperature": 5}, 400, "temperature"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "n": 17}, 400, "n"),
         ({"prompt": "x", "top_p": 0}, 400, "top_p"),
         ({"prompt": "x", "seed": -1}, 400, "seed"),
         ({"prompt": [1, 2, 999]}, 400, "outside the vocabulary"),

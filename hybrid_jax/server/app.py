@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import time
@@ -35,6 +36,8 @@ from hybrid_jax.server.worker import EngineClosed, EngineWorker, QueueFull
 __all__ = ["ChatRequest", "CompletionRequest", "create_app"]
 
 _SEED_LIMIT = 2**32
+# Choices of one request (``n``): each is a request of its own in the engine.
+_MAX_CHOICES = 16
 # How often a non-streaming handler checks whether its client is still there.
 _DISCONNECT_POLL_S = 0.25
 
@@ -59,7 +62,7 @@ class _Sampling(_Strict):
     seed: Annotated[int, Field(ge=0, lt=_SEED_LIMIT)] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=_MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -204,13 +207,6 @@ class _Generation:
         new, self.reported = self.logprobs[self.reported :], len(self.logprobs)
         return new
 
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.tokens,
-            "total_tokens": self.prompt_tokens + self.tokens,
-        }
-
 
 def create_app(
     worker: EngineWorker, *, model_name: str, metrics: ServerMetrics | None = None
@@ -316,22 +312,33 @@ def create_app(
         )
 
     async def _start(body: _Sampling, prompt, max_tokens: int | None):
-        """Submits the request; (generation, request id) or an error response."""
+        """Submits the request's ``n`` choices (choice i seeded ``seed + i`` when a seed is
+        given); the list of (generation, request id), or an error response with nothing
+        left running."""
         if body.model is not None and body.model != model_name:
             return _error(404, f"model {body.model!r} is not served here; use {model_name!r}",
                           "model", "not_found_error")  # fmt: skip
+        started: list[tuple[_Generation, int]] = []
         try:
             params = _params(body, max_tokens)
-            generation = _Generation(
-                asyncio.get_running_loop(), _stop_strings(body.stop), tokenizer.decode
-            )
-            future = worker.submit(prompt, params, generation.sink)
-            request_id = await asyncio.wrap_future(future)
+            stops = _stop_strings(body.stop)
+            for i in range(body.n):
+                seed = None if body.seed is None else (body.seed + i) % _SEED_LIMIT
+                choice = dataclasses.replace(params, seed=seed) if i else params
+                generation = _Generation(asyncio.get_running_loop(), stops, tokenizer.decode)
+                future = worker.submit(prompt, choice, generation.sink)
+                started.append((generation, await asyncio.wrap_future(future)))
         except (RequestError, SamplingParamsError, TokenizerError) as err:
+            _abort(started)
             return _error(400, str(err))
         except (QueueFull, EngineClosed) as err:
+            _abort(started)
             return _error(503, str(err))
-        return generation, request_id
+        return started
+
+    def _abort(started: list[tuple[_Generation, int]]) -> None:
+        for _, request_id in started:
+            worker.abort(request_id)
 
     async def _events(http: Request, generation: _Generation, request_id: int, stream: bool):
         """The request's released text pieces, until it finishes; aborts it when the client
@@ -356,16 +363,47 @@ def create_app(
             if not finished:
                 worker.abort(request_id)
 
-    async def _answer(http: Request, body: _Sampling, generation: _Generation,
-                      request_id: int, chunk, whole):  # fmt: skip
-        """Server-sent ``chunk(piece, finish)`` events when the request streams; else
-        ``whole()`` once it finished."""
+    async def _merged(http: Request, started, stream: bool) -> AsyncIterator[tuple[int, str]]:
+        """``(choice index, piece)`` of every choice as they are released."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(index: int, generation: _Generation, request_id: int) -> None:
+            try:
+                async for piece in _events(http, generation, request_id, stream):
+                    await queue.put((index, piece))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as err:  # handed to the consumer, which raises it
+                await queue.put(err)
+            finally:
+                await queue.put(done)
+
+        tasks = [asyncio.create_task(pump(i, g, r)) for i, (g, r) in enumerate(started)]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is done:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _answer(http: Request, body: _Sampling, started, chunk, whole):
+        """Server-sent ``chunk(index, piece)`` events when the request streams; else
+        ``whole()`` once every choice finished."""
+        generations = [g for g, _ in started]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(generation, _events(http, generation, request_id, True), chunk,
-                        include_usage)  # fmt: skip
+            return _sse(generations, _merged(http, started, True), chunk, include_usage)
         try:
-            async for _ in _events(http, generation, request_id, False):
+            async for _ in _merged(http, started, False):
                 pass
         except EngineClosed as err:
             return _error(503, str(err))
@@ -390,25 +428,30 @@ def create_app(
         started = await _start(body, prompt, body.max_tokens)
         if isinstance(started, Response):
             return started
-        generation, request_id = started
+        generations = [g for g, _ in started]
         rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        sent = [0] * len(started)  # characters of each choice's text in earlier chunks
 
-        sent = [0]  # characters of text in earlier chunks
-
-        def chunk(text: str, finish: str | None) -> dict[str, Any]:
+        def choice(index: int, text: str) -> dict[str, Any]:
+            generation = generations[index]
             entries = generation.new_logprobs()
             logprobs = None
             if body.logprobs is not None:
-                logprobs = _completion_logprobs(entries, sent[0])
-            sent[0] += len(text)
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                logprobs = _completion_logprobs(entries, sent[index])
+            sent[index] += len(text)
+            return {"index": index, "text": text, "logprobs": logprobs,
+                    "finish_reason": generation.finish}  # fmt: skip
+
+        def chunk(index: int, text: str) -> dict[str, Any]:
             return {"id": rid, "object": "text_completion", "created": now,
-                    "model": model_name, "choices": [choice]}  # fmt: skip
+                    "model": model_name, "choices": [choice(index, text)]}  # fmt: skip
 
         def whole() -> dict[str, Any]:
-            return {**chunk(generation.text, generation.finish), "usage": generation.usage()}
+            choices = [choice(i, g.text) for i, g in enumerate(generations)]
+            return {"id": rid, "object": "text_completion", "created": now, "model": model_name,
+                    "choices": choices, "usage": _usage(generations)}  # fmt: skip
 
-        return await _answer(http, body, generation, request_id, chunk, whole)
+        return await _answer(http, body, started, chunk, whole)
 
     @app.post("/v1/chat/completions")
     async def chat(http: Request, body: ChatRequest):
@@ -424,49 +467,62 @@ def create_app(
         started = await _start(body, prompt, max_tokens)
         if isinstance(started, Response):
             return started
-        generation, request_id = started
+        generations = [g for g, _ in started]
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        first = [True]
+        first = [True] * len(started)
 
-        def chunk(text: str, finish: str | None) -> dict[str, Any]:
+        def chunk(index: int, text: str) -> dict[str, Any]:
             delta: dict[str, Any] = {"content": text} if text else {}
-            if first[0]:
-                delta, first[0] = {"role": "assistant", **delta}, False
+            if first[index]:
+                delta, first[index] = {"role": "assistant", **delta}, False
+            generation = generations[index]
             entries = generation.new_logprobs()
             logprobs = _chat_logprobs(entries) if body.logprobs else None
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": generation.finish}  # fmt: skip
             return {"id": rid, "object": "chat.completion.chunk", "created": now,
                     "model": model_name, "choices": [choice]}  # fmt: skip
 
         def whole() -> dict[str, Any]:
-            message = {"role": "assistant", "content": generation.text}
-            entries = generation.new_logprobs()
-            logprobs = _chat_logprobs(entries) if body.logprobs else None
-            choice = {"index": 0, "message": message, "logprobs": logprobs,
-                      "finish_reason": generation.finish}  # fmt: skip
-            usage = generation.usage()
+            choices = []
+            for index, generation in enumerate(generations):
+                message = {"role": "assistant", "content": generation.text}
+                entries = generation.new_logprobs()
+                logprobs = _chat_logprobs(entries) if body.logprobs else None
+                choices.append({"index": index, "message": message, "logprobs": logprobs,
+                                "finish_reason": generation.finish})  # fmt: skip
             return {"id": rid, "object": "chat.completion", "created": now,
-                    "model": model_name, "choices": [choice], "usage": usage}  # fmt: skip
+                    "model": model_name, "choices": choices,
+                    "usage": _usage(generations)}  # fmt: skip
 
-        return await _answer(http, body, generation, request_id, chunk, whole)
+        return await _answer(http, body, started, chunk, whole)
 
     return app
 
 
-def _sse(generation: _Generation, pieces: AsyncIterator[str], chunk, include_usage: bool):
-    """A ``text/event-stream`` response of ``chunk(piece, finish)`` per released piece."""
+def _usage(generations: list[_Generation]) -> dict[str, int]:
+    """One prompt's tokens and every choice's completion tokens."""
+    prompt = generations[0].prompt_tokens
+    completion = sum(g.tokens for g in generations)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+def _sse(generations: list[_Generation], pieces: AsyncIterator[tuple[int, str]], chunk,
+         include_usage: bool):  # fmt: skip
+    """A ``text/event-stream`` response of ``chunk(index, piece)`` per released piece."""
 
     async def lines() -> AsyncIterator[str]:
         try:
-            async for piece in pieces:
-                yield f"data: {json.dumps(chunk(piece, generation.finish))}\n\n"
+            async for index, piece in pieces:
+                yield f"data: {json.dumps(chunk(index, piece))}\n\n"
         except EngineClosed as err:
             error = {"error": {"message": str(err), "type": "server_error", "code": 503}}
             yield f"data: {json.dumps(error)}\n\n"
             return
         if include_usage:
-            last = chunk("", None)
-            last["choices"], last["usage"] = [], generation.usage()
+            last = chunk(0, "")
+            last["choices"], last["usage"] = [], _usage(generations)
             yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
 
