@@ -1,6 +1,7 @@
 """``load_checkpoint`` picks the model by config.json's model_type and names what it refuses."""
 
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -8,7 +9,7 @@ import shutil
 import pytest
 
 from hybrid_jax.models.auto import MODEL_LOADERS, load_checkpoint
-from hybrid_jax.models.checkpoint import CheckpointError
+from hybrid_jax.models.checkpoint import CheckpointError, resolve_checkpoint
 from hybrid_jax.models.nemotron_h import NemotronH
 from hybrid_jax.models.qwen3_next import Qwen3Next
 
@@ -165,3 +166,20 @@ def test_a_malformed_safetensors_header_is_refused_naming_the_tensor(tmp_path, e
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
     with pytest.raises(SafetensorsError, match=f"tensor 'w' {message}"):
         read_tensors(path)
+
+
+def test_a_hugging_face_id_resolves_to_its_snapshot_in_the_local_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--acme--tiny-hybrid"
+    shutil.copytree(FIXTURES / "qwen3_next" / "moe", repo / "snapshots" / "abc123")
+    shutil.copytree(FIXTURES / "qwen3_next" / "moe", repo / "snapshots" / "older")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123\n")
+    assert resolve_checkpoint("acme/tiny-hybrid") == repo / "snapshots" / "abc123"
+    assert isinstance(load_checkpoint(resolve_checkpoint("acme/tiny-hybrid")), Qwen3Next)
+    (repo / "refs" / "main").unlink()  # no ref: the newest snapshot
+    os.utime(repo / "snapshots" / "older" / "config.json", (1, 1))
+    assert resolve_checkpoint("acme/tiny-hybrid") == repo / "snapshots" / "abc123"
+    with pytest.raises(CheckpointError, match=r"acme/missing is not a folder here.*hub"):
+        resolve_checkpoint("acme/missing")
+    assert resolve_checkpoint(tmp_path) == tmp_path  # a folder is itself

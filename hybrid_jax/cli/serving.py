@@ -33,6 +33,7 @@ from hybrid_jax.engine.requests import Result
 from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import RequestError
 from hybrid_jax.engine.speculative import DRAFT_SOURCES, SpeculativeConfig, SpeculativeStats
+from hybrid_jax.models.checkpoint import resolve_checkpoint
 from hybrid_jax.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from hybrid_jax.modes import ForwardMode
 
@@ -41,7 +42,10 @@ __all__ = ["add_bench_parser", "add_generate_parser", "bench", "generate"]
 
 def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--checkpoint", default=None, help="Hugging Face Qwen3-Next folder (default: tiny)"
+        "--checkpoint",
+        default=None,
+        help="a Hugging Face checkpoint folder, or an org/model id in the local hub cache "
+        "(default: the tiny built-in model)",
     )
     parser.add_argument("--max-batch", type=int, default=4, help="requests running at once")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per step")
@@ -210,7 +214,9 @@ def _encode_prompts(
     """The tokenizer of the flags and the prompts' token ids, checked (empty, longer than
     --max-context, stop ids outside the vocabulary) before the model is built and its steps
     compiled; raises ``ValueError`` saying what is wrong."""
-    tokenizer = load_tokenizer(args.checkpoint) if args.checkpoint else ByteTokenizer()
+    tokenizer = (
+        load_tokenizer(resolve_checkpoint(args.checkpoint)) if args.checkpoint else ByteTokenizer()
+    )
     encoded = [tokenizer.encode(text) for text in prompts]
     for i, ids in enumerate(encoded):
         if not ids:

@@ -80,6 +80,7 @@ from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.kv_cache import PageAllocator, init_kv_cache
 from hybrid_jax.metadata import ForwardMetadata, build_metadata, example_metadata
 from hybrid_jax.models.auto import load_checkpoint
+from hybrid_jax.models.checkpoint import resolve_checkpoint
 from hybrid_jax.models.hf_config import ConfigError, check_eos_in_vocabulary, read_generation_config
 from hybrid_jax.models.layer_scan import scan_layers
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
@@ -252,11 +253,13 @@ class Engine(SpeculativeServing):
         progress: bool = True,
         check_finite: bool = True,
     ) -> Engine:
-        """A Hugging Face checkpoint folder of a supported ``model_type`` (Qwen3-Next,
-        Qwen3.5/3.6, Nemotron-H: ``models.auto.MODEL_LOADERS``; config.json, safetensors and,
-        unless ``tokenizer`` is given, tokenizer.json). A missing, misshapen or non-float
-        tensor, or one holding inf or NaN (``check_finite=False`` skips that check), raises
-        ``CheckpointError`` before anything is compiled."""
+        """A Hugging Face checkpoint (a folder, or an ``org/model`` id already in the local
+        hub cache: ``models.checkpoint.resolve_checkpoint``) of a supported ``model_type``
+        (Qwen3-Next, Qwen3.5/3.6, Nemotron-H: ``models.auto.MODEL_LOADERS``; config.json,
+        safetensors and, unless ``tokenizer`` is given, tokenizer.json). A missing,
+        misshapen or non-float tensor, or one holding inf or NaN (``check_finite=False`` skips
+        that check), raises ``CheckpointError`` before anything is compiled."""
+        path = resolve_checkpoint(path)
         if config.cache_dir is not None:
             use_compilation_cache(config.cache_dir)
         fields, eos = read_generation_config(path)

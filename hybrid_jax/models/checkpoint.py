@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -39,6 +41,7 @@ __all__ = [
     "plain",
     "read",
     "read_config",
+    "resolve_checkpoint",
     "weight_map",
     "write_checkpoint",
 ]
@@ -49,6 +52,41 @@ SINGLE = "model.safetensors"
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded: missing files, tensors or shapes."""
+
+
+def _hub_caches() -> list[pathlib.Path]:
+    """Where the Hugging Face hub keeps downloads: ``HF_HUB_CACHE``, else ``HF_HOME/hub``,
+    else ``~/.cache/huggingface/hub``."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return [pathlib.Path(os.environ["HF_HUB_CACHE"]).expanduser()]
+    home = os.environ.get("HF_HOME", os.path.join("~", ".cache", "huggingface"))
+    return [pathlib.Path(home).expanduser() / "hub"]
+
+
+def resolve_checkpoint(name: str | os.PathLike) -> pathlib.Path:
+    """The folder of checkpoint ``name``: a folder as it is, or a Hugging Face id
+    (``org/model``) found in the local hub cache (the snapshot ``refs/main`` names, else the
+    newest one). Nothing is downloaded: an id not in the cache raises ``CheckpointError``
+    saying where it looked."""
+    path = pathlib.Path(name).expanduser()
+    if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", str(name)):
+        return path
+    org, model = str(name).split("/")
+    caches = _hub_caches()
+    for cache in caches:
+        repo = cache / f"models--{org}--{model}"
+        ref = repo / "refs" / "main"
+        snapshots = repo / "snapshots"
+        if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
+            return snapshots / ref.read_text().strip()
+        found = sorted(snapshots.glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+        if found:
+            return found[-1].parent
+    raise CheckpointError(
+        f"{name} is not a folder here and has no snapshot in the local Hugging Face cache "
+        f"({', '.join(str(c) for c in caches)}); download it first (huggingface-cli download "
+        f"{name}) or pass its folder"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
