@@ -326,6 +326,15 @@ def _engine(model, args, *, batch: int, tokens: int, context: int) -> Engine:
     return Engine(model, _IdsOnly(model.config.vocab_size), config, progress=False)
 
 
+def _memory(engine: Engine) -> str:
+    """What the row's engine holds on the device, in GiB."""
+    m = {k: v / 2**30 for k, v in engine.memory.items()}
+    return (
+        f"memory GiB: weights {m['weights']:.1f}, states {m['states']:.2f}, KV "
+        f"{m['kv_cache']:.2f}, step scratch {m['step_temp']:.2f}"
+    )
+
+
 def _slowest(engine: Engine) -> float:
     """Seconds of the engine's slowest step executable to compile."""
     return max((r.compile_ms for r in engine.compile_records), default=0.0) / 1e3
@@ -350,7 +359,7 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     step_s = statistics.median(times)
     if args.host_profile:
         _host_profile(engine, args.profile_steps, f"decode B={batch}")
-    note = _breakdown(engine, args.profile_steps)
+    note = f"{_breakdown(engine, args.profile_steps)}; {_memory(engine)}"
     for rid in ids:
         engine.abort(rid)
     limit_s = decode_bytes(c, batch, prompt + steps) / args.bandwidth
@@ -372,7 +381,7 @@ def prefill_row(model, c, prompts, length, args, rng, label) -> Row:
     # Two more prompts, profiled: each step is one prompt's prefill.
     for prompt in _prompts(rng, 2, length):
         engine.add_request(prompt, SamplingParams(max_new_tokens=1))
-    note = _breakdown(engine, 2)
+    note = f"{_breakdown(engine, 2)}; {_memory(engine)}"
     return Row(
         f"prefill {prompts}x{length} ({label})", f"{rate / 1e3:.1f}k tok/s",
         f"{limit / 1e3:.0f}k tok/s", rate / limit, engine.compile_s, _slowest(engine), note,

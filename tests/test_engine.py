@@ -500,3 +500,20 @@ def test_generation_config_sets_the_default_sampling_and_adds_stop_ids(engine, a
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
     with pytest.raises(ValueError, match=r"generation_config.json: temperature=-1"):
         Engine.from_checkpoint(tmp_path, config, tokenizer=ByteTokenizer(), progress=False)
+
+
+def test_memory_reports_what_the_engine_holds(engine):
+    memory = engine.memory
+    assert memory["states"] == engine.slots.num_slots * engine.slots.bytes_per_slot
+    assert memory["weights"] == sum(p.nbytes for p in engine._steps.params) > memory["states"]
+    assert memory["kv_cache"] > 0 and memory["step_temp"] > 0
+
+
+def test_pools_that_cannot_fit_the_device_are_refused_before_compiling(monkeypatch):
+    import hybrid_jax.engine.engine as engine_module
+
+    gib = 2**30
+    monkeypatch.setattr(engine_module, "_device_memory", lambda: (2 * gib, 2 * gib - 1000))
+    match = r"state pool \(5 slots: EngineConfig.max_batch.*0.0 GiB free of 2.0 GiB.*max_batch"
+    with pytest.raises(ValueError, match=match):
+        Engine.from_preset("tiny", CONFIG, progress=False)

@@ -95,6 +95,34 @@ SERVED_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)
 PRESETS = {"tiny": tiny_qwen3_next_config}
 
 
+def _device_memory() -> tuple[int, int] | None:
+    """(bytes the default device may hold, bytes in use), or None where it does not say
+    (the CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"], stats.get("bytes_in_use", 0)
+
+
+def _check_device_memory(state_bytes: int, kv_bytes: int, num_slots: int, num_pages: int):
+    """Raises ``ValueError`` before allocating when the slot pool and the KV cache cannot fit
+    beside what the device already holds (the weights), naming the settings that size them."""
+    memory = _device_memory()
+    if memory is None:
+        return
+    limit, in_use = memory
+    free = limit - in_use
+    if state_bytes + kv_bytes > free:
+        gib = 2**30
+        raise ValueError(
+            f"the linear layers' state pool ({num_slots} slots: EngineConfig.max_batch plus "
+            f"the pad slot) needs {state_bytes / gib:.1f} GiB and the KV cache ({num_pages} "
+            f"pages) {kv_bytes / gib:.1f} GiB, but the device has {free / gib:.1f} GiB free "
+            f"of {limit / gib:.1f} GiB ({in_use / gib:.1f} GiB in use, the weights among "
+            f"them); lower max_batch, or num_pages / max_context"
+        )
+
+
 class Engine(SpeculativeServing):
     """Continuous-batching generation with a hybrid LM (see the module docstring).
 
@@ -153,6 +181,11 @@ class Engine(SpeculativeServing):
         num_pages = config.num_pages
         if num_pages is None:
             num_pages = sched_config.max_running * self.policy.max_pages + 1
+        _check_device_memory(
+            num_slots * bytes_per_slot(specs),
+            num_pages * sum(s.page_bytes(self.policy.page_size) for s in kv_specs),
+            num_slots, num_pages,
+        )  # fmt: skip
         self.slots = SlotAllocator(num_slots, bytes_per_slot(specs))
         self.pages = PageAllocator(num_pages, self.policy.page_size)
         self.scheduler = Scheduler(
@@ -339,6 +372,23 @@ class Engine(SpeculativeServing):
     def retraces(self) -> int:
         """Traces since the warm-up compiled everything (0 unless a shape escaped the buckets)."""
         return self._traces() - self._warm_traces
+
+    @property
+    def memory(self) -> dict[str, int]:
+        """Bytes the engine holds on the device: ``weights``, ``states`` (the linear layers'
+        slot pool), ``kv_cache``, and ``step_temp``, the largest scratch any compiled step
+        needs while it runs."""
+
+        def nbytes(tree) -> int:
+            return sum(a.nbytes for a in jax.tree.leaves(tree))
+
+        temps = [ex.memory_analysis() for ex in self._steps.executables()]
+        return {
+            "weights": nbytes(self._steps.params),
+            "states": nbytes(self._state.pool),
+            "kv_cache": nbytes(self._state.kv),
+            "step_temp": max((m.temp_size_in_bytes for m in temps if m is not None), default=0),
+        }
 
     @property
     def default_params(self) -> SamplingParams:

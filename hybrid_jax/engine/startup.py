@@ -89,6 +89,10 @@ class StoredProgram:
     def __call__(self, *args: Any) -> Any:
         return jax.tree.unflatten(self._out_tree, self._compiled(*jax.tree.leaves(args)))
 
+    def memory_analysis(self) -> Any:
+        """The compiled program's memory use (``jax.stages.Compiled.memory_analysis``)."""
+        return self._compiled.memory_analysis()
+
 
 class ProgramStore:
     """Lowered programs in ``directory``, one file per key.

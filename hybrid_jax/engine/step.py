@@ -160,6 +160,10 @@ class StepFunctions:
                 return stored
         return self._jitted.lower(program, self.params, pool, x, meta).compile()
 
+    def executables(self) -> list[Any]:
+        """The step executables compiled so far, one per (program, bucket)."""
+        return list(self._compiled.values())
+
     def __call__(self, pool: StatePool, x: jax.Array, meta: ForwardMetadata):
         """Runs one step; ``pool`` is donated (do not use it afterwards). Uses the executable
         compiled ahead of time for (mode, bucket) when there is one, else jit (a trace)."""
