@@ -259,6 +259,31 @@ def test_chat_template_loads_with_the_tokenizer_and_renders_the_think_switch(tmp
     assert load_tokenizer(tmp_path).apply_chat_template(messages) == '"hi"'
 
 
+def test_bos_is_added_once_when_the_tokenizer_config_asks(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    vocab = {"[UNK]": 0, "hello": 1, "<s>": 2}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "chat_template": "{{ bos_token }}{{ messages[0].content }}"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(tmp_path).encode("hello") == [1]  # add_bos_token absent: no BOS
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    with_bos = load_tokenizer(tmp_path)
+    assert with_bos.encode("hello") == [2, 1]
+    chat = with_bos.apply_chat_template([{"role": "user", "content": "hello"}])
+    assert with_bos.encode(chat) == [2, 1]  # the template's own BOS, not a second one
+    bad = {**config, "add_bos_token": True, "bos_token": "<bos>"}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(bad))
+    with pytest.raises(TokenizerError, match="bos_token='<bos>' is not a token"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": "yes"}))
+    with pytest.raises(TokenizerError, match="add_bos_token='yes' must be true or false"):
+        load_tokenizer(tmp_path)
+
+
 def test_missing_or_broken_chat_template_is_a_clear_error(tmp_path):
     pytest.importorskip("jinja2")
     tok = _tokenizer_folder(tmp_path, {})

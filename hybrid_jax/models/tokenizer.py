@@ -97,18 +97,33 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A ``tokenizers.Tokenizer`` behind the ``Tokenizer`` protocol, with the checkpoint's
-    chat template (None when it has none) and the special tokens the template may name."""
+    chat template (None when it has none) and the special tokens the template may name.
+
+    ``add_bos`` (``add_bos_token`` of ``tokenizer_config.json``): ``encode`` starts a text
+    with the BOS token unless it already does (a chat template writes its own); the
+    tokenizer's post-processor is never applied on top."""
 
     def __init__(
         self,
         tokenizer: Any,
         chat_template: str | None = None,
         special_tokens: Mapping[str, str] | None = None,
+        *,
+        add_bos: bool = False,
     ):
         self._tokenizer = tokenizer
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
         self.special_tokens = dict(special_tokens or {})
+        self.bos_token_id: int | None = None
+        if add_bos:
+            bos = self.special_tokens.get("bos_token")
+            self.bos_token_id = None if bos is None else tokenizer.token_to_id(bos)
+            if self.bos_token_id is None:
+                raise TokenizerError(
+                    f"tokenizer_config.json: add_bos_token is true but bos_token={bos!r} is "
+                    f"not a token of tokenizer.json"
+                )
 
     def apply_chat_template(
         self,
@@ -151,7 +166,10 @@ class HFTokenizer:
             raise TokenizerError(f"the chat template does not render: {err}") from err
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        ids = list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        if self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=True)
@@ -178,14 +196,15 @@ def load_tokenizer(folder: str | os.PathLike) -> HFTokenizer:
         tokenizer = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:  # the Rust side raises its own exception type
         raise TokenizerError(f"{path} is not a readable tokenizer.json: {err}") from err
-    template, special = _chat_template(pathlib.Path(folder))
-    return HFTokenizer(tokenizer, template, special)
+    template, special, add_bos = _chat_template(pathlib.Path(folder))
+    return HFTokenizer(tokenizer, template, special, add_bos=add_bos)
 
 
-def _chat_template(folder: pathlib.Path) -> tuple[str | None, dict[str, str]]:
+def _chat_template(folder: pathlib.Path) -> tuple[str | None, dict[str, str], bool]:
     """The folder's chat template (``chat_template.jinja``, else ``chat_template`` of
-    ``tokenizer_config.json``; of a list of named templates, the ``default`` one) and the
-    special tokens ``tokenizer_config.json`` names (``bos_token``, ``eos_token``, ...)."""
+    ``tokenizer_config.json``; of a list of named templates, the ``default`` one), the
+    special tokens ``tokenizer_config.json`` names (``bos_token``, ``eos_token``, ...) and
+    its ``add_bos_token`` (False when absent)."""
     config_path = folder / "tokenizer_config.json"
     config: dict[str, Any] = {}
     if config_path.is_file():
@@ -199,11 +218,14 @@ def _chat_template(folder: pathlib.Path) -> tuple[str | None, dict[str, str]]:
         value = value.get("content") if isinstance(value, Mapping) else value
         if isinstance(value, str):
             special[key] = value
+    add_bos = config.get("add_bos_token", False)
+    if not isinstance(add_bos, bool):
+        raise TokenizerError(f"{config_path}: add_bos_token={add_bos!r} must be true or false")
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text(), special
+        return jinja.read_text(), special, add_bos
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
         template = named.get("default")
-    return (template if isinstance(template, str) else None), special
+    return (template if isinstance(template, str) else None), special, add_bos
