@@ -11,7 +11,7 @@ part separately switchable so that one GPU run says which pays:
 * Grid order (all variants): the programs of one ``(row, head)`` are adjacent in launch order,
   so the two ``[K, 64]`` halves of a head's contiguous 64 KiB ``[K, V]`` block are read at the
   same time, not a whole sweep apart; a ``[K, 64]`` tile alone is 128 pieces of 256 B at a
-  512 B stride (the Mamba2 decode kernel, 3.9 TB/s, reads whole contiguous 32 KiB tiles).
+  512 B stride (the Mamba2 decode kernel reads whole contiguous 32 KiB tiles).
 * ``layout="cols"``: the ``[K, bv]`` state tile is held in registers with the value columns
   spread over the four warps and the K rows over registers and a few lanes. The delta rule's
   two mat-vecs ``S^T k`` and ``S^T q`` (and the q/k norms) then reduce within a warp (register
