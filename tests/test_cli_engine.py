@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import jax
 import pytest
@@ -24,7 +25,9 @@ def run(argv, capsys, stdin=None, monkeypatch=None):
 
 def test_generate_rejects_invalid_sampling_flags_before_building_a_model(capsys):
     code, _, err = run(["generate", "hi", "--top-p", "2"], capsys)
-    assert code == 2 and "top_p=2.0" in err
+    assert code == 2 and "--top-p=2.0" in err
+    code, _, err = run(["generate", "hi", "--logprobs", "21"], capsys)
+    assert code == 2 and "--logprobs=21 must be None or an int in 0..20" in err
 
 
 def test_generate_reports_a_bad_engine_size_without_a_traceback(capsys):
@@ -52,9 +55,12 @@ def restore_cache_config():
 @pytest.mark.usefixtures("restore_cache_config")
 def test_generate_streams_stdin_prompts_and_bench_prints_its_table(capsys, monkeypatch, tmp_path):
     cache = ["--cache-dir", str(tmp_path)]
-    argv = ["generate", "--max-new-tokens", "3", *SMALL, *cache]
+    argv = ["generate", "--max-new-tokens", "3", "--logprobs", "2", *SMALL, *cache]
     code, out, err = run(argv, capsys, stdin="ab\ncd\n", monkeypatch=monkeypatch)
     assert code == 0 and out.startswith("[") and "2 requests, 6 tokens" in err
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert sorted(line["prompt"] for line in lines) == [0, 1]
+    assert all(len(line["logprobs"]) == len(line["top_logprobs"]) == 3 for line in lines)
     argv = ["bench", "--num-prompts", "3", "--prompt-len", "5", "--new-tokens", "2", "--plot", ""]
     code, out, _ = run([*argv, *SMALL, *cache], capsys)
     assert code == 0 and "retraces after warm-up: 0" in out and "DECODE step" in out

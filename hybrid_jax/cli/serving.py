@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -183,8 +184,26 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1: off")
     p.add_argument("--sample-seed", type=int, default=None, help="seed of every request")
     p.add_argument("--stop-token-id", type=int, action="append", default=[], help="repeatable")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="after each completion, a JSON line of its tokens, their log-probabilities and "
+        "each step's N most likely tokens (0: the chosen tokens only; default: none)",
+    )
     _engine_arguments(p)
     p.set_defaults(func=generate)
+
+
+def _print_logprobs(index: int, result: Result) -> None:
+    """A JSON line of the result's log-probabilities, when its request asked for them."""
+    if result.logprobs is None:
+        return
+    line = {"prompt": index, "token_ids": result.token_ids, "logprobs": result.logprobs}
+    if result.top_logprobs is not None:
+        line["top_logprobs"] = result.top_logprobs
+    print(json.dumps(line))
 
 
 def _printable(text: str) -> str:
@@ -256,9 +275,13 @@ def generate(args: argparse.Namespace) -> int:
             top_p=args.top_p,
             seed=args.sample_seed,
             stop_token_ids=tuple(args.stop_token_id),
+            logprobs=args.logprobs,
         )
     except SamplingParamsError as err:
-        print(f"hybrid-jax generate: {err}", file=sys.stderr)
+        message = str(err)
+        for field in ("logprobs", "max_new_tokens", "temperature", "top_k", "top_p"):
+            message = message.replace(f"{field}=", f"--{field.replace('_', '-')}=", 1)
+        print(f"hybrid-jax generate: {message}", file=sys.stderr)
         return 2
     try:
         tokenizer, encoded = _encode_prompts(args, prompts, params)
@@ -278,6 +301,7 @@ def generate(args: argparse.Namespace) -> int:
                 if event.result is not None:
                     results.append(event.result)
             print()
+            _print_logprobs(0, results[-1])
         else:
             # Interleaved tokens of several prompts would be unreadable: print each
             # completion as soon as it finishes.
@@ -285,6 +309,7 @@ def generate(args: argparse.Namespace) -> int:
                 if event.result is not None:
                     results.append(event.result)
                     print(f"[{i}] {_printable(prompts[i])}{_printable(event.result.text)}")
+                    _print_logprobs(i, event.result)
     except (RequestError, SamplingParamsError) as err:
         print(f"hybrid-jax generate: {err}", file=sys.stderr)
         return 2

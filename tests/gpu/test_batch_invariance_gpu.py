@@ -53,4 +53,3 @@ def _alone_and_among_others(engine: Engine) -> tuple[list[float], list[float]]:
 def test_batch_invariant_mode_gives_the_same_bits_on_the_gpu():
     alone, together = _alone_and_among_others(_engine(batch_invariant=True))
     assert together == alone
-
