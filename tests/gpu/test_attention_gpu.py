@@ -86,3 +86,43 @@ def test_split_paged_attention_matches_the_all_jnp_path(mode):
     )
     real = int(np.asarray(meta.query_start_loc)[-1])
     np.testing.assert_array_equal(got[real:], 0)
+
+
+@pytest.mark.parametrize(
+    ("batch", "heads", "kv_heads", "dim", "page_size"),
+    [(64, 16, 2, 256, 16), (1, 16, 2, 256, 16), (8, 24, 4, 256, 64), (16, 32, 8, 128, 32)],
+    ids=["qwen-b64", "qwen-b1", "27b-like", "nemotron-like"],
+)
+def test_paged_decode_kernel_matches_its_reference_with_poisoned_pages(
+    batch, heads, kv_heads, dim, page_size
+):
+    """Ragged lengths up to 8k (an empty row, one position, mid-page, whole pages), pages
+    scattered over the cache, NaN in every entry no row holds."""
+    from pallas_kernels.attention import paged_decode as pd
+
+    rng = np.random.default_rng(dim + batch)
+    lens = rng.integers(1, 8192, batch).astype(np.int32)
+    if batch >= 3:
+        lens[:3] = [0, 1, 4 * page_size]
+    max_pages = -(-8192 // page_size)
+    num_pages = batch * max_pages + 1
+    pages = rng.permutation(np.arange(1, num_pages)).reshape(batch, max_pages).astype(np.int32)
+    keys = jax.random.split(jax.random.key(dim), 3)
+    shape = (num_pages, page_size, kv_heads, dim)
+    k = jax.random.normal(keys[0], shape, jnp.bfloat16)
+    v = jax.random.normal(keys[1], shape, jnp.bfloat16)
+    position = pages[..., None] * page_size + np.arange(page_size)  # [B, max_pages, page]
+    held = np.arange(max_pages * page_size).reshape(max_pages, page_size) < lens[:, None, None]
+    live = np.zeros(num_pages * page_size, bool)
+    live[position[held]] = True
+    live = jnp.asarray(live.reshape(num_pages, page_size, 1, 1))
+    k, v = jnp.where(live, k, jnp.nan), jnp.where(live, v, jnp.nan)
+    q = jax.random.normal(keys[2], (batch, heads, dim), jnp.bfloat16)
+    assert pd.unsupported_reason(q, k) is None
+    args = (q, k, v, jnp.asarray(pages), jnp.asarray(lens))
+    got = pd.paged_decode_attention(*args, scale=dim**-0.5, impl="pallas")
+    want = pd.paged_decode_attention(*args, scale=dim**-0.5, impl="reference")
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all(), "an entry no row holds reached the output"
+    assert not got[lens == 0].any()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2

@@ -1,0 +1,128 @@
+"""Decode attention over the paged KV cache on an H200: the Mosaic GPU kernel
+(``pallas_kernels.attention.paged_decode_attention``) against the engine's jnp path and the
+gathered-page reference, at Qwen3-Next / Qwen3.5 attention shapes.
+
+Run on the GPU machine (see benchmarks/README.md)::
+
+    python3 benchmarks/paged_decode.py [--batches 1,16,64,256] [--contexts 1024,8192,32768]
+
+Shapes: 16 query heads on 2 KV heads of 256 (``--heads``, ``--kv-heads``, ``--head-dim``),
+bf16 queries and cache, pages of ``--page-size`` tokens scattered over the cache, every entry
+outside the rows poisoned with NaN. Rows per (batch, context):
+
+* ``kernel``: the Mosaic GPU kernel (``impl="pallas"``, splits from ``pick_num_splits``);
+* ``jnp``: ``backend.attention.paged_attention`` in DECODE as the engine runs it today
+  (key chunks up to each row's length, online softmax);
+* ``reference``: the op's jnp reference (every page of the table gathered).
+
+Device time from a profiler trace (``device_time.py``); the limit is the KV bytes the rows
+hold (keys and values of ``context`` positions per row and KV head) at ``--bandwidth``;
+each row checks its output against a float32 softmax of the same inputs (max abs error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import platform
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_time import device_time  # noqa: E402
+
+from hybrid_jax.backend import attention as attention_backend  # noqa: E402
+from hybrid_jax.metadata import BucketPolicy, ForwardMode, RowSpec, build_metadata  # noqa: E402
+from pallas_kernels.attention import paged_decode as pd  # noqa: E402
+
+
+def _case(batch, context, args, seed=0):
+    rng = np.random.default_rng(seed)
+    size = args.page_size
+    per_row = -(-context // size)
+    num_pages = batch * per_row + 1
+    table = rng.permutation(np.arange(1, num_pages)).reshape(batch, per_row).astype(np.int32)
+    shape = (num_pages, size, args.kv_heads, args.head_dim)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    k = jax.random.normal(keys[0], shape, jnp.bfloat16)
+    v = jax.random.normal(keys[1], shape, jnp.bfloat16)
+    # NaN past every row's length (the last page's tail) and in the pad page.
+    tail = context - (per_row - 1) * size
+    last = jnp.asarray(table[:, -1])
+    poison = jnp.arange(size) >= tail
+    k = k.at[last].set(jnp.where(poison[None, :, None, None], jnp.nan, k[last])).at[0].set(jnp.nan)
+    v = v.at[last].set(jnp.where(poison[None, :, None, None], jnp.nan, v[last])).at[0].set(jnp.nan)
+    q = jax.random.normal(keys[2], (batch, args.heads, args.head_dim), jnp.bfloat16)
+    lens = np.full(batch, context, np.int32)
+    return q, k, v, table, lens
+
+
+def _rows(batch, context, args):
+    q, k, v, table, lens = _case(batch, context, args)
+    scale = args.head_dim**-0.5
+    table_j, lens_j = jnp.asarray(table), jnp.asarray(lens)
+    want = np.asarray(
+        pd.paged_decode_attention(q, k, v, table_j, lens_j, scale=scale, impl="reference"),
+        np.float32,
+    )
+    kernel = jax.jit(lambda q, k, v: pd.paged_decode_attention(
+        q, k, v, table_j, lens_j, scale=scale, impl="pallas"))  # fmt: skip
+    reference = jax.jit(lambda q, k, v: pd.paged_decode_attention(
+        q, k, v, table_j, lens_j, scale=scale, impl="reference"))  # fmt: skip
+    policy = BucketPolicy(batch_buckets=(batch,), token_buckets=(batch,), page_size=args.page_size,
+                          max_context=table.shape[1] * args.page_size)  # fmt: skip
+    specs = [RowSpec(b + 1, context - 1, 1, tuple(table[b])) for b in range(batch)]
+    meta = jax.device_put(build_metadata(ForwardMode.DECODE, specs, policy, num_slots=batch + 1,
+                                         num_pages=k.shape[0]))  # fmt: skip
+    # The step's own key and value are the last cached position's: the write changes nothing.
+    k_new = k[table[:, -1], (context - 1) % args.page_size]
+    v_new = v[table[:, -1], (context - 1) % args.page_size]
+    engine_jnp = jax.jit(lambda q, k, v: attention_backend.paged_attention(
+        q, k_new, v_new, k, v, meta, scale=scale, impl="reference")[0])  # fmt: skip
+    limit_s = 2 * batch * context * args.kv_heads * args.head_dim * 2 / args.bandwidth
+    for name, fn in (("kernel", kernel), ("jnp", engine_jnp), ("reference", reference)):
+        try:
+            out = np.asarray(fn(q, k, v), np.float32)
+            timing = device_time(lambda fn=fn: fn(q, k, v), calls=10)
+            err = float(np.nanmax(np.abs(out - want))) if np.isfinite(out).all() else float("nan")
+            us = timing.us
+            print(
+                f"| B={batch} ctx={context} | {name} | {us:.1f} us | {limit_s * 1e6:.1f} us | "
+                f"{limit_s * 1e6 / us:.0%} | {err:.1e} |",
+                flush=True,
+            )
+        except Exception as err:  # a failed row is reported, the rest still runs
+            print(f"| B={batch} ctx={context} | {name} | failed: {str(err)[:200]} | | | |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--contexts", default="1024,8192,32768")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=256)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--bandwidth", type=float, default=4.3e12)
+    args = parser.parse_args()
+    versions = ", ".join(
+        f"{m} {importlib.import_module(m).__version__}" for m in ("jax", "jaxlib", "flax")
+    )
+    print(f"{datetime.date.today()}, {jax.devices()[0].device_kind}, {versions}, python "
+          f"{platform.python_version()}")  # fmt: skip
+    print("| case | row | device time | KV-byte limit | fraction | max abs error |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for batch in (int(b) for b in args.batches.split(",")):
+        for context in (int(c) for c in args.contexts.split(",")):
+            if batch * context > 2**23:  # keeps the cache within a few GiB
+                continue
+            _rows(batch, context, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""paged_decode_attention: one query token per row over that row's pages of a paged KV cache.
+
+Grouped-query attention: query head ``h`` reads key head ``h // (H // KVH)``. Row ``b``
+attends the first ``context_lens[b]`` positions of its page table (position ``p`` lives in
+``page_table[b, p // page_size]`` at offset ``p % page_size``); nothing past them is read
+into the result, whatever the cache holds there (stale or NaN entries included).
+
+The Mosaic GPU kernel (sm_90): one program per (split, KV head, row). The query heads of one
+KV head are the rows of a 64-row wgmma tile (padded with zeros), so one program reads each
+of its row's keys and values once for all of them. A program walks 64-position blocks (64 /
+page_size pages, one TMA each) through two SMEM stages: the next block's loads are in flight
+while this block's scores, online softmax and ``p @ v`` run on the tensor cores. The last
+block's values past the row's length are zeroed in SMEM before ``p @ v`` (a zero weight
+times a NaN would be NaN). Long rows split their blocks over ``num_splits`` programs; the
+splits' outputs merge by their log-sum-exps in XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl
+from pallas_kernels._mgpu_chunks import F32, ROWS, WG, along_rows, matmul, smem
+
+__all__ = ["paged_decode_attention", "paged_decode_attention_reference", "unsupported_reason"]
+
+_OP = "paged_decode_attention"
+BLOCK = 64  # positions per block: the wgmma N of the scores, the K of p @ v
+ROWS_PER_TILE = 64  # query rows of a program (its KV head's query heads, zero-padded)
+_PAGE_SIZES = (16, 32, 64)
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _check(q, k_pages, v_pages, page_table, context_lens) -> None:
+    if q.ndim != 3 or k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
+        raise ValueError(
+            f"{_OP}: q must be [B, H, D] and k_pages, v_pages [P, page_size, KVH, D]; got "
+            f"{q.shape}, {k_pages.shape}, {v_pages.shape}"
+        )
+    batch, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[2]
+    if k_pages.shape[3] != head_dim or heads % kv_heads:
+        raise ValueError(
+            f"{_OP}: H={heads} query heads must be a multiple of KVH={kv_heads}, and the "
+            f"pages' head_dim {k_pages.shape[3]} must be q's {head_dim}"
+        )
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
+        raise ValueError(
+            f"{_OP}: page_table must be int32 [B={batch}, max_pages]; got {page_table.dtype} "
+            f"{page_table.shape}"
+        )
+    if context_lens.shape != (batch,) or context_lens.dtype != jnp.int32:
+        raise ValueError(
+            f"{_OP}: context_lens must be int32 [B={batch}]; got {context_lens.dtype} "
+            f"{context_lens.shape}"
+        )
+
+
+def unsupported_reason(q: jax.Array, k_pages: jax.Array) -> str | None:
+    """Why the Mosaic GPU kernel cannot take this call, or None when it can."""
+    heads, head_dim = q.shape[1:]
+    page_size, kv_heads = k_pages.shape[1:3]
+    if q.dtype not in _DTYPES or k_pages.dtype != q.dtype:
+        return f"q and the pages must share a 16-bit float dtype (got {q.dtype}, {k_pages.dtype})"
+    if head_dim % 64 or head_dim > 256:
+        return f"head_dim={head_dim} must be a multiple of 64 up to 256"
+    if heads // kv_heads > ROWS_PER_TILE:
+        return f"{heads // kv_heads} query heads per KV head exceed {ROWS_PER_TILE}"
+    if page_size not in _PAGE_SIZES:
+        return f"page_size={page_size} is not one of {_PAGE_SIZES}"
+    return None
+
+
+def paged_decode_attention_reference(
+    q, k_pages, v_pages, page_table, context_lens, *, scale: float
+) -> jax.Array:
+    """jnp: every page of the table gathered, positions past each row's length masked (their
+    values zeroed, so that stale NaN never reaches the result). Float32 at least."""
+    batch, heads, head_dim = q.shape
+    page_size, kv_heads = k_pages.shape[1:3]
+    groups = heads // kv_heads
+    acc = jnp.promote_types(q.dtype, F32)
+    keys = k_pages[page_table].reshape(batch, -1, kv_heads, head_dim)  # [B, L, KVH, D]
+    values = v_pages[page_table].reshape(batch, -1, kv_heads, head_dim)
+    live = jnp.arange(keys.shape[1])[None, :] < context_lens[:, None]  # [B, L]
+    values = jnp.where(live[..., None, None], values, 0).astype(acc)
+    qg = q.reshape(batch, kv_heads, groups, head_dim).astype(acc)
+    scores = jnp.einsum("bkgd,blkd->bkgl", qg, keys.astype(acc)) * scale
+    scores = jnp.where(live[:, None, None, :], scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0)
+    weights = jnp.exp(scores - peak)
+    total = weights.sum(-1, keepdims=True)
+    out = jnp.einsum("bkgl,blkd->bkgd", weights, values) / jnp.where(total > 0, total, 1)
+    return out.reshape(batch, heads, head_dim).astype(q.dtype)
+
+
+def pick_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
+    """Splits of a row's blocks: enough programs for every SM twice over, never a split
+    with fewer than two blocks of the longest row the table can hold."""
+    splits = 1
+    while batch * kv_heads * splits < 2 * NUM_SMS and max_blocks // (2 * splits) >= 2:
+        splits *= 2
+    return splits
+
+
+def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, *, scale, num_splits,
+                 interpret):  # fmt: skip
+    """The kernel over zero-padded query tiles ``[B, KVH, 64, D]``: per split, its output
+    tiles (q's dtype) and float32 log-sum-exps ``[S, B, KVH, 64]`` (``-inf``: saw nothing)."""
+    batch, kv_heads, _, head_dim = q_tiles.shape
+    page_size = k_pages.shape[1]
+    pages_per_block = BLOCK // page_size
+    max_pages = page_table.shape[1]
+    tile = (ROWS_PER_TILE, head_dim)
+    scores = (ROWS_PER_TILE, BLOCK)
+    dtype = q_tiles.dtype
+
+    def body(table_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_s, k_s, v_s, p_s, o_s,
+             lse_s, q_bar, bar):  # fmt: skip
+        split, head, row = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("b")
+        length = lens_ref[row]
+        num_blocks = (length + BLOCK - 1) // BLOCK
+        per_split = (num_blocks + num_splits - 1) // num_splits
+        first = split * per_split
+        num = jnp.clip(num_blocks - first, 0, per_split)
+
+        plgpu.copy_gmem_to_smem(q_ref.at[row, head], q_s, q_bar)
+        plgpu.barrier_wait(q_bar)
+
+        def issue(j, stage):
+            for i in range(pages_per_block):
+                entry = jnp.minimum((first + j) * pages_per_block + i, max_pages - 1)
+                page = table_ref[row, entry]
+                rows = pl.ds(i * page_size, page_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[page, :, head], k_s.at[stage, rows], bar.at[stage])
+                plgpu.copy_gmem_to_smem(v_ref.at[page, :, head], v_s.at[stage, rows], bar.at[stage])
+
+        @pl.when(num > 0)
+        def _():
+            issue(0, 0)
+
+        def step(j, carry):
+            peak, total, acc = carry
+            stage = lax.rem(j, 2)
+            plgpu.barrier_wait(bar.at[stage])
+
+            # The other stage was last read by block j - 1, which has finished.
+            @pl.when(j + 1 < num)
+            def _():
+                issue(j + 1, 1 - stage)
+
+            start = (first + j) * BLOCK
+            col = plgpu.broadcasted_iota(jnp.int32, scores, 1, layout=WG)
+            qk = matmul(q_s, k_s.at[stage].T, scores) * scale
+            qk = jnp.where(start + col < length, qk, -jnp.inf)
+
+            @pl.when(start + BLOCK > length)
+            def _zero_values_past_the_row():
+                rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK, head_dim), 0, layout=WG)
+                values = plgpu.load(v_s.at[stage], layout=WG)
+                v_s[stage] = jnp.where(start + rows < length, values, jnp.zeros_like(values))
+
+            # Every block a program walks holds one of its row's positions at least.
+            new_peak = jnp.maximum(peak, qk.max(axis=1))
+            decay = jnp.exp(peak - new_peak)
+            weights = jnp.exp(qk - along_rows(new_peak, scores))
+            total = total * decay + weights.sum(axis=1)
+            p_s[...] = weights.astype(dtype)
+            plgpu.commit_smem()
+            pv = matmul(p_s, v_s.at[stage], tile)
+            return new_peak, total, acc * along_rows(decay, tile) + pv
+
+        init = (
+            plgpu.layout_cast(jnp.full((ROWS_PER_TILE,), -jnp.inf, F32), ROWS),
+            plgpu.layout_cast(jnp.zeros((ROWS_PER_TILE,), F32), ROWS),
+            plgpu.layout_cast(jnp.zeros(tile, F32), WG),
+        )
+        peak, total, acc = lax.fori_loop(0, num, step, init)
+        seen = total > 0
+        safe = jnp.where(seen, total, 1.0)
+        o_s[...] = (acc / along_rows(safe, tile)).astype(dtype)
+        lse_s[...] = jnp.where(seen, peak + jnp.log(safe), -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, o_ref.at[split, row, head])
+        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[split, row, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = (
+        jax.ShapeDtypeStruct((num_splits, batch, kv_heads, *tile), dtype),
+        jax.ShapeDtypeStruct((num_splits, batch, kv_heads, ROWS_PER_TILE), F32),
+    )
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=[
+            smem(tile, dtype),
+            smem((2, BLOCK, head_dim), dtype),
+            smem((2, BLOCK, head_dim), dtype),
+            smem(scores, dtype),
+            smem(tile, dtype),
+            plgpu.SMEM((ROWS_PER_TILE,), F32),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=2),
+        ],
+        grid=(num_splits, kv_heads, batch),
+        grid_names=("s", "h", "b"),
+        interpret=interpret_params(interpret),
+        kernel_name="paged_decode_attention",
+    )(page_table, context_lens, q_tiles, k_pages, v_pages)
+
+
+def _merge(out: jax.Array, lse: jax.Array) -> jax.Array:
+    """Splits' outputs ``[S, ...rows, D]`` weighted by their log-sum-exps ``[S, ...rows]``."""
+    peak = jnp.max(lse, axis=0)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0)
+    weight = jnp.exp(lse - peak)  # 0 for a split that saw nothing
+    total = weight.sum(axis=0)
+    merged = (weight[..., None] * out.astype(F32)).sum(axis=0)
+    return merged / jnp.where(total > 0, total, 1)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
+def _kernel(q, k_pages, v_pages, page_table, context_lens, *, scale, num_splits, interpret):
+    batch, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[2]
+    groups = heads // kv_heads
+    tiles = q.reshape(batch, kv_heads, groups, head_dim)
+    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, ROWS_PER_TILE - groups), (0, 0)))
+    out, lse = _kernel_call(
+        tiles, k_pages, v_pages, page_table, context_lens, scale=scale,
+        num_splits=num_splits, interpret=interpret,
+    )  # fmt: skip
+    out = out[:, :, :, :groups]
+    lse = lse[:, :, :, :groups]
+    merged = out[0].astype(F32) if num_splits == 1 else _merge(out, lse)
+    return merged.reshape(batch, heads, head_dim).astype(q.dtype)
+
+
+def paged_decode_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    context_lens: jax.Array,
+    *,
+    scale: float,
+    num_splits: int | None = None,
+    impl: str = "auto",
+) -> jax.Array:
+    """Attention of each row's one query token over its first ``context_lens[b]`` cached
+    positions (see the module docstring).
+
+    Args:
+      q: ``[B, H, D]``; k_pages, v_pages: ``[P, page_size, KVH, D]`` (q's dtype).
+      page_table: int32 ``[B, max_pages]``; context_lens: int32 ``[B]`` (0: the row reads
+        nothing and gets zeros).
+      scale: the scores' scale.
+      num_splits: programs per (row, KV head) (None: ``pick_num_splits``).
+      impl: ``"auto" | "pallas" | "interpret" | "reference"``.
+
+    Returns:
+      ``[B, H, D]`` in q's dtype.
+    """
+    _check(q, k_pages, v_pages, page_table, context_lens)
+    reason = unsupported_reason(q, k_pages) if impl != "reference" else None
+    choice = resolve_impl(_OP, impl, reason)
+    if choice == "reference":
+        return paged_decode_attention_reference(
+            q, k_pages, v_pages, page_table, context_lens, scale=scale
+        )
+    page_size = k_pages.shape[1]
+    max_blocks = -(-page_table.shape[1] * page_size // BLOCK)
+    if num_splits is None:
+        num_splits = pick_num_splits(q.shape[0], k_pages.shape[2], max_blocks)
+    return _kernel(
+        q, k_pages, v_pages, page_table, context_lens, scale=float(scale),
+        num_splits=int(num_splits), interpret=choice == "interpret",
+    )  # fmt: skip

@@ -1,0 +1,153 @@
+"""paged_decode_attention: the Mosaic GPU kernel in the interpreter and its jnp reference,
+against a float64 oracle written row by row in numpy, on fresh random inputs with every
+position past a row's length (and the pad page) poisoned with NaN; the kernel also lowers
+for the GPU at production shapes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attention import paged_decode as pd
+
+SCALE = 0.125
+
+
+def _case(seed, *, batch, heads, kv_heads, head_dim, page_size, max_pages, lens):
+    rng = np.random.default_rng(seed)
+    num_pages = batch * max_pages + 1
+    k = rng.standard_normal((num_pages, page_size, kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_pages, page_size, kv_heads, head_dim)).astype(np.float32)
+    table = np.zeros((batch, max_pages), np.int32)
+    pages = rng.permutation(np.arange(1, num_pages))
+    for b, length in enumerate(lens):
+        used = -(-length // page_size)
+        table[b, :used] = pages[:used]
+        pages = pages[used:]
+        for p in range(used):  # stale entries past the row's length hold NaN
+            tail = slice(max(0, length - p * page_size), page_size)
+            k[table[b, p], tail] = np.nan
+            v[table[b, p], tail] = np.nan
+    k[0] = v[0] = np.nan  # the pad page, which unused table entries name
+    q = rng.standard_normal((batch, heads, head_dim)).astype(np.float32)
+    bf16 = jnp.bfloat16
+    return dict(
+        q=jnp.asarray(q, bf16), k_pages=jnp.asarray(k, bf16), v_pages=jnp.asarray(v, bf16),
+        page_table=jnp.asarray(table), context_lens=jnp.asarray(np.asarray(lens, np.int32)),
+    )  # fmt: skip
+
+
+def _oracle(q, k_pages, v_pages, page_table, context_lens):
+    """Row by row in float64 numpy, from the bf16 values the kernel reads."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    batch, heads, head_dim = q.shape
+    page_size, kv_heads = k.shape[1:3]
+    out = np.zeros_like(q)
+    for b in range(batch):
+        n = int(context_lens[b])
+        if n == 0:
+            continue
+        pages = np.asarray(page_table[b])[: -(-n // page_size)]
+        keys = k[pages].reshape(-1, kv_heads, head_dim)[:n]
+        values = v[pages].reshape(-1, kv_heads, head_dim)[:n]
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            s = keys[:, g] @ q[b, h] * SCALE
+            w = np.exp(s - s.max())
+            out[b, h] = w @ values[:, g] / w.sum()
+    return out
+
+
+def _rel(x, ref):
+    x = np.asarray(x, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+CASES = {
+    # lengths: empty row, one position, mid-page, a page's end, several 64-position blocks
+    "gqa8-d128-p16": dict(batch=5, heads=8, kv_heads=1, head_dim=128, page_size=16,
+                          max_pages=12, lens=[0, 1, 37, 64, 190]),
+    "gqa4-d64-p32": dict(batch=3, heads=8, kv_heads=2, head_dim=64, page_size=32,
+                         max_pages=6, lens=[150, 33, 96]),
+    "gqa1-d64-p64": dict(batch=2, heads=2, kv_heads=2, head_dim=64, page_size=64,
+                         max_pages=4, lens=[200, 64]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_kernel_in_the_interpreter_matches_the_oracle(name, num_splits):
+    args = _case(1, **CASES[name])
+    want = _oracle(**args)
+    got = pd.paged_decode_attention(**args, scale=SCALE, num_splits=num_splits, impl="interpret")
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), "a NaN past some row's length reached the output"
+    empty = np.asarray(args["context_lens"]) == 0
+    assert not got[empty].any(), "a row of length 0 must get zeros"
+    assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_matches_the_oracle(name):
+    args = _case(2, **CASES[name])
+    with jax.enable_x64(True):
+        wide = {n: jnp.asarray(a, jnp.float64) if a.dtype == jnp.bfloat16 else a
+                for n, a in args.items()}  # fmt: skip
+        got = pd.paged_decode_attention(**wide, scale=SCALE, impl="reference")
+        assert got.dtype == jnp.float64
+    assert _rel(got, _oracle(**args)) < 1e-12
+
+
+@pytest.mark.parametrize(
+    "batch, heads, kv_heads, head_dim, page_size, splits",
+    [
+        (64, 16, 2, 256, 16, 1),
+        (1, 16, 2, 256, 16, 8),
+        (8, 24, 4, 256, 32, 2),
+        (4, 32, 8, 128, 64, 1),
+    ],
+    ids=["qwen-b64", "qwen-b1-split8", "27b-like-gqa6", "nemotron-like"],
+)  # fmt: skip
+def test_kernel_lowers_for_the_gpu_at_production_shapes(
+    batch, heads, kv_heads, head_dim, page_size, splits
+):
+    spec = jax.ShapeDtypeStruct
+    pages = spec((4096, page_size, kv_heads, head_dim), jnp.bfloat16)
+    args = (spec((batch, heads, head_dim), jnp.bfloat16), pages, pages,
+            spec((batch, 8192 // page_size), jnp.int32), spec((batch,), jnp.int32))  # fmt: skip
+    assert pd.unsupported_reason(args[0], args[1]) is None
+    call = functools.partial(pd._kernel, scale=0.0625, num_splits=splits, interpret=False)
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_unsupported_calls_and_bad_arguments_say_why():
+    q = jnp.zeros((2, 8, 64), jnp.bfloat16)
+    pages = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
+    assert "page_size=8" in pd.unsupported_reason(q, jnp.zeros((4, 8, 2, 64), jnp.bfloat16))
+    assert "head_dim=96" in pd.unsupported_reason(
+        jnp.zeros((2, 8, 96), jnp.bfloat16), jnp.zeros((4, 16, 2, 96), jnp.bfloat16)
+    )
+    assert "16-bit" in pd.unsupported_reason(q.astype(jnp.float32), pages)
+    table, lens = jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match=r"H=8 query heads must be a multiple of KVH=3"):
+        pd.paged_decode_attention(q, pages[:, :, :1].repeat(3, 2), pages[:, :, :1].repeat(3, 2),
+                                  table, lens, scale=1.0)  # fmt: skip
+    with pytest.raises(ValueError, match=r"page_table must be int32 \[B=2, max_pages\]"):
+        pd.paged_decode_attention(q, pages, pages, table[:1], lens, scale=1.0)
+    with pytest.raises(ValueError, match=r"context_lens must be int32 \[B=2\]"):
+        pd.paged_decode_attention(q, pages, pages, table, np.zeros(2, np.int64), scale=1.0)
+    with pytest.raises(NotImplementedError, match="page_size=8"):
+        pd.paged_decode_attention(q, pages[:, :8], pages[:, :8], table, lens, scale=1.0,
+                                  impl="interpret")  # fmt: skip
+
+
+def test_splits_fill_the_gpu_and_never_leave_a_split_short():
+    assert pd.pick_num_splits(batch=1, kv_heads=2, max_blocks=128) == 64
+    assert pd.pick_num_splits(batch=64, kv_heads=2, max_blocks=128) == 4
+    assert pd.pick_num_splits(batch=256, kv_heads=2, max_blocks=128) == 1
+    assert pd.pick_num_splits(batch=1, kv_heads=2, max_blocks=3) == 1
