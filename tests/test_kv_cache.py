@@ -231,6 +231,36 @@ def test_paged_attention_matches_dense_causal_oracle_and_writes_only_its_pages(
     assert np.isnan(k_after[untouched]).all() and np.isnan(np.asarray(v_after)[untouched]).all()
 
 
+def test_decode_steps_take_the_paged_decode_kernel_when_asked():
+    """DECODE with ``impl="interpret"`` runs the paged decode kernel (bf16, head_dim 64,
+    pages of 16) and agrees with the jnp path; the cache is NaN outside the rows."""
+    size, heads, kv_heads, dim, num_pages = 16, 8, 2, 64, 12
+    policy = BucketPolicy(batch_buckets=(4,), token_buckets=(4,), page_size=size, max_context=64)
+    rows = [RowSpec(1, 40, 1, (3, 7, 1)), RowSpec(2, 15, 1, (9,)), RowSpec(3, 0, 1, (5,))]
+    meta = build_metadata(M.DECODE, rows, policy, num_slots=4, num_pages=num_pages)
+    rng = np.random.default_rng(5)
+    k_pages = np.full((num_pages, size, kv_heads, dim), np.nan, np.float32)
+    v_pages = np.full((num_pages, size, kv_heads, dim), np.nan, np.float32)
+    for row in rows:
+        for p in range(row.prefix_len):
+            k_pages[row.pages[p // size], p % size] = rng.standard_normal((kv_heads, dim))
+            v_pages[row.pages[p // size], p % size] = rng.standard_normal((kv_heads, dim))
+    bf16 = jnp.bfloat16
+    q = jnp.asarray(rng.standard_normal((4, heads, dim)), bf16)
+    k = jnp.asarray(rng.standard_normal((4, kv_heads, dim)), bf16)
+    v = jnp.asarray(rng.standard_normal((4, kv_heads, dim)), bf16)
+    k_pages, v_pages = jnp.asarray(k_pages, bf16), jnp.asarray(v_pages, bf16)
+    assert attention_backend._decode_kernel("interpret", q, k_pages) == "interpret"
+    assert attention_backend._decode_kernel("auto", q, k_pages) is None
+    run = jax.jit(paged_attention, static_argnames=("scale", "impl"))
+    got, k_after, _ = run(q, k, v, k_pages, v_pages, meta, scale=dim**-0.5, impl="interpret")
+    want, want_k, _ = run(q, k, v, k_pages, v_pages, meta, scale=dim**-0.5, impl="reference")
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all() and not got[3:].any()  # the padded row: zeros
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    np.testing.assert_array_equal(np.asarray(k_after), np.asarray(want_k))  # the same write
+
+
 def test_paged_attention_refuses_a_mode_at_trace_time_and_a_missing_page_table():
     meta = build_metadata(M.DECODE, [RowSpec(1, 0, 1, (1,))], POLICY, num_slots=4)
     pages = jnp.zeros((4, PAGE, 1, 8))

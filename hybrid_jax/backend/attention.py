@@ -42,6 +42,7 @@ from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.modes import LayerKind, TokenLayout, check_supported
 from pallas_kernels import attention as attention_kernels
 from pallas_kernels import resolve_impl
+from pallas_kernels.attention import paged_decode
 
 __all__ = ["paged_attention", "tree_ancestors", "write_pages"]
 
@@ -225,6 +226,20 @@ def _ragged_kernel(impl: str, q: jax.Array, k_pages: jax.Array) -> str | None:
     return None
 
 
+def _decode_kernel(impl: str, q: jax.Array, k_pages: jax.Array) -> str | None:
+    """The implementation of a DECODE step's attention in the paged decode kernel
+    (``pallas_kernels.attention.paged_decode_attention``), or None for the jnp key chunks.
+    ``pallas`` asks for the kernel (and raises where it cannot take the step), ``interpret``
+    for its interpreter run where it can; ``auto`` keeps the jnp path, which the kernel has
+    not been timed against on the H200 (``benchmarks/paged_decode.py``)."""
+    if impl not in ("pallas", "interpret"):
+        return None
+    reason = paged_decode.unsupported_reason(q.astype(k_pages.dtype), k_pages)
+    if impl == "interpret":
+        return None if reason else "interpret"
+    return resolve_impl("paged_attention", impl, reason)
+
+
 def _token_pages(meta: ForwardMetadata) -> jax.Array:
     """``[T, max_pages]`` page table of each token's row; all zeros (pad page) at padding."""
     table = meta.pages.table
@@ -362,7 +377,17 @@ def paged_attention(
     v_flat = v_pages.reshape(-1, num_kv_heads, head_dim)
     acc = jnp.promote_types(q.dtype, jnp.float32)  # float32 at least; float64 oracles stay so
     kernel = _ragged_kernel(impl, q, k_pages) if meta.token_layout is TokenLayout.RAGGED else None
-    if tree is not None:
+    decode = None
+    if meta.token_layout is TokenLayout.ONE_PER_ROW:
+        decode = _decode_kernel(impl, q, k_pages)
+    if decode is not None:
+        # One token per row, row b's token at index b (padded rows have no context: zeros).
+        dtype = k_pages.dtype
+        out = paged_decode.paged_decode_attention(
+            q.astype(dtype), k_pages, v_pages, jnp.asarray(meta.pages.table),
+            jnp.asarray(meta.context_lens).astype(jnp.int32), scale=scale, impl=decode,
+        )  # fmt: skip
+    elif tree is not None:
         out = _tree_tokens_attention(q, k_flat, v_flat, token_pages, meta, tree, scale, acc)
     elif kernel is None:
         # Every layout but trees holds consecutive positions per row: key chunks up to each
