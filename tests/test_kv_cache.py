@@ -231,13 +231,17 @@ def test_paged_attention_matches_dense_causal_oracle_and_writes_only_its_pages(
     assert np.isnan(k_after[untouched]).all() and np.isnan(np.asarray(v_after)[untouched]).all()
 
 
-def test_decode_steps_take_the_paged_decode_kernel_when_asked():
-    """DECODE with ``impl="interpret"`` runs the paged decode kernel (bf16, head_dim 64,
-    pages of 16) and agrees with the jnp path; the cache is NaN outside the rows."""
+@pytest.mark.parametrize("mode", [M.DECODE, M.TARGET_VERIFY])
+def test_decode_and_verify_steps_take_the_paged_decode_kernel_when_asked(mode):
+    """DECODE and chain TARGET_VERIFY with ``impl="interpret"`` run the paged decode kernel
+    (bf16, head_dim 64, pages of 16) and agree with the jnp path; the cache is NaN outside
+    the rows."""
     size, heads, kv_heads, dim, num_pages = 16, 8, 2, 64, 12
-    policy = BucketPolicy(batch_buckets=(4,), token_buckets=(4,), page_size=size, max_context=64)
-    rows = [RowSpec(1, 40, 1, (3, 7, 1)), RowSpec(2, 15, 1, (9,)), RowSpec(3, 0, 1, (5,))]
-    meta = build_metadata(M.DECODE, rows, policy, num_slots=4, num_pages=num_pages)
+    d = 1 if mode is M.DECODE else 3
+    policy = BucketPolicy(batch_buckets=(4,), token_buckets=(4 * d,), page_size=size,
+                          max_context=64, num_draft_tokens=3)  # fmt: skip
+    rows = [RowSpec(1, 40, d, (3, 7, 1)), RowSpec(2, 12, d, (9,)), RowSpec(3, 0, d, (5,))]
+    meta = build_metadata(mode, rows, policy, num_slots=4, num_pages=num_pages)
     rng = np.random.default_rng(5)
     k_pages = np.full((num_pages, size, kv_heads, dim), np.nan, np.float32)
     v_pages = np.full((num_pages, size, kv_heads, dim), np.nan, np.float32)
@@ -246,17 +250,19 @@ def test_decode_steps_take_the_paged_decode_kernel_when_asked():
             k_pages[row.pages[p // size], p % size] = rng.standard_normal((kv_heads, dim))
             v_pages[row.pages[p // size], p % size] = rng.standard_normal((kv_heads, dim))
     bf16 = jnp.bfloat16
-    q = jnp.asarray(rng.standard_normal((4, heads, dim)), bf16)
-    k = jnp.asarray(rng.standard_normal((4, kv_heads, dim)), bf16)
-    v = jnp.asarray(rng.standard_normal((4, kv_heads, dim)), bf16)
+    t = meta.num_tokens
+    q = jnp.asarray(rng.standard_normal((t, heads, dim)), bf16)
+    k = jnp.asarray(rng.standard_normal((t, kv_heads, dim)), bf16)
+    v = jnp.asarray(rng.standard_normal((t, kv_heads, dim)), bf16)
     k_pages, v_pages = jnp.asarray(k_pages, bf16), jnp.asarray(v_pages, bf16)
-    assert attention_backend._decode_kernel("interpret", q, k_pages) == "interpret"
-    assert attention_backend._decode_kernel("auto", q, k_pages) is None
+    rows_q = q.reshape(4, d, heads, dim)
+    assert attention_backend._decode_kernel("interpret", rows_q, k_pages) == "interpret"
+    assert attention_backend._decode_kernel("auto", rows_q, k_pages) is None
     run = jax.jit(paged_attention, static_argnames=("scale", "impl"))
     got, k_after, _ = run(q, k, v, k_pages, v_pages, meta, scale=dim**-0.5, impl="interpret")
     want, want_k, _ = run(q, k, v, k_pages, v_pages, meta, scale=dim**-0.5, impl="reference")
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert np.isfinite(got).all() and not got[3:].any()  # the padded row: zeros
+    assert np.isfinite(got).all() and not got[3 * d :].any()  # the padded row: zeros
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
     np.testing.assert_array_equal(np.asarray(k_after), np.asarray(want_k))  # the same write
 

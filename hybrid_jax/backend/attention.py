@@ -227,8 +227,9 @@ def _ragged_kernel(impl: str, q: jax.Array, k_pages: jax.Array) -> str | None:
 
 
 def _decode_kernel(impl: str, q: jax.Array, k_pages: jax.Array) -> str | None:
-    """The implementation of a DECODE step's attention in the paged decode kernel
-    (``pallas_kernels.attention.paged_decode_attention``), or None for the jnp key chunks.
+    """The implementation of a DECODE or chain TARGET_VERIFY step's attention (``q`` ``[bs,
+    D, H, hd]``) in the paged decode kernel (``pallas_kernels.attention.
+    paged_decode_attention``), or None for the jnp key chunks.
     ``pallas`` asks for the kernel (and raises where it cannot take the step), ``interpret``
     for its interpreter run where it can; ``auto`` keeps the jnp path, which the kernel has
     not been timed against on the H200 (``benchmarks/paged_decode.py``)."""
@@ -377,16 +378,18 @@ def paged_attention(
     v_flat = v_pages.reshape(-1, num_kv_heads, head_dim)
     acc = jnp.promote_types(q.dtype, jnp.float32)  # float32 at least; float64 oracles stay so
     kernel = _ragged_kernel(impl, q, k_pages) if meta.token_layout is TokenLayout.RAGGED else None
-    decode = None
-    if meta.token_layout is TokenLayout.ONE_PER_ROW:
-        decode = _decode_kernel(impl, q, k_pages)
+    decode = rows_q = None
+    if meta.token_layout in (TokenLayout.ONE_PER_ROW, TokenLayout.DRAFT_PER_ROW) and not meta.tree:
+        rows_q = q.reshape(meta.batch_size, -1, num_heads, head_dim)  # row b's tokens in order
+        decode = _decode_kernel(impl, rows_q, k_pages)
     if decode is not None:
-        # One token per row, row b's token at index b (padded rows have no context: zeros).
+        # A row's tokens are the last of its context, causal among themselves (padded rows
+        # have no context: zeros).
         dtype = k_pages.dtype
         out = paged_decode.paged_decode_attention(
-            q.astype(dtype), k_pages, v_pages, jnp.asarray(meta.pages.table),
+            rows_q.astype(dtype), k_pages, v_pages, jnp.asarray(meta.pages.table),
             jnp.asarray(meta.context_lens).astype(jnp.int32), scale=scale, impl=decode,
-        )  # fmt: skip
+        ).reshape(q.shape)  # fmt: skip
     elif tree is not None:
         out = _tree_tokens_attention(q, k_flat, v_flat, token_pages, meta, tree, scale, acc)
     elif kernel is None:

@@ -1,18 +1,21 @@
-"""paged_decode_attention: one query token per row over that row's pages of a paged KV cache.
+"""paged_decode_attention: a row's last D query tokens (decode: D = 1; a verify chain: its D
+tokens, causal) over that row's pages of a paged KV cache.
 
-Grouped-query attention: query head ``h`` reads key head ``h // (H // KVH)``. Row ``b``
-attends the first ``context_lens[b]`` positions of its page table (position ``p`` lives in
-``page_table[b, p // page_size]`` at offset ``p % page_size``); nothing past them is read
-into the result, whatever the cache holds there (stale or NaN entries included).
+Grouped-query attention: query head ``h`` reads key head ``h // (H // KVH)``. Row ``b`` holds
+``context_lens[b]`` positions in its page table (position ``p`` lives in
+``page_table[b, p // page_size]`` at offset ``p % page_size``), its D query tokens being the
+last D of them: token ``t`` attends positions ``0 .. context_lens[b] - D + t``. Nothing past
+a row's positions is read into the result, whatever the cache holds there (stale or NaN
+entries included).
 
-The Mosaic GPU kernel (sm_90): one program per (split, KV head, row). The query heads of one
-KV head are the rows of a 64-row wgmma tile (padded with zeros), so one program reads each
-of its row's keys and values once for all of them. A program walks 64-position blocks (64 /
-page_size pages, one TMA each) through two SMEM stages: the next block's loads are in flight
-while this block's scores, online softmax and ``p @ v`` run on the tensor cores. The last
-block's values past the row's length are zeroed in SMEM before ``p @ v`` (a zero weight
-times a NaN would be NaN). Long rows split their blocks over ``num_splits`` programs; the
-splits' outputs merge by their log-sum-exps in XLA.
+The Mosaic GPU kernel (sm_90): one program per (split, KV head, row). The (token, query
+head) pairs of one KV head are the rows of a 64-row wgmma tile (padded with zeros), so one
+program reads each of its row's keys and values once for all of them. A program walks
+64-position blocks (64 / page_size pages, one TMA each) through two SMEM stages: the next
+block's loads are in flight while this block's scores, online softmax and ``p @ v`` run on
+the tensor cores. The last block's values past the row's length are zeroed in SMEM before
+``p @ v`` (a zero weight times a NaN would be NaN). Long rows split their blocks over
+``num_splits`` programs; the splits' outputs merge by their log-sum-exps in XLA.
 """
 
 from __future__ import annotations
@@ -38,12 +41,12 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _check(q, k_pages, v_pages, page_table, context_lens) -> None:
-    if q.ndim != 3 or k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
+    if q.ndim not in (3, 4) or k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
         raise ValueError(
-            f"{_OP}: q must be [B, H, D] and k_pages, v_pages [P, page_size, KVH, D]; got "
-            f"{q.shape}, {k_pages.shape}, {v_pages.shape}"
+            f"{_OP}: q must be [B, H, hd] or [B, D, H, hd] and k_pages, v_pages [P, "
+            f"page_size, KVH, hd]; got {q.shape}, {k_pages.shape}, {v_pages.shape}"
         )
-    batch, heads, head_dim = q.shape
+    batch, heads, head_dim = q.shape[0], *q.shape[-2:]
     kv_heads = k_pages.shape[2]
     if k_pages.shape[3] != head_dim or heads % kv_heads:
         raise ValueError(
@@ -64,14 +67,18 @@ def _check(q, k_pages, v_pages, page_table, context_lens) -> None:
 
 def unsupported_reason(q: jax.Array, k_pages: jax.Array) -> str | None:
     """Why the Mosaic GPU kernel cannot take this call, or None when it can."""
-    heads, head_dim = q.shape[1:]
+    heads, head_dim = q.shape[-2:]
+    tokens = q.shape[1] if q.ndim == 4 else 1
     page_size, kv_heads = k_pages.shape[1:3]
     if q.dtype not in _DTYPES or k_pages.dtype != q.dtype:
         return f"q and the pages must share a 16-bit float dtype (got {q.dtype}, {k_pages.dtype})"
     if head_dim % 64 or head_dim > 256:
         return f"head_dim={head_dim} must be a multiple of 64 up to 256"
-    if heads // kv_heads > ROWS_PER_TILE:
-        return f"{heads // kv_heads} query heads per KV head exceed {ROWS_PER_TILE}"
+    if tokens * (heads // kv_heads) > ROWS_PER_TILE:
+        return (
+            f"{tokens} tokens x {heads // kv_heads} query heads per KV head exceed the "
+            f"{ROWS_PER_TILE} rows of a tile"
+        )
     if page_size not in _PAGE_SIZES:
         return f"page_size={page_size} is not one of {_PAGE_SIZES}"
     return None
@@ -80,25 +87,30 @@ def unsupported_reason(q: jax.Array, k_pages: jax.Array) -> str | None:
 def paged_decode_attention_reference(
     q, k_pages, v_pages, page_table, context_lens, *, scale: float
 ) -> jax.Array:
-    """jnp: every page of the table gathered, positions past each row's length masked (their
-    values zeroed, so that stale NaN never reaches the result). Float32 at least."""
-    batch, heads, head_dim = q.shape
-    page_size, kv_heads = k_pages.shape[1:3]
+    """jnp: every page of the table gathered, positions past each token's last masked (the
+    values past the row's zeroed, so that stale NaN never reaches the result). Float32 at
+    least."""
+    q4 = q if q.ndim == 4 else q[:, None]
+    batch, tokens, heads, head_dim = q4.shape
+    kv_heads = k_pages.shape[2]
     groups = heads // kv_heads
     acc = jnp.promote_types(q.dtype, F32)
-    keys = k_pages[page_table].reshape(batch, -1, kv_heads, head_dim)  # [B, L, KVH, D]
+    keys = k_pages[page_table].reshape(batch, -1, kv_heads, head_dim)  # [B, L, KVH, hd]
     values = v_pages[page_table].reshape(batch, -1, kv_heads, head_dim)
-    live = jnp.arange(keys.shape[1])[None, :] < context_lens[:, None]  # [B, L]
+    pos = jnp.arange(keys.shape[1])
+    live = pos[None, :] < context_lens[:, None]  # [B, L]
     values = jnp.where(live[..., None, None], values, 0).astype(acc)
-    qg = q.reshape(batch, kv_heads, groups, head_dim).astype(acc)
-    scores = jnp.einsum("bkgd,blkd->bkgl", qg, keys.astype(acc)) * scale
-    scores = jnp.where(live[:, None, None, :], scores, -jnp.inf)
+    last = context_lens[:, None] - tokens + jnp.arange(tokens)[None, :]  # [B, D]
+    seen = pos[None, None, :] <= last[..., None]  # [B, D, L]
+    qg = q4.reshape(batch, tokens, kv_heads, groups, head_dim).astype(acc)
+    scores = jnp.einsum("btkgd,blkd->btkgl", qg, keys.astype(acc)) * scale
+    scores = jnp.where(seen[:, :, None, None, :], scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0)
     weights = jnp.exp(scores - peak)
     total = weights.sum(-1, keepdims=True)
-    out = jnp.einsum("bkgl,blkd->bkgd", weights, values) / jnp.where(total > 0, total, 1)
-    return out.reshape(batch, heads, head_dim).astype(q.dtype)
+    out = jnp.einsum("btkgl,blkd->btkgd", weights, values) / jnp.where(total > 0, total, 1)
+    return out.reshape(q.shape).astype(q.dtype)
 
 
 def pick_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
@@ -111,9 +123,10 @@ def pick_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
 
 
 def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, *, scale, num_splits,
-                 interpret):  # fmt: skip
-    """The kernel over zero-padded query tiles ``[B, KVH, 64, D]``: per split, its output
-    tiles (q's dtype) and float32 log-sum-exps ``[S, B, KVH, 64]`` (``-inf``: saw nothing)."""
+                 tokens, groups, interpret):  # fmt: skip
+    """The kernel over zero-padded query tiles ``[B, KVH, 64, hd]`` (tile row ``r``: token
+    ``r // groups``, query head ``r % groups`` of the KV head): per split, its output tiles
+    (q's dtype) and float32 log-sum-exps ``[S, B, KVH, 64]`` (``-inf``: saw nothing)."""
     batch, kv_heads, _, head_dim = q_tiles.shape
     page_size = k_pages.shape[1]
     pages_per_block = BLOCK // page_size
@@ -158,8 +171,11 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, *, scale, 
 
             start = (first + j) * BLOCK
             col = plgpu.broadcasted_iota(jnp.int32, scores, 1, layout=WG)
+            tile_row = plgpu.broadcasted_iota(jnp.int32, scores, 0, layout=WG)
+            # Token t of the row sees positions below length - tokens + 1 + t.
+            limit = jnp.minimum(length - tokens + 1 + tile_row // groups, length)
             qk = matmul(q_s, k_s.at[stage].T, scores) * scale
-            qk = jnp.where(start + col < length, qk, -jnp.inf)
+            qk = jnp.where(start + col < limit, qk, -jnp.inf)
 
             @pl.when(start + BLOCK > length)
             def _zero_values_past_the_row():
@@ -167,10 +183,12 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, *, scale, 
                 values = plgpu.load(v_s.at[stage], layout=WG)
                 v_s[stage] = jnp.where(start + rows < length, values, jnp.zeros_like(values))
 
-            # Every block a program walks holds one of its row's positions at least.
+            # A tile row that has seen nothing yet keeps peak -inf; 0 stands in for it, so
+            # that exp gives 0 rather than exp(-inf + inf) = NaN.
             new_peak = jnp.maximum(peak, qk.max(axis=1))
-            decay = jnp.exp(peak - new_peak)
-            weights = jnp.exp(qk - along_rows(new_peak, scores))
+            shift = jnp.where(new_peak > -jnp.inf, new_peak, 0.0)
+            decay = jnp.exp(peak - shift)
+            weights = jnp.exp(qk - along_rows(shift, scores))
             total = total * decay + weights.sum(axis=1)
             p_s[...] = weights.astype(dtype)
             plgpu.commit_smem()
@@ -228,19 +246,23 @@ def _merge(out: jax.Array, lse: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
 def _kernel(q, k_pages, v_pages, page_table, context_lens, *, scale, num_splits, interpret):
-    batch, heads, head_dim = q.shape
+    q4 = q if q.ndim == 4 else q[:, None]
+    batch, tokens, heads, head_dim = q4.shape
     kv_heads = k_pages.shape[2]
     groups = heads // kv_heads
-    tiles = q.reshape(batch, kv_heads, groups, head_dim)
-    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, ROWS_PER_TILE - groups), (0, 0)))
+    rows = tokens * groups
+    tiles = q4.reshape(batch, tokens, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    tiles = tiles.reshape(batch, kv_heads, rows, head_dim)
+    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, ROWS_PER_TILE - rows), (0, 0)))
     out, lse = _kernel_call(
         tiles, k_pages, v_pages, page_table, context_lens, scale=scale,
-        num_splits=num_splits, interpret=interpret,
+        num_splits=num_splits, tokens=tokens, groups=groups, interpret=interpret,
     )  # fmt: skip
-    out = out[:, :, :, :groups]
-    lse = lse[:, :, :, :groups]
+    out = out[:, :, :, :rows]
+    lse = lse[:, :, :, :rows]
     merged = out[0].astype(F32) if num_splits == 1 else _merge(out, lse)
-    return merged.reshape(batch, heads, head_dim).astype(q.dtype)
+    merged = merged.reshape(batch, kv_heads, tokens, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    return merged.reshape(q.shape).astype(q.dtype)
 
 
 def paged_decode_attention(
@@ -254,11 +276,12 @@ def paged_decode_attention(
     num_splits: int | None = None,
     impl: str = "auto",
 ) -> jax.Array:
-    """Attention of each row's one query token over its first ``context_lens[b]`` cached
-    positions (see the module docstring).
+    """Attention of each row's last query tokens over its first ``context_lens[b]`` cached
+    positions, causal among them (see the module docstring).
 
     Args:
-      q: ``[B, H, D]``; k_pages, v_pages: ``[P, page_size, KVH, D]`` (q's dtype).
+      q: ``[B, H, hd]`` (one token per row) or ``[B, D, H, hd]``; k_pages, v_pages:
+        ``[P, page_size, KVH, hd]`` (q's dtype).
       page_table: int32 ``[B, max_pages]``; context_lens: int32 ``[B]`` (0: the row reads
         nothing and gets zeros).
       scale: the scores' scale.
@@ -266,7 +289,7 @@ def paged_decode_attention(
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
-      ``[B, H, D]`` in q's dtype.
+      q's shape and dtype.
     """
     _check(q, k_pages, v_pages, page_table, context_lens)
     reason = unsupported_reason(q, k_pages) if impl != "reference" else None

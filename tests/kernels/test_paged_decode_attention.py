@@ -17,7 +17,7 @@ from pallas_kernels.attention import paged_decode as pd
 SCALE = 0.125
 
 
-def _case(seed, *, batch, heads, kv_heads, head_dim, page_size, max_pages, lens):
+def _case(seed, *, batch, heads, kv_heads, head_dim, page_size, max_pages, lens, tokens=0):
     rng = np.random.default_rng(seed)
     num_pages = batch * max_pages + 1
     k = rng.standard_normal((num_pages, page_size, kv_heads, head_dim)).astype(np.float32)
@@ -33,7 +33,9 @@ def _case(seed, *, batch, heads, kv_heads, head_dim, page_size, max_pages, lens)
             k[table[b, p], tail] = np.nan
             v[table[b, p], tail] = np.nan
     k[0] = v[0] = np.nan  # the pad page, which unused table entries name
-    q = rng.standard_normal((batch, heads, head_dim)).astype(np.float32)
+    # tokens = 0: decode's [B, H, hd]; else a verify chain's [B, D, H, hd]
+    q = rng.standard_normal((batch, *((tokens,) if tokens else ()), heads, head_dim))
+    q = q.astype(np.float32)
     bf16 = jnp.bfloat16
     return dict(
         q=jnp.asarray(q, bf16), k_pages=jnp.asarray(k, bf16), v_pages=jnp.asarray(v, bf16),
@@ -42,24 +44,28 @@ def _case(seed, *, batch, heads, kv_heads, head_dim, page_size, max_pages, lens)
 
 
 def _oracle(q, k_pages, v_pages, page_table, context_lens):
-    """Row by row in float64 numpy, from the bf16 values the kernel reads."""
+    """Row by row, token by token in float64 numpy, from the bf16 values the kernel reads:
+    token t of D sees positions 0 .. context_lens[b] - D + t."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
-    batch, heads, head_dim = q.shape
+    q4 = q if q.ndim == 4 else q[:, None]
+    batch, tokens, heads, head_dim = q4.shape
     page_size, kv_heads = k.shape[1:3]
-    out = np.zeros_like(q)
+    out = np.zeros_like(q4)
     for b in range(batch):
         n = int(context_lens[b])
         if n == 0:
             continue
         pages = np.asarray(page_table[b])[: -(-n // page_size)]
-        keys = k[pages].reshape(-1, kv_heads, head_dim)[:n]
-        values = v[pages].reshape(-1, kv_heads, head_dim)[:n]
-        for h in range(heads):
-            g = h // (heads // kv_heads)
-            s = keys[:, g] @ q[b, h] * SCALE
-            w = np.exp(s - s.max())
-            out[b, h] = w @ values[:, g] / w.sum()
-    return out
+        keys = k[pages].reshape(-1, kv_heads, head_dim)
+        values = v[pages].reshape(-1, kv_heads, head_dim)
+        for t in range(tokens):
+            seen = n - tokens + t + 1
+            for h in range(heads):
+                g = h // (heads // kv_heads)
+                s = keys[:seen, g] @ q4[b, t, h] * SCALE
+                w = np.exp(s - s.max())
+                out[b, t, h] = w @ values[:seen, g] / w.sum()
+    return out.reshape(q.shape)
 
 
 def _rel(x, ref):
@@ -75,6 +81,11 @@ CASES = {
                          max_pages=6, lens=[150, 33, 96]),
     "gqa1-d64-p64": dict(batch=2, heads=2, kv_heads=2, head_dim=64, page_size=64,
                          max_pages=4, lens=[200, 64]),
+    # verify chains of 4 tokens: 4 x 8 and 4 x 4 tile rows; a row whose chain starts a block
+    "verify4-gqa8": dict(batch=3, heads=8, kv_heads=1, head_dim=64, page_size=16,
+                         max_pages=12, lens=[4, 67, 190], tokens=4),
+    "verify4-gqa4": dict(batch=2, heads=8, kv_heads=2, head_dim=128, page_size=32,
+                         max_pages=4, lens=[100, 9], tokens=4),
 }  # fmt: skip
 
 
@@ -85,6 +96,7 @@ def test_kernel_in_the_interpreter_matches_the_oracle(name, num_splits):
     want = _oracle(**args)
     got = pd.paged_decode_attention(**args, scale=SCALE, num_splits=num_splits, impl="interpret")
     got = np.asarray(got, np.float64)
+    assert got.shape == args["q"].shape
     assert np.isfinite(got).all(), "a NaN past some row's length reached the output"
     empty = np.asarray(args["context_lens"]) == 0
     assert not got[empty].any(), "a row of length 0 must get zeros"
@@ -103,21 +115,23 @@ def test_reference_matches_the_oracle(name):
 
 
 @pytest.mark.parametrize(
-    "batch, heads, kv_heads, head_dim, page_size, splits",
+    "batch, heads, kv_heads, head_dim, page_size, splits, tokens",
     [
-        (64, 16, 2, 256, 16, 1),
-        (1, 16, 2, 256, 16, 8),
-        (8, 24, 4, 256, 32, 2),
-        (4, 32, 8, 128, 64, 1),
+        (64, 16, 2, 256, 16, 1, 0),
+        (1, 16, 2, 256, 16, 8, 0),
+        (8, 24, 4, 256, 32, 2, 0),
+        (4, 32, 8, 128, 64, 1, 0),
+        (16, 16, 2, 256, 16, 2, 4),
     ],
-    ids=["qwen-b64", "qwen-b1-split8", "27b-like-gqa6", "nemotron-like"],
+    ids=["qwen-b64", "qwen-b1-split8", "27b-like-gqa6", "nemotron-like", "qwen-verify4"],
 )  # fmt: skip
 def test_kernel_lowers_for_the_gpu_at_production_shapes(
-    batch, heads, kv_heads, head_dim, page_size, splits
+    batch, heads, kv_heads, head_dim, page_size, splits, tokens
 ):
     spec = jax.ShapeDtypeStruct
     pages = spec((4096, page_size, kv_heads, head_dim), jnp.bfloat16)
-    args = (spec((batch, heads, head_dim), jnp.bfloat16), pages, pages,
+    q_shape = (batch, *((tokens,) if tokens else ()), heads, head_dim)
+    args = (spec(q_shape, jnp.bfloat16), pages, pages,
             spec((batch, 8192 // page_size), jnp.int32), spec((batch,), jnp.int32))  # fmt: skip
     assert pd.unsupported_reason(args[0], args[1]) is None
     call = functools.partial(pd._kernel, scale=0.0625, num_splits=splits, interpret=False)
@@ -133,6 +147,8 @@ def test_unsupported_calls_and_bad_arguments_say_why():
         jnp.zeros((2, 8, 96), jnp.bfloat16), jnp.zeros((4, 16, 2, 96), jnp.bfloat16)
     )
     assert "16-bit" in pd.unsupported_reason(q.astype(jnp.float32), pages)
+    chain = jnp.zeros((2, 17, 8, 64), jnp.bfloat16)  # 17 tokens x 4 heads > 64 tile rows
+    assert "17 tokens x 4 query heads" in pd.unsupported_reason(chain, pages)
     table, lens = jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32)
     with pytest.raises(ValueError, match=r"H=8 query heads must be a multiple of KVH=3"):
         pd.paged_decode_attention(q, pages[:, :, :1].repeat(3, 2), pages[:, :, :1].repeat(3, 2),
