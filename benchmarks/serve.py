@@ -56,6 +56,7 @@ from device_time import call_events  # noqa: E402
 
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa: E402
 from hybrid_jax.models.layer_scan import scan_layers  # noqa: E402
+from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
 from hybrid_jax.models.qwen3_next import (  # noqa: E402
     Qwen3Next,
     Qwen3NextConfig,
@@ -82,7 +83,27 @@ def _qwen_config(layers: int, **dims) -> Qwen3NextConfig:
     return Qwen3NextConfig(num_hidden_layers=layers, layer_types=_qwen3_next_layers(layers), **base)
 
 
-PRESETS: dict[str, tuple[int, Callable[[int], Qwen3NextConfig]]] = {
+# Nemotron-H-8B's block pattern (M Mamba2, - MLP, * attention): 24 Mamba2, 24 MLP and 4
+# attention blocks.
+_NEMOTRON_H_8B = "M-M-M-M-*M-M-M-M-M-M-*M-M-M-M-M-M-*M-M-M-M-M-M-*M-M-"
+_BLOCKS = {"M": "linear_attention", "-": "mlp", "*": "full_attention"}
+
+
+def _nemotron_config(layers: int) -> NemotronHConfig:
+    """Nemotron-H-8B's counts (hidden 4096, Mamba2 128 heads of 64 with 8 groups of state 128,
+    attention 32 query / 8 KV heads of 128, an MLP of 21504, vocab 131072), its first
+    ``layers`` blocks."""
+    pattern = (_NEMOTRON_H_8B * -(-layers // len(_NEMOTRON_H_8B)))[:layers]
+    return NemotronHConfig(
+        vocab_size=131072, hidden_size=4096, layers_block_type=tuple(_BLOCKS[b] for b in pattern),
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=21504,
+        mamba_num_heads=128, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
+        max_position_embeddings=65536, dtype="bfloat16",
+    )  # fmt: skip
+
+
+PRESETS: dict[str, tuple[int, Callable[[int], Qwen3NextConfig | NemotronHConfig]]] = {
+    "nemotron-h-8b-like": (len(_NEMOTRON_H_8B), _nemotron_config),
     # name: (default depth, config of that depth)
     "qwen3-next-80b-a3b": (
         4,
@@ -132,6 +153,24 @@ PRESETS: dict[str, tuple[int, Callable[[int], Qwen3NextConfig]]] = {
             num_key_value_heads=4,
             linear_num_value_heads=48,
         ),
+    ),
+    # Nemotron-H's blocks at tiny dimensions, on the CPU (``--smoke --preset nemotron-smoke``).
+    "nemotron-smoke": (
+        8,
+        lambda n: dataclasses.replace(
+            _nemotron_config(n),
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            n_groups=2,
+            ssm_state_size=16,
+            dtype="float32",
+        ),  # fmt: skip
     ),
     # The built-in tiny model at any depth, without its MTP head (the rows never draft).
     "smoke": (
@@ -196,6 +235,35 @@ def decode_bytes(c: Qwen3NextConfig, batch: int, context: int) -> float:
             a = c.attention_config()
             total += batch * context * 2 * a.num_kv_heads * a.head_dim * item
     return total + c.vocab_size * c.hidden_size * item
+
+
+def _weights(model) -> int:
+    """Parameters of every weight a token's step reads: all but the embedding table (one row
+    per token)."""
+    leaves = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    return sum(v.get_value().size for path, v in leaves if "embed" not in "/".join(map(str, path)))
+
+
+def limit_bytes(model, c, batch: int, context: int) -> float:
+    """``decode_bytes`` for Qwen3-Next-family configs; for a model without routed experts
+    (Nemotron-H), every weight once, each row's recurrent states read and written, and its
+    KV entries read."""
+    if isinstance(c, Qwen3NextConfig):
+        return decode_bytes(c, batch, context)
+    item = jnp.dtype(c.dtype).itemsize
+    states = sum(spec.slot_bytes for spec in model.state_specs())
+    kv = sum(2 * s.num_kv_heads * s.head_dim * s.dtype.itemsize for s in model.kv_specs())
+    return _weights(model) * item + batch * (2 * states + context * kv)
+
+
+def limit_flops(model, c, prompts: int, length: int) -> float:
+    """``prefill_flops`` for Qwen3-Next-family configs; otherwise 2 x every weight per token
+    plus causal attention's FLOPs."""
+    if isinstance(c, Qwen3NextConfig):
+        return prefill_flops(c, prompts, length)
+    heads = c.attention_config().num_heads * len(model.kv_specs())
+    head_dim = c.attention_config().head_dim
+    return 2 * _weights(model) * prompts * length + prompts * 2 * heads * head_dim * length**2
 
 
 def prefill_flops(c: Qwen3NextConfig, prompts: int, length: int) -> float:
@@ -362,7 +430,7 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     note = f"{_breakdown(engine, args.profile_steps)}; {_memory(engine)}"
     for rid in ids:
         engine.abort(rid)
-    limit_s = decode_bytes(c, batch, prompt + steps) / args.bandwidth
+    limit_s = limit_bytes(model, c, batch, prompt + steps) / args.bandwidth
     at = f" at {prompt // 1024}k" if prompt >= 1024 else ""
     return Row(
         f"decode B={batch}{at} ({label})", f"{step_s * 1e3:.3f} ms", f"{limit_s * 1e3:.3f} ms",
@@ -377,7 +445,7 @@ def prefill_row(model, c, prompts, length, args, rng, label) -> Row:
     engine.generate(_prompts(rng, prompts, length), SamplingParams(max_new_tokens=1))
     wall = time.perf_counter() - start
     rate = prompts * length / wall
-    limit = prompts * length / (prefill_flops(c, prompts, length) / args.flops)
+    limit = prompts * length / (limit_flops(model, c, prompts, length) / args.flops)
     # Two more prompts, profiled: each step is one prompt's prefill.
     for prompt in _prompts(rng, 2, length):
         engine.add_request(prompt, SamplingParams(max_new_tokens=1))
@@ -413,7 +481,7 @@ def stream_row(model, c, requests, rate, args, rng, label) -> Row:
         results += [e.result for e in engine.step() if e.result is not None]
     ttft = np.asarray([r.ttft for r in results]) * 1e3
     itl = np.concatenate([r.token_latencies for r in results]) * 1e3
-    limit_s = decode_bytes(c, batch, prompt + output) / args.bandwidth
+    limit_s = limit_bytes(model, c, batch, prompt + output) / args.bandwidth
     pct = lambda a: "/".join(f"{np.percentile(a, q):.1f}" for q in (50, 90, 99))  # noqa: E731
     return Row(
         f"stream {requests} req at {rate:g}/s, B<={batch} ({label})",
@@ -512,7 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     # tokamax logs every autotuning-cache miss as a warning; its heuristics choose the config.
     logging.getLogger("absl").setLevel(logging.ERROR)
     if args.smoke:
-        args.preset, args.decode, args.prefill = "smoke", "2", "2x64"
+        args.preset = args.preset if args.preset.endswith("smoke") else "smoke"
+        args.decode, args.prefill = "2", "2x64"
         args.prompt_len, args.decode_steps, args.profile_steps = 8, 4, 2
         args.stream, args.stream_batch, args.output_len = "3x200", 2, 3
     if args.cache_dir is None:
@@ -524,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    model = Qwen3Next(c, rngs=nnx.Rngs(0))
+    model = (NemotronH if isinstance(c, NemotronHConfig) else Qwen3Next)(c, rngs=nnx.Rngs(0))
     # Stacked once for every row's engine (each would otherwise stack its own copy).
     model = scan_layers(model, donate=True)
     jax.block_until_ready(nnx.state(model))
@@ -542,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         _GROUPED_MATMUL._tokamax_ragged_dot = kernel if variant == "auto" else (lambda: None)
         args.program_store = variant == "auto"
         label = "MoE " + ("tokamax" if variant == "auto" and kernel() is not None else "ragged_dot")
-        if not c.num_experts:
+        if not getattr(c, "num_experts", 0):
             label = "dense"
         decode_rows = [(int(b), args.prompt_len) for b in args.decode.split(",") if b]
         decode_rows += [
@@ -574,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 rows.append(_failed(f"stream {spec} ({label})", err))
             print(rows[-1], flush=True)
-        if not c.num_experts:
+        if not getattr(c, "num_experts", 0):
             break
     _GROUPED_MATMUL._tokamax_ragged_dot = kernel
     title = f"{args.preset}, {c.num_hidden_layers} layers"

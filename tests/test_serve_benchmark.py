@@ -35,6 +35,27 @@ def test_smoke_rows_all_measure_and_write_results(serve, tmp_path):
     assert "ITL p50/p90/p99" in stream and "TTFT p50/p90/p99" in text, text
 
 
+def test_the_nemotron_h_preset_runs_and_its_limit_follows_the_model(serve, tmp_path):
+    assert serve.main(["--smoke", "--preset", "nemotron-smoke", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "RESULTS_serve_smoke.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith(("| decode", "| prefill"))]
+    assert len(rows) == 2 and not any("failed" in row for row in rows), text
+    config = serve.PRESETS["nemotron-h-8b-like"][1](52)
+    blocks = config.layers_block_type
+    assert (blocks.count("linear_attention"), blocks.count("mlp")) == (24, 24)
+    assert blocks.count("full_attention") == 4
+    small = serve.PRESETS["nemotron-smoke"][1](8)
+    model = serve.NemotronH(small, rngs=serve.nnx.Rngs(0))
+    weights = serve._weights(model) * 4  # float32
+    # Batch 1 at 64 positions: the weights, one row's states (read and written) and its KV.
+    states = sum(spec.slot_bytes for spec in model.state_specs())
+    kv = sum(2 * s.num_kv_heads * s.head_dim * 4 for s in model.kv_specs())
+    assert serve.limit_bytes(model, small, 1, 64) == weights + 2 * states + 64 * kv
+    assert (
+        serve.limit_flops(model, small, 2, 64) > 2 * serve.limit_flops(model, small, 1, 64) * 0.99
+    )
+
+
 def test_decode_limit_counts_only_the_experts_a_batch_can_touch(serve):
     config = serve.PRESETS["qwen3-next-80b-a3b"][1](4)
     one, many = serve.decode_bytes(config, 1, 64), serve.decode_bytes(config, 256, 64)
