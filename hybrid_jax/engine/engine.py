@@ -181,12 +181,13 @@ class Engine(SpeculativeServing):
         num_pages = config.num_pages
         if num_pages is None:
             num_pages = sched_config.max_running * self.policy.max_pages + 1
+        slot_bytes = bytes_per_slot(specs)
         _check_device_memory(
-            num_slots * bytes_per_slot(specs),
+            num_slots * slot_bytes,
             num_pages * sum(s.page_bytes(self.policy.page_size) for s in kv_specs),
             num_slots, num_pages,
         )  # fmt: skip
-        self.slots = SlotAllocator(num_slots, bytes_per_slot(specs))
+        self.slots = SlotAllocator(num_slots, slot_bytes)
         self.pages = PageAllocator(num_pages, self.policy.page_size)
         self.scheduler = Scheduler(
             sched_config,
@@ -552,21 +553,22 @@ class Engine(SpeculativeServing):
         tokens = np.zeros((meta.num_tokens,), np.int32)
         tokens[: step.num_tokens] = step.token_ids
         start = time.perf_counter()
-        top = any(self._tracked[row.request.request_id].params.logprobs for row in step.rows)
+        asked = [self._tracked[row.request.request_id].params.logprobs for row in step.rows]
         # The host array goes as it is: the step's call copies it with the metadata.
-        sampled, logprobs, top, hidden = self._dispatch(meta, tokens, batch, top)
+        sampled, logprobs, top, hidden = self._dispatch(meta, tokens, batch, any(asked))
         self.scheduler.advance(step)
-        return InFlight(step, sampled, start, meta, hidden, logprobs, top)
+        # Read back only when a row of the step reports them.
+        reported = logprobs if any(a is not None for a in asked) else None
+        return InFlight(step, sampled, start, meta, hidden, reported, top)
 
     def _land(self, inflight: InFlight) -> list[StepEvent]:
         """Reads a dispatched step's tokens back and turns them into events."""
         step = inflight.step
         n = len(step.rows)
         sampled = np.asarray(inflight.sampled)[:n].tolist()
-        # Read back only when a row of the step reports them.
-        wanted = any(self._tracked[r.request.request_id].params.logprobs is not None
-                     for r in step.rows if r.request.request_id in self._tracked)  # fmt: skip
-        logprobs = np.asarray(inflight.logprobs)[:n].tolist() if wanted else [None] * n
+        logprobs = [None] * n
+        if inflight.logprobs is not None:
+            logprobs = np.asarray(inflight.logprobs)[:n].tolist()
         top = [np.asarray(a)[:n].tolist() for a in inflight.top_logprobs]
         now = time.perf_counter()
         # The device ran this step after the previous one landed or after its own dispatch,

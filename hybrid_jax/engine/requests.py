@@ -65,7 +65,7 @@ class InFlight(NamedTuple):
     dispatched: float
     meta: ForwardMetadata
     hidden: jax.Array | tuple  # [T, hidden] when the step keeps them (MTP drafts), else ()
-    logprobs: jax.Array  # float32 [bs], each sampled token's
+    logprobs: jax.Array | None  # float32 [bs], each sampled token's; None: no row reports them
     top_logprobs: tuple  # (float32 [bs, N], int32 [bs, N]) when a row asked for N > 0, else ()
 
 

@@ -335,8 +335,12 @@ class Scheduler:
             request.pages = tuple(self.pages.allocate(self.pages_for(request)))
         self.running.append(request)
 
+    def _chunk_len(self, request: Request) -> int:
+        """Prompt tokens of the request's next chunk when the step has room for them all."""
+        return min(request.prompt_len - request.num_computed, self.config.chunk_size)
+
     def _chunk(self, request: Request, budget: int) -> ScheduledRow | None:
-        n = min(request.prompt_len - request.num_computed, self.config.chunk_size)
+        n = self._chunk_len(request)
         if n > budget and self.config.batch_invariant:
             return None  # its whole chunk in a later step: chunk borders never move
         n = min(n, budget)
@@ -359,8 +363,7 @@ class Scheduler:
             and len(self.running) < self.config.max_running
             and self._can_admit(self.waiting[0])
         ):
-            first = min(self.waiting[0].prompt_len, self.config.chunk_size)
-            if self.config.batch_invariant and first > budget:
+            if self.config.batch_invariant and self._chunk_len(self.waiting[0]) > budget:
                 break
             req = self.waiting.popleft()
             self._admit(req)

@@ -471,14 +471,16 @@ def create_app(
         rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         first = [True] * len(started)
 
+        def logprobs_of(generation: _Generation) -> dict[str, Any] | None:
+            entries = generation.new_logprobs()
+            return _chat_logprobs(entries) if body.logprobs else None
+
         def chunk(index: int, text: str) -> dict[str, Any]:
             delta: dict[str, Any] = {"content": text} if text else {}
             if first[index]:
                 delta, first[index] = {"role": "assistant", **delta}, False
             generation = generations[index]
-            entries = generation.new_logprobs()
-            logprobs = _chat_logprobs(entries) if body.logprobs else None
-            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+            choice = {"index": index, "delta": delta, "logprobs": logprobs_of(generation),
                       "finish_reason": generation.finish}  # fmt: skip
             return {"id": rid, "object": "chat.completion.chunk", "created": now,
                     "model": model_name, "choices": [choice]}  # fmt: skip
@@ -487,9 +489,8 @@ def create_app(
             choices = []
             for index, generation in enumerate(generations):
                 message = {"role": "assistant", "content": generation.text}
-                entries = generation.new_logprobs()
-                logprobs = _chat_logprobs(entries) if body.logprobs else None
-                choices.append({"index": index, "message": message, "logprobs": logprobs,
+                choices.append({"index": index, "message": message,
+                                "logprobs": logprobs_of(generation),
                                 "finish_reason": generation.finish})  # fmt: skip
             return {"id": rid, "object": "chat.completion", "created": now,
                     "model": model_name, "choices": choices,
