@@ -11,8 +11,9 @@ bf16 queries and cache, pages of ``--page-size`` tokens scattered over the cache
 outside the rows poisoned with NaN. Rows per (batch, context):
 
 * ``kernel``: the Mosaic GPU kernel (``impl="pallas"``, splits from ``pick_num_splits``);
-* ``jnp``: ``backend.attention.paged_attention`` in DECODE as the engine runs it today
-  (key chunks up to each row's length, online softmax);
+* ``jnp``: ``backend.attention.paged_attention`` in DECODE with ``impl="reference"`` (the
+  engine's path off the GPU and where the kernel cannot take a step: key chunks up to each
+  row's length, online softmax);
 * ``reference``: the op's jnp reference (every page of the table gathered).
 
 Device time from a profiler trace (``device_time.py``); the limit is the KV bytes the rows

@@ -117,7 +117,10 @@ class BucketPolicy:
     ``max_pages = max_context // page_size`` entries. ``max_context=0`` (the default) pages
     nothing: models without full-attention layers need no page table. ``tree_drafts``:
     TARGET_VERIFY rows may be trees (``RowSpec.parents``); False keeps every verify row a
-    chain, so the kernels run their chain path.
+    chain, so the kernels run their chain path. ``batch_invariant``: the layers take the
+    paths whose arithmetic on a row does not depend on the other rows of the step or on
+    where the row sits among them (slower prefill: the chunked scans re-lay their tokens
+    out and attention reads every key from the pages).
     """
 
     batch_buckets: tuple[int, ...] = _default_batch_buckets(256)
@@ -126,6 +129,7 @@ class BucketPolicy:
     page_size: int = 16
     max_context: int = 0
     tree_drafts: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_buckets", tuple(self.batch_buckets))
@@ -151,8 +155,9 @@ class BucketPolicy:
                 f"max_context={context} is not a multiple of page_size={size}; round it up to "
                 f"{-(-context // size) * size}"
             )
-        if not isinstance(self.tree_drafts, bool):
-            raise MetadataError(f"tree_drafts={self.tree_drafts!r} must be a bool")
+        for name in ("tree_drafts", "batch_invariant"):
+            if not isinstance(getattr(self, name), bool):
+                raise MetadataError(f"{name}={getattr(self, name)!r} must be a bool")
 
     @classmethod
     def default(
@@ -296,7 +301,8 @@ class ForwardMetadata:
     Static (part of the compile key): ``mode``; ``batch_size`` bs, the rows of the bucket;
     ``num_tokens`` T, its token-axis length; ``num_draft_tokens``, D for TARGET_VERIFY and
     DRAFT_EXTEND, 1 for DECODE, 0 otherwise; ``tree``, True when TARGET_VERIFY rows may be
-    trees (``BucketPolicy.tree_drafts``; False for every other mode).
+    trees (``BucketPolicy.tree_drafts``; False for every other mode); ``batch_invariant``,
+    ``BucketPolicy.batch_invariant``.
 
     Arrays (always present, never None; ``build_metadata`` leaves them on the host, and the
     step that takes them copies them to the device):
@@ -321,6 +327,7 @@ class ForwardMetadata:
     num_tokens: int = _static()
     num_draft_tokens: int = _static()
     tree: bool = _static()
+    batch_invariant: bool = _static()
     query_start_loc: jax.Array
     state_indices: jax.Array
     has_initial_state: jax.Array
@@ -639,6 +646,7 @@ def build_metadata(
         num_tokens=T,
         num_draft_tokens=layout.num_draft_tokens,
         tree=is_verify and policy.tree_drafts,
+        batch_invariant=policy.batch_invariant,
         pages=pages,
         **arrays,
     )

@@ -1,13 +1,16 @@
 """Pieces shared by the chunked Mosaic GPU prefill kernels (``gdn/chunk_mgpu.py``,
 ``mamba2/ssd_mgpu.py``): the 64-token chunk and its 8-row alignment, the varlen chunk table
 that cuts packed sequences into 8-aligned chunks (layout described in ``gdn/chunk_mgpu.py``),
-the swizzled SMEM tile that TMA and wgmma want, the WGMMA register layouts with the row and
+the re-layout that starts every sequence on an aligned row (packing-invariant calls), the
+swizzled SMEM tile that TMA and wgmma want, the WGMMA register layouts with the row and
 column broadcasts over them, and the one-accumulator-per-scope tensor-core matmul. They are
 op-agnostic, so both kernels take them from here rather than one kernel reaching into the
 other's private helpers.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -22,11 +25,13 @@ __all__ = [
     "COLS",
     "F32",
     "ROWS",
+    "SequenceLayout",
     "WG",
     "along_cols",
     "along_rows",
     "chunk_table",
     "matmul",
+    "sequence_layout",
     "smem",
 ]
 
@@ -77,8 +82,14 @@ def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
     return lax.optimization_barrier(pl.run_scoped(body, plgpu.ACC(shape, F32)))
 
 
-def chunk_table(qsl: jax.Array, num_tokens: int, num_chunks: int) -> tuple[jax.Array, jax.Array]:
+def chunk_table(
+    qsl: jax.Array, num_tokens: int, num_chunks: int, ends: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Chunks of the N sequences and of the padding segment ``[qsl[N], T)``.
+
+    Sequence ``n`` covers tokens ``[qsl[n], ends[n])``; ``ends`` (int32 ``[N]``) defaults to
+    ``qsl[1:]``, the packed layout. Tokens between ``ends[n]`` and ``qsl[n + 1]`` belong to no
+    segment (``SequenceLayout``'s gaps): they are masked rows of sequence ``n``'s last chunk.
 
     Returns ``table`` int32 ``[3, num_chunks]`` (first token, first valid row, end of the
     valid rows; ``0, 0, 0`` for unused entries) and ``first`` int32 ``[N + 2]``: segment
@@ -86,8 +97,9 @@ def chunk_table(qsl: jax.Array, num_tokens: int, num_chunks: int) -> tuple[jax.A
     """
     n = qsl.shape[0] - 1
     qsl = qsl.astype(jnp.int32)
-    lo_tok = qsl  # segment n covers [qsl[n], qsl[n + 1]) and segment N covers [qsl[N], T)
-    hi_tok = jnp.concatenate([qsl[1:], jnp.array([num_tokens], jnp.int32)])
+    ends = qsl[1:] if ends is None else ends.astype(jnp.int32)
+    lo_tok = qsl  # segment n covers [qsl[n], ends[n]) and segment N covers [qsl[N], T)
+    hi_tok = jnp.concatenate([ends, jnp.array([num_tokens], jnp.int32)])
     base = lo_tok - lo_tok % ALIGN
     counts = jnp.where(hi_tok > lo_tok, (hi_tok - base + CHUNK - 1) // CHUNK, 0)
     first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
@@ -100,3 +112,56 @@ def chunk_table(qsl: jax.Array, num_tokens: int, num_chunks: int) -> tuple[jax.A
     hi = jnp.where(used, jnp.minimum(hi_tok[seg], nominal + CHUNK) - start, 0)
     table = jnp.stack([jnp.where(used, start, 0), lo, hi])
     return table, first
+
+
+class SequenceLayout(NamedTuple):
+    """Packed sequences re-laid out so that each starts at a multiple of ``ALIGN``: its chunks
+    then begin at its own first token, and nothing shifts a chunk back at the end of the
+    token axis, so every chunk's rows are the same whatever else the call packs.
+
+    ``qsl`` int32 ``[N+1]``: sequence starts in the new layout (``qsl[N]``: the padding
+    segment's start); ``ends`` int32 ``[N]``: where each sequence's tokens end (the rest up to
+    the next start is a gap). ``source`` int32 ``[num_tokens]``: the call's token at each new
+    position (out of range at gaps and padding); ``position`` int32 ``[T]``: each token's new
+    position (out of range for the call's padding tokens ``t >= qsl[N]``).
+    """
+
+    qsl: jax.Array
+    ends: jax.Array
+    source: jax.Array
+    position: jax.Array
+    num_tokens: int
+
+    def spread(self, x: jax.Array) -> jax.Array:
+        """``x`` ``[T, ...]`` in the new layout (zeros at gaps and padding)."""
+        return jnp.take(x, self.source, axis=0, mode="fill", fill_value=0)
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        """``x`` ``[num_tokens, ...]`` back in the call's layout (zeros at its padding)."""
+        return jnp.take(x, self.position, axis=0, mode="fill", fill_value=0)
+
+
+def sequence_layout(qsl: jax.Array, num_tokens: int) -> SequenceLayout:
+    """The ``SequenceLayout`` of ``qsl`` (int32 ``[N+1]``) over ``num_tokens`` packed tokens.
+
+    Each sequence gets its length rounded up to ``ALIGN`` rows, and one chunk of room follows
+    the last, so no chunk of a sequence reaches past the axis.
+    """
+    n = qsl.shape[0] - 1
+    qsl = qsl.astype(jnp.int32)
+    lens = qsl[1:] - qsl[:-1]
+    room = -(-lens // ALIGN) * ALIGN
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(room, dtype=jnp.int32)])
+    size = -(-(num_tokens + (ALIGN - 1) * n) // ALIGN) * ALIGN + CHUNK
+    ends = starts[:-1] + lens
+    # searchsorted(side="right") - 1: the last of equal starts, so an empty sequence owns
+    # nothing.
+    new = jnp.arange(size, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(starts, new, side="right").astype(jnp.int32) - 1, 0, n)
+    row = jnp.minimum(seq, n - 1)
+    offset = new - starts[seq]
+    source = jnp.where((seq < n) & (offset < lens[row]), qsl[row] + offset, num_tokens)
+    old = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(qsl, old, side="right").astype(jnp.int32) - 1, 0, n - 1)
+    position = jnp.where(old < qsl[n], starts[seq] + old - qsl[seq], size)
+    return SequenceLayout(starts, ends, source, position, size)

@@ -10,6 +10,7 @@ import pytest
 from hybrid_jax import Engine, EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams
 from hybrid_jax.engine.speculative import SpeculativeConfig
+from hybrid_jax.metadata import RowSpec, build_metadata
 from hybrid_jax.modes import ForwardMode
 
 CONFIG = EngineConfig(
@@ -58,9 +59,17 @@ def test_a_request_gets_the_same_bits_alone_and_among_others(engine):
     assert engine.retraces == 0
 
 
-def test_the_mode_runs_one_bucket():
+def test_the_mode_runs_one_bucket_and_its_metadata_asks_for_invariant_paths():
     engine_policy = CONFIG.policy(64)
     assert engine_policy.batch_buckets == (4,) and engine_policy.token_buckets == (16,)
+    # The layers read the flag from the step's metadata (static: part of the compile key):
+    # the chunked scans re-lay their tokens out, attention reads every key from the pages.
+    meta = build_metadata(ForwardMode.EXTEND, [RowSpec(1, 0, 5, (1,))], engine_policy,
+                          num_slots=4, num_pages=8)  # fmt: skip
+    assert meta.batch_invariant is True
+    plain = dataclasses.replace(CONFIG, batch_invariant=False).policy(64)
+    assert build_metadata(ForwardMode.EXTEND, [RowSpec(1, 0, 5, (1,))], plain,
+                          num_slots=4, num_pages=8).batch_invariant is False  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from hybrid_jax.kv_cache import (
 from hybrid_jax.layers.moe import MoEConfig, SparseMoE
 from hybrid_jax.metadata import BucketPolicy, MetadataError, RowSpec, build_metadata
 from hybrid_jax.modes import ForwardMode, LayerKind, UnsupportedForwardModeError
+from pallas_kernels._common import on_hopper_gpu
 
 M = ForwardMode
 PAGE = 4
@@ -257,7 +258,11 @@ def test_decode_and_verify_steps_take_the_paged_decode_kernel_when_asked(mode):
     k_pages, v_pages = jnp.asarray(k_pages, bf16), jnp.asarray(v_pages, bf16)
     rows_q = q.reshape(4, d, heads, dim)
     assert attention_backend._decode_kernel("interpret", rows_q, k_pages) == "interpret"
-    assert attention_backend._decode_kernel("auto", rows_q, k_pages) is None
+    assert attention_backend._decode_kernel("reference", rows_q, k_pages) is None
+    # auto takes the kernel on an sm_90 GPU only.
+    assert attention_backend._decode_kernel("auto", rows_q, k_pages) == (
+        "pallas" if on_hopper_gpu() else None
+    )
     run = jax.jit(paged_attention, static_argnames=("scale", "impl"))
     got, k_after, _ = run(q, k, v, k_pages, v_pages, meta, scale=dim**-0.5, impl="interpret")
     want, want_k, _ = run(q, k, v, k_pages, v_pages, meta, scale=dim**-0.5, impl="reference")

@@ -14,8 +14,10 @@ with the segment kernel (``pallas_kernels.attention``: tokamax's Mosaic GPU flas
 on an sm_90 GPU), the new tokens attend among themselves in the kernel and to their row's
 cached prefix in jnp, and the two parts merge by their log-sum-exps; ``interpret`` takes the
 same split with the segment op's jnp reference; ``reference`` (and ``auto`` off the GPU) reads
-every key from the pages in jnp. DECODE and TARGET_VERIFY are jnp under every ``impl``
-(their new tokens are few: the chunks over the cached keys are the work).
+every key from the pages in jnp, as do batch-invariant steps (``meta.batch_invariant``).
+DECODE and chain TARGET_VERIFY steps run the paged decode kernel
+(``pallas_kernels.attention.paged_decode_attention``) under ``auto`` on the GPU, ``pallas``
+and ``interpret`` where it takes their shapes, and the jnp key chunks otherwise.
 
 TARGET_VERIFY writes the D draft tokens' keys and values into the row's pages like any other
 step. Nothing needs undoing when drafts are rejected: their entries sit at positions past
@@ -229,16 +231,16 @@ def _ragged_kernel(impl: str, q: jax.Array, k_pages: jax.Array) -> str | None:
 def _decode_kernel(impl: str, q: jax.Array, k_pages: jax.Array) -> str | None:
     """The implementation of a DECODE or chain TARGET_VERIFY step's attention (``q`` ``[bs,
     D, H, hd]``) in the paged decode kernel (``pallas_kernels.attention.
-    paged_decode_attention``), or None for the jnp key chunks.
-    ``pallas`` asks for the kernel (and raises where it cannot take the step), ``interpret``
-    for its interpreter run where it can; ``auto`` keeps the jnp path, which the kernel has
-    not been timed against on the H200 (``benchmarks/paged_decode.py``)."""
-    if impl not in ("pallas", "interpret"):
+    paged_decode_attention``), or None for the jnp key chunks. ``auto`` takes the kernel on
+    an sm_90 GPU where it can take the step, ``pallas`` asks for it (and raises where it
+    cannot), ``interpret`` runs its interpreter where it can; ``reference`` keeps jnp."""
+    if impl == "reference":
         return None
     reason = paged_decode.unsupported_reason(q.astype(k_pages.dtype), k_pages)
     if impl == "interpret":
         return None if reason else "interpret"
-    return resolve_impl("paged_attention", impl, reason)
+    choice = resolve_impl("paged_attention", impl, reason)
+    return None if choice == "reference" else choice
 
 
 def _token_pages(meta: ForwardMetadata) -> jax.Array:
@@ -377,7 +379,10 @@ def paged_attention(
     k_flat = k_pages.reshape(-1, num_kv_heads, head_dim)
     v_flat = v_pages.reshape(-1, num_kv_heads, head_dim)
     acc = jnp.promote_types(q.dtype, jnp.float32)  # float32 at least; float64 oracles stay so
-    kernel = _ragged_kernel(impl, q, k_pages) if meta.token_layout is TokenLayout.RAGGED else None
+    # Batch-invariant steps read every key from the pages: the segment kernel's key blocks
+    # follow a row's place in the packed step.
+    ragged = meta.token_layout is TokenLayout.RAGGED and not meta.batch_invariant
+    kernel = _ragged_kernel(impl, q, k_pages) if ragged else None
     decode = rows_q = None
     if meta.token_layout in (TokenLayout.ONE_PER_ROW, TokenLayout.DRAFT_PER_ROW) and not meta.tree:
         rows_q = q.reshape(meta.batch_size, -1, num_heads, head_dim)  # row b's tokens in order

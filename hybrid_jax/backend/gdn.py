@@ -71,8 +71,9 @@ def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)
     )
     q, k, v = _split_qkv(mixed, dims)
     out, ssm_state = gdn.chunk_gated_delta_rule(
-        q, k, v, g, beta, ssm_state, qsl, slots, has_init, impl=impl
-    )
+        q, k, v, g, beta, ssm_state, qsl, slots, has_init, impl=impl,
+        packing_invariant=meta.batch_invariant,
+    )  # fmt: skip
     return LinearMixResult(out, conv_state, ssm_state, ())
 
 

@@ -73,7 +73,7 @@ def _ragged(xbc, dt, conv_weight, conv_bias, ssm, conv_state, ssm_state, meta, d
     x, b, c = _split_xbc(xbc, dims)
     out, ssm_state = mamba2.ssd_chunk_scan(
         x, dt, ssm.A, b, c, ssm.D, ssm.dt_bias, ssm_state, qsl, slots, has_init,
-        impl=impl, **_dt_limits(dims),
+        impl=impl, packing_invariant=meta.batch_invariant, **_dt_limits(dims),
     )  # fmt: skip
     return LinearMixResult(out, conv_state, ssm_state, ())
 

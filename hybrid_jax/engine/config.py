@@ -143,7 +143,10 @@ class EngineConfig:
         )  # fmt: skip
         buckets = {}
         if self.batch_invariant:
-            buckets = dict(batch_buckets=(self.max_batch,), token_buckets=(self.max_tokens,))
+            buckets = dict(
+                batch_buckets=(self.max_batch,), token_buckets=(self.max_tokens,),
+                batch_invariant=True,
+            )  # fmt: skip
         if self.batch_buckets is not None:
             buckets["batch_buckets"] = tuple(self.batch_buckets)
         if self.token_buckets is not None:

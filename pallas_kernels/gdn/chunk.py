@@ -33,6 +33,7 @@ def chunk_gated_delta_rule(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     impl: str = "auto",
+    packing_invariant: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Gated delta rule over ``N`` packed sequences, reading and writing their pool slots.
 
@@ -51,6 +52,10 @@ def chunk_gated_delta_rule(
       scale: query scale, default ``K ** -0.5``.
       use_qk_l2norm: normalize q and k per head (Qwen3-Next: True).
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
+      packing_invariant: a sequence's outputs and final state are the same bits whatever
+        else the call packs and wherever it sits (the kernel re-lays the tokens out, a
+        gather of inputs and outputs; the reference always is: its tiles start at each
+        sequence's first token).
 
     Returns:
       o ``[T, HV, V]`` in v's dtype (zeros at ``t >= qsl[N]``), and the pool where each
@@ -68,4 +73,6 @@ def chunk_gated_delta_rule(
     which = resolve_impl(_OP, impl, reason)
     if which == "reference":
         return reference.chunk_gated_delta_rule_chunked(*args, **options)
-    return chunk_mgpu.chunk_gated_delta_rule(*args, **options, interpret=which == "interpret")
+    return chunk_mgpu.chunk_gated_delta_rule(
+        *args, **options, interpret=which == "interpret", packing_invariant=packing_invariant
+    )

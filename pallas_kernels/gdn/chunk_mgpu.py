@@ -70,6 +70,7 @@ from pallas_kernels._mgpu_chunks import (
     along_rows,
     chunk_table,
     matmul,
+    sequence_layout,
     smem,
 )
 from pallas_kernels.gdn import _chunk_state
@@ -396,6 +397,7 @@ def chunk_gated_delta_rule(
     use_qk_l2norm: bool = True,
     interpret: object = False,
     config: Config = Config(),
+    packing_invariant: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked Gated DeltaNet over packed sequences (the Mosaic GPU kernels).
 
@@ -408,6 +410,10 @@ def chunk_gated_delta_rule(
       scale: defaults to ``K ** -0.5``. interpret: False for the GPU, True (or
         ``plgpu.InterpretGPUParams``) for the Mosaic GPU CPU interpreter.
       config: static tuning (value columns per CTA of the state pass).
+      packing_invariant: re-lay the tokens out so every sequence starts on an aligned row
+        (``_mgpu_chunks.sequence_layout``): a sequence's outputs and final state are then the
+        same bits whatever else the call packs and wherever it sits, at the cost of a gather
+        of the inputs and the outputs.
 
     Returns:
       ``o [T, HV, V]`` (v's dtype; zeros at ``t >= qsl[N]``) and the pool with each non-empty
@@ -438,10 +444,16 @@ def chunk_gated_delta_rule(
     config = _resolve(config, n_seqs, v.shape[1], v.shape[2], interpret=interpret)
     scale = key_dim**-0.5 if scale is None else float(scale)
     out_dtype = v.dtype
-    # Tokens padded to the 8-row tiling and at least one chunk: a copy only when T is
-    # not already a multiple of 8 (or shorter than a chunk).
-    padded = max(CHUNK, -(-tokens // ALIGN) * ALIGN)
-    pad = padded - tokens
+    if packing_invariant:
+        layout = sequence_layout(qsl, tokens)
+        padded, qsl, ends = layout.num_tokens, layout.qsl, layout.ends
+        q, k, v, g, beta = map(layout.spread, (q, k, v, g, beta))
+        pad = 0
+    else:
+        # Tokens padded to the 8-row tiling and at least one chunk: a copy only when T is
+        # not already a multiple of 8 (or shorter than a chunk).
+        padded, ends = max(CHUNK, -(-tokens // ALIGN) * ALIGN), None
+        pad = padded - tokens
 
     def prepare(x):
         return jnp.pad(x.astype(BF16), [(0, pad), (0, 0), (0, 0)])
@@ -452,7 +464,7 @@ def chunk_gated_delta_rule(
     # Segments: the N sequences plus the padding [qsl[N], T); each takes at most
     # ceil((len + 7) / 64) chunks, which sums to at most this bound.
     num_chunks = -(-padded // CHUNK) + 2 * (n_seqs + 1)
-    table, first = chunk_table(qsl, padded, num_chunks)
+    table, first = chunk_table(qsl, padded, num_chunks, ends)
     m, p, vecs = _intra(
         q, k, g_t, beta_t, table, first, n_seqs=n_seqs, scale=scale,
         solve=config.substitution and interpret is None, interpret=interpret,
@@ -467,4 +479,5 @@ def chunk_gated_delta_rule(
         )  # fmt: skip
     else:
         o = _state(*walk, slots, has_init, pool, n_seqs=n_seqs, cfg=config, interpret=interpret)
-    return o[:tokens].astype(out_dtype), jax.freeze(pool)
+    o = layout.gather(o) if packing_invariant else o[:tokens]
+    return o.astype(out_dtype), jax.freeze(pool)

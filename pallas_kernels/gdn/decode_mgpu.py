@@ -72,6 +72,7 @@ _ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 MAX_TOKENS = 16
 _GATING_OP = "decode_mgpu.fused_gating_recurrent_gated_delta_rule"
 _VEC = 2  # fp32 per register vector along V in the "cols" layout (8-byte SMEM accesses)
+_TMA_SMEM_ALIGN = 128  # bytes: a TMA's SMEM address is a multiple of this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,11 +273,21 @@ def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scal
     return kernel(idx, q, k, v, *gates_in, pool_ref)
 
 
+def _stage_rows(n_tokens: int, bv: int, dtype) -> int:
+    """Rows of one ring stage of a ``[n_tokens, bv]`` tile: ``n_tokens`` rounded up so that
+    every stage starts on a TMA-aligned address (a narrow value tile of one token is 32
+    bytes, and the second stage of an unpadded ring is misaligned on the GPU)."""
+    per_row = bv * jnp.dtype(dtype).itemsize
+    step = max(1, _TMA_SMEM_ALIGN // per_row)
+    return -(-n_tokens // step) * step
+
+
 def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, interpret):
     """Persistent grid; each program walks items ``c, c + P, c + 2P, ...`` (``P`` programs)
     through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead."""
     n_rows, n_tokens, h, k_dim = q.shape
     hv, v_dim = v.shape[2:]
+    v_rows = _stage_rows(n_tokens, bv, v.dtype)
     group = hv // h
     n_blocks = v_dim // bv
     n_items = n_rows * hv * n_blocks
@@ -313,7 +324,7 @@ def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, inte
                 plgpu.copy_gmem_to_smem(pool.at[slot, head, :, cols], state_smem.at[s], bar)
                 plgpu.copy_gmem_to_smem(q_ref.at[n, :, head // group], q_smem.at[s], bar)
                 plgpu.copy_gmem_to_smem(k_ref.at[n, :, head // group], k_smem.at[s], bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[n, :, head, cols], v_smem.at[s], bar)
+                plgpu.copy_gmem_to_smem(v_ref.at[n, :, head, cols], v_smem.at[s, :n_tokens], bar)
 
         def gates_of(i):
             n, head, _ = coords(i)
@@ -358,7 +369,7 @@ def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, inte
             def _store_state():
                 plgpu.copy_smem_to_gmem(state_smem.at[s], tile)
 
-            plgpu.copy_smem_to_gmem(o_smem.at[s], o_ref.at[n, :, head, cols])
+            plgpu.copy_smem_to_gmem(o_smem.at[s, :n_tokens], o_ref.at[n, :, head, cols])
             return (*slots[1:], next_slot), next_gates
 
         lax.fori_loop(0, count, step, (slots, gates_of(0)))
@@ -373,8 +384,8 @@ def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, inte
             plgpu.SMEM((stages, k_dim, bv), jnp.float32),
             plgpu.SMEM((stages, n_tokens, k_dim), q.dtype),
             plgpu.SMEM((stages, n_tokens, k_dim), k.dtype),
-            plgpu.SMEM((stages, n_tokens, bv), v.dtype),
-            plgpu.SMEM((stages, n_tokens, bv), v.dtype),
+            plgpu.SMEM((stages, v_rows, bv), v.dtype),
+            plgpu.SMEM((stages, v_rows, bv), v.dtype),
             plgpu.Barrier(num_arrivals=4, num_barriers=stages),
         ],
         interpret=interpret_params(interpret),

@@ -38,6 +38,7 @@ def ssd_chunk_scan(
     dt_min: float = 0.0,
     dt_max: float = float("inf"),
     impl: str = "auto",
+    packing_invariant: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Mamba2 SSD over ``N`` packed sequences, reading and writing their pool slots.
 
@@ -61,6 +62,10 @@ def ssd_chunk_scan(
       dt_softplus: apply softplus to ``dt + dt_bias`` (Mamba2: True).
       dt_min, dt_max: static clip of the time step after softplus.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
+      packing_invariant: a sequence's outputs and final state are the same bits whatever
+        else the call packs and wherever it sits (the kernel re-lays the tokens out, a
+        gather of inputs and outputs; the reference always is: its tiles start at each
+        sequence's first token).
 
     Returns:
       y ``[T, H, P]`` in x's dtype (zeros at ``t >= qsl[N]``), and the pool where each
@@ -81,4 +86,6 @@ def ssd_chunk_scan(
     )
     if which == "reference":
         return reference.ssd_chunk_scan_chunked(*args, **options)
-    return ssd_mgpu.ssd_chunk_scan(*args, **options, interpret=which == "interpret")
+    return ssd_mgpu.ssd_chunk_scan(
+        *args, **options, interpret=which == "interpret", packing_invariant=packing_invariant
+    )

@@ -51,6 +51,7 @@ from pallas_kernels._mgpu_chunks import (
     along_rows,
     chunk_table,
     matmul,
+    sequence_layout,
     smem,
 )
 from pallas_kernels.mamba2 import reference
@@ -338,9 +339,11 @@ def ssd_chunk_scan(
     dt_min: float = 0.0,
     dt_max: float = float("inf"),
     interpret: object = False,
+    packing_invariant: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chunked Mamba2 over packed sequences (the Mosaic GPU kernel); arguments and results as
-    ``pallas_kernels.mamba2.ssd_chunk_scan``, plus ``interpret`` (False for the GPU, True or
+    ``pallas_kernels.mamba2.ssd_chunk_scan`` (``packing_invariant`` re-lays the tokens out:
+    ``_mgpu_chunks.sequence_layout``), plus ``interpret`` (False for the GPU, True or
     ``plgpu.InterpretGPUParams`` for the Mosaic GPU CPU interpreter). Donate the pool under
     ``jit`` for an in-place update."""
     args = (x, dt, A, B, C, D, dt_bias, ssm_pool, qsl, state_indices, has_initial_state)
@@ -353,24 +356,31 @@ def ssd_chunk_scan(
     tokens = x.shape[0]
     n_seqs = qsl.shape[0] - 1
     out_dtype = x.dtype
-    # Tokens padded to the 8-row tiling and at least one chunk: a copy only when T is
-    # not already a multiple of 8 (or shorter than a chunk).
-    padded = max(CHUNK, -(-tokens // ALIGN) * ALIGN)
-    pad = padded - tokens
+    step = reference.prepare_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, F32)
+    if packing_invariant:
+        layout = sequence_layout(qsl, tokens)
+        padded, qsl, ends = layout.num_tokens, layout.qsl, layout.ends
+        x, B, C, step = map(layout.spread, (x, B, C, step))  # noqa: N806
+        z = None if z is None else layout.spread(z)
+        pad = 0
+    else:
+        # Tokens padded to the 8-row tiling and at least one chunk: a copy only when T is
+        # not already a multiple of 8 (or shorter than a chunk).
+        padded, ends = max(CHUNK, -(-tokens // ALIGN) * ALIGN), None
+        pad = padded - tokens
 
     def prepare(v):
         return jnp.pad(v.astype(BF16), [(0, pad), (0, 0), (0, 0)])
 
-    step = reference.prepare_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, F32)
     dt_t = jnp.pad(step.T, [(0, 0), (0, pad)])
     # Segments: the N sequences plus the padding [qsl[N], T); each takes at most
     # ceil((len + 7) / 64) chunks, which sums to at most this bound.
     num_chunks = -(-padded // CHUNK) + 2 * (n_seqs + 1)
-    table, first = chunk_table(qsl, padded, num_chunks)
+    table, first = chunk_table(qsl, padded, num_chunks, ends)
     pool = jax.new_ref(ssm_pool)
     y = _scan(
         prepare(x), None if z is None else prepare(z), dt_t, prepare(B), prepare(C), A, D,
         table, first, state_indices.astype(jnp.int32), has_initial_state.astype(jnp.int32),
         pool, n_seqs=n_seqs, out_dtype=out_dtype, interpret=interpret,
     )  # fmt: skip
-    return y[:tokens], jax.freeze(pool)
+    return (layout.gather(y) if packing_invariant else y[:tokens]), jax.freeze(pool)

@@ -1,7 +1,9 @@
 """EngineConfig(batch_invariant=True) on the H200: a request's log-probabilities alone and
 among others, with the Pallas kernels (impl="auto") and XLA's cuBLAS products, in bf16 at
-kernel-sized dimensions (two GDN + two attention layers, Qwen3-Next head shapes). The test
-states what holds on the GPU; the CPU test is tests/test_batch_invariance.py."""
+kernel-sized dimensions (two GDN + two attention layers, Qwen3-Next head shapes): bit for bit,
+as on the CPU (tests/test_batch_invariance.py). The chunked scans' per-sequence layout is
+what the prompt's log-probabilities need: in the packed layout a prompt's GDN chunk borders
+move with the tokens packed before it."""
 
 from __future__ import annotations
 

@@ -122,6 +122,81 @@ def test_chunk_table_covers_every_token_once_from_aligned_starts():
     assert first[-1] <= n_chunks
 
 
+def test_sequence_layout_starts_every_sequence_aligned_and_maps_tokens_both_ways():
+    lens = [13, 0, 70, 5, 1]
+    tokens = 96  # 7 padding tokens
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    layout = _mgpu_chunks.sequence_layout(qsl, tokens)
+    starts, ends = np.asarray(layout.qsl), np.asarray(layout.ends)
+    assert (starts % chunk_mgpu.ALIGN == 0).all()
+    np.testing.assert_array_equal(ends - starts[:-1], lens)
+    assert ends.max() + chunk_mgpu.CHUNK <= layout.num_tokens  # no chunk is shifted back
+    x = jnp.arange(1, tokens + 1, dtype=jnp.int32)
+    spread = np.asarray(layout.spread(x))
+    for n, length in enumerate(lens):
+        np.testing.assert_array_equal(spread[starts[n] : ends[n]], x[qsl[n] : qsl[n] + length])
+    assert np.count_nonzero(spread) == sum(lens)  # gaps and padding hold zeros
+    back = np.asarray(layout.gather(layout.spread(x)))
+    np.testing.assert_array_equal(back[: sum(lens)], x[: sum(lens)])
+    assert not back[sum(lens) :].any()  # the call's padding tokens give zeros
+
+
+def _placed(target, lens, at, tokens, seed):
+    """A call of ``lens`` packed in ``tokens`` rows whose sequence ``at`` is ``target`` (a
+    dict of its token arrays, its slot 1 continuing a state) and the rest fresh random tokens
+    in slots 2.."""
+    rng = np.random.default_rng(seed)
+    h, kd = target["q"].shape[1:]
+    hv, vd = target["v"].shape[1:]
+    filler = _case(seed, [tokens], tokens, h=h, hv=hv, kd=kd, vd=vd, slots=2)
+    start = int(np.sum(lens[:at]))
+    args = {
+        name: filler[name].at[start : start + lens[at]].set(target[name])
+        for name in ("q", "k", "v", "g", "beta")
+    }
+    slots = np.arange(2, len(lens) + 2, dtype=np.int32)
+    slots[at] = 1
+    init = rng.random(len(lens)) < 0.5
+    init[at] = True
+    args.update(
+        ssm_pool=target["ssm_pool"],
+        qsl=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
+        state_indices=jnp.asarray(slots),
+        has_initial_state=jnp.asarray(init),
+    )
+    return args
+
+
+def test_packing_invariant_calls_give_a_sequence_the_same_bits_wherever_it_sits():
+    """A 70-token sequence (two chunks) alone, after 13 tokens (its chunks would start 5 rows
+    early), and after 3 tokens with its last chunk at the end of the axis (which the packed
+    layout shifts back): outputs and final state bit for bit, each call near the oracle."""
+    rng = np.random.default_rng(11)
+    one = _case(11, [70], 70, h=1, hv=2, kd=64, vd=64, slots=8)
+    pool = jnp.asarray(rng.standard_normal((8, 2, 64, 64)).astype(np.float32) * 0.3)
+    target = {**{name: one[name] for name in ("q", "k", "v", "g", "beta")}, "ssm_pool": pool}
+    run = jax.jit(
+        lambda a: chunk_mgpu.chunk_gated_delta_rule(**a, interpret=True, packing_invariant=True)
+    )
+    seen = []
+    for lens, at, tokens in (([70], 0, 80), ([13, 70, 5], 1, 96), ([3, 0, 70], 2, 73)):
+        args = _placed(target, lens, at, tokens, seed=len(seen))
+        o, out_pool = run(args)
+        o_ref, pool_ref = _oracle(args)
+        end, start = sum(lens), sum(lens[:at])
+        o = np.asarray(o, np.float32)
+        assert np.isfinite(o).all() and not o[end:].any()
+        assert _rel(o[:end], o_ref[:end]) < 1e-2
+        written = np.asarray(args["state_indices"])[np.asarray(lens) > 0]
+        assert _rel(out_pool[written], pool_ref[written]) < 1e-2
+        kept = np.setdiff1d(np.arange(8), written)
+        np.testing.assert_array_equal(_bits(out_pool[kept]), _bits(pool[kept]))
+        seen.append((o[start : start + 70], np.asarray(out_pool[1])))
+    for o, state in seen[1:]:
+        np.testing.assert_array_equal(_bits(o), _bits(seen[0][0]))
+        np.testing.assert_array_equal(_bits(state), _bits(seen[0][1]))
+
+
 @pytest.mark.parametrize("block_v, d", [(64, 128), (32, 128), (32, 64)])
 def test_kernels_lower_for_cuda_at_qwen3_next_shapes(block_v, d):
     shape = jax.ShapeDtypeStruct

@@ -19,12 +19,14 @@ from pallas_kernels.gdn import decode_mgpu as variants
 from pallas_kernels.gdn import reference as gdn_reference
 
 # Every named variant; the pipelined ones also with 3 programs, so that each walks several
-# items (padded ones among them) through its ring; and the batch-1 tiling of "cols".
+# items (padded ones among them) through its ring, once with 16-column blocks (ring stages
+# padded to TMA-aligned rows); and the batch-1 tiling of "cols".
 _CASES = {
     **variants.VARIANTS,
     "pipe3-wgmma": variants.DecodeVariant("wgmma", stages=3, one_pass=False),
     "pipe3-cols-3programs": variants.DecodeVariant("cols", block_v=32, stages=3, programs=3),
     "pipe2-wgmma-3programs": variants.DecodeVariant("wgmma", block_v=64, stages=2, programs=3),
+    "pipe3-cols-bv16-3programs": variants.DecodeVariant("cols", block_v=16, stages=3, programs=3),
     "cols-bv16": variants.DecodeVariant("cols", block_v=16),
 }
 
@@ -129,6 +131,18 @@ def test_pick_block_v_narrows_only_small_grids():
     assert variants.pick_block_v(256, 32, 128) == 64
     assert variants.pick_block_v(1, 32, 128) == 16
     assert variants.pick_block_v(4, 32, 128) == 32
+
+
+def test_ring_stages_of_narrow_tiles_start_on_tma_aligned_addresses():
+    """A stage of the pipelined kernel's value/output ring holds whole 128-byte TMA boxes:
+    one bf16 token of 16 columns is 32 bytes, and an unpadded ring's second stage faulted on
+    the H200 (CUDA_ERROR_MISALIGNED_ADDRESS at batch 1 with 48 value heads)."""
+    for bv in (16, 32, 64):
+        for dtype in (jnp.bfloat16, jnp.float32):
+            row = bv * jnp.dtype(dtype).itemsize
+            for n_tokens in range(1, variants.MAX_TOKENS + 1):
+                rows = variants._stage_rows(n_tokens, bv, dtype)
+                assert rows * row % 128 == 0 and n_tokens <= rows < n_tokens + max(1, 128 // row)
 
 
 def test_unknown_variant_is_named_in_the_error():

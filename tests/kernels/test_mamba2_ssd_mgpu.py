@@ -135,6 +135,46 @@ def test_all_empty_batch_outputs_zeros_and_leaves_pool():
     np.testing.assert_array_equal(_bits(pool), _bits(args["ssm_pool"]))
 
 
+def test_packing_invariant_calls_give_a_sequence_the_same_bits_wherever_it_sits():
+    """The 70-token row of the case (slot and state of its own) alone, after 13 tokens and
+    after 3 with its last chunk at the end of the axis: outputs and final state bit for bit,
+    each call near the oracle."""
+    base = _case(4, jnp.bfloat16, gate=True)
+    token_names = ("x", "dt", "B", "C", "z")
+    target = {name: base[name][1:71] for name in token_names}  # LENGTHS[1] starts at 1
+    run = jax.jit(functools.partial(ssd_mgpu.ssd_chunk_scan, interpret=True,
+                                    packing_invariant=True))  # fmt: skip
+    seen = []
+    for lens, at, tokens in (([70], 0, 80), ([13, 70, 5], 1, 96), ([3, 0, 70], 2, 73)):
+        start = sum(lens[:at])
+        args = {
+            name: base[name][-tokens:].at[start : start + 70].set(target[name])
+            for name in token_names
+        }
+        own = int(base["state_indices"][1])  # a slot with a finite state (has_init)
+        slots = np.array([s for s in range(1, S) if s != own][: len(lens)], np.int32)
+        slots[at] = own
+        args.update(
+            {name: base[name] for name in ("A", "D", "dt_bias", "ssm_pool")},
+            qsl=jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32),
+            state_indices=jnp.asarray(slots),
+            has_initial_state=jnp.asarray(np.arange(len(lens)) == at),
+        )
+        y, pool = run(**args)
+        y_ref, pool_ref = _oracle(args)
+        y = np.asarray(y, np.float32)
+        assert np.isfinite(y[: sum(lens)]).all() and not y[sum(lens) :].any()
+        assert _rel(y[: sum(lens)], y_ref[: sum(lens)]) < 1e-2
+        written = slots[np.asarray(lens) > 0]
+        assert _rel(pool[written], pool_ref[written]) < 1e-2
+        kept = np.setdiff1d(np.arange(S), written)
+        np.testing.assert_array_equal(_bits(pool[kept]), _bits(base["ssm_pool"][kept]))
+        seen.append((y[start : start + 70], np.asarray(pool[slots[at]])))
+    for y, state in seen[1:]:
+        np.testing.assert_array_equal(_bits(y), _bits(seen[0][0]))
+        np.testing.assert_array_equal(_bits(state), _bits(seen[0][1]))
+
+
 def _production(t_total, n_seq, *, h=128, g=8, p=64, nd=128, dtype=jnp.bfloat16, gate=False):
     """Nemotron-H 8B-like shapes."""
     f32 = jnp.float32
