@@ -118,7 +118,7 @@ def _nested(change):
             "lacks text_config.vocab_size, text_config.num_hidden_layers",
         ),
         (_nested({"layer_types": ["linear_attention", "mamba"] * 2}), r"layer_types\[1\]='mamba'"),
-        (_nested({"mamba_ssm_dtype": "bfloat16"}), "text_config.mamba_ssm_dtype='bfloat16'"),
+        (_nested({"mamba_ssm_dtype": "int8"}), "text_config.mamba_ssm_dtype='int8'"),
         (_nested({"mtp_num_hidden_layers": 2}), "mtp_num_hidden_layers=2"),
         (
             {k: v for k, v in _config("moe_text").items() if k != "num_experts"},

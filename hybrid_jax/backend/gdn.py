@@ -28,12 +28,17 @@ __all__ = ["GDNDims", "gdn_mix"]
 
 
 class GDNDims(NamedTuple):
-    """Head counts and head dims of one GDN layer (static)."""
+    """Head counts and head dims of one GDN layer (static), and ``state_dtype``, the
+    precision the model keeps its delta-rule states at between steps (Qwen3.5's
+    ``mamba_ssm_dtype``). The pools are float32 whatever it is: a narrower precision rounds
+    every state a step writes (the slots of its rows, and a verify step's per-token states,
+    which the commit writes), which gives what storing them narrow would, not its memory."""
 
     num_key_heads: int
     num_value_heads: int
     head_k_dim: int
     head_v_dim: int
+    state_dtype: str = "float32"
 
     @property
     def key_dim(self) -> int:
@@ -63,6 +68,21 @@ def _split_qkv(mixed: jax.Array, dims: GDNDims) -> tuple[jax.Array, jax.Array, j
     )
 
 
+def _stored(states: jax.Array, dims: GDNDims) -> jax.Array:
+    """``states`` at the precision the model keeps them at (``GDNDims.state_dtype``)."""
+    if jnp.dtype(dims.state_dtype) == states.dtype:
+        return states
+    return states.astype(dims.state_dtype).astype(states.dtype)
+
+
+def _stored_slots(pool: jax.Array, slots: jax.Array, dims: GDNDims) -> jax.Array:
+    """``pool`` with the rows' slots (never the pad slot 0) at the stored precision."""
+    if jnp.dtype(dims.state_dtype) == pool.dtype:
+        return pool
+    target = jnp.where(slots != 0, slots, pool.shape[0])
+    return pool.at[target].set(_stored(pool[slots], dims), mode="drop")
+
+
 def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
     g, beta = gdn.gdn_gating(*gating)
     qsl, slots, has_init = meta.query_start_loc, meta.state_indices, meta.has_initial_state
@@ -74,6 +94,8 @@ def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)
         q, k, v, g, beta, ssm_state, qsl, slots, has_init, impl=impl,
         packing_invariant=meta.batch_invariant,
     )  # fmt: skip
+    # Rows without tokens keep their slot, already at the stored precision.
+    ssm_state = _stored_slots(ssm_state, slots, dims)
     return LinearMixResult(out, conv_state, ssm_state, ())
 
 
@@ -87,6 +109,7 @@ def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)
     out, ssm_state = gdn.fused_gating_recurrent_gated_delta_rule(
         q, k, v, a_log, rows(a, meta), dt_bias, rows(b, meta), ssm_state, slots, impl=impl
     )
+    ssm_state = _stored_slots(ssm_state, slots, dims)
     return LinearMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, ())
 
 
@@ -100,7 +123,7 @@ def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)
     out, states = gdn.verify_gated_delta_rule(
         q, k, v, rows(g, meta), rows(beta, meta), ssm_state, slots, impl=impl, **tree_args(meta)
     )
-    verify = VerifyStates(windows, states)
+    verify = VerifyStates(windows, _stored(states, dims))
     return LinearMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, verify)
 
 
@@ -137,7 +160,8 @@ def gdn_mix(
     mixed_qkv: ``[T, 2*H*K + HV*V]`` (q, k, v channels before the conv); conv_weight
     ``[C, W]``; A_log, dt_bias ``[HV]`` and a, b ``[T, HV]``: the inputs of ``gdn_gating``
     (gated inside the decode kernel in DECODE, by ``gdn_gating`` otherwise); conv_state
-    ``[S, C, W-1]``; ssm_state float32 ``[S, HV, K, V]``. Returns the delta rule's output
+    ``[S, C, W-1]``; ssm_state float32 ``[S, HV, K, V]`` (states written at
+    ``dims.state_dtype``'s precision). Returns the delta rule's output
     ``[T, HV, V]`` and the pools (see ``LinearMixResult``). Raises
     ``UnsupportedForwardModeError`` while tracing when GDN layers have no path for the mode.
     """

@@ -24,13 +24,22 @@ from hybrid_jax.layers.norm import GatedRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.state_pool import LinearStateSpec
 
-__all__ = ["GDNConfig", "GatedDeltaNet", "grouped_ba_columns", "grouped_qkvz_columns"]
+__all__ = [
+    "STATE_DTYPES",
+    "GDNConfig",
+    "GatedDeltaNet",
+    "grouped_ba_columns",
+    "grouped_qkvz_columns",
+]
+
+STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
 class GDNConfig:
     """Shape of one Gated DeltaNet layer. ``num_value_heads`` must be a multiple of
-    ``num_key_heads`` (value head h reads key head h // (HV // H))."""
+    ``num_key_heads`` (value head h reads key head h // (HV // H)). ``state_dtype``: the
+    precision of the delta-rule states between steps (``GDNDims.state_dtype``)."""
 
     hidden_size: int
     num_key_heads: int
@@ -40,8 +49,14 @@ class GDNConfig:
     conv_kernel: int = 4
     rms_norm_eps: float = 1e-6
     dtype: str = "float32"
+    state_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(
+                f"mamba_ssm_dtype={self.state_dtype!r}: the delta-rule states are kept at one "
+                f"of {list(STATE_DTYPES)}"
+            )
         if self.num_value_heads % self.num_key_heads:
             raise ValueError(
                 f"num_value_heads={self.num_value_heads} is not a multiple of "
@@ -52,7 +67,10 @@ class GDNConfig:
 
     @property
     def dims(self) -> GDNDims:
-        return GDNDims(self.num_key_heads, self.num_value_heads, self.head_k_dim, self.head_v_dim)
+        return GDNDims(
+            self.num_key_heads, self.num_value_heads, self.head_k_dim, self.head_v_dim,
+            self.state_dtype,
+        )  # fmt: skip
 
     @property
     def conv_dim(self) -> int:

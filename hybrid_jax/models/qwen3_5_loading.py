@@ -31,6 +31,7 @@ from typing import Any
 
 from flax import nnx
 
+from hybrid_jax.layers.gdn import STATE_DTYPES
 from hybrid_jax.models.checkpoint import CheckpointError, load_weights
 from hybrid_jax.models.checkpoint import weight_map as checkpoint_files
 from hybrid_jax.models.hf_config import ConfigError, hf_eos_token_ids, read_config_json
@@ -82,10 +83,10 @@ def qwen3_5_config(raw: Mapping[str, Any], *, dtype: str | None = None) -> Qwen3
     if missing:
         raise ConfigError(f"config.json lacks {', '.join(missing)}")
     ssm_dtype = text.get("mamba_ssm_dtype", raw.get("mamba_ssm_dtype", "float32"))
-    if ssm_dtype != "float32":
+    if ssm_dtype not in STATE_DTYPES:
         raise ConfigError(
-            f"{where}mamba_ssm_dtype={ssm_dtype!r}: the GDN states are kept in float32 here; "
-            f"serve with float32 states (set it to 'float32')"
+            f"{where}mamba_ssm_dtype={ssm_dtype!r}: the GDN states are kept at one of "
+            f"{list(STATE_DTYPES)}"
         )
     mtp_layers = text.get("mtp_num_hidden_layers", 1)
     if mtp_layers not in (0, 1):
@@ -99,6 +100,7 @@ def qwen3_5_config(raw: Mapping[str, Any], *, dtype: str | None = None) -> Qwen3
     hf["tie_word_embeddings"] = bool(tie_source.get("tie_word_embeddings", False))
     hf["eos_token_id"] = list(hf_eos_token_ids(text) or hf_eos_token_ids(raw)) or None
     hf["dtype"] = text.get("dtype") or raw.get("dtype") or raw.get("torch_dtype")
+    hf["mamba_ssm_dtype"] = ssm_dtype
     if moe:
         # Every layer is sparse and the router always renormalises its top-k.
         hf.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])

@@ -79,7 +79,8 @@ class Qwen3NextConfig:
     ``intermediate_size``. ``num_nextn_predict_layers``: 1 builds the multi-token-prediction
     head (``MTPHead``), 0 leaves it out. ``vision_token_ids``: the image and video placeholder
     ids of a vision-language checkpoint (Qwen3.5), which this text-only model refuses in a
-    prompt.
+    prompt. ``mamba_ssm_dtype``: the precision the GDN states keep between steps (Qwen3.5's
+    field; ``GDNDims.state_dtype``: the pools stay float32, the states written are rounded).
     """
 
     vocab_size: int
@@ -111,6 +112,7 @@ class Qwen3NextConfig:
     eos_token_id: tuple[int, ...] = ()
     num_nextn_predict_layers: int = 0
     vision_token_ids: tuple[int, ...] = ()
+    mamba_ssm_dtype: str = "float32"
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -269,6 +271,7 @@ class Qwen3NextConfig:
                 num_value_heads=self.linear_num_value_heads, head_k_dim=self.linear_key_head_dim,
                 head_v_dim=self.linear_value_head_dim, conv_kernel=self.linear_conv_kernel_dim,
                 rms_norm_eps=self.rms_norm_eps, dtype=self.dtype,
+                state_dtype=self.mamba_ssm_dtype,
             )  # fmt: skip
 
     def moe_config(self) -> MoEConfig:
