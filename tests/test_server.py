@@ -208,18 +208,28 @@ def test_concurrent_clients_get_the_tokens_they_get_alone(client, server):
 
 def test_stop_string_ends_the_answer_before_it(client, server):
     kw = dict(model="tiny", prompt="The pool holds", max_tokens=24, temperature=0)
-    text = client.completions.create(**kw).choices[0].text
+    full = client.completions.create(**kw, logprobs=0).choices[0]
+    text = full.text
     stop = text[5:7]
     cut = text.index(stop)
+    reported = []
     for stream in (False, True):
         if stream:
-            got = "".join(c.choices[0].text for c in client.completions.create(
-                **kw, stop=[stop], stream=True))  # fmt: skip
+            chunks = [c.choices[0] for c in client.completions.create(
+                **kw, stop=[stop], stream=True, logprobs=0)]  # fmt: skip
+            got = "".join(c.text for c in chunks)
+            reported.append(sum((c.logprobs.token_logprobs for c in chunks), []))
         else:
-            answer = client.completions.create(**kw, stop=stop)
+            answer = client.completions.create(**kw, stop=stop, logprobs=0)
             got = answer.choices[0].text
             assert answer.choices[0].finish_reason == "stop"
+            reported.append(answer.choices[0].logprobs.token_logprobs)
         assert got == text[:cut]
+    # The same entries streamed or not, the answer's first tokens: the held-back tokens that
+    # the stop string drops are never reported.
+    kept = len(reported[0])
+    assert reported[1] == reported[0] == full.logprobs.token_logprobs[:kept]
+    assert 0 < kept < len(full.logprobs.token_logprobs)
     _wait(lambda: _idle(server))
 
 

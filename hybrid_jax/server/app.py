@@ -145,9 +145,8 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 class _Generation:
     """One request's events on the handler's event loop, with the stop strings applied."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, stops: tuple[str, ...], decode):
+    def __init__(self, loop: asyncio.AbstractEventLoop, stops: tuple[str, ...]):
         self.loop = loop
-        self.decode = decode  # token ids -> text
         self.queue: asyncio.Queue[StepEvent | BaseException] = asyncio.Queue()
         self.stops = stops
         self.text = ""
@@ -155,8 +154,10 @@ class _Generation:
         self.tokens = 0
         self.finish: str | None = None
         self.prompt_tokens = 0
-        # (token id, log-probability, alternatives) of each token, when the request asked.
+        # (token id, log-probability, alternatives) of each token, when the request asked,
+        # and where its text starts in ``text``.
         self.logprobs: list[tuple[int, float, tuple]] = []
+        self.starts: list[int] = []
         self.reported = 0  # entries of logprobs handed out
 
     def sink(self, item: StepEvent | BaseException) -> None:
@@ -168,6 +169,7 @@ class _Generation:
             self.tokens += 1
             if event.logprob is not None:
                 self.logprobs.append((event.token_id, event.logprob, event.top_logprobs or ()))
+                self.starts.append(len(self.text))
         self.text += event.text
         if event.result is not None:
             self.prompt_tokens = len(event.result.prompt_token_ids)
@@ -194,17 +196,18 @@ class _Generation:
     def _trim_logprobs(self, length: int) -> None:
         """Drops the entries of tokens whose text starts at or past ``length`` characters
         (a stop string cut the answer there); handed-out entries stay."""
-        start, keep = 0, 0
-        for token_id, _, _ in self.logprobs:
-            if start >= length:
-                break
-            start += len(self.decode([token_id]))
-            keep += 1
-        del self.logprobs[max(keep, self.reported) :]
+        keep = max(sum(start < length for start in self.starts), self.reported)
+        del self.logprobs[keep:], self.starts[keep:]
 
     def new_logprobs(self) -> list[tuple[int, float, tuple]]:
-        """The entries not handed out yet (all of them once), marked as handed out."""
-        new, self.reported = self.logprobs[self.reported :], len(self.logprobs)
+        """The entries not handed out yet whose text has been (at least partly) handed out,
+        all of them once the request finished; marked as handed out. A token whose text is
+        held back (it may begin a stop string) is reported with its text, or never when a
+        stop string drops it."""
+        ready = len(self.logprobs)
+        if self.finish is None:
+            ready = self.reported + sum(s < self.sent for s in self.starts[self.reported :])
+        new, self.reported = self.logprobs[self.reported : ready], max(ready, self.reported)
         return new
 
 
@@ -325,7 +328,7 @@ def create_app(
             for i in range(body.n):
                 seed = None if body.seed is None else (body.seed + i) % _SEED_LIMIT
                 choice = dataclasses.replace(params, seed=seed) if i else params
-                generation = _Generation(asyncio.get_running_loop(), stops, tokenizer.decode)
+                generation = _Generation(asyncio.get_running_loop(), stops)
                 future = worker.submit(prompt, choice, generation.sink)
                 started.append((generation, await asyncio.wrap_future(future)))
         except (RequestError, SamplingParamsError, TokenizerError) as err:
