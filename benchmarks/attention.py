@@ -11,8 +11,9 @@ keys, values and cache, pages of 16 tokens scattered over the cache (every page 
 rows poisoned with NaN). Rows:
 
 * ``ours``: ``paged_attention`` as the engine runs it (``impl="auto"``: writes the step's keys
-  and values into the pages, the new tokens in the segment kernel, the cached prefix in jnp,
-  merged), on the packed layout; device time from a profiler trace (``device_time.py``).
+  and values into the pages, the new tokens in the segment kernel, the cached prefix in the
+  paged prefix kernel, merged), on the packed layout; device time from a profiler trace
+  (``device_time.py``).
 * ``ours jnp QxC``: the same with ``impl="reference"`` (every key from the pages, online
   softmax in jnp) in query blocks of Q tokens and key chunks of C positions.
 * ``cudnn``, ``tokamax``: ``jax.nn.dot_product_attention(implementation="cudnn")`` and

@@ -232,18 +232,12 @@ def test_paged_attention_matches_dense_causal_oracle_and_writes_only_its_pages(
     assert np.isnan(k_after[untouched]).all() and np.isnan(np.asarray(v_after)[untouched]).all()
 
 
-@pytest.mark.parametrize("mode", [M.DECODE, M.TARGET_VERIFY])
-def test_decode_and_verify_steps_take_the_paged_decode_kernel_when_asked(mode):
-    """DECODE and chain TARGET_VERIFY with ``impl="interpret"`` run the paged decode kernel
-    (bf16, head_dim 64, pages of 16) and agree with the jnp path; the cache is NaN outside
-    the rows."""
-    size, heads, kv_heads, dim, num_pages = 16, 8, 2, 64, 12
-    d = 1 if mode is M.DECODE else 3
-    policy = BucketPolicy(batch_buckets=(4,), token_buckets=(4 * d,), page_size=size,
-                          max_context=64, num_draft_tokens=3)  # fmt: skip
-    rows = [RowSpec(1, 40, d, (3, 7, 1)), RowSpec(2, 12, d, (9,)), RowSpec(3, 0, d, (5,))]
-    meta = build_metadata(mode, rows, policy, num_slots=4, num_pages=num_pages)
-    rng = np.random.default_rng(5)
+def _bf16_step(mode, rows, policy, num_pages, *, heads=8, kv_heads=2, dim=64, seed=5):
+    """A bf16 step of ``rows``: metadata, fresh q/k/v, and pages holding each row's prefix
+    (NaN everywhere else)."""
+    size = policy.page_size
+    meta = build_metadata(mode, rows, policy, num_slots=len(rows) + 1, num_pages=num_pages)
+    rng = np.random.default_rng(seed)
     k_pages = np.full((num_pages, size, kv_heads, dim), np.nan, np.float32)
     v_pages = np.full((num_pages, size, kv_heads, dim), np.nan, np.float32)
     for row in rows:
@@ -255,21 +249,60 @@ def test_decode_and_verify_steps_take_the_paged_decode_kernel_when_asked(mode):
     q = jnp.asarray(rng.standard_normal((t, heads, dim)), bf16)
     k = jnp.asarray(rng.standard_normal((t, kv_heads, dim)), bf16)
     v = jnp.asarray(rng.standard_normal((t, kv_heads, dim)), bf16)
-    k_pages, v_pages = jnp.asarray(k_pages, bf16), jnp.asarray(v_pages, bf16)
-    rows_q = q.reshape(4, d, heads, dim)
+    return meta, q, k, v, jnp.asarray(k_pages, bf16), jnp.asarray(v_pages, bf16)
+
+
+def _interpret_against_reference(meta, q, k, v, k_pages, v_pages):
+    """The step under ``impl="interpret"`` and ``"reference"`` (float32 outputs), after
+    checking that both wrote the same pages."""
+    run = jax.jit(paged_attention, static_argnames=("scale", "impl"))
+    scale = q.shape[-1] ** -0.5
+    got, k_after, _ = run(q, k, v, k_pages, v_pages, meta, scale=scale, impl="interpret")
+    want, want_k, _ = run(q, k, v, k_pages, v_pages, meta, scale=scale, impl="reference")
+    np.testing.assert_array_equal(np.asarray(k_after), np.asarray(want_k))
+    return np.asarray(got, np.float32), np.asarray(want, np.float32)
+
+
+@pytest.mark.parametrize("mode", [M.DECODE, M.TARGET_VERIFY])
+def test_decode_and_verify_steps_take_the_paged_decode_kernel_when_asked(mode):
+    """DECODE and chain TARGET_VERIFY with ``impl="interpret"`` run the paged decode kernel
+    (bf16, head_dim 64, pages of 16) and agree with the jnp path; the cache is NaN outside
+    the rows."""
+    d = 1 if mode is M.DECODE else 3
+    policy = BucketPolicy(batch_buckets=(4,), token_buckets=(4 * d,), page_size=16,
+                          max_context=64, num_draft_tokens=3)  # fmt: skip
+    rows = [RowSpec(1, 40, d, (3, 7, 1)), RowSpec(2, 12, d, (9,)), RowSpec(3, 0, d, (5,))]
+    meta, q, k, v, k_pages, v_pages = _bf16_step(mode, rows, policy, num_pages=12)
+    rows_q = q.reshape(4, d, *q.shape[1:])
     assert attention_backend._decode_kernel("interpret", rows_q, k_pages) == "interpret"
     assert attention_backend._decode_kernel("reference", rows_q, k_pages) is None
     # auto takes the kernel on an sm_90 GPU only.
     assert attention_backend._decode_kernel("auto", rows_q, k_pages) == (
         "pallas" if on_hopper_gpu() else None
     )
-    run = jax.jit(paged_attention, static_argnames=("scale", "impl"))
-    got, k_after, _ = run(q, k, v, k_pages, v_pages, meta, scale=dim**-0.5, impl="interpret")
-    want, want_k, _ = run(q, k, v, k_pages, v_pages, meta, scale=dim**-0.5, impl="reference")
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    got, want = _interpret_against_reference(meta, q, k, v, k_pages, v_pages)
     assert np.isfinite(got).all() and not got[3 * d :].any()  # the padded row: zeros
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
-    np.testing.assert_array_equal(np.asarray(k_after), np.asarray(want_k))  # the same write
+
+
+@pytest.mark.parametrize("mode", [M.EXTEND, M.MIXED])
+def test_ragged_steps_read_cached_prefixes_in_the_paged_prefix_kernel_when_asked(mode):
+    """A ragged step with ``impl="interpret"`` (bf16, head_dim 64, pages of 16) attends to its
+    rows' cached prefixes in the prefix kernel's interpreter run (tile rows of 8 tokens: a
+    20-token prompt chunk takes three) and agrees with the all-jnp path; a fresh row and the
+    padding see no prefix, and the cache is NaN outside the rows."""
+    policy = BucketPolicy(batch_buckets=(4,), token_buckets=(48,), page_size=16,
+                          max_context=96)  # fmt: skip
+    rows = [RowSpec(1, 40, 20, (3, 7, 1, 12)), RowSpec(2, 0, 9, (9,)), RowSpec(3, 17, 5, (5, 6))]
+    if mode is M.MIXED:
+        rows.append(RowSpec(4, 30, 1, (10, 11)))  # a decode row among the prompt chunks
+    meta, q, k, v, k_pages, v_pages = _bf16_step(mode, rows, policy, num_pages=16, seed=6)
+    assert attention_backend._prefix_kernel("interpret", "reference", q, k_pages) == "interpret"
+    assert attention_backend._prefix_kernel("reference", "reference", q, k_pages) is None
+    got, want = _interpret_against_reference(meta, q, k, v, k_pages, v_pages)
+    end = int(np.asarray(meta.query_start_loc)[len(rows)])
+    assert np.isfinite(got).all() and not got[end:].any()  # padding tokens: zeros
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
 def test_paged_attention_refuses_a_mode_at_trace_time_and_a_missing_page_table():

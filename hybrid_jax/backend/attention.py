@@ -12,9 +12,11 @@ tokens.
 ``impl`` (``"auto" | "pallas" | "interpret" | "reference"``) chooses how a ragged step runs:
 with the segment kernel (``pallas_kernels.attention``: tokamax's Mosaic GPU flash attention
 on an sm_90 GPU), the new tokens attend among themselves in the kernel and to their row's
-cached prefix in jnp, and the two parts merge by their log-sum-exps; ``interpret`` takes the
-same split with the segment op's jnp reference; ``reference`` (and ``auto`` off the GPU) reads
-every key from the pages in jnp, as do batch-invariant steps (``meta.batch_invariant``).
+cached prefix in the paged prefix kernel (``paged_prefix_attention``, jnp key chunks where
+it cannot take the step), and the two parts merge by their log-sum-exps; ``interpret`` takes
+the same split with the segment op's jnp reference and the prefix kernel's interpreter run;
+``reference`` (and ``auto`` off the GPU) reads every key from the pages in jnp, as do
+batch-invariant steps (``meta.batch_invariant``).
 DECODE and chain TARGET_VERIFY steps run the paged decode kernel
 (``pallas_kernels.attention.paged_decode_attention``) under ``auto`` on the GPU, ``pallas``
 and ``interpret`` where it takes their shapes, and the jnp key chunks otherwise.
@@ -243,6 +245,51 @@ def _decode_kernel(impl: str, q: jax.Array, k_pages: jax.Array) -> str | None:
     return None if choice == "reference" else choice
 
 
+def _prefix_kernel(impl: str, segment: str, q: jax.Array, k_pages: jax.Array) -> str | None:
+    """The implementation of a split ragged step's cached-prefix part in the paged prefix
+    kernel (``pallas_kernels.attention.paged_prefix_attention``), or None for the jnp key
+    chunks: the kernel under ``interpret`` (its interpreter run) and beside the segment
+    kernel (``segment == "pallas"``), where it takes the step's heads, dtype and pages."""
+    heads, head_dim = q.shape[1:]
+    tokens = paged_decode.tokens_per_tile(heads, k_pages.shape[2])
+    tile = jax.ShapeDtypeStruct((1, tokens, heads, head_dim), k_pages.dtype)
+    reason = paged_decode.unsupported_reason(tile, k_pages)
+    if impl == "interpret":
+        return None if reason else "interpret"
+    if segment != "pallas":
+        return None
+    choice = resolve_impl("paged_attention", impl, reason)
+    return None if choice == "reference" else choice
+
+
+def _cached_prefix(q, k_pages, v_pages, meta: ForwardMetadata, scale: float, impl: str):
+    """Each token over its row's cached prefix in the paged prefix kernel: float32 ``(out
+    [T, H, hd], lse [T, H])``, out 0 and lse ``-inf`` for a token that sees nothing (a row
+    without a prefix, padding), as ``_ragged_rows(prefix_only=True)`` gives."""
+    num_tokens, num_heads, head_dim = q.shape
+    tokens = paged_decode.tokens_per_tile(num_heads, k_pages.shape[2])
+    prefix = jnp.asarray(meta.context_lens) - jnp.asarray(meta.seq_lens)
+    qsl = jnp.asarray(meta.query_start_loc)
+    tiles = paged_decode.prefix_tiles(qsl, prefix, num_tokens, tokens)
+    q_tiles = jnp.take(q.astype(k_pages.dtype), tiles.token, axis=0, mode="fill", fill_value=0)
+    table = jnp.asarray(meta.pages.table)[tiles.row]
+    out, lse = paged_decode.paged_prefix_attention(
+        q_tiles, k_pages, v_pages, table, tiles.prefix_lens, scale=scale, impl=impl
+    )
+    where = tiles.token.reshape(-1)  # out of range (dropped) where a tile row has no token
+    out = (
+        jnp.zeros((num_tokens, num_heads, head_dim), out.dtype)
+        .at[where]
+        .set(out.reshape(-1, num_heads, head_dim), mode="drop")
+    )
+    lse = (
+        jnp.full((num_tokens, num_heads), -jnp.inf, lse.dtype)
+        .at[where]
+        .set(lse.reshape(-1, num_heads), mode="drop")
+    )
+    return out, lse
+
+
 def _token_pages(meta: ForwardMetadata) -> jax.Array:
     """``[T, max_pages]`` page table of each token's row; all zeros (pad page) at padding."""
     table = meta.pages.table
@@ -410,10 +457,18 @@ def paged_attention(
             scale=scale, impl=kernel,
         )  # fmt: skip
         prefix = jnp.asarray(meta.context_lens) - jnp.asarray(meta.seq_lens)
+        prefix_impl = _prefix_kernel(impl, kernel, q, k_pages)
+
+        def cached_prefix():
+            if prefix_impl is None:
+                return _ragged_rows(q, k_flat, v_flat, meta, scale, acc, prefix_only=True)
+            out, lse = _cached_prefix(q, k_pages, v_pages, meta, scale, prefix_impl)
+            return out.astype(acc), lse.astype(acc)
+
         # A step of fresh prompts only (no row has a cached prefix) skips the prefix pass.
         cached = jax.lax.cond(
             jnp.any(prefix > 0),
-            lambda: _ragged_rows(q, k_flat, v_flat, meta, scale, acc, prefix_only=True),
+            cached_prefix,
             lambda: (
                 jnp.zeros((num_tokens, num_heads, head_dim), acc),
                 jnp.full((num_tokens, num_heads), -jnp.inf, acc),

@@ -1,5 +1,7 @@
 """paged_decode_attention: a row's last D query tokens (decode: D = 1; a verify chain: its D
-tokens, causal) over that row's pages of a paged KV cache.
+tokens, causal) over that row's pages of a paged KV cache; paged_prefix_attention: a ragged
+step's new tokens over their rows' cached prefixes (every token sees the whole prefix), with
+the log-sum-exps that merge it with the new tokens' own attention.
 
 Grouped-query attention: query head ``h`` reads key head ``h // (H // KVH)``. Row ``b`` holds
 ``context_lens[b]`` positions in its page table (position ``p`` lives in
@@ -15,12 +17,16 @@ program reads each of its row's keys and values once for all of them. A program 
 block's loads are in flight while this block's scores, online softmax and ``p @ v`` run on
 the tensor cores. The last block's values past the row's length are zeroed in SMEM before
 ``p @ v`` (a zero weight times a NaN would be NaN). Long rows split their blocks over
-``num_splits`` programs; the splits' outputs merge by their log-sum-exps in XLA.
+``num_splits`` programs; the splits' outputs merge by their log-sum-exps in XLA. The prefix
+op runs the same kernel without the causal tail over "tile rows" of up to ``64 // (H // KVH)``
+consecutive tokens of one row each (``prefix_tiles``), so a prompt chunk of thousands of
+tokens is many programs, each reading its row's prefix once for its tokens.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -31,7 +37,16 @@ from jax import lax
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl
 from pallas_kernels._mgpu_chunks import F32, ROWS, WG, along_rows, matmul, smem
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_reference", "unsupported_reason"]
+__all__ = [
+    "PrefixTiles",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "paged_prefix_attention",
+    "paged_prefix_attention_reference",
+    "prefix_tiles",
+    "tokens_per_tile",
+    "unsupported_reason",
+]
 
 _OP = "paged_decode_attention"
 BLOCK = 64  # positions per block: the wgmma N of the scores, the K of p @ v
@@ -123,10 +138,12 @@ def pick_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
 
 
 def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, *, scale, num_splits,
-                 tokens, groups, interpret):  # fmt: skip
+                 tokens, groups, causal, interpret):  # fmt: skip
     """The kernel over zero-padded query tiles ``[B, KVH, 64, hd]`` (tile row ``r``: token
     ``r // groups``, query head ``r % groups`` of the KV head): per split, its output tiles
-    (q's dtype) and float32 log-sum-exps ``[S, B, KVH, 64]`` (``-inf``: saw nothing)."""
+    (q's dtype) and float32 log-sum-exps ``[S, B, KVH, 64]`` (``-inf``: saw nothing).
+    ``causal``: token t sees positions below ``length - tokens + 1 + t``; else every token
+    sees all ``length`` positions."""
     batch, kv_heads, _, head_dim = q_tiles.shape
     page_size = k_pages.shape[1]
     pages_per_block = BLOCK // page_size
@@ -172,8 +189,11 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, *, scale, 
             start = (first + j) * BLOCK
             col = plgpu.broadcasted_iota(jnp.int32, scores, 1, layout=WG)
             tile_row = plgpu.broadcasted_iota(jnp.int32, scores, 0, layout=WG)
-            # Token t of the row sees positions below length - tokens + 1 + t.
-            limit = jnp.minimum(length - tokens + 1 + tile_row // groups, length)
+            if causal:
+                # Token t of the row sees positions below length - tokens + 1 + t.
+                limit = jnp.minimum(length - tokens + 1 + tile_row // groups, length)
+            else:
+                limit = length
             qk = matmul(q_s, k_s.at[stage].T, scores) * scale
             qk = jnp.where(start + col < limit, qk, -jnp.inf)
 
@@ -234,35 +254,45 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, *, scale, 
     )(page_table, context_lens, q_tiles, k_pages, v_pages)
 
 
-def _merge(out: jax.Array, lse: jax.Array) -> jax.Array:
-    """Splits' outputs ``[S, ...rows, D]`` weighted by their log-sum-exps ``[S, ...rows]``."""
+def _merge(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Splits' outputs ``[S, ...rows, D]`` weighted by their log-sum-exps ``[S, ...rows]``:
+    float32 ``(out, lse)`` of the union (lse ``-inf`` where no split saw anything)."""
     peak = jnp.max(lse, axis=0)
     peak = jnp.where(jnp.isfinite(peak), peak, 0)
     weight = jnp.exp(lse - peak)  # 0 for a split that saw nothing
     total = weight.sum(axis=0)
     merged = (weight[..., None] * out.astype(F32)).sum(axis=0)
-    return merged / jnp.where(total > 0, total, 1)[..., None]
+    seen = total > 0
+    safe = jnp.where(seen, total, 1)
+    return merged / safe[..., None], jnp.where(seen, peak + jnp.log(safe), -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
-def _kernel(q, k_pages, v_pages, page_table, context_lens, *, scale, num_splits, interpret):
-    q4 = q if q.ndim == 4 else q[:, None]
-    batch, tokens, heads, head_dim = q4.shape
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "causal", "interpret"))
+def _kernel(q, k_pages, v_pages, page_table, context_lens, *, scale, num_splits, causal,
+            interpret):  # fmt: skip
+    """float32 ``(out, lse)``: out ``[B, D, H, hd]``, lse ``[B, D, H]``."""
+    batch, tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     groups = heads // kv_heads
     rows = tokens * groups
-    tiles = q4.reshape(batch, tokens, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    tiles = q.reshape(batch, tokens, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
     tiles = tiles.reshape(batch, kv_heads, rows, head_dim)
     tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, ROWS_PER_TILE - rows), (0, 0)))
     out, lse = _kernel_call(
         tiles, k_pages, v_pages, page_table, context_lens, scale=scale,
-        num_splits=num_splits, tokens=tokens, groups=groups, interpret=interpret,
+        num_splits=num_splits, tokens=tokens, groups=groups, causal=causal, interpret=interpret,
     )  # fmt: skip
-    out = out[:, :, :, :rows]
-    lse = lse[:, :, :, :rows]
-    merged = out[0].astype(F32) if num_splits == 1 else _merge(out, lse)
-    merged = merged.reshape(batch, kv_heads, tokens, groups, head_dim).transpose(0, 2, 1, 3, 4)
-    return merged.reshape(q.shape).astype(q.dtype)
+    out, lse = _merge(out[:, :, :, :rows], lse[:, :, :, :rows])
+    out = out.reshape(batch, kv_heads, tokens, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    lse = lse.reshape(batch, kv_heads, tokens, groups).transpose(0, 2, 1, 3)
+    return out.reshape(q.shape), lse.reshape(batch, tokens, heads)
+
+
+def _splits(q, k_pages, page_table, num_splits) -> int:
+    if num_splits is not None:
+        return int(num_splits)
+    max_blocks = -(-page_table.shape[1] * k_pages.shape[1] // BLOCK)
+    return pick_num_splits(q.shape[0], k_pages.shape[2], max_blocks)
 
 
 def paged_decode_attention(
@@ -298,11 +328,121 @@ def paged_decode_attention(
         return paged_decode_attention_reference(
             q, k_pages, v_pages, page_table, context_lens, scale=scale
         )
-    page_size = k_pages.shape[1]
-    max_blocks = -(-page_table.shape[1] * page_size // BLOCK)
-    if num_splits is None:
-        num_splits = pick_num_splits(q.shape[0], k_pages.shape[2], max_blocks)
+    q4 = q if q.ndim == 4 else q[:, None]
+    out, _ = _kernel(
+        q4, k_pages, v_pages, page_table, context_lens, scale=float(scale),
+        num_splits=_splits(q, k_pages, page_table, num_splits), causal=True,
+        interpret=choice == "interpret",
+    )  # fmt: skip
+    return out.reshape(q.shape).astype(q.dtype)
+
+
+def tokens_per_tile(heads: int, kv_heads: int) -> int:
+    """Query tokens of one program of the prefix op: the (token, query head) pairs of a KV
+    head fill the 64 rows of its tile."""
+    return ROWS_PER_TILE // (heads // kv_heads)
+
+
+class PrefixTiles(NamedTuple):
+    """A ragged step's new tokens cut into tile rows of ``D`` consecutive tokens of one row.
+
+    ``token`` int32 ``[V, D]``: each tile row's tokens in the step (``T``, out of range, where
+    it has fewer); ``row`` int32 ``[V]``: the step's row of each tile row (rows without a
+    prefix get none; unused tile rows point at row 0 with ``prefix_lens`` 0);
+    ``prefix_lens`` int32 ``[V]``.
+    """
+
+    token: jax.Array
+    row: jax.Array
+    prefix_lens: jax.Array
+
+
+def prefix_tiles(
+    query_start_loc: jax.Array, prefix_lens: jax.Array, num_tokens: int, tokens: int
+) -> PrefixTiles:
+    """The tile rows of ``tokens`` tokens of a ragged step (``query_start_loc`` int32 ``[N+1]``
+    over ``num_tokens`` packed tokens, ``prefix_lens`` int32 ``[N]``): ``num_tokens // tokens
+    + N`` of them, enough for any step of that size."""
+    n = prefix_lens.shape[0]
+    qsl = query_start_loc.astype(jnp.int32)
+    lens = qsl[1:] - qsl[:-1]
+    count = jnp.where(prefix_lens > 0, -(-lens // tokens), 0)
+    first = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(count, dtype=jnp.int32)])
+    tile = jnp.arange(num_tokens // tokens + n, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(first, tile, side="right").astype(jnp.int32) - 1, 0, n - 1)
+    used = tile < first[n]
+    offset = (tile - first[row])[:, None] * tokens + jnp.arange(tokens, dtype=jnp.int32)
+    live = used[:, None] & (offset < lens[row][:, None])
+    token = jnp.where(live, qsl[row][:, None] + offset, num_tokens)
+    return PrefixTiles(token, jnp.where(used, row, 0), jnp.where(used, prefix_lens[row], 0))
+
+
+def paged_prefix_attention_reference(
+    q, k_pages, v_pages, page_table, prefix_lens, *, scale: float
+) -> tuple[jax.Array, jax.Array]:
+    """jnp ``paged_prefix_attention``: every page of the table gathered (values past each
+    row's prefix zeroed). Float32 at least."""
+    batch, tokens, heads, head_dim = q.shape
+    kv_heads = k_pages.shape[2]
+    groups = heads // kv_heads
+    acc = jnp.promote_types(q.dtype, F32)
+    keys = k_pages[page_table].reshape(batch, -1, kv_heads, head_dim)
+    values = v_pages[page_table].reshape(batch, -1, kv_heads, head_dim)
+    live = jnp.arange(keys.shape[1])[None, :] < prefix_lens[:, None]  # [B, L]
+    values = jnp.where(live[..., None, None], values, 0).astype(acc)
+    qg = q.reshape(batch, tokens, kv_heads, groups, head_dim).astype(acc)
+    scores = jnp.einsum("btkgd,blkd->btkgl", qg, keys.astype(acc)) * scale
+    scores = jnp.where(live[:, None, None, None, :], scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0)
+    weights = jnp.exp(scores - peak)
+    total = weights.sum(-1)
+    seen = total > 0
+    safe = jnp.where(seen, total, 1)
+    out = jnp.einsum("btkgl,blkd->btkgd", weights, values) / safe[..., None]
+    lse = jnp.where(seen, peak[..., 0] + jnp.log(safe), -jnp.inf)
+    return out.reshape(q.shape), lse.reshape(batch, tokens, heads)
+
+
+def paged_prefix_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    prefix_lens: jax.Array,
+    *,
+    scale: float,
+    num_splits: int | None = None,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of each tile row's query tokens over the first ``prefix_lens[b]`` positions
+    of its page table, every token seeing all of them (no causal mask: the prefix lies
+    before every new token).
+
+    Args:
+      q: ``[B, D, H, hd]`` (``D * H // KVH <= 64``: ``tokens_per_tile``); k_pages, v_pages:
+        ``[P, page_size, KVH, hd]`` (q's dtype).
+      page_table: int32 ``[B, max_pages]``; prefix_lens: int32 ``[B]`` (0: the tile row
+        reads nothing: out 0, lse ``-inf``).
+      scale: the scores' scale.
+      num_splits: programs per (tile row, KV head) (None: ``pick_num_splits``).
+      impl: ``"auto" | "pallas" | "interpret" | "reference"``.
+
+    Returns:
+      float32 ``(out [B, D, H, hd], lse [B, D, H])``, lse the natural log of each token's sum
+      of ``exp(scale * q . k)`` over the positions it saw.
+    """
+    if q.ndim != 4:
+        raise ValueError(f"paged_prefix_attention: q must be [B, D, H, hd]; got {q.shape}")
+    _check(q, k_pages, v_pages, page_table, prefix_lens)
+    reason = unsupported_reason(q, k_pages) if impl != "reference" else None
+    choice = resolve_impl("paged_prefix_attention", impl, reason)
+    if choice == "reference":
+        return paged_prefix_attention_reference(
+            q, k_pages, v_pages, page_table, prefix_lens, scale=scale
+        )
     return _kernel(
-        q, k_pages, v_pages, page_table, context_lens, scale=float(scale),
-        num_splits=int(num_splits), interpret=choice == "interpret",
+        q, k_pages, v_pages, page_table, prefix_lens, scale=float(scale),
+        num_splits=_splits(q, k_pages, page_table, num_splits), causal=False,
+        interpret=choice == "interpret",
     )  # fmt: skip

@@ -1,7 +1,8 @@
 """Ragged prefill attention on an sm_90 GPU at Qwen3-Next attention shapes: the segment kernel
 (tokamax's Mosaic GPU flash attention) against its jnp reference, and the paged attention's
-split path (kernel + cached prefix + merge) against its all-jnp path, with the cache poisoned
-outside the rows; skipped without tokamax."""
+split path (kernel + cached prefix in the paged prefix kernel + merge) against its all-jnp
+path, with the cache poisoned outside the rows, and the paged decode and prefix kernels
+against their references; skipped without tokamax."""
 
 from __future__ import annotations
 
@@ -88,26 +89,17 @@ def test_split_paged_attention_matches_the_all_jnp_path(mode):
     np.testing.assert_array_equal(got[real:], 0)
 
 
-@pytest.mark.parametrize(
-    ("batch", "heads", "kv_heads", "dim", "page_size"),
-    [(64, 16, 2, 256, 16), (1, 16, 2, 256, 16), (8, 24, 4, 256, 64), (16, 32, 8, 128, 32)],
-    ids=["qwen-b64", "qwen-b1", "27b-like", "nemotron-like"],
-)
-def test_paged_decode_kernel_matches_its_reference_with_poisoned_pages(
-    batch, heads, kv_heads, dim, page_size
-):
-    """Ragged lengths up to 8k (an empty row, one position, mid-page, whole pages), pages
-    scattered over the cache, NaN in every entry no row holds."""
-    from pallas_kernels.attention import paged_decode as pd
-
-    rng = np.random.default_rng(dim + batch)
+def _poisoned_cache(batch, kv_heads, dim, page_size, seed):
+    """Ragged lengths up to 8k (an empty row, one position, whole pages), pages scattered over
+    the cache, NaN in every entry no row holds: (k, v, page table, lengths)."""
+    rng = np.random.default_rng(seed)
     lens = rng.integers(1, 8192, batch).astype(np.int32)
     if batch >= 3:
         lens[:3] = [0, 1, 4 * page_size]
     max_pages = -(-8192 // page_size)
     num_pages = batch * max_pages + 1
     pages = rng.permutation(np.arange(1, num_pages)).reshape(batch, max_pages).astype(np.int32)
-    keys = jax.random.split(jax.random.key(dim), 3)
+    keys = jax.random.split(jax.random.key(seed), 2)
     shape = (num_pages, page_size, kv_heads, dim)
     k = jax.random.normal(keys[0], shape, jnp.bfloat16)
     v = jax.random.normal(keys[1], shape, jnp.bfloat16)
@@ -117,12 +109,50 @@ def test_paged_decode_kernel_matches_its_reference_with_poisoned_pages(
     live[position[held]] = True
     live = jnp.asarray(live.reshape(num_pages, page_size, 1, 1))
     k, v = jnp.where(live, k, jnp.nan), jnp.where(live, v, jnp.nan)
-    q = jax.random.normal(keys[2], (batch, heads, dim), jnp.bfloat16)
+    return k, v, jnp.asarray(pages), lens
+
+
+SHAPES = pytest.mark.parametrize(
+    ("batch", "heads", "kv_heads", "dim", "page_size"),
+    [(64, 16, 2, 256, 16), (1, 16, 2, 256, 16), (8, 24, 4, 256, 64), (16, 32, 8, 128, 32)],
+    ids=["qwen-b64", "qwen-b1", "27b-like", "nemotron-like"],
+)
+
+
+@SHAPES
+def test_paged_decode_kernel_matches_its_reference_with_poisoned_pages(
+    batch, heads, kv_heads, dim, page_size
+):
+    from pallas_kernels.attention import paged_decode as pd
+
+    k, v, table, lens = _poisoned_cache(batch, kv_heads, dim, page_size, dim + batch)
+    q = jax.random.normal(jax.random.key(1), (batch, heads, dim), jnp.bfloat16)
     assert pd.unsupported_reason(q, k) is None
-    args = (q, k, v, jnp.asarray(pages), jnp.asarray(lens))
+    args = (q, k, v, table, jnp.asarray(lens))
     got = pd.paged_decode_attention(*args, scale=dim**-0.5, impl="pallas")
     want = pd.paged_decode_attention(*args, scale=dim**-0.5, impl="reference")
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(got).all(), "an entry no row holds reached the output"
     assert not got[lens == 0].any()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+@SHAPES
+def test_paged_prefix_kernel_matches_its_reference_with_poisoned_pages(
+    batch, heads, kv_heads, dim, page_size
+):
+    """Tile rows of a full tile's tokens over prefixes up to 8k: out and log-sum-exp."""
+    from pallas_kernels.attention import paged_decode as pd
+
+    k, v, table, lens = _poisoned_cache(batch, kv_heads, dim, page_size, dim + batch + 1)
+    tokens = pd.tokens_per_tile(heads, kv_heads)
+    q = jax.random.normal(jax.random.key(2), (batch, tokens, heads, dim), jnp.bfloat16)
+    args = (q, k, v, table, jnp.asarray(lens))
+    got, lse = pd.paged_prefix_attention(*args, scale=dim**-0.5, impl="pallas")
+    want, want_lse = pd.paged_prefix_attention(*args, scale=dim**-0.5, impl="reference")
+    got, want = np.asarray(got), np.asarray(want)
+    assert np.isfinite(got).all(), "an entry no row holds reached the output"
+    empty = lens == 0
+    assert not got[empty].any() and np.isneginf(np.asarray(lse)[empty]).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(want_lse)[~empty], atol=2e-2)

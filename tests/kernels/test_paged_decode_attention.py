@@ -1,7 +1,7 @@
-"""paged_decode_attention: the Mosaic GPU kernel in the interpreter and its jnp reference,
-against a float64 oracle written row by row in numpy, on fresh random inputs with every
-position past a row's length (and the pad page) poisoned with NaN; the kernel also lowers
-for the GPU at production shapes."""
+"""paged_decode_attention and paged_prefix_attention: the Mosaic GPU kernel in the
+interpreter and the jnp references, against float64 oracles written row by row in numpy, on
+fresh random inputs with every position past a row's length (and the pad page) poisoned with
+NaN; the kernel also lowers for the GPU at production shapes."""
 
 from __future__ import annotations
 
@@ -134,9 +134,106 @@ def test_kernel_lowers_for_the_gpu_at_production_shapes(
     args = (spec(q_shape, jnp.bfloat16), pages, pages,
             spec((batch, 8192 // page_size), jnp.int32), spec((batch,), jnp.int32))  # fmt: skip
     assert pd.unsupported_reason(args[0], args[1]) is None
-    call = functools.partial(pd._kernel, scale=0.0625, num_splits=splits, interpret=False)
+    if not tokens:
+        args = (spec((batch, 1, heads, head_dim), jnp.bfloat16), *args[1:])
+    call = functools.partial(
+        pd._kernel, scale=0.0625, num_splits=splits, causal=True, interpret=False
+    )
     text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+def test_prefix_kernel_lowers_for_the_gpu_at_a_prompt_chunks_shape():
+    """An 8192-token chunk of a Qwen3-Next-like model (16 query / 2 KV heads of 256): 1028
+    tile rows of 8 tokens over pages of 16."""
+    spec = jax.ShapeDtypeStruct
+    tokens = pd.tokens_per_tile(16, 2)
+    rows = 8192 // tokens + 4
+    pages = spec((4096, 16, 2, 256), jnp.bfloat16)
+    args = (spec((rows, tokens, 16, 256), jnp.bfloat16), pages, pages,
+            spec((rows, 1024), jnp.int32), spec((rows,), jnp.int32))  # fmt: skip
+    call = functools.partial(pd._kernel, scale=0.0625, num_splits=1, causal=False, interpret=False)
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def _prefix_oracle(q, k_pages, v_pages, page_table, prefix_lens):
+    """float64 numpy: every token of tile row b sees positions 0 .. prefix_lens[b] - 1;
+    (out, lse), zeros and -inf where it sees nothing."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    batch, tokens, heads, head_dim = q.shape
+    page_size, kv_heads = k.shape[1:3]
+    out, lse = np.zeros_like(q), np.full(q.shape[:3], -np.inf)
+    for b in range(batch):
+        n = int(prefix_lens[b])
+        if n == 0:
+            continue
+        pages = np.asarray(page_table[b])[: -(-n // page_size)]
+        keys = k[pages].reshape(-1, kv_heads, head_dim)[:n]
+        values = v[pages].reshape(-1, kv_heads, head_dim)[:n]
+        for t in range(tokens):
+            for h in range(heads):
+                g = h // (heads // kv_heads)
+                s = keys[:, g] @ q[b, t, h] * SCALE
+                w = np.exp(s - s.max())
+                out[b, t, h] = w @ values[:, g] / w.sum()
+                lse[b, t, h] = s.max() + np.log(w.sum())
+    return out, lse
+
+
+PREFIX_CASES = {
+    # a tile row of 8 tokens per KV head (8 query heads on 1), of 16 (8 on 2)
+    "gqa8-d128-p16": dict(batch=4, heads=8, kv_heads=1, head_dim=128, page_size=16,
+                          max_pages=12, lens=[0, 1, 70, 190]),
+    "gqa4-d64-p32": dict(batch=3, heads=8, kv_heads=2, head_dim=64, page_size=32,
+                         max_pages=6, lens=[150, 33, 64]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PREFIX_CASES))
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_prefix_kernel_in_the_interpreter_matches_the_oracle(name, num_splits):
+    case = PREFIX_CASES[name]
+    tokens = pd.tokens_per_tile(case["heads"], case["kv_heads"])
+    args = _case(3, **case, tokens=tokens)
+    args["prefix_lens"] = args.pop("context_lens")
+    want, want_lse = _prefix_oracle(**args)
+    got, lse = pd.paged_prefix_attention(
+        **args, scale=SCALE, num_splits=num_splits, impl="interpret"
+    )
+    assert got.dtype == lse.dtype == jnp.float32 and lse.shape == args["q"].shape[:3]
+    got, lse = np.asarray(got, np.float64), np.asarray(lse, np.float64)
+    assert np.isfinite(got).all(), "a NaN past some row's prefix reached the output"
+    empty = np.asarray(args["prefix_lens"]) == 0
+    assert not got[empty].any() and np.isneginf(lse[empty]).all()
+    assert _rel(got, want) < 1e-2
+    np.testing.assert_allclose(lse[~empty], want_lse[~empty], rtol=0, atol=2e-2)
+    with jax.enable_x64(True):
+        wide = {n: jnp.asarray(a, jnp.float64) if a.dtype == jnp.bfloat16 else a
+                for n, a in args.items()}  # fmt: skip
+        ref, ref_lse = pd.paged_prefix_attention(**wide, scale=SCALE, impl="reference")
+    assert _rel(ref, want) < 1e-12
+    np.testing.assert_allclose(np.asarray(ref_lse)[~empty], want_lse[~empty], rtol=1e-12)
+
+
+def test_prefix_tiles_hold_every_token_of_the_rows_with_a_prefix_once():
+    lens, prefix = [5, 0, 20, 3, 9], [4, 7, 0, 30, 2]
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    tokens, num_tokens = 4, 48  # 11 padding tokens
+    tiles = pd.prefix_tiles(qsl, jnp.asarray(prefix, jnp.int32), num_tokens, tokens)
+    token, row, plen = (np.asarray(x) for x in tiles)
+    assert token.shape == (num_tokens // tokens + len(lens), tokens)
+    starts = np.asarray(qsl)
+    for r, (n, p) in enumerate(zip(lens, prefix, strict=True)):
+        mine = token[(row == r) & (plen > 0)]
+        held = sorted(mine[mine < num_tokens].tolist())
+        assert held == (list(range(starts[r], starts[r] + n)) if p else [])
+        assert (plen[(row == r) & (plen > 0)] == p).all()
+        # each tile row holds consecutive tokens of one row from its start
+        for tile in mine:
+            live = tile[tile < num_tokens]
+            assert (np.diff(live) == 1).all() and (live - starts[r])[0] % tokens == 0
+    assert (token[plen == 0] == num_tokens).all()  # unused tile rows hold no token
 
 
 def test_unsupported_calls_and_bad_arguments_say_why():
