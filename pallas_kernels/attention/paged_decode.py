@@ -282,7 +282,8 @@ def _kernel(q, k_pages, v_pages, page_table, context_lens, *, scale, num_splits,
         tiles, k_pages, v_pages, page_table, context_lens, scale=scale,
         num_splits=num_splits, tokens=tokens, groups=groups, causal=causal, interpret=interpret,
     )  # fmt: skip
-    out, lse = _merge(out[:, :, :, :rows], lse[:, :, :, :rows])
+    out, lse = out[:, :, :, :rows], lse[:, :, :, :rows]
+    out, lse = (out[0].astype(F32), lse[0]) if num_splits == 1 else _merge(out, lse)
     out = out.reshape(batch, kv_heads, tokens, groups, head_dim).transpose(0, 2, 1, 3, 4)
     lse = lse.reshape(batch, kv_heads, tokens, groups).transpose(0, 2, 1, 3)
     return out.reshape(q.shape), lse.reshape(batch, tokens, heads)
