@@ -7,6 +7,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import pathlib
+import shutil
 import socket
 import threading
 import time
@@ -19,7 +21,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from hybrid_jax import Engine, EngineConfig  # noqa: E402
+from hybrid_jax import Engine, EngineConfig, SamplingParams  # noqa: E402
 from hybrid_jax.cli.serve import build_server  # noqa: E402
 from hybrid_jax.models.tokenizer import ByteTokenizer, TokenizerError  # noqa: E402
 
@@ -43,13 +45,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    config = dataclasses.replace(CONFIG, cache_dir=str(tmp_path_factory.mktemp("xla")))
-    engine = Engine.from_preset("tiny", config, progress=False)
-    engine.tokenizer = ChatBytes()
+def _serving(engine, model_name):
+    """The server over ``engine`` on a free port, started on a thread: yields (server, url,
+    engine) and stops it afterwards."""
     port = _free_port()
-    srv = build_server(engine, host="127.0.0.1", port=port, model_name="tiny",
+    srv = build_server(engine, host="127.0.0.1", port=port, model_name=model_name,
                        max_waiting=64, drain_s=2.0, log_level="warning")  # fmt: skip
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -60,6 +60,14 @@ def server(tmp_path_factory):
     yield srv, f"http://127.0.0.1:{port}", engine
     srv.should_exit = True
     thread.join(TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    config = dataclasses.replace(CONFIG, cache_dir=str(tmp_path_factory.mktemp("xla")))
+    engine = Engine.from_preset("tiny", config, progress=False)
+    engine.tokenizer = ChatBytes()
+    yield from _serving(engine, "tiny")
 
 
 @pytest.fixture(scope="module")
@@ -396,3 +404,54 @@ def test_bench_serve_reports_latencies_of_a_running_server(server, tmp_path, cap
     with pytest.raises(SystemExit) as code:
         main(["bench", "serve", "--url", url, "--request-rate", "0"])
     assert code.value.code == 2 and "--request-rate=0.0 must be > 0" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- a Hugging Face folder
+
+CHECKPOINT = pathlib.Path(__file__).parent / "fixtures" / "qwen3_5" / "dense_vl"
+WORDS = [f"w{i}" for i in range(200)]
+
+
+def test_a_checkpoint_folder_is_served_with_its_tokenizer_template_and_defaults(tmp_path):
+    """The tiny random Qwen3.5 vision-language checkpoint of the parity tests, given the files
+    a Hub folder has beside its weights (tokenizer.json, tokenizer_config.json with a chat
+    template, generation_config.json): the OpenAI client gets what the engine generates, the
+    chat template of the folder, and the folder's defaults for fields it leaves out."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(CHECKPOINT, folder)
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}, "<|end|>": 201}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(["<|end|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}w0"
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": template, "eos_token": "<|end|>"})
+    )
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    config = dataclasses.replace(CONFIG, cache_dir=str(tmp_path / "xla"))
+    engine = Engine.from_checkpoint(folder, config, progress=False)
+    prompt = " ".join(WORDS[3:11])
+    [alone] = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0))
+    chat_prompt = "user " + " ".join(WORDS[20:25]) + " w0"
+    [chat_alone] = engine.generate([chat_prompt], SamplingParams(max_new_tokens=5))
+    serving = _serving(engine, "tiny-qwen3.5")
+    _, url, _ = next(serving)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=TIMEOUT,
+                               max_retries=0)  # fmt: skip
+        assert [m.id for m in client.models.list().data] == ["tiny-qwen3.5"]
+        # temperature left out: the folder's generation_config (greedy) decides.
+        answer = client.completions.create(model="tiny-qwen3.5", prompt=prompt, max_tokens=6)
+        assert answer.choices[0].text == alone.text
+        assert answer.usage.prompt_tokens == len(engine.tokenizer.encode(prompt)) == 8
+        messages = [{"role": "user", "content": " ".join(WORDS[20:25])}]
+        chat = client.chat.completions.create(model="tiny-qwen3.5", messages=messages,
+                                              max_tokens=5)  # fmt: skip
+        assert chat.choices[0].message.content == chat_alone.text
+        assert chat.usage.prompt_tokens == len(engine.tokenizer.encode(chat_prompt))
+    finally:
+        next(serving, None)
