@@ -29,10 +29,12 @@ __all__ = [
     "WG",
     "along_cols",
     "along_rows",
+    "TokenAxis",
     "chunk_table",
     "matmul",
     "sequence_layout",
     "smem",
+    "token_axis",
 ]
 
 CHUNK = 64
@@ -165,3 +167,41 @@ def sequence_layout(qsl: jax.Array, num_tokens: int) -> SequenceLayout:
     seq = jnp.clip(jnp.searchsorted(qsl, old, side="right").astype(jnp.int32) - 1, 0, n - 1)
     position = jnp.where(old < qsl[n], starts[seq] + old - qsl[seq], size)
     return SequenceLayout(starts, ends, source, position, size)
+
+
+class TokenAxis(NamedTuple):
+    """The chunked kernels' token axis for one call: ``num_tokens`` rows holding the call's
+    ``tokens`` packed tokens, zero-padded to the 8-row tiling and at least one chunk, or
+    re-laid out per sequence (``layout``, a packing-invariant call)."""
+
+    qsl: jax.Array
+    num_tokens: int
+    tokens: int
+    layout: SequenceLayout | None
+
+    def place(self, x: jax.Array) -> jax.Array:
+        """``x`` ``[tokens, ...]`` on the kernels' axis ``[num_tokens, ...]``, zeros elsewhere."""
+        if self.layout is not None:
+            return self.layout.spread(x)
+        return jnp.pad(x, [(0, self.num_tokens - self.tokens)] + [(0, 0)] * (x.ndim - 1))
+
+    def back(self, y: jax.Array) -> jax.Array:
+        """The kernels' ``y`` ``[num_tokens, ...]`` in the call's layout ``[tokens, ...]``."""
+        return y[: self.tokens] if self.layout is None else self.layout.gather(y)
+
+    def chunks(self) -> tuple[jax.Array, jax.Array]:
+        """``chunk_table`` of the N sequences and the padding on this axis."""
+        n = self.qsl.shape[0] - 1
+        # Each segment takes at most ceil((len + 7) / 64) chunks, which sums to this bound.
+        num_chunks = -(-self.num_tokens // CHUNK) + 2 * (n + 1)
+        ends = None if self.layout is None else self.layout.ends
+        return chunk_table(self.qsl, self.num_tokens, num_chunks, ends)
+
+
+def token_axis(qsl: jax.Array, tokens: int, packing_invariant: bool) -> TokenAxis:
+    """The ``TokenAxis`` of a call of ``tokens`` packed tokens (``qsl`` int32 ``[N+1]``)."""
+    if packing_invariant:
+        layout = sequence_layout(qsl, tokens)
+        return TokenAxis(layout.qsl, layout.num_tokens, tokens, layout)
+    # A copy only when T is not already a multiple of 8 (or shorter than a chunk).
+    return TokenAxis(qsl, max(CHUNK, -(-tokens // ALIGN) * ALIGN), tokens, None)

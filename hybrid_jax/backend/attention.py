@@ -230,6 +230,16 @@ def _ragged_kernel(impl: str, q: jax.Array, k_pages: jax.Array) -> str | None:
     return None
 
 
+def _paged_choice(impl: str, reason: str | None) -> str | None:
+    """A paged kernel's implementation for ``impl`` given its ``unsupported_reason`` (None:
+    the jnp key chunks): ``interpret`` runs the interpreter where the kernel can take the
+    step, the others go through ``resolve_impl`` (``pallas`` raises where it cannot)."""
+    if impl == "interpret":
+        return None if reason else "interpret"
+    choice = resolve_impl("paged_attention", impl, reason)
+    return None if choice == "reference" else choice
+
+
 def _decode_kernel(impl: str, q: jax.Array, k_pages: jax.Array) -> str | None:
     """The implementation of a DECODE or chain TARGET_VERIFY step's attention (``q`` ``[bs,
     D, H, hd]``) in the paged decode kernel (``pallas_kernels.attention.
@@ -238,11 +248,7 @@ def _decode_kernel(impl: str, q: jax.Array, k_pages: jax.Array) -> str | None:
     cannot), ``interpret`` runs its interpreter where it can; ``reference`` keeps jnp."""
     if impl == "reference":
         return None
-    reason = paged_decode.unsupported_reason(q.astype(k_pages.dtype), k_pages)
-    if impl == "interpret":
-        return None if reason else "interpret"
-    choice = resolve_impl("paged_attention", impl, reason)
-    return None if choice == "reference" else choice
+    return _paged_choice(impl, paged_decode.unsupported_reason(q.astype(k_pages.dtype), k_pages))
 
 
 def _prefix_kernel(impl: str, segment: str, q: jax.Array, k_pages: jax.Array) -> str | None:
@@ -253,13 +259,9 @@ def _prefix_kernel(impl: str, segment: str, q: jax.Array, k_pages: jax.Array) ->
     heads, head_dim = q.shape[1:]
     tokens = paged_decode.tokens_per_tile(heads, k_pages.shape[2])
     tile = jax.ShapeDtypeStruct((1, tokens, heads, head_dim), k_pages.dtype)
-    reason = paged_decode.unsupported_reason(tile, k_pages)
-    if impl == "interpret":
-        return None if reason else "interpret"
-    if segment != "pallas":
+    if impl != "interpret" and segment != "pallas":
         return None
-    choice = resolve_impl("paged_attention", impl, reason)
-    return None if choice == "reference" else choice
+    return _paged_choice(impl, paged_decode.unsupported_reason(tile, k_pages))
 
 
 def _cached_prefix(q, k_pages, v_pages, meta: ForwardMetadata, scale: float, impl: str):

@@ -49,34 +49,35 @@ __all__ = [
 ]
 
 _OP = "paged_decode_attention"
+_PREFIX_OP = "paged_prefix_attention"
 BLOCK = 64  # positions per block: the wgmma N of the scores, the K of p @ v
 ROWS_PER_TILE = 64  # query rows of a program (its KV head's query heads, zero-padded)
 _PAGE_SIZES = (16, 32, 64)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _check(q, k_pages, v_pages, page_table, context_lens) -> None:
+def _check(op: str, q, k_pages, v_pages, page_table, lengths, lengths_name: str) -> None:
+    """The shapes and dtypes ``op`` takes; ``lengths`` is its per-row ``lengths_name``."""
     if q.ndim not in (3, 4) or k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
         raise ValueError(
-            f"{_OP}: q must be [B, H, hd] or [B, D, H, hd] and k_pages, v_pages [P, "
+            f"{op}: q must be [B, H, hd] or [B, D, H, hd] and k_pages, v_pages [P, "
             f"page_size, KVH, hd]; got {q.shape}, {k_pages.shape}, {v_pages.shape}"
         )
     batch, heads, head_dim = q.shape[0], *q.shape[-2:]
     kv_heads = k_pages.shape[2]
     if k_pages.shape[3] != head_dim or heads % kv_heads:
         raise ValueError(
-            f"{_OP}: H={heads} query heads must be a multiple of KVH={kv_heads}, and the "
+            f"{op}: H={heads} query heads must be a multiple of KVH={kv_heads}, and the "
             f"pages' head_dim {k_pages.shape[3]} must be q's {head_dim}"
         )
     if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
         raise ValueError(
-            f"{_OP}: page_table must be int32 [B={batch}, max_pages]; got {page_table.dtype} "
+            f"{op}: page_table must be int32 [B={batch}, max_pages]; got {page_table.dtype} "
             f"{page_table.shape}"
         )
-    if context_lens.shape != (batch,) or context_lens.dtype != jnp.int32:
+    if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
         raise ValueError(
-            f"{_OP}: context_lens must be int32 [B={batch}]; got {context_lens.dtype} "
-            f"{context_lens.shape}"
+            f"{op}: {lengths_name} must be int32 [B={batch}]; got {lengths.dtype} {lengths.shape}"
         )
 
 
@@ -99,32 +100,45 @@ def unsupported_reason(q: jax.Array, k_pages: jax.Array) -> str | None:
     return None
 
 
-def paged_decode_attention_reference(
-    q, k_pages, v_pages, page_table, context_lens, *, scale: float
-) -> jax.Array:
-    """jnp: every page of the table gathered, positions past each token's last masked (the
-    values past the row's zeroed, so that stale NaN never reaches the result). Float32 at
-    least."""
-    q4 = q if q.ndim == 4 else q[:, None]
-    batch, tokens, heads, head_dim = q4.shape
+def _reference(q, k_pages, v_pages, page_table, lengths, *, scale: float, causal: bool):
+    """jnp over ``q`` ``[B, D, H, hd]``: every page of the table gathered, the values past
+    each row's ``lengths`` zeroed (stale NaN never reaches the result), and each token's
+    positions past its last masked (``causal``: the row's last D tokens; else all of
+    ``lengths``). Float32 ``(out, lse)`` at least; lse ``-inf`` where a token sees nothing."""
+    batch, tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     groups = heads // kv_heads
     acc = jnp.promote_types(q.dtype, F32)
     keys = k_pages[page_table].reshape(batch, -1, kv_heads, head_dim)  # [B, L, KVH, hd]
     values = v_pages[page_table].reshape(batch, -1, kv_heads, head_dim)
     pos = jnp.arange(keys.shape[1])
-    live = pos[None, :] < context_lens[:, None]  # [B, L]
+    live = pos[None, :] < lengths[:, None]  # [B, L]
     values = jnp.where(live[..., None, None], values, 0).astype(acc)
-    last = context_lens[:, None] - tokens + jnp.arange(tokens)[None, :]  # [B, D]
-    seen = pos[None, None, :] <= last[..., None]  # [B, D, L]
-    qg = q4.reshape(batch, tokens, kv_heads, groups, head_dim).astype(acc)
+    if causal:
+        last = lengths[:, None] - tokens + jnp.arange(tokens)[None, :]  # [B, D]
+        seen = pos[None, None, :] <= last[..., None]  # [B, D, L]
+    else:
+        seen = jnp.broadcast_to(live[:, None, :], (batch, tokens, live.shape[1]))
+    qg = q.reshape(batch, tokens, kv_heads, groups, head_dim).astype(acc)
     scores = jnp.einsum("btkgd,blkd->btkgl", qg, keys.astype(acc)) * scale
     scores = jnp.where(seen[:, :, None, None, :], scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0)
     weights = jnp.exp(scores - peak)
-    total = weights.sum(-1, keepdims=True)
-    out = jnp.einsum("btkgl,blkd->btkgd", weights, values) / jnp.where(total > 0, total, 1)
+    total = weights.sum(-1)
+    found = total > 0
+    safe = jnp.where(found, total, 1)
+    out = jnp.einsum("btkgl,blkd->btkgd", weights, values) / safe[..., None]
+    lse = jnp.where(found, peak[..., 0] + jnp.log(safe), -jnp.inf)
+    return out.reshape(q.shape), lse.reshape(batch, tokens, heads)
+
+
+def paged_decode_attention_reference(
+    q, k_pages, v_pages, page_table, context_lens, *, scale: float
+) -> jax.Array:
+    """jnp ``paged_decode_attention`` (``_reference``, causal). Float32 at least."""
+    q4 = q if q.ndim == 4 else q[:, None]
+    out, _ = _reference(q4, k_pages, v_pages, page_table, context_lens, scale=scale, causal=True)
     return out.reshape(q.shape).astype(q.dtype)
 
 
@@ -322,7 +336,7 @@ def paged_decode_attention(
     Returns:
       q's shape and dtype.
     """
-    _check(q, k_pages, v_pages, page_table, context_lens)
+    _check(_OP, q, k_pages, v_pages, page_table, context_lens, "context_lens")
     reason = unsupported_reason(q, k_pages) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference":
@@ -381,28 +395,9 @@ def prefix_tiles(
 def paged_prefix_attention_reference(
     q, k_pages, v_pages, page_table, prefix_lens, *, scale: float
 ) -> tuple[jax.Array, jax.Array]:
-    """jnp ``paged_prefix_attention``: every page of the table gathered (values past each
-    row's prefix zeroed). Float32 at least."""
-    batch, tokens, heads, head_dim = q.shape
-    kv_heads = k_pages.shape[2]
-    groups = heads // kv_heads
-    acc = jnp.promote_types(q.dtype, F32)
-    keys = k_pages[page_table].reshape(batch, -1, kv_heads, head_dim)
-    values = v_pages[page_table].reshape(batch, -1, kv_heads, head_dim)
-    live = jnp.arange(keys.shape[1])[None, :] < prefix_lens[:, None]  # [B, L]
-    values = jnp.where(live[..., None, None], values, 0).astype(acc)
-    qg = q.reshape(batch, tokens, kv_heads, groups, head_dim).astype(acc)
-    scores = jnp.einsum("btkgd,blkd->btkgl", qg, keys.astype(acc)) * scale
-    scores = jnp.where(live[:, None, None, None, :], scores, -jnp.inf)
-    peak = jnp.max(scores, axis=-1, keepdims=True)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0)
-    weights = jnp.exp(scores - peak)
-    total = weights.sum(-1)
-    seen = total > 0
-    safe = jnp.where(seen, total, 1)
-    out = jnp.einsum("btkgl,blkd->btkgd", weights, values) / safe[..., None]
-    lse = jnp.where(seen, peak[..., 0] + jnp.log(safe), -jnp.inf)
-    return out.reshape(q.shape), lse.reshape(batch, tokens, heads)
+    """jnp ``paged_prefix_attention`` (``_reference``, every token over the whole prefix).
+    Float32 at least."""
+    return _reference(q, k_pages, v_pages, page_table, prefix_lens, scale=scale, causal=False)
 
 
 def paged_prefix_attention(
@@ -434,10 +429,10 @@ def paged_prefix_attention(
       of ``exp(scale * q . k)`` over the positions it saw.
     """
     if q.ndim != 4:
-        raise ValueError(f"paged_prefix_attention: q must be [B, D, H, hd]; got {q.shape}")
-    _check(q, k_pages, v_pages, page_table, prefix_lens)
+        raise ValueError(f"{_PREFIX_OP}: q must be [B, D, H, hd]; got {q.shape}")
+    _check(_PREFIX_OP, q, k_pages, v_pages, page_table, prefix_lens, "prefix_lens")
     reason = unsupported_reason(q, k_pages) if impl != "reference" else None
-    choice = resolve_impl("paged_prefix_attention", impl, reason)
+    choice = resolve_impl(_PREFIX_OP, impl, reason)
     if choice == "reference":
         return paged_prefix_attention_reference(
             q, k_pages, v_pages, page_table, prefix_lens, scale=scale

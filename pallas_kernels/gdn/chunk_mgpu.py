@@ -68,10 +68,9 @@ from pallas_kernels._mgpu_chunks import (
     ROWS,
     WG,
     along_rows,
-    chunk_table,
     matmul,
-    sequence_layout,
     smem,
+    token_axis,
 )
 from pallas_kernels.gdn import _chunk_state
 from pallas_kernels.gdn._chunk_intra import SOLVE_SHAPE, VEC_ROWS, chunk_gates, chunk_intra
@@ -444,27 +443,10 @@ def chunk_gated_delta_rule(
     config = _resolve(config, n_seqs, v.shape[1], v.shape[2], interpret=interpret)
     scale = key_dim**-0.5 if scale is None else float(scale)
     out_dtype = v.dtype
-    if packing_invariant:
-        layout = sequence_layout(qsl, tokens)
-        padded, qsl, ends = layout.num_tokens, layout.qsl, layout.ends
-        q, k, v, g, beta = map(layout.spread, (q, k, v, g, beta))
-        pad = 0
-    else:
-        # Tokens padded to the 8-row tiling and at least one chunk: a copy only when T is
-        # not already a multiple of 8 (or shorter than a chunk).
-        padded, ends = max(CHUNK, -(-tokens // ALIGN) * ALIGN), None
-        pad = padded - tokens
-
-    def prepare(x):
-        return jnp.pad(x.astype(BF16), [(0, pad), (0, 0), (0, 0)])
-
-    q, k, v = prepare(q), prepare(k), prepare(v)
-    g_t = jnp.pad(g.astype(F32).T, [(0, 0), (0, pad)])
-    beta_t = jnp.pad(beta.astype(F32).T, [(0, 0), (0, pad)])
-    # Segments: the N sequences plus the padding [qsl[N], T); each takes at most
-    # ceil((len + 7) / 64) chunks, which sums to at most this bound.
-    num_chunks = -(-padded // CHUNK) + 2 * (n_seqs + 1)
-    table, first = chunk_table(qsl, padded, num_chunks, ends)
+    axis = token_axis(qsl, tokens, packing_invariant)
+    q, k, v = (axis.place(x).astype(BF16) for x in (q, k, v))
+    g_t, beta_t = (axis.place(x.astype(F32)).T for x in (g, beta))
+    table, first = axis.chunks()
     m, p, vecs = _intra(
         q, k, g_t, beta_t, table, first, n_seqs=n_seqs, scale=scale,
         solve=config.substitution and interpret is None, interpret=interpret,
@@ -479,5 +461,4 @@ def chunk_gated_delta_rule(
         )  # fmt: skip
     else:
         o = _state(*walk, slots, has_init, pool, n_seqs=n_seqs, cfg=config, interpret=interpret)
-    o = layout.gather(o) if packing_invariant else o[:tokens]
-    return o.astype(out_dtype), jax.freeze(pool)
+    return axis.back(o).astype(out_dtype), jax.freeze(pool)

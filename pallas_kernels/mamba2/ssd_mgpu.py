@@ -49,10 +49,9 @@ from pallas_kernels._mgpu_chunks import (
     WG,
     along_cols,
     along_rows,
-    chunk_table,
     matmul,
-    sequence_layout,
     smem,
+    token_axis,
 )
 from pallas_kernels.mamba2 import reference
 
@@ -357,30 +356,17 @@ def ssd_chunk_scan(
     n_seqs = qsl.shape[0] - 1
     out_dtype = x.dtype
     step = reference.prepare_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, F32)
-    if packing_invariant:
-        layout = sequence_layout(qsl, tokens)
-        padded, qsl, ends = layout.num_tokens, layout.qsl, layout.ends
-        x, B, C, step = map(layout.spread, (x, B, C, step))  # noqa: N806
-        z = None if z is None else layout.spread(z)
-        pad = 0
-    else:
-        # Tokens padded to the 8-row tiling and at least one chunk: a copy only when T is
-        # not already a multiple of 8 (or shorter than a chunk).
-        padded, ends = max(CHUNK, -(-tokens // ALIGN) * ALIGN), None
-        pad = padded - tokens
+    axis = token_axis(qsl, tokens, packing_invariant)
 
     def prepare(v):
-        return jnp.pad(v.astype(BF16), [(0, pad), (0, 0), (0, 0)])
+        return axis.place(v).astype(BF16)
 
-    dt_t = jnp.pad(step.T, [(0, 0), (0, pad)])
-    # Segments: the N sequences plus the padding [qsl[N], T); each takes at most
-    # ceil((len + 7) / 64) chunks, which sums to at most this bound.
-    num_chunks = -(-padded // CHUNK) + 2 * (n_seqs + 1)
-    table, first = chunk_table(qsl, padded, num_chunks, ends)
+    dt_t = axis.place(step).T
+    table, first = axis.chunks()
     pool = jax.new_ref(ssm_pool)
     y = _scan(
         prepare(x), None if z is None else prepare(z), dt_t, prepare(B), prepare(C), A, D,
         table, first, state_indices.astype(jnp.int32), has_initial_state.astype(jnp.int32),
         pool, n_seqs=n_seqs, out_dtype=out_dtype, interpret=interpret,
     )  # fmt: skip
-    return (layout.gather(y) if packing_invariant else y[:tokens]), jax.freeze(pool)
+    return axis.back(y), jax.freeze(pool)

@@ -257,6 +257,10 @@ def test_unsupported_calls_and_bad_arguments_say_why():
     with pytest.raises(NotImplementedError, match="page_size=8"):
         pd.paged_decode_attention(q, pages[:, :8], pages[:, :8], table, lens, scale=1.0,
                                   impl="interpret")  # fmt: skip
+    with pytest.raises(ValueError, match=r"paged_prefix_attention: q must be \[B, D, H, hd\]"):
+        pd.paged_prefix_attention(q, pages, pages, table, lens, scale=1.0)
+    with pytest.raises(ValueError, match=r"paged_prefix_attention: prefix_lens must be int32"):
+        pd.paged_prefix_attention(q[:, None], pages, pages, table, lens[:1], scale=1.0)
 
 
 def test_splits_fill_the_gpu_and_never_leave_a_split_short():
