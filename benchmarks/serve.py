@@ -37,6 +37,7 @@ import dataclasses
 import datetime
 import importlib
 import logging
+import os
 import pathlib
 import platform
 import pstats
@@ -45,6 +46,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+
+# A full-depth preset holds ~65 GB of weights and stacks each repeated parameter once more while
+# it builds; JAX's default 75% of the card leaves too little beside them.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import jax
 import jax.numpy as jnp
@@ -390,6 +395,7 @@ def _engine(model, args, *, batch: int, tokens: int, context: int) -> Engine:
     config = EngineConfig(
         max_batch=batch, max_tokens=tokens, max_context=context, batch_buckets=(batch,),
         token_buckets=(tokens,), cache_dir=args.cache_dir, program_store=args.program_store,
+        scan_layers=not args.unrolled,
     )  # fmt: skip
     return Engine(model, _IdsOnly(model.config.vocab_size), config, progress=False)
 
@@ -572,6 +578,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flops", type=float, default=7.9e14)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     parser.add_argument(
+        "--unrolled", action="store_true",
+        help="every layer in the step, no lax.scan over repeated layers (compile time grows)",
+    )  # fmt: skip
+    parser.add_argument(
         "--cache-dir", default=None,
         help="JAX's persistent compilation cache (default: a new empty folder, a cold start)",
     )  # fmt: skip
@@ -594,8 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     model = (NemotronH if isinstance(c, NemotronHConfig) else Qwen3Next)(c, rngs=nnx.Rngs(0))
-    # Stacked once for every row's engine (each would otherwise stack its own copy).
-    model = scan_layers(model, donate=True)
+    if not args.unrolled:
+        # Stacked once for every row's engine (each would otherwise stack its own copy).
+        model = scan_layers(model, donate=True)
     jax.block_until_ready(nnx.state(model))
     print(
         f"built {args.preset} x{c.num_hidden_layers} in {time.perf_counter() - start:.0f} s",
