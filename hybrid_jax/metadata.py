@@ -34,10 +34,10 @@ import jax
 import numpy as np
 
 from hybrid_jax.modes import (
-    DRAFT,
     MODES,
     TOKEN_LAYOUTS,
     ForwardMode,
+    ModeSpec,
     TokenLayout,
     UnsupportedForwardModeError,
 )
@@ -356,37 +356,18 @@ class ForwardMetadata:
         return dataclasses.replace(self, pages=dataclasses.replace(self.pages, table=table))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """A mode's ``ModeSpec`` with ``DRAFT`` resolved to the policy's draft tokens."""
-
-    min_row_tokens: int
-    max_row_tokens: int | None  # None: bounded only by the token bucket
-    tokens_per_row: int | None  # token axis = bs * tokens_per_row; None: a token bucket
-    num_draft_tokens: int  # ForwardMetadata.num_draft_tokens
-    hint: str  # the fix, for a row that breaks the rule
-    has_rows: bool  # False: the mode's single bucket is (0, 0)
-
-
 BUILDABLE_MODES: frozenset[ForwardMode] = frozenset(MODES)
 """The modes ``build_metadata`` has a layout for (those of ``modes.MODES``)."""
 
 
-def _layout(mode: ForwardMode, policy: BucketPolicy) -> _Layout:
+def _layout(mode: ForwardMode, policy: BucketPolicy) -> ModeSpec:
+    """The row of ``mode`` with the policy's draft tokens in place of ``DRAFT``."""
     mode = ForwardMode(mode)
     if mode not in MODES:
         raise UnsupportedForwardModeError(
             mode, BUILDABLE_MODES, what=f"no metadata builder for forward mode {mode.name}"
         )
-    spec = MODES[mode]
-
-    def resolve(count):
-        return policy.num_draft_tokens if count == DRAFT else count
-
-    return _Layout(
-        resolve(spec.min_row_tokens), resolve(spec.max_row_tokens),
-        resolve(spec.tokens_per_row), resolve(spec.num_draft_tokens), spec.hint, spec.has_rows,
-    )  # fmt: skip
+    return MODES[mode].resolved(policy.num_draft_tokens)
 
 
 def _slot_range(num_slots: int) -> str:
@@ -394,7 +375,7 @@ def _slot_range(num_slots: int) -> str:
 
 
 def _check_rows(
-    mode: ForwardMode, layout: _Layout, rows: Sequence[RowSpec], num_slots: int
+    mode: ForwardMode, layout: ModeSpec, rows: Sequence[RowSpec], num_slots: int
 ) -> None:
     if rows and not layout.has_rows:
         raise MetadataError(
@@ -525,7 +506,7 @@ def _check_pages(rows: Sequence[RowSpec], policy: BucketPolicy, num_pages: int |
 
 def _choose_bucket(
     mode: ForwardMode,
-    layout: _Layout,
+    layout: ModeSpec,
     policy: BucketPolicy,
     n: int,
     t: int,

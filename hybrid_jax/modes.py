@@ -1,11 +1,12 @@
 """Forward modes, layer kinds, and the two tables that describe them.
 
 A forward mode is a static argument of every jitted step. ``MODES`` holds one row per mode
-that is built: its token layout and what a row of it may carry (read by the metadata builder,
-the backend's path tables and the engine). ``CAPABILITIES`` says which layer kind runs which
-mode; ``check_supported`` is called while tracing, so an unsupported (layer kind, mode) pair
-fails at ``.lower()`` / ``eval_shape`` / engine construction with a message naming the pair
-and what is supported, before anything runs on a device.
+that is built: its token layout, what a row of it may carry, and which engine roles compile
+it (read by the metadata builder, the backend's path tables and the engine).
+``CAPABILITIES`` says which layer kind runs which mode; ``check_supported`` is called while
+tracing, so an unsupported (layer kind, mode) pair fails at ``.lower()`` / ``eval_shape`` /
+engine construction with a message naming the pair and what is supported, before anything
+runs on a device.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ __all__ = [
     "CAPABILITIES",
     "DRAFT",
     "MODES",
+    "EngineRole",
     "TOKEN_LAYOUTS",
     "ForwardMode",
     "LayerKind",
@@ -26,6 +28,7 @@ __all__ = [
     "TokenLayout",
     "UnsupportedForwardModeError",
     "check_supported",
+    "modes_for",
     "program_mode",
     "supported_modes",
     "token_layout",
@@ -69,6 +72,14 @@ class TokenLayout(enum.StrEnum):
     EMPTY = "empty"  # no rows and no tokens
 
 
+class EngineRole(enum.Enum):
+    """What an engine's model does, which decides the modes it compiles (``modes_for``)."""
+
+    SERVING = "serving"  # a plain engine: prompts (EXTEND), decodes (DECODE), both (MIXED)
+    VERIFYING = "verifying"  # a speculative engine's model: prompts, and verifying drafts
+    DRAFTING = "drafting"  # a draft model (the MTP head): prompts, accepted tokens, decodes
+
+
 DRAFT = "D"
 """In a ``ModeSpec``: the policy's draft tokens per row (``BucketPolicy.num_draft_tokens``)."""
 
@@ -82,7 +93,9 @@ class ModeSpec:
     ``min_row_tokens`` / ``max_row_tokens``: the new tokens of one row (``None``: bounded
     only by the token bucket); ``tokens_per_row``: the token axis is ``bs * tokens_per_row``
     (``None``: a token bucket); ``num_draft_tokens``: ``ForwardMetadata.num_draft_tokens``.
-    Each may be ``DRAFT``. ``hint``: the fix for a row that breaks the bounds.
+    Each may be ``DRAFT``. ``hint``: the fix for a row that breaks the bounds; ``roles``: the
+    engine roles that compile the mode. Two rows compare equal when they compute the same
+    function: ``hint`` and ``roles`` take no part (``program_mode``).
     """
 
     layout: TokenLayout
@@ -90,46 +103,58 @@ class ModeSpec:
     max_row_tokens: RowTokens
     tokens_per_row: RowTokens
     num_draft_tokens: RowTokens
-    hint: str
+    hint: str = dataclasses.field(compare=False)
+    roles: frozenset[EngineRole] = dataclasses.field(default=frozenset(), compare=False)
 
     @property
     def has_rows(self) -> bool:
         """False for the empty layout: the mode's single bucket is (0, 0)."""
         return self.layout is not TokenLayout.EMPTY
 
+    def resolved(self, num_draft_tokens: int) -> ModeSpec:
+        """This row with every ``DRAFT`` replaced by ``num_draft_tokens``."""
 
-def _ragged(hint: str) -> ModeSpec:
-    return ModeSpec(TokenLayout.RAGGED, 1, None, None, 0, hint)
+        def count(value: RowTokens) -> RowTokens:
+            return num_draft_tokens if value == DRAFT else value
+
+        return dataclasses.replace(
+            self, min_row_tokens=count(self.min_row_tokens),
+            max_row_tokens=count(self.max_row_tokens), tokens_per_row=count(self.tokens_per_row),
+            num_draft_tokens=count(self.num_draft_tokens),
+        )  # fmt: skip
 
 
+_ROLES = frozenset(EngineRole)
+_RAGGED_HINT = "leave requests without new tokens out of the batch"
+
+# fmt: off
 MODES: Mapping[ForwardMode, ModeSpec] = MappingProxyType(
     {
-        ForwardMode.EXTEND: _ragged("leave requests without new tokens out of the batch"),
-        ForwardMode.MIXED: _ragged("leave requests without new tokens out of the batch"),
+        ForwardMode.EXTEND: ModeSpec(TokenLayout.RAGGED, 1, None, None, 0, _RAGGED_HINT, _ROLES),
+        ForwardMode.MIXED: ModeSpec(
+            TokenLayout.RAGGED, 1, None, None, 0, _RAGGED_HINT, frozenset({EngineRole.SERVING})
+        ),
         ForwardMode.DECODE: ModeSpec(
-            TokenLayout.ONE_PER_ROW, 1, 1, 1, 1, "send longer rows as EXTEND or MIXED"
+            TokenLayout.ONE_PER_ROW, 1, 1, 1, 1, "send longer rows as EXTEND or MIXED",
+            frozenset({EngineRole.SERVING, EngineRole.DRAFTING}),
         ),
         ForwardMode.TARGET_VERIFY: ModeSpec(
-            TokenLayout.DRAFT_PER_ROW,
-            DRAFT,
-            DRAFT,
-            DRAFT,
-            DRAFT,
+            TokenLayout.DRAFT_PER_ROW, DRAFT, DRAFT, DRAFT, DRAFT,
             "pad every draft to D tokens (BucketPolicy.num_draft_tokens)",
-        ),  # fmt: skip
+            frozenset({EngineRole.VERIFYING}),
+        ),
         # A fixed bs*D token axis, ragged within it: the draft model catching up on accepted
         # tokens, 1..D per row.
         ForwardMode.DRAFT_EXTEND: ModeSpec(
-            TokenLayout.RAGGED,
-            1,
-            DRAFT,
-            DRAFT,
-            DRAFT,
+            TokenLayout.RAGGED, 1, DRAFT, DRAFT, DRAFT,
             "a draft-extend row carries the accepted drafts plus one token",
-        ),  # fmt: skip
+            frozenset({EngineRole.DRAFTING}),
+        ),
+        # No role compiles IDLE: it is the step of a data-parallel rank with no work.
         ForwardMode.IDLE: ModeSpec(TokenLayout.EMPTY, 0, 0, 0, 0, ""),
     }
 )
+# fmt: on
 """One row per built mode; a mode missing here has no metadata, no layout and no path."""
 
 TOKEN_LAYOUTS: Mapping[ForwardMode, TokenLayout] = MappingProxyType(
@@ -208,6 +233,11 @@ def program_mode(mode: ForwardMode | str) -> ForwardMode:
     if mode not in MODES:
         return mode  # no row, no program: tracing it raises UnsupportedForwardModeError
     return next(m for m, spec in MODES.items() if spec == MODES[mode])
+
+
+def modes_for(role: EngineRole) -> tuple[ForwardMode, ...]:
+    """The modes an engine in ``role`` compiles, in the order of ``MODES``."""
+    return tuple(mode for mode, spec in MODES.items() if role in spec.roles)
 
 
 def token_layout(mode: ForwardMode | str) -> TokenLayout:

@@ -7,11 +7,14 @@ from hybrid_jax.modes import (
     DRAFT,
     MODES,
     TOKEN_LAYOUTS,
+    EngineRole,
     ForwardMode,
     LayerKind,
     TokenLayout,
     UnsupportedForwardModeError,
     check_supported,
+    modes_for,
+    program_mode,
     supported_modes,
     token_layout,
 )
@@ -113,3 +116,20 @@ def test_mode_table_has_one_row_per_built_mode_and_the_layouts_are_its_view():
             assert spec.min_row_tokens == spec.max_row_tokens == spec.tokens_per_row
     assert MODES[M.TARGET_VERIFY].tokens_per_row == DRAFT
     assert MODES[M.DECODE].num_draft_tokens == 1
+
+
+def test_each_engine_role_compiles_the_modes_its_rows_name():
+    assert modes_for(EngineRole.SERVING) == (M.EXTEND, M.MIXED, M.DECODE)
+    assert modes_for(EngineRole.VERIFYING) == (M.EXTEND, M.TARGET_VERIFY)
+    assert modes_for(EngineRole.DRAFTING) == (M.EXTEND, M.DECODE, M.DRAFT_EXTEND)
+    assert all(M.IDLE not in modes_for(role) for role in EngineRole)
+
+
+def test_rows_that_compute_alike_compare_equal_whatever_their_roles_and_hints():
+    assert MODES[M.MIXED] == MODES[M.EXTEND]
+    assert MODES[M.MIXED].roles != MODES[M.EXTEND].roles
+    assert program_mode(M.MIXED) is M.EXTEND and program_mode(M.DECODE) is M.DECODE
+    verify = MODES[M.TARGET_VERIFY].resolved(3)
+    assert (verify.min_row_tokens, verify.max_row_tokens, verify.tokens_per_row) == (3, 3, 3)
+    assert verify.num_draft_tokens == 3 and verify.roles == MODES[M.TARGET_VERIFY].roles
+    assert MODES[M.DECODE].resolved(3) == MODES[M.DECODE]

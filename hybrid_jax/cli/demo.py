@@ -22,7 +22,13 @@ from flax import nnx
 from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.models.gdn_stack import GDNStack, tiny_gdn_stack_config
-from hybrid_jax.modes import CAPABILITIES, ForwardMode, LayerKind, UnsupportedForwardModeError
+from hybrid_jax.modes import (
+    CAPABILITIES,
+    MODES,
+    ForwardMode,
+    LayerKind,
+    UnsupportedForwardModeError,
+)
 from hybrid_jax.progress import Progress
 from hybrid_jax.state_pool import SlotAllocator, allocate_slots, bytes_per_slot, init_state_pool
 
@@ -33,27 +39,26 @@ def _demo_rows(
     mode: ForwardMode, batch_size: int, num_tokens: int, draft: int, slots: Sequence[int],
     rng: np.random.Generator,
 ) -> list[RowSpec]:  # fmt: skip
-    """A batch that fills the bucket: every row real, lengths drawn at random."""
-    if mode is ForwardMode.IDLE:
+    """A batch that fills the bucket, read off the mode's row of ``MODES``: every row real,
+    lengths drawn at random within its bounds."""
+    spec = MODES[mode].resolved(draft)
+    if not spec.has_rows:
         return []
-    if mode is ForwardMode.DECODE:
-        return [RowSpec(s, int(rng.integers(1, 100)), 1) for s in slots[:batch_size]]
-    if mode is ForwardMode.TARGET_VERIFY:
-        return [RowSpec(s, int(rng.integers(1, 100)), draft) for s in slots[:batch_size]]
-    if mode is ForwardMode.DRAFT_EXTEND:
-        lens = rng.integers(1, draft + 1, batch_size)
-        return [RowSpec(s, 10, int(n)) for s, n in zip(slots, lens, strict=False)]
-    # EXTEND / MIXED: split the token bucket among the rows; MIXED makes half of them decodes.
-    rows_n = max(1, min(batch_size, num_tokens // 4))
-    cuts = np.sort(rng.choice(np.arange(1, num_tokens), rows_n - 1, replace=False))
-    lens = np.diff(np.concatenate([[0], cuts, [num_tokens]]))
-    rows = []
-    for i, (slot, n) in enumerate(zip(slots, lens, strict=False)):
-        if mode is ForwardMode.MIXED and i % 2:
-            rows.append(RowSpec(slot, 7, 1))
-        else:
-            rows.append(RowSpec(slot, 0, int(n)))
-    return rows
+    if spec.tokens_per_row is None:
+        # A token bucket shared by ragged rows: split it among them; every other row continues
+        # its context by one token, as a decode inside a prompt step does.
+        rows_n = max(1, min(batch_size, num_tokens // 4))
+        cuts = np.sort(rng.choice(np.arange(1, num_tokens), rows_n - 1, replace=False))
+        lens = np.diff(np.concatenate([[0], cuts, [num_tokens]]))
+        return [
+            RowSpec(slot, 7, 1) if i % 2 else RowSpec(slot, 0, int(n))
+            for i, (slot, n) in enumerate(zip(slots, lens, strict=False))
+        ]
+    lens = rng.integers(spec.min_row_tokens, spec.max_row_tokens + 1, batch_size)
+    return [
+        RowSpec(slot, int(rng.integers(1, 100)), int(n))
+        for slot, n in zip(slots[:batch_size], lens, strict=True)
+    ]
 
 
 def demo(args: argparse.Namespace) -> int:

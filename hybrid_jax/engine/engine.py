@@ -85,13 +85,12 @@ from hybrid_jax.models.hf_config import ConfigError, check_eos_in_vocabulary, re
 from hybrid_jax.models.layer_scan import scan_layers
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
 from hybrid_jax.models.tokenizer import ByteTokenizer, TextStream, Tokenizer, load_tokenizer
-from hybrid_jax.modes import ForwardMode
+from hybrid_jax.modes import EngineRole, ForwardMode, modes_for
 from hybrid_jax.progress import Progress
 from hybrid_jax.state_pool import SlotAllocator, bytes_per_slot, init_state_pool
 
 __all__ = ["Engine"]
 
-SERVED_MODES = (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED)
 PRESETS = {"tiny": tiny_qwen3_next_config}
 
 
@@ -218,10 +217,10 @@ class Engine(SpeculativeServing):
         if self.tree:
             self._verifier = TreeVerifier(self._steps.commit_tree)
         # Speculative serving never runs DECODE or MIXED: decoding rows verify, prefill extends.
-        self._modes = SERVED_MODES
+        role = EngineRole.SERVING if self.speculative is None else EngineRole.VERIFYING
+        self._modes = modes_for(role)
         self.drafter: NgramDrafter | None = None
         if self.speculative is not None:
-            self._modes = (ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY)
             spec = self.speculative
             if not use_mtp:
                 self.drafter = NgramDrafter(
@@ -241,7 +240,7 @@ class Engine(SpeculativeServing):
         # Under MTP drafts, DRAFT_EXTEND times the head's whole chain after a step.
         drafting = (ForwardMode.DRAFT_EXTEND,) if use_mtp else ()
         self.step_times: dict[ForwardMode, list[float]] = {
-            m: [] for m in dict.fromkeys((*SERVED_MODES, *self._modes, *drafting))
+            m: [] for m in dict.fromkeys((*modes_for(EngineRole.SERVING), *self._modes, *drafting))
         }
         if config.cache_dir is not None:
             use_compilation_cache(config.cache_dir)

@@ -63,11 +63,11 @@ from hybrid_jax.metadata import (
     example_metadata,
     tree_depths,
 )
-from hybrid_jax.modes import ForwardMode, LayerKind
+from hybrid_jax.modes import EngineRole, ForwardMode, LayerKind, modes_for
 
 __all__ = ["MTP_MODES", "MTPDrafter", "MTPInput", "MTPOutput"]
 
-MTP_MODES = (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.DECODE)
+MTP_MODES = modes_for(EngineRole.DRAFTING)
 """The modes the head runs in (compiled for every bucket of each)."""
 
 
