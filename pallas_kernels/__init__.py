@@ -2,5 +2,16 @@
 
 from pallas_kernels import attention, conv1d, gdn, mamba2, moe
 from pallas_kernels._common import IMPLS, on_hopper_gpu, resolve_impl
+from pallas_kernels.commit import commit_states
 
-__all__ = ["IMPLS", "attention", "conv1d", "gdn", "mamba2", "moe", "on_hopper_gpu", "resolve_impl"]
+__all__ = [
+    "IMPLS",
+    "attention",
+    "commit_states",
+    "conv1d",
+    "gdn",
+    "mamba2",
+    "moe",
+    "on_hopper_gpu",
+    "resolve_impl",
+]

@@ -1,15 +1,18 @@
-"""Slot writes shared by the ops' references: masked scatters into a pool and the commit that
-ends speculative verification. Shape-agnostic: a pool is ``[S, ...]``, per-row values are
-``[N, ...]`` and per-token values ``[N, D, ...]`` with the same trailing dims."""
+"""The commit that ends speculative verification, for any pool, and the masked slot writes the
+ops' references share. Shape-agnostic: a pool is ``[S, ...]``, per-row values are ``[N, ...]``
+and per-token values ``[N, D, ...]`` with the pool's trailing dims."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._checks import check_vector, fail, shape
 from pallas_kernels._common import resolve_impl
 
-__all__ = ["commit", "commit_steps", "write_where"]
+__all__ = ["commit_states", "commit_steps", "write_where"]
+
+_OP = "commit_states"
 
 # A scatter of whole slots into the donated pool is already in place under jit.
 _NO_KERNEL = "no Pallas kernel for the commit (XLA's scatter into the donated pool is in place)"
@@ -50,6 +53,39 @@ def commit_steps(
     return write_where(pool, state_indices, chosen, keep)
 
 
+def commit_states(
+    pool: jax.Array,
+    per_step: jax.Array,
+    state_indices: jax.Array,
+    accepted_steps: jax.Array,
+    *,
+    impl: str = "auto",
+) -> jax.Array:
+    """Writes ``pool[state_indices[n]] = per_step[n, accepted_steps[n]]`` where
+    ``accepted_steps[n] >= 0``; the pad slot 0 is never written (``commit_steps`` gives the
+    rule, with an example). Any pool: GDN and Mamba2 states, conv windows.
+
+    Args:
+      pool: ``[S, ...]``; donate it under jit for an in-place update.
+      per_step: ``[N, D, ...]`` (the pool's trailing dims and dtype) from a verify op: the
+        state or window after each of a row's D tokens.
+      state_indices: int32 ``[N]`` slots.
+      accepted_steps: int32 ``[N]`` token index to keep, or negative to keep nothing.
+      impl: ``"auto" | "reference"``; there is no kernel (``"pallas"`` raises).
+
+    Returns:
+      the new pool, ``pool``'s shape.
+    """
+    if per_step.ndim < 2 or per_step.shape[1] < 1 or shape(per_step)[2:] != shape(pool)[1:]:
+        fail(_OP, f"per_step.shape={shape(per_step)} must be [N, D, *pool.shape[1:]] with D >= 1 "
+                  f"(pool.shape={shape(pool)})")  # fmt: skip
+    if per_step.dtype != pool.dtype:
+        fail(_OP, f"per_step.dtype={per_step.dtype} must equal pool.dtype={pool.dtype}")
+    check_vector(_OP, "state_indices", state_indices, per_step.shape[0], jnp.int32)
+    check_vector(_OP, "accepted_steps", accepted_steps, per_step.shape[0], jnp.int32)
+    return commit(_OP, pool, per_step, state_indices, accepted_steps, impl)
+
+
 def commit(
     op: str,
     pool: jax.Array,
@@ -58,7 +94,7 @@ def commit(
     accepted_steps: jax.Array,
     impl: str,
 ) -> jax.Array:
-    """The public commits' body once their op's checks passed: ``commit_steps``, the only
-    implementation (``impl="pallas"`` raises, saying why)."""
+    """A commit's body once ``op``'s checks passed: ``commit_steps``, the only implementation
+    (``impl="pallas"`` raises, saying why)."""
     resolve_impl(op, impl, _NO_KERNEL)
     return commit_steps(pool, per_step, state_indices, accepted_steps)

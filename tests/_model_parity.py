@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_jax.backend.commit import commit_verified, linear_kind
+from hybrid_jax.backend.commit import commit_verified
 from hybrid_jax.kv_cache import init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.modes import ForwardMode, LayerKind, UnsupportedForwardModeError
@@ -86,6 +86,23 @@ def references(fixtures: pathlib.Path, names: Iterable[str]) -> dict[str, dict[s
     return {name: dict(np.load(fixtures / name / "reference.npz")) for name in names}
 
 
+def family_fixtures(load: Callable[[pathlib.Path], nnx.Module], fixtures: pathlib.Path,
+                    names: tuple[str, ...]):  # fmt: skip
+    """A model family's module-scoped ``runners`` and ``refs`` fixtures: a ``Runner`` of
+    ``load(fixtures / name)`` and the reference of each fixture ``name``. A test module binds
+    them by name (``runners, refs = family_fixtures(...)``)."""
+
+    @pytest.fixture(scope="module")
+    def runners():
+        return {name: Runner(load(fixtures / name)) for name in names}
+
+    @pytest.fixture(scope="module")
+    def refs():
+        return references(fixtures, names)
+
+    return runners, refs
+
+
 def rel_err(got, want):
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
@@ -136,8 +153,7 @@ def check_verify_then_commit(run: Runner, ref: dict) -> None:
     # Accept the first two drafts (step index 1); the rejected drafts' keys stay in the pages
     # and must be overwritten, never read.
     slots = jnp.asarray([2, 0], jnp.int32)
-    kind = linear_kind(run.model.layer_kinds)
-    pool = commit_verified(out.pool, out.verify, slots, jnp.asarray([1, -1], jnp.int32), kind=kind)
+    pool = commit_verified(out.pool, out.verify, slots, jnp.asarray([1, -1], jnp.int32))
     kv = out.kv
     for i in (2, 3):
         logits, out = run.step(M.DECODE, [RowSpec(2, p + i, 1, pages)], [tokens[i]], pool, kv)

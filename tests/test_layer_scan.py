@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from hybrid_jax import Engine, EngineConfig, SamplingParams
-from hybrid_jax.backend.commit import commit_verified, linear_kind
+from hybrid_jax.backend.commit import commit_verified
 from hybrid_jax.metadata import RowSpec, build_metadata
 from hybrid_jax.models.layer_scan import LayerRun, ScannedRun, layer_runs, scan_layers
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig
@@ -152,9 +152,8 @@ def _check_same_steps(model):
                 (per_layer[layer].windows[0], per_layer[layer].ssm[0]),
                 rtol=1e-5, atol=1e-5,
             )  # fmt: skip
-    kind = linear_kind(model.layer_kinds)
     slots, steps = jnp.asarray([1, 0], jnp.int32), jnp.asarray([2, -1], jnp.int32)
-    committed = [commit_verified(o.pool, o.verify, slots, steps, kind=kind) for _, o in outs]
+    committed = [commit_verified(o.pool, o.verify, slots, steps) for _, o in outs]
     chex.assert_trees_all_close(committed[1], committed[0], rtol=1e-5, atol=1e-5)
     assert not np.allclose(np.asarray(committed[0].ssm[:, 1]), np.asarray(out.pool.ssm[:, 1]))
 

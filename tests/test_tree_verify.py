@@ -10,7 +10,6 @@ after it and so cannot change its logits.
 from __future__ import annotations
 
 import collections
-import functools
 import pathlib
 
 import jax
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_jax.backend.commit import commit_tree_verified, linear_kind
+from hybrid_jax.backend.commit import commit_tree_verified
 from hybrid_jax.kv_cache import accepted_path, init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata
 from hybrid_jax.models.nemotron_h_loading import load_nemotron_h
@@ -62,8 +61,7 @@ class Runner:
             return nnx.merge(graphdef, params)(tokens, pool, kv, meta, impl="reference")
 
         self.forward = jax.jit(forward)
-        kind = linear_kind(model.layer_kinds)
-        self.commit = jax.jit(functools.partial(commit_tree_verified, kind=kind))
+        self.commit = jax.jit(commit_tree_verified)
 
     def step(self, mode, rows, tokens, pool, kv, policy=CHAIN):
         meta = build_metadata(mode, rows, policy, num_slots=NUM_SLOTS, num_pages=NUM_PAGES)

@@ -2,7 +2,7 @@
 ``attention``), what the linear kinds share (``linear``), and the commits after a verify."""
 
 from hybrid_jax.backend.attention import paged_attention
-from hybrid_jax.backend.commit import commit_tree_verified, commit_verified, linear_kind
+from hybrid_jax.backend.commit import commit_tree_verified, commit_verified
 from hybrid_jax.backend.gdn import GDNDims, gdn_mix
 from hybrid_jax.backend.linear import LinearMixResult, VerifyStack, VerifyStates
 from hybrid_jax.backend.mamba2 import Mamba2Dims, mamba2_mix
@@ -16,7 +16,6 @@ __all__ = [
     "commit_tree_verified",
     "commit_verified",
     "gdn_mix",
-    "linear_kind",
     "mamba2_mix",
     "paged_attention",
 ]

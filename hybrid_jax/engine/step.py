@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_jax.backend.commit import commit_tree_verified, commit_verified, linear_kind
+from hybrid_jax.backend.commit import commit_tree_verified, commit_verified
 from hybrid_jax.engine.startup import ProgramStore
 from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, example_metadata
 from hybrid_jax.modes import ForwardMode, check_supported, program_mode
@@ -59,11 +59,8 @@ class StepFunctions:
         self._compiled_buckets: set[tuple[ForwardMode, int, int]] = set()
         self._compiled_shapes: dict[tuple[ForwardMode, int, int], tuple] = {}
         self._jitted = jax.jit(self._forward, static_argnums=0, donate_argnums=2)
-        kind = linear_kind(self.layer_kinds)
-        self.commit = jax.jit(functools.partial(commit_verified, kind=kind), donate_argnums=0)
-        self.commit_tree = jax.jit(
-            functools.partial(commit_tree_verified, kind=kind), donate_argnums=(0, 1)
-        )
+        self.commit = jax.jit(commit_verified, donate_argnums=0)
+        self.commit_tree = jax.jit(commit_tree_verified, donate_argnums=(0, 1))
 
     def _forward(self, mode: ForwardMode, params, pool: StatePool, x, meta: ForwardMetadata):
         self.trace_count[mode] += 1

@@ -18,7 +18,7 @@ checked here):
   when it lies inside the token's own sequence, else from the sequence's saved window. The
   new windows are gathered the same way from the end of each sequence. No loop over tokens.
 * ``causal_conv1d_update`` / ``causal_conv1d_verify``: ``[N, D]`` rows (decode, verify),
-  the commit that ends speculation is ``pallas_kernels._commit.commit_steps``. A row whose
+  the commit that ends speculation is ``pallas_kernels.commit.commit_steps``. A row whose
   slot is the pad slot 0 is a padded row: its outputs (and windows) are zeros and it writes
   nothing, so the padded rows of a bucket cannot race on slot 0.
 
@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._commit import write_where
 from pallas_kernels._tree import start_of_node
 from pallas_kernels._varlen import token_segments
+from pallas_kernels.commit import write_where
 
 __all__ = [
     "causal_conv1d_gathered",

@@ -17,7 +17,7 @@ checked here):
 * ``fused_recurrent_gated_delta_rule`` / ``verify_gated_delta_rule``: the ``[N, D]`` rows
   layout of decode and verify, token by token over ``D`` (a Python loop: ``D`` is static and
   small), so they are oracles too (the commit that ends speculation is
-  ``pallas_kernels._commit.commit_steps``, every op's). A row whose slot is the pad slot 0
+  ``pallas_kernels.commit.commit_steps``, every op's). A row whose slot is the pad slot 0
   is a padded row: its outputs (and intermediates) are zeros and it writes nothing, so the
   padded rows of a bucket cannot race on slot 0.
 
@@ -55,9 +55,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._commit import write_where
 from pallas_kernels._tree import start_of_node
 from pallas_kernels._varlen import num_tiles, tile_layout, token_segments
+from pallas_kernels.commit import write_where
 
 __all__ = [
     "CHUNK",

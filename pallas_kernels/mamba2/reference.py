@@ -19,7 +19,7 @@ checked here):
   decode and verify, token by token over ``Dt`` (a Python loop: ``Dt`` is static and small), so
   they are oracles too. A row whose slot is the pad slot 0 is a padded row: its outputs (and
   intermediates) are zeros and it writes nothing. The commit that ends speculation is
-  ``pallas_kernels._commit.commit_steps``.
+  ``pallas_kernels.commit.commit_steps``.
 
 The chunked version uses the tile layout of ``pallas_kernels._varlen`` (masked tokens get
 ``dt = 0``, which makes them no-ops: no decay and no input). Per tile, with ``c`` the in-chunk
@@ -44,9 +44,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._commit import write_where
 from pallas_kernels._tree import start_of_node
 from pallas_kernels._varlen import num_tiles, tile_layout, token_segments
+from pallas_kernels.commit import write_where
 
 __all__ = [
     "CHUNK",
