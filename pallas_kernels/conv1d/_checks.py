@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._checks import check_vector, fail, shape
+from pallas_kernels._checks import check_sequences, check_vector, fail, shape
 
 __all__ = ["check_commit", "check_rows", "check_varlen"]
 
@@ -67,14 +67,7 @@ def check_varlen(
     if x.ndim != 2:
         fail(op, f"x.shape={shape(x)} must be [T, C]")
     _check_conv(op, x, weight, bias, conv_pool, activation)
-    if state_indices.ndim != 1:
-        fail(op, f"state_indices.shape={shape(state_indices)} must be [N]")
-    n_seq = state_indices.shape[0]
-    if shape(qsl) != (n_seq + 1,):
-        fail(op, f"qsl.shape={shape(qsl)} must be [N+1]=({n_seq + 1},) for N={n_seq} sequences")
-    check_vector(op, "qsl", qsl, n_seq + 1, jnp.int32)
-    check_vector(op, "state_indices", state_indices, n_seq, jnp.int32)
-    check_vector(op, "has_initial_state", has_initial_state, n_seq, jnp.bool_)
+    check_sequences(op, qsl, state_indices, has_initial_state)
 
 
 def check_rows(

@@ -10,7 +10,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._checks import check_dtype, check_float, check_vector, fail, shape
+from pallas_kernels._checks import (
+    check_dtype,
+    check_float,
+    check_sequences,
+    check_state_pool,
+    check_vector,
+    fail,
+    shape,
+)
 
 __all__ = [
     "check_commit",
@@ -53,9 +61,7 @@ def _check_gates(op: str, g: jax.Array, beta: jax.Array, want: tuple[int, ...]) 
 
 
 def _check_pool(op: str, ssm_pool: jax.Array, hv: int, kd: int, vd: int) -> None:
-    if ssm_pool.ndim != 4 or shape(ssm_pool)[1:] != (hv, kd, vd) or ssm_pool.shape[0] < 1:
-        fail(op, f"ssm_pool.shape={shape(ssm_pool)} must be [S, HV, K, V] = [S, {hv}, {kd}, {vd}]")
-    check_dtype(op, "ssm_pool", ssm_pool, jnp.float32)
+    check_state_pool(op, ssm_pool, {"HV": hv, "K": kd, "V": vd})
 
 
 def check_varlen(
@@ -74,14 +80,7 @@ def check_varlen(
     _, kd, hv, vd = _check_heads(op, q, k, v, lead=1)
     _check_gates(op, g, beta, (v.shape[0], hv))
     _check_pool(op, ssm_pool, hv, kd, vd)
-    if state_indices.ndim != 1:
-        fail(op, f"state_indices.shape={shape(state_indices)} must be [N]")
-    n_seq = state_indices.shape[0]
-    if shape(qsl) != (n_seq + 1,):
-        fail(op, f"qsl.shape={shape(qsl)} must be [N+1]=({n_seq + 1},) for N={n_seq} sequences")
-    check_dtype(op, "qsl", qsl, jnp.int32)
-    check_vector(op, "state_indices", state_indices, n_seq, jnp.int32)
-    check_vector(op, "has_initial_state", has_initial_state, n_seq, jnp.bool_)
+    check_sequences(op, qsl, state_indices, has_initial_state)
 
 
 def _check_row_layout(

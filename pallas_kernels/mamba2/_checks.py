@@ -12,7 +12,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._checks import check_dtype, check_float, check_vector, fail, shape
+from pallas_kernels._checks import (
+    check_dtype,
+    check_float,
+    check_sequences,
+    check_state_pool,
+    check_vector,
+    fail,
+    shape,
+)
 
 __all__ = ["check_commit", "check_options", "check_rows", "check_varlen"]
 
@@ -71,11 +79,7 @@ def _check_params(
 
 
 def _check_pool(op: str, ssm_pool: jax.Array, n_heads: int, p_dim: int, n_dim: int) -> None:
-    want = (n_heads, p_dim, n_dim)
-    if ssm_pool.ndim != 4 or shape(ssm_pool)[1:] != want or ssm_pool.shape[0] < 1:
-        fail(op, f"ssm_pool.shape={shape(ssm_pool)} must be [S, H, P, N] = [S, {n_heads}, "
-              f"{p_dim}, {n_dim}]")  # fmt: skip
-    check_dtype(op, "ssm_pool", ssm_pool, jnp.float32)
+    check_state_pool(op, ssm_pool, {"H": n_heads, "P": p_dim, "N": n_dim})
 
 
 def check_options(op: str, dt_min: float, dt_max: float) -> None:
@@ -108,14 +112,7 @@ def check_varlen(
     n_heads, p_dim, _, n_dim = _check_tokens(op, x, dt, B, C, z, lead=1)
     _check_params(op, A, D, dt_bias, n_heads)
     _check_pool(op, ssm_pool, n_heads, p_dim, n_dim)
-    if state_indices.ndim != 1:
-        fail(op, f"state_indices.shape={shape(state_indices)} must be [N]")
-    n_seq = state_indices.shape[0]
-    if shape(qsl) != (n_seq + 1,):
-        fail(op, f"qsl.shape={shape(qsl)} must be [N+1]=({n_seq + 1},) for N={n_seq} sequences")
-    check_dtype(op, "qsl", qsl, jnp.int32)
-    check_vector(op, "state_indices", state_indices, n_seq, jnp.int32)
-    check_vector(op, "has_initial_state", has_initial_state, n_seq, jnp.bool_)
+    check_sequences(op, qsl, state_indices, has_initial_state)
 
 
 def check_rows(
