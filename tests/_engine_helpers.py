@@ -39,6 +39,7 @@ __all__ = [
     "OracleDrafter",
     "agreeing_model",
     "assert_same_states",
+    "check_agreeing_drafts_are_accepted",
     "chi_square",
     "engine_pair",
     "generate_tokens",
@@ -48,6 +49,7 @@ __all__ = [
     "run_joining_and_leaving",
     "seeded_runs",
     "slot_states",
+    "speculative_fixtures",
     "states_by_position",
 ]
 
@@ -113,6 +115,41 @@ def engine_pair(
         pair = tuple(Engine(model(), ByteTokenizer(), c, progress=False) for c in configs)
     assert pair[0].policy.max_pages == pair[1].policy.max_pages
     return pair
+
+
+def speculative_fixtures(config: EngineConfig, prompts: Sequence[list[int]]):
+    """A speculative module's module-scoped fixtures: ``engines`` (the ``engine_pair`` of
+    ``config``, in the suite's ``cache_dir``) and ``plain_tokens`` (the plain engine's greedy
+    tokens for ``prompts``). A test module binds them by name."""
+
+    @pytest.fixture(scope="module")
+    def engines(cache_dir):
+        """(speculative, plain) engines of the tiny preset."""
+        return engine_pair(config, cache_dir)
+
+    @pytest.fixture(scope="module")
+    def plain_tokens(engines):
+        return generate_tokens(engines[1], prompts, GREEDY)
+
+    return engines, plain_tokens
+
+
+def check_agreeing_drafts_are_accepted(
+    config: EngineConfig, cache_dir: str, model: Callable[[], Qwen3Next],
+    prompts: Sequence[list[int]],
+) -> tuple[Engine, Engine]:  # fmt: skip
+    """Drafts of a model that repeats its last prompt token (``repeating_model``, or an MTP
+    head that agrees with it) are accepted, and change no token. Run after the module's
+    ``engines``: every program is in the cache, so the pair only loads. Returns it."""
+    spec, plain = engine_pair(config, cache_dir, model)
+    want = generate_tokens(plain, prompts, GREEDY)
+    assert want[1] == [prompts[1][-1]] * GREEDY.max_new_tokens  # it does repeat
+    assert generate_tokens(spec, prompts, GREEDY) == want
+    stats = spec.speculative_stats
+    draft = config.speculative.num_draft_tokens
+    assert stats.acceptance_rate > 0.9 and stats.mean_accepted_length > draft - 0.5
+    assert spec.retraces == 0
+    return spec, plain
 
 
 def generate_tokens(

@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
+
 os.environ.setdefault("NPROC", "16")
 if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get(
     "XLA_FLAGS", ""
@@ -27,3 +29,12 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     ).strip()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """JAX's persistent cache for a module's engines (a process-wide setting, restored)."""
+    from _engine_helpers import restored_cache_options
+
+    with restored_cache_options():
+        yield str(tmp_path_factory.mktemp("xla_cache"))

@@ -22,12 +22,12 @@ from _engine_helpers import (
     OracleDrafter,
     agreeing_model,
     assert_same_states,
-    engine_pair,
+    check_agreeing_drafts_are_accepted,
     generate_tokens,
-    restored_cache_options,
     run_bench,
     run_joining_and_leaving,
     seeded_runs,
+    speculative_fixtures,
     states_by_position,
 )
 from flax import nnx
@@ -267,23 +267,7 @@ SPEC_CONFIG = EngineConfig(
 )
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """JAX's persistent cache for this module's engines (a process-wide setting, restored)."""
-    with restored_cache_options():
-        yield str(tmp_path_factory.mktemp("xla_cache"))
-
-
-@pytest.fixture(scope="module")
-def engines(cache_dir):
-    """(MTP-speculative, plain) engines of the tiny preset."""
-    return engine_pair(SPEC_CONFIG, cache_dir)
-
-
-@pytest.fixture(scope="module")
-def plain_tokens(engines):
-    _, plain = engines
-    return generate_tokens(plain, PROMPTS, GREEDY)
+engines, plain_tokens = speculative_fixtures(SPEC_CONFIG, PROMPTS)
 
 
 def test_greedy_with_mtp_drafts_gives_the_tokens_without_speculation(engines, plain_tokens):
@@ -350,14 +334,7 @@ def test_seeded_sampling_with_mtp_drafts_is_reproducible_and_batch_invariant(eng
 
 
 def test_agreeing_mtp_drafts_are_accepted_and_change_no_token(engines, cache_dir):
-    # After the fixture's engines, every program is in the cache: these two only load.
-    spec, plain = engine_pair(SPEC_CONFIG, cache_dir, agreeing_model)
-    want = generate_tokens(plain, PROMPTS, GREEDY)
-    assert want[1] == [PROMPTS[1][-1]] * GREEDY.max_new_tokens  # it does repeat
-    assert generate_tokens(spec, PROMPTS, GREEDY) == want
-    stats = spec.speculative_stats
-    assert stats.acceptance_rate > 0.9 and stats.mean_accepted_length > D - 0.5
-    assert spec.retraces == 0
+    check_agreeing_drafts_are_accepted(SPEC_CONFIG, cache_dir, agreeing_model, PROMPTS)
 
 
 def test_mtp_source_on_a_model_without_the_head_is_refused_before_compiling():

@@ -33,14 +33,7 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "nemotron_h"
 NAMES = ("hybrid", "biases_latent_moe")
 
 
-@pytest.fixture(scope="module")
-def runners():
-    return {name: parity.Runner(load_nemotron_h(FIXTURES / name)) for name in NAMES}
-
-
-@pytest.fixture(scope="module")
-def refs():
-    return parity.references(FIXTURES, NAMES)
+runners, refs = parity.family_fixtures(load_nemotron_h, FIXTURES, NAMES)
 
 
 # ---------------------------------------------------------------- parity with transformers

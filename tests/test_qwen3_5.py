@@ -14,7 +14,7 @@ import shutil
 import _model_parity as parity
 import numpy as np
 import pytest
-from _engine_helpers import engine_pair, generate_tokens, restored_cache_options
+from _engine_helpers import engine_pair, generate_tokens
 
 from hybrid_jax import Engine, EngineConfig, SamplingParams
 from hybrid_jax.engine.scheduler import RequestError
@@ -31,14 +31,7 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "qwen3_5"
 NAMES = ("dense_vl", "moe_vl", "moe_text", "dense_text_r3")
 
 
-@pytest.fixture(scope="module")
-def runners():
-    return {name: parity.Runner(load_checkpoint(FIXTURES / name)) for name in NAMES}
-
-
-@pytest.fixture(scope="module")
-def refs():
-    return parity.references(FIXTURES, NAMES)
+runners, refs = parity.family_fixtures(load_checkpoint, FIXTURES, NAMES)
 
 
 # ---------------------------------------------------------------- parity with transformers
@@ -176,12 +169,6 @@ ENGINE = EngineConfig(
 )  # fmt: skip
 # Text ids below the fixtures' vision placeholders (250..253).
 PROMPTS = [list(b"abcabcabcabc"), [7, 7, 7, 7, 7], list(b"the cat the cat the cat")]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    with restored_cache_options():
-        yield str(tmp_path_factory.mktemp("xla_cache"))
 
 
 @pytest.fixture(scope="module")

@@ -34,14 +34,7 @@ FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "qwen3_next"
 NAMES = ("moe", "tied_sparse_step")
 
 
-@pytest.fixture(scope="module")
-def runners():
-    return {name: parity.Runner(load_qwen3_next(FIXTURES / name)) for name in NAMES}
-
-
-@pytest.fixture(scope="module")
-def refs():
-    return parity.references(FIXTURES, NAMES)
+runners, refs = parity.family_fixtures(load_qwen3_next, FIXTURES, NAMES)
 
 
 # ---------------------------------------------------------------- parity with transformers

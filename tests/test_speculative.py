@@ -14,14 +14,15 @@ from _engine_helpers import (
     GREEDY,
     OracleDrafter,
     assert_same_states,
+    check_agreeing_drafts_are_accepted,
     chi_square,
     engine_pair,
     generate_tokens,
     repeating_model,
-    restored_cache_options,
     run_bench,
     run_joining_and_leaving,
     seeded_runs,
+    speculative_fixtures,
     states_by_position,
 )
 from flax import nnx
@@ -253,25 +254,13 @@ SPEC_CONFIG = EngineConfig(
 )
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """JAX's persistent cache for this module's engines (a process-wide setting, restored)."""
-    with restored_cache_options():
-        yield str(tmp_path_factory.mktemp("xla_cache"))
-
-
-@pytest.fixture(scope="module")
-def engines(cache_dir):
-    """(n-gram speculative, plain) engines of the tiny preset."""
-    return engine_pair(SPEC_CONFIG, cache_dir)
-
-
 PROMPTS = [
     list(b"abcabcabcabc"),  # repetitive: the n-gram lookup always finds a match
     np.random.default_rng(1).integers(0, 256, 9).tolist(),  # no repeats: padding drafts
     [7, 7, 7, 7, 7],
     list(b"the cat the cat the"),
 ]
+engines, plain_tokens = speculative_fixtures(SPEC_CONFIG, PROMPTS)
 
 
 def test_a_speculative_engine_refuses_logprobs_naming_the_field(engines):
@@ -279,12 +268,6 @@ def test_a_speculative_engine_refuses_logprobs_naming_the_field(engines):
     with pytest.raises(RequestError, match="logprobs=0 .* speculative"):
         speculative.add_request([1, 2, 3], SamplingParams(logprobs=0))
     assert not speculative.has_work
-
-
-@pytest.fixture(scope="module")
-def plain_tokens(engines):
-    _, plain = engines
-    return generate_tokens(plain, PROMPTS, GREEDY)
 
 
 @pytest.fixture
@@ -401,11 +384,4 @@ def test_bench_compares_tokens_per_s_with_and_without_speculation(capsys, tmp_pa
 
 
 def test_ngram_drafts_accepted_by_a_repeating_model_change_no_token(engines, cache_dir):
-    # After the fixture's engines, every program is in the cache: these two only load.
-    spec, plain = engine_pair(SPEC_CONFIG, cache_dir, repeating_model)
-    want = generate_tokens(plain, PROMPTS, GREEDY)
-    assert want[1] == [PROMPTS[1][-1]] * GREEDY.max_new_tokens  # it does repeat
-    assert generate_tokens(spec, PROMPTS, GREEDY) == want
-    stats = spec.speculative_stats
-    assert stats.acceptance_rate > 0.9 and stats.mean_accepted_length > D - 0.5
-    assert spec.retraces == 0
+    check_agreeing_drafts_are_accepted(SPEC_CONFIG, cache_dir, repeating_model, PROMPTS)

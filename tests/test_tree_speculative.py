@@ -25,11 +25,11 @@ from _engine_helpers import (
     chi_square,
     engine_pair,
     generate_tokens,
-    restored_cache_options,
     run_bench,
     run_joining_and_leaving,
     seeded_runs,
     slot_states,
+    speculative_fixtures,
     states_by_position,
 )
 
@@ -196,23 +196,7 @@ TREE_CONFIG = EngineConfig(
 )
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """JAX's persistent cache for this module's engines (a process-wide setting, restored)."""
-    with restored_cache_options():
-        yield str(tmp_path_factory.mktemp("xla_cache"))
-
-
-@pytest.fixture(scope="module")
-def engines(cache_dir):
-    """(MTP tree-speculative, plain) engines of the tiny preset."""
-    return engine_pair(TREE_CONFIG, cache_dir)
-
-
-@pytest.fixture(scope="module")
-def plain_tokens(engines):
-    _, plain = engines
-    return generate_tokens(plain, PROMPTS, GREEDY)
+engines, plain_tokens = speculative_fixtures(TREE_CONFIG, PROMPTS)
 
 
 def test_greedy_with_mtp_tree_drafts_gives_the_tokens_without_speculation(engines, plain_tokens):

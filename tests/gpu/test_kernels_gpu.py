@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import bits, rel
 
 from pallas_kernels import gdn
 from pallas_kernels._common import on_hopper_gpu
@@ -31,16 +32,6 @@ pytestmark = [
 H, HV, K, V = 16, 32, 128, 128
 CHANNELS, WIDTH = 8192, 4
 SLOTS = 512
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def _bits(x) -> np.ndarray:
-    x = np.asarray(x)
-    return x.view({2: np.uint16, 4: np.uint32}[x.itemsize])
 
 
 def _slots(rng, n, n_padded):
@@ -90,7 +81,7 @@ def _check_outputs(o, o_ref, idx, tol):
     o = np.asarray(o, np.float32)
     real = idx != 0
     assert np.isfinite(o).all(), "NaN/inf in the output"
-    assert _rel(o[real], o_ref[real]) < tol
+    assert rel(o[real], o_ref[real]) < tol
     assert not o[~real].any(), "padded rows must give zeros"
 
 
@@ -112,9 +103,9 @@ def test_gdn_decode_op_on_gpu_matches_oracle_in_place(n, n_padded):
     _check_outputs(o, o_ref, idx, 1e-2)
     named = idx[idx != 0]
     pool = np.asarray(pool)
-    assert _rel(pool[named], pool_ref[named]) < 1e-5
+    assert rel(pool[named], pool_ref[named]) < 1e-5
     others = np.setdiff1d(np.arange(SLOTS), named)
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(before[others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(before[others]))
 
 
 # Qwen3.5's value/key head ratios on 16 key heads: 1 (0.8B, 2B), 3 (27B), 4 (122B, 397B).
@@ -129,7 +120,7 @@ def test_gdn_decode_and_verify_take_every_value_key_head_ratio(hv, n, n_padded):
         o, pool = jax.jit(op)(**args)
         _check_outputs(o, o_ref, idx, 1e-2)
         named = idx[idx != 0]
-        assert _rel(np.asarray(pool)[named], pool_ref[named]) < 1e-5
+        assert rel(np.asarray(pool)[named], pool_ref[named]) < 1e-5
 
 
 # Four ragged rows in a 2048-token bucket, and one short prompt alone in a 32-token bucket
@@ -162,8 +153,8 @@ def test_gdn_chunk_prefill_takes_every_value_key_head_ratio(hv, lens, tokens):
     o_ref, pool_ref = jax.jit(ref)(**args)
     end = sum(lens)
     o, o_ref = np.asarray(o, np.float32), np.asarray(o_ref, np.float32)
-    assert np.isfinite(o[:end]).all() and _rel(o[:end], o_ref[:end]) < 2e-2
-    assert _rel(np.asarray(new_pool)[idx], np.asarray(pool_ref)[idx]) < 2e-2
+    assert np.isfinite(o[:end]).all() and rel(o[:end], o_ref[:end]) < 2e-2
+    assert rel(np.asarray(new_pool)[idx], np.asarray(pool_ref)[idx]) < 2e-2
 
 
 _FUSED_GATING = {
@@ -199,24 +190,24 @@ def test_gdn_fused_gating_decode_on_gpu_matches_oracle(entry, n, n_padded, hv):
     _check_outputs(o, o_ref, idx, 1e-2)
     named = idx[idx != 0]
     pool = np.asarray(pool)
-    assert _rel(pool[named], pool_ref[named]) < 1e-5
+    assert rel(pool[named], pool_ref[named]) < 1e-5
     others = np.setdiff1d(np.arange(SLOTS), named)
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(before[others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(before[others]))
 
 
 @pytest.mark.parametrize("n", [16, 64])
 def test_gdn_verify_on_gpu_matches_oracle_and_leaves_pool(n):
     args, idx = _gdn_case(1, n, 4, 3)
-    before = _bits(args["ssm_pool"]).copy()
+    before = bits(args["ssm_pool"]).copy()
     o, inter = jax.jit(recurrent_mgpu.verify_gated_delta_rule)(**args)
     o_ref, inter_ref = _oracle(gdn_reference.verify_gated_delta_rule, args)
     _check_outputs(o, o_ref, idx, 1e-2)
     real = idx != 0
     inter = np.asarray(inter)
     for t in range(4):
-        assert _rel(inter[real, t], inter_ref[real, t]) < 1e-5, f"state after token {t}"
+        assert rel(inter[real, t], inter_ref[real, t]) < 1e-5, f"state after token {t}"
     assert not inter[~real].any()
-    np.testing.assert_array_equal(_bits(args["ssm_pool"]), before)
+    np.testing.assert_array_equal(bits(args["ssm_pool"]), before)
 
 
 def _conv_case(seed, n, d, n_padded):
@@ -247,9 +238,9 @@ def test_conv1d_update_on_gpu_matches_oracle_in_place():
     _check_outputs(y, y_ref, idx, 1e-2)
     named = idx[idx != 0]
     pool = np.asarray(pool)
-    np.testing.assert_array_equal(_bits(pool[named]), _bits(pool_ref[named].astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(bits(pool[named]), bits(pool_ref[named].astype(jnp.bfloat16)))
     others = np.setdiff1d(np.arange(SLOTS), named)
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(before[others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(before[others]))
 
 
 def test_conv1d_verify_on_gpu_matches_oracle():
@@ -259,9 +250,7 @@ def test_conv1d_verify_on_gpu_matches_oracle():
     _check_outputs(y, y_ref, idx, 1e-2)
     real = idx != 0
     windows = np.asarray(windows)
-    np.testing.assert_array_equal(
-        _bits(windows[real]), _bits(windows_ref[real].astype(jnp.bfloat16))
-    )
+    np.testing.assert_array_equal(bits(windows[real]), bits(windows_ref[real].astype(jnp.bfloat16)))
     assert not windows[~real].astype(np.float32).any()
 
 
@@ -294,10 +283,10 @@ def test_conv1d_prefill_on_gpu_matches_oracle_in_place():
     y = np.asarray(y, np.float32)
     n_real = qsl[-1]
     assert np.isfinite(y).all()
-    assert _rel(y[:n_real], y_ref[:n_real]) < 1e-2
+    assert rel(y[:n_real], y_ref[:n_real]) < 1e-2
     assert not y[n_real:].any(), "padding tokens must give zeros"
     written = idx[lengths > 0]
     pool = np.asarray(pool)
-    np.testing.assert_array_equal(_bits(pool[written]), _bits(pool_ref[written].astype(bf16)))
+    np.testing.assert_array_equal(bits(pool[written]), bits(pool_ref[written].astype(bf16)))
     others = np.setdiff1d(np.arange(SLOTS), written)
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(before[others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(before[others]))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import bits, rel
 
 from pallas_kernels import conv1d, gdn, mamba2
 from pallas_kernels._common import on_hopper_gpu
@@ -28,11 +29,6 @@ pytestmark = [
 ]
 
 ROWS, PADDED, NODES, SLOTS = 16, 3, 4, 64
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 def _case(seed):
@@ -52,11 +48,6 @@ def _pool(rng, idx, shape, scale=0.3):
     return jnp.asarray(pool)
 
 
-def _bits(x) -> np.ndarray:
-    x = np.asarray(x)
-    return x.view({2: np.uint16, 4: np.uint32}[x.itemsize])
-
-
 def _run_and_check(op, reference, args, parents, idx, tol, pool_name):
     """The kernel against the float64 tree reference; the pool is left as it was."""
     before = np.asarray(args[pool_name]).copy()
@@ -72,9 +63,9 @@ def _run_and_check(op, reference, args, parents, idx, tol, pool_name):
     for name, x, r in zip(("outputs", "states"), got, ref, strict=True):
         x = np.asarray(x, np.float32)
         assert np.isfinite(x[real]).all(), f"NaN/inf in the {name}"
-        assert _rel(x[real], r[real]) < tol, f"{name}: rel err {_rel(x[real], r[real]):.2e}"
+        assert rel(x[real], r[real]) < tol, f"{name}: rel err {rel(x[real], r[real]):.2e}"
         assert not x[~real].any(), f"padded rows must give zero {name}"
-    np.testing.assert_array_equal(_bits(args[pool_name]), _bits(before))  # NaN slots included
+    np.testing.assert_array_equal(bits(args[pool_name]), bits(before))  # NaN slots included
 
 
 def test_gdn_tree_verify_on_gpu_matches_reference():

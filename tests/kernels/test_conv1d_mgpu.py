@@ -13,19 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import bits, rel
 
 from pallas_kernels.conv1d import prefill_mgpu, update_mgpu
 from pallas_kernels.conv1d import reference as conv_reference
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def _bits(x) -> np.ndarray:
-    x = np.asarray(x)
-    return x.view(np.uint16 if x.itemsize == 2 else np.uint32)
 
 
 def _case(seed, *, n, d, c, width, slots, dtype, padded, bias=True):
@@ -61,7 +52,7 @@ def _oracle(fn, args, activation):
 def _check_rows(y, y_ref, idx, tol):
     real = idx != 0
     assert np.isfinite(np.asarray(y, np.float32)).all(), "an output was never written (NaN)"
-    assert _rel(y[real], y_ref[real]) < tol
+    assert rel(y[real], y_ref[real]) < tol
     assert not np.asarray(y, np.float32)[~real].any(), "padded rows must give zeros"
 
 
@@ -82,14 +73,14 @@ def test_update_matches_oracle_and_moves_only_named_windows(dtype, d, width, bia
     _check_rows(y, y_ref, idx, tol)
     named = idx[idx != 0]
     # Windows hold raw inputs: they move exactly, in any dtype.
-    np.testing.assert_array_equal(_bits(pool[named]), _bits(pool_ref[named].astype(dtype)))
+    np.testing.assert_array_equal(bits(pool[named]), bits(pool_ref[named].astype(dtype)))
     others = np.setdiff1d(np.arange(pool.shape[0]), named)  # slot 0 included: never touched
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["conv_pool"][others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(args["conv_pool"][others]))
 
 
 def test_verify_returns_window_after_every_token_and_leaves_pool_untouched():
     args, idx = _case(1, n=3, d=4, c=128, width=4, slots=6, dtype=jnp.bfloat16, padded=[2])
-    before = _bits(args["conv_pool"]).copy()
+    before = bits(args["conv_pool"]).copy()
     y, windows = jax.jit(functools.partial(update_mgpu.causal_conv1d_verify, interpret=True))(
         **args
     )
@@ -97,11 +88,9 @@ def test_verify_returns_window_after_every_token_and_leaves_pool_untouched():
     _check_rows(y, y_ref, idx, 1e-2)
     real = idx != 0
     assert windows.shape == (3, 4, 128, 3) and windows.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(
-        _bits(windows[real]), _bits(windows_ref[real].astype(jnp.bfloat16))
-    )
+    np.testing.assert_array_equal(bits(windows[real]), bits(windows_ref[real].astype(jnp.bfloat16)))
     assert not np.asarray(windows, np.float32)[~real].any(), "padded rows' windows must be zeros"
-    np.testing.assert_array_equal(_bits(args["conv_pool"]), before)
+    np.testing.assert_array_equal(bits(args["conv_pool"]), before)
 
 
 def _production(n, d, c=8192, width=4, dtype=jnp.bfloat16, bias=True):
@@ -204,12 +193,12 @@ def test_prefill_matches_oracle_across_sequence_and_block_edges():
     y_ref, pool_ref = _oracle(conv_reference.causal_conv1d_recurrent, args, "silu")
     n_real = qsl[-1]
     assert np.isfinite(np.asarray(y)).all(), "an output was never written (NaN)"
-    assert _rel(y[:n_real], y_ref[:n_real]) < 1e-6
+    assert rel(y[:n_real], y_ref[:n_real]) < 1e-6
     assert not np.asarray(y)[n_real:].any(), "padding tokens must give zeros"
     written = idx[np.asarray(lengths) > 0]
-    np.testing.assert_array_equal(_bits(pool[written]), _bits(pool_ref[written].astype(np.float32)))
+    np.testing.assert_array_equal(bits(pool[written]), bits(pool_ref[written].astype(np.float32)))
     others = np.setdiff1d(np.arange(pool.shape[0]), written)
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["conv_pool"][others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(args["conv_pool"][others]))
 
 
 def test_prefill_bf16_without_bias_matches_oracle():
@@ -222,8 +211,8 @@ def test_prefill_bf16_without_bias_matches_oracle():
         functools.partial(prefill_mgpu.causal_conv1d, activation=None, interpret=True)
     )(**args)
     y_ref, pool_ref = _oracle(conv_reference.causal_conv1d_recurrent, args, None)
-    assert _rel(y, y_ref) < 1e-2
-    np.testing.assert_array_equal(_bits(pool[idx]), _bits(pool_ref[idx].astype(jnp.bfloat16)))
+    assert rel(y, y_ref) < 1e-2
+    np.testing.assert_array_equal(bits(pool[idx]), bits(pool_ref[idx].astype(jnp.bfloat16)))
 
 
 def test_prefill_lowers_for_cuda_with_the_pool_aliased():

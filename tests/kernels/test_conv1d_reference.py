@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import check_impl_refusals, query_start_loc, rel, replace
 
 from pallas_kernels import conv1d
 from pallas_kernels.conv1d import reference
@@ -20,15 +21,6 @@ S = 13
 LENGTHS = (1, 2, 0, 7, 13, 0, 0)
 N_REAL = 5
 T = sum(LENGTHS) + 3
-
-
-def _rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(x - ref) / np.linalg.norm(ref)
-
-
-def _qsl(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def _params(rng, with_bias=True):
@@ -53,7 +45,7 @@ def _batch(rng, with_bias=True, lengths=LENGTHS):
     has_init[3] = False
     has_init[N_REAL:] = True  # padded rows: must still read and write nothing
     x = rng.normal(size=(T, C)).astype(np.float32)
-    return (x, *_params(rng, with_bias), _pool(rng), _qsl(lengths), slots, has_init)
+    return (x, *_params(rng, with_bias), _pool(rng), query_start_loc(lengths), slots, has_init)
 
 
 def _f64(args):
@@ -95,7 +87,7 @@ def _check_pool(new_pool, old_pool, expected_pool, written, tol=1e-6):
     new_pool = np.asarray(new_pool)
     for slot in range(S):
         if slot in written:
-            assert _rel(new_pool[slot], expected_pool[slot]) <= tol, slot
+            assert rel(new_pool[slot], expected_pool[slot]) <= tol, slot
         else:
             np.testing.assert_array_equal(new_pool[slot], old_pool[slot], err_msg=f"slot {slot}")
 
@@ -127,7 +119,7 @@ def test_prefill_matches_oracle_and_writes_only_real_slots(with_bias, activation
     y, pool = _prefill(*args, activation=activation, impl="reference")
     qsl, slots = args[4], args[5]
     assert y.dtype == jnp.float32 and pool.dtype == jnp.float32
-    assert _rel(y[: qsl[-1]], y_ref[: qsl[-1]]) < 1e-6
+    assert rel(y[: qsl[-1]], y_ref[: qsl[-1]]) < 1e-6
     np.testing.assert_array_equal(np.asarray(y[qsl[-1] :]), 0)
     _check_pool(pool, args[3], pool_ref, _written_slots(LENGTHS, slots), tol=0)
 
@@ -155,7 +147,7 @@ def test_prefill_in_two_pieces_equals_one_piece(cut):
     cont[0] = True
 
     def call(x, pool, n_tokens, has_init):
-        qsl = _qsl([n_tokens] + [0] * (len(LENGTHS) - 1))
+        qsl = query_start_loc([n_tokens] + [0] * (len(LENGTHS) - 1))
         return _prefill(x, weight, bias, pool, qsl, slots, has_init, impl="reference")
 
     one_y, one_pool = call(x, pool, length, cont)
@@ -181,7 +173,7 @@ def test_update_token_by_token_equals_prefill():
     packed = np.concatenate([x[:3].reshape(-1, C), np.zeros((2, C), np.float32)])
     has_init = np.array([True, True, True, True])
     y_pre, pool_pre = _prefill(
-        packed, weight, bias, pool, _qsl(lengths), idx, has_init, impl="reference"
+        packed, weight, bias, pool, query_start_loc(lengths), idx, has_init, impl="reference"
     )
     step_pool = pool
     for t in range(n_steps):
@@ -212,20 +204,6 @@ def test_verify_windows_are_windows_after_each_token():
     np.testing.assert_array_equal(np.asarray(windows[2]), 0)
 
 
-def test_commit_writes_exactly_the_accepted_windows():
-    rng = np.random.default_rng(6)
-    pool = _pool(rng)
-    windows = rng.normal(size=(5, 4, C, W - 1)).astype(np.float32)
-    slots = np.array([3, 8, 12, 6, 0], np.int32)
-    accepted = np.array([2, 0, -1, 3, 1], np.int32)  # row 4 is padded: slot 0 is never written
-    new_pool = np.asarray(jax.jit(conv1d.commit_windows)(pool, windows, slots, accepted))
-    expected = pool.copy()
-    for n in range(4):
-        if accepted[n] >= 0:
-            expected[slots[n]] = windows[n, accepted[n]]
-    np.testing.assert_array_equal(new_pool, expected)
-
-
 def test_bfloat16_prefill_keeps_dtypes_and_stores_raw_inputs():
     rng = np.random.default_rng(7)
     x, weight, bias, pool, qsl, slots, has_init = _batch(rng)
@@ -233,7 +211,7 @@ def test_bfloat16_prefill_keeps_dtypes_and_stores_raw_inputs():
     y, new_pool = _prefill(x, weight, bias, pool, qsl, slots, has_init)
     assert y.dtype == new_pool.dtype == jnp.bfloat16
     y_ref, _ = _oracle((x, weight, bias, pool, qsl, slots, has_init))
-    assert _rel(y[: qsl[-1]], y_ref[: qsl[-1]]) < 1e-2
+    assert rel(y[: qsl[-1]], y_ref[: qsl[-1]]) < 1e-2
     # Sequence 4 (13 tokens) ends on its own inputs: the window is them, bit for bit.
     np.testing.assert_array_equal(
         np.asarray(new_pool[slots[4]]), np.asarray(x[qsl[5] - (W - 1) : qsl[5]]).T
@@ -258,15 +236,7 @@ def test_kernel_impls_refuse_calls_the_kernel_cannot_take(impl):
         "causal_conv1d_update": lambda: conv1d.causal_conv1d_update(*rows, impl=impl),
         "causal_conv1d_verify": lambda: conv1d.causal_conv1d_verify(*rows, impl=impl),
     }
-    for op, call in calls.items():
-        with pytest.raises(
-            NotImplementedError, match=f"{op}: impl='{impl}' cannot take this call: "
-        ):
-            call()
-
-
-def _replace(args, position, value):
-    return (*args[:position], value, *args[position + 1 :])
+    check_impl_refusals(calls, impl)
 
 
 @pytest.mark.parametrize(
@@ -289,7 +259,7 @@ def _replace(args, position, value):
 )  # fmt: skip
 def test_prefill_rejects_bad_shapes_and_dtypes(position, make, message):
     args = _batch(np.random.default_rng(10))
-    bad = _replace(args, position, make(args[position]))
+    bad = replace(args, position, make(args[position]))
     with pytest.raises(ValueError, match=rf"causal_conv1d: {message}"):
         conv1d.causal_conv1d(*bad, impl="reference")
 
@@ -300,7 +270,7 @@ def test_rows_and_commit_reject_bad_arguments():
     with pytest.raises(ValueError, match=r"activation='relu' must be one of \('silu', None\)"):
         conv1d.causal_conv1d_update(*rows, activation="relu")
     with pytest.raises(ValueError, match=r"state_indices.shape=\(3,\) must be \(2,\)"):
-        conv1d.causal_conv1d_verify(*_replace(rows, 4, np.zeros(3, np.int32)))
+        conv1d.causal_conv1d_verify(*replace(rows, 4, np.zeros(3, np.int32)))
     windows = np.ones((2, 2, C, W - 1), np.float32)
     with pytest.raises(ValueError, match=r"windows.dtype=float16 must equal conv_pool.dtype"):
         conv1d.commit_windows(rows[3], windows.astype(np.float16), rows[4], np.zeros(2, np.int32))

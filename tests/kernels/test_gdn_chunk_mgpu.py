@@ -11,19 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import bits, rel
 
 from pallas_kernels import _mgpu_chunks
 from pallas_kernels.gdn import chunk_mgpu
 from pallas_kernels.gdn import reference as gdn_reference
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def _bits(x) -> np.ndarray:
-    return np.asarray(x).view(np.uint32)
 
 
 def _case(seed, lens, tokens, *, h, hv, kd, vd, slots):
@@ -80,12 +72,12 @@ def test_varlen_prefill_matches_oracle_and_writes_only_its_slots(block_v, stages
     end = int(np.asarray(args["qsl"])[-1])
     assert np.isfinite(o).all(), "an output was never written (NaN) or a NaN slot was read"
     assert not o[end:].any(), "padding tokens must give zeros"
-    assert _rel(o[:end], o_ref[:end]) < 1e-2
+    assert rel(o[:end], o_ref[:end]) < 1e-2
     idx = np.asarray(args["state_indices"])
     written = idx[np.asarray(lens) > 0]
-    assert _rel(pool[written], pool_ref[written]) < 1e-2
+    assert rel(pool[written], pool_ref[written]) < 1e-2
     kept = np.setdiff1d(np.arange(pool.shape[0]), written)  # incl. the empty sequence's slot
-    np.testing.assert_array_equal(_bits(pool[kept]), _bits(args["ssm_pool"][kept]))
+    np.testing.assert_array_equal(bits(pool[kept]), bits(args["ssm_pool"][kept]))
 
 
 # Qwen3.5's value/key head ratios 1, 3 and 4 (2 is the case above).
@@ -96,9 +88,9 @@ def test_varlen_prefill_takes_every_value_key_head_ratio(h, hv):
     o, pool = jax.jit(lambda a: chunk_mgpu.chunk_gated_delta_rule(**a, interpret=True))(args)
     o_ref, pool_ref = _oracle(args)
     end = int(np.asarray(args["qsl"])[-1])
-    assert _rel(np.asarray(o, np.float32)[:end], o_ref[:end]) < 1e-2
+    assert rel(np.asarray(o, np.float32)[:end], o_ref[:end]) < 1e-2
     idx = np.asarray(args["state_indices"])
-    assert _rel(pool[idx], pool_ref[idx]) < 1e-2
+    assert rel(pool[idx], pool_ref[idx]) < 1e-2
 
 
 def test_chunk_table_covers_every_token_once_from_aligned_starts():
@@ -186,15 +178,15 @@ def test_packing_invariant_calls_give_a_sequence_the_same_bits_wherever_it_sits(
         end, start = sum(lens), sum(lens[:at])
         o = np.asarray(o, np.float32)
         assert np.isfinite(o).all() and not o[end:].any()
-        assert _rel(o[:end], o_ref[:end]) < 1e-2
+        assert rel(o[:end], o_ref[:end]) < 1e-2
         written = np.asarray(args["state_indices"])[np.asarray(lens) > 0]
-        assert _rel(out_pool[written], pool_ref[written]) < 1e-2
+        assert rel(out_pool[written], pool_ref[written]) < 1e-2
         kept = np.setdiff1d(np.arange(8), written)
-        np.testing.assert_array_equal(_bits(out_pool[kept]), _bits(pool[kept]))
+        np.testing.assert_array_equal(bits(out_pool[kept]), bits(pool[kept]))
         seen.append((o[start : start + 70], np.asarray(out_pool[1])))
     for o, state in seen[1:]:
-        np.testing.assert_array_equal(_bits(o), _bits(seen[0][0]))
-        np.testing.assert_array_equal(_bits(state), _bits(seen[0][1]))
+        np.testing.assert_array_equal(bits(o), bits(seen[0][0]))
+        np.testing.assert_array_equal(bits(state), bits(seen[0][1]))
 
 
 @pytest.mark.parametrize("block_v, d", [(64, 128), (32, 128), (32, 64)])
@@ -276,7 +268,7 @@ def test_tiny_and_empty_calls_write_only_what_they_must(lens, tokens):
     idx = np.asarray(args["state_indices"])
     written = idx[np.asarray(lens) > 0]
     if end:
-        assert _rel(o[:end], o_ref[:end]) < 1e-2
-        assert _rel(pool[written], pool_ref[written]) < 1e-2
+        assert rel(o[:end], o_ref[:end]) < 1e-2
+        assert rel(pool[written], pool_ref[written]) < 1e-2
     kept = np.setdiff1d(np.arange(pool.shape[0]), written)
-    np.testing.assert_array_equal(_bits(pool[kept]), _bits(args["ssm_pool"][kept]))
+    np.testing.assert_array_equal(bits(pool[kept]), bits(args["ssm_pool"][kept]))

@@ -17,6 +17,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import bits, rel
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
@@ -32,16 +33,6 @@ from pallas_kernels.gdn._chunk_intra import VEC_ROWS
 VARLEN = ((100, 0, 37, 270), 420)
 SMALL = (2, 4, 64, 64)  # H, HV, K, V
 QWEN3_NEXT = (16, 32, 128, 128)
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def _bits(x) -> np.ndarray:
-    x = np.asarray(x)
-    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
 def _interpret(gpu: bool):
@@ -129,21 +120,21 @@ def _check(lens, tokens, block_v, o, pool, dims=SMALL, gpu=False):
     idx = np.asarray(args["state_indices"])
     written = idx[np.asarray(lens) > 0]
     if gpu:
-        assert _rel(o, o_old) < 1e-3
-        assert _rel(pool[written], pool_old[written]) < 1e-3
+        assert rel(o, o_old) < 1e-3
+        assert rel(pool[written], pool_old[written]) < 1e-3
     else:
-        np.testing.assert_array_equal(_bits(o), _bits(o_old))
-        np.testing.assert_array_equal(_bits(pool), _bits(pool_old))
+        np.testing.assert_array_equal(bits(o), bits(o_old))
+        np.testing.assert_array_equal(bits(pool), bits(pool_old))
     o_ref, pool_ref = _oracle(lens, tokens, dims, gpu)
     o = np.asarray(o, np.float32)
     end = sum(lens)
     assert np.isfinite(o).all(), "an output was never written (NaN) or a NaN slot was read"
     assert not o[end:].any(), "padding tokens must give zeros"
     if end:
-        assert _rel(o[:end], o_ref[:end]) < 1e-2
-        assert _rel(pool[written], pool_ref[written]) < 1e-2
+        assert rel(o[:end], o_ref[:end]) < 1e-2
+        assert rel(pool[written], pool_ref[written]) < 1e-2
     kept = np.setdiff1d(np.arange(pool.shape[0]), written)
-    np.testing.assert_array_equal(_bits(pool[kept]), _bits(args["ssm_pool"][kept]))
+    np.testing.assert_array_equal(bits(pool[kept]), bits(args["ssm_pool"][kept]))
 
 
 @pytest.mark.parametrize(

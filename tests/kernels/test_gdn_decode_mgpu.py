@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import bits, rel
 
 from pallas_kernels.gdn import decode_mgpu as variants
 from pallas_kernels.gdn import reference as gdn_reference
@@ -29,15 +30,6 @@ _CASES = {
     "pipe3-cols-bv16-3programs": variants.DecodeVariant("cols", block_v=16, stages=3, programs=3),
     "cols-bv16": variants.DecodeVariant("cols", block_v=16),
 }
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def _bits(x) -> np.ndarray:
-    return np.asarray(x).view(np.uint32)
 
 
 def _case(seed, *, n, d, kd, vd, slots, dtype, padded, h=1, hv=2):
@@ -85,12 +77,12 @@ def test_variant_matches_oracle_and_writes_only_named_slots(name, dtype, kd, d, 
     o_ref, pool_ref = _oracle(args)
     real = idx != 0
     assert np.isfinite(np.asarray(o, np.float32)).all(), "an output was never written (NaN)"
-    assert _rel(o[real], o_ref[real]) < tol
+    assert rel(o[real], o_ref[real]) < tol
     assert not np.asarray(o, np.float32)[~real].any(), "padded rows must give zeros"
     named = idx[real]
-    assert _rel(pool[named], pool_ref[named]) < 1e-5
+    assert rel(pool[named], pool_ref[named]) < 1e-5
     others = np.setdiff1d(np.arange(pool.shape[0]), named)  # slot 0 included: never touched
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(args["ssm_pool"][others]))
 
 
 # Qwen3.5's value/key head ratios: 1 (0.8B, 2B), 3 (27B), 4 (122B, 397B); 2 is every case above.
@@ -106,8 +98,8 @@ def test_default_variant_takes_every_value_key_head_ratio(h, hv):
     o, pool = jax.jit(fn)(**args)
     o_ref, pool_ref = _oracle(args)
     real = idx != 0
-    assert _rel(o[real], o_ref[real]) < 1e-2
-    assert _rel(pool[idx[real]], pool_ref[idx[real]]) < 1e-5
+    assert rel(o[real], o_ref[real]) < 1e-2
+    assert rel(pool[idx[real]], pool_ref[idx[real]]) < 1e-5
 
 
 def test_public_decode_op_runs_the_default_variant():
@@ -169,12 +161,12 @@ def test_fused_gating_matches_gating_then_oracle(name):
     args["beta"] = 1 / (1 + np.exp(-np.asarray(b, np.float64)))
     o_ref, pool_ref = _oracle(args)
     real = idx != 0
-    assert _rel(o[real], o_ref[real]) < 1e-2
+    assert rel(o[real], o_ref[real]) < 1e-2
     assert not np.asarray(o, np.float32)[~real].any(), "padded rows must give zeros"
     named = idx[real]
-    assert _rel(pool[named], pool_ref[named]) < 1e-5
+    assert rel(pool[named], pool_ref[named]) < 1e-5
     others = np.setdiff1d(np.arange(pool.shape[0]), named)
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(args["ssm_pool"][others]))
 
 
 def _production_gating(n):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import bits, rel
 
 from pallas_kernels import _common, gdn
 from pallas_kernels.gdn import reference as gdn_reference
@@ -21,15 +22,6 @@ from pallas_kernels.gdn import reference as gdn_reference
 H, HV = 1, 2
 SLOTS = 9
 _OP = "fused_gating_recurrent_gated_delta_rule"
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def _bits(x) -> np.ndarray:
-    return np.asarray(x).view(np.uint32)
 
 
 def _case(seed, *, n=5, d=1, kd=64, dtype=jnp.bfloat16, padded=(1,)):
@@ -82,20 +74,20 @@ def test_op_matches_gating_then_oracle_and_writes_only_named_slots(impl, dtype, 
     real = idx != 0
     assert o.shape == args["v"].shape and o.dtype == dtype
     assert np.isfinite(np.asarray(o, np.float32)).all(), "an output was never written (NaN)"
-    assert _rel(o[real], o_ref[real]) < tol
+    assert rel(o[real], o_ref[real]) < tol
     assert not np.asarray(o, np.float32)[~real].any(), "padded rows must give zeros"
     named = idx[real]
-    assert _rel(pool[named], pool_ref[named]) < 1e-5
+    assert rel(pool[named], pool_ref[named]) < 1e-5
     others = np.setdiff1d(np.arange(SLOTS), named)  # slot 0 included: never touched
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(args["ssm_pool"][others]))
 
 
 def test_interpreted_kernel_matches_the_reference():
     args, idx = _case(1, n=4, padded=(3,))
     got, want = _op("interpret")(**args), _op("reference")(**args)
     real = idx != 0
-    assert _rel(got[0][real], want[0][real]) < 1e-2
-    assert _rel(got[1][idx[real]], want[1][idx[real]]) < 1e-5
+    assert rel(got[0][real], want[0][real]) < 1e-2
+    assert rel(got[1][idx[real]], want[1][idx[real]]) < 1e-5
 
 
 def test_reference_is_gdn_gating_then_the_reference_decode_bit_for_bit():
@@ -109,7 +101,7 @@ def test_reference_is_gdn_gating_then_the_reference_decode_bit_for_bit():
         )  # fmt: skip
 
     for got, want in zip(_op("reference")(**args), jax.jit(unfused)(**args), strict=True):
-        np.testing.assert_array_equal(_bits(got), _bits(want))
+        np.testing.assert_array_equal(bits(got), bits(want))
 
 
 @pytest.fixture(params=[False, True], ids=["cpu", "hopper"])

@@ -14,18 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import bits, rel
 
 from pallas_kernels.gdn import recurrent_mgpu
 from pallas_kernels.gdn import reference as gdn_reference
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def _bits(x) -> np.ndarray:
-    return np.asarray(x).view(np.uint32)
 
 
 def _case(seed, *, n, d, h, hv, kd, vd, slots, dtype, padded):
@@ -63,7 +55,7 @@ def _oracle(fn, args):
 def _check_rows(o, o_ref, idx, tol):
     real = idx != 0
     assert np.isfinite(np.asarray(o, np.float32)).all(), "an output was never written (NaN)"
-    assert _rel(o[real], o_ref[real]) < tol
+    assert rel(o[real], o_ref[real]) < tol
     assert not np.asarray(o, np.float32)[~real].any(), "padded rows must give zeros"
 
 
@@ -80,7 +72,7 @@ def test_verify_tilings_agree_with_oracle(config):
     o_ref, inter_ref = _oracle(gdn_reference.verify_gated_delta_rule, args)
     _check_rows(o, o_ref, idx, 1e-5)
     real = idx != 0
-    assert _rel(inter[real], inter_ref[real]) < 1e-5
+    assert rel(inter[real], inter_ref[real]) < 1e-5
 
 
 def test_verify_returns_state_after_every_token_and_leaves_pool_untouched():
@@ -94,9 +86,9 @@ def test_verify_returns_state_after_every_token_and_leaves_pool_untouched():
     real = idx != 0
     assert inter.shape == (3, 3, 2, 64, 64) and inter.dtype == jnp.float32
     for t in range(3):
-        assert _rel(inter[real, t], inter_ref[real, t]) < 1e-5, f"state after token {t}"
+        assert rel(inter[real, t], inter_ref[real, t]) < 1e-5, f"state after token {t}"
     assert not np.asarray(inter)[~real].any(), "padded rows' intermediates must be zeros"
-    np.testing.assert_array_equal(_bits(args["ssm_pool"]), _bits(before))
+    np.testing.assert_array_equal(bits(args["ssm_pool"]), bits(before))
 
 
 def _production(n, d, kd=128, dtype=jnp.bfloat16):

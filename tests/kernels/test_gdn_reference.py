@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import check_impl_refusals, query_start_loc, rel, replace
 
 from pallas_kernels import gdn
 from pallas_kernels.gdn import reference
@@ -21,15 +22,6 @@ S = 13
 LENGTHS = (1, 37, 0, 64, 130, 0, 0)
 N_REAL = 5
 T = sum(LENGTHS) + 7
-
-
-def _rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(x - ref) / np.linalg.norm(ref)
-
-
-def _qsl(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def _tokens(rng, shape_lead, l2norm=True):
@@ -62,7 +54,7 @@ def _batch(rng, lengths=LENGTHS, n_real=N_REAL, t_total=T, l2norm=True):
     return (
         *_tokens(rng, (t_total,), l2norm),
         _pool(rng),
-        _qsl(lengths),
+        query_start_loc(lengths),
         slots,
         has_init,
     )
@@ -117,7 +109,7 @@ def _check_pool(new_pool, old_pool, expected_pool, written):
     new_pool = np.asarray(new_pool)
     for slot in range(S):
         if slot in written:
-            assert _rel(new_pool[slot], expected_pool[slot]) < 2e-5, slot
+            assert rel(new_pool[slot], expected_pool[slot]) < 2e-5, slot
         else:
             np.testing.assert_array_equal(new_pool[slot], old_pool[slot], err_msg=f"slot {slot}")
 
@@ -151,7 +143,7 @@ def test_chunked_prefill_matches_oracle_and_writes_only_real_slots(options):
     o, pool = _chunk(*args, **options, impl="reference")
     qsl, slots = args[6], args[7]
     assert o.dtype == jnp.float32 and pool.dtype == jnp.float32
-    assert _rel(o[: qsl[-1]], o_ref[: qsl[-1]]) < 2e-5
+    assert rel(o[: qsl[-1]], o_ref[: qsl[-1]]) < 2e-5
     np.testing.assert_array_equal(np.asarray(o[qsl[-1] :]), 0)
     _check_pool(pool, args[5], pool_ref, _written_slots(LENGTHS, slots))
 
@@ -179,7 +171,7 @@ def test_prefill_in_two_pieces_equals_one_piece():
     cont[0] = True
 
     def call(xs, pool, n_tokens, has_init):
-        qsl = _qsl([n_tokens] + [0] * (len(LENGTHS) - 1))
+        qsl = query_start_loc([n_tokens] + [0] * (len(LENGTHS) - 1))
         return _chunk(*xs, pool, qsl, slots, has_init, impl="reference")
 
     one_o, one_pool = call(tokens, pool, length, fresh)
@@ -188,15 +180,15 @@ def test_prefill_in_two_pieces_equals_one_piece():
         tuple(np.roll(x, -cut, axis=0) for x in tokens), mid_pool, length - cut, cont
     )
     pieces = np.concatenate([first_o[:cut], second_o[: length - cut]])
-    assert _rel(pieces, one_o[:length]) < 1e-5
-    assert _rel(two_pool[5], one_pool[5]) < 1e-5
+    assert rel(pieces, one_o[:length]) < 1e-5
+    assert rel(two_pool[5], one_pool[5]) < 1e-5
     _check_pool(two_pool, pool, one_pool, {5})
 
 
 def test_empty_batch_outputs_zeros_and_leaves_pool():
     rng = np.random.default_rng(4)
     *tokens, pool, _, slots, has_init = _batch(rng)
-    qsl = _qsl([0] * len(LENGTHS))
+    qsl = query_start_loc([0] * len(LENGTHS))
     o, new_pool = _chunk(*tokens, pool, qsl, slots, has_init, impl="reference")
     np.testing.assert_array_equal(np.asarray(o), 0)
     np.testing.assert_array_equal(np.asarray(new_pool), pool)
@@ -214,8 +206,8 @@ def test_decode_is_one_step_of_the_recurrence():
     o, new_pool = _decode(*args, impl="reference")
     for n, slot in enumerate(slots[:3]):
         o_ref, state = _numpy_sequence(q[n], k[n], v[n], g[n], beta[n], pool[slot], K**-0.5)
-        assert _rel(o[n], o_ref) < 1e-5
-        assert _rel(new_pool[slot], state) < 1e-5
+        assert rel(o[n], o_ref) < 1e-5
+        assert rel(new_pool[slot], state) < 1e-5
     np.testing.assert_array_equal(np.asarray(o[3:]), 0)
     _check_pool(new_pool, pool, np.asarray(new_pool), set(slots[:3]))
 
@@ -234,8 +226,8 @@ def test_verify_intermediates_are_states_after_each_token():
                 q[n, t : t + 1], k[n, t : t + 1], v[n, t : t + 1],
                 g[n, t : t + 1], beta[n, t : t + 1], state, K**-0.5,
             )  # fmt: skip
-            assert _rel(o[n, t], o_ref[0]) < 1e-5
-            assert _rel(inter[n, t], state) < 1e-5
+            assert rel(o[n, t], o_ref[0]) < 1e-5
+            assert rel(inter[n, t], state) < 1e-5
     np.testing.assert_array_equal(np.asarray(o[2]), 0)
     np.testing.assert_array_equal(np.asarray(inter[2]), 0)
     # Verify and multi-token decode agree: decode's pool holds verify's last intermediate.
@@ -243,20 +235,6 @@ def test_verify_intermediates_are_states_after_each_token():
     np.testing.assert_allclose(o_dec, o, rtol=1e-6, atol=1e-6)
     for n, slot in enumerate(slots[:2]):
         np.testing.assert_allclose(pool_dec[slot], inter[n, -1], rtol=1e-6, atol=1e-6)
-
-
-def test_commit_writes_exactly_the_accepted_states():
-    rng = np.random.default_rng(7)
-    pool = _pool(rng)
-    inter = rng.normal(size=(5, 4, HV, K, V)).astype(np.float32)
-    slots = np.array([3, 8, 12, 6, 0], np.int32)
-    accepted = np.array([2, 0, -1, 3, 1], np.int32)  # row 4 is padded: slot 0 is never written
-    new_pool = np.asarray(jax.jit(gdn.commit_states)(pool, inter, slots, accepted))
-    expected = pool.copy()
-    for n in range(4):
-        if accepted[n] >= 0:
-            expected[slots[n]] = inter[n, accepted[n]]
-    np.testing.assert_array_equal(new_pool, expected)
 
 
 def test_gating_matches_formula_in_float64():
@@ -295,15 +273,7 @@ def test_kernel_impls_refuse_calls_the_kernel_cannot_take(impl):
         ),
         "verify_gated_delta_rule": lambda: gdn.verify_gated_delta_rule(*rows, impl=impl),
     }
-    for op, call in calls.items():
-        with pytest.raises(
-            NotImplementedError, match=f"{op}: impl='{impl}' cannot take this call: "
-        ):
-            call()
-
-
-def _replace(args, position, value):
-    return (*args[:position], value, *args[position + 1 :])
+    check_impl_refusals(calls, impl)
 
 
 @pytest.mark.parametrize(
@@ -327,7 +297,7 @@ def _replace(args, position, value):
 )  # fmt: skip
 def test_chunk_rejects_bad_shapes_and_dtypes_at_trace_time(position, make, message):
     args = _batch(np.random.default_rng(11))
-    bad = _replace(args, position, make(args[position]))
+    bad = replace(args, position, make(args[position]))
     with pytest.raises(ValueError, match=rf"chunk_gated_delta_rule: {message}"):
         gdn.chunk_gated_delta_rule(*bad, impl="reference")
 
@@ -336,9 +306,9 @@ def test_rows_and_commit_reject_bad_shapes():
     rng = np.random.default_rng(12)
     rows = _rows(rng, 2, [1, 2])
     with pytest.raises(ValueError, match=r"state_indices.shape=\(3,\) must be \(2,\)"):
-        gdn.fused_recurrent_gated_delta_rule(*_replace(rows, 6, np.zeros(3, np.int32)))
+        gdn.fused_recurrent_gated_delta_rule(*replace(rows, 6, np.zeros(3, np.int32)))
     with pytest.raises(ValueError, match=r"g.shape=\(2, 1, 4\) must be \(2, 2, 4\)"):
-        gdn.verify_gated_delta_rule(*_replace(rows, 3, rows[3][:, :1]))
+        gdn.verify_gated_delta_rule(*replace(rows, 3, rows[3][:, :1]))
     inter = np.ones((2, 2, HV, K, V), np.float32)
     with pytest.raises(ValueError, match=r"accepted_steps.dtype=int64 must be int32"):
         gdn.commit_states(rows[5], inter, rows[6], np.zeros(2, np.int64))

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import bits, rel
 
 from pallas_kernels._common import on_hopper_gpu
 from pallas_kernels.mamba2 import reference, ssd_mgpu, state_update_mgpu
@@ -24,15 +25,6 @@ pytestmark = [
 
 H, P, G, N = 128, 64, 8, 128
 SLOTS = 300
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def _bits(x) -> np.ndarray:
-    return np.asarray(x).view(np.uint32)
 
 
 def _params(rng):
@@ -82,11 +74,11 @@ def test_decode_at_batch_256_matches_oracle_in_place():
     y, pool = fn(**{**args, "ssm_pool": jnp.asarray(before)})
     y_ref, pool_ref = _oracle(reference.selective_state_update, args)
     real = idx != 0
-    assert _rel(y[real], y_ref[real]) < 1e-2
+    assert rel(y[real], y_ref[real]) < 1e-2
     assert not np.asarray(y, np.float32)[~real].any()
-    assert _rel(pool[idx[real]], pool_ref[idx[real]]) < 1e-5
+    assert rel(pool[idx[real]], pool_ref[idx[real]]) < 1e-5
     others = np.setdiff1d(np.arange(SLOTS), idx[real])
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(before[others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(before[others]))
 
 
 def test_verify_matches_oracle():
@@ -94,8 +86,8 @@ def test_verify_matches_oracle():
     y, inter = jax.jit(state_update_mgpu.verify_selective_state_update)(**args)
     y_ref, inter_ref = _oracle(reference.verify_selective_state_update, args)
     real = idx != 0
-    assert _rel(y[real], y_ref[real]) < 1e-2
-    assert _rel(inter[real], inter_ref[real]) < 1e-5
+    assert rel(y[real], y_ref[real]) < 1e-2
+    assert rel(inter[real], inter_ref[real]) < 1e-5
     assert not np.asarray(inter)[~real].any()
 
 
@@ -119,9 +111,9 @@ def test_ssd_chunk_scan_varlen_matches_oracle():
     y, new_pool = jax.jit(ssd_mgpu.ssd_chunk_scan)(**args)
     y_ref, pool_ref = _oracle(reference.ssd_chunk_scan_recurrent, args)
     end = sum(lengths)
-    assert _rel(y[:end], y_ref[:end]) < 1e-2
+    assert rel(y[:end], y_ref[:end]) < 1e-2
     assert not np.asarray(y, np.float32)[end:].any()
     written = np.array([s for s, length in zip(slots, lengths, strict=True) if length])
-    assert _rel(new_pool[written], pool_ref[written]) < 1e-2
+    assert rel(new_pool[written], pool_ref[written]) < 1e-2
     others = np.setdiff1d(np.arange(SLOTS), written)
-    np.testing.assert_array_equal(_bits(new_pool[others]), _bits(pool[others]))
+    np.testing.assert_array_equal(bits(new_pool[others]), bits(pool[others]))

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import check_impl_refusals, query_start_loc, rel, replace
 
 from pallas_kernels import mamba2
 from pallas_kernels.mamba2 import reference
@@ -30,15 +31,6 @@ CASES = {
     "dt_limits": {"dt_min": 0.1, "dt_max": 0.6, "z": True},
     "no_softplus": {"dt_softplus": False, "dt_max": 1.5},
 }
-
-
-def _rel(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(x - ref) / np.linalg.norm(ref)
-
-
-def _qsl(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def _params(rng):
@@ -79,7 +71,7 @@ def _batch(rng, lengths=LENGTHS, n_real=N_REAL, t_total=T, dtype=np.float32):
     pool[slots[:n_real][~has_init[:n_real]]] = np.nan
     x, dt, b, c, z = _tokens(rng, (t_total,), dtype)
     a, d, dt_bias = _params(rng)
-    return (x, dt, a, b, c, d, dt_bias, pool, _qsl(lengths), slots, has_init), z
+    return (x, dt, a, b, c, d, dt_bias, pool, query_start_loc(lengths), slots, has_init), z
 
 
 def _options(case, z):
@@ -138,7 +130,7 @@ def _check_pool(new_pool, old_pool, expected_pool, written, tol=2e-5):
     new_pool = np.asarray(new_pool)
     for slot in range(S):
         if slot in written:
-            assert _rel(new_pool[slot], expected_pool[slot]) < tol, slot
+            assert rel(new_pool[slot], expected_pool[slot]) < tol, slot
         else:
             np.testing.assert_array_equal(new_pool[slot], old_pool[slot], err_msg=f"slot {slot}")
 
@@ -175,7 +167,7 @@ def test_chunked_scan_matches_oracle_and_writes_only_real_slots(case):
     y, pool = _scan(*args, **options, impl="reference")
     qsl, slots = args[8], args[9]
     assert y.dtype == jnp.float32 and pool.dtype == jnp.float32
-    assert _rel(y[: qsl[-1]], y_ref[: qsl[-1]]) < 2e-5
+    assert rel(y[: qsl[-1]], y_ref[: qsl[-1]]) < 2e-5
     np.testing.assert_array_equal(np.asarray(y[qsl[-1] :]), 0)
     _check_pool(pool, args[7], pool_ref, _written_slots(LENGTHS, slots))
 
@@ -197,7 +189,7 @@ def test_bf16_scan_matches_oracle():
     y, pool = _scan(*args, z=z, impl="reference")
     qsl = args[8]
     assert y.dtype == jnp.bfloat16 and pool.dtype == jnp.float32
-    assert _rel(y[: qsl[-1]], y_ref[: qsl[-1]]) < 1e-2
+    assert rel(y[: qsl[-1]], y_ref[: qsl[-1]]) < 1e-2
     _check_pool(pool, args[7], pool_ref, _written_slots(LENGTHS, args[9]), tol=1e-5)
 
 
@@ -214,7 +206,7 @@ def test_prefill_in_two_pieces_equals_one_piece():
 
     def call(tokens, pool, n_tokens, has_init):
         x, dt, b, c, z = tokens
-        qsl = _qsl([n_tokens] + [0] * (len(LENGTHS) - 1))
+        qsl = query_start_loc([n_tokens] + [0] * (len(LENGTHS) - 1))
         return _scan(x, dt, a, b, c, d, dt_bias, pool, qsl, slots, has_init, z=z, impl="reference")
 
     tokens = (x, dt, b, c, z)
@@ -223,13 +215,13 @@ def test_prefill_in_two_pieces_equals_one_piece():
     rolled = tuple(np.roll(v, -cut, axis=0) for v in tokens)
     second_y, two_pool = call(rolled, mid_pool, length - cut, cont)
     pieces = np.concatenate([first_y[:cut], second_y[: length - cut]])
-    assert _rel(pieces, one_y[:length]) < 1e-5
+    assert rel(pieces, one_y[:length]) < 1e-5
     _check_pool(two_pool, pool, one_pool, {5}, tol=1e-5)
 
 
 def test_empty_batch_outputs_zeros_and_leaves_pool():
     args, z = _batch(np.random.default_rng(5))
-    args = (*args[:8], _qsl([0] * len(LENGTHS)), *args[9:])
+    args = (*args[:8], query_start_loc([0] * len(LENGTHS)), *args[9:])
     y, new_pool = _scan(*args, z=z, impl="reference")
     np.testing.assert_array_equal(np.asarray(y), 0)
     np.testing.assert_array_equal(np.asarray(new_pool), args[7])
@@ -255,8 +247,8 @@ def test_decode_is_one_step_of_the_recurrence(case):
         y_ref, state = _numpy_sequence(
             x[n], dt[n], a, b[n], c[n], d, dt_bias, zs, pool[slot], **formula
         )
-        assert _rel(y[n], y_ref) < 1e-5
-        assert _rel(new_pool[slot], state) < 1e-5
+        assert rel(y[n], y_ref) < 1e-5
+        assert rel(new_pool[slot], state) < 1e-5
     np.testing.assert_array_equal(np.asarray(y[3:]), 0)
     _check_pool(new_pool, pool, np.asarray(new_pool), set(slots[:3]))
 
@@ -269,14 +261,14 @@ def test_decode_of_several_tokens_equals_scan_continuation():
     y, new_pool = _decode(*args, z=z, impl="reference")
     flat = (v.reshape(-1, *v.shape[2:]) for v in (x, dt, b, c, z))
     xf, dtf, bf, cf, zf = flat
-    qsl = _qsl([n_steps if s else 0 for s in slots])
+    qsl = query_start_loc([n_steps if s else 0 for s in slots])
     real = idx != 0
     keep = np.repeat(real, n_steps)
     y_scan, pool_scan = _scan(
         xf[keep], dtf[keep], a, bf[keep], cf[keep], d, dt_bias, pool, qsl, idx,
         np.ones(3, bool), z=zf[keep], impl="reference",
     )  # fmt: skip
-    assert _rel(np.asarray(y)[real].reshape(-1, H, P), y_scan) < 1e-5
+    assert rel(np.asarray(y)[real].reshape(-1, H, P), y_scan) < 1e-5
     np.testing.assert_allclose(new_pool, pool_scan, rtol=1e-5, atol=1e-5)
 
 
@@ -295,8 +287,8 @@ def test_verify_intermediates_are_states_after_each_token_and_pool_untouched():
             y_ref, state = _numpy_sequence(
                 x[n, one], dt[n, one], a, b[n, one], c[n, one], d, dt_bias, z[n, one], state
             )
-            assert _rel(y[n, t], y_ref[0]) < 1e-5
-            assert _rel(inter[n, t], state) < 1e-5
+            assert rel(y[n, t], y_ref[0]) < 1e-5
+            assert rel(inter[n, t], state) < 1e-5
     np.testing.assert_array_equal(np.asarray(y[2]), 0)
     np.testing.assert_array_equal(np.asarray(inter[2]), 0)
     # Verify and multi-token decode agree: decode's pool holds verify's last intermediate.
@@ -304,20 +296,6 @@ def test_verify_intermediates_are_states_after_each_token_and_pool_untouched():
     np.testing.assert_allclose(y_dec, y, rtol=1e-6, atol=1e-6)
     for n, slot in enumerate(slots[:2]):
         np.testing.assert_allclose(pool_dec[slot], inter[n, -1], rtol=1e-6, atol=1e-6)
-
-
-def test_commit_writes_exactly_the_accepted_states():
-    rng = np.random.default_rng(9)
-    pool = _pool(rng)
-    inter = rng.normal(size=(5, 4, H, P, N)).astype(np.float32)
-    slots = np.array([3, 8, 12, 6, 0], np.int32)
-    accepted = np.array([2, 0, -1, 3, 1], np.int32)  # row 4 is padded: slot 0 is never written
-    new_pool = np.asarray(jax.jit(mamba2.commit_states)(pool, inter, slots, accepted))
-    expected = pool.copy()
-    for n in range(4):
-        if accepted[n] >= 0:
-            expected[slots[n]] = inter[n, accepted[n]]
-    np.testing.assert_array_equal(new_pool, expected)
 
 
 def test_auto_picks_the_reference_on_cpu():
@@ -346,15 +324,7 @@ def test_kernel_impls_refuse_calls_the_kernel_cannot_take(impl):
             *rows, impl=impl
         ),
     }
-    for op, call in calls.items():
-        with pytest.raises(
-            NotImplementedError, match=f"{op}: impl='{impl}' cannot take this call: "
-        ):
-            call()
-
-
-def _replace(args, position, value):
-    return (*args[:position], value, *args[position + 1 :])
+    check_impl_refusals(calls, impl)
 
 
 @pytest.mark.parametrize(
@@ -381,7 +351,7 @@ def _replace(args, position, value):
 )  # fmt: skip
 def test_scan_rejects_bad_shapes_and_dtypes_at_trace_time(position, make, message):
     args, _ = _batch(np.random.default_rng(14))
-    bad = _replace(args, position, make(args[position]))
+    bad = replace(args, position, make(args[position]))
     with pytest.raises(ValueError, match=rf"ssd_chunk_scan: {message}"):
         mamba2.ssd_chunk_scan(*bad, impl="reference")
 
@@ -389,9 +359,9 @@ def test_scan_rejects_bad_shapes_and_dtypes_at_trace_time(position, make, messag
 def test_rows_options_and_commit_reject_bad_inputs():
     rows, z = _rows(np.random.default_rng(15), 2, [1, 2])
     with pytest.raises(ValueError, match=r"state_indices.shape=\(3,\) must be \(2,\)"):
-        mamba2.selective_state_update(*_replace(rows, 8, np.zeros(3, np.int32)))
+        mamba2.selective_state_update(*replace(rows, 8, np.zeros(3, np.int32)))
     with pytest.raises(ValueError, match=r"dt.shape=\(2, 1, 4\) must be \(2, 2, 4\)"):
-        mamba2.verify_selective_state_update(*_replace(rows, 1, rows[1][:, :1]))
+        mamba2.verify_selective_state_update(*replace(rows, 1, rows[1][:, :1]))
     with pytest.raises(ValueError, match=r"z.shape=.* must equal x.shape=.*"):
         mamba2.selective_state_update(*rows, z=z[:, :, :2])
     with pytest.raises(ValueError, match=r"dt_min=1.0 must be <= dt_max=0.5"):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import bits, rel
 
 from pallas_kernels import mamba2
 from pallas_kernels.mamba2 import reference as mamba2_reference
@@ -28,15 +29,6 @@ S = 11
 # has a padded tail of 5 (T = 158 is not a multiple of 8 either).
 LENGTHS = (1, 70, 0, 64, 13, 0)
 T = sum(LENGTHS) + 5
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def _bits(x) -> np.ndarray:
-    return np.asarray(x).view(np.uint32)
 
 
 def _case(seed, dtype, gate):
@@ -91,13 +83,13 @@ def test_kernel_matches_oracle_and_writes_only_nonempty_slots(dtype, gate, optio
     y_ref, pool_ref = _oracle(args, **options)
     end = int(args["qsl"][-1])
     assert y.dtype == dtype and np.isfinite(np.asarray(y, np.float32)).all()
-    assert _rel(y[:end], y_ref[:end]) < 1e-2
+    assert rel(y[:end], y_ref[:end]) < 1e-2
     assert not np.asarray(y, np.float32)[end:].any(), "padding tokens must give zeros"
     slots = np.asarray(args["state_indices"])
     written = np.array([s for s, length in zip(slots, LENGTHS, strict=True) if length])
-    assert _rel(pool[written], pool_ref[written]) < 1e-2
+    assert rel(pool[written], pool_ref[written]) < 1e-2
     others = np.setdiff1d(np.arange(S), written)  # the empty sequence's slot and slot 0 too
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(args["ssm_pool"][others]))
 
 
 def _short(args, lengths, t_total):
@@ -120,19 +112,19 @@ def test_public_op_runs_the_kernel_on_a_call_shorter_than_a_chunk():
     positional = [args[name] for name in (*names, "has_initial_state")]
     y, pool = mamba2.ssd_chunk_scan(*positional, z=z, impl="interpret")
     y_ref, pool_ref = _oracle({**args, "z": z})
-    assert _rel(y[:13], y_ref[:13]) < 1e-2
+    assert rel(y[:13], y_ref[:13]) < 1e-2
     assert not np.asarray(y, np.float32)[13:].any()
     slot = int(args["state_indices"][0])
-    assert _rel(pool[slot], pool_ref[slot]) < 1e-2
+    assert rel(pool[slot], pool_ref[slot]) < 1e-2
     others = np.setdiff1d(np.arange(S), [slot])
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(args["ssm_pool"][others]))
 
 
 def test_all_empty_batch_outputs_zeros_and_leaves_pool():
     args = _short(_case(2, jnp.bfloat16, gate=False), (0, 0), 20)
     y, pool = jax.jit(functools.partial(ssd_mgpu.ssd_chunk_scan, interpret=True))(**args)
     np.testing.assert_array_equal(np.asarray(y, np.float32), 0)
-    np.testing.assert_array_equal(_bits(pool), _bits(args["ssm_pool"]))
+    np.testing.assert_array_equal(bits(pool), bits(args["ssm_pool"]))
 
 
 def test_packing_invariant_calls_give_a_sequence_the_same_bits_wherever_it_sits():
@@ -164,15 +156,15 @@ def test_packing_invariant_calls_give_a_sequence_the_same_bits_wherever_it_sits(
         y_ref, pool_ref = _oracle(args)
         y = np.asarray(y, np.float32)
         assert np.isfinite(y[: sum(lens)]).all() and not y[sum(lens) :].any()
-        assert _rel(y[: sum(lens)], y_ref[: sum(lens)]) < 1e-2
+        assert rel(y[: sum(lens)], y_ref[: sum(lens)]) < 1e-2
         written = slots[np.asarray(lens) > 0]
-        assert _rel(pool[written], pool_ref[written]) < 1e-2
+        assert rel(pool[written], pool_ref[written]) < 1e-2
         kept = np.setdiff1d(np.arange(S), written)
-        np.testing.assert_array_equal(_bits(pool[kept]), _bits(base["ssm_pool"][kept]))
+        np.testing.assert_array_equal(bits(pool[kept]), bits(base["ssm_pool"][kept]))
         seen.append((y[start : start + 70], np.asarray(pool[slots[at]])))
     for y, state in seen[1:]:
-        np.testing.assert_array_equal(_bits(y), _bits(seen[0][0]))
-        np.testing.assert_array_equal(_bits(state), _bits(seen[0][1]))
+        np.testing.assert_array_equal(bits(y), bits(seen[0][0]))
+        np.testing.assert_array_equal(bits(state), bits(seen[0][1]))
 
 
 def _production(t_total, n_seq, *, h=128, g=8, p=64, nd=128, dtype=jnp.bfloat16, gate=False):

@@ -15,19 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import bits, rel
 
 from pallas_kernels import mamba2
 from pallas_kernels.mamba2 import reference as mamba2_reference
 from pallas_kernels.mamba2 import state_update_mgpu
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
-def _bits(x) -> np.ndarray:
-    return np.asarray(x).view(np.uint32)
 
 
 def _case(seed, *, n, d, h, g, p, nd, slots, dtype, padded, gate):
@@ -69,7 +61,7 @@ def _oracle(fn, args, **options):
 def _check_rows(y, y_ref, idx, tol):
     real = idx != 0
     assert np.isfinite(np.asarray(y, np.float32)).all(), "an output was never written (NaN)"
-    assert _rel(y[real], y_ref[real]) < tol
+    assert rel(y[real], y_ref[real]) < tol
     assert not np.asarray(y, np.float32)[~real].any(), "padded rows must give zeros"
 
 
@@ -91,9 +83,9 @@ def test_decode_matches_oracle_and_writes_only_named_slots(dtype, p, nd, d, gate
     y_ref, pool_ref = _oracle(mamba2_reference.selective_state_update, args, **options)
     _check_rows(y, y_ref, idx, tol)
     named = idx[idx != 0]
-    assert _rel(pool[named], pool_ref[named]) < 1e-5
+    assert rel(pool[named], pool_ref[named]) < 1e-5
     others = np.setdiff1d(np.arange(pool.shape[0]), named)  # slot 0 included: never touched
-    np.testing.assert_array_equal(_bits(pool[others]), _bits(args["ssm_pool"][others]))
+    np.testing.assert_array_equal(bits(pool[others]), bits(args["ssm_pool"][others]))
 
 
 def test_verify_returns_state_after_every_token_and_leaves_pool_untouched():
@@ -109,9 +101,9 @@ def test_verify_returns_state_after_every_token_and_leaves_pool_untouched():
     real = idx != 0
     assert inter.shape == (3, 3, 4, 64, 64) and inter.dtype == jnp.float32
     for t in range(3):
-        assert _rel(inter[real, t], inter_ref[real, t]) < 1e-5, f"state after token {t}"
+        assert rel(inter[real, t], inter_ref[real, t]) < 1e-5, f"state after token {t}"
     assert not np.asarray(inter)[~real].any(), "padded rows' intermediates must be zeros"
-    np.testing.assert_array_equal(_bits(args["ssm_pool"]), _bits(before))
+    np.testing.assert_array_equal(bits(args["ssm_pool"]), bits(before))
 
 
 def test_public_op_runs_the_kernel_with_impl_interpret():
@@ -125,7 +117,7 @@ def test_public_op_runs_the_kernel_with_impl_interpret():
     )
     y_ref, pool_ref = _oracle(mamba2_reference.selective_state_update, args, **options)
     _check_rows(y, y_ref, idx, 1e-5)
-    assert _rel(pool[idx], pool_ref[idx]) < 1e-5
+    assert rel(pool[idx], pool_ref[idx]) < 1e-5
 
 
 def _production(n, d, *, h=128, g=8, p=64, nd=128, dtype=jnp.bfloat16, gate=False):

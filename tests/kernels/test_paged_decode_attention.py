@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import rel
 
 from pallas_kernels.attention import paged_decode as pd
 
@@ -68,11 +69,6 @@ def _oracle(q, k_pages, v_pages, page_table, context_lens):
     return out.reshape(q.shape)
 
 
-def _rel(x, ref):
-    x = np.asarray(x, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
 CASES = {
     # lengths: empty row, one position, mid-page, a page's end, several 64-position blocks
     "gqa8-d128-p16": dict(batch=5, heads=8, kv_heads=1, head_dim=128, page_size=16,
@@ -100,7 +96,7 @@ def test_kernel_in_the_interpreter_matches_the_oracle(name, num_splits):
     assert np.isfinite(got).all(), "a NaN past some row's length reached the output"
     empty = np.asarray(args["context_lens"]) == 0
     assert not got[empty].any(), "a row of length 0 must get zeros"
-    assert _rel(got, want) < 1e-2
+    assert rel(got, want) < 1e-2
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -111,7 +107,7 @@ def test_reference_matches_the_oracle(name):
                 for n, a in args.items()}  # fmt: skip
         got = pd.paged_decode_attention(**wide, scale=SCALE, impl="reference")
         assert got.dtype == jnp.float64
-    assert _rel(got, _oracle(**args)) < 1e-12
+    assert rel(got, _oracle(**args)) < 1e-12
 
 
 @pytest.mark.parametrize(
@@ -206,13 +202,13 @@ def test_prefix_kernel_in_the_interpreter_matches_the_oracle(name, num_splits):
     assert np.isfinite(got).all(), "a NaN past some row's prefix reached the output"
     empty = np.asarray(args["prefix_lens"]) == 0
     assert not got[empty].any() and np.isneginf(lse[empty]).all()
-    assert _rel(got, want) < 1e-2
+    assert rel(got, want) < 1e-2
     np.testing.assert_allclose(lse[~empty], want_lse[~empty], rtol=0, atol=2e-2)
     with jax.enable_x64(True):
         wide = {n: jnp.asarray(a, jnp.float64) if a.dtype == jnp.bfloat16 else a
                 for n, a in args.items()}  # fmt: skip
         ref, ref_lse = pd.paged_prefix_attention(**wide, scale=SCALE, impl="reference")
-    assert _rel(ref, want) < 1e-12
+    assert rel(ref, want) < 1e-12
     np.testing.assert_allclose(np.asarray(ref_lse)[~empty], want_lse[~empty], rtol=1e-12)
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import rel
 
 from pallas_kernels import conv1d, gdn, mamba2
 from pallas_kernels.conv1d import reference as conv_reference
@@ -27,11 +28,6 @@ from pallas_kernels.mamba2 import state_update_mgpu
 TREES = np.array([[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 0]], np.int32)
 SLOTS = np.array([3, 0, 5], np.int32)  # row 1 is padded
 NUM_SLOTS = 7
-
-
-def _rel(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
 def _path(parents_row: np.ndarray, node: int) -> list[int]:
@@ -85,8 +81,8 @@ def _check_tree(out, states, oracle, tol):
     real = SLOTS != 0
     o_ref, s_ref = oracle
     for i in range(TREES.shape[1]):
-        assert _rel(out[real, i], o_ref[real, i]) < tol, f"output of node {i}"
-        assert _rel(states[real, i], s_ref[real, i]) < tol, f"state of node {i}"
+        assert rel(out[real, i], o_ref[real, i]) < tol, f"output of node {i}"
+        assert rel(states[real, i], s_ref[real, i]) < tol, f"state of node {i}"
     assert not np.asarray(out, np.float32)[~real].any()
     assert not np.asarray(states, np.float32)[~real].any()
 
@@ -103,7 +99,7 @@ def _same_as_chain(fn, tokens, shared) -> None:
             if impl == "interpret":
                 np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
             else:
-                assert _rel(b, a) < 1e-6
+                assert rel(b, a) < 1e-6
 
 
 # ---------------------------------------------------------------------------------- GDN
