@@ -84,7 +84,8 @@ def test_block_pattern_state_and_cache_specs_follow_the_config(runners):
     assert spec.ssm_shape == (4, 8, 8) and spec.conv_shape == (4 * 8 + 2 * 2 * 8, 3)
     other = runners["biases_latent_moe"].model  # *MEM*-
     assert other.layer_kinds == (A, S, S, A)
-    assert other.layers[0].mixer.__class__.__name__ == "PlainAttention"
+    plain = other.layers[0].mixer.config  # Nemotron-H's attention: no gate, norms or positions
+    assert not plain.gated and not plain.qk_norm and plain.rotary_dim == 0
     assert other.layers[1].mixer.conv_bias is None
 
 

@@ -17,7 +17,9 @@ import _model_parity as parity
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from hybrid_jax.layers.attention import Attention, AttentionConfig
 from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.qwen3_next import (
     ConfigError,
@@ -132,6 +134,14 @@ def test_config_reads_interval_top_level_rope_fields_and_derived_head_dim():
 def test_config_errors_name_the_field(change, message):
     with pytest.raises(ConfigError, match=message):
         Qwen3NextConfig.from_hf_dict(dict(BASE, **change))
+
+
+def test_attention_config_without_positions_and_with_an_odd_rotary_part():
+    plain = AttentionConfig.plain(16, 2, 1, 8)  # Nemotron-H's attention
+    assert (plain.rotary_dim, plain.gated, plain.qk_norm, plain.attention_bias) == (0, 0, 0, 0)
+    assert Attention(plain, rngs=nnx.Rngs(0)).q_norm is None
+    with pytest.raises(ValueError, match="rotary part of 3 of head_dim=8; it must be even"):
+        AttentionConfig(16, 2, 1, 8, partial_rotary_factor=0.375)
 
 
 def test_config_missing_required_fields_are_named():

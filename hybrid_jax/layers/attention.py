@@ -1,15 +1,18 @@
-"""Qwen3-Next's gated full attention as a Flax NNX module, over the paged KV cache.
+"""Full attention over the paged KV cache as a Flax NNX module: every model's attention layer.
 
-Weights follow Hugging Face's Qwen3-Next layout: ``q_proj`` yields, per head, the query
-(head_dim) followed by its output gate (head_dim); ``q_norm`` / ``k_norm`` are zero-centred
-RMSNorms over head_dim; rotary embedding turns only the first ``partial_rotary_factor`` of
-each head (the two halves of that part rotated together, as in GPT-NeoX); the attention
-output is multiplied by ``sigmoid(gate)`` before ``o_proj``.
+Weights follow Hugging Face's layouts. Qwen3-Next / Qwen3.5 attention is gated: ``q_proj``
+yields, per head, the query (head_dim) followed by its output gate (head_dim), and the
+attention output is multiplied by ``sigmoid(gate)`` before ``o_proj``; ``q_norm`` / ``k_norm``
+are zero-centred RMSNorms over head_dim; rotary embedding turns only the first
+``partial_rotary_factor`` of each head (the two halves of that part rotated together, as in
+GPT-NeoX). Nemotron-H's attention has none of these (``AttentionConfig.plain``): no gate, no
+q/k norm, no positions (its Mamba2 layers carry them), no biases.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -21,14 +24,16 @@ from hybrid_jax.kv_cache import KVCacheSpec
 from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 
-__all__ = ["AttentionConfig", "AttentionOutput", "GatedAttention", "apply_rotary"]
+__all__ = ["Attention", "AttentionConfig", "AttentionOutput", "apply_rotary"]
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Shape of one gated full-attention layer. ``num_heads`` must be a multiple of
+    """Shape of one full-attention layer. ``num_heads`` must be a multiple of
     ``num_kv_heads`` (grouped-query attention); the rotary part of a head,
-    ``int(head_dim * partial_rotary_factor)``, must be even."""
+    ``int(head_dim * partial_rotary_factor)``, must be even (0: the layer sees no positions).
+    ``gated``: ``q_proj`` also yields each head's output gate; ``qk_norm``: zero-centred RMSNorms
+    on q and k. The defaults are Qwen3-Next's; ``plain`` gives Nemotron-H's."""
 
     hidden_size: int
     num_heads: int
@@ -38,7 +43,18 @@ class AttentionConfig:
     partial_rotary_factor: float = 0.25
     rms_norm_eps: float = 1e-6
     attention_bias: bool = False
+    gated: bool = True
+    qk_norm: bool = True
     dtype: str = "float32"
+
+    @classmethod
+    def plain(cls, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+              dtype: str = "float32") -> AttentionConfig:  # fmt: skip
+        """Grouped-query attention and nothing else: no gate, no q/k norm, no positions."""
+        return cls(
+            hidden_size, num_heads, num_kv_heads, head_dim, partial_rotary_factor=0.0,
+            gated=False, qk_norm=False, dtype=dtype,
+        )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -46,11 +62,11 @@ class AttentionConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads="
                 f"{self.num_kv_heads}; query heads share key/value heads in equal groups"
             )
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+        if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
             raise ValueError(
                 f"partial_rotary_factor={self.partial_rotary_factor} gives a rotary part of "
                 f"{self.rotary_dim} of head_dim={self.head_dim}; it must be even and in "
-                f"2..head_dim"
+                f"0..head_dim (0: no rotary)"
             )
 
     @property
@@ -87,21 +103,23 @@ class AttentionOutput(NamedTuple):
     v_pages: jax.Array
 
 
-class GatedAttention(nnx.Module):
-    """q/gate, k, v projections -> q/k norms -> partial rotary -> paged causal GQA ->
-    ``* sigmoid(gate)`` -> o_proj."""
+class Attention(nnx.Module):
+    """q (and gate), k, v projections -> q/k norms -> partial rotary -> paged causal GQA ->
+    ``* sigmoid(gate)`` -> o_proj, each optional step as its config says."""
 
     def __init__(self, config: AttentionConfig, *, rngs: nnx.Rngs):
         c = config
         dtype = jnp.dtype(c.dtype)
         linear = dict(use_bias=c.attention_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.config = c
-        self.q_proj = nnx.Linear(c.hidden_size, 2 * c.num_heads * c.head_dim, **linear)
+        q_width = (2 if c.gated else 1) * c.num_heads * c.head_dim
+        self.q_proj = nnx.Linear(c.hidden_size, q_width, **linear)
         self.k_proj = nnx.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, **linear)
         self.v_proj = nnx.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, **linear)
         self.o_proj = nnx.Linear(c.num_heads * c.head_dim, c.hidden_size, **linear)
-        self.q_norm = ZeroCenteredRMSNorm(c.head_dim, eps=c.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        norm = functools.partial(ZeroCenteredRMSNorm, c.head_dim, eps=c.rms_norm_eps)
+        self.q_norm = norm() if c.qk_norm else None
+        self.k_norm = norm() if c.qk_norm else None
 
     def __call__(
         self,
@@ -115,17 +133,20 @@ class GatedAttention(nnx.Module):
         """x: ``[T, hidden]`` packed tokens of ``meta``; k_pages, v_pages:
         ``[P, page_size, KVH, head_dim]``."""
         c = self.config
-        t = x.shape[0]
-        q_gate = self.q_proj(x).reshape(t, c.num_heads, 2 * c.head_dim)
-        q, gate = q_gate[..., : c.head_dim], q_gate[..., c.head_dim :]
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).reshape(t, c.num_kv_heads, c.head_dim))
+        t = x.shape[0]  # explicit sizes: t == 0 when IDLE
+        q = self.q_proj(x).reshape(t, c.num_heads, (1 + c.gated) * c.head_dim)
+        q, gate = q[..., : c.head_dim], q[..., c.head_dim :]  # gate: [T, H, 0] when not gated
+        k = self.k_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
-        q = apply_rotary(q, meta.positions, c.rotary_dim, c.rope_theta)
-        k = apply_rotary(k, meta.positions, c.rotary_dim, c.rope_theta)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.rotary_dim:
+            q = apply_rotary(q, meta.positions, c.rotary_dim, c.rope_theta)
+            k = apply_rotary(k, meta.positions, c.rotary_dim, c.rope_theta)
         out, k_pages, v_pages = paged_attention(
             q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5, impl=impl
         )
-        out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
-        out = out.reshape(t, c.num_heads * c.head_dim)  # explicit: t == 0 when IDLE
+        if c.gated:
+            out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
+        out = out.reshape(t, c.num_heads * c.head_dim)
         return AttentionOutput(self.o_proj(out), k_pages, v_pages)

@@ -19,11 +19,10 @@ from flax import nnx
 
 from hybrid_jax.backend import VerifyStack, VerifyStates
 from hybrid_jax.kv_cache import KVCache, KVCacheSpec
-from hybrid_jax.layers.attention import GatedAttention
+from hybrid_jax.layers.attention import Attention
 from hybrid_jax.layers.gdn import GatedDeltaNet
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.metadata import ForwardMetadata
-from hybrid_jax.models.nemotron_h_blocks import PlainAttention
 from hybrid_jax.modes import LayerKind
 from hybrid_jax.state_pool import StatePool
 
@@ -88,7 +87,7 @@ class LayerStates:
 
     def attention(
         self,
-        mixer: GatedAttention | PlainAttention,
+        mixer: Attention,
         h: jax.Array,
         meta: ForwardMetadata,
         *,

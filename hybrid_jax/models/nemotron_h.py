@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_jax.layers.attention import Attention, AttentionConfig
 from hybrid_jax.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates
@@ -42,8 +43,6 @@ from hybrid_jax.models.hf_config import (
     require_fields,
 )
 from hybrid_jax.models.nemotron_h_blocks import (
-    PlainAttention,
-    PlainAttentionConfig,
     ReLU2MLP,
     RoutedMoE,
     RoutedMoEConfig,
@@ -219,11 +218,17 @@ class NemotronHConfig:
                 rms_norm_eps=self.layer_norm_epsilon, dtype=self.dtype,
             )  # fmt: skip
 
-    def attention_config(self) -> PlainAttentionConfig:
+    def attention_config(self) -> AttentionConfig:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; query heads share key/value "
+                f"heads in equal groups"
+            )
         with config_errors():
-            return PlainAttentionConfig(
-                hidden_size=self.hidden_size, num_heads=self.num_attention_heads,
-                num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim, dtype=self.dtype,
+            return AttentionConfig.plain(
+                self.hidden_size, self.num_attention_heads, self.num_key_value_heads,
+                self.head_dim, dtype=self.dtype,
             )  # fmt: skip
 
     def moe_config(self) -> RoutedMoEConfig:
@@ -283,7 +288,7 @@ class Block(nnx.Module):
         if self.block_type == "linear_attention":
             self.mixer = Mamba2Mixer(c.mamba2_config(), rngs=rngs)
         elif self.block_type == "full_attention":
-            self.mixer = PlainAttention(c.attention_config(), rngs=rngs)
+            self.mixer = Attention(c.attention_config(), rngs=rngs)
         elif self.block_type == "mlp":
             self.mixer = ReLU2MLP(
                 c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=c.dtype, rngs=rngs

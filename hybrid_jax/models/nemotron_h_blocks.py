@@ -1,9 +1,9 @@
-"""Nemotron-H's non-Mamba blocks: position-free GQA attention, the ReLU² MLP and the routed MoE.
+"""Nemotron-H's feed-forward blocks: the ReLU² MLP and the routed MoE (its attention is
+``layers.attention.Attention`` with ``AttentionConfig.plain``).
 
-Weights follow Hugging Face's Nemotron-H layout. Attention has no rotary embedding, no q/k
-norm and no biases (the Mamba2 layers carry position); it runs over the paged KV cache like
-every full-attention layer here. The MLP is ``down(relu(up(x))**2)``, without a gate. The MoE
-scores experts with a sigmoid of a float32 router, adds a correction bias only to choose them
+Weights follow Hugging Face's Nemotron-H layout. The MLP is ``down(relu(up(x))**2)``, without a
+gate. The MoE scores experts with a sigmoid of a float32 router, adds a correction bias only to
+choose them
 (group-limited: the best ``topk_group`` of ``n_group`` groups, ranked by the sum of their two
 best scores), weighs the chosen ones by their uncorrected scores (renormalised when
 ``norm_topk_prob``, then times ``routed_scaling_factor``), and adds a shared ReLU² expert.
@@ -13,22 +13,15 @@ Expert weights are stacked ``[E, in, out]`` (``up_proj [E, in, I]``, ``down_proj
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_jax.backend.attention import paged_attention
-from hybrid_jax.kv_cache import KVCacheSpec
 from hybrid_jax.layers.moe import ExpertDispatch
-from hybrid_jax.metadata import ForwardMetadata
 from pallas_kernels import moe
 
 __all__ = [
-    "PlainAttention",
-    "PlainAttentionConfig",
-    "PlainAttentionOutput",
     "RoutedMoE",
     "RoutedMoEConfig",
     "relu2",
@@ -39,72 +32,6 @@ __all__ = [
 def relu2(x: jax.Array) -> jax.Array:
     """``relu(x) ** 2``, Nemotron-H's MLP activation."""
     return jnp.square(jax.nn.relu(x))
-
-
-@dataclasses.dataclass(frozen=True)
-class PlainAttentionConfig:
-    """Grouped-query attention without positions: ``num_heads`` query heads of ``head_dim``
-    share ``num_kv_heads`` key/value heads in equal groups."""
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads="
-                f"{self.num_kv_heads}; query heads share key/value heads in equal groups"
-            )
-
-    def kv_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(self.num_kv_heads, self.head_dim, jnp.dtype(self.dtype))
-
-
-class PlainAttentionOutput(NamedTuple):
-    """y: ``[T, hidden]``; the layer's key and value pages after the step."""
-
-    y: jax.Array
-    k_pages: jax.Array
-    v_pages: jax.Array
-
-
-class PlainAttention(nnx.Module):
-    """q, k, v projections -> paged causal GQA (scale ``head_dim ** -0.5``) -> o_proj."""
-
-    def __init__(self, config: PlainAttentionConfig, *, rngs: nnx.Rngs):
-        c = config
-        dtype = jnp.dtype(c.dtype)
-        linear = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.config = c
-        self.q_proj = nnx.Linear(c.hidden_size, c.num_heads * c.head_dim, **linear)
-        self.k_proj = nnx.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, **linear)
-        self.v_proj = nnx.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, **linear)
-        self.o_proj = nnx.Linear(c.num_heads * c.head_dim, c.hidden_size, **linear)
-
-    def __call__(
-        self,
-        x: jax.Array,
-        k_pages: jax.Array,
-        v_pages: jax.Array,
-        meta: ForwardMetadata,
-        *,
-        impl: str = "auto",
-    ) -> PlainAttentionOutput:
-        """x: ``[T, hidden]`` packed tokens of ``meta``; k_pages, v_pages:
-        ``[P, page_size, KVH, head_dim]``."""
-        c = self.config
-        t = x.shape[0]  # explicit sizes: t == 0 when IDLE
-        q = self.q_proj(x).reshape(t, c.num_heads, c.head_dim)
-        k = self.k_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
-        out, k_pages, v_pages = paged_attention(
-            q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5, impl=impl
-        )
-        out = out.reshape(t, c.num_heads * c.head_dim)
-        return PlainAttentionOutput(self.o_proj(out), k_pages, v_pages)
 
 
 class ReLU2MLP(nnx.Module):

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from hybrid_jax.kv_cache import KVCache, KVCacheSpec
-from hybrid_jax.layers.attention import AttentionConfig, GatedAttention
+from hybrid_jax.layers.attention import Attention, AttentionConfig
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.layers.moe import MLP, MoEConfig, SparseMoE
 from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
@@ -319,7 +319,7 @@ class DecoderLayer(nnx.Module):
         if self.kind is LayerKind.GDN:
             self.linear_attn = GatedDeltaNet(c.gdn_config(), rngs=rngs)
         else:
-            self.self_attn = GatedAttention(c.attention_config(), rngs=rngs)
+            self.self_attn = Attention(c.attention_config(), rngs=rngs)
         if moe:
             self.mlp = SparseMoE(c.moe_config(), rngs=rngs)
         else:
