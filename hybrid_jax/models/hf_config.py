@@ -13,6 +13,8 @@ from typing import Any
 
 __all__ = [
     "ConfigError",
+    "HFConfig",
+    "check_model_type",
     "check_eos_in_vocabulary",
     "check_field_types",
     "config_errors",
@@ -26,6 +28,26 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A model configuration this implementation cannot build, with the field that says so."""
+
+
+class HFConfig:
+    """A model family's config, read from Hugging Face's ``config.json``: the family gives
+    ``from_hf_dict(config, *, dtype)``, ``from_json`` reads the file for it."""
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, *, dtype: str | None = None) -> typing.Self:
+        """From a ``config.json`` file (see the family's ``from_hf_dict``)."""
+        return cls.from_hf_dict(read_config_json(path), dtype=dtype)
+
+
+def check_model_type(config: Mapping[str, Any], model_type: str, family: str) -> None:
+    """Raises ``ConfigError`` unless ``config``'s ``model_type`` (``model_type`` when absent)
+    is ``model_type``, the one the ``family``'s loader builds."""
+    got = config.get("model_type", model_type)
+    if got != model_type:
+        raise ConfigError(
+            f"model_type={got!r}: this loader builds {family} ({model_type!r}) models"
+        )
 
 
 @contextlib.contextmanager

@@ -20,7 +20,6 @@ and no biases whatever ``attention_bias`` says; the LM head is never tied to the
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,12 +33,13 @@ from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates
 from hybrid_jax.models.hf_config import (
     ConfigError,
+    HFConfig,
     check_eos_in_vocabulary,
     check_field_types,
+    check_model_type,
     config_errors,
     hf_dtype,
     hf_eos_token_ids,
-    read_config_json,
     require_fields,
 )
 from hybrid_jax.models.nemotron_h_blocks import (
@@ -78,7 +78,7 @@ _ALIASES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class NemotronHConfig:
+class NemotronHConfig(HFConfig):
     """Nemotron-H hyper-parameters, named as in Hugging Face's ``config.json``.
 
     ``layers_block_type[i]`` is ``"linear_attention"`` (Mamba2), ``"full_attention"``,
@@ -148,11 +148,7 @@ class NemotronHConfig:
         for old, new in _ALIASES.items():
             if old in config and new not in config:
                 config[new] = config.pop(old)
-        model_type = config.get("model_type", "nemotron_h")
-        if model_type != "nemotron_h":
-            raise ConfigError(
-                f"model_type={model_type!r}: this loader builds Nemotron-H ('nemotron_h') models"
-            )
+        check_model_type(config, "nemotron_h", "Nemotron-H")
         for field, want in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2")):
             got = config.get(field, want)
             if got != want:
@@ -187,11 +183,6 @@ class NemotronHConfig:
             eos_token_id=hf_eos_token_ids(config),
             dtype=hf_dtype(config, dtype),
         )
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike, *, dtype: str | None = None) -> NemotronHConfig:
-        """From a ``config.json`` file (see ``from_hf_dict``)."""
-        return cls.from_hf_dict(read_config_json(path), dtype=dtype)
 
     @property
     def num_hidden_layers(self) -> int:

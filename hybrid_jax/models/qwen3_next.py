@@ -25,7 +25,6 @@ is the same computation with other tensor names and layouts.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,12 +42,13 @@ from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates
 from hybrid_jax.models.hf_config import (
     ConfigError,
+    HFConfig,
     check_eos_in_vocabulary,
     check_field_types,
+    check_model_type,
     config_errors,
     hf_dtype,
     hf_eos_token_ids,
-    read_config_json,
     require_fields,
 )
 from hybrid_jax.modes import LayerKind
@@ -69,7 +69,7 @@ _LAYER_TYPES = {"linear_attention": LayerKind.GDN, "full_attention": LayerKind.F
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3NextConfig:
+class Qwen3NextConfig(HFConfig):
     """Qwen3-Next hyper-parameters, named as in Hugging Face's ``config.json``.
 
     ``dtype`` is the dtype of weights and activations here (norms and recurrent states stay
@@ -168,11 +168,7 @@ class Qwen3NextConfig:
         Raises ``ConfigError`` naming the field for a model type, activation or rotary
         scaling this implementation does not have.
         """
-        model_type = config.get("model_type", "qwen3_next")
-        if model_type != "qwen3_next":
-            raise ConfigError(
-                f"model_type={model_type!r}: this loader builds Qwen3-Next ('qwen3_next') models"
-            )
+        check_model_type(config, "qwen3_next", "Qwen3-Next")
         act = config.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act={act!r}: Qwen3-Next blocks are built with 'silu'")
@@ -215,11 +211,6 @@ class Qwen3NextConfig:
             partial_rotary_factor=float(factor),
             dtype=hf_dtype(config, dtype),
         )
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike, *, dtype: str | None = None) -> Qwen3NextConfig:
-        """From a ``config.json`` file (see ``from_hf_dict``)."""
-        return cls.from_hf_dict(read_config_json(path), dtype=dtype)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` contents of this configuration (Hugging Face field names)."""
