@@ -71,6 +71,13 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
         "mixed steps, fixed prompt chunks; a lone request runs as a full batch)",
     )
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallelism: the devices each step is spread over (heads and widths cut "
+        "across them)",
+    )
+    parser.add_argument(
         "--speculative",
         default=None,
         choices=DRAFT_SOURCES,
@@ -156,6 +163,7 @@ def _engine(
             impl=args.impl,
             speculative=spec,
             batch_invariant=args.batch_invariant,
+            tensor_parallel=args.tp,
         )
         if args.checkpoint:
             return Engine.from_checkpoint(args.checkpoint, config, tokenizer=tokenizer)
@@ -167,6 +175,8 @@ def _engine(
         for field in ("max_batch", "max_tokens", "max_context", "chunk_size", "seed", "impl",
                       "batch_invariant"):  # fmt: skip
             message = message.replace(f"EngineConfig.{field}=", f"--{field.replace('_', '-')}=")
+        message = message.replace("EngineConfig.tensor_parallel=", "--tp=")
+        message = message.replace("tensor_parallel=", "--tp=")
         print(f"hybrid-jax {command}: {message}", file=sys.stderr)
         return None
 

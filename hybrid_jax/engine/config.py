@@ -6,9 +6,12 @@ import dataclasses
 import os
 import pathlib
 
+from jax.sharding import Mesh
+
 from hybrid_jax.engine.speculative import SpeculativeConfig
 from hybrid_jax.engine.startup import ProgramStore
 from hybrid_jax.metadata import BucketPolicy
+from hybrid_jax.parallel import make_mesh
 from pallas_kernels import IMPLS
 
 __all__ = ["DEFAULT_CACHE_DIR", "EngineConfig"]
@@ -41,7 +44,10 @@ class EngineConfig:
     depend on what it is batched with: every step runs the one bucket ``(max_batch,
     max_tokens)``, decodes and prompt chunks never share a step (no MIXED), and a prompt is
     cut into chunks of ``chunk_size`` from its start whatever else is served. It costs the
-    bucket ladder: a step of one request runs as a full batch.
+    bucket ladder: a step of one request runs as a full batch. ``tensor_parallel``: the GPUs
+    (JAX devices) each step is spread over (``hybrid_jax.parallel``: heads and widths cut
+    across them, one all-reduce per block); above 1 the program store is off and MTP drafts
+    are not built.
     """
 
     max_batch: int = 8
@@ -60,6 +66,7 @@ class EngineConfig:
     scan_layers: bool = True
     program_store: bool = True
     batch_invariant: bool = False
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         def positive(name: str, value, *, optional: bool = False, least: int = 1) -> None:
@@ -76,6 +83,7 @@ class EngineConfig:
         positive("max_context", self.max_context, optional=True)
         # Page 0 is the pad page: a cache needs it and one page to hold anything.
         positive("num_pages", self.num_pages, optional=True, least=2)
+        positive("tensor_parallel", self.tensor_parallel)
         if self.max_context is not None and self.max_context % self.page_size:
             raise ValueError(
                 f"EngineConfig.max_context={self.max_context} is not a multiple of "
@@ -100,12 +108,26 @@ class EngineConfig:
                     "EngineConfig.batch_invariant=True with speculative decoding is not built; "
                     "turn one of them off"
                 )
+        spec = self.speculative
+        if self.tensor_parallel > 1 and spec is not None and spec.source == "mtp":
+            raise ValueError(
+                f"EngineConfig.tensor_parallel={self.tensor_parallel} with MTP drafts is not "
+                f"built; use n-gram drafts (SpeculativeConfig('ngram')) or tensor_parallel=1"
+            )
 
     def store(self) -> ProgramStore | None:
-        """The program store of these settings (None: off, no cache, or interpret mode)."""
+        """The program store of these settings (None: off, no cache, interpret mode or
+        tensor parallelism, whose programs are not exported)."""
         if not self.program_store or self.cache_dir is None or self.impl == "interpret":
             return None
+        if self.tensor_parallel > 1:
+            return None
         return ProgramStore(os.path.join(self.cache_dir, "programs"))
+
+    def mesh(self) -> Mesh | None:
+        """The devices of tensor parallelism (None at ``tensor_parallel=1``); raises
+        ``ValueError`` naming the count when fewer devices are visible."""
+        return make_mesh(self.tensor_parallel) if self.tensor_parallel > 1 else None
 
     def context(self, model_context: int) -> int:
         """Positions of one request, for a model with ``model_context`` positions."""

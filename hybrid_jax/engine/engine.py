@@ -86,6 +86,13 @@ from hybrid_jax.models.layer_scan import scan_layers
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
 from hybrid_jax.models.tokenizer import ByteTokenizer, TextStream, Tokenizer, load_tokenizer
 from hybrid_jax.modes import EngineRole, ForwardMode, modes_for
+from hybrid_jax.parallel import (
+    on_mesh,
+    replicate,
+    shard_kv_cache,
+    shard_model,
+    shard_pool,
+)
 from hybrid_jax.progress import Progress
 from hybrid_jax.state_pool import SlotAllocator, bytes_per_slot, init_state_pool
 
@@ -157,9 +164,12 @@ class Engine(SpeculativeServing):
         into the engine's stacked copy (``layer_scan.scan_layers(donate=True)``): memory
         for one model, not two, and ``model``'s repeated layers are deleted (``engine.model``
         is then the scanned model). The built-in constructors donate the model they build."""
+        self.mesh = config.mesh()
         step_model = model
+        if self.mesh is not None:
+            step_model = shard_model(model, self.mesh, donate=donate_weights)
         if config.scan_layers:
-            step_model = scan_layers(model, donate=donate_weights)
+            step_model = scan_layers(step_model, donate=donate_weights or self.mesh is not None)
         self.model = step_model if donate_weights else model
         self.tokenizer = tokenizer
         self.config = config
@@ -200,6 +210,12 @@ class Engine(SpeculativeServing):
             init_kv_cache(kv_specs, num_pages, self.policy.page_size),
             jnp.zeros(num_slots, jnp.int32),
         )
+        if self.mesh is not None:
+            self._state = ServingState(
+                shard_pool(self._state.pool, self.mesh),
+                shard_kv_cache(self._state.kv, self.mesh),
+                replicate(self._state.last_tokens, self.mesh),
+            )
         use_mtp = self.speculative is not None and self.speculative.source == "mtp"
         store = config.store()
         self.mtp: MTPDrafter | None = None
@@ -209,7 +225,7 @@ class Engine(SpeculativeServing):
                 parents=self.speculative.parents, impl=config.impl, store=store,
             )  # fmt: skip
         self._steps = StepFunctions(
-            LastTokenLogits(step_model, use_mtp), impl=config.impl, store=store
+            LastTokenLogits(step_model, use_mtp), impl=config.impl, store=store, mesh=self.mesh
         )
         self._sampler = Sampler()
         self.tree = self.speculative is not None and self.speculative.tree
@@ -245,7 +261,8 @@ class Engine(SpeculativeServing):
         if config.cache_dir is not None:
             use_compilation_cache(config.cache_dir)
         start = time.perf_counter()
-        self._compile(progress)
+        with on_mesh(self.mesh):
+            self._compile(progress)
         self.compile_s = time.perf_counter() - start
         self._warm_traces = self._traces()
         self._warned = False
@@ -269,6 +286,7 @@ class Engine(SpeculativeServing):
             raise ValueError(f"dtype={dtype!r} is not one of 'float32', 'bfloat16', 'float16'")
         model_config = PRESETS[name](dtype)
         config.policy(model_config.max_position_embeddings)  # bad sizes fail before the build
+        config.mesh()  # so do missing devices
         if config.cache_dir is not None:
             # Before the model: its random initialisation compiles a few dozen small programs.
             use_compilation_cache(config.cache_dir)
@@ -293,6 +311,7 @@ class Engine(SpeculativeServing):
         misshapen or non-float tensor, or one holding inf or NaN (``check_finite=False`` skips
         that check), raises ``CheckpointError`` before anything is compiled."""
         path = resolve_checkpoint(path)
+        config.mesh()  # missing devices fail before the load
         if config.cache_dir is not None:
             use_compilation_cache(config.cache_dir)
         fields, eos = read_generation_config(path)

@@ -21,6 +21,7 @@ from hybrid_jax.engine.scheduler import PENDING
 from hybrid_jax.kv_cache import KVCache, KVCacheSpec
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.modes import ForwardMode, LayerKind
+from hybrid_jax.parallel import replicated
 from hybrid_jax.state_pool import LinearStateSpec, StatePool
 
 __all__ = ["HybridLM", "HybridLMConfig", "LastTokenLogits", "ServingState", "StepOutput"]
@@ -105,10 +106,12 @@ class LastTokenLogits(nnx.Module):
             tokens, state.pool, state.kv, meta, impl=impl
         )
         kept = hidden if self.keep_hidden else ()
+        # Under tensor parallelism the sampler reads the logits whole on every GPU.
+        last_tokens = replicated(state.last_tokens)
         if meta.mode is ForwardMode.TARGET_VERIFY:
             logits = self.model.logits(hidden).reshape(meta.batch_size, meta.num_draft_tokens, -1)
-            return StepOutput(logits, ServingState(pool, kv, state.last_tokens), verify, kept)
+            return StepOutput(replicated(logits), ServingState(pool, kv, last_tokens), verify, kept)
         # A padded row repeats the previous boundary; clipping keeps its index in range.
         last = jnp.clip(meta.query_start_loc[1:] - 1, 0, hidden.shape[0] - 1)
-        logits = self.model.logits(hidden[last])
-        return StepOutput(logits, ServingState(pool, kv, state.last_tokens), hidden=kept)
+        logits = replicated(self.model.logits(hidden[last]))
+        return StepOutput(logits, ServingState(pool, kv, last_tokens), hidden=kept)

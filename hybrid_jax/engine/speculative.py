@@ -76,6 +76,7 @@ import numpy as np
 
 from hybrid_jax.engine.sampling import SamplingBatch, top_k_mask, top_p_mask
 from hybrid_jax.metadata import MAX_DRAFT_TOKENS, chain_parents, tree_depths
+from hybrid_jax.parallel import spec_of
 
 __all__ = [
     "Acceptance",
@@ -527,7 +528,7 @@ class Verifier:
                 spec((b,), jnp.int32), spec((b,), jnp.int32),
             ).compile()  # fmt: skip
         if b not in self._commits:
-            shapes = jax.tree.map(lambda a: spec(a.shape, a.dtype), (pool, verify))
+            shapes = jax.tree.map(spec_of, (pool, verify))
             self._commits[b] = self._commit_jit.lower(
                 *shapes, spec((b,), jnp.int32), spec((b,), jnp.int32)
             ).compile()
@@ -593,7 +594,7 @@ class TreeVerifier:
                 spec((b,), jnp.uint32), spec((b,), jnp.int32), spec((b,), jnp.int32),
             ).compile()  # fmt: skip
         if b not in self._commits:
-            shapes = jax.tree.map(lambda a: spec(a.shape, a.dtype), (pool, kv, verify, meta))
+            shapes = jax.tree.map(spec_of, (pool, kv, verify, meta))
             self._commits[b] = self._commit_jit.lower(*shapes, spec((b,), jnp.int32)).compile()
         return 1e3 * (time.perf_counter() - start)
 

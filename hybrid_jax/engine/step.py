@@ -22,11 +22,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from hybrid_jax.backend.commit import commit_tree_verified, commit_verified
 from hybrid_jax.engine.startup import ProgramStore
 from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, example_metadata
 from hybrid_jax.modes import ForwardMode, check_supported, program_mode
+from hybrid_jax.parallel import on_mesh, spec_of
 from hybrid_jax.state_pool import StatePool
 
 __all__ = ["CompileRecord", "StepFunctions"]
@@ -44,7 +46,17 @@ class StepFunctions:
     (``commit``: a chain's, ``commit_tree``: a tree's; both donate the pool, the tree's also
     the KV cache)."""
 
-    def __init__(self, model: nnx.Module, *, impl: str = "auto", store: ProgramStore | None = None):
+    def __init__(
+        self,
+        model: nnx.Module,
+        *,
+        impl: str = "auto",
+        store: ProgramStore | None = None,
+        mesh: Mesh | None = None,
+    ):
+        """``mesh``: the devices of tensor parallelism (``hybrid_jax.parallel``; ``model``'s
+        weights already placed on it), under which every step is traced and compiled."""
+        self.mesh = mesh
         self.graphdef, params = nnx.split(model)
         # The weights travel as a flat list of arrays: every call flattens its arguments,
         # and a list of arrays flattens in C++, where nnx Variables call back into Python.
@@ -81,7 +93,8 @@ class StepFunctions:
         """Traces and lowers the step of ``mode`` (raises UnsupportedForwardModeError here)."""
         mode = ForwardMode(mode)
         program, meta = self._as_program(mode, meta)
-        return self._jitted.lower(program, self.params, pool, x, meta)
+        with on_mesh(self.mesh):
+            return self._jitted.lower(program, self.params, pool, x, meta)
 
     def _as_program(
         self, mode: ForwardMode, meta: ForwardMetadata
@@ -128,9 +141,7 @@ class StepFunctions:
                         x = jax.ShapeDtypeStruct((num_tokens, *token_shape), dtype)
                     else:
                         x = inputs(num_tokens)
-                    pool_shape = jax.tree.map(
-                        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), pool
-                    )
+                    pool_shape = jax.tree.map(spec_of, pool)
                     self._compiled[key] = self._compile(program, pool_shape, x, meta)
                     self._compiled_shapes[key] = _shapes((pool_shape, x))
                 self._compiled_buckets.add((mode, batch_size, num_tokens))
@@ -155,7 +166,8 @@ class StepFunctions:
             )
             if stored is not None:
                 return stored
-        return self._jitted.lower(program, self.params, pool, x, meta).compile()
+        with on_mesh(self.mesh):
+            return self._jitted.lower(program, self.params, pool, x, meta).compile()
 
     def executables(self) -> list[Any]:
         """The step executables compiled so far, one per (program, bucket)."""
@@ -170,7 +182,8 @@ class StepFunctions:
         if compiled is not None:
             self._check_shapes(key, pool, x)
             return compiled(self.params, pool, x, meta)
-        return self._jitted(program, self.params, pool, x, meta)
+        with on_mesh(self.mesh):
+            return self._jitted(program, self.params, pool, x, meta)
 
     def _check_shapes(self, key, pool, x) -> None:
         """Raises ``ValueError`` naming the first array of ``pool`` or ``x`` whose shape or

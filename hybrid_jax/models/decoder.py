@@ -24,6 +24,7 @@ from hybrid_jax.layers.gdn import GatedDeltaNet
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.modes import LayerKind
+from hybrid_jax.parallel import run_block
 from hybrid_jax.state_pool import StatePool
 
 __all__ = ["DecoderOutput", "HybridCausalLM", "LayerStates"]
@@ -79,7 +80,8 @@ class LayerStates:
         returns its output ``[T, hidden]`` and keeps its new states (and verify states)."""
         i, self._linear = self._linear, self._linear + 1
         conv, ssm, *pages = self._arrays
-        out = mixer(h, conv, ssm, meta.at_linear_layer(i, self._pool.num_slots), impl=impl)
+        meta = meta.at_linear_layer(i, self._pool.num_slots)
+        out = run_block(mixer, h, conv, ssm, meta, impl=impl)
         self._arrays = (out.conv_state, out.ssm_state, *pages)
         if out.verify:
             self._verify.append((i, out.verify))
@@ -97,7 +99,7 @@ class LayerStates:
         pages; returns its output ``[T, hidden]`` and keeps its new pages."""
         i, self._attention = self._attention, self._attention + 1
         conv, ssm, k, v = self._arrays
-        out = mixer(h, k, v, meta.at_attention_layer(i, self._kv.num_pages), impl=impl)
+        out = run_block(mixer, h, k, v, meta.at_attention_layer(i, self._kv.num_pages), impl=impl)
         self._arrays = (conv, ssm, out.k_pages, out.v_pages)
         return out.y
 

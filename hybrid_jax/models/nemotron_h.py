@@ -48,6 +48,7 @@ from hybrid_jax.models.nemotron_h_blocks import (
     RoutedMoEConfig,
 )
 from hybrid_jax.modes import LayerKind
+from hybrid_jax.parallel import run_block
 from hybrid_jax.state_pool import LinearStateSpec
 
 __all__ = [
@@ -297,7 +298,7 @@ class Block(nnx.Module):
             return x + states.linear(self.mixer, h, meta, impl=impl)
         if self.block_type == "full_attention":
             return x + states.attention(self.mixer, h, meta, impl=impl)
-        return x + self.mixer(h, impl=impl)  # MLP and MoE blocks mix no tokens, hold no state
+        return x + run_block(self.mixer, h, impl=impl)  # MLP and MoE: no tokens mixed, no state
 
 
 class NemotronH(HybridCausalLM):

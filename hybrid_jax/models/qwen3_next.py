@@ -52,6 +52,7 @@ from hybrid_jax.models.hf_config import (
     require_fields,
 )
 from hybrid_jax.modes import LayerKind
+from hybrid_jax.parallel import run_block
 from hybrid_jax.state_pool import LinearStateSpec
 
 __all__ = [
@@ -326,7 +327,7 @@ class DecoderLayer(nnx.Module):
             x = x + states.linear(self.linear_attn, h, meta, impl=impl)
         else:
             x = x + states.attention(self.self_attn, h, meta, impl=impl)
-        return x + self.mlp(self.post_attention_layernorm(x), impl=impl)
+        return x + run_block(self.mlp, self.post_attention_layernorm(x), impl=impl)
 
 
 class MTPHead(nnx.Module):
@@ -364,9 +365,9 @@ class MTPHead(nnx.Module):
         )
         x = self.fc(x)
         layer = self.layers[0]
-        out = layer.self_attn(layer.input_layernorm(x), k_pages, v_pages, meta)
+        out = run_block(layer.self_attn, layer.input_layernorm(x), k_pages, v_pages, meta)
         x = x + out.y
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + run_block(layer.mlp, layer.post_attention_layernorm(x))
         return self.norm(x), out.k_pages, out.v_pages
 
 

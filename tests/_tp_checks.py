@@ -1,0 +1,150 @@
+"""Tensor parallelism measured on four host CPU devices: run by tests/test_tensor_parallel.py
+in a process of its own (the device count is fixed when JAX starts), it prints one JSON object
+of what it saw and the test module asserts on it.
+
+    python tests/_tp_checks.py     # XLA_FLAGS gets --xla_force_host_platform_device_count=4
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from hybrid_jax import Engine, EngineConfig, SamplingParams, parallel  # noqa: E402
+from hybrid_jax.engine.speculative import SpeculativeConfig  # noqa: E402
+from hybrid_jax.kv_cache import init_kv_cache  # noqa: E402
+from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata  # noqa: E402
+from hybrid_jax.models.layer_scan import scan_layers  # noqa: E402
+from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
+from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config  # noqa: E402
+from hybrid_jax.models.tokenizer import ByteTokenizer  # noqa: E402
+from hybrid_jax.modes import ForwardMode  # noqa: E402
+from hybrid_jax.state_pool import init_state_pool  # noqa: E402
+
+M = ForwardMode
+SLOTS, PAGES, PAGE = 4, 20, 8
+POLICY = BucketPolicy(batch_buckets=(2,), token_buckets=(16,), max_context=64, page_size=PAGE)
+
+# Every cut is real at tp=4: GDN 4 key / 8 value heads, attention 8 query / 4 KV heads, 8
+# experts of width 32 (a dense MLP of 128 in layer 2), vocabulary 256.
+QWEN = dataclasses.replace(
+    tiny_qwen3_next_config(), num_attention_heads=8, num_key_value_heads=4,
+    linear_num_key_heads=4, linear_num_value_heads=8, num_experts=8, num_nextn_predict_layers=0,
+)  # fmt: skip
+# Mamba2 4 heads in 4 groups, attention 4 query / 4 KV heads, a latent MoE of 4 experts with a
+# shared expert, biases on every projection that has one (the row-cut ones are added once).
+NEMOTRON = NemotronHConfig(
+    vocab_size=128, hidden_size=32, layers_block_type=(
+        "full_attention", "linear_attention", "moe", "linear_attention", "mlp",
+    ), num_attention_heads=4, num_key_value_heads=4, head_dim=8, intermediate_size=48,
+    mamba_num_heads=4, mamba_head_dim=8, n_groups=4, ssm_state_size=8, use_bias=True,
+    mlp_bias=True, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    moe_shared_expert_intermediate_size=24, moe_latent_size=16,
+)  # fmt: skip
+
+
+def _randomised(model: nnx.Module, seed: int) -> nnx.Module:
+    """Every parameter drawn afresh (biases and norms away from their initial zeros and ones)."""
+    rng = np.random.default_rng(seed)
+    for _, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = param.get_value()
+        scale = 0.3 if value.ndim > 1 else 0.1
+        param.set_value(jnp.asarray(rng.standard_normal(value.shape) * scale, value.dtype))
+    return model
+
+
+def _steps(model: nnx.Module, tp: int) -> tuple[list[np.ndarray], np.ndarray, str]:
+    """Logits of an EXTEND step (two prompts) then a DECODE step, the states after them and
+    the compiled DECODE step's HLO, with the model cut over ``tp`` devices."""
+    mesh = parallel.make_mesh(tp)
+    sharded = parallel.shard_model(model, mesh) if tp > 1 else model
+    sharded = scan_layers(sharded)
+    pool = init_state_pool(sharded.state_specs(), SLOTS)
+    kv = init_kv_cache(sharded.kv_specs(), PAGES, PAGE)
+    if tp > 1:
+        pool, kv = parallel.shard_pool(pool, mesh), parallel.shard_kv_cache(kv, mesh)
+    graphdef, params = nnx.split(sharded)
+
+    @jax.jit
+    def forward(params, tokens, pool, kv, meta):
+        return nnx.merge(graphdef, params)(tokens, pool, kv, meta, impl="reference")
+
+    with parallel.on_mesh(mesh):
+        rows = [RowSpec(1, 0, 7, (1,)), RowSpec(2, 0, 5, (2,))]
+        meta = build_metadata(M.EXTEND, rows, POLICY, num_slots=SLOTS, num_pages=PAGES)
+        tokens = np.zeros(meta.num_tokens, np.int32)
+        tokens[:12] = np.arange(12) * 7 % 101
+        out = forward(params, jnp.asarray(tokens), pool, kv, meta)
+        rows = [RowSpec(1, 7, 1, (1,)), RowSpec(2, 5, 1, (2,))]
+        meta = build_metadata(M.DECODE, rows, POLICY, num_slots=SLOTS, num_pages=PAGES)
+        args = (params, jnp.asarray([3, 4], jnp.int32), out.pool, out.kv, meta)
+        hlo = forward.lower(*args).compile().as_text()
+        out2 = forward(*args)
+    logits = [np.asarray(out.logits)[:12], np.asarray(out2.logits)[:2]]
+    return logits, np.asarray(out2.pool.ssm), hlo
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _collectives(hlo: str) -> dict:
+    """How many all-reduces the HLO has, and the result shapes of its all-gathers."""
+    gathers = re.findall(r"= (\w+\[[\d,]*\])[^=]*? all-gather\(", hlo)
+    return {"all_reduce": hlo.count(" all-reduce("), "all_gather_shapes": gathers}
+
+
+def forward_checks() -> dict:
+    result = {}
+    for name, model in (
+        ("qwen", _randomised(Qwen3Next(QWEN, rngs=nnx.Rngs(0)), 1)),
+        ("nemotron", _randomised(NemotronH(NEMOTRON, rngs=nnx.Rngs(0)), 2)),
+    ):
+        want, states, _ = _steps(model, 1)
+        for tp in (2, 4):
+            got, got_states, hlo = _steps(model, tp)
+            result[f"{name}_tp{tp}"] = {
+                "logits_rel": [_rel(g, w) for g, w in zip(got, want, strict=True)],
+                "states_rel": _rel(got_states, states),
+                **_collectives(hlo),
+            }
+    return result
+
+
+def engine_checks() -> dict:
+    prompts = [list(b"abcabcabcabc"), list(b"hello")]
+    greedy = SamplingParams(max_new_tokens=8)
+    result = {}
+    for name, tp, spec in (
+        ("tp1", 1, None), ("tp4", 4, None), ("tp2_ngram", 2, SpeculativeConfig(num_draft_tokens=3)),
+    ):  # fmt: skip
+        config = EngineConfig(
+            max_batch=2, max_tokens=16, max_context=64, batch_buckets=(2,), token_buckets=(16,),
+            impl="reference", cache_dir=None, tensor_parallel=tp, speculative=spec,
+        )  # fmt: skip
+        engine = Engine(Qwen3Next(QWEN, rngs=nnx.Rngs(0)), ByteTokenizer(), config, progress=False)
+        tokens = [r.token_ids for r in engine.generate(prompts, greedy)]
+        pool = engine.state.pool
+        result[name] = {
+            "tokens": tokens,
+            "retraces": engine.retraces,
+            "pool_devices": len(pool.ssm.sharding.device_set),
+            "verify_steps": engine.speculative_stats.steps,
+        }
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps({"devices": jax.device_count(), **forward_checks(), **engine_checks()}))
