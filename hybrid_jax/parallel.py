@@ -49,7 +49,9 @@ from hybrid_jax.state_pool import StatePool
 __all__ = [
     "AXIS",
     "Cut",
+    "Placement",
     "check_divisible",
+    "is_placed",
     "make_mesh",
     "on_mesh",
     "replicate",
@@ -296,31 +298,55 @@ def check_divisible(model: nnx.Module, tp: int) -> None:
                 )
 
 
+class Placement:
+    """Where each weight of a model goes on ``mesh``: each block of ``PLANS`` cut (packed axes
+    reordered for the cut, see the module docstring), the embeddings and the LM head by
+    vocabulary, the rest replicated. ``place(path, value)`` puts one weight there (a host
+    array is reordered on the host and each device receives only its slice)."""
+
+    def __init__(self, model: nnx.Module, mesh: Mesh):
+        self.mesh, self.tp = mesh, mesh.shape[AXIS]
+        check_divisible(model, self.tp)
+        self.cuts: dict[tuple, Cut] = {}
+        for path, node in nnx.iter_graph(model):
+            plan = PLANS.get(type(node))
+            if plan is not None:
+                cuts = plan.cuts(node).items()
+                self.cuts |= {(*path, *name.split(".")): cut for name, cut in cuts}
+
+    def place(self, path: tuple, value: Any) -> jax.Array:
+        cut = self.cuts.get(tuple(path))
+        xp = np if isinstance(value, np.ndarray) else jnp
+        if cut is not None and cut.parts:
+            value = xp.take(value, _layout(value.shape[cut.dim], cut.parts, self.tp), axis=cut.dim)
+        spec = _vocab_spec(path, value.ndim) if cut is None else _spec(cut, value.ndim)
+        return jax.device_put(value, NamedSharding(self.mesh, spec))
+
+
 def shard_model(model: nnx.Module, mesh: Mesh, *, donate: bool = False) -> nnx.Module:
-    """A copy of ``model`` whose weights are placed on ``mesh``: each block of ``PLANS`` cut
-    (packed axes reordered for the cut, see the module docstring), the embeddings and the LM
-    head by vocabulary, the rest replicated. Run the copy's forward under
-    ``jax.set_mesh(mesh)``. With ``donate`` each of ``model``'s arrays is deleted once
-    placed (memory for one model, not two; ``model`` must not be used afterwards)."""
-    tp = mesh.shape[AXIS]
-    check_divisible(model, tp)
-    cuts = {}
-    for path, node in nnx.iter_graph(model):
-        plan = PLANS.get(type(node))
-        if plan is not None:
-            cuts |= {(*path, *name.split(".")): cut for name, cut in plan.cuts(node).items()}
+    """A copy of ``model`` whose weights are placed on ``mesh`` (``Placement``); run its
+    forward under ``jax.set_mesh(mesh)``. A model already placed there (a loader's ``mesh=``)
+    is returned as it is. With ``donate`` each of ``model``'s arrays is deleted once placed
+    (memory for one model, not two; ``model`` must not be used afterwards)."""
+    if is_placed(model, mesh):
+        return model
+    placement = Placement(model, mesh)
     graphdef, state = nnx.split(model)
     placed = []
     for path, variable in nnx.to_flat_state(state):
-        value, cut = variable.get_value(), cuts.get(path)
-        if cut is not None and cut.parts:
-            order = _layout(value.shape[cut.dim], cut.parts, tp)
-            value = jnp.take(value, order, axis=cut.dim)
-        spec = _vocab_spec(path, value.ndim) if cut is None else _spec(cut, value.ndim)
-        placed.append((path, variable.replace(jax.device_put(value, NamedSharding(mesh, spec)))))
-        if donate and variable.get_value() is not placed[-1][1].get_value():
-            variable.get_value().delete()
+        value = variable.get_value()
+        placed.append((path, variable.replace(placement.place(path, value))))
+        if donate and value is not placed[-1][1].get_value():
+            value.delete()
     return nnx.merge(graphdef, nnx.from_flat_state(placed))
+
+
+def is_placed(model: nnx.Module, mesh: Mesh) -> bool:
+    """Whether ``model``'s weights are on ``mesh`` already (placed by ``Placement``)."""
+    leaves = jax.tree.leaves(nnx.state(model))
+    return bool(leaves) and all(
+        isinstance(a, jax.Array) and getattr(a.sharding, "mesh", None) == mesh for a in leaves
+    )
 
 
 def _vocab_spec(path: tuple, ndim: int) -> P:

@@ -15,6 +15,7 @@ os.environ["XLA_FLAGS"] = (
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import pathlib  # noqa: E402
 import re  # noqa: E402
 
 import jax  # noqa: E402
@@ -26,6 +27,7 @@ from hybrid_jax import Engine, EngineConfig, SamplingParams, parallel  # noqa: E
 from hybrid_jax.engine.speculative import SpeculativeConfig  # noqa: E402
 from hybrid_jax.kv_cache import init_kv_cache  # noqa: E402
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata  # noqa: E402
+from hybrid_jax.models.auto import load_checkpoint  # noqa: E402
 from hybrid_jax.models.layer_scan import scan_layers  # noqa: E402
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config  # noqa: E402
@@ -146,5 +148,58 @@ def engine_checks() -> dict:
     return result
 
 
+def _greedy(model: nnx.Module, prompt: list[int], n: int) -> list[int]:
+    """The ``n`` greedy tokens after ``prompt`` on one device, step by step (no engine)."""
+    graphdef, params = nnx.split(model)
+    forward = jax.jit(
+        lambda params, tokens, pool, kv, meta: nnx.merge(graphdef, params)(
+            tokens, pool, kv, meta, impl="reference"
+        )
+    )
+    pool = init_state_pool(model.state_specs(), SLOTS)
+    kv = init_kv_cache(model.kv_specs(), PAGES, PAGE)
+    pages, tokens = (1, 2), list(prompt)
+    for _ in range(n):
+        done = len(tokens) - len(prompt)
+        start, length = (0, len(prompt)) if not done else (len(tokens) - 1, 1)
+        mode = M.EXTEND if not done else M.DECODE
+        meta = build_metadata(
+            mode, [RowSpec(1, start, length, pages)], POLICY, num_slots=SLOTS, num_pages=PAGES
+        )
+        padded = np.zeros(meta.num_tokens, np.int32)
+        padded[:length] = tokens[start:]
+        out = forward(params, jnp.asarray(padded), pool, kv, meta)
+        pool, kv = out.pool, out.kv
+        tokens.append(int(np.argmax(np.asarray(out.logits)[length - 1])))
+    return tokens[len(prompt) :]
+
+
+def checkpoint_checks() -> dict:
+    """A checkpoint loaded straight onto two devices: no weight whole on one device, and an
+    engine over it serves the greedy tokens of the model on one device."""
+    folder = pathlib.Path(__file__).parent / "fixtures" / "qwen3_next" / "moe"
+    mesh = parallel.make_mesh(2)
+    model = load_checkpoint(folder, mesh=mesh)
+    kernel = model.layers[0].linear_attn.in_proj_qkv.kernel.get_value()
+    prompt = list(b"abcabc")
+    want = _greedy(load_checkpoint(folder), prompt, 6)
+    config = EngineConfig(
+        max_batch=2, max_tokens=16, max_context=64, batch_buckets=(2,), token_buckets=(16,),
+        impl="reference", cache_dir=None, tensor_parallel=2,
+    )  # fmt: skip
+    engine = Engine.from_checkpoint(folder, config, tokenizer=ByteTokenizer(), progress=False)
+    got = engine.generate([prompt], SamplingParams(max_new_tokens=6))[0].token_ids
+    return {
+        "checkpoint": {
+            "placed": parallel.is_placed(model, mesh),
+            "shard_sizes": [s.data.size for s in kernel.addressable_shards],
+            "size": kernel.size,
+            "tokens": got,
+            "want": want,
+        }
+    }
+
+
 if __name__ == "__main__":
-    print(json.dumps({"devices": jax.device_count(), **forward_checks(), **engine_checks()}))
+    checks = {**forward_checks(), **engine_checks(), **checkpoint_checks()}
+    print(json.dumps({"devices": jax.device_count(), **checks}))

@@ -54,6 +54,14 @@ def test_an_engine_cut_over_devices_serves_the_tokens_of_one_device(seen):
     assert seen["tp2_ngram"]["verify_steps"] > 0  # drafts verified and committed under TP
 
 
+def test_a_checkpoint_loads_onto_the_devices_in_slices(seen):
+    got = seen["checkpoint"]
+    assert got["placed"]  # the engine uses the loaded model as it is
+    # GDN's [Q|K|V] input projection: each device holds half, none the whole.
+    assert got["shard_sizes"] == [got["size"] // 2] * 2
+    assert got["tokens"] == got["want"] and len(got["want"]) == 6
+
+
 def test_tensor_parallel_is_checked_before_anything_is_built():
     with pytest.raises(ValueError, match=r"EngineConfig.tensor_parallel=0 must be an int >= 1"):
         EngineConfig(tensor_parallel=0)

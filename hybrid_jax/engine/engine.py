@@ -169,7 +169,9 @@ class Engine(SpeculativeServing):
         if self.mesh is not None:
             step_model = shard_model(model, self.mesh, donate=donate_weights)
         if config.scan_layers:
-            step_model = scan_layers(step_model, donate=donate_weights or self.mesh is not None)
+            # A copy made here for the mesh is the engine's own to donate.
+            own = donate_weights or step_model is not model
+            step_model = scan_layers(step_model, donate=own)
         self.model = step_model if donate_weights else model
         self.tokenizer = tokenizer
         self.config = config
@@ -311,7 +313,7 @@ class Engine(SpeculativeServing):
         misshapen or non-float tensor, or one holding inf or NaN (``check_finite=False`` skips
         that check), raises ``CheckpointError`` before anything is compiled."""
         path = resolve_checkpoint(path)
-        config.mesh()  # missing devices fail before the load
+        mesh = config.mesh()  # missing devices fail before the load
         if config.cache_dir is not None:
             use_compilation_cache(config.cache_dir)
         fields, eos = read_generation_config(path)
@@ -319,7 +321,9 @@ class Engine(SpeculativeServing):
             SamplingParams(**fields)
         except SamplingParamsError as err:
             raise ConfigError(f"generation_config.json: {err}") from None
-        model = load_checkpoint(path, dtype=dtype, progress=progress, check_finite=check_finite)
+        model = load_checkpoint(
+            path, dtype=dtype, progress=progress, check_finite=check_finite, mesh=mesh
+        )
         check_eos_in_vocabulary(eos, model.config.vocab_size)
         tokenizer = load_tokenizer(path) if tokenizer is None else tokenizer
         if tokenizer.vocab_size > model.config.vocab_size:

@@ -8,6 +8,7 @@ import pathlib
 from collections.abc import Callable
 
 from flax import nnx
+from jax.sharding import Mesh
 
 from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.nemotron_h_loading import load_nemotron_h
@@ -31,11 +32,13 @@ def load_checkpoint(
     dtype: str | None = None,
     progress: bool = False,
     check_finite: bool = True,
+    mesh: Mesh | None = None,
 ) -> nnx.Module:
     """The model of a checkpoint folder, chosen by the ``model_type`` of its config.json;
     ``progress`` draws a bar on stderr while the weights load; ``check_finite`` refuses a
     weight holding inf or NaN (one reduction per tensor on the device; turn it off for a
-    huge trusted checkpoint)."""
+    huge trusted checkpoint); ``mesh``: each weight goes to the devices of tensor parallelism
+    as slices (``parallel.Placement``), never whole onto one."""
     path = pathlib.Path(folder) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist; a checkpoint folder needs its config.json")
@@ -49,5 +52,5 @@ def load_checkpoint(
             f"{', '.join(sorted(MODEL_LOADERS))}"
         )
     return MODEL_LOADERS[model_type](
-        folder, dtype=dtype, progress=progress, check_finite=check_finite
+        folder, dtype=dtype, progress=progress, check_finite=check_finite, mesh=mesh
     )

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from hybrid_jax.models.safetensors_io import (
     SafetensorsError,
@@ -30,6 +31,7 @@ from hybrid_jax.models.safetensors_io import (
     read_tensors,
     write_tensors,
 )
+from hybrid_jax.parallel import Placement
 from hybrid_jax.progress import Progress
 
 __all__ = [
@@ -209,13 +211,15 @@ def load_weights(
     *,
     progress: bool = False,
     check_finite: bool = True,
+    mesh: Mesh | None = None,
 ) -> nnx.Module:
     """Sets every parameter of ``model`` (an abstract one, from ``nnx.eval_shape``) from its
     rule's tensors, after checking that every tensor exists with its expected shape and a
     floating dtype. Each parameter goes to the device once, from the memory-mapped file
-    (``progress``: a bar on stderr, one step per parameter). ``check_finite``: then refuses
-    parameters holding inf or NaN (as stored, or after the cast to the model's dtype), naming
-    their tensors."""
+    (``progress``: a bar on stderr, one step per parameter); with ``mesh``, each device gets
+    only its slice (``parallel.Placement``: the model is then ready for a tensor-parallel
+    engine on that mesh). ``check_finite``: then refuses parameters holding inf or NaN (as
+    stored, or after the cast to the model's dtype), naming their tensors."""
     rules = list(rules)
     needed = {name for rule in rules for name, _ in rule.sources}
     missing = sorted(needed - set(tensor_files))
@@ -254,13 +258,18 @@ def load_weights(
             + ", ".join(not_float[:5])
             + "; the checkpoint is corrupt or not this model's"
         )
+    placement = None if mesh is None else Placement(model, mesh)
     bar = Progress(len(rules), progress, doing="loading", done="loaded", items="parameters")
     finite = []
     for rule in rules:
         values = rule.ours([tensors[name] for name, _ in rule.sources])
         for target, value in zip(rule.targets, values, strict=True):
             param = param_at(model, target)
-            array = jnp.asarray(np.asarray(value), param.get_value().dtype)
+            dtype = param.get_value().dtype
+            if placement is None:
+                array = jnp.asarray(np.asarray(value), dtype)
+            else:
+                array = placement.place(target, np.asarray(value).astype(dtype))
             param.set_value(array)
             if check_finite:
                 finite.append((rule, jnp.isfinite(array).all()))

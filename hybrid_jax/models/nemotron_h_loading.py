@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from hybrid_jax.models.checkpoint import Rule, linear, load_weights, plain, read_config
 from hybrid_jax.models.checkpoint import weight_map as checkpoint_files
@@ -123,6 +124,7 @@ def load_nemotron_h(
     dtype: str | None = None,
     progress: bool = False,
     check_finite: bool = True,
+    mesh: Mesh | None = None,
 ) -> NemotronH:
     """A ``NemotronH`` with the weights of a Hugging Face checkpoint folder.
 
@@ -138,5 +140,6 @@ def load_nemotron_h(
     rules = list(_rules(config, prefix, lambda q: f"{q}experts.up_proj" in weight_map))
     model = nnx.eval_shape(lambda: NemotronH(config, rngs=nnx.Rngs(0)))
     return load_weights(
-        folder, model, rules, weight_map, progress=progress, check_finite=check_finite
-    )
+        folder, model, rules, weight_map, progress=progress, check_finite=check_finite,
+        mesh=mesh,
+    )  # fmt: skip

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from flax import nnx
+from jax.sharding import Mesh
 
 from hybrid_jax.layers.gdn import STATE_DTYPES
 from hybrid_jax.models.checkpoint import CheckpointError, load_weights
@@ -119,6 +120,7 @@ def load_qwen3_5(
     dtype: str | None = None,
     progress: bool = False,
     check_finite: bool = True,
+    mesh: Mesh | None = None,
 ) -> Qwen3Next:
     """A ``Qwen3Next`` with the text weights of a Qwen3.5 checkpoint folder (its MTP head
     when ``mtp.*`` tensors are present); raises ``CheckpointError`` naming every missing or
@@ -146,5 +148,6 @@ def load_qwen3_5(
     )
     model = nnx.eval_shape(lambda: Qwen3Next(config, rngs=nnx.Rngs(0)))
     return load_weights(
-        folder, model, rules, weight_map, progress=progress, check_finite=check_finite
-    )
+        folder, model, rules, weight_map, progress=progress, check_finite=check_finite,
+        mesh=mesh,
+    )  # fmt: skip

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from hybrid_jax.layers.gdn import grouped_ba_columns, grouped_qkvz_columns
 from hybrid_jax.models.checkpoint import (
@@ -249,6 +250,7 @@ def load_qwen3_next(
     dtype: str | None = None,
     progress: bool = False,
     check_finite: bool = True,
+    mesh: Mesh | None = None,
 ) -> Qwen3Next:
     """A ``Qwen3Next`` with the weights of a Hugging Face checkpoint folder (and its MTP head
     when the checkpoint has ``mtp.*`` tensors).
@@ -265,8 +267,9 @@ def load_qwen3_next(
     rules = list(model_rules(config, lambda p: f"{p}mlp.experts.gate_up_proj" in weight_map))
     model = nnx.eval_shape(lambda: Qwen3Next(config, rngs=nnx.Rngs(0)))
     return load_weights(
-        folder, model, rules, weight_map, progress=progress, check_finite=check_finite
-    )
+        folder, model, rules, weight_map, progress=progress, check_finite=check_finite,
+        mesh=mesh,
+    )  # fmt: skip
 
 
 def save_checkpoint(
