@@ -164,20 +164,16 @@ def _routed_moe_cuts(m: RoutedMoE) -> dict[str, Cut]:
     return cuts
 
 
-def _abstract(build: Callable[[], nnx.Module]) -> nnx.Module:
-    return nnx.eval_shape(build)
-
-
 def _mlp_local(m: MLP, tp: int) -> nnx.Module:
     hidden, inter = m.gate_proj.kernel.shape
     dtype = jnp.dtype(m.gate_proj.kernel.dtype).name
-    return _abstract(lambda: MLP(hidden, inter // tp, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: MLP(hidden, inter // tp, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
 def _relu2_local(m: ReLU2MLP, tp: int) -> nnx.Module:
     hidden, inter = m.up_proj.kernel.shape
     dtype = jnp.dtype(m.up_proj.kernel.dtype).name
-    return _abstract(
+    return nnx.eval_shape(
         lambda: ReLU2MLP(hidden, inter // tp, bias=m.up_proj.use_bias, dtype=dtype,
                          rngs=nnx.Rngs(0))
     )  # fmt: skip
@@ -192,7 +188,7 @@ def _config_local(cls: type, *fields: str):
 
     def local(m: nnx.Module, tp: int) -> nnx.Module:
         config = dataclasses.replace(m.config, **{f: getattr(m.config, f) // tp for f in fields})
-        return _abstract(lambda: cls(config, rngs=nnx.Rngs(0)))
+        return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
 
     return counts, local
 

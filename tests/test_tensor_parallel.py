@@ -3,7 +3,6 @@
 the refusals, in this process."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -24,9 +23,9 @@ ALL_REDUCES = {"qwen": 4 + 4 + 1, "nemotron": 5 + 1}
 
 @pytest.fixture(scope="module")
 def seen():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # The child keeps the suite's XLA_FLAGS (conftest.py) and adds its device count.
     done = subprocess.run(
-        [sys.executable, str(CHECKS)], capture_output=True, text=True, env=env, timeout=900
+        [sys.executable, str(CHECKS)], capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
