@@ -285,6 +285,31 @@ def test_decode_and_verify_steps_take_the_paged_decode_kernel_when_asked(mode):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
+def test_tree_verify_steps_take_the_paged_decode_kernel_when_asked():
+    """Tree TARGET_VERIFY with ``impl="interpret"`` runs the paged decode kernel with the
+    rows' tree masks and agrees with the jnp token-by-token path; a row whose drafts cross a
+    page, a chain among the trees, a padded row."""
+    d = 4
+    policy = BucketPolicy(batch_buckets=(4,), token_buckets=(4 * d,), page_size=16,
+                          max_context=64, num_draft_tokens=d, tree_drafts=True)  # fmt: skip
+    rows = [
+        RowSpec(1, 14, d, (3, 7), parents=(-1, 0, 0, 1)),
+        RowSpec(2, 20, d, (9, 4), parents=(-1, 0, 1, 2)),
+        RowSpec(3, 0, d, (5,), parents=(-1, 0, 0, 0)),
+    ]
+    meta, q, k, v, k_pages, v_pages = _bf16_step(M.TARGET_VERIFY, rows, policy, num_pages=12)
+    assert meta.tree
+    rows_q = q.reshape(4, d, *q.shape[1:])
+    assert attention_backend._decode_kernel("interpret", rows_q, k_pages, tree=True) == (
+        "interpret"
+    )
+    wide = jnp.zeros((4, 32, *q.shape[1:]), q.dtype)  # more nodes than a bitmask holds
+    assert attention_backend._decode_kernel("interpret", wide, k_pages, tree=True) is None
+    got, want = _interpret_against_reference(meta, q, k, v, k_pages, v_pages)
+    assert np.isfinite(got).all() and not got[3 * d :].any()  # the padded row: zeros
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
 @pytest.mark.parametrize("mode", [M.EXTEND, M.MIXED])
 def test_ragged_steps_read_cached_prefixes_in_the_paged_prefix_kernel_when_asked(mode):
     """A ragged step with ``impl="interpret"`` (bf16, head_dim 64, pages of 16) attends to its

@@ -17,9 +17,9 @@ it cannot take the step), and the two parts merge by their log-sum-exps; ``inter
 the same split with the segment op's jnp reference and the prefix kernel's interpreter run;
 ``reference`` (and ``auto`` off the GPU) reads every key from the pages in jnp, as do
 batch-invariant steps (``meta.batch_invariant``).
-DECODE and chain TARGET_VERIFY steps run the paged decode kernel
+DECODE and TARGET_VERIFY steps (chains and trees) run the paged decode kernel
 (``pallas_kernels.attention.paged_decode_attention``) under ``auto`` on the GPU, ``pallas``
-and ``interpret`` where it takes their shapes, and the jnp key chunks otherwise.
+and ``interpret`` where it takes their shapes, and jnp otherwise.
 
 TARGET_VERIFY writes the D draft tokens' keys and values into the row's pages like any other
 step. Nothing needs undoing when drafts are rejected: their entries sit at positions past
@@ -240,15 +240,18 @@ def _paged_choice(impl: str, reason: str | None) -> str | None:
     return None if choice == "reference" else choice
 
 
-def _decode_kernel(impl: str, q: jax.Array, k_pages: jax.Array) -> str | None:
-    """The implementation of a DECODE or chain TARGET_VERIFY step's attention (``q`` ``[bs,
-    D, H, hd]``) in the paged decode kernel (``pallas_kernels.attention.
-    paged_decode_attention``), or None for the jnp key chunks. ``auto`` takes the kernel on
-    an sm_90 GPU where it can take the step, ``pallas`` asks for it (and raises where it
+def _decode_kernel(impl: str, q: jax.Array, k_pages: jax.Array, tree: bool = False) -> str | None:
+    """The implementation of a DECODE or TARGET_VERIFY step's attention (``q`` ``[bs, D, H,
+    hd]``; ``tree``: its rows may be trees) in the paged decode kernel (``pallas_kernels.
+    attention.paged_decode_attention``), or None for jnp. ``auto`` takes the kernel on an
+    sm_90 GPU where it can take the step, ``pallas`` asks for it (and raises where it
     cannot), ``interpret`` runs its interpreter where it can; ``reference`` keeps jnp."""
     if impl == "reference":
         return None
-    return _paged_choice(impl, paged_decode.unsupported_reason(q.astype(k_pages.dtype), k_pages))
+    reason = paged_decode.unsupported_reason(q.astype(k_pages.dtype), k_pages)
+    if reason is None and tree and q.shape[1] > paged_decode.MAX_TREE_NODES:
+        reason = f"a tree of D={q.shape[1]} nodes is over {paged_decode.MAX_TREE_NODES}"
+    return _paged_choice(impl, reason)
 
 
 def _prefix_kernel(impl: str, segment: str, q: jax.Array, k_pages: jax.Array) -> str | None:
@@ -433,16 +436,17 @@ def paged_attention(
     ragged = meta.token_layout is TokenLayout.RAGGED and not meta.batch_invariant
     kernel = _ragged_kernel(impl, q, k_pages) if ragged else None
     decode = rows_q = None
-    if meta.token_layout in (TokenLayout.ONE_PER_ROW, TokenLayout.DRAFT_PER_ROW) and not meta.tree:
+    if meta.token_layout in (TokenLayout.ONE_PER_ROW, TokenLayout.DRAFT_PER_ROW):
         rows_q = q.reshape(meta.batch_size, -1, num_heads, head_dim)  # row b's tokens in order
-        decode = _decode_kernel(impl, rows_q, k_pages)
+        decode = _decode_kernel(impl, rows_q, k_pages, meta.tree)
     if decode is not None:
-        # A row's tokens are the last of its context, causal among themselves (padded rows
-        # have no context: zeros).
+        # A row's tokens are the last of its context, causal among themselves or along the
+        # row's tree (padded rows have no context: zeros).
         dtype = k_pages.dtype
         out = paged_decode.paged_decode_attention(
             rows_q.astype(dtype), k_pages, v_pages, jnp.asarray(meta.pages.table),
-            jnp.asarray(meta.context_lens).astype(jnp.int32), scale=scale, impl=decode,
+            jnp.asarray(meta.context_lens).astype(jnp.int32), scale=scale,
+            parents=meta.parents if meta.tree else None, impl=decode,
         ).reshape(q.shape)  # fmt: skip
     elif tree is not None:
         out = _tree_tokens_attention(q, k_flat, v_flat, token_pages, meta, tree, scale, acc)

@@ -6,9 +6,11 @@ the log-sum-exps that merge it with the new tokens' own attention.
 Grouped-query attention: query head ``h`` reads key head ``h // (H // KVH)``. Row ``b`` holds
 ``context_lens[b]`` positions in its page table (position ``p`` lives in
 ``page_table[b, p // page_size]`` at offset ``p % page_size``), its D query tokens being the
-last D of them: token ``t`` attends positions ``0 .. context_lens[b] - D + t``. Nothing past
-a row's positions is read into the result, whatever the cache holds there (stale or NaN
-entries included).
+last D of them: token ``t`` attends positions ``0 .. context_lens[b] - D + t``; with
+``parents`` (tree drafts: node t's parent, ``-1`` at the root, nodes in topological order) it
+attends the positions before the D tokens and those of the nodes on its root path, itself
+included. Nothing past a row's positions is read into the result, whatever the cache holds
+there (stale or NaN entries included).
 
 The Mosaic GPU kernel (sm_90): one program per (split, KV head, row). The (token, query
 head) pairs of one KV head are the rows of a 64-row wgmma tile (padded with zeros), so one
@@ -36,14 +38,17 @@ from jax import lax
 
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl
 from pallas_kernels._mgpu_chunks import F32, ROWS, WG, along_rows, matmul, smem
+from pallas_kernels._tree import check_parents
 
 __all__ = [
+    "MAX_TREE_NODES",
     "PrefixTiles",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "paged_prefix_attention",
     "paged_prefix_attention_reference",
     "prefix_tiles",
+    "root_paths",
     "tokens_per_tile",
     "unsupported_reason",
 ]
@@ -100,11 +105,27 @@ def unsupported_reason(q: jax.Array, k_pages: jax.Array) -> str | None:
     return None
 
 
-def _reference(q, k_pages, v_pages, page_table, lengths, *, scale: float, causal: bool):
+MAX_TREE_NODES = 31  # a node's root path is a bitmask of int32
+
+
+def root_paths(parents: jax.Array) -> jax.Array:
+    """parents int32 ``[B, D]`` (``-1`` at the root, topological) -> int32 ``[B, D]``: bit j
+    of ``[b, t]`` is set when node j lies on node t's root path (t itself included)."""
+    n_nodes = parents.shape[1]
+    paths = [jnp.ones(parents.shape[:1], jnp.int32)]
+    for t in range(1, n_nodes):
+        parent = jnp.clip(parents[:, t], 0, t - 1)
+        paths.append(jnp.stack(paths, axis=1)[jnp.arange(parents.shape[0]), parent] | (1 << t))
+    return jnp.stack(paths, axis=1)
+
+
+def _reference(q, k_pages, v_pages, page_table, lengths, *, scale: float, causal: bool,
+               parents: jax.Array | None = None):  # fmt: skip
     """jnp over ``q`` ``[B, D, H, hd]``: every page of the table gathered, the values past
     each row's ``lengths`` zeroed (stale NaN never reaches the result), and each token's
-    positions past its last masked (``causal``: the row's last D tokens; else all of
-    ``lengths``). Float32 ``(out, lse)`` at least; lse ``-inf`` where a token sees nothing."""
+    positions past its last masked (``causal``: the row's last D tokens, or with ``parents``
+    their root paths; else all of ``lengths``). Float32 ``(out, lse)`` at least; lse ``-inf``
+    where a token sees nothing."""
     batch, tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     groups = heads // kv_heads
@@ -114,7 +135,12 @@ def _reference(q, k_pages, v_pages, page_table, lengths, *, scale: float, causal
     pos = jnp.arange(keys.shape[1])
     live = pos[None, :] < lengths[:, None]  # [B, L]
     values = jnp.where(live[..., None, None], values, 0).astype(acc)
-    if causal:
+    if causal and parents is not None:
+        node = pos[None, :] - (lengths[:, None] - tokens)  # [B, L]: the draft node held there
+        bits = root_paths(parents)[:, :, None] >> jnp.clip(node, 0, MAX_TREE_NODES)[:, None]
+        on_path = (node[:, None, :] < tokens) & (bits & 1 == 1)
+        seen = live[:, None, :] & ((node[:, None, :] < 0) | on_path)  # [B, D, L]
+    elif causal:
         last = lengths[:, None] - tokens + jnp.arange(tokens)[None, :]  # [B, D]
         seen = pos[None, None, :] <= last[..., None]  # [B, D, L]
     else:
@@ -134,11 +160,14 @@ def _reference(q, k_pages, v_pages, page_table, lengths, *, scale: float, causal
 
 
 def paged_decode_attention_reference(
-    q, k_pages, v_pages, page_table, context_lens, *, scale: float
+    q, k_pages, v_pages, page_table, context_lens, *, scale: float, parents=None
 ) -> jax.Array:
-    """jnp ``paged_decode_attention`` (``_reference``, causal). Float32 at least."""
+    """jnp ``paged_decode_attention`` (``_reference``, causal or a tree). Float32 at least."""
     q4 = q if q.ndim == 4 else q[:, None]
-    out, _ = _reference(q4, k_pages, v_pages, page_table, context_lens, scale=scale, causal=True)
+    out, _ = _reference(
+        q4, k_pages, v_pages, page_table, context_lens, scale=scale, causal=True,
+        parents=parents,
+    )  # fmt: skip
     return out.reshape(q.shape).astype(q.dtype)
 
 
@@ -151,13 +180,15 @@ def pick_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
     return splits
 
 
-def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, *, scale, num_splits,
-                 tokens, groups, causal, interpret):  # fmt: skip
+def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, scale,
+                 num_splits, tokens, groups, causal, interpret):  # fmt: skip
     """The kernel over zero-padded query tiles ``[B, KVH, 64, hd]`` (tile row ``r``: token
     ``r // groups``, query head ``r % groups`` of the KV head): per split, its output tiles
     (q's dtype) and float32 log-sum-exps ``[S, B, KVH, 64]`` (``-inf``: saw nothing).
     ``causal``: token t sees positions below ``length - tokens + 1 + t``; else every token
-    sees all ``length`` positions."""
+    sees all ``length`` positions. ``paths`` (tree drafts, with ``causal``): int32 ``[B, 64]``,
+    each tile row's root-path bits (``root_paths``): it sees the positions before the
+    ``tokens`` draft positions and the draft positions whose bit is set."""
     batch, kv_heads, _, head_dim = q_tiles.shape
     page_size = k_pages.shape[1]
     pages_per_block = BLOCK // page_size
@@ -166,8 +197,13 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, *, scale, 
     scores = (ROWS_PER_TILE, BLOCK)
     dtype = q_tiles.dtype
 
-    def body(table_ref, lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, q_s, k_s, v_s, p_s, o_s,
-             lse_s, q_bar, bar):  # fmt: skip
+    tree = paths is not None
+
+    def body(table_ref, lens_ref, q_ref, k_ref, v_ref, *refs):
+        if tree:
+            paths_ref, o_ref, lse_ref, q_s, k_s, v_s, p_s, o_s, lse_s, paths_s, q_bar, bar = refs
+        else:
+            o_ref, lse_ref, q_s, k_s, v_s, p_s, o_s, lse_s, q_bar, bar = refs
         split, head, row = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("b")
         length = lens_ref[row]
         num_blocks = (length + BLOCK - 1) // BLOCK
@@ -176,7 +212,11 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, *, scale, 
         num = jnp.clip(num_blocks - first, 0, per_split)
 
         plgpu.copy_gmem_to_smem(q_ref.at[row, head], q_s, q_bar)
+        if tree:
+            plgpu.copy_gmem_to_smem(paths_ref.at[row], paths_s, q_bar)
         plgpu.barrier_wait(q_bar)
+        if tree:
+            row_paths = along_rows(plgpu.load(paths_s, layout=ROWS), scores)
 
         def issue(j, stage):
             for i in range(pages_per_block):
@@ -203,13 +243,19 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, *, scale, 
             start = (first + j) * BLOCK
             col = plgpu.broadcasted_iota(jnp.int32, scores, 1, layout=WG)
             tile_row = plgpu.broadcasted_iota(jnp.int32, scores, 0, layout=WG)
-            if causal:
+            if causal and not tree:
                 # Token t of the row sees positions below length - tokens + 1 + t.
                 limit = jnp.minimum(length - tokens + 1 + tile_row // groups, length)
             else:
                 limit = length
             qk = matmul(q_s, k_s.at[stage].T, scores) * scale
-            qk = jnp.where(start + col < limit, qk, -jnp.inf)
+            if tree:
+                # The draft node held at each position (negative: before the drafts).
+                node = start + col - (length - tokens)
+                bit = lax.shift_right_logical(row_paths, jnp.clip(node, 0, MAX_TREE_NODES))
+                qk = jnp.where((start + col < limit) & ((node < 0) | (bit & 1 == 1)), qk, -jnp.inf)
+            else:
+                qk = jnp.where(start + col < limit, qk, -jnp.inf)
 
             @pl.when(start + BLOCK > length)
             def _zero_values_past_the_row():
@@ -248,24 +294,30 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, *, scale, 
         jax.ShapeDtypeStruct((num_splits, batch, kv_heads, *tile), dtype),
         jax.ShapeDtypeStruct((num_splits, batch, kv_heads, ROWS_PER_TILE), F32),
     )
+    scratch = [
+        smem(tile, dtype),
+        smem((2, BLOCK, head_dim), dtype),
+        smem((2, BLOCK, head_dim), dtype),
+        smem(scores, dtype),
+        smem(tile, dtype),
+        plgpu.SMEM((ROWS_PER_TILE,), F32),
+    ]
+    trees = (paths,) if tree else ()
+    if tree:
+        scratch.append(plgpu.SMEM((ROWS_PER_TILE,), jnp.int32))
+    scratch += [
+        plgpu.Barrier(num_arrivals=1 + tree),
+        plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=2),
+    ]
     return plgpu.kernel(
         body,
         out_type=out_type,
-        scratch_types=[
-            smem(tile, dtype),
-            smem((2, BLOCK, head_dim), dtype),
-            smem((2, BLOCK, head_dim), dtype),
-            smem(scores, dtype),
-            smem(tile, dtype),
-            plgpu.SMEM((ROWS_PER_TILE,), F32),
-            plgpu.Barrier(),
-            plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=2),
-        ],
+        scratch_types=scratch,
         grid=(num_splits, kv_heads, batch),
         grid_names=("s", "h", "b"),
         interpret=interpret_params(interpret),
         kernel_name="paged_decode_attention",
-    )(page_table, context_lens, q_tiles, k_pages, v_pages)
+    )(page_table, context_lens, q_tiles, k_pages, v_pages, *trees)
 
 
 def _merge(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -282,9 +334,10 @@ def _merge(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "causal", "interpret"))
-def _kernel(q, k_pages, v_pages, page_table, context_lens, *, scale, num_splits, causal,
-            interpret):  # fmt: skip
-    """float32 ``(out, lse)``: out ``[B, D, H, hd]``, lse ``[B, D, H]``."""
+def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, *, scale, num_splits,
+            causal, interpret):  # fmt: skip
+    """float32 ``(out, lse)``: out ``[B, D, H, hd]``, lse ``[B, D, H]``; ``parents``: tree
+    drafts (with ``causal``)."""
     batch, tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     groups = heads // kv_heads
@@ -292,8 +345,12 @@ def _kernel(q, k_pages, v_pages, page_table, context_lens, *, scale, num_splits,
     tiles = q.reshape(batch, tokens, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
     tiles = tiles.reshape(batch, kv_heads, rows, head_dim)
     tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, ROWS_PER_TILE - rows), (0, 0)))
+    paths = None
+    if parents is not None:  # tile row r is token r // groups; padding rows see no draft
+        paths = jnp.repeat(root_paths(parents), groups, axis=1)
+        paths = jnp.pad(paths, ((0, 0), (0, ROWS_PER_TILE - rows)))
     out, lse = _kernel_call(
-        tiles, k_pages, v_pages, page_table, context_lens, scale=scale,
+        tiles, k_pages, v_pages, page_table, context_lens, paths, scale=scale,
         num_splits=num_splits, tokens=tokens, groups=groups, causal=causal, interpret=interpret,
     )  # fmt: skip
     out, lse = out[:, :, :, :rows], lse[:, :, :, :rows]
@@ -319,10 +376,11 @@ def paged_decode_attention(
     *,
     scale: float,
     num_splits: int | None = None,
+    parents: jax.Array | None = None,
     impl: str = "auto",
 ) -> jax.Array:
     """Attention of each row's last query tokens over its first ``context_lens[b]`` cached
-    positions, causal among them (see the module docstring).
+    positions, causal among them, or along their tree (see the module docstring).
 
     Args:
       q: ``[B, H, hd]`` (one token per row) or ``[B, D, H, hd]``; k_pages, v_pages:
@@ -331,21 +389,28 @@ def paged_decode_attention(
         nothing and gets zeros).
       scale: the scores' scale.
       num_splits: programs per (row, KV head) (None: ``pick_num_splits``).
+      parents: None (a chain) or int32 ``[B, D]`` tree drafts (D <= 31): token t's parent
+        among the D, ``-1`` at the root, topological; token t sees the positions before the
+        D and those of its root path.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
       q's shape and dtype.
     """
     _check(_OP, q, k_pages, v_pages, page_table, context_lens, "context_lens")
+    tokens = q.shape[1] if q.ndim == 4 else 1
+    check_parents(_OP, parents, q.shape[0], tokens)
+    if parents is not None and tokens > MAX_TREE_NODES:
+        raise ValueError(f"{_OP}: a tree of D={tokens} nodes is over {MAX_TREE_NODES}")
     reason = unsupported_reason(q, k_pages) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference":
         return paged_decode_attention_reference(
-            q, k_pages, v_pages, page_table, context_lens, scale=scale
+            q, k_pages, v_pages, page_table, context_lens, scale=scale, parents=parents
         )
     q4 = q if q.ndim == 4 else q[:, None]
     out, _ = _kernel(
-        q4, k_pages, v_pages, page_table, context_lens, scale=float(scale),
+        q4, k_pages, v_pages, page_table, context_lens, parents, scale=float(scale),
         num_splits=_splits(q, k_pages, page_table, num_splits), causal=True,
         interpret=choice == "interpret",
     )  # fmt: skip

@@ -89,13 +89,15 @@ def test_split_paged_attention_matches_the_all_jnp_path(mode):
     np.testing.assert_array_equal(got[real:], 0)
 
 
-def _poisoned_cache(batch, kv_heads, dim, page_size, seed):
-    """Ragged lengths up to 8k (an empty row, one position, whole pages), pages scattered over
-    the cache, NaN in every entry no row holds: (k, v, page table, lengths)."""
+def _poisoned_cache(batch, kv_heads, dim, page_size, seed, min_len=0):
+    """Ragged lengths up to 8k (an empty row, one position, whole pages; at least
+    ``min_len``), pages scattered over the cache, NaN in every entry no row holds: (k, v,
+    page table, lengths)."""
     rng = np.random.default_rng(seed)
     lens = rng.integers(1, 8192, batch).astype(np.int32)
     if batch >= 3:
         lens[:3] = [0, 1, 4 * page_size]
+    lens = np.maximum(lens, min_len)
     max_pages = -(-8192 // page_size)
     num_pages = batch * max_pages + 1
     pages = rng.permutation(np.arange(1, num_pages)).reshape(batch, max_pages).astype(np.int32)
@@ -134,6 +136,27 @@ def test_paged_decode_kernel_matches_its_reference_with_poisoned_pages(
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(got).all(), "an entry no row holds reached the output"
     assert not got[lens == 0].any()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+@SHAPES
+def test_paged_decode_kernel_takes_tree_drafts(batch, heads, kv_heads, dim, page_size):
+    """Random topological trees of as many nodes as a tile holds (up to 31), rows of at
+    least that many positions."""
+    from pallas_kernels.attention import paged_decode as pd
+
+    nodes = min(pd.MAX_TREE_NODES, 64 // (heads // kv_heads))
+    k, v, table, lens = _poisoned_cache(batch, kv_heads, dim, page_size, dim + batch + 2, nodes)
+    rng = np.random.default_rng(batch)
+    parents = np.full((batch, nodes), -1, np.int32)
+    for t in range(1, nodes):
+        parents[:, t] = rng.integers(0, t, batch)
+    q = jax.random.normal(jax.random.key(3), (batch, nodes, heads, dim), jnp.bfloat16)
+    args = (q, k, v, table, jnp.asarray(lens))
+    tree = dict(scale=dim**-0.5, parents=jnp.asarray(parents))
+    got = np.asarray(pd.paged_decode_attention(*args, **tree, impl="pallas"), np.float32)
+    want = np.asarray(pd.paged_decode_attention(*args, **tree, impl="reference"), np.float32)
+    assert np.isfinite(got).all(), "an entry no row holds reached the output"
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 

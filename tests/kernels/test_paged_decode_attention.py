@@ -44,9 +44,10 @@ def _case(seed, *, batch, heads, kv_heads, head_dim, page_size, max_pages, lens,
     )  # fmt: skip
 
 
-def _oracle(q, k_pages, v_pages, page_table, context_lens):
+def _oracle(q, k_pages, v_pages, page_table, context_lens, parents=None):
     """Row by row, token by token in float64 numpy, from the bf16 values the kernel reads:
-    token t of D sees positions 0 .. context_lens[b] - D + t."""
+    token t of D sees positions 0 .. context_lens[b] - D + t, or with ``parents`` the
+    positions before the D and those of the nodes on t's root path."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     q4 = q if q.ndim == 4 else q[:, None]
     batch, tokens, heads, head_dim = q4.shape
@@ -60,12 +61,18 @@ def _oracle(q, k_pages, v_pages, page_table, context_lens):
         keys = k[pages].reshape(-1, kv_heads, head_dim)
         values = v[pages].reshape(-1, kv_heads, head_dim)
         for t in range(tokens):
-            seen = n - tokens + t + 1
+            seen = list(range(n - tokens + t + 1))
+            if parents is not None:
+                path, node = [], t
+                while node >= 0:
+                    path.append(n - tokens + node)
+                    node = int(parents[b, node])
+                seen = list(range(n - tokens)) + sorted(path)
             for h in range(heads):
                 g = h // (heads // kv_heads)
-                s = keys[:seen, g] @ q4[b, t, h] * SCALE
+                s = keys[seen, g] @ q4[b, t, h] * SCALE
                 w = np.exp(s - s.max())
-                out[b, t, h] = w @ values[:seen, g] / w.sum()
+                out[b, t, h] = w @ values[seen, g] / w.sum()
     return out.reshape(q.shape)
 
 
@@ -232,6 +239,81 @@ def test_prefix_tiles_hold_every_token_of_the_rows_with_a_prefix_once():
     assert (token[plen == 0] == num_tokens).all()  # unused tile rows hold no token
 
 
+def _random_parents(seed, batch, tokens):
+    """Topological trees: node 0 the root, every other node's parent an earlier node."""
+    rng = np.random.default_rng(seed)
+    parents = np.full((batch, tokens), -1, np.int32)
+    for t in range(1, tokens):
+        parents[:, t] = rng.integers(0, t, batch)
+    return jnp.asarray(parents)
+
+
+TREE_CASES = {
+    # 6 nodes x 8 heads = 48 tile rows; a row whose drafts start a block, one that spans two
+    "tree6-gqa8": dict(batch=3, heads=8, kv_heads=1, head_dim=64, page_size=16,
+                       max_pages=12, lens=[6, 67, 190], tokens=6),
+    # 31 nodes (the bitmask's limit) x 2 heads = 62 tile rows
+    "tree31-gqa2": dict(batch=2, heads=4, kv_heads=2, head_dim=64, page_size=32,
+                        max_pages=4, lens=[100, 40], tokens=31),
+}  # fmt: skip
+
+
+def test_root_paths_hold_each_nodes_ancestors():
+    parents = jnp.asarray([[-1, 0, 0, 1, 3, 2]], jnp.int32)
+    paths = np.asarray(pd.root_paths(parents))[0]
+    want = [{0}, {0, 1}, {0, 2}, {0, 1, 3}, {0, 1, 3, 4}, {0, 2, 5}]
+    assert [{j for j in range(6) if p >> j & 1} for p in paths] == want
+
+
+@pytest.mark.parametrize("name", list(TREE_CASES))
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_tree_kernel_in_the_interpreter_matches_the_oracle(name, num_splits):
+    args = _case(3, **TREE_CASES[name])
+    parents = _random_parents(4, len(TREE_CASES[name]["lens"]), TREE_CASES[name]["tokens"])
+    want = _oracle(**args, parents=np.asarray(parents))
+    chain = _oracle(**args)
+    assert rel(want, chain) > 1e-2, "the trees must differ from the chain somewhere"
+    got = pd.paged_decode_attention(
+        **args, scale=SCALE, num_splits=num_splits, parents=parents, impl="interpret"
+    )
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), "a NaN past some row's length reached the output"
+    assert rel(got, want) < 1e-2
+
+
+def test_a_chain_given_as_a_tree_is_the_causal_verify():
+    spec = TREE_CASES["tree6-gqa8"]
+    args = _case(5, **spec)
+    chain = jnp.tile(jnp.arange(-1, spec["tokens"] - 1, dtype=jnp.int32), (spec["batch"], 1))
+    causal = pd.paged_decode_attention(**args, scale=SCALE, num_splits=2, impl="interpret")
+    tree = pd.paged_decode_attention(
+        **args, scale=SCALE, num_splits=2, parents=chain, impl="interpret"
+    )
+    np.testing.assert_array_equal(np.asarray(tree), np.asarray(causal))
+
+
+@pytest.mark.parametrize("name", list(TREE_CASES))
+def test_tree_reference_matches_the_oracle(name):
+    args = _case(6, **TREE_CASES[name])
+    parents = _random_parents(7, len(TREE_CASES[name]["lens"]), TREE_CASES[name]["tokens"])
+    with jax.enable_x64(True):
+        wide = {n: jnp.asarray(a, jnp.float64) if a.dtype == jnp.bfloat16 else a
+                for n, a in args.items()}  # fmt: skip
+        got = pd.paged_decode_attention(**wide, scale=SCALE, parents=parents, impl="reference")
+    assert rel(got, _oracle(**args, parents=np.asarray(parents))) < 1e-12
+
+
+def test_tree_kernel_lowers_for_the_gpu_at_a_qwen_shape():
+    """16 rows of an 8-node tree over 16 query / 2 KV heads of 256: 64 tile rows."""
+    spec = jax.ShapeDtypeStruct
+    pages = spec((4096, 16, 2, 256), jnp.bfloat16)
+    args = (spec((16, 8, 16, 256), jnp.bfloat16), pages, pages, spec((16, 512), jnp.int32),
+            spec((16,), jnp.int32), spec((16, 8), jnp.int32))  # fmt: skip
+    call = functools.partial(pd._kernel, scale=0.0625, num_splits=2, causal=True, interpret=False)
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 def test_unsupported_calls_and_bad_arguments_say_why():
     q = jnp.zeros((2, 8, 64), jnp.bfloat16)
     pages = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
@@ -250,6 +332,14 @@ def test_unsupported_calls_and_bad_arguments_say_why():
         pd.paged_decode_attention(q, pages, pages, table[:1], lens, scale=1.0)
     with pytest.raises(ValueError, match=r"context_lens must be int32 \[B=2\]"):
         pd.paged_decode_attention(q, pages, pages, table, np.zeros(2, np.int64), scale=1.0)
+    chain4 = jnp.zeros((2, 4, 8, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"parents.shape=\(2, 3\) must be \[N, D\]=\(2, 4\)"):
+        pd.paged_decode_attention(chain4, pages, pages, table, lens, scale=1.0,
+                                  parents=jnp.zeros((2, 3), jnp.int32))  # fmt: skip
+    with pytest.raises(ValueError, match=r"a tree of D=32 nodes is over 31"):
+        tree = jnp.zeros((2, 32), jnp.int32)
+        pd.paged_decode_attention(jnp.zeros((2, 32, 2, 64), jnp.bfloat16), pages, pages,
+                                  table, lens, scale=1.0, parents=tree)  # fmt: skip
     with pytest.raises(NotImplementedError, match="page_size=8"):
         pd.paged_decode_attention(q, pages[:, :8], pages[:, :8], table, lens, scale=1.0,
                                   impl="interpret")  # fmt: skip
