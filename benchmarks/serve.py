@@ -309,9 +309,9 @@ def _category(name: str) -> str:
 
 def profile_steps(
     engine: Engine, steps: int
-) -> tuple[dict[str, float], list[tuple[str, float]], float]:
-    """Runs ``steps`` engine steps under the profiler; per-step device us by category, the
-    top kernels (name, us per step) and the wall us per step."""
+) -> tuple[dict[str, float], list[tuple[str, float, float]], float]:
+    """Runs ``steps`` engine steps under the profiler; per-step device us by category, every
+    kernel (name, calls per step, us per step; longest first) and the wall us per step."""
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     with tempfile.TemporaryDirectory() as log_dir:
@@ -325,20 +325,27 @@ def profile_steps(
         profile = jax.profiler.ProfileData.from_file(str(files[0]))
         events = call_events(profile)
     by_category: dict[str, float] = {}
-    by_kernel: dict[str, float] = {}
+    by_kernel: dict[str, list[float]] = {}
     for name, _, duration_ns in events:
         us = duration_ns / 1e3 / steps
         by_category[_category(name)] = by_category.get(_category(name), 0.0) + us
-        by_kernel[name] = by_kernel.get(name, 0.0) + us
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:12]
-    return by_category, top, wall
+        calls_us = by_kernel.setdefault(name, [0.0, 0.0])
+        calls_us[0] += 1 / steps
+        calls_us[1] += us
+    kernels = sorted(((n, c, us) for n, (c, us) in by_kernel.items()), key=lambda k: -k[2])
+    return by_category, kernels, wall
 
 
-def _breakdown(engine: Engine, steps: int) -> str:
-    """The device breakdown of the engine's next ``steps`` steps, as a row's note (GPU only)."""
+def _breakdown(engine: Engine, steps: int, table: pathlib.Path | None = None) -> str:
+    """The device breakdown of the engine's next ``steps`` steps, as a row's note (GPU only);
+    every kernel's calls and time per step go to ``table`` (tab-separated) when given."""
     if jax.default_backend() != "gpu":
         return ""
-    categories, top, wall_us = profile_steps(engine, steps)
+    categories, kernels, wall_us = profile_steps(engine, steps)
+    if table is not None:
+        lines = [f"{us:.1f}\t{calls:g}\t{name}" for name, calls, us in kernels]
+        table.write_text("us_per_step\tcalls_per_step\tkernel\n" + "\n".join(lines) + "\n")
+    top = [(name, us) for name, _, us in kernels[:12]]
     busy = sum(categories.values())
     ranked = sorted(categories.items(), key=lambda kv: -kv[1])
     return (
@@ -400,6 +407,13 @@ def _engine(model, args, *, batch: int, tokens: int, context: int) -> Engine:
     return Engine(model, _IdsOnly(model.config.vocab_size), config, progress=False)
 
 
+def _kernel_table(args, row: str) -> pathlib.Path | None:
+    """Where ``--kernel-tables`` puts a row's kernel table, or None."""
+    if not args.kernel_tables:
+        return None
+    return pathlib.Path(args.out) / f"kernels_{args.preset}_{row}.tsv"
+
+
 def _memory(engine: Engine) -> str:
     """What the row's engine holds on the device, in GiB."""
     m = {k: v / 2**30 for k, v in engine.memory.items()}
@@ -433,7 +447,8 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     step_s = statistics.median(times)
     if args.host_profile:
         _host_profile(engine, args.profile_steps, f"decode B={batch}")
-    note = f"{_breakdown(engine, args.profile_steps)}; {_memory(engine)}"
+    table = _kernel_table(args, f"decode_b{batch}_{prompt}")
+    note = f"{_breakdown(engine, args.profile_steps, table)}; {_memory(engine)}"
     for rid in ids:
         engine.abort(rid)
     limit_s = limit_bytes(model, c, batch, prompt + steps) / args.bandwidth
@@ -455,7 +470,7 @@ def prefill_row(model, c, prompts, length, args, rng, label) -> Row:
     # Two more prompts, profiled: each step is one prompt's prefill.
     for prompt in _prompts(rng, 2, length):
         engine.add_request(prompt, SamplingParams(max_new_tokens=1))
-    note = f"{_breakdown(engine, 2)}; {_memory(engine)}"
+    note = f"{_breakdown(engine, 2, _kernel_table(args, f'prefill_{length}'))}; {_memory(engine)}"
     return Row(
         f"prefill {prompts}x{length} ({label})", f"{rate / 1e3:.1f}k tok/s",
         f"{limit / 1e3:.0f}k tok/s", rate / limit, engine.compile_s, _slowest(engine), note,
@@ -573,6 +588,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--profile-steps", type=int, default=6)
     parser.add_argument("--host-profile", action="store_true", help="cProfile decode steps")
+    parser.add_argument(
+        "--kernel-tables", action="store_true",
+        help="write each row's kernels (calls and us per step) to --out as kernels_*.tsv",
+    )  # fmt: skip
     parser.add_argument("--moe", choices=("auto", "reference", "both"), default="auto")
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--flops", type=float, default=7.9e14)
