@@ -438,7 +438,8 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     context = -(-(prompt + budget + 4) // 16) * 16
     # Long prompts prefill in chunks of at most 8192 tokens: one EXTEND executable.
     tokens = min(batch * prompt, max(prompt, 8192))
-    engine = _engine(model, args, batch=batch, tokens=tokens, context=context)
+    bucket = max(batch, args.decode_bucket)
+    engine = _engine(model, args, batch=bucket, tokens=tokens, context=context)
     params = SamplingParams(max_new_tokens=budget)
     ids = [engine.add_request(p, params) for p in _prompts(rng, batch, prompt)]
     while len(engine.step_times[ForwardMode.DECODE]) < steps:
@@ -453,6 +454,7 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
         engine.abort(rid)
     limit_s = limit_bytes(model, c, batch, prompt + steps) / args.bandwidth
     at = f" at {prompt // 1024}k" if prompt >= 1024 else ""
+    at += f" in a bucket of {bucket}" if bucket > batch else ""
     return Row(
         f"decode B={batch}{at} ({label})", f"{step_s * 1e3:.3f} ms", f"{limit_s * 1e3:.3f} ms",
         limit_s / step_s, engine.compile_s, _slowest(engine), note,
@@ -586,6 +588,10 @@ def main(argv: list[str] | None = None) -> int:
         "comma-separated (e.g. 1@8192,64@8192)",
     )  # fmt: skip
     parser.add_argument("--decode-steps", type=int, default=24)
+    parser.add_argument(
+        "--decode-bucket", type=int, default=1,
+        help="decode rows run in a batch bucket of at least this many rows (the rest padding)",
+    )  # fmt: skip
     parser.add_argument("--profile-steps", type=int, default=6)
     parser.add_argument("--host-profile", action="store_true", help="cProfile decode steps")
     parser.add_argument(

@@ -343,6 +343,11 @@ class ForwardMetadata:
     def token_layout(self) -> TokenLayout:
         return TOKEN_LAYOUTS[self.mode]
 
+    @property
+    def real_tokens(self) -> jax.Array:
+        """bool ``[T]``: the tokens of real rows (False at padding)."""
+        return self.token_rows < self.batch_size
+
     def at_linear_layer(self, layer: jax.Array | int, num_slots: int) -> ForwardMetadata:
         """The metadata of linear layer ``layer`` (an int, or traced inside a scan over
         layers): its slots are rows ``layer * num_slots + slot`` of the flat ``[L*S, ...]``

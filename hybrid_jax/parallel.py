@@ -386,7 +386,7 @@ def _arg_specs(kind: str) -> tuple[P, ...]:
         return (P(), P(None, AXIS), P(None, AXIS), P())
     if kind == "attention":  # h, k and v pages [L*P, page_size, KVH, hd], meta
         return (P(), P(None, None, AXIS), P(None, None, AXIS), P())
-    return (P(),)
+    return (P(), P())  # h, the real-token mask
 
 
 def _out_specs(kind: str, args: tuple) -> Any:
@@ -412,7 +412,7 @@ def run_block(block: nnx.Module, *args: Any, **kwargs: Any) -> Any:
     """``block(*args, **kwargs)``; traced under a mesh with a tensor-parallel axis, a block of
     ``PLANS`` runs its slice on each GPU and its partial output is all-reduced (see the
     module docstring). ``args``: a linear mixer's ``(h, conv, ssm, meta)``, an attention
-    layer's ``(h, k_pages, v_pages, meta)``, a feed-forward block's ``(h,)``."""
+    layer's ``(h, k_pages, v_pages, meta)``, a feed-forward block's ``(h, real)``."""
     tp = tp_size()
     plan = PLANS.get(type(block))
     if tp == 1 or plan is None:

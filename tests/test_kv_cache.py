@@ -468,3 +468,17 @@ def test_sparse_moe_matches_per_token_oracle(norm_topk):
         want[t] += shared / (1 + np.exp(-(xt @ params["sgate"])))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
     assert np.asarray(moe(jnp.zeros((0, 16)))).shape == (0, 16)
+
+
+def test_sparse_moe_computes_the_experts_of_real_tokens_only():
+    config = MoEConfig(hidden_size=16, num_experts=5, top_k=2, intermediate_size=8,
+                       shared_intermediate_size=12)  # fmt: skip
+    moe = SparseMoE(config, rngs=nnx.Rngs(4))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((7, 16)), jnp.float32)
+    real = jnp.arange(7) < 3
+    got = jax.jit(lambda m, a, r: m(a, r))(moe, x, real)
+    # Real tokens: what they get with every token real; padding: the shared expert alone.
+    np.testing.assert_allclose(np.asarray(got[:3]), np.asarray(moe(x)[:3]), rtol=1e-6, atol=1e-6)
+    shared = jax.nn.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
+    np.testing.assert_allclose(np.asarray(got[3:]), np.asarray(shared[3:]), rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(got[3:] - moe(x)[3:])).max() > 1e-3  # the routed part is gone

@@ -41,3 +41,23 @@ def test_rows_are_grouped_by_expert_and_combine_weights_each_token_s_choices(
     got = dispatch.combine(jnp.asarray(ys), jnp.asarray(weights))
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
+def test_padding_tokens_belong_to_no_group_and_combine_to_zero():
+    rng = np.random.default_rng(7)
+    tokens, top_k, experts = 10, 3, 6
+    choice = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
+    real = np.arange(tokens) < 4  # a bucket of 10 rows, 4 of them real
+    dispatch = ExpertDispatch.sort(jnp.asarray(choice, jnp.int32), experts, jnp.asarray(real))
+
+    sizes = np.asarray(dispatch.group_sizes)
+    np.testing.assert_array_equal(sizes, np.bincount(choice[real].ravel(), minlength=experts))
+    token = np.asarray(dispatch.token)
+    groups = sizes.sum()
+    assert set(token[:groups]) == set(range(4)) and set(token[groups:]) == set(range(4, tokens))
+    # Rows past the groups come back as zeros from the grouped matmul.
+    ys = np.where(np.arange(tokens * top_k)[:, None] < groups, 1.0 + token[:, None], 0.0)
+    weights = rng.random((tokens, top_k)).astype(np.float32)
+    got = np.asarray(dispatch.combine(jnp.asarray(ys, jnp.float32), jnp.asarray(weights)))
+    np.testing.assert_allclose(got[:4, 0], (1.0 + np.arange(4)) * weights[:4].sum(1), rtol=1e-6)
+    np.testing.assert_array_equal(got[4:], 0.0)

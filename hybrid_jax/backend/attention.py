@@ -343,7 +343,7 @@ class _TreeTokens(NamedTuple):
 
 def _tree_tokens(meta: ForwardMetadata) -> _TreeTokens:
     n_nodes = meta.num_draft_tokens
-    real = meta.token_rows < meta.batch_size
+    real = meta.real_tokens
     prefix = jnp.concatenate([meta.context_lens - meta.seq_lens, jnp.zeros(1, jnp.int32)])
     prefix = prefix[meta.token_rows]
     node = jnp.arange(meta.num_tokens, dtype=jnp.int32) % n_nodes
@@ -481,5 +481,5 @@ def paged_attention(
             ),
         )
         out = _merge([fresh, cached])
-    real = (meta.token_rows < meta.batch_size)[:, None, None]
+    real = meta.real_tokens[:, None, None]
     return jnp.where(real, out, 0).astype(q.dtype), k_pages, v_pages

@@ -25,8 +25,11 @@ __all__ = ["MLP", "ExpertDispatch", "MoEConfig", "SparseMoE"]
 
 
 class MLP(nnx.Module):
-    """``down(silu(gate(x)) * up(x))``; x: ``[T, hidden]`` -> ``[T, hidden]``. ``impl`` is the
-    feed-forward blocks' kernel choice, which a dense MLP (XLA's matmuls) does not use."""
+    """``down(silu(gate(x)) * up(x))``; x: ``[T, hidden]`` -> ``[T, hidden]``.
+
+    A feed-forward block takes ``(x, real)``: ``real`` (bool ``[T]``) marks the tokens of real
+    rows, which lets a MoE skip the padding, and ``impl`` chooses its kernels; a dense MLP
+    (XLA's matmuls, the same work for every token) uses neither."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: str, rngs: nnx.Rngs):
         dt = jnp.dtype(dtype)
@@ -35,7 +38,9 @@ class MLP(nnx.Module):
         self.up_proj = nnx.Linear(hidden_size, intermediate_size, **linear)
         self.down_proj = nnx.Linear(intermediate_size, hidden_size, **linear)
 
-    def __call__(self, x: jax.Array, *, impl: str = "auto") -> jax.Array:
+    def __call__(
+        self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
+    ) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -54,14 +59,25 @@ class ExpertDispatch:
     group_sizes: jax.Array
 
     @classmethod
-    def sort(cls, experts: jax.Array, num_experts: int) -> ExpertDispatch:
-        """The dispatch of int32 ``experts`` ``[T, top_k]`` over ``num_experts`` experts."""
+    def sort(
+        cls, experts: jax.Array, num_experts: int, real: jax.Array | None = None
+    ) -> ExpertDispatch:
+        """The dispatch of int32 ``experts`` ``[T, top_k]`` over ``num_experts`` experts.
+
+        ``real`` (bool ``[T]``, optional) marks the tokens of real rows: a padding token's
+        pairs sort after every group, so the grouped matmul neither computes them nor reads
+        an expert for them (its output rows past the groups are zeros). Without it a padding
+        row of a decode bucket would read up to ``top_k`` experts of its own.
+        """
+        if real is not None:
+            experts = jnp.where(real[:, None], experts, num_experts)
         flat = experts.reshape(-1)  # token-major
         order = jnp.argsort(flat, stable=True)
         rows = jnp.arange(flat.shape[0], dtype=order.dtype)
         return cls(
             token=order // experts.shape[1],
             position=jnp.zeros_like(order).at[order].set(rows),
+            # bincount drops the padding key (num_experts): those rows belong to no group.
             group_sizes=jnp.bincount(flat, length=num_experts).astype(jnp.int32),
         )
 
@@ -141,9 +157,13 @@ class SparseMoE(nnx.Module):
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return weights.astype(x.dtype), experts.astype(jnp.int32)
 
-    def __call__(self, x: jax.Array, *, impl: str = "auto") -> jax.Array:
+    def __call__(
+        self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
+    ) -> jax.Array:
+        """x ``[T, hidden]`` -> the same; ``real`` (bool ``[T]``) marks the tokens of real
+        rows, whose experts alone are computed (padding tokens get the shared expert only)."""
         weights, experts = self.route(x)
-        dispatch = ExpertDispatch.sort(experts, self.config.num_experts)
+        dispatch = ExpertDispatch.sort(experts, self.config.num_experts, real)
         xs = dispatch.rows(x)
 
         def experts_matmul(rows: jax.Array, w: nnx.Param) -> jax.Array:

@@ -298,7 +298,8 @@ class Block(nnx.Module):
             return x + states.linear(self.mixer, h, meta, impl=impl)
         if self.block_type == "full_attention":
             return x + states.attention(self.mixer, h, meta, impl=impl)
-        return x + run_block(self.mixer, h, impl=impl)  # MLP and MoE: no tokens mixed, no state
+        # MLP and MoE: no tokens mixed, no state.
+        return x + run_block(self.mixer, h, meta.real_tokens, impl=impl)
 
 
 class NemotronH(HybridCausalLM):

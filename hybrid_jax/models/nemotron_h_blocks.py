@@ -46,7 +46,10 @@ class ReLU2MLP(nnx.Module):
         self.up_proj = nnx.Linear(hidden_size, intermediate_size, **linear)
         self.down_proj = nnx.Linear(intermediate_size, hidden_size, **linear)
 
-    def __call__(self, x: jax.Array, *, impl: str = "auto") -> jax.Array:
+    def __call__(
+        self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
+    ) -> jax.Array:
+        """A feed-forward block's call (``layers.moe.MLP``); every token does the same work."""
         return self.down_proj(relu2(self.up_proj(x)))
 
 
@@ -141,12 +144,15 @@ class RoutedMoE(nnx.Module):
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
         return weights * c.routed_scaling_factor, experts.astype(jnp.int32)
 
-    def __call__(self, x: jax.Array, *, impl: str = "auto") -> jax.Array:
-        """x ``[T, hidden]`` -> the same; ``impl`` chooses the experts' grouped matmul."""
+    def __call__(
+        self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
+    ) -> jax.Array:
+        """x ``[T, hidden]`` -> the same; ``real`` (bool ``[T]``) marks the tokens of real
+        rows, whose experts alone are computed; ``impl`` chooses the experts' grouped matmul."""
         c = self.config
         weights, experts = self.route(x)
         h = self.fc1_latent_proj(x) if c.latent_size is not None else x
-        dispatch = ExpertDispatch.sort(experts, c.num_experts)
+        dispatch = ExpertDispatch.sort(experts, c.num_experts, real)
         sizes = dispatch.group_sizes
         hidden = relu2(moe.grouped_matmul(dispatch.rows(h), self.up_proj[...], sizes, impl=impl))
         ys = moe.grouped_matmul(hidden, self.down_proj[...], sizes, impl=impl)

@@ -327,7 +327,8 @@ class DecoderLayer(nnx.Module):
             x = x + states.linear(self.linear_attn, h, meta, impl=impl)
         else:
             x = x + states.attention(self.self_attn, h, meta, impl=impl)
-        return x + run_block(self.mlp, self.post_attention_layernorm(x), impl=impl)
+        h = self.post_attention_layernorm(x)
+        return x + run_block(self.mlp, h, meta.real_tokens, impl=impl)
 
 
 class MTPHead(nnx.Module):
@@ -367,7 +368,7 @@ class MTPHead(nnx.Module):
         layer = self.layers[0]
         out = run_block(layer.self_attn, layer.input_layernorm(x), k_pages, v_pages, meta)
         x = x + out.y
-        x = x + run_block(layer.mlp, layer.post_attention_layernorm(x))
+        x = x + run_block(layer.mlp, layer.post_attention_layernorm(x), meta.real_tokens)
         return self.norm(x), out.k_pages, out.v_pages
 
 
