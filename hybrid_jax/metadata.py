@@ -77,10 +77,19 @@ def tree_depths(parents: Sequence[int]) -> tuple[int, ...]:
     return tuple(depths)
 
 
+# The smallest default batch bucket. A step of fewer rows moves the same bytes (every weight
+# is read once per step; padding rows touch no state slot, page or expert), while XLA turns a
+# product with a one-row operand and a weight under 10M elements into a multiply and a
+# reduction kernel, which at batch 1 costs several times the product
+# (benchmarks/RESULTS_serve.md: a bucket of 8 made a batch-1 MoE step 35% faster).
+MIN_BATCH_BUCKET = 8
+
+
 def _default_batch_buckets(max_batch: int) -> tuple[int, ...]:
-    # Powers of two and 3 * 2**k (12, 24, 48, ...): above 8 rows, padding stays under a
-    # third of the bucket with only two executables per doubling.
-    ladder = {1 << k for k in range(max_batch.bit_length())}
+    # 8, then powers of two and 3 * 2**k (12, 24, 48, ...): padding stays under a third of
+    # the bucket with only two executables per doubling.
+    ladder = {MIN_BATCH_BUCKET}
+    ladder |= {1 << k for k in range(4, max_batch.bit_length())}
     ladder |= {3 << k for k in range(2, max_batch.bit_length())}
     return tuple(sorted({b for b in ladder if b < max_batch} | {max_batch}))
 

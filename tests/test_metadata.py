@@ -63,7 +63,8 @@ def random_rows(rng, mode, n):
 def test_default_policy_ladders():
     policy = BucketPolicy()
     assert policy == BucketPolicy.default()
-    assert policy.batch_buckets == (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    assert policy.batch_buckets == (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    assert BucketPolicy.default(max_batch=5).batch_buckets == (5,)
     assert policy.token_buckets == tuple(2**k for k in range(4, 14))
     assert policy.num_draft_tokens == 4
     assert (policy.max_batch, policy.max_tokens) == (256, 8192)
@@ -71,7 +72,7 @@ def test_default_policy_ladders():
 
 def test_default_policy_ends_at_its_maxima():
     policy = BucketPolicy.default(max_batch=100, max_tokens=1000, num_draft_tokens=2)
-    assert policy.batch_buckets == (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 100)
+    assert policy.batch_buckets == (8, 12, 16, 24, 32, 48, 64, 96, 100)
     assert policy.token_buckets == (16, 32, 64, 128, 256, 512, 1000)
 
 
