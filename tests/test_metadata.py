@@ -21,7 +21,8 @@ from hybrid_jax.modes import CAPABILITIES, ForwardMode, UnsupportedForwardModeEr
 M = ForwardMode
 D = 3
 S = 16  # pool slots: real slots 1..15
-POLICY = BucketPolicy.default(max_batch=8, max_tokens=64, num_draft_tokens=D)
+# Small batch buckets, so that padding rows show at every size (the default ladder starts at 8).
+POLICY = BucketPolicy((1, 2, 4, 8), (16, 32, 64), num_draft_tokens=D)
 BUILT = sorted(BUILDABLE_MODES, key=lambda m: m.name)
 UNBUILT = sorted(set(ForwardMode) - BUILDABLE_MODES, key=lambda m: m.name)
 
@@ -376,7 +377,7 @@ def test_num_slots_must_be_positive(num_slots):
 
 # ---------------------------------------------------------------- tree drafts
 
-TREE_POLICY = BucketPolicy.default(max_batch=8, max_tokens=64, num_draft_tokens=4, tree_drafts=True)
+TREE_POLICY = BucketPolicy((1, 2, 4, 8), (16, 32, 64), num_draft_tokens=4, tree_drafts=True)
 
 
 def build_tree(rows, policy=TREE_POLICY):
