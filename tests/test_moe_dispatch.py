@@ -3,6 +3,7 @@ float64 loop over the (token, choice) pairs."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,3 +62,11 @@ def test_padding_tokens_belong_to_no_group_and_combine_to_zero():
     got = np.asarray(dispatch.combine(jnp.asarray(ys, jnp.float32), jnp.asarray(weights)))
     np.testing.assert_allclose(got[:4, 0], (1.0 + np.arange(4)) * weights[:4].sum(1), rtol=1e-6)
     np.testing.assert_array_equal(got[4:], 0.0)
+
+
+def test_the_dispatch_has_no_scatter():
+    # A scatter costs a copy of its zeroed buffer plus a kernel per MoE block on the GPU.
+    experts = jax.ShapeDtypeStruct((8, 4), jnp.int32)
+    real = jax.ShapeDtypeStruct((8,), jnp.bool_)
+    text = jax.jit(ExpertDispatch.sort, static_argnums=1).lower(experts, 16, real).as_text()
+    assert "scatter" not in text and "sort" in text

@@ -73,12 +73,15 @@ class ExpertDispatch:
             experts = jnp.where(real[:, None], experts, num_experts)
         flat = experts.reshape(-1)  # token-major
         order = jnp.argsort(flat, stable=True)
-        rows = jnp.arange(flat.shape[0], dtype=order.dtype)
+        # No scatters: on the GPU each one is a copy of its zeroed buffer plus a scatter
+        # kernel, per MoE block per step. The inverse permutation is a second sort, and the
+        # group sizes a comparison and a sum (the padding key, num_experts, matches no group).
         return cls(
             token=order // experts.shape[1],
-            position=jnp.zeros_like(order).at[order].set(rows),
-            # bincount drops the padding key (num_experts): those rows belong to no group.
-            group_sizes=jnp.bincount(flat, length=num_experts).astype(jnp.int32),
+            position=jnp.argsort(order),
+            group_sizes=jnp.sum(
+                flat[:, None] == jnp.arange(num_experts, dtype=flat.dtype), axis=0, dtype=jnp.int32
+            ),
         )
 
     def rows(self, x: jax.Array) -> jax.Array:
