@@ -60,6 +60,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from device_time import call_events  # noqa: E402
 
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa: E402
+from hybrid_jax.metadata import MIN_BATCH_BUCKET  # noqa: E402
 from hybrid_jax.models.layer_scan import scan_layers  # noqa: E402
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
 from hybrid_jax.models.qwen3_next import (  # noqa: E402
@@ -589,8 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument(
-        "--decode-bucket", type=int, default=1,
-        help="decode rows run in a batch bucket of at least this many rows (the rest padding)",
+        "--decode-bucket", type=int, default=MIN_BATCH_BUCKET,
+        help="decode rows run in a batch bucket of at least this many rows (the rest padding; "
+        "the engine's smallest default bucket)",
     )  # fmt: skip
     parser.add_argument("--profile-steps", type=int, default=6)
     parser.add_argument("--host-profile", action="store_true", help="cProfile decode steps")
