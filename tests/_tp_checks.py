@@ -45,6 +45,7 @@ QWEN = dataclasses.replace(
     tiny_qwen3_next_config(), num_attention_heads=8, num_key_value_heads=4,
     linear_num_key_heads=4, linear_num_value_heads=8, num_experts=8, num_nextn_predict_layers=0,
 )  # fmt: skip
+QWEN_MTP = dataclasses.replace(QWEN, num_nextn_predict_layers=1)
 # Mamba2 4 heads in 4 groups, attention 4 query / 4 KV heads, a latent MoE of 4 experts with a
 # shared expert, biases on every projection that has one (the row-cut ones are added once).
 NEMOTRON = NemotronHConfig(
@@ -128,15 +129,21 @@ def forward_checks() -> dict:
 def engine_checks() -> dict:
     prompts = [list(b"abcabcabcabc"), list(b"hello")]
     greedy = SamplingParams(max_new_tokens=8)
+    mtp = SpeculativeConfig("mtp", num_draft_tokens=3)
+    mtp_tree = SpeculativeConfig("mtp", num_draft_tokens=4, tree=True, tree_parents=(-1, 0, 0, 1))
     result = {}
     for name, tp, spec in (
         ("tp1", 1, None), ("tp4", 4, None), ("tp2_ngram", 2, SpeculativeConfig(num_draft_tokens=3)),
+        ("tp2_mtp", 2, mtp), ("tp2_mtp_tree", 2, mtp_tree),
     ):  # fmt: skip
         config = EngineConfig(
             max_batch=2, max_tokens=16, max_context=64, batch_buckets=(2,), token_buckets=(16,),
             impl="reference", cache_dir=None, tensor_parallel=tp, speculative=spec,
         )  # fmt: skip
-        engine = Engine(Qwen3Next(QWEN, rngs=nnx.Rngs(0)), ByteTokenizer(), config, progress=False)
+        # The same weights with an MTP head: the target's forward does not read the head.
+        model_config = QWEN if spec is None or spec.source != "mtp" else QWEN_MTP
+        model = Qwen3Next(model_config, rngs=nnx.Rngs(0))
+        engine = Engine(model, ByteTokenizer(), config, progress=False)
         tokens = [r.token_ids for r in engine.generate(prompts, greedy)]
         pool = engine.state.pool
         result[name] = {
@@ -144,6 +151,7 @@ def engine_checks() -> dict:
             "retraces": engine.retraces,
             "pool_devices": len(pool.ssm.sharding.device_set),
             "verify_steps": engine.speculative_stats.steps,
+            "head_kv_devices": engine.mtp and len(engine.mtp.kv.k.sharding.device_set),
         }
     return result
 

@@ -12,7 +12,6 @@ from flax import nnx
 
 from hybrid_jax import Engine, EngineConfig, parallel
 from hybrid_jax.cli import main
-from hybrid_jax.engine.speculative import SpeculativeConfig
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
 
 CHECKS = pathlib.Path(__file__).with_name("_tp_checks.py")
@@ -46,11 +45,14 @@ def test_a_model_cut_over_devices_computes_what_one_device_does(seen, model, tp)
 def test_an_engine_cut_over_devices_serves_the_tokens_of_one_device(seen):
     want = seen["tp1"]["tokens"]
     assert len(want) == 2 and all(len(t) == 8 for t in want)
-    for name, devices in (("tp4", 4), ("tp2_ngram", 2)):
+    for name, devices in (("tp4", 4), ("tp2_ngram", 2), ("tp2_mtp", 2), ("tp2_mtp_tree", 2)):
         got = seen[name]
         assert got["tokens"] == want, name
         assert got["retraces"] == 0 and got["pool_devices"] == devices
-    assert seen["tp2_ngram"]["verify_steps"] > 0  # drafts verified and committed under TP
+    # Drafts (n-gram, the MTP head's chain and tree) verified and committed under TP.
+    for name in ("tp2_ngram", "tp2_mtp", "tp2_mtp_tree"):
+        assert seen[name]["verify_steps"] > 0, name
+    assert seen["tp2_mtp"]["head_kv_devices"] == 2  # the head's cache cut like the target's
 
 
 def test_a_checkpoint_loads_onto_the_devices_in_slices(seen):
@@ -64,8 +66,6 @@ def test_a_checkpoint_loads_onto_the_devices_in_slices(seen):
 def test_tensor_parallel_is_checked_before_anything_is_built():
     with pytest.raises(ValueError, match=r"EngineConfig.tensor_parallel=0 must be an int >= 1"):
         EngineConfig(tensor_parallel=0)
-    with pytest.raises(ValueError, match="tensor_parallel=2 with MTP drafts is not built"):
-        EngineConfig(tensor_parallel=2, speculative=SpeculativeConfig("mtp"))
     with pytest.raises(ValueError, match=r"tensor_parallel=2 needs 2 devices but JAX sees 1"):
         parallel.make_mesh(2)
     with pytest.raises(ValueError, match=r"tensor_parallel=2 needs 2 devices"):

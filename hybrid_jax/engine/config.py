@@ -108,12 +108,6 @@ class EngineConfig:
                     "EngineConfig.batch_invariant=True with speculative decoding is not built; "
                     "turn one of them off"
                 )
-        spec = self.speculative
-        if self.tensor_parallel > 1 and spec is not None and spec.source == "mtp":
-            raise ValueError(
-                f"EngineConfig.tensor_parallel={self.tensor_parallel} with MTP drafts is not "
-                f"built; use n-gram drafts (SpeculativeConfig('ngram')) or tensor_parallel=1"
-            )
 
     def store(self) -> ProgramStore | None:
         """The program store of these settings (None: off, no cache, interpret mode or

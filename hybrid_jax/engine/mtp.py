@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from hybrid_jax.engine.scheduler import Request, ScheduledStep
 from hybrid_jax.engine.speculative import SpeculativeConfigError, candidate_ranks, tree_spine
@@ -64,6 +65,7 @@ from hybrid_jax.metadata import (
     tree_depths,
 )
 from hybrid_jax.modes import EngineRole, ForwardMode, LayerKind, modes_for
+from hybrid_jax.parallel import shard_kv_cache
 
 __all__ = ["MTP_MODES", "MTPDrafter", "MTPInput", "MTPOutput"]
 
@@ -150,7 +152,10 @@ class MTPDrafter:
         parents: tuple[int, ...] | None = None,
         impl: str = "auto",
         store: ProgramStore | None = None,
+        mesh: Mesh | None = None,
     ):
+        """``mesh``: the devices of tensor parallelism, ``model``'s weights already placed on
+        it; the head's KV cache is cut by KV head as the target's is."""
         if not getattr(model, "has_mtp", False):
             raise SpeculativeConfigError(
                 f"source='mtp' needs a model with the multi-token-prediction head, and this "
@@ -173,8 +178,10 @@ class MTPDrafter:
         self.num_slots, self.num_pages = num_slots, num_pages
         self.hidden_size = model.config.hidden_size
         self.dtype = jnp.dtype(model.config.dtype)
-        self.steps = StepFunctions(_HeadStep(model, width), impl=impl, store=store)
+        self.steps = StepFunctions(_HeadStep(model, width), impl=impl, store=store, mesh=mesh)
         self.kv = init_kv_cache(model.mtp_kv_specs(), num_pages, policy.page_size)
+        if mesh is not None:
+            self.kv = shard_kv_cache(self.kv, mesh)
         self.drafts: dict[int, tuple[int, ...]] = {}
         self.compile_records: list[CompileRecord] = []
 
