@@ -513,7 +513,28 @@ def test_pools_that_cannot_fit_the_device_are_refused_before_compiling(monkeypat
     import hybrid_jax.engine.engine as engine_module
 
     gib = 2**30
-    monkeypatch.setattr(engine_module, "_device_memory", lambda: (2 * gib, 2 * gib - 1000))
-    match = r"state pool \(5 slots: EngineConfig.max_batch.*0.0 GiB free of 2.0 GiB.*max_batch"
+    monkeypatch.setattr(engine_module, "_device_memory", lambda d: (2 * gib, 2 * gib - 1000))
+    match = r"state pool \(5 slots: EngineConfig.max_batch.*device 0 has 0.0 GiB free of 2.0 GiB"
     with pytest.raises(ValueError, match=match):
         Engine.from_preset("tiny", CONFIG, progress=False)
+
+
+def test_under_tensor_parallelism_each_device_needs_its_share_and_the_fullest_decides(
+    monkeypatch,
+):
+    import types
+
+    import hybrid_jax.engine.engine as engine_module
+
+    gib = 2**30
+    devices = [types.SimpleNamespace(id=i) for i in range(2)]
+    mesh = types.SimpleNamespace(devices=np.array(devices))
+    free = {0: 2 * gib, 1: 2 * gib}
+    monkeypatch.setattr(engine_module, "_device_memory", lambda d: (4 * gib, 4 * gib - free[d.id]))
+    check = engine_module._check_device_memory
+    check(2 * gib, 1 * gib, 5, 9, mesh)  # 1.5 GiB per device fits
+    with pytest.raises(ValueError, match=r"device 0 has 2.0 GiB free"):
+        check(2 * gib, 1 * gib, 5, 9, None)  # the whole 3 GiB on one device does not
+    free[1] = gib
+    with pytest.raises(ValueError, match=r"\(1/2 of each on every device\), but device 1 has 1.0"):
+        check(2 * gib, 1 * gib, 5, 9, mesh)

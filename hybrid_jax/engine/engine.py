@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from hybrid_jax.engine.config import EngineConfig
 from hybrid_jax.engine.lm_step import HybridLM, LastTokenLogits, ServingState
@@ -101,31 +102,38 @@ __all__ = ["Engine"]
 PRESETS = {"tiny": tiny_qwen3_next_config}
 
 
-def _device_memory() -> tuple[int, int] | None:
-    """(bytes the default device may hold, bytes in use), or None where it does not say
-    (the CPU)."""
-    stats = jax.devices()[0].memory_stats()
+def _device_memory(device: jax.Device) -> tuple[int, int] | None:
+    """(bytes ``device`` may hold, bytes in use), or None where it does not say (the CPU)."""
+    stats = device.memory_stats()
     if not stats or "bytes_limit" not in stats:
         return None
     return stats["bytes_limit"], stats.get("bytes_in_use", 0)
 
 
-def _check_device_memory(state_bytes: int, kv_bytes: int, num_slots: int, num_pages: int):
+def _check_device_memory(
+    state_bytes: int, kv_bytes: int, num_slots: int, num_pages: int, mesh: Mesh | None
+):
     """Raises ``ValueError`` before allocating when the slot pool and the KV cache cannot fit
-    beside what the device already holds (the weights), naming the settings that size them."""
-    memory = _device_memory()
-    if memory is None:
-        return
-    limit, in_use = memory
-    free = limit - in_use
-    if state_bytes + kv_bytes > free:
+    beside what the devices already hold (the weights), naming the settings that size them.
+    Under tensor parallelism each device holds 1/N of both, and the fullest device decides."""
+    devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+    share = len(devices)
+    for device in devices:
+        memory = _device_memory(device)
+        if memory is None:
+            continue
+        limit, in_use = memory
+        free = limit - in_use
+        if (state_bytes + kv_bytes) / share <= free:
+            continue
         gib = 2**30
+        each = f" (1/{share} of each on every device)" if share > 1 else ""
         raise ValueError(
             f"the linear layers' state pool ({num_slots} slots: EngineConfig.max_batch plus "
             f"the pad slot) needs {state_bytes / gib:.1f} GiB and the KV cache ({num_pages} "
-            f"pages) {kv_bytes / gib:.1f} GiB, but the device has {free / gib:.1f} GiB free "
-            f"of {limit / gib:.1f} GiB ({in_use / gib:.1f} GiB in use, the weights among "
-            f"them); lower max_batch, or num_pages / max_context"
+            f"pages) {kv_bytes / gib:.1f} GiB{each}, but device {device.id} has "
+            f"{free / gib:.1f} GiB free of {limit / gib:.1f} GiB ({in_use / gib:.1f} GiB in "
+            f"use, the weights among them); lower max_batch, or num_pages / max_context"
         )
 
 
@@ -196,7 +204,7 @@ class Engine(SpeculativeServing):
         _check_device_memory(
             num_slots * slot_bytes,
             num_pages * sum(s.page_bytes(self.policy.page_size) for s in kv_specs),
-            num_slots, num_pages,
+            num_slots, num_pages, self.mesh,
         )  # fmt: skip
         self.slots = SlotAllocator(num_slots, slot_bytes)
         self.pages = PageAllocator(num_pages, self.policy.page_size)
