@@ -46,8 +46,8 @@ class EngineConfig:
     cut into chunks of ``chunk_size`` from its start whatever else is served. It costs the
     bucket ladder: a step of one request runs as a full batch. ``tensor_parallel``: the GPUs
     (JAX devices) each step is spread over (``hybrid_jax.parallel``: heads and widths cut
-    across them, one all-reduce per block); above 1 the program store is off and MTP drafts
-    are not built.
+    across them, one all-reduce per block, the MTP head's included); above 1 the program
+    store is off.
     """
 
     max_batch: int = 8
