@@ -86,12 +86,10 @@ MIN_BATCH_BUCKET = 8
 
 
 def _default_batch_buckets(max_batch: int) -> tuple[int, ...]:
-    # 8, then powers of two and 3 * 2**k (12, 24, 48, ...): padding stays under a third of
-    # the bucket with only two executables per doubling.
-    ladder = {MIN_BATCH_BUCKET}
-    ladder |= {1 << k for k in range(4, max_batch.bit_length())}
-    ladder |= {3 << k for k in range(2, max_batch.bit_length())}
-    return tuple(sorted({b for b in ladder if b < max_batch} | {max_batch}))
+    # Powers of two and 3 * 2**k (8, 12, 16, 24, ...) from MIN_BATCH_BUCKET: padding stays
+    # under a third of the bucket with only two executables per doubling.
+    ladder = {m << k for m in (1, 3) for k in range(max_batch.bit_length())}
+    return tuple(sorted({b for b in ladder if MIN_BATCH_BUCKET <= b < max_batch} | {max_batch}))
 
 
 def _default_token_buckets(max_tokens: int) -> tuple[int, ...]:

@@ -249,8 +249,8 @@ def _decode_kernel(impl: str, q: jax.Array, k_pages: jax.Array, tree: bool = Fal
     if impl == "reference":
         return None
     reason = paged_decode.unsupported_reason(q.astype(k_pages.dtype), k_pages)
-    if reason is None and tree and q.shape[1] > paged_decode.MAX_TREE_NODES:
-        reason = f"a tree of D={q.shape[1]} nodes is over {paged_decode.MAX_TREE_NODES}"
+    if reason is None and tree:
+        reason = paged_decode.tree_unsupported_reason(q.shape[1])
     return _paged_choice(impl, reason)
 
 

@@ -231,9 +231,8 @@ class Engine(SpeculativeServing):
         self.mtp: MTPDrafter | None = None
         if use_mtp:
             self.mtp = MTPDrafter(
-                model if self.mesh is None else step_model, self.policy, num_slots=num_slots,
-                num_pages=num_pages, parents=self.speculative.parents, impl=config.impl,
-                store=store, mesh=self.mesh,
+                step_model, self.policy, num_slots=num_slots, num_pages=num_pages,
+                parents=self.speculative.parents, impl=config.impl, store=store, mesh=self.mesh,
             )  # fmt: skip
         self._steps = StepFunctions(
             LastTokenLogits(step_model, use_mtp), impl=config.impl, store=store, mesh=self.mesh

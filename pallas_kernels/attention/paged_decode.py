@@ -49,6 +49,7 @@ __all__ = [
     "paged_prefix_attention_reference",
     "prefix_tiles",
     "root_paths",
+    "tree_unsupported_reason",
     "tokens_per_tile",
     "unsupported_reason",
 ]
@@ -106,6 +107,13 @@ def unsupported_reason(q: jax.Array, k_pages: jax.Array) -> str | None:
 
 
 MAX_TREE_NODES = 31  # a node's root path is a bitmask of int32
+
+
+def tree_unsupported_reason(num_nodes: int) -> str | None:
+    """Why tree drafts of ``num_nodes`` nodes per row cannot be masked here, or None."""
+    if num_nodes > MAX_TREE_NODES:
+        return f"a tree of D={num_nodes} nodes is over {MAX_TREE_NODES}"
+    return None
 
 
 def root_paths(parents: jax.Array) -> jax.Array:
@@ -400,8 +408,9 @@ def paged_decode_attention(
     _check(_OP, q, k_pages, v_pages, page_table, context_lens, "context_lens")
     tokens = q.shape[1] if q.ndim == 4 else 1
     check_parents(_OP, parents, q.shape[0], tokens)
-    if parents is not None and tokens > MAX_TREE_NODES:
-        raise ValueError(f"{_OP}: a tree of D={tokens} nodes is over {MAX_TREE_NODES}")
+    tree_reason = None if parents is None else tree_unsupported_reason(tokens)
+    if tree_reason is not None:
+        raise ValueError(f"{_OP}: {tree_reason}")
     reason = unsupported_reason(q, k_pages) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference":

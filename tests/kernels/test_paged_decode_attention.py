@@ -336,6 +336,8 @@ def test_unsupported_calls_and_bad_arguments_say_why():
     with pytest.raises(ValueError, match=r"parents.shape=\(2, 3\) must be \[N, D\]=\(2, 4\)"):
         pd.paged_decode_attention(chain4, pages, pages, table, lens, scale=1.0,
                                   parents=jnp.zeros((2, 3), jnp.int32))  # fmt: skip
+    assert pd.tree_unsupported_reason(31) is None
+    assert pd.tree_unsupported_reason(32) == "a tree of D=32 nodes is over 31"
     with pytest.raises(ValueError, match=r"a tree of D=32 nodes is over 31"):
         tree = jnp.zeros((2, 32), jnp.int32)
         pd.paged_decode_attention(jnp.zeros((2, 32, 2, 64), jnp.bfloat16), pages, pages,
