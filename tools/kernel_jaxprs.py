@@ -88,8 +88,12 @@ def _mamba2_cases():
         return (_spec(x_shape, bf16), _spec(dt_shape, bf16), a, _spec(bc_shape, bf16),
                 _spec(bc_shape, bf16), d, dt_bias, pool, *rest)  # fmt: skip
 
-    varlen = args((t, h, p), (t, g, dn), (t, h),
-                  (_spec((n + 1,), i32), _spec((n,), i32), _spec((n,), jnp.bool_)))
+    varlen = args(
+        (t, h, p),
+        (t, g, dn),
+        (t, h),
+        (_spec((n + 1,), i32), _spec((n,), i32), _spec((n,), jnp.bool_)),
+    )
     decode = args((n, 1, h, p), (n, 1, g, dn), (n, 1, h), (_spec((n,), i32),))
     verify = args((n, 4, h, p), (n, 4, g, dn), (n, 4, h), (_spec((n,), i32),))
     commit = (pool, _spec((n, 4, h, p, dn)), _spec((n,), i32), _spec((n,), i32))
