@@ -10,11 +10,14 @@ Shapes: 16 query heads on 2 KV heads of 256 (``--heads``, ``--kv-heads``, ``--he
 bf16 queries and cache, pages of ``--page-size`` tokens scattered over the cache, every entry
 outside the rows poisoned with NaN. Rows per (batch, context):
 
-* ``kernel``: the Mosaic GPU kernel (``impl="pallas"``, splits from ``pick_num_splits``);
+* ``kernel``: the Mosaic GPU kernel (``impl="pallas"``, splits from ``pick_num_splits``, its
+  ring of ``STAGES`` buffers); ``kernel, N stages``: the same with ``--stages`` rings;
 * ``jnp``: ``backend.attention.paged_attention`` in DECODE with ``impl="reference"`` (the
   engine's path off the GPU and where the kernel cannot take a step: key chunks up to each
   row's length, online softmax);
-* ``reference``: the op's jnp reference (every page of the table gathered).
+* ``reference``: the op's jnp reference (every page of the table gathered);
+* ``--tree D``: verify rows, the kernel over a chain of D draft tokens and over a random tree
+  of D nodes per row (D x query heads per KV head <= 64).
 
 Device time from a profiler trace (``device_time.py``); the limit is the KV bytes the rows
 hold (keys and values of ``context`` positions per row and KV head) at ``--bandwidth``;
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib
 import platform
 import sys
@@ -71,8 +75,11 @@ def _rows(batch, context, args):
         pd.paged_decode_attention(q, k, v, table_j, lens_j, scale=scale, impl="reference"),
         np.float32,
     )
-    kernel = jax.jit(lambda q, k, v: pd.paged_decode_attention(
-        q, k, v, table_j, lens_j, scale=scale, impl="pallas"))  # fmt: skip
+
+    def kernel_with(stages):
+        return jax.jit(lambda q, k, v: pd.paged_decode_attention(
+            q, k, v, table_j, lens_j, scale=scale, stages=stages, impl="pallas"))  # fmt: skip
+
     reference = jax.jit(lambda q, k, v: pd.paged_decode_attention(
         q, k, v, table_j, lens_j, scale=scale, impl="reference"))  # fmt: skip
     policy = BucketPolicy(batch_buckets=(batch,), token_buckets=(batch,), page_size=args.page_size,
@@ -86,19 +93,43 @@ def _rows(batch, context, args):
     engine_jnp = jax.jit(lambda q, k, v: attention_backend.paged_attention(
         q, k_new, v_new, k, v, meta, scale=scale, impl="reference")[0])  # fmt: skip
     limit_s = 2 * batch * context * args.kv_heads * args.head_dim * 2 / args.bandwidth
-    for name, fn in (("kernel", kernel), ("jnp", engine_jnp), ("reference", reference)):
-        try:
-            out = np.asarray(fn(q, k, v), np.float32)
-            timing = device_time(lambda fn=fn: fn(q, k, v), calls=10)
-            err = float(np.nanmax(np.abs(out - want))) if np.isfinite(out).all() else float("nan")
-            us = timing.us
-            print(
-                f"| B={batch} ctx={context} | {name} | {us:.1f} us | {limit_s * 1e6:.1f} us | "
-                f"{limit_s * 1e6 / us:.0%} | {err:.1e} |",
-                flush=True,
-            )
-        except Exception as err:  # a failed row is reported, the rest still runs
-            print(f"| B={batch} ctx={context} | {name} | failed: {str(err)[:200]} | | | |")
+    rows = [("kernel", kernel_with(pd.STAGES))]
+    rows += [(f"kernel, {n} stages", kernel_with(n)) for n in args.stages]
+    rows += [("jnp", engine_jnp), ("reference", reference)][: 2 if args.peers else 0]
+    for name, fn in rows:
+        _time_row(batch, context, name, fn, (q, k, v), want, limit_s)
+    if args.tree:  # verify steps: a chain of D drafts, and a random tree of D nodes
+        nodes = args.tree
+        rng = np.random.default_rng(1)
+        parents = np.full((batch, nodes), -1, np.int32)
+        for t in range(1, nodes):
+            parents[:, t] = rng.integers(0, t, batch)
+        q_d = jax.random.normal(jax.random.key(5), (batch, nodes, args.heads, args.head_dim))
+        q_d = q_d.astype(jnp.bfloat16)
+        for name, tree in ((f"chain of {nodes}", None), (f"tree of {nodes}", jnp.asarray(parents))):
+            call = functools.partial(
+                pd.paged_decode_attention, page_table=table_j, context_lens=lens_j, scale=scale,
+                parents=tree,
+            )  # fmt: skip
+            want = np.asarray(call(q_d, k, v, impl="reference"), np.float32)
+            fn = jax.jit(functools.partial(call, impl="pallas"))
+            _time_row(batch, context, f"kernel, {name}", fn, (q_d, k, v), want, limit_s)
+
+
+def _time_row(batch, context, name, fn, inputs, want, limit_s) -> None:
+    """Prints a row: device time, the KV-byte limit and fraction, max abs error."""
+    try:
+        out = np.asarray(fn(*inputs), np.float32)
+        timing = device_time(lambda: fn(*inputs), calls=10)
+        err = float(np.nanmax(np.abs(out - want))) if np.isfinite(out).all() else float("nan")
+        us = timing.us
+        print(
+            f"| B={batch} ctx={context} | {name} | {us:.1f} us | {limit_s * 1e6:.1f} us | "
+            f"{limit_s * 1e6 / us:.0%} | {err:.1e} |",
+            flush=True,
+        )
+    except Exception as err:  # a failed row is reported, the rest still runs
+        print(f"| B={batch} ctx={context} | {name} | failed: {str(err)[:200]} | | | |")
 
 
 def main() -> None:
@@ -110,7 +141,12 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=256)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
+    parser.add_argument("--stages", default="", help="more kernel rows: rings of N buffers")
+    parser.add_argument("--tree", type=int, default=0, help="verify rows of D drafts (0: none)")
+    parser.add_argument("--no-peers", dest="peers", action="store_false",
+                        help="kernel rows only (no jnp and reference rows)")  # fmt: skip
     args = parser.parse_args()
+    args.stages = [int(n) for n in args.stages.split(",") if n]
     versions = ", ".join(
         f"{m} {importlib.import_module(m).__version__}" for m in ("jax", "jaxlib", "flax")
     )

@@ -14,7 +14,8 @@ row's shapes so that start-up compiles only what the row runs) and serves reques
   ``--decode-long B@L`` adds rows whose prompts are L tokens long (prefilled in chunks of
   8192), so the attention layers read an L-token context every step.
 * ``prefill N x L``: N prompts of L tokens, one output token each; tokens/s over the wall time
-  of ``generate`` (prefill chunks of L tokens, one prompt per step).
+  of ``generate`` (prefill chunks of L tokens; ``--prefill-rows R`` prompts per step, one by
+  default).
 
 Each row prints its limit and the fraction reached. Decode: the bytes a step must move (every
 weight it touches once: attention, GDN and dense projections, the router and shared expert,
@@ -463,19 +464,21 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
 
 
 def prefill_row(model, c, prompts, length, args, rng, label) -> Row:
-    engine = _engine(model, args, batch=1, tokens=length, context=length + 16)
+    rows = args.prefill_rows
+    engine = _engine(model, args, batch=rows, tokens=rows * length, context=length + 16)
     engine.generate(_prompts(rng, 1, length), SamplingParams(max_new_tokens=1))  # warm
     start = time.perf_counter()
     engine.generate(_prompts(rng, prompts, length), SamplingParams(max_new_tokens=1))
     wall = time.perf_counter() - start
     rate = prompts * length / wall
     limit = prompts * length / (limit_flops(model, c, prompts, length) / args.flops)
-    # Two more prompts, profiled: each step is one prompt's prefill.
-    for prompt in _prompts(rng, 2, length):
+    # Two more steps' prompts, profiled.
+    for prompt in _prompts(rng, 2 * rows, length):
         engine.add_request(prompt, SamplingParams(max_new_tokens=1))
     note = f"{_breakdown(engine, 2, _kernel_table(args, f'prefill_{length}'))}; {_memory(engine)}"
+    per_step = f", {rows} prompts a step" if rows > 1 else ""
     return Row(
-        f"prefill {prompts}x{length} ({label})", f"{rate / 1e3:.1f}k tok/s",
+        f"prefill {prompts}x{length}{per_step} ({label})", f"{rate / 1e3:.1f}k tok/s",
         f"{limit / 1e3:.0f}k tok/s", rate / limit, engine.compile_s, _slowest(engine), note,
     )  # fmt: skip
 
@@ -584,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-batch", type=int, default=16, help="rows of the stream engine")
     parser.add_argument("--output-len", type=int, default=64, help="tokens per stream request")
     parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument(
+        "--prefill-rows", type=int, default=1, help="prompts per prefill step (rows x L tokens)"
+    )
     parser.add_argument(
         "--decode-long", default="", help="decode rows at long contexts, BATCH@PROMPT_LEN, "
         "comma-separated (e.g. 1@8192,64@8192)",

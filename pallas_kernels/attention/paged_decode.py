@@ -15,14 +15,15 @@ there (stale or NaN entries included).
 The Mosaic GPU kernel (sm_90): one program per (split, KV head, row). The (token, query
 head) pairs of one KV head are the rows of a 64-row wgmma tile (padded with zeros), so one
 program reads each of its row's keys and values once for all of them. A program walks
-64-position blocks (64 / page_size pages, one TMA each) through two SMEM stages: the next
-block's loads are in flight while this block's scores, online softmax and ``p @ v`` run on
-the tensor cores. The last block's values past the row's length are zeroed in SMEM before
-``p @ v`` (a zero weight times a NaN would be NaN). Long rows split their blocks over
-``num_splits`` programs; the splits' outputs merge by their log-sum-exps in XLA. The prefix
-op runs the same kernel without the causal tail over "tile rows" of up to ``64 // (H // KVH)``
-consecutive tokens of one row each (``prefix_tiles``), so a prompt chunk of thousands of
-tokens is many programs, each reading its row's prefix once for its tokens.
+64-position blocks (64 / page_size pages, one TMA each) through a ring of ``stages`` SMEM
+buffers: the next ``stages - 1`` blocks' loads are in flight while this block's scores,
+online softmax and ``p @ v`` run on the tensor cores (``p`` straight from registers). The
+last block's values past the row's length are zeroed in SMEM before ``p @ v`` (a zero weight
+times a NaN would be NaN). Long rows split their blocks over ``num_splits`` programs; the
+splits' outputs merge by their log-sum-exps in XLA.
+The prefix op runs the same kernel without the causal tail over "tile rows" of up to
+``64 // (H // KVH)`` consecutive tokens of one row each (``prefix_tiles``), so a prompt chunk
+of thousands of tokens is many programs, each reading its row's prefix once for its tokens.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ from pallas_kernels._tree import check_parents
 __all__ = [
     "MAX_TREE_NODES",
     "PrefixTiles",
+    "STAGES",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "paged_prefix_attention",
     "paged_prefix_attention_reference",
+    "stages_unsupported_reason",
     "prefix_tiles",
     "root_paths",
     "tree_unsupported_reason",
@@ -58,8 +61,33 @@ _OP = "paged_decode_attention"
 _PREFIX_OP = "paged_prefix_attention"
 BLOCK = 64  # positions per block: the wgmma N of the scores, the K of p @ v
 ROWS_PER_TILE = 64  # query rows of a program (its KV head's query heads, zero-padded)
+_SMEM_BYTES = 227 * 1024  # shared memory one sm_90 program may take
+# Two buffers: the next block loads while this one is computed; three (they fit at head_dim
+# 256, p being in registers) run slower on the H200 (benchmarks/RESULTS_attention.md).
+STAGES = 2
 _PAGE_SIZES = (16, 32, 64)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _smem_bytes(stages: int, head_dim: int, itemsize: int) -> int:
+    """Shared memory of one program: the query tile (reused for the output), the ring of
+    keys and values, the log-sum-exps and tree paths, the barriers."""
+    tile = ROWS_PER_TILE * head_dim * itemsize
+    ring = 2 * stages * BLOCK * head_dim * itemsize
+    return tile + ring + 2 * ROWS_PER_TILE * 4 + 8 * (stages + 1)
+
+
+def stages_unsupported_reason(stages: int, head_dim: int, itemsize: int) -> str | None:
+    """Why the kernel cannot run a ring of ``stages`` buffers, or None when it can."""
+    if stages < 2:
+        return f"stages={stages} must be at least 2"
+    need = _smem_bytes(stages, head_dim, itemsize)
+    if need > _SMEM_BYTES:
+        return (
+            f"stages={stages} at head_dim={head_dim} needs {need} bytes of shared memory "
+            f"(at most {_SMEM_BYTES})"
+        )
+    return None
 
 
 def _check(op: str, q, k_pages, v_pages, page_table, lengths, lengths_name: str) -> None:
@@ -189,7 +217,7 @@ def pick_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
 
 
 def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, scale,
-                 num_splits, tokens, groups, causal, interpret):  # fmt: skip
+                 num_splits, tokens, groups, causal, stages, interpret):  # fmt: skip
     """The kernel over zero-padded query tiles ``[B, KVH, 64, hd]`` (tile row ``r``: token
     ``r // groups``, query head ``r % groups`` of the KV head): per split, its output tiles
     (q's dtype) and float32 log-sum-exps ``[S, B, KVH, 64]`` (``-inf``: saw nothing).
@@ -209,9 +237,9 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
 
     def body(table_ref, lens_ref, q_ref, k_ref, v_ref, *refs):
         if tree:
-            paths_ref, o_ref, lse_ref, q_s, k_s, v_s, p_s, o_s, lse_s, paths_s, q_bar, bar = refs
+            paths_ref, o_ref, lse_ref, q_s, k_s, v_s, lse_s, paths_s, q_bar, bar, *p_s = refs
         else:
-            o_ref, lse_ref, q_s, k_s, v_s, p_s, o_s, lse_s, q_bar, bar = refs
+            o_ref, lse_ref, q_s, k_s, v_s, lse_s, q_bar, bar, *p_s = refs
         split, head, row = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("b")
         length = lens_ref[row]
         num_blocks = (length + BLOCK - 1) // BLOCK
@@ -231,22 +259,23 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
                 entry = jnp.minimum((first + j) * pages_per_block + i, max_pages - 1)
                 page = table_ref[row, entry]
                 rows = pl.ds(i * page_size, page_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[page, :, head], k_s.at[stage, rows], bar.at[stage])
-                plgpu.copy_gmem_to_smem(v_ref.at[page, :, head], v_s.at[stage, rows], bar.at[stage])
+                for ref, ring in ((k_ref, k_s), (v_ref, v_s)):
+                    plgpu.copy_gmem_to_smem(
+                        ref.at[page, :, head], ring.at[stage, rows], bar.at[stage]
+                    )
 
-        @pl.when(num > 0)
-        def _():
-            issue(0, 0)
+        for j in range(stages - 1):  # the ring's first blocks
+            pl.when(j < num)(functools.partial(issue, j, j))
 
         def step(j, carry):
             peak, total, acc = carry
-            stage = lax.rem(j, 2)
+            stage = lax.rem(j, stages)
             plgpu.barrier_wait(bar.at[stage])
 
-            # The other stage was last read by block j - 1, which has finished.
-            @pl.when(j + 1 < num)
+            # Block j + stages - 1 takes the stage block j - 1 read, which has finished.
+            @pl.when(j + stages - 1 < num)
             def _():
-                issue(j + 1, 1 - stage)
+                issue(j + stages - 1, lax.rem(j + stages - 1, stages))
 
             start = (first + j) * BLOCK
             col = plgpu.broadcasted_iota(jnp.int32, scores, 1, layout=WG)
@@ -270,6 +299,7 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
                 rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK, head_dim), 0, layout=WG)
                 values = plgpu.load(v_s.at[stage], layout=WG)
                 v_s[stage] = jnp.where(start + rows < length, values, jnp.zeros_like(values))
+                plgpu.commit_smem()
 
             # A tile row that has seen nothing yet keeps peak -inf; 0 stands in for it, so
             # that exp gives 0 rather than exp(-inf + inf) = NaN.
@@ -278,9 +308,11 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
             decay = jnp.exp(peak - shift)
             weights = jnp.exp(qk - along_rows(shift, scores))
             total = total * decay + weights.sum(axis=1)
-            p_s[...] = weights.astype(dtype)
-            plgpu.commit_smem()
-            pv = matmul(p_s, v_s.at[stage], tile)
+            p = weights.astype(dtype)
+            if interpret:  # the interpreter's wgmma reads its operands from SMEM only
+                p_s[0][...] = p
+                p = p_s[0]
+            pv = matmul(p, v_s.at[stage], tile)
             return new_peak, total, acc * along_rows(decay, tile) + pv
 
         init = (
@@ -291,10 +323,11 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         peak, total, acc = lax.fori_loop(0, num, step, init)
         seen = total > 0
         safe = jnp.where(seen, total, 1.0)
-        o_s[...] = (acc / along_rows(safe, tile)).astype(dtype)
+        # The query tile is read by no later product: it takes the output.
+        q_s[...] = (acc / along_rows(safe, tile)).astype(dtype)
         lse_s[...] = jnp.where(seen, peak + jnp.log(safe), -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_s, o_ref.at[split, row, head])
+        plgpu.copy_smem_to_gmem(q_s, o_ref.at[split, row, head])
         plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[split, row, head])
         plgpu.wait_smem_to_gmem(0)
 
@@ -304,10 +337,8 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
     )
     scratch = [
         smem(tile, dtype),
-        smem((2, BLOCK, head_dim), dtype),
-        smem((2, BLOCK, head_dim), dtype),
-        smem(scores, dtype),
-        smem(tile, dtype),
+        smem((stages, BLOCK, head_dim), dtype),
+        smem((stages, BLOCK, head_dim), dtype),
         plgpu.SMEM((ROWS_PER_TILE,), F32),
     ]
     trees = (paths,) if tree else ()
@@ -315,14 +346,19 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         scratch.append(plgpu.SMEM((ROWS_PER_TILE,), jnp.int32))
     scratch += [
         plgpu.Barrier(num_arrivals=1 + tree),
-        plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=2),
+        plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=stages),
     ]
+    if interpret:
+        scratch.append(smem(scores, dtype))
     return plgpu.kernel(
         body,
         out_type=out_type,
         scratch_types=scratch,
         grid=(num_splits, kv_heads, batch),
         grid_names=("s", "h", "b"),
+        # The row reductions of a WGMMA tile stay within warps: no cross-warp scratch, so
+        # the ring may take all of shared memory.
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
         kernel_name="paged_decode_attention",
     )(page_table, context_lens, q_tiles, k_pages, v_pages, *trees)
@@ -341,9 +377,11 @@ def _merge(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
     return merged / safe[..., None], jnp.where(seen, peak + jnp.log(safe), -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "causal", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "num_splits", "causal", "stages", "interpret")
+)
 def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, *, scale, num_splits,
-            causal, interpret):  # fmt: skip
+            causal, interpret, stages=STAGES):  # fmt: skip
     """float32 ``(out, lse)``: out ``[B, D, H, hd]``, lse ``[B, D, H]``; ``parents``: tree
     drafts (with ``causal``)."""
     batch, tokens, heads, head_dim = q.shape
@@ -359,13 +397,22 @@ def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, *, scal
         paths = jnp.pad(paths, ((0, 0), (0, ROWS_PER_TILE - rows)))
     out, lse = _kernel_call(
         tiles, k_pages, v_pages, page_table, context_lens, paths, scale=scale,
-        num_splits=num_splits, tokens=tokens, groups=groups, causal=causal, interpret=interpret,
+        num_splits=num_splits, tokens=tokens, groups=groups, causal=causal, stages=stages,
+        interpret=interpret,
     )  # fmt: skip
     out, lse = out[:, :, :, :rows], lse[:, :, :, :rows]
     out, lse = (out[0].astype(F32), lse[0]) if num_splits == 1 else _merge(out, lse)
     out = out.reshape(batch, kv_heads, tokens, groups, head_dim).transpose(0, 2, 1, 3, 4)
     lse = lse.reshape(batch, kv_heads, tokens, groups).transpose(0, 2, 1, 3)
     return out.reshape(q.shape), lse.reshape(batch, tokens, heads)
+
+
+def _stages(op: str, q: jax.Array, stages: int) -> int:
+    """``stages``, checked for q's head_dim and dtype."""
+    reason = stages_unsupported_reason(int(stages), q.shape[-1], q.dtype.itemsize)
+    if reason is not None:
+        raise ValueError(f"{op}: {reason}")
+    return int(stages)
 
 
 def _splits(q, k_pages, page_table, num_splits) -> int:
@@ -385,6 +432,7 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     parents: jax.Array | None = None,
+    stages: int = STAGES,
     impl: str = "auto",
 ) -> jax.Array:
     """Attention of each row's last query tokens over its first ``context_lens[b]`` cached
@@ -400,6 +448,7 @@ def paged_decode_attention(
       parents: None (a chain) or int32 ``[B, D]`` tree drafts (D <= 31): token t's parent
         among the D, ``-1`` at the root, topological; token t sees the positions before the
         D and those of its root path.
+      stages: the kernel's ring of key and value buffers.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
@@ -418,10 +467,11 @@ def paged_decode_attention(
             q, k_pages, v_pages, page_table, context_lens, scale=scale, parents=parents
         )
     q4 = q if q.ndim == 4 else q[:, None]
+    stages = _stages(_OP, q, stages)
     out, _ = _kernel(
         q4, k_pages, v_pages, page_table, context_lens, parents, scale=float(scale),
         num_splits=_splits(q, k_pages, page_table, num_splits), causal=True,
-        interpret=choice == "interpret",
+        stages=stages, interpret=choice == "interpret",
     )  # fmt: skip
     return out.reshape(q.shape).astype(q.dtype)
 
@@ -483,6 +533,7 @@ def paged_prefix_attention(
     *,
     scale: float,
     num_splits: int | None = None,
+    stages: int = STAGES,
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of each tile row's query tokens over the first ``prefix_lens[b]`` positions
@@ -496,6 +547,7 @@ def paged_prefix_attention(
         reads nothing: out 0, lse ``-inf``).
       scale: the scores' scale.
       num_splits: programs per (tile row, KV head) (None: ``pick_num_splits``).
+      stages: the kernel's ring of key and value buffers.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
@@ -511,8 +563,9 @@ def paged_prefix_attention(
         return paged_prefix_attention_reference(
             q, k_pages, v_pages, page_table, prefix_lens, scale=scale
         )
+    stages = _stages(_PREFIX_OP, q, stages)
     return _kernel(
         q, k_pages, v_pages, page_table, prefix_lens, scale=float(scale),
         num_splits=_splits(q, k_pages, page_table, num_splits), causal=False,
-        interpret=choice == "interpret",
+        stages=stages, interpret=choice == "interpret",
     )  # fmt: skip

@@ -164,6 +164,7 @@ def _outputs(x, weight, bias, pool_ref, qsl, idx, init, token_seq, activation, i
         grid=(pl.cdiv(t_total, BLOCK_T), channels // BLOCK_C),
         grid_names=("t", "c"),
         interpret=interpret_params(interpret),
+        kernel_name="conv1d_prefill",
     )
     operands = (x, weight) + ((bias,) if has_bias else ()) + (qsl, idx, init, token_seq, pool_ref)
     return kernel(*operands)
@@ -201,6 +202,7 @@ def _windows(x, pool_ref, qsl, idx, init, width, interpret) -> None:
         grid=(n_seq, channels // BLOCK_C),
         grid_names=("n", "c"),
         interpret=interpret_params(interpret),
+        kernel_name="conv1d_prefill_state",
     )
     kernel(x, qsl, idx, init, pool_ref)
 

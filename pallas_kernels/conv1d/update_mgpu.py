@@ -203,6 +203,7 @@ def _rows(
         grid=(n_rows, channels // BLOCK_C),
         grid_names=("n", "c"),
         interpret=interpret_params(interpret),
+        kernel_name="conv1d_update",
     )
     # parents flat [N*D]: a scalar load from a 1-D GMEM ref, as for state_indices.
     tree_args = (parents.reshape(-1),) if tree else ()

@@ -269,6 +269,7 @@ def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scal
             plgpu.Barrier(num_arrivals=1),
         ],
         interpret=interpret_params(interpret),
+        kernel_name="gdn_decode",
     )
     return kernel(idx, q, k, v, *gates_in, pool_ref)
 
@@ -389,6 +390,7 @@ def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, inte
             plgpu.Barrier(num_arrivals=4, num_barriers=stages),
         ],
         interpret=interpret_params(interpret),
+        kernel_name="gdn_decode_ring",
     )
     return kernel(idx, q, k, v, *gates_in, pool_ref)
 

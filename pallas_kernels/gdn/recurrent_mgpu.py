@@ -212,6 +212,7 @@ def _verify(
             plgpu.Barrier(num_arrivals=4),
         ],
         interpret=interpret_params(interpret),
+        kernel_name="gdn_recurrent",
     )
     # parents flat [N*D]: a scalar load from a 1-D GMEM ref, as for state_indices.
     tree_args = (parents.reshape(-1),) if tree else ()

@@ -239,6 +239,7 @@ def _state_update(
         grid_names=("n", "h", "j"),
         scratch_types=scratch_types,
         interpret=interpret_params(interpret),
+        kernel_name="mamba2_state_update",
     )
     operands = (x, dt, A, B, C, D, dt_bias, *((z,) if has_z else ()), ssm_pool)
     # parents flat [N*Dt]: a scalar load from a 1-D GMEM ref, as for state_indices.

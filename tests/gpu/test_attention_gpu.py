@@ -122,8 +122,9 @@ SHAPES = pytest.mark.parametrize(
 
 
 @SHAPES
+@pytest.mark.parametrize("stages", [2, 3], ids=["two-stages", "three-stages"])
 def test_paged_decode_kernel_matches_its_reference_with_poisoned_pages(
-    batch, heads, kv_heads, dim, page_size
+    batch, heads, kv_heads, dim, page_size, stages
 ):
     from pallas_kernels.attention import paged_decode as pd
 
@@ -131,7 +132,7 @@ def test_paged_decode_kernel_matches_its_reference_with_poisoned_pages(
     q = jax.random.normal(jax.random.key(1), (batch, heads, dim), jnp.bfloat16)
     assert pd.unsupported_reason(q, k) is None
     args = (q, k, v, table, jnp.asarray(lens))
-    got = pd.paged_decode_attention(*args, scale=dim**-0.5, impl="pallas")
+    got = pd.paged_decode_attention(*args, scale=dim**-0.5, stages=stages, impl="pallas")
     want = pd.paged_decode_attention(*args, scale=dim**-0.5, impl="reference")
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(got).all(), "an entry no row holds reached the output"

@@ -93,11 +93,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_kernel_in_the_interpreter_matches_the_oracle(name, num_splits):
+@pytest.mark.parametrize(("num_splits", "stages"), [(1, 2), (3, 2), (1, 3), (3, 4)])
+def test_kernel_in_the_interpreter_matches_the_oracle(name, num_splits, stages):
     args = _case(1, **CASES[name])
     want = _oracle(**args)
-    got = pd.paged_decode_attention(**args, scale=SCALE, num_splits=num_splits, impl="interpret")
+    got = pd.paged_decode_attention(
+        **args, scale=SCALE, num_splits=num_splits, stages=stages, impl="interpret"
+    )
     got = np.asarray(got, np.float64)
     assert got.shape == args["q"].shape
     assert np.isfinite(got).all(), "a NaN past some row's length reached the output"
@@ -139,11 +141,26 @@ def test_kernel_lowers_for_the_gpu_at_production_shapes(
     assert pd.unsupported_reason(args[0], args[1]) is None
     if not tokens:
         args = (spec((batch, 1, heads, head_dim), jnp.bfloat16), *args[1:])
-    call = functools.partial(
-        pd._kernel, scale=0.0625, num_splits=splits, causal=True, interpret=False
-    )
-    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    for stages in (2, 3):  # the default ring and a longer one
+        call = functools.partial(
+            pd._kernel, scale=0.0625, num_splits=splits, causal=True, interpret=False,
+            stages=stages,
+        )  # fmt: skip
+        text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+def test_the_ring_fits_shared_memory_and_a_bad_one_says_why():
+    for head_dim in (64, 128, 256):  # a buffer of 64 positions at 256 is 64 KiB
+        assert pd.stages_unsupported_reason(pd.STAGES, head_dim, 2) is None
+        assert pd.stages_unsupported_reason(3, head_dim, 2) is None
+    assert pd.stages_unsupported_reason(1, 128, 2) == "stages=1 must be at least 2"
+    assert "stages=4 at head_dim=256 needs" in pd.stages_unsupported_reason(4, 256, 2)
+    q, pages = jnp.zeros((2, 8, 256), jnp.bfloat16), jnp.zeros((4, 16, 2, 256), jnp.bfloat16)
+    table, lens = jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match=r"paged_decode_attention: stages=4 at head_dim=256"):
+        pd.paged_decode_attention(q, pages, pages, table, lens, scale=1.0, stages=4,
+                                  impl="interpret")  # fmt: skip
 
 
 def test_prefix_kernel_lowers_for_the_gpu_at_a_prompt_chunks_shape():
