@@ -24,13 +24,24 @@ from typing import Literal
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-__all__ = ["IMPLS", "NUM_SMS", "Impl", "interpret_params", "on_hopper_gpu", "resolve_impl"]
+__all__ = [
+    "IMPLS",
+    "NUM_SMS",
+    "SMEM_BYTES",
+    "Impl",
+    "interpret_params",
+    "on_hopper_gpu",
+    "resolve_impl",
+]
 
 Impl = Literal["auto", "pallas", "interpret", "reference"]
 IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "reference")
 
 NUM_SMS = 132
 """Multiprocessors of an H100/H200 SXM: the kernels' grid heuristics size their launches by it."""
+
+SMEM_BYTES = 227 * 1024
+"""Shared memory one sm_90 program may take (the opt-in maximum per thread block)."""
 
 
 def interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:

@@ -37,7 +37,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl
+from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params, resolve_impl
 from pallas_kernels._mgpu_chunks import F32, ROWS, WG, along_rows, matmul, smem
 from pallas_kernels._tree import check_parents
 
@@ -49,9 +49,9 @@ __all__ = [
     "paged_decode_attention_reference",
     "paged_prefix_attention",
     "paged_prefix_attention_reference",
-    "stages_unsupported_reason",
     "prefix_tiles",
     "root_paths",
+    "stages_unsupported_reason",
     "tree_unsupported_reason",
     "tokens_per_tile",
     "unsupported_reason",
@@ -61,7 +61,6 @@ _OP = "paged_decode_attention"
 _PREFIX_OP = "paged_prefix_attention"
 BLOCK = 64  # positions per block: the wgmma N of the scores, the K of p @ v
 ROWS_PER_TILE = 64  # query rows of a program (its KV head's query heads, zero-padded)
-_SMEM_BYTES = 227 * 1024  # shared memory one sm_90 program may take
 # Two buffers: the next block loads while this one is computed; three (they fit at head_dim
 # 256, p being in registers) run slower on the H200 (benchmarks/RESULTS_attention.md).
 STAGES = 2
@@ -82,10 +81,10 @@ def stages_unsupported_reason(stages: int, head_dim: int, itemsize: int) -> str 
     if stages < 2:
         return f"stages={stages} must be at least 2"
     need = _smem_bytes(stages, head_dim, itemsize)
-    if need > _SMEM_BYTES:
+    if need > SMEM_BYTES:
         return (
             f"stages={stages} at head_dim={head_dim} needs {need} bytes of shared memory "
-            f"(at most {_SMEM_BYTES})"
+            f"(at most {SMEM_BYTES})"
         )
     return None
 

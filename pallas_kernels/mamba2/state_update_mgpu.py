@@ -64,8 +64,8 @@ _ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # Dt tokens of x/B/C/z/y live in SMEM next to the state tiles; 16 covers every speculative
 # depth in use and keeps the program far under the SMEM limit.
 MAX_TOKENS = 16
-# SMEM for the Dt+1 state tiles of a tree verify; the rest of the 227 KiB an sm_90 block may
-# use holds the x/B/C/z/y tiles.
+# SMEM for the Dt+1 state tiles of a tree verify; the rest of an sm_90 block's SMEM_BYTES
+# (pallas_kernels._common) holds the x/B/C/z/y tiles.
 TREE_SMEM_BYTES = 160 * 1024
 
 
