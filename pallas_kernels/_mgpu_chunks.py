@@ -32,6 +32,7 @@ __all__ = [
     "TokenAxis",
     "chunk_table",
     "matmul",
+    "matmul_into",
     "sequence_layout",
     "smem",
     "token_axis",
@@ -82,6 +83,22 @@ def matmul(a, b, shape: tuple[int, int]) -> jax.Array:
         return acc[...]
 
     return lax.optimization_barrier(pl.run_scoped(body, plgpu.ACC(shape, F32)))
+
+
+def matmul_into(acc: jax.Array, a, b, *, interpret: bool) -> jax.Array:
+    """``acc + a @ b`` on the tensor cores (``acc`` float32 in the WGMMA layout).
+
+    On the GPU the product accumulates onto ``acc`` in place (``run_state``), so the
+    accumulator and a second product of its size are never live in registers together;
+    the interpreter, which does not run ``run_state``, adds a scoped product (``matmul``).
+    """
+    if interpret:
+        return acc + matmul(a, b, acc.shape)
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+
+    return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
 def chunk_table(

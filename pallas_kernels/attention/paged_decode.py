@@ -15,9 +15,13 @@ there (stale or NaN entries included).
 The Mosaic GPU kernel (sm_90): one program per (split, KV head, row). The (token, query
 head) pairs of one KV head are the rows of a 64-row wgmma tile (padded with zeros), so one
 program reads each of its row's keys and values once for all of them. A program walks
-64-position blocks (64 / page_size pages, one TMA each) through a ring of ``stages`` SMEM
-buffers: the next ``stages - 1`` blocks' loads are in flight while this block's scores,
-online softmax and ``p @ v`` run on the tensor cores (``p`` straight from registers). The
+64-position blocks (64 / page_size pages, one TMA each) through rings of ``stages`` key and
+``stages`` value buffers with a barrier each: a block's scores start once its keys have
+landed and its values may still be in flight, and a stage refills with block ``j + stages``
+as soon as block ``j``'s keys (then values) are read, so ``stages`` blocks stay in flight
+while this one's scores, online softmax and ``p @ v`` run on the tensor cores (``p`` straight
+from registers). The page ids of the block a stage takes next load from the table one step
+early, under the wait. The
 last block's values past the row's length are zeroed in SMEM before ``p @ v`` (a zero weight
 times a NaN would be NaN). Long rows split their blocks over ``num_splits`` programs; the
 splits' outputs merge by their log-sum-exps in XLA.
@@ -38,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params, resolve_impl
-from pallas_kernels._mgpu_chunks import F32, ROWS, WG, along_rows, matmul, smem
+from pallas_kernels._mgpu_chunks import F32, ROWS, WG, along_rows, matmul, matmul_into, smem
 from pallas_kernels._tree import check_parents
 
 __all__ = [
@@ -61,8 +65,8 @@ _OP = "paged_decode_attention"
 _PREFIX_OP = "paged_prefix_attention"
 BLOCK = 64  # positions per block: the wgmma N of the scores, the K of p @ v
 ROWS_PER_TILE = 64  # query rows of a program (its KV head's query heads, zero-padded)
-# Two buffers: the next block loads while this one is computed; three (they fit at head_dim
-# 256, p being in registers) run slower on the H200 (benchmarks/RESULTS_attention.md).
+# Two blocks in flight while one is computed; a third ring buffer (it fits at head_dim 256,
+# p being in registers) runs slower on the H200 (benchmarks/RESULTS_attention.md).
 STAGES = 2
 _PAGE_SIZES = (16, 32, 64)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -73,13 +77,13 @@ def _smem_bytes(stages: int, head_dim: int, itemsize: int) -> int:
     keys and values, the log-sum-exps and tree paths, the barriers."""
     tile = ROWS_PER_TILE * head_dim * itemsize
     ring = 2 * stages * BLOCK * head_dim * itemsize
-    return tile + ring + 2 * ROWS_PER_TILE * 4 + 8 * (stages + 1)
+    return tile + ring + 2 * ROWS_PER_TILE * 4 + 8 * (2 * stages + 1)
 
 
 def stages_unsupported_reason(stages: int, head_dim: int, itemsize: int) -> str | None:
     """Why the kernel cannot run a ring of ``stages`` buffers, or None when it can."""
-    if stages < 2:
-        return f"stages={stages} must be at least 2"
+    if stages < 1:
+        return f"stages={stages} must be at least 1"
     need = _smem_bytes(stages, head_dim, itemsize)
     if need > SMEM_BYTES:
         return (
@@ -236,9 +240,11 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
 
     def body(table_ref, lens_ref, q_ref, k_ref, v_ref, *refs):
         if tree:
-            paths_ref, o_ref, lse_ref, q_s, k_s, v_s, lse_s, paths_s, q_bar, bar, *p_s = refs
+            paths_ref, o_ref, lse_ref, q_s, k_s, v_s, lse_s, paths_s, q_bar, k_bar, v_bar, *p_s = (
+                refs
+            )
         else:
-            o_ref, lse_ref, q_s, k_s, v_s, lse_s, q_bar, bar, *p_s = refs
+            o_ref, lse_ref, q_s, k_s, v_s, lse_s, q_bar, k_bar, v_bar, *p_s = refs
         split, head, row = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("b")
         length = lens_ref[row]
         num_blocks = (length + BLOCK - 1) // BLOCK
@@ -249,32 +255,40 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         plgpu.copy_gmem_to_smem(q_ref.at[row, head], q_s, q_bar)
         if tree:
             plgpu.copy_gmem_to_smem(paths_ref.at[row], paths_s, q_bar)
+
+        def pages_of(j):
+            """Block j's page ids (clamped into the table past the row's last block)."""
+            base = (first + j) * pages_per_block
+            return [
+                table_ref[row, jnp.minimum(base + i, max_pages - 1)] for i in range(pages_per_block)
+            ]
+
+        def issue(ref, ring, bars, pages, stage):
+            for i, page in enumerate(pages):
+                rows = pl.ds(i * page_size, page_size)
+                plgpu.copy_gmem_to_smem(ref.at[page, :, head], ring.at[stage, rows], bars.at[stage])
+
+        def fill(stage, pages):
+            issue(k_ref, k_s, k_bar, pages, stage)
+            issue(v_ref, v_s, v_bar, pages, stage)
+
+        for j in range(stages):  # the ring's first blocks
+            pl.when(j < num)(functools.partial(fill, j, pages_of(j)))
+
         plgpu.barrier_wait(q_bar)
         if tree:
             row_paths = along_rows(plgpu.load(paths_s, layout=ROWS), scores)
 
-        def issue(j, stage):
-            for i in range(pages_per_block):
-                entry = jnp.minimum((first + j) * pages_per_block + i, max_pages - 1)
-                page = table_ref[row, entry]
-                rows = pl.ds(i * page_size, page_size)
-                for ref, ring in ((k_ref, k_s), (v_ref, v_s)):
-                    plgpu.copy_gmem_to_smem(
-                        ref.at[page, :, head], ring.at[stage, rows], bar.at[stage]
-                    )
-
-        for j in range(stages - 1):  # the ring's first blocks
-            pl.when(j < num)(functools.partial(issue, j, j))
-
         def step(j, carry):
             peak, total, acc = carry
             stage = lax.rem(j, stages)
-            plgpu.barrier_wait(bar.at[stage])
-
-            # Block j + stages - 1 takes the stage block j - 1 read, which has finished.
-            @pl.when(j + stages - 1 < num)
-            def _():
-                issue(j + stages - 1, lax.rem(j + stages - 1, stages))
+            # Block j + stages takes this stage once its keys, then its values, are read:
+            # its page ids load now, under this block's wait and products.
+            later = pages_of(j + stages)
+            refill = j + stages < num
+            plgpu.barrier_wait(k_bar.at[stage])
+            qk = matmul(q_s, k_s.at[stage].T, scores) * scale
+            pl.when(refill)(lambda: issue(k_ref, k_s, k_bar, later, stage))
 
             start = (first + j) * BLOCK
             col = plgpu.broadcasted_iota(jnp.int32, scores, 1, layout=WG)
@@ -284,7 +298,6 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
                 limit = jnp.minimum(length - tokens + 1 + tile_row // groups, length)
             else:
                 limit = length
-            qk = matmul(q_s, k_s.at[stage].T, scores) * scale
             if tree:
                 # The draft node held at each position (negative: before the drafts).
                 node = start + col - (length - tokens)
@@ -292,13 +305,6 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
                 qk = jnp.where((start + col < limit) & ((node < 0) | (bit & 1 == 1)), qk, -jnp.inf)
             else:
                 qk = jnp.where(start + col < limit, qk, -jnp.inf)
-
-            @pl.when(start + BLOCK > length)
-            def _zero_values_past_the_row():
-                rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK, head_dim), 0, layout=WG)
-                values = plgpu.load(v_s.at[stage], layout=WG)
-                v_s[stage] = jnp.where(start + rows < length, values, jnp.zeros_like(values))
-                plgpu.commit_smem()
 
             # A tile row that has seen nothing yet keeps peak -inf; 0 stands in for it, so
             # that exp gives 0 rather than exp(-inf + inf) = NaN.
@@ -311,8 +317,19 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
             if interpret:  # the interpreter's wgmma reads its operands from SMEM only
                 p_s[0][...] = p
                 p = p_s[0]
-            pv = matmul(p, v_s.at[stage], tile)
-            return new_peak, total, acc * along_rows(decay, tile) + pv
+
+            plgpu.barrier_wait(v_bar.at[stage])
+
+            @pl.when(start + BLOCK > length)
+            def _zero_values_past_the_row():
+                rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK, head_dim), 0, layout=WG)
+                values = plgpu.load(v_s.at[stage], layout=WG)
+                v_s[stage] = jnp.where(start + rows < length, values, jnp.zeros_like(values))
+                plgpu.commit_smem()
+
+            acc = matmul_into(acc * along_rows(decay, tile), p, v_s.at[stage], interpret=interpret)
+            pl.when(refill)(lambda: issue(v_ref, v_s, v_bar, later, stage))
+            return new_peak, total, acc
 
         init = (
             plgpu.layout_cast(jnp.full((ROWS_PER_TILE,), -jnp.inf, F32), ROWS),
@@ -345,7 +362,8 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         scratch.append(plgpu.SMEM((ROWS_PER_TILE,), jnp.int32))
     scratch += [
         plgpu.Barrier(num_arrivals=1 + tree),
-        plgpu.Barrier(num_arrivals=2 * pages_per_block, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
     ]
     if interpret:
         scratch.append(smem(scores, dtype))

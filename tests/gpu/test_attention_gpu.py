@@ -122,7 +122,7 @@ SHAPES = pytest.mark.parametrize(
 
 
 @SHAPES
-@pytest.mark.parametrize("stages", [2, 3], ids=["two-stages", "three-stages"])
+@pytest.mark.parametrize("stages", [1, 2, 3], ids=["one-stage", "two-stages", "three-stages"])
 def test_paged_decode_kernel_matches_its_reference_with_poisoned_pages(
     batch, heads, kv_heads, dim, page_size, stages
 ):
