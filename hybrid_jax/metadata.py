@@ -467,7 +467,48 @@ def _check_parents(mode: ForwardMode, rows: Sequence[RowSpec], policy: BucketPol
             )
 
 
+_PAGE_ID_TYPES = frozenset({int, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                            np.uint32, np.uint64})  # fmt: skip
+
+
 def _check_pages(rows: Sequence[RowSpec], policy: BucketPolicy, num_pages: int | None) -> None:
+    """Every row's pages follow ``_page_errors``' rules. A request holds the pages of its whole
+    context from admission, thousands at long contexts, so the common case is checked with
+    array operations; only a batch that looks wrong walks its pages one by one, to name the
+    first offending entry."""
+    if not _pages_look_valid(rows, policy, num_pages):
+        _page_errors(rows, policy, num_pages)
+
+
+def _pages_look_valid(rows: Sequence[RowSpec], policy: BucketPolicy, num_pages: int | None) -> bool:
+    """True when no rule of ``_page_errors`` can fail (False may be a false alarm)."""
+    if not policy.max_pages:
+        return not any(row.pages for row in rows)
+    arrays = []
+    for row in rows:
+        end = row.prefix_len + row.num_tokens
+        if end > policy.max_context or len(row.pages) > policy.max_pages:
+            return False
+        if len(row.pages) < -(-end // policy.page_size):
+            return False
+        if not set(map(type, row.pages)) <= _PAGE_ID_TYPES:
+            return False
+        try:
+            arrays.append(np.asarray(row.pages, np.int64))
+        except OverflowError:
+            return False
+    ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+    if not ids.size:
+        return True
+    if ids.min() < 1 or (num_pages is not None and ids.max() >= num_pages):
+        return False
+    if num_pages is not None:  # counting is linear; a sort is not
+        return int(np.bincount(ids, minlength=num_pages).max()) <= 1
+    return np.unique(ids).size == ids.size
+
+
+def _page_errors(rows: Sequence[RowSpec], policy: BucketPolicy, num_pages: int | None) -> None:
+    """Raises ``MetadataError`` for the first page entry (in row order) that breaks a rule."""
     size, context = policy.page_size, policy.max_context
     owner: dict[int, int] = {}
     for i, row in enumerate(rows):

@@ -128,11 +128,27 @@ def test_policy_without_context_has_an_empty_page_table():
         (RowSpec(1, 0, 3, (2, 2)), "also a page of rows\\[0\\]"),
         (RowSpec(1, 20, 5, (1, 2, 3, 4, 5, 6, 7)), "past max_context=24"),
         (RowSpec(1, 0, 3, (1, 2, 3, 4, 5, 6, 7)), "more than max_pages=6"),
+        (RowSpec(1, 0, 3, (np.True_,)), r"pages\[0\]=np.True_ must be an int"),
+        (RowSpec(1, 0, 3, (3, True)), r"pages\[1\]=True must be an int"),
+        (RowSpec(1, 0, 3, (2.0,)), r"pages\[0\]=2.0 must be an int"),
+        (RowSpec(1, 0, 3, (2**70,)), r"pages\[0\]=1180591620717411303424 is outside the cache"),
+        (RowSpec(1, 0, 3, (-3,)), r"pages\[0\]=-3 is outside the cache"),
     ],
 )
 def test_bad_pages_raise_naming_value_and_rule(row, message):
     with pytest.raises(MetadataError, match=message):
         build_metadata(M.EXTEND, [row], POLICY, num_slots=4, num_pages=NUM_PAGES)
+
+
+def test_pages_of_any_integer_type_pass_and_a_page_shared_across_rows_is_named():
+    """The array check passes numpy integers and catches a page two rows hold; the error
+    still names the first entry that breaks the rule."""
+    rows = [RowSpec(1, 0, 3, (np.int32(1), np.int64(2))), RowSpec(2, 0, 3, (3, 4))]
+    meta = build_metadata(M.EXTEND, rows, POLICY, num_slots=4, num_pages=NUM_PAGES)
+    np.testing.assert_array_equal(meta.pages.table[:2, :2], [[1, 2], [3, 4]])
+    rows = [RowSpec(1, 0, 3, (1, 2)), RowSpec(2, 0, 3, (3, 4)), RowSpec(3, 0, 3, (5, 4))]
+    with pytest.raises(MetadataError, match=r"rows\[2\].pages\[1\]=4 is also a page of rows\[1\]"):
+        build_metadata(M.EXTEND, rows, POLICY, num_slots=4, num_pages=NUM_PAGES)
 
 
 @pytest.mark.parametrize(
