@@ -16,6 +16,8 @@ outside the rows poisoned with NaN. Rows per (batch, context):
   engine's path off the GPU and where the kernel cannot take a step: key chunks up to each
   row's length, online softmax);
 * ``reference``: the op's jnp reference (every page of the table gathered);
+* ``--flashinfer``: FlashInfer's paged decode wrapper on the same cache (a CUDA graph of
+  its launches, timed with CUDA events; it JIT-compiles its kernel on first use);
 * ``--tree D``: verify rows, the kernel over a chain of D draft tokens and over a random tree
   of D nodes per row (D x query heads per KV head <= 64).
 
@@ -98,6 +100,8 @@ def _rows(batch, context, args):
     rows += [("jnp", engine_jnp), ("reference", reference)][: 2 if args.peers else 0]
     for name, fn in rows:
         _time_row(batch, context, name, fn, (q, k, v), want, limit_s)
+    if args.flashinfer:
+        _flashinfer_row(batch, context, (q, k, v, table, lens), want, limit_s, args)
     if args.tree:  # verify steps: a chain of D drafts, and a random tree of D nodes
         nodes = args.tree
         rng = np.random.default_rng(1)
@@ -116,20 +120,23 @@ def _rows(batch, context, args):
             _time_row(batch, context, f"kernel, {name}", fn, (q_d, k, v), want_d, limit_s)
 
 
+def _max_error(out: np.ndarray, want) -> str:
+    """Max abs difference from ``want()`` (the jnp reference): "nan" where ``out`` is not
+    finite, "n/a" where the reference does not fit the device."""
+    try:
+        expected = np.asarray(want(), np.float32)
+    except jax.errors.JaxRuntimeError:  # the gathered pages of long rows run out of memory
+        return "n/a"
+    return f"{np.nanmax(np.abs(out - expected)):.1e}" if np.isfinite(out).all() else "nan"
+
+
 def _time_row(batch, context, name, fn, inputs, want, limit_s) -> None:
     """Prints a row: device time, the KV-byte limit and fraction, max abs error against
     ``want()`` (the jnp reference; "n/a" where it does not fit the device)."""
     try:
         out = np.asarray(fn(*inputs), np.float32)
-        timing = device_time(lambda: fn(*inputs), calls=10)
-        try:
-            expected = np.asarray(want(), np.float32)
-        except jax.errors.JaxRuntimeError:  # the gathered pages of long rows run out of memory
-            err = "n/a"
-        else:
-            finite = np.isfinite(out).all()
-            err = f"{np.nanmax(np.abs(out - expected)):.1e}" if finite else "nan"
-        us = timing.us
+        us = device_time(lambda: fn(*inputs), calls=10).us
+        err = _max_error(out, want)
         print(
             f"| B={batch} ctx={context} | {name} | {us:.1f} us | {limit_s * 1e6:.1f} us | "
             f"{limit_s * 1e6 / us:.0%} | {err} |",
@@ -137,6 +144,59 @@ def _time_row(batch, context, name, fn, inputs, want, limit_s) -> None:
         )
     except Exception as err:  # a failed row is reported, the rest still runs
         print(f"| B={batch} ctx={context} | {name} | failed: {str(err)[:200]} | | | |")
+
+
+def _flashinfer_row(batch, context, case, want, limit_s, args) -> None:
+    """FlashInfer's paged decode (``BatchDecodeWithPagedKVCacheWrapper``, NHD pages, tensor
+    cores for grouped heads) on the same cache, read in place through DLPack; device time
+    from a CUDA graph of ``calls`` launches, timed with CUDA events."""
+    calls = 20
+    try:
+        import flashinfer
+        import torch
+
+        q, k, v, table, lens = case
+        as_torch = torch.utils.dlpack.from_dlpack
+        q_t, k_t, v_t = as_torch(q), as_torch(k), as_torch(v)
+        per_row = table.shape[1]
+        indptr = torch.arange(0, batch * per_row + 1, per_row, dtype=torch.int32, device="cuda")
+        indices = torch.as_tensor(table.reshape(-1), dtype=torch.int32, device="cuda")
+        last = torch.as_tensor((lens - 1) % args.page_size + 1, dtype=torch.int32, device="cuda")
+        workspace = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+            paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last,
+        )  # fmt: skip
+        wrapper.plan(
+            indptr, indices, last, args.heads, args.kv_heads, args.head_dim, args.page_size,
+            q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+        )  # fmt: skip
+        out = torch.empty_like(q_t)
+        wrapper.run(q_t, (k_t, v_t), out=out)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                wrapper.run(q_t, (k_t, v_t), out=out)
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(5):
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / calls)
+        us = float(np.median(times))
+        err = _max_error(out.float().cpu().numpy(), want)
+        print(
+            f"| B={batch} ctx={context} | FlashInfer {flashinfer.__version__} | {us:.1f} us | "
+            f"{limit_s * 1e6:.1f} us | {limit_s * 1e6 / us:.0%} | {err} |",
+            flush=True,
+        )
+    except Exception as err:  # a peer that does not build or run is reported, not fatal
+        print(f"| B={batch} ctx={context} | FlashInfer | failed: {str(err)[:300]} | | | |")
 
 
 def main() -> None:
@@ -150,6 +210,8 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--stages", default="", help="more kernel rows: rings of N buffers")
     parser.add_argument("--tree", type=int, default=0, help="verify rows of D drafts (0: none)")
+    parser.add_argument("--flashinfer", action="store_true",
+                        help="a FlashInfer row (needs flashinfer-python and torch)")  # fmt: skip
     parser.add_argument("--no-peers", dest="peers", action="store_false",
                         help="kernel rows only (no jnp and reference rows)")  # fmt: skip
     args = parser.parse_args()
