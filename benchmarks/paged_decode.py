@@ -196,7 +196,8 @@ def _flashinfer_row(batch, context, case, want, limit_s, args) -> None:
             flush=True,
         )
     except Exception as err:  # a peer that does not build or run is reported, not fatal
-        print(f"| B={batch} ctx={context} | FlashInfer | failed: {str(err)[:300]} | | | |")
+        # The end of a failed JIT build's log names the cause.
+        print(f"| B={batch} ctx={context} | FlashInfer | failed: {str(err)[-1500:]} | | | |")
 
 
 def main() -> None:
