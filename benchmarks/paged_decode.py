@@ -11,7 +11,8 @@ bf16 queries and cache, pages of ``--page-size`` tokens scattered over the cache
 outside the rows poisoned with NaN. Rows per (batch, context):
 
 * ``kernel``: the Mosaic GPU kernel (``impl="pallas"``, splits from ``pick_num_splits``, its
-  ring of ``STAGES`` buffers); ``kernel, N stages``: the same with ``--stages`` rings;
+  ring of ``STAGES`` buffers); ``kernel, N stages``: the same with ``--stages`` rings,
+  ``kernel, N splits``: with ``--splits`` programs a row;
 * ``jnp``: ``backend.attention.paged_attention`` in DECODE with ``impl="reference"`` (the
   engine's path off the GPU and where the kernel cannot take a step: key chunks up to each
   row's length, online softmax);
@@ -74,9 +75,10 @@ def _rows(batch, context, args):
     scale = args.head_dim**-0.5
     table_j, lens_j = jnp.asarray(table), jnp.asarray(lens)
 
-    def kernel_with(stages):
+    def kernel_with(stages, splits=None):
         return jax.jit(lambda q, k, v: pd.paged_decode_attention(
-            q, k, v, table_j, lens_j, scale=scale, stages=stages, impl="pallas"))  # fmt: skip
+            q, k, v, table_j, lens_j, scale=scale, stages=stages, num_splits=splits,
+            impl="pallas"))  # fmt: skip
 
     reference = jax.jit(lambda q, k, v: pd.paged_decode_attention(
         q, k, v, table_j, lens_j, scale=scale, impl="reference"))  # fmt: skip
@@ -97,6 +99,7 @@ def _rows(batch, context, args):
     limit_s = 2 * batch * context * args.kv_heads * args.head_dim * 2 / args.bandwidth
     rows = [("kernel", kernel_with(pd.STAGES))]
     rows += [(f"kernel, {n} stages", kernel_with(n)) for n in args.stages]
+    rows += [(f"kernel, {n} splits", kernel_with(pd.STAGES, n)) for n in args.splits]
     rows += [("jnp", engine_jnp), ("reference", reference)][: 2 if args.peers else 0]
     for name, fn in rows:
         _time_row(batch, context, name, fn, (q, k, v), want, limit_s)
@@ -210,6 +213,7 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--stages", default="", help="more kernel rows: rings of N buffers")
+    parser.add_argument("--splits", default="", help="more kernel rows: N splits a row")
     parser.add_argument("--tree", type=int, default=0, help="verify rows of D drafts (0: none)")
     parser.add_argument("--flashinfer", action="store_true",
                         help="a FlashInfer row (needs flashinfer-python and torch)")  # fmt: skip
@@ -217,6 +221,7 @@ def main() -> None:
                         help="kernel rows only (no jnp and reference rows)")  # fmt: skip
     args = parser.parse_args()
     args.stages = [int(n) for n in args.stages.split(",") if n]
+    args.splits = [int(n) for n in args.splits.split(",") if n]
     versions = ", ".join(
         f"{m} {importlib.import_module(m).__version__}" for m in ("jax", "jaxlib", "flax")
     )
