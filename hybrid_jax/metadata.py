@@ -471,40 +471,50 @@ _PAGE_ID_TYPES = frozenset({int, np.int8, np.int16, np.int32, np.int64, np.uint8
                             np.uint32, np.uint64})  # fmt: skip
 
 
-def _check_pages(rows: Sequence[RowSpec], policy: BucketPolicy, num_pages: int | None) -> None:
-    """Every row's pages follow ``_page_errors``' rules. A request holds the pages of its whole
-    context from admission, thousands at long contexts, so the common case is checked with
-    array operations; only a batch that looks wrong walks its pages one by one, to name the
-    first offending entry."""
-    if not _pages_look_valid(rows, policy, num_pages):
+def _check_pages(
+    rows: Sequence[RowSpec], policy: BucketPolicy, num_pages: int | None
+) -> list[np.ndarray]:
+    """Every row's page ids as int64 arrays, once they follow ``_page_errors``' rules. A
+    request holds the pages of its whole context from admission, thousands at long contexts,
+    so the common case is checked with array operations; only a batch that looks wrong walks
+    its pages one by one, to name the first offending entry."""
+    ids = _page_ids_if_valid(rows, policy, num_pages)
+    if ids is None:
         _page_errors(rows, policy, num_pages)
+        ids = [np.asarray(row.pages, np.int64) for row in rows]  # a false alarm
+    return ids
 
 
-def _pages_look_valid(rows: Sequence[RowSpec], policy: BucketPolicy, num_pages: int | None) -> bool:
-    """True when no rule of ``_page_errors`` can fail (False may be a false alarm)."""
+def _page_ids_if_valid(
+    rows: Sequence[RowSpec], policy: BucketPolicy, num_pages: int | None
+) -> list[np.ndarray] | None:
+    """Each row's page ids when no rule of ``_page_errors`` can fail, else None (which may be
+    a false alarm)."""
     if not policy.max_pages:
-        return not any(row.pages for row in rows)
+        return None if any(row.pages for row in rows) else [np.zeros(0, np.int64)] * len(rows)
     arrays = []
     for row in rows:
         end = row.prefix_len + row.num_tokens
         if end > policy.max_context or len(row.pages) > policy.max_pages:
-            return False
+            return None
         if len(row.pages) < -(-end // policy.page_size):
-            return False
+            return None
         if not set(map(type, row.pages)) <= _PAGE_ID_TYPES:
-            return False
+            return None
         try:
             arrays.append(np.asarray(row.pages, np.int64))
         except OverflowError:
-            return False
+            return None
     ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
     if not ids.size:
-        return True
+        return arrays
     if ids.min() < 1 or (num_pages is not None and ids.max() >= num_pages):
-        return False
+        return None
     if num_pages is not None:  # counting is linear; a sort is not
-        return int(np.bincount(ids, minlength=num_pages).max()) <= 1
-    return np.unique(ids).size == ids.size
+        unique = int(np.bincount(ids, minlength=num_pages).max()) <= 1
+    else:
+        unique = np.unique(ids).size == ids.size
+    return arrays if unique else None
 
 
 def _page_errors(rows: Sequence[RowSpec], policy: BucketPolicy, num_pages: int | None) -> None:
@@ -630,7 +640,7 @@ def build_metadata(
     rows = tuple(rows)
     _check_rows(mode, layout, rows, num_slots)
     _check_parents(mode, rows, policy)
-    _check_pages(rows, policy, num_pages)
+    page_ids = _check_pages(rows, policy, num_pages)
     n, t = len(rows), sum(int(row.num_tokens) for row in rows)
     bs, T = _choose_bucket(mode, layout, policy, n, t, batch_size, num_tokens)
 
@@ -657,8 +667,8 @@ def build_metadata(
             offsets[qsl[r] : qsl[r + 1]] = tree_depths(row.parents)
     positions[:t] = prefix[real] + offsets
     page_table = np.zeros((bs, policy.max_pages), np.int32)
-    for r, row in enumerate(rows):
-        page_table[r, : len(row.pages)] = row.pages
+    for r, ids in enumerate(page_ids):
+        page_table[r, : ids.size] = ids
     # Host arrays: the step's executable copies them to the device in its own (C++) call
     # path, which costs less per step than a device_put of each one first.
     arrays = {

@@ -21,10 +21,9 @@ landed and its values may still be in flight, and a stage refills with block ``j
 as soon as block ``j``'s keys (then values) are read, so ``stages`` blocks stay in flight
 while this one's scores, online softmax and ``p @ v`` run on the tensor cores (``p`` straight
 from registers). The page ids of the block a stage takes next load from the table one step
-early, under the wait. The
-last block's values past the row's length are zeroed in SMEM before ``p @ v`` (a zero weight
-times a NaN would be NaN). Long rows split their blocks over ``num_splits`` programs; the
-splits' outputs merge by their log-sum-exps in XLA.
+early, under the wait. The last block's values past the row's length are zeroed in SMEM
+before ``p @ v`` (a zero weight times a NaN would be NaN). Long rows split their blocks over
+``num_splits`` programs; the splits' outputs merge by their log-sum-exps in XLA.
 The prefix op runs the same kernel without the causal tail over "tile rows" of up to
 ``64 // (H // KVH)`` consecutive tokens of one row each (``prefix_tiles``), so a prompt chunk
 of thousands of tokens is many programs, each reading its row's prefix once for its tokens.

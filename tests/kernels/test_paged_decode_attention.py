@@ -154,7 +154,7 @@ def test_the_ring_fits_shared_memory_and_a_bad_one_says_why():
     for head_dim in (64, 128, 256):  # a buffer of 64 positions at 256 is 64 KiB
         assert pd.stages_unsupported_reason(pd.STAGES, head_dim, 2) is None
         assert pd.stages_unsupported_reason(3, head_dim, 2) is None
-    assert pd.stages_unsupported_reason(1, 256, 2) is None  # two programs fit an SM
+    assert pd.stages_unsupported_reason(1, 256, 2) is None  # a single buffer is allowed
     assert pd.stages_unsupported_reason(0, 128, 2) == "stages=0 must be at least 1"
     assert "stages=4 at head_dim=256 needs" in pd.stages_unsupported_reason(4, 256, 2)
     q, pages = jnp.zeros((2, 8, 256), jnp.bfloat16), jnp.zeros((4, 16, 2, 256), jnp.bfloat16)
