@@ -220,14 +220,17 @@ def pick_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
 
 def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, scale,
                  num_splits, tokens, groups, causal, stages, interpret):  # fmt: skip
-    """The kernel over zero-padded query tiles ``[B, KVH, 64, hd]`` (tile row ``r``: token
-    ``r // groups``, query head ``r % groups`` of the KV head): per split, its output tiles
-    (q's dtype) and float32 log-sum-exps ``[S, B, KVH, 64]`` (``-inf``: saw nothing).
+    """The kernel over query tiles ``[B, KVH, R, hd]`` (tile row ``r``: token ``r // groups``,
+    query head ``r % groups`` of the KV head; ``R`` a multiple of 8 up to 64, the rows past
+    ``tokens * groups`` zero): per split, its output rows (q's dtype) and float32
+    log-sum-exps ``[S, B, KVH, R]`` (``-inf``: saw nothing). A program's wgmma tile has 64
+    rows; only the first ``R`` are loaded and stored (the others hold whatever SMEM held,
+    and every row's softmax and product are its own).
     ``causal``: token t sees positions below ``length - tokens + 1 + t``; else every token
     sees all ``length`` positions. ``paths`` (tree drafts, with ``causal``): int32 ``[B, 64]``,
     each tile row's root-path bits (``root_paths``): it sees the positions before the
     ``tokens`` draft positions and the draft positions whose bit is set."""
-    batch, kv_heads, _, head_dim = q_tiles.shape
+    batch, kv_heads, held, head_dim = q_tiles.shape
     page_size = k_pages.shape[1]
     pages_per_block = BLOCK // page_size
     max_pages = page_table.shape[1]
@@ -251,7 +254,7 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         first = split * per_split
         num = jnp.clip(num_blocks - first, 0, per_split)
 
-        plgpu.copy_gmem_to_smem(q_ref.at[row, head], q_s, q_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[row, head], q_s.at[pl.ds(0, held)], q_bar)
         if tree:
             plgpu.copy_gmem_to_smem(paths_ref.at[row], paths_s, q_bar)
 
@@ -342,13 +345,13 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         q_s[...] = (acc / along_rows(safe, tile)).astype(dtype)
         lse_s[...] = jnp.where(seen, peak + jnp.log(safe), -jnp.inf)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_s, o_ref.at[split, row, head])
-        plgpu.copy_smem_to_gmem(lse_s, lse_ref.at[split, row, head])
+        plgpu.copy_smem_to_gmem(q_s.at[pl.ds(0, held)], o_ref.at[split, row, head])
+        plgpu.copy_smem_to_gmem(lse_s.at[pl.ds(0, held)], lse_ref.at[split, row, head])
         plgpu.wait_smem_to_gmem(0)
 
     out_type = (
-        jax.ShapeDtypeStruct((num_splits, batch, kv_heads, *tile), dtype),
-        jax.ShapeDtypeStruct((num_splits, batch, kv_heads, ROWS_PER_TILE), F32),
+        jax.ShapeDtypeStruct((num_splits, batch, kv_heads, held, head_dim), dtype),
+        jax.ShapeDtypeStruct((num_splits, batch, kv_heads, held), F32),
     )
     scratch = [
         smem(tile, dtype),
@@ -404,9 +407,10 @@ def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, *, scal
     kv_heads = k_pages.shape[2]
     groups = heads // kv_heads
     rows = tokens * groups
+    held = -(-rows // 8) * 8  # TMA moves whole 8-row groups of the swizzled tile
     tiles = q.reshape(batch, tokens, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
     tiles = tiles.reshape(batch, kv_heads, rows, head_dim)
-    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, ROWS_PER_TILE - rows), (0, 0)))
+    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, held - rows), (0, 0)))
     paths = None
     if parents is not None:  # tile row r is token r // groups; padding rows see no draft
         paths = jnp.repeat(root_paths(parents), groups, axis=1)
