@@ -209,13 +209,26 @@ def paged_decode_attention_reference(
     return out.reshape(q.shape).astype(q.dtype)
 
 
+# A program's start (its query tile, the first loads of its ring, the output store) costs
+# about as long as streaming this many blocks (benchmarks/RESULTS_attention.md).
+RAMP_BLOCKS = 4
+
+
 def pick_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
-    """Splits of a row's blocks: enough programs for every SM twice over, never a split
-    with fewer than two blocks of the longest row the table can hold."""
-    splits = 1
-    while batch * kv_heads * splits < 2 * NUM_SMS and max_blocks // (2 * splits) >= 2:
-        splits *= 2
-    return splits
+    """Splits of a row's blocks that finish soonest, never a split with fewer than two
+    blocks of the longest row the table can hold. Programs run in waves over the SMs and a
+    wave lasts as long as its programs' ramp and blocks: 192 programs on 132 SMs take two
+    waves of whole rows, 384 take three of half rows; a short row's extra split is mostly
+    ramp. Ties go to fewer splits (less to merge)."""
+    options = [1]
+    while max_blocks // (2 * options[-1]) >= 2:
+        options.append(2 * options[-1])
+
+    def cost(splits: int) -> int:
+        waves = -(-batch * kv_heads * splits // NUM_SMS)
+        return waves * (RAMP_BLOCKS + -(-max_blocks // splits))
+
+    return min(options, key=cost)
 
 
 def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, scale,

@@ -369,8 +369,15 @@ def test_unsupported_calls_and_bad_arguments_say_why():
         pd.paged_prefix_attention(q[:, None], pages, pages, table, lens[:1], scale=1.0)
 
 
-def test_splits_fill_the_gpu_and_never_leave_a_split_short():
-    assert pd.pick_num_splits(batch=1, kv_heads=2, max_blocks=128) == 64
-    assert pd.pick_num_splits(batch=64, kv_heads=2, max_blocks=128) == 4
+def test_splits_finish_soonest_in_waves_over_the_sms_and_never_leave_a_split_short():
+    assert pd.NUM_SMS == 132
+    assert pd.pick_num_splits(batch=1, kv_heads=2, max_blocks=128) == 64  # 128 programs
+    assert pd.pick_num_splits(batch=16, kv_heads=2, max_blocks=128) == 4  # 128
+    assert pd.pick_num_splits(batch=64, kv_heads=2, max_blocks=128) == 1  # 128
+    assert pd.pick_num_splits(batch=96, kv_heads=2, max_blocks=128) == 2  # 384: 3 full waves
+    assert pd.pick_num_splits(batch=128, kv_heads=2, max_blocks=128) == 1  # 256: 2 waves
     assert pd.pick_num_splits(batch=256, kv_heads=2, max_blocks=128) == 1
+    assert pd.pick_num_splits(batch=1, kv_heads=2, max_blocks=16) == 8  # 2 blocks a split
+    assert pd.pick_num_splits(batch=48, kv_heads=2, max_blocks=128) == 4  # 384: 3 full waves
+    assert pd.pick_num_splits(batch=48, kv_heads=2, max_blocks=16) == 1  # short rows: the ramp
     assert pd.pick_num_splits(batch=1, kv_heads=2, max_blocks=3) == 1
