@@ -2,9 +2,10 @@
 ``lax.scan`` over the attention layers with the flat ``[L*P, page_size, KVH, hd]`` cache as
 its carry, each layer writing K and V of every token at its page and offset.
 
-Rows: the backend's ``write_pages`` and variants of it, device time per step and per layer
-write, beside the bytes limit (the written tokens' K and V, read once and written once). The
-step's cache is donated, as in the engine, so a write that is not in place shows as a copy.
+Rows: the backend's ``write_pages`` (``WRITERS`` holds variants to compare), device time per
+step and per layer write, beside the bytes limit (the written tokens' K and V, read once and
+written once). The step's cache is donated, as in the engine, so a write that is not in place
+shows as a copy.
 
     python benchmarks/kv_write.py --batches 1,64,256 --context 8192 --layers 10
 
@@ -30,21 +31,7 @@ from device_time import device_time  # noqa: E402
 from hybrid_jax.backend import attention as attention_backend  # noqa: E402
 from hybrid_jax.metadata import BucketPolicy, ForwardMode, RowSpec, build_metadata  # noqa: E402
 
-
-def _unique_write(pages, new, meta, token_pages, positions=None):
-    """``write_pages`` telling XLA that no two tokens share a slot (padding tokens do, on the
-    pad page, whose content nothing reads back)."""
-    size = meta.pages.page_size
-    positions = meta.positions if positions is None else positions
-    page = jnp.take_along_axis(token_pages, (positions // size)[:, None], axis=1)[:, 0]
-    flat = pages.reshape(-1, *pages.shape[2:])
-    flat = flat.at[page * size + positions % size].set(
-        new.astype(pages.dtype), unique_indices=True, mode="promise_in_bounds"
-    )
-    return flat.reshape(pages.shape)
-
-
-WRITERS = {"write_pages": attention_backend.write_pages, "unique indices": _unique_write}
+WRITERS = {"write_pages": attention_backend.write_pages}
 
 
 def _step(writer, layers, num_pages):

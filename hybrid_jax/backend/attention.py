@@ -316,7 +316,11 @@ def write_pages(
     positions = meta.positions if positions is None else positions
     page = jnp.take_along_axis(token_pages, (positions // size)[:, None], axis=1)[:, 0]
     flat = pages.reshape(-1, *pages.shape[2:])
-    flat = flat.at[page * size + positions % size].set(new.astype(pages.dtype))
+    # Real tokens own distinct slots; padded tokens share the pad page, whose content
+    # nothing reads back, so the write may take any of theirs.
+    flat = flat.at[page * size + positions % size].set(
+        new.astype(pages.dtype), unique_indices=True, mode="promise_in_bounds"
+    )
     return flat.reshape(pages.shape)
 
 
