@@ -27,6 +27,7 @@ the kernels' chain path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -48,6 +49,7 @@ __all__ = [
     "ForwardMetadata",
     "MAX_DRAFT_TOKENS",
     "MetadataError",
+    "PageIds",
     "PageTable",
     "RowSpec",
     "build_metadata",
@@ -254,6 +256,31 @@ class BucketPolicy:
         return [(bs, bs * layout.tokens_per_row) for bs in self.batch_buckets]
 
 
+class PageIds(tuple):
+    """A row's page ids: a tuple that keeps them as one read-only int64 array, made once.
+    A request holds the pages of its whole context at every step (thousands at long
+    contexts), so ``build_metadata`` reads this array instead of converting the tuple again
+    each step; any other sequence of page ids is converted each time."""
+
+    @functools.cached_property
+    def array(self) -> np.ndarray | None:
+        """The ids as int64, None when some entry is not an integer (the check names it)."""
+        return _page_array(self)
+
+
+def _page_array(pages: Sequence) -> np.ndarray | None:
+    """``pages`` as read-only int64, None when an entry is no integer (bools and floats are
+    not) or overflows int64."""
+    if not set(map(type, pages)) <= _PAGE_ID_TYPES:
+        return None
+    try:
+        array = np.asarray(pages, np.int64)
+    except OverflowError:
+        return None
+    array.flags.writeable = False
+    return array
+
+
 @dataclasses.dataclass(frozen=True)
 class RowSpec:
     """One request's row in a step: its pool slot, tokens already in its state, new tokens,
@@ -272,7 +299,8 @@ class RowSpec:
     parents: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "pages", tuple(self.pages))
+        if not isinstance(self.pages, PageIds):
+            object.__setattr__(self, "pages", tuple(self.pages))
         object.__setattr__(self, "parents", tuple(self.parents))
 
 
@@ -499,12 +527,11 @@ def _page_ids_if_valid(
             return None
         if len(row.pages) < -(-end // policy.page_size):
             return None
-        if not set(map(type, row.pages)) <= _PAGE_ID_TYPES:
+        pages = row.pages
+        array = pages.array if isinstance(pages, PageIds) else _page_array(pages)
+        if array is None:
             return None
-        try:
-            arrays.append(np.asarray(row.pages, np.int64))
-        except OverflowError:
-            return None
+        arrays.append(array)
     ids = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
     if not ids.size:
         return arrays

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +26,7 @@ from hybrid_jax.kv_cache import (
     pages_needed,
 )
 from hybrid_jax.layers.moe import MoEConfig, SparseMoE
-from hybrid_jax.metadata import BucketPolicy, MetadataError, RowSpec, build_metadata
+from hybrid_jax.metadata import BucketPolicy, MetadataError, PageIds, RowSpec, build_metadata
 from hybrid_jax.modes import ForwardMode, LayerKind, UnsupportedForwardModeError
 from pallas_kernels._common import on_hopper_gpu
 
@@ -135,9 +136,27 @@ def test_policy_without_context_has_an_empty_page_table():
         (RowSpec(1, 0, 3, (-3,)), r"pages\[0\]=-3 is outside the cache"),
     ],
 )
-def test_bad_pages_raise_naming_value_and_rule(row, message):
+@pytest.mark.parametrize("ids", [tuple, PageIds])
+def test_bad_pages_raise_naming_value_and_rule(row, message, ids):
+    row = dataclasses.replace(row, pages=ids(row.pages))
     with pytest.raises(MetadataError, match=message):
         build_metadata(M.EXTEND, [row], POLICY, num_slots=4, num_pages=NUM_PAGES)
+
+
+def test_page_ids_convert_once_and_give_the_table_a_tuple_gives():
+    """A request's PageIds keep their int64 array across steps; rows holding them build the
+    metadata that plain tuples build."""
+    ids = PageIds([7, 3])
+    row = RowSpec(1, 5, 2, ids)
+    assert row.pages is ids and row == RowSpec(1, 5, 2, (7, 3))
+    assert ids.array is ids.array and not ids.array.flags.writeable
+    np.testing.assert_array_equal(ids.array, [7, 3])
+    rows = [row, RowSpec(2, 0, 9, PageIds((1, 2, 4)))]
+    got = build_metadata(M.EXTEND, rows, POLICY, num_slots=4, num_pages=NUM_PAGES)
+    plain = [RowSpec(1, 5, 2, (7, 3)), RowSpec(2, 0, 9, (1, 2, 4))]
+    want = build_metadata(M.EXTEND, plain, POLICY, num_slots=4, num_pages=NUM_PAGES)
+    chex.assert_trees_all_equal(got, want)
+    assert PageIds((1, True)).array is None  # a bool is no page id: the check names it
 
 
 def test_pages_of_any_integer_type_pass_and_a_page_shared_across_rows_is_named():

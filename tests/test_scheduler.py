@@ -13,7 +13,7 @@ from hybrid_jax.engine.scheduler import (
     SchedulerConfig,
 )
 from hybrid_jax.kv_cache import PageAllocator
-from hybrid_jax.metadata import BucketPolicy, build_metadata
+from hybrid_jax.metadata import BucketPolicy, PageIds, build_metadata
 from hybrid_jax.modes import ForwardMode
 from hybrid_jax.state_pool import SlotAllocator
 
@@ -58,6 +58,15 @@ def test_prefill_then_decode_then_finish_by_length():
         modes.append(step.mode)
     assert modes == [M.EXTEND, M.DECODE, M.DECODE]
     assert slots.num_used == 0 and pages.num_used == 0
+
+
+def test_an_admitted_request_hands_every_step_the_same_page_ids():
+    """The pages a request holds from admission reach each step's rows as one PageIds, whose
+    int64 array build_metadata makes once (a long context holds thousands of pages)."""
+    sched, *_ = make()
+    sched.add(req(0, n=5, new=3))
+    specs = [run_step(sched)[0].row_specs[0] for _ in range(2)]
+    assert isinstance(specs[0].pages, PageIds) and specs[1].pages is specs[0].pages
 
 
 def test_new_request_beside_decodes_is_a_mixed_step():

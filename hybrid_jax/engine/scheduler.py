@@ -53,7 +53,7 @@ from collections.abc import Callable, Sequence
 from hybrid_jax.engine.sampling import NON_FINITE_TOKEN
 from hybrid_jax.engine.speculative import NON_FINITE_MARK
 from hybrid_jax.kv_cache import PageAllocator, pages_needed
-from hybrid_jax.metadata import BucketPolicy, RowSpec
+from hybrid_jax.metadata import BucketPolicy, PageIds, RowSpec
 from hybrid_jax.modes import ForwardMode
 from hybrid_jax.state_pool import SlotAllocator
 
@@ -106,7 +106,7 @@ class Request:
     num_pending: int = 0
     scheduled_out: bool = False
     slot: int = 0
-    pages: tuple[int, ...] = ()
+    pages: tuple[int, ...] = ()  # PageIds once admitted
     finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:
@@ -332,7 +332,7 @@ class Scheduler:
     def _admit(self, request: Request) -> None:
         (request.slot,) = self.slots.allocate(1)
         if self.pages is not None:
-            request.pages = tuple(self.pages.allocate(self.pages_for(request)))
+            request.pages = PageIds(self.pages.allocate(self.pages_for(request)))
         self.running.append(request)
 
     def _chunk_len(self, request: Request) -> int:
