@@ -38,3 +38,22 @@ def cache_dir(tmp_path_factory):
 
     with restored_cache_options():
         yield str(tmp_path_factory.mktemp("xla_cache"))
+
+
+# Modules whose tests take minutes together (a child process, a served engine, notebooks).
+# ``./dev test`` hands whole modules to its two workers in collection order; started first,
+# these run beside the many short modules instead of alone at the end.
+LONG_MODULES = (
+    "test_tensor_parallel.py",
+    "test_server.py",
+    "test_notebooks.py",
+    "test_serve_benchmark.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+
+    items.sort(key=rank)  # stable: every other test keeps its place
