@@ -286,7 +286,8 @@ class RowSpec:
     """One request's row in a step: its pool slot, tokens already in its state, new tokens,
     and, for models with full-attention layers, the KV-cache pages that hold its positions
     in order (position p lives in ``pages[p // page_size]``); they must cover
-    ``prefix_len + num_tokens`` positions.
+    ``prefix_len + num_tokens`` positions. Any sequence of integers is kept as a tuple; a
+    ``PageIds`` is kept as it is, so its array is made once for all the steps it serves.
 
     ``parents``: for a TARGET_VERIFY row, the parent of each of its ``num_tokens`` nodes
     (``-1`` for the root, node 0; ``parents[i] < i`` otherwise); empty means a chain. The
