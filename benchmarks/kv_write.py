@@ -36,14 +36,12 @@ WRITERS = {"write_pages": attention_backend.write_pages}
 
 def _step(writer, layers, num_pages):
     def step(k_cache, v_cache, k_new, v_new, meta):
-        token_pages = attention_backend._token_pages(meta)
-
-        def layer(carry, i):
+        def layer(carry, i):  # as backend.attention.paged_attention reads a layer's pages
             k_cache, v_cache = carry
-            shifted = token_pages + i * num_pages
             layer_meta = meta.at_attention_layer(i, num_pages)
-            k_cache = writer(k_cache, k_new[i], layer_meta, shifted)
-            v_cache = writer(v_cache, v_new[i], layer_meta, shifted)
+            token_pages = attention_backend._token_pages(layer_meta)
+            k_cache = writer(k_cache, k_new[i], layer_meta, token_pages)
+            v_cache = writer(v_cache, v_new[i], layer_meta, token_pages)
             return (k_cache, v_cache), None
 
         (k_cache, v_cache), _ = jax.lax.scan(
