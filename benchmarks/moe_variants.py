@@ -10,6 +10,11 @@ rows), ``decode B``: B tokens; the gate/up product (K=2048, N=512), gate and up 
 and the down product (K=512, N=2048). Rows are spread over the experts at random (multinomial).
 Device time from a profiler trace; the limit is the larger of the FLOP time (7.9e14 FLOP/s)
 and the byte time of the experts touched (4.3e12 B/s).
+
+At up to 64 routed rows (``BY_ID_MAX_PAIRS``) the fused gate/up and down products also run
+in ``moe.expert_matmul`` (each token's experts read by id, ``by id`` rows; each token takes 8
+distinct experts), and ``--bucket N`` adds ``by id, T of N`` rows: T real tokens in a decode
+bucket of N rows, the rest padding (ids out of range), as the engine runs batch 1.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_time import device_time  # noqa: E402
 
+from hybrid_jax.layers.moe import BY_ID_MAX_PAIRS  # noqa: E402
+from pallas_kernels import moe  # noqa: E402
+
 EXPERTS, HIDDEN, WIDTH, TOP_K = 256, 2048, 512, 8
 CONFIGS = {
     # name: (block_m, block_n, block_k, num_stages, persistent, grid_minor_dim, tile_width)
@@ -40,11 +48,46 @@ CONFIGS = {
 }
 
 
+def _by_id_rows(tokens: int, bucket: int, rng: np.random.Generator) -> list[str]:
+    """``moe.expert_matmul`` for the fused gate/up and the down product of ``tokens`` tokens,
+    alone and as the real rows of a decode bucket of ``bucket`` rows."""
+    out = []
+    cases = [(tokens, tokens)] + ([(tokens, bucket)] if bucket > tokens else [])
+    for real, rows in cases:
+        chosen = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(rows)])
+        chosen[real:] = EXPERTS  # padding rows: out of range, read nothing
+        touched = len(np.unique(chosen[:real]))
+        label = "by id" if real == rows else f"by id, {real} of {rows}"
+        for product, k, n in (("gate+up fused", HIDDEN, 2 * WIDTH), ("down", WIDTH, HIDDEN)):
+            keys = jax.random.split(jax.random.key(k * n + rows), 2)
+            pairs = chosen if product != "down" else chosen.reshape(-1, 1)
+            x = jax.random.normal(keys[0], (pairs.shape[0], k), jnp.bfloat16)
+            w = jax.random.normal(keys[1], (EXPERTS, k, n), jnp.bfloat16) * k**-0.5
+            ids = jnp.asarray(pairs, jnp.int32)
+            f = jax.jit(lambda x, w, e: moe.expert_matmul(x, w, e, impl="pallas"))
+            got = np.asarray(f(x, w, ids), np.float32)
+            want = np.asarray(moe.expert_matmul_reference(x, w, ids), np.float32)
+            err = float(np.abs(got - want).max())
+            us = device_time(lambda f=f, a=(x, w, ids): f(*a), calls=5).us
+            limit_us = (touched * k * n * 2 + real * TOP_K * (k + n) * 2) / 4.3e12 * 1e6
+            out.append(
+                f"| {real} | {product} | {label} | {us:.1f} | {limit_us:.1f} | "
+                f"{limit_us / us:.0%} |" + (f" err {err:.2g}" if err > 0.05 else "")
+            )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="8192,64,1")
+    parser.add_argument(
+        "--configs", default=",".join(["heuristic", *CONFIGS]),
+        help="tokamax configs to time, comma-separated",
+    )  # fmt: skip
+    parser.add_argument("--bucket", type=int, default=8, help="decode bucket of the by-id rows")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args()
+    chosen = [c for c in args.configs.split(",") if c]
     from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as rd
     from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as rd_common
 
@@ -72,6 +115,8 @@ def main() -> None:
             limit_us = max(flops / 7.9e14, moved / 4.3e12) * 1e6
             want = None
             for name, cfg in [("heuristic", None), *CONFIGS.items()]:
+                if name not in chosen:
+                    continue
                 try:
                     if cfg is None:
                         op = rd.PallasMosaicGpuRaggedDot()
@@ -102,6 +147,10 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 (a failing config is a row)
                     traceback.print_exc(limit=1)
                     row = f"| {tokens} | {product} | {name} | failed: {str(exc)[:80]} | | |"
+                print(row, flush=True)
+                lines.append(row)
+        if rows <= BY_ID_MAX_PAIRS:
+            for row in _by_id_rows(tokens, args.bucket, rng):
                 print(row, flush=True)
                 lines.append(row)
     (Path(args.out) / "RESULTS_moe_variants.md").write_text("\n".join(lines) + "\n")

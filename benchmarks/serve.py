@@ -61,6 +61,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from device_time import call_events  # noqa: E402
 
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa: E402
+from hybrid_jax.layers import moe as moe_layer  # noqa: E402
 from hybrid_jax.metadata import MIN_BATCH_BUCKET  # noqa: E402
 from hybrid_jax.models.layer_scan import scan_layers  # noqa: E402
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
@@ -606,7 +607,12 @@ def main(argv: list[str] | None = None) -> int:
         "--kernel-tables", action="store_true",
         help="write each row's kernels (calls and us per step) to --out as kernels_*.tsv",
     )  # fmt: skip
-    parser.add_argument("--moe", choices=("auto", "reference", "both"), default="auto")
+    parser.add_argument(
+        "--moe", default="auto",
+        help="MoE variants, comma-separated: auto (the engine's choice), sorted (tokamax's "
+        "grouped matmul at every batch: no experts by id), reference (ragged_dot); both = "
+        "auto,reference",
+    )  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--flops", type=float, default=7.9e14)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
@@ -648,13 +654,24 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     kernel = _GROUPED_MATMUL._tokamax_ragged_dot
     both = ["auto", "reference"] if kernel() is not None else ["reference"]
-    variants = {"auto": ["auto"], "reference": ["reference"], "both": both}
+    chosen = both if args.moe == "both" else [v for v in args.moe.split(",") if v]
+    unknown = sorted(set(chosen) - {"auto", "sorted", "reference"})
+    if unknown:
+        parser.error(f"--moe {args.moe!r}: {unknown} not among auto, sorted, reference, both")
+    by_id_max_pairs = moe_layer.BY_ID_MAX_PAIRS
     rows: list[Row] = []
-    for variant in variants[args.moe]:
-        # The reference rows hide tokamax from the grouped matmul, so auto takes ragged_dot.
-        _GROUPED_MATMUL._tokamax_ragged_dot = kernel if variant == "auto" else (lambda: None)
+    for variant in chosen:
+        # The reference rows hide tokamax from the grouped matmul, so auto takes ragged_dot;
+        # the sorted rows never run experts by id.
+        _GROUPED_MATMUL._tokamax_ragged_dot = kernel if variant != "reference" else (lambda: None)
+        moe_layer.BY_ID_MAX_PAIRS = 0 if variant == "sorted" else by_id_max_pairs
         args.program_store = variant == "auto"
-        label = "MoE " + ("tokamax" if variant == "auto" and kernel() is not None else "ragged_dot")
+        tokamax = variant != "reference" and kernel() is not None
+        label = (
+            "MoE "
+            + ("tokamax" if tokamax else "ragged_dot")
+            + (", no experts by id" if variant == "sorted" else "")
+        )
         if not getattr(c, "num_experts", 0):
             label = "dense"
         decode_rows = [(int(b), args.prompt_len) for b in args.decode.split(",") if b]
@@ -690,6 +707,7 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(c, "num_experts", 0):
             break
     _GROUPED_MATMUL._tokamax_ragged_dot = kernel
+    moe_layer.BY_ID_MAX_PAIRS = by_id_max_pairs
     title = f"{args.preset}, {c.num_hidden_layers} layers"
     name = "RESULTS_serve_smoke.md" if args.smoke else "RESULTS_serve.md"
     write_results(out / name, title, rows)

@@ -1,5 +1,5 @@
 """ExpertDispatch: rows sorted by expert, and the weighted combine back to tokens, against a
-float64 loop over the (token, choice) pairs."""
+float64 loop over the (token, choice) pairs; a few tokens' experts run by id instead."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from hybrid_jax.layers.moe import ExpertDispatch
+from hybrid_jax.layers.moe import BY_ID_MAX_PAIRS, ExpertDispatch, MoEConfig, SparseMoE
 
 
 @pytest.mark.parametrize("tokens,top_k,experts", [(13, 3, 5), (1, 4, 8), (32, 1, 3)])
@@ -70,3 +71,36 @@ def test_the_dispatch_has_no_scatter():
     real = jax.ShapeDtypeStruct((8,), jnp.bool_)
     text = jax.jit(ExpertDispatch.sort, static_argnums=1).lower(experts, 16, real).as_text()
     assert "scatter" not in text and "sort" in text
+
+
+def _bf16_moe(seed):
+    config = MoEConfig(hidden_size=128, num_experts=8, top_k=2, intermediate_size=128,
+                       shared_intermediate_size=64, dtype="bfloat16")  # fmt: skip
+    return SparseMoE(config, rngs=nnx.Rngs(seed))
+
+
+def test_a_few_tokens_run_their_experts_by_id_as_the_sorted_path_does():
+    moe = _bf16_moe(5)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((5, 128)), jnp.bfloat16)
+    real = jnp.arange(5) < 3  # a bucket of 5 rows, 3 real
+
+    def run(impl):
+        return jax.jit(lambda m, a, r: m(a, r, impl=impl))(moe, x, real)
+
+    by_id, sorted_ = np.asarray(run("interpret"), np.float64), np.asarray(run("reference"))
+    sorted_ = sorted_.astype(np.float64)
+    assert np.linalg.norm(by_id - sorted_) / np.linalg.norm(sorted_) < 1e-2
+    # Padding tokens get the shared expert alone on both paths.
+    shared = jax.nn.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
+    np.testing.assert_allclose(by_id[3:], np.asarray(shared[3:], np.float64), rtol=1e-2, atol=1e-2)
+
+    def lowered(tokens, impl):
+        a = jax.ShapeDtypeStruct((tokens, 128), jnp.bfloat16)
+        return jax.jit(lambda m, a: m(a, impl=impl)).lower(moe, a).as_text()
+
+    # By id: no sort of the pairs; past BY_ID_MAX_PAIRS pairs, or on the reference, the sort.
+    assert "stablehlo.sort" not in lowered(5, "interpret")
+    assert "stablehlo.sort" in lowered(5, "reference")
+    assert not moe._runs_by_id(
+        jnp.zeros((BY_ID_MAX_PAIRS // 2 + 1, 128), jnp.bfloat16), "interpret"
+    )

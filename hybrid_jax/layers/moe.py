@@ -3,7 +3,8 @@
 The MoE routes each token to its ``top_k`` experts by softmax probability (renormalised over
 the chosen ones when ``norm_topk_prob``), runs the chosen experts as grouped matmuls over the
 tokens sorted by expert (``jax.lax.ragged_dot``: each expert multiplies only its own tokens),
-and adds a shared expert scaled by ``sigmoid(shared_expert_gate(x))``.
+and adds a shared expert scaled by ``sigmoid(shared_expert_gate(x))``. A step of a few tokens
+on the GPU runs its experts by id instead (``moe.expert_matmul``: no sort, gather or groups).
 
 Expert weights are stacked in ``[E, in, out]`` order, the layout the grouped matmul reads:
 ``gate_up_proj`` ``[E, hidden, 2I]`` (the gate's I columns, then the up projection's: one
@@ -19,9 +20,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels import moe
+from pallas_kernels import moe, resolve_impl
 
-__all__ = ["MLP", "ExpertDispatch", "MoEConfig", "SparseMoE"]
+__all__ = ["BY_ID_MAX_PAIRS", "MLP", "ExpertDispatch", "MoEConfig", "SparseMoE"]
+
+BY_ID_MAX_PAIRS = 64
+"""Routed (token, choice) pairs up to which a step runs its experts by id: each pair reads its
+own expert, which costs about what the grouped matmul reads while few pairs share an expert
+(decode buckets up to 8 tokens at top 8), and the step skips the sort-based dispatch."""
 
 
 class MLP(nnx.Module):
@@ -166,6 +172,10 @@ class SparseMoE(nnx.Module):
         """x ``[T, hidden]`` -> the same; ``real`` (bool ``[T]``) marks the tokens of real
         rows, whose experts alone are computed (padding tokens get the shared expert only)."""
         weights, experts = self.route(x)
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self._runs_by_id(x, impl):
+            routed = self._experts_by_id(x, real, weights, experts, impl=impl)
+            return routed.astype(x.dtype) + shared
         dispatch = ExpertDispatch.sort(experts, self.config.num_experts, real)
         xs = dispatch.rows(x)
 
@@ -175,5 +185,28 @@ class SparseMoE(nnx.Module):
         gate, up = jnp.split(experts_matmul(xs, self.gate_up_proj), 2, axis=-1)
         hidden = jax.nn.silu(gate) * up
         routed = dispatch.combine(experts_matmul(hidden, self.down_proj), weights)
-        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed.astype(x.dtype) + shared
+
+    def _runs_by_id(self, x: jax.Array, impl: str) -> bool:
+        """Whether this call's experts run by id: few pairs, and the kernel runs here (never
+        the reference, which would gather every pair's whole expert)."""
+        if not 0 < x.shape[0] * self.config.top_k <= BY_ID_MAX_PAIRS:
+            return False
+        w = self.gate_up_proj[...]
+        for x_, w_ in ((x, w), (x[:, : self.config.intermediate_size], self.down_proj[...])):
+            if moe.expert_matmul_unsupported_reason(x_, w_) is not None:
+                return False
+        return resolve_impl("expert_matmul", impl, None) != "reference"
+
+    def _experts_by_id(self, x, real, weights, experts, *, impl: str) -> jax.Array:
+        """float32 ``[T, hidden]``: each token's experts read by id (padding tokens' ids are
+        out of range: they read none and give zeros), weighted and summed."""
+        tokens, top_k = experts.shape
+        if real is not None:
+            experts = jnp.where(real[:, None], experts, self.config.num_experts)
+        gate_up = moe.expert_matmul(x, self.gate_up_proj[...], experts, impl=impl)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        hidden = (jax.nn.silu(gate) * up).reshape(tokens * top_k, -1)
+        ys = moe.expert_matmul(hidden, self.down_proj[...], experts.reshape(-1, 1), impl=impl)
+        ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
+        return (ys * weights.astype(jnp.float32)[..., None]).sum(axis=1)

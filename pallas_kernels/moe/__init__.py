@@ -1,5 +1,14 @@
-"""Mixture-of-experts ops: the grouped matmul over tokens sorted by expert."""
+"""Mixture-of-experts ops: the grouped matmul over tokens sorted by expert, and the product of
+each row with its own experts read by id (a few tokens a step)."""
 
+from pallas_kernels.moe.expert_matmul import expert_matmul, expert_matmul_reference
+from pallas_kernels.moe.expert_matmul import unsupported_reason as expert_matmul_unsupported_reason
 from pallas_kernels.moe.grouped_matmul import grouped_matmul, unsupported_reason
 
-__all__ = ["grouped_matmul", "unsupported_reason"]
+__all__ = [
+    "expert_matmul",
+    "expert_matmul_reference",
+    "expert_matmul_unsupported_reason",
+    "grouped_matmul",
+    "unsupported_reason",
+]

@@ -1,5 +1,7 @@
-"""The MoE grouped matmul on an sm_90 GPU (tokamax's Mosaic GPU ragged dot), at Qwen3-Next
-expert shapes, against the float64 oracle and ``jax.lax.ragged_dot``; skipped without tokamax."""
+"""The MoE kernels on an sm_90 GPU at Qwen3-Next / Qwen3.5 expert shapes: the grouped matmul
+(tokamax's Mosaic GPU ragged dot; its test needs tokamax) against the float64 oracle and
+``jax.lax.ragged_dot``, and the experts by id (``moe.expert_matmul``) against the oracle,
+alone and inside the MoE layer of a decode bucket."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from hybrid_jax.layers.moe import MoEConfig, SparseMoE
 from pallas_kernels import moe
 from pallas_kernels._common import on_hopper_gpu
 from pallas_kernels.moe.reference import grouped_matmul_oracle
@@ -42,3 +46,51 @@ def test_kernel_matches_the_oracle_and_zeroes_padding(rows, experts, k, n):
     assert np.linalg.norm(got64 - want) / np.linalg.norm(want) < 1e-2
     np.testing.assert_array_equal(got64[sizes.sum() :], 0)
     assert np.linalg.norm(np.asarray(ref, np.float64) - got64) / np.linalg.norm(want) < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("rows", "choices", "k", "n", "real"),
+    [
+        (8, 8, 2048, 1024, 1),  # the fused gate/up of batch 1 in a bucket of 8 rows
+        (8, 8, 2048, 1024, 8),
+        (64, 1, 512, 2048, 8),  # their down product, one row per (token, choice)
+        (5, 3, 2048, 512, 5),  # rows not a multiple of 8
+    ],
+)
+def test_experts_by_id_match_the_oracle_and_read_no_padding_expert(rows, choices, k, n, real):
+    rng = np.random.default_rng(rows * choices + real)
+    experts = 256
+    pad = real if choices > 1 else real * 8  # the first padding row
+    x = rng.standard_normal((rows, k))
+    # Padding rows are NaN: a real row that shares their 8-row group must not see them.
+    x[pad:] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, k, n)) / np.sqrt(k), jnp.bfloat16)
+    ids = np.stack([rng.choice(experts, choices, replace=False) for _ in range(rows)])
+    ids = ids.astype(np.int32)
+    ids[pad:] = experts  # out of range: read nothing, give zeros
+    got = jax.jit(lambda *a: moe.expert_matmul(*a, impl="pallas"))(x, w, jnp.asarray(ids))
+    got64 = np.asarray(got, np.float64)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    want = np.zeros(got64.shape)
+    for r, c in np.ndindex(ids.shape):
+        if r < pad:
+            want[r, c] = x64[r] @ w64[ids[r, c]]
+    assert np.isfinite(got64).all()
+    assert np.linalg.norm(got64 - want) / np.linalg.norm(want) < 1e-2
+    np.testing.assert_array_equal(got64[pad:], 0)
+
+
+def test_a_decode_bucket_s_experts_by_id_match_the_reference_layer():
+    config = MoEConfig(hidden_size=2048, num_experts=256, top_k=8, intermediate_size=512,
+                       shared_intermediate_size=512, dtype="bfloat16")  # fmt: skip
+    layer = SparseMoE(config, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 2048)), jnp.bfloat16)
+    real = jnp.arange(8) < 3
+    assert layer._runs_by_id(x, "auto")
+
+    def run(impl):
+        return np.asarray(jax.jit(lambda m, a, r: m(a, r, impl=impl))(layer, x, real), np.float64)
+
+    got, want = run("auto"), run("reference")
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2

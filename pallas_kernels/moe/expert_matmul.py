@@ -1,0 +1,187 @@
+"""expert_matmul: each row of ``x`` times the matrices of its own experts, read by expert id.
+
+``out[r, c] = x[r] @ w[experts[r, c]]``: the products of a MoE block when it routes only a few
+tokens (decode at small batch), with no sort of the (token, choice) pairs, no gather of their
+rows and no groups. An expert id outside ``0 .. E - 1`` (a padding row's) gives a zero row and
+reads nothing.
+
+The Mosaic GPU kernel (sm_90): a program owns a ``BLOCK_N``-column tile of some (row, choice)
+pairs (``programs_per_tile``: one wave of programs). For each pair it reads the expert id,
+streams that expert's ``[K, BLOCK_N]`` tile through a ring of ``STAGES`` TMA buffers and
+multiplies it on the tensor cores; a padding pair costs the read of its id. The wgmma tile
+has 64 rows; a program loads the 8-row group of ``x`` that holds its row (TMA moves whole
+8-row groups of the swizzled tile), multiplies all 8 and stores them, and XLA keeps its row.
+A step reads each pair's expert tile once, so it costs about its experts' bytes while few
+pairs share an expert; the sort-based ``grouped_matmul`` is for many rows per expert.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl
+from pallas_kernels._mgpu_chunks import ALIGN, F32, WG, matmul_into, smem
+
+__all__ = [
+    "BLOCK_K",
+    "BLOCK_N",
+    "expert_matmul",
+    "expert_matmul_reference",
+    "programs_per_tile",
+    "unsupported_reason",
+]
+
+_OP = "expert_matmul"
+BLOCK_K = 128  # K of one ring stage: a 64 x 128 row tile and a 128 x BLOCK_N expert tile
+BLOCK_N = 64  # columns of a program: N / 64 programs per row keep the SMs busy at batch 1
+STAGES = 4
+ROWS_PER_TILE = 64  # the wgmma tile's rows; only the first ALIGN are loaded and stored
+_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
+    """Why the Mosaic GPU kernel cannot take this call, or None when it can."""
+    if x.dtype != w.dtype or x.dtype not in _DTYPES:
+        return f"x and w must share a 16-bit float dtype (got {x.dtype} and {w.dtype})"
+    if x.shape[1] % BLOCK_K or w.shape[2] % BLOCK_N:
+        return (
+            f"K={x.shape[1]} must be a multiple of {BLOCK_K} and N={w.shape[2]} a multiple "
+            f"of {BLOCK_N}"
+        )
+    return None
+
+
+def _check(x: jax.Array, w: jax.Array, experts: jax.Array) -> None:
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"{_OP}: x must be [R, K] and w [E, K, N] with one K; got {x.shape} and {w.shape}"
+        )
+    if experts.ndim != 2 or experts.shape[0] != x.shape[0] or experts.dtype != jnp.int32:
+        raise ValueError(
+            f"{_OP}: experts must be int32 [R={x.shape[0]}, C]; got {experts.dtype} {experts.shape}"
+        )
+
+
+def expert_matmul_reference(x: jax.Array, w: jax.Array, experts: jax.Array) -> jax.Array:
+    """The same product in XLA: each (row, choice) gathers its expert's whole matrix."""
+    num_experts = w.shape[0]
+    valid = (experts >= 0) & (experts < num_experts)
+    mats = w[jnp.clip(experts, 0, num_experts - 1)]  # [R, C, K, N]
+    out = jnp.einsum("rk,rckn->rcn", x, mats, preferred_element_type=F32)
+    return jnp.where(valid[..., None], out, 0).astype(x.dtype)
+
+
+def programs_per_tile(pairs: int, col_tiles: int) -> int:
+    """Programs that share one column tile's pairs: the grid stays within one wave of the
+    SMs (a program takes a whole SM's shared memory), so a program whose pairs are all
+    padding never delays one that has work."""
+    return max(1, min(pairs, NUM_SMS // col_tiles))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _kernel(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: bool) -> jax.Array:
+    rows, k_dim = x.shape
+    num_experts, _, n_dim = w.shape
+    choices = experts.shape[1]
+    pairs = rows * choices
+    steps = k_dim // BLOCK_K
+    stages = min(STAGES, steps)
+    col_tiles = n_dim // BLOCK_N
+    programs = programs_per_tile(pairs, col_tiles)
+    per_program = -(-pairs // programs)
+    dtype = x.dtype
+    padded = -(-rows // ALIGN) * ALIGN
+    xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
+    flat = jnp.pad(experts.reshape(-1), (0, programs * per_program - pairs), constant_values=-1)
+
+    def body(experts_ref, x_ref, w_ref, o_ref, x_s, w_s, o_s, bars):
+        col, first = lax.axis_index("n"), lax.axis_index("p")
+        cols = pl.ds(col * BLOCK_N, BLOCK_N)
+        # This program's pairs are first, first + programs, ...: with the real rows first
+        # (a bucket's padding last), the real pairs spread over all programs. Their ids load
+        # together, before any waits on them.
+        ids = [experts_ref[first + i * programs] for i in range(per_program)]
+
+        def product(pair, expert):
+            """Pair ``pair``'s column tile: its row's 8-row group times ``w[expert]``."""
+            group = pl.ds((pair // choices // ALIGN) * ALIGN, ALIGN)
+
+            def fill(j, stage):
+                ks = pl.ds(j * BLOCK_K, BLOCK_K)
+                bar = bars.at[stage]
+                plgpu.copy_gmem_to_smem(x_ref.at[group, ks], x_s.at[stage, pl.ds(0, ALIGN)], bar)
+                plgpu.copy_gmem_to_smem(w_ref.at[expert, ks, cols], w_s.at[stage], bar)
+
+            for j in range(stages):
+                fill(j, j)
+
+            def step(j, acc):
+                stage = lax.rem(j, stages)
+                plgpu.barrier_wait(bars.at[stage])
+                acc = matmul_into(acc, x_s.at[stage], w_s.at[stage], interpret=interpret)
+                # The product has read this stage: it takes block j + stages.
+                pl.when(j + stages < steps)(lambda: fill(j + stages, stage))
+                return acc
+
+            init = plgpu.layout_cast(jnp.zeros((ROWS_PER_TILE, BLOCK_N), F32), WG)
+            acc = lax.fori_loop(0, steps, step, init)
+            plgpu.wait_smem_to_gmem(0)  # the previous pair's store has left o_s
+            o_s[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, ALIGN)], o_ref.at[pair, :, cols])
+
+        for i, expert in enumerate(ids):
+            valid = (expert >= 0) & (expert < num_experts)
+            pl.when(valid)(functools.partial(product, first + i * programs, expert))
+        plgpu.wait_smem_to_gmem(0)
+
+    out = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype),
+        scratch_types=[
+            smem((stages, ROWS_PER_TILE, BLOCK_K), dtype),
+            smem((stages, BLOCK_K, BLOCK_N), dtype),
+            smem((ROWS_PER_TILE, BLOCK_N), dtype),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ],
+        grid=(col_tiles, programs),
+        grid_names=("n", "p"),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
+        interpret=interpret_params(interpret),
+        kernel_name="expert_matmul",
+    )(flat, xp, w)
+    # Pair p's program stored the 8-row group of its row r = p // C; r is line r % 8 of it.
+    # Padding pairs' tiles were never written: they become zeros here.
+    pair = jnp.arange(pairs)
+    out = out[pair, (pair // choices) % ALIGN]
+    valid = (flat[:pairs] >= 0) & (flat[:pairs] < num_experts)
+    return jnp.where(valid[:, None], out, 0).reshape(rows, choices, n_dim)
+
+
+def expert_matmul(
+    x: jax.Array, w: jax.Array, experts: jax.Array, *, impl: str = "auto"
+) -> jax.Array:
+    """``out[r, c] = x[r] @ w[experts[r, c]]`` (float32 accumulation).
+
+    Args:
+      x: ``[R, K]`` rows.
+      w: ``[E, K, N]`` one matrix per expert, in the layout the kernel reads.
+      experts: int32 ``[R, C]`` each row's experts; an id outside ``0 .. E - 1`` gives a zero
+        row and reads no expert.
+      impl: ``"auto" | "pallas" | "interpret" | "reference"``.
+
+    Returns:
+      ``[R, C, N]`` in x's dtype.
+    """
+    _check(x, w, experts)
+    reason = unsupported_reason(x, w) if impl != "reference" else None
+    choice = resolve_impl(_OP, impl, reason)
+    if choice == "reference":
+        return expert_matmul_reference(x, w, experts)
+    return _kernel(x, w, experts, interpret=choice == "interpret")

@@ -1,0 +1,103 @@
+"""expert_matmul: the Mosaic GPU kernel in the interpreter and the XLA reference against a
+float64 oracle, padding ids, the ``cuda`` lowering, and the errors for misshapen calls."""
+
+from __future__ import annotations
+
+import importlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import moe
+
+# The module, not the function of the same name that the package re-exports.
+em_module = importlib.import_module("pallas_kernels.moe.expert_matmul")
+
+
+def _case(seed, rows, choices, k, n, experts=6):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, k, n)) / np.sqrt(k), jnp.bfloat16)
+    ids = rng.integers(0, experts, (rows, choices)).astype(np.int32)
+    ids[1, -1] = experts  # padding ids, past either end: zero rows, nothing read
+    ids[-1, 0] = -1
+    return x, w, ids
+
+
+def _oracle(x, w, ids):
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    out = np.zeros((*ids.shape, w.shape[2]))
+    for r, c in np.ndindex(ids.shape):
+        if 0 <= ids[r, c] < w.shape[0]:
+            out[r, c] = x64[r] @ w64[ids[r, c]]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("rows", "choices", "k", "n"),
+    [
+        (5, 3, 256, 128),  # rows not a multiple of 8: the last group is padded
+        (11, 1, 128, 64),  # the down product's one choice per row
+        (4, 4, 256, 64 * 33),  # 33 column tiles: 4 programs a tile, 4 pairs each
+    ],
+)
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_matches_the_float64_oracle_and_zeroes_padding_ids(rows, choices, k, n, impl):
+    x, w, ids = _case(rows * k + n, rows, choices, k, n)
+    got = moe.expert_matmul(x, w, jnp.asarray(ids), impl=impl)
+    chex.assert_shape(got, (rows, choices, n))
+    assert got.dtype == jnp.bfloat16
+    got64, want = np.asarray(got, np.float64), _oracle(x, w, ids)
+    assert np.linalg.norm(got64 - want) / np.linalg.norm(want) < 1e-2
+    np.testing.assert_array_equal(got64[1, -1], 0)
+    np.testing.assert_array_equal(got64[-1, 0], 0)
+
+
+def test_programs_stay_within_one_wave_and_share_the_pairs():
+    assert em_module.programs_per_tile(64, 16) == 8  # gate/up of 8 tokens at top 8
+    assert em_module.programs_per_tile(64, 32) == 4  # their down product
+    assert em_module.programs_per_tile(3, 2) == 3  # never more programs than pairs
+    assert em_module.programs_per_tile(64, 200) == 1
+
+
+def test_the_kernel_lowers_for_cuda():
+    x = jnp.zeros((8, 2048), jnp.bfloat16)
+    w = jnp.zeros((256, 2048, 1024), jnp.bfloat16)
+    ids = jnp.zeros((8, 8), jnp.int32)
+
+    def call(*a):
+        return em_module._kernel(*a, interpret=False)
+
+    text = jax.jit(call).trace(x, w, ids).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_unsupported_reason_names_dtype_and_alignment():
+    x = jnp.zeros((8, 256), jnp.bfloat16)
+    assert moe.expert_matmul_unsupported_reason(x, jnp.zeros((2, 256, 64), jnp.bfloat16)) is None
+    assert "16-bit float" in moe.expert_matmul_unsupported_reason(
+        x, jnp.zeros((2, 256, 64), jnp.float32)
+    )
+    assert "multiple of 64" in moe.expert_matmul_unsupported_reason(
+        x, jnp.zeros((2, 256, 96), jnp.bfloat16)
+    )
+    short = jnp.zeros((8, 64), jnp.bfloat16)
+    assert "multiple of 128" in moe.expert_matmul_unsupported_reason(
+        short, jnp.zeros((2, 64, 64), jnp.bfloat16)
+    )
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "ids", "match"),
+    [
+        ((8, 128), (2, 64, 64), jnp.zeros((8, 2), jnp.int32), "one K"),
+        ((8, 128), (2, 128, 64), jnp.zeros((7, 2), jnp.int32), r"int32 \[R=8, C\]"),
+        ((8, 128), (2, 128, 64), jnp.zeros((8, 2), jnp.float32), r"int32 \[R=8, C\]"),
+    ],
+)
+def test_misshapen_calls_raise_naming_the_shapes(x_shape, w_shape, ids, match):
+    with pytest.raises(ValueError, match=match):
+        moe.expert_matmul(jnp.zeros(x_shape, jnp.bfloat16), jnp.zeros(w_shape, jnp.bfloat16), ids)
