@@ -1,6 +1,6 @@
 """Standalone Pallas kernels for hybrid linear attention (no import of hybrid_jax)."""
 
-from pallas_kernels import attention, conv1d, gdn, mamba2, moe
+from pallas_kernels import attention, conv1d, gdn, mamba2, moe, projections
 from pallas_kernels._common import IMPLS, on_hopper_gpu, resolve_impl
 from pallas_kernels.commit import commit_states
 
@@ -13,5 +13,6 @@ __all__ = [
     "mamba2",
     "moe",
     "on_hopper_gpu",
+    "projections",
     "resolve_impl",
 ]

@@ -21,6 +21,7 @@ from flax import nnx
 
 from hybrid_jax.backend.attention import paged_attention
 from hybrid_jax.kv_cache import KVCacheSpec
+from hybrid_jax.layers.linear import project
 from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 
@@ -134,10 +135,11 @@ class Attention(nnx.Module):
         ``[P, page_size, KVH, head_dim]``."""
         c = self.config
         t = x.shape[0]  # explicit sizes: t == 0 when IDLE
-        q = self.q_proj(x).reshape(t, c.num_heads, (1 + c.gated) * c.head_dim)
+        q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], impl=impl)
+        q = q.reshape(t, c.num_heads, (1 + c.gated) * c.head_dim)
         q, gate = q[..., : c.head_dim], q[..., c.head_dim :]  # gate: [T, H, 0] when not gated
-        k = self.k_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).reshape(t, c.num_kv_heads, c.head_dim)
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if c.rotary_dim:

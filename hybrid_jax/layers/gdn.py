@@ -20,6 +20,7 @@ from flax import nnx
 
 from hybrid_jax.backend import GDNDims, gdn_mix
 from hybrid_jax.backend.linear import LinearLayerOutput
+from hybrid_jax.layers.linear import project
 from hybrid_jax.layers.norm import GatedRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.state_pool import LinearStateSpec
@@ -144,13 +145,14 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = nnx.Linear(d.value_dim, c.hidden_size, use_bias=False, dtype=dtype,
                                    param_dtype=dtype, rngs=rngs)  # fmt: skip
 
-    def _project(self, x: jax.Array):
+    def _project(self, x: jax.Array, *, impl: str = "auto"):
         d = self.config.dims
         t = x.shape[0]
+        mixed, z, ba = project(x, [self.in_proj_qkv, self.in_proj_z, self.in_proj_ba], impl=impl)
         # Explicit sizes everywhere: an IDLE step has t == 0, where -1 cannot be inferred.
-        z = self.in_proj_z(x).reshape(t, d.num_value_heads, d.head_v_dim)
-        b, a = jnp.split(self.in_proj_ba(x), 2, axis=-1)
-        return self.in_proj_qkv(x), z, b, a
+        z = z.reshape(t, d.num_value_heads, d.head_v_dim)
+        b, a = jnp.split(ba, 2, axis=-1)
+        return mixed, z, b, a
 
     def __call__(
         self,
@@ -163,7 +165,7 @@ class GatedDeltaNet(nnx.Module):
     ) -> LinearLayerOutput:
         """x: ``[T, hidden]`` packed tokens of ``meta``; conv_state ``[S, C, W-1]``;
         ssm_state float32 ``[S, HV, K, V]``."""
-        mixed, z, b, a = self._project(x)
+        mixed, z, b, a = self._project(x, impl=impl)
         mix = gdn_mix(
             mixed, self.conv_weight[...], self.A_log[...], a, self.dt_bias[...], b,
             conv_state, ssm_state, meta, self.config.dims, impl=impl,

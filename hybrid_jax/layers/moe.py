@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_jax.layers.linear import project
 from pallas_kernels import moe, resolve_impl
 
 __all__ = ["BY_ID_MAX_PAIRS", "MLP", "ExpertDispatch", "MoEConfig", "SparseMoE"]
@@ -158,21 +159,27 @@ class SparseMoE(nnx.Module):
             c.hidden_size, 1, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(weights ``[T, top_k]`` in x's dtype, experts int32 ``[T, top_k]``) of each token."""
-        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)
+    def route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(weights ``[T, top_k]`` in the logits' dtype, experts int32 ``[T, top_k]``) of each
+        token, from its router logits ``[T, E]``."""
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         weights, experts = jax.lax.top_k(probs, self.config.top_k)
         if self.config.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        return weights.astype(x.dtype), experts.astype(jnp.int32)
+        return weights.astype(logits.dtype), experts.astype(jnp.int32)
 
     def __call__(
         self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
     ) -> jax.Array:
         """x ``[T, hidden]`` -> the same; ``real`` (bool ``[T]``) marks the tokens of real
         rows, whose experts alone are computed (padding tokens get the shared expert only)."""
-        weights, experts = self.route(x)
-        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared_mlp = self.shared_expert
+        logits, shared_gate, shared_up = project(
+            x, [self.gate, shared_mlp.gate_proj, shared_mlp.up_proj], impl=impl
+        )
+        weights, experts = self.route(logits)
+        shared = shared_mlp.down_proj(jax.nn.silu(shared_gate) * shared_up)
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
         if self._runs_by_id(x, impl):
             routed = self._experts_by_id(x, real, weights, experts, impl=impl)
             return routed.astype(x.dtype) + shared

@@ -6,11 +6,10 @@ rows and no groups. An expert id outside ``0 .. E - 1`` (a padding row's) gives 
 reads nothing.
 
 The Mosaic GPU kernel (sm_90): a program owns a ``BLOCK_N``-column tile of some (row, choice)
-pairs (``programs_per_tile``: one wave of programs). For each pair it reads the expert id,
-streams that expert's ``[K, BLOCK_N]`` tile through a ring of ``STAGES`` TMA buffers and
-multiplies it on the tensor cores; a padding pair costs the read of its id. The wgmma tile
-has 64 rows; a program loads the 8-row group of ``x`` that holds its row (TMA moves whole
-8-row groups of the swizzled tile), multiplies all 8 and stores them, and XLA keeps its row.
+pairs (``programs_per_tile``: one wave of programs). For each pair it reads the expert id and
+multiplies the 8-row group of ``x`` that holds its row (TMA moves whole 8-row groups) by that
+expert's ``[K, BLOCK_N]`` tile, streamed through a TMA ring (``_skinny.tile_product``); a
+padding pair costs the read of its id. It stores all 8 rows and XLA keeps its row.
 A step reads each pair's expert tile once, so it costs about its experts' bytes while few
 pairs share an expert; the sort-based ``grouped_matmul`` is for many rows per expert.
 """
@@ -26,7 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl
-from pallas_kernels._mgpu_chunks import ALIGN, F32, WG, matmul_into, smem
+from pallas_kernels._mgpu_chunks import ALIGN, F32
+from pallas_kernels._skinny import BLOCK_K, BLOCK_N, scratch, tile_product
 
 __all__ = [
     "BLOCK_K",
@@ -38,10 +38,6 @@ __all__ = [
 ]
 
 _OP = "expert_matmul"
-BLOCK_K = 128  # K of one ring stage: a 64 x 128 row tile and a 128 x BLOCK_N expert tile
-BLOCK_N = 64  # columns of a program: N / 64 programs per row keep the SMs busy at batch 1
-STAGES = 4
-ROWS_PER_TILE = 64  # the wgmma tile's rows; only the first ALIGN are loaded and stored
 _DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -91,7 +87,6 @@ def _kernel(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: bool) 
     choices = experts.shape[1]
     pairs = rows * choices
     steps = k_dim // BLOCK_K
-    stages = min(STAGES, steps)
     col_tiles = n_dim // BLOCK_N
     programs = programs_per_tile(pairs, col_tiles)
     per_program = -(-pairs // programs)
@@ -100,7 +95,7 @@ def _kernel(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: bool) 
     xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
     flat = jnp.pad(experts.reshape(-1), (0, programs * per_program - pairs), constant_values=-1)
 
-    def body(experts_ref, x_ref, w_ref, o_ref, x_s, w_s, o_s, bars):
+    def body(experts_ref, x_ref, w_ref, o_ref, *scratch_refs):
         col, first = lax.axis_index("n"), lax.axis_index("p")
         cols = pl.ds(col * BLOCK_N, BLOCK_N)
         # This program's pairs are first, first + programs, ...: with the real rows first
@@ -111,30 +106,10 @@ def _kernel(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: bool) 
         def product(pair, expert):
             """Pair ``pair``'s column tile: its row's 8-row group times ``w[expert]``."""
             group = pl.ds((pair // choices // ALIGN) * ALIGN, ALIGN)
-
-            def fill(j, stage):
-                ks = pl.ds(j * BLOCK_K, BLOCK_K)
-                bar = bars.at[stage]
-                plgpu.copy_gmem_to_smem(x_ref.at[group, ks], x_s.at[stage, pl.ds(0, ALIGN)], bar)
-                plgpu.copy_gmem_to_smem(w_ref.at[expert, ks, cols], w_s.at[stage], bar)
-
-            for j in range(stages):
-                fill(j, j)
-
-            def step(j, acc):
-                stage = lax.rem(j, stages)
-                plgpu.barrier_wait(bars.at[stage])
-                acc = matmul_into(acc, x_s.at[stage], w_s.at[stage], interpret=interpret)
-                # The product has read this stage: it takes block j + stages.
-                pl.when(j + stages < steps)(lambda: fill(j + stages, stage))
-                return acc
-
-            init = plgpu.layout_cast(jnp.zeros((ROWS_PER_TILE, BLOCK_N), F32), WG)
-            acc = lax.fori_loop(0, steps, step, init)
-            plgpu.wait_smem_to_gmem(0)  # the previous pair's store has left o_s
-            o_s[...] = acc.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, ALIGN)], o_ref.at[pair, :, cols])
+            tile_product(
+                x_ref.at[group], w_ref.at[expert, :, cols], o_ref.at[pair, :, cols],
+                *scratch_refs, steps=steps, interpret=interpret,
+            )  # fmt: skip
 
         for i, expert in enumerate(ids):
             valid = (expert >= 0) & (expert < num_experts)
@@ -144,12 +119,7 @@ def _kernel(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: bool) 
     out = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype),
-        scratch_types=[
-            smem((stages, ROWS_PER_TILE, BLOCK_K), dtype),
-            smem((stages, BLOCK_K, BLOCK_N), dtype),
-            smem((ROWS_PER_TILE, BLOCK_N), dtype),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        ],
+        scratch_types=scratch(steps, dtype),
         grid=(col_tiles, programs),
         grid_names=("n", "p"),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),

@@ -1,0 +1,70 @@
+"""The product of a few rows with one column tile of a weight, streamed through a TMA ring:
+what the Mosaic GPU kernels for small-batch products (``moe.expert_matmul``,
+``projections``) run per program.
+
+A program's rows (at most 64, a multiple of 8: TMA moves whole 8-row groups of the swizzled
+tile) fill the first rows of a 64-row wgmma tile; the weight's ``[K, BLOCK_N]`` column tile
+streams through ``stages`` buffers of ``BLOCK_K`` rows, a block refilling its stage as soon as
+the tensor cores have read it, so ``stages`` blocks stay in flight while one multiplies.
+"""
+
+from __future__ import annotations
+
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._mgpu_chunks import F32, WG, matmul_into, smem
+
+__all__ = ["BLOCK_K", "BLOCK_N", "ROWS_PER_TILE", "STAGES", "scratch", "tile_product"]
+
+BLOCK_K = 128  # K of one ring stage: a 64 x 128 row tile and a 128 x BLOCK_N weight tile
+BLOCK_N = 64  # columns of a program's tile: N / 64 programs per product keep the SMs busy
+STAGES = 4
+ROWS_PER_TILE = 64  # the wgmma tile's rows; only a program's own rows are loaded and stored
+
+
+def scratch(steps: int, dtype) -> list:
+    """The ring (rows and weight tiles), the output tile and the ring's barriers."""
+    stages = min(STAGES, steps)
+    return [
+        smem((stages, ROWS_PER_TILE, BLOCK_K), dtype),
+        smem((stages, BLOCK_K, BLOCK_N), dtype),
+        smem((ROWS_PER_TILE, BLOCK_N), dtype),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    ]
+
+
+def tile_product(x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *, steps: int, interpret: bool):
+    """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype).
+
+    ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64); ``w_cols``: ``[K,
+    BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``; ``steps = K // BLOCK_K``; the SMEM buffers and
+    barriers from ``scratch``. Waits for the previous call's store before reusing ``o_s``;
+    the caller waits for this one's (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
+    rows = x_rows.shape[0]
+    stages = min(STAGES, steps)
+
+    def fill(j, stage):
+        ks = pl.ds(j * BLOCK_K, BLOCK_K)
+        plgpu.copy_gmem_to_smem(x_rows.at[:, ks], x_s.at[stage, pl.ds(0, rows)], bars.at[stage])
+        plgpu.copy_gmem_to_smem(w_cols.at[ks], w_s.at[stage], bars.at[stage])
+
+    for j in range(stages):
+        fill(j, j)
+
+    def step(j, acc):
+        stage = lax.rem(j, stages)
+        plgpu.barrier_wait(bars.at[stage])
+        acc = matmul_into(acc, x_s.at[stage], w_s.at[stage], interpret=interpret)
+        # The product has read this stage: it takes block j + stages.
+        pl.when(j + stages < steps)(lambda: fill(j + stages, stage))
+        return acc
+
+    init = plgpu.layout_cast(jnp.zeros((ROWS_PER_TILE, BLOCK_N), F32), WG)
+    acc = lax.fori_loop(0, steps, step, init)
+    plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
+    o_s[...] = acc.astype(o_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, rows)], out_rows)

@@ -1,0 +1,122 @@
+"""projections: a few rows times several weights in one launch.
+
+``projections(x, (w0, w1, ...)) == (x @ w0, x @ w1, ...)`` for the products a layer takes from
+one input (a GDN layer's ``qkv``, ``z`` and ``b|a``; attention's q, k and v; a MoE block's
+router and shared expert). At decode a step has few rows, so each product is a read of its
+weight, and a launch per weight costs more than its bytes (~5 us for a 1 MB router); one
+launch reads every weight in place, no concatenation.
+
+The Mosaic GPU kernel (sm_90): one program per ``BLOCK_N``-column tile of every weight (the
+weights' tiles numbered one after another); each multiplies the rows by its tile, streamed
+through a TMA ring (``_skinny.tile_product``). Rows: at most 64 (one wgmma tile).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import interpret_params, resolve_impl
+from pallas_kernels._mgpu_chunks import ALIGN, F32
+from pallas_kernels._skinny import BLOCK_K, BLOCK_N, ROWS_PER_TILE, scratch, tile_product
+
+__all__ = ["MAX_ROWS", "projections", "projections_reference", "unsupported_reason"]
+
+_OP = "projections"
+MAX_ROWS = ROWS_PER_TILE
+_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def unsupported_reason(x: jax.Array, weights: Sequence[jax.Array]) -> str | None:
+    """Why the Mosaic GPU kernel cannot take this call, or None when it can."""
+    if x.shape[0] > MAX_ROWS:
+        return f"x has {x.shape[0]} rows; the kernel takes at most {MAX_ROWS}"
+    if x.dtype not in _DTYPES or any(w.dtype != x.dtype for w in weights):
+        dtypes = sorted({str(w.dtype) for w in weights})
+        return f"x and every weight must share a 16-bit float dtype (got {x.dtype} and {dtypes})"
+    if x.shape[1] % BLOCK_K:
+        return f"K={x.shape[1]} must be a multiple of {BLOCK_K}"
+    widths = [w.shape[1] for w in weights if w.shape[1] % BLOCK_N]
+    if widths:
+        return f"every weight's N must be a multiple of {BLOCK_N} (got {widths})"
+    return None
+
+
+def _check(x: jax.Array, weights: Sequence[jax.Array]) -> None:
+    if x.ndim != 2 or not weights or any(w.ndim != 2 or w.shape[0] != x.shape[1] for w in weights):
+        raise ValueError(
+            f"{_OP}: x must be [R, K] and each weight [K, N] with x's K; got x {x.shape} and "
+            f"weights {[w.shape for w in weights]}"
+        )
+
+
+def projections_reference(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    """The same products in XLA, one each."""
+    return tuple(jnp.dot(x, w, preferred_element_type=F32).astype(x.dtype) for w in weights)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _kernel(x: jax.Array, weights: tuple[jax.Array, ...], *, interpret: bool):
+    rows, k_dim = x.shape
+    steps = k_dim // BLOCK_K
+    held = -(-rows // ALIGN) * ALIGN
+    xp = jnp.pad(x, ((0, held - rows), (0, 0)))
+    tiles = [w.shape[1] // BLOCK_N for w in weights]
+    starts = [sum(tiles[:i]) for i in range(len(tiles))]
+
+    def body(x_ref, *refs):
+        w_refs, o_refs = refs[: len(weights)], refs[len(weights) : 2 * len(weights)]
+        scratch_refs = refs[2 * len(weights) :]
+        tile = lax.axis_index("t")
+
+        def product(w_ref, o_ref, start):
+            cols = pl.ds((tile - start) * BLOCK_N, BLOCK_N)
+            tile_product(
+                x_ref, w_ref.at[:, cols], o_ref.at[:, cols], *scratch_refs, steps=steps,
+                interpret=interpret,
+            )  # fmt: skip
+
+        for w_ref, o_ref, start, count in zip(w_refs, o_refs, starts, tiles, strict=True):
+            mine = (tile >= start) & (tile < start + count)
+            pl.when(mine)(functools.partial(product, w_ref, o_ref, start))
+        plgpu.wait_smem_to_gmem(0)
+
+    outs = plgpu.kernel(
+        body,
+        out_type=tuple(jax.ShapeDtypeStruct((held, w.shape[1]), x.dtype) for w in weights),
+        scratch_types=scratch(steps, x.dtype),
+        grid=(sum(tiles),),
+        grid_names=("t",),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
+        interpret=interpret_params(interpret),
+        kernel_name="projections",
+    )(xp, *weights)
+    return tuple(out[:rows] for out in outs)
+
+
+def projections(
+    x: jax.Array, weights: Sequence[jax.Array], *, impl: str = "auto"
+) -> tuple[jax.Array, ...]:
+    """``x @ w`` for every ``w`` of ``weights`` (float32 accumulation).
+
+    Args:
+      x: ``[R, K]`` rows (the kernel takes up to ``MAX_ROWS``).
+      weights: ``[K, N_i]`` each, in x's dtype (read in place).
+      impl: ``"auto" | "pallas" | "interpret" | "reference"``.
+
+    Returns:
+      A tuple of ``[R, N_i]`` in x's dtype.
+    """
+    weights = tuple(weights)
+    _check(x, weights)
+    reason = unsupported_reason(x, weights) if impl != "reference" else None
+    choice = resolve_impl(_OP, impl, reason)
+    if choice == "reference" or x.shape[0] == 0:
+        return projections_reference(x, weights)
+    return _kernel(x, weights, interpret=choice == "interpret")

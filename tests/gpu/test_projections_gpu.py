@@ -1,0 +1,40 @@
+"""The projections kernel on an sm_90 GPU at the shapes of a Qwen3.5-35B-A3B-like decode
+bucket (GDN qkv | z | b a, attention q/k/v, the router and shared expert), against the
+float64 oracle."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import projections
+from pallas_kernels._common import on_hopper_gpu
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not on_hopper_gpu(), reason="needs an sm_90 GPU"),
+]
+
+
+@pytest.mark.parametrize(
+    ("rows", "k", "widths"),
+    [
+        (8, 2048, (8192, 4096, 64)),  # GDN
+        (8, 2048, (8192, 512, 512)),  # gated attention q, k, v
+        (8, 2048, (256, 512, 512)),  # router, shared expert gate and up
+        (1, 4096, (12288, 12288)),  # one row; the 9B-like MLP's widths
+        (37, 2048, (64,)),
+    ],
+)
+def test_projections_match_the_oracle(rows, k, widths):
+    rng = np.random.default_rng(rows * k + len(widths))
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16) for n in widths]
+    got = jax.jit(lambda x, ws: projections.projections(x, ws, impl="pallas"))(x, ws)
+    for out, w in zip(got, ws, strict=True):
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        out64 = np.asarray(out, np.float64)
+        assert out64.shape == want.shape and np.isfinite(out64).all()
+        assert np.linalg.norm(out64 - want) / np.linalg.norm(want) < 1e-2
