@@ -510,7 +510,11 @@ def _check_pages(
     ids = _page_ids_if_valid(rows, policy, num_pages)
     if ids is None:
         _page_errors(rows, policy, num_pages)
-        ids = [np.asarray(row.pages, np.int64) for row in rows]  # a false alarm
+        # A false alarm: the pages follow the rules after all.
+        ids = [
+            row.pages.array if isinstance(row.pages, PageIds) else np.asarray(row.pages, np.int64)
+            for row in rows
+        ]
     return ids
 
 
