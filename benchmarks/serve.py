@@ -61,6 +61,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from device_time import call_events  # noqa: E402
 
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa: E402
+from hybrid_jax.layers import linear as linear_layer  # noqa: E402
 from hybrid_jax.layers import moe as moe_layer  # noqa: E402
 from hybrid_jax.metadata import MIN_BATCH_BUCKET  # noqa: E402
 from hybrid_jax.models.layer_scan import scan_layers  # noqa: E402
@@ -613,6 +614,11 @@ def main(argv: list[str] | None = None) -> int:
         "grouped matmul at every batch: no experts by id), reference (ragged_dot); both = "
         "auto,reference",
     )  # fmt: skip
+    parser.add_argument(
+        "--projection-rows", type=int, default=None,
+        help="steps of up to this many rows run a layer's input projections in one launch "
+        f"(default: layers.linear.FEW_ROWS = {linear_layer.FEW_ROWS}; 0: never)",
+    )  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--flops", type=float, default=7.9e14)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
@@ -633,6 +639,11 @@ def main(argv: list[str] | None = None) -> int:
         args.decode, args.prefill = "2", "2x64"
         args.prompt_len, args.decode_steps, args.profile_steps = 8, 4, 2
         args.stream, args.stream_batch, args.output_len = "3x200", 2, 3
+    few_rows = linear_layer.FEW_ROWS
+    if args.projection_rows is not None:
+        if args.projection_rows < 0:
+            parser.error(f"--projection-rows {args.projection_rows}: must be >= 0")
+        linear_layer.FEW_ROWS = args.projection_rows
     if args.cache_dir is None:
         # Cold, as a first start is; within the run the rows share it, as an engine's own
         # executables do (EXTEND and MIXED lower to the same program).
@@ -708,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
             break
     _GROUPED_MATMUL._tokamax_ragged_dot = kernel
     moe_layer.BY_ID_MAX_PAIRS = by_id_max_pairs
+    linear_layer.FEW_ROWS = few_rows
     title = f"{args.preset}, {c.num_hidden_layers} layers"
     name = "RESULTS_serve_smoke.md" if args.smoke else "RESULTS_serve.md"
     write_results(out / name, title, rows)
