@@ -203,6 +203,13 @@ def read(weight_map: Mapping[str, pathlib.Path], names: set[str]) -> dict[str, n
     return out
 
 
+@jax.jit
+def _all_finite(array: jax.Array) -> jax.Array:
+    """Whether every entry of ``array`` is finite, as one fused reduction on its device (no
+    boolean copy of the array; one dispatch)."""
+    return jnp.isfinite(array).all()
+
+
 def load_weights(
     folder: pathlib.Path,
     model: nnx.Module,
@@ -272,7 +279,7 @@ def load_weights(
                 array = placement.place(target, np.asarray(value).astype(dtype))
             param.set_value(array)
             if check_finite:
-                finite.append((rule, jnp.isfinite(array).all()))
+                finite.append((rule, _all_finite(array)))
         bar(".".join(map(str, rule.target))[-24:])
     flags = jax.device_get([ok for _, ok in finite])  # one read-back for every parameter
     bad = [rule for (rule, _), ok in zip(finite, flags, strict=True) if not ok]

@@ -41,7 +41,7 @@ def _oracle(x, w, ids):
     [
         (5, 3, 256, 128),  # rows not a multiple of 8: the last group is padded
         (11, 1, 128, 64),  # the down product's one choice per row
-        (4, 4, 256, 64 * 33),  # 33 column tiles: 4 programs a tile, 4 pairs each
+        (4, 4, 256, 64 * 17),  # 17 column tiles: 7 programs a tile, up to 3 pairs each
     ],
 )
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
