@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.layers.linear import FEW_ROWS, project
 from pallas_kernels import projections
 
@@ -94,3 +95,18 @@ def test_project_runs_one_kernel_at_few_rows_and_the_layers_otherwise():
     assert not runs_kernel(3, layers, "reference")
     assert not runs_kernel(3, _linears(128, (64,), bias=True), "interpret")
     assert not runs_kernel(3, _linears(128, (64, 1)), "interpret")
+
+
+def test_a_gdn_layer_s_projections_in_one_launch_split_as_its_own_do():
+    # qkv 640, z 512 and b|a 64 columns: every width a multiple of 64, so the kernel runs.
+    config = GDNConfig(hidden_size=128, num_key_heads=4, num_value_heads=32, head_k_dim=16,
+                       head_v_dim=16, dtype="bfloat16")  # fmt: skip
+    layer = GatedDeltaNet(config, rngs=nnx.Rngs(2))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((5, 128)), jnp.bfloat16)
+    weights = [p.kernel[...] for p in (layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_ba)]
+    assert projections.unsupported_reason(x, weights) is None  # the kernel takes this layer
+    one_launch = layer._project(x, impl="interpret")
+    per_layer = layer._project(x, impl="reference")
+    for got, want in zip(one_launch, per_layer, strict=True):
+        chex.assert_equal_shape([got, want])
+        chex.assert_trees_all_close(got, want, rtol=2e-2, atol=2e-2)
