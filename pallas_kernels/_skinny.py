@@ -17,12 +17,13 @@ from jax import lax
 
 from pallas_kernels._mgpu_chunks import F32, WG, matmul_into, smem
 
-__all__ = ["BLOCK_K", "BLOCK_N", "ROWS_PER_TILE", "STAGES", "scratch", "tile_product"]
+__all__ = ["BLOCK_K", "BLOCK_N", "DTYPES", "ROWS_PER_TILE", "STAGES", "scratch", "tile_product"]
 
 BLOCK_K = 128  # K of one ring stage: a 64 x 128 row tile and a 128 x BLOCK_N weight tile
 BLOCK_N = 64  # columns of a program's tile: N / 64 programs per product keep the SMs busy
 STAGES = 4
 ROWS_PER_TILE = 64  # the wgmma tile's rows; only a program's own rows are loaded and stored
+DTYPES = (jnp.bfloat16, jnp.float16)  # the operands' dtypes the tensor-core product takes
 
 
 def scratch(steps: int, dtype) -> list:

@@ -24,20 +24,19 @@ from jax import lax
 
 from pallas_kernels._common import interpret_params, resolve_impl
 from pallas_kernels._mgpu_chunks import ALIGN, F32
-from pallas_kernels._skinny import BLOCK_K, BLOCK_N, ROWS_PER_TILE, scratch, tile_product
+from pallas_kernels._skinny import BLOCK_K, BLOCK_N, DTYPES, ROWS_PER_TILE, scratch, tile_product
 
 __all__ = ["MAX_ROWS", "projections", "projections_reference", "unsupported_reason"]
 
 _OP = "projections"
 MAX_ROWS = ROWS_PER_TILE
-_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def unsupported_reason(x: jax.Array, weights: Sequence[jax.Array]) -> str | None:
     """Why the Mosaic GPU kernel cannot take this call, or None when it can."""
     if x.shape[0] > MAX_ROWS:
         return f"x has {x.shape[0]} rows; the kernel takes at most {MAX_ROWS}"
-    if x.dtype not in _DTYPES or any(w.dtype != x.dtype for w in weights):
+    if x.dtype not in DTYPES or any(w.dtype != x.dtype for w in weights):
         dtypes = sorted({str(w.dtype) for w in weights})
         return f"x and every weight must share a 16-bit float dtype (got {x.dtype} and {dtypes})"
     if x.shape[1] % BLOCK_K:

@@ -48,7 +48,11 @@ class MLP(nnx.Module):
     def __call__(
         self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
     ) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.output(self.gate_proj(x), self.up_proj(x))
+
+    def output(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """The block's output from its gate and up projections: ``down(silu(gate) * up)``."""
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 @jax.tree_util.register_dataclass
@@ -178,8 +182,9 @@ class SparseMoE(nnx.Module):
             x, [self.gate, shared_mlp.gate_proj, shared_mlp.up_proj], impl=impl
         )
         weights, experts = self.route(logits)
-        shared = shared_mlp.down_proj(jax.nn.silu(shared_gate) * shared_up)
-        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared_mlp.output(
+            shared_gate, shared_up
+        )
         if self._runs_by_id(x, impl):
             routed = self._experts_by_id(x, real, weights, experts, impl=impl)
             return routed.astype(x.dtype) + shared
@@ -199,9 +204,9 @@ class SparseMoE(nnx.Module):
         the reference, which would gather every pair's whole expert)."""
         if not 0 < x.shape[0] * self.config.top_k <= BY_ID_MAX_PAIRS:
             return False
-        w = self.gate_up_proj[...]
-        for x_, w_ in ((x, w), (x[:, : self.config.intermediate_size], self.down_proj[...])):
-            if moe.expert_matmul_unsupported_reason(x_, w_) is not None:
+        hidden = jax.ShapeDtypeStruct((x.shape[0], self.config.intermediate_size), x.dtype)
+        for rows, w in ((x, self.gate_up_proj[...]), (hidden, self.down_proj[...])):
+            if moe.expert_matmul_unsupported_reason(rows, w) is not None:
                 return False
         return resolve_impl("expert_matmul", impl, None) != "reference"
 

@@ -26,7 +26,7 @@ from jax import lax
 
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl
 from pallas_kernels._mgpu_chunks import ALIGN, F32
-from pallas_kernels._skinny import BLOCK_K, BLOCK_N, scratch, tile_product
+from pallas_kernels._skinny import BLOCK_K, BLOCK_N, DTYPES, scratch, tile_product
 
 __all__ = [
     "BLOCK_K",
@@ -38,12 +38,11 @@ __all__ = [
 ]
 
 _OP = "expert_matmul"
-_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
 def unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
     """Why the Mosaic GPU kernel cannot take this call, or None when it can."""
-    if x.dtype != w.dtype or x.dtype not in _DTYPES:
+    if x.dtype != w.dtype or x.dtype not in DTYPES:
         return f"x and w must share a 16-bit float dtype (got {x.dtype} and {w.dtype})"
     if x.shape[1] % BLOCK_K or w.shape[2] % BLOCK_N:
         return (
