@@ -342,8 +342,9 @@ def profile_steps(
 
 def _breakdown(engine: Engine, steps: int, table: pathlib.Path | None = None) -> str:
     """The device breakdown of the engine's next ``steps`` steps, as a row's note (GPU only);
-    every kernel's calls and time per step go to ``table`` (tab-separated) when given."""
-    if jax.default_backend() != "gpu":
+    every kernel's calls and time per step go to ``table`` (tab-separated) when given.
+    ``steps == 0``: no breakdown (no profiled steps)."""
+    if jax.default_backend() != "gpu" or steps == 0:
         return ""
     categories, kernels, wall_us = profile_steps(engine, steps)
     if table is not None:
@@ -602,7 +603,10 @@ def main(argv: list[str] | None = None) -> int:
         help="decode rows run in a batch bucket of at least this many rows (the rest padding; "
         "the engine's smallest default bucket)",
     )  # fmt: skip
-    parser.add_argument("--profile-steps", type=int, default=6)
+    parser.add_argument(
+        "--profile-steps", type=int, default=6,
+        help="steps traced for each row's device breakdown (0: none)",
+    )  # fmt: skip
     parser.add_argument("--host-profile", action="store_true", help="cProfile decode steps")
     parser.add_argument(
         "--kernel-tables", action="store_true",
@@ -639,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         args.decode, args.prefill = "2", "2x64"
         args.prompt_len, args.decode_steps, args.profile_steps = 8, 4, 2
         args.stream, args.stream_batch, args.output_len = "3x200", 2, 3
+    if args.profile_steps < 0:
+        parser.error(f"--profile-steps {args.profile_steps}: must be >= 0")
     few_rows = linear_layer.FEW_ROWS
     if args.projection_rows is not None:
         if args.projection_rows < 0:

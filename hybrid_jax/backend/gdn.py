@@ -50,22 +50,20 @@ class GDNDims(NamedTuple):
 
 
 class _Gating(NamedTuple):
-    """The gating inputs of one GDN layer, in ``gdn_gating``'s order."""
+    """The gating inputs of one GDN layer: ``ba`` ``[T, 2 HV]`` is ``[b | a]`` per token."""
 
     A_log: jax.Array
-    a: jax.Array
+    ba: jax.Array
     dt_bias: jax.Array
-    b: jax.Array
+
+    def gates(self) -> tuple[jax.Array, jax.Array]:
+        """``(g, beta)`` of ``gdn_gating``."""
+        b, a = jnp.split(self.ba, 2, axis=-1)
+        return gdn.gdn_gating(self.A_log, a, self.dt_bias, b)
 
 
 def _split_qkv(mixed: jax.Array, dims: GDNDims) -> tuple[jax.Array, jax.Array, jax.Array]:
-    lead = mixed.shape[:-1]
-    q, k, v = jnp.split(mixed, [dims.key_dim, 2 * dims.key_dim], axis=-1)
-    return (
-        q.reshape(*lead, dims.num_key_heads, dims.head_k_dim),
-        k.reshape(*lead, dims.num_key_heads, dims.head_k_dim),
-        v.reshape(*lead, dims.num_value_heads, dims.head_v_dim),
-    )
+    return gdn.split_qkv(mixed, dims.num_key_heads, dims.head_k_dim, dims.head_v_dim)
 
 
 def _stored(states: jax.Array, dims: GDNDims) -> jax.Array:
@@ -84,7 +82,7 @@ def _stored_slots(pool: jax.Array, slots: jax.Array, dims: GDNDims) -> jax.Array
 
 
 def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
-    g, beta = gdn.gdn_gating(*gating)
+    g, beta = gating.gates()
     qsl, slots, has_init = meta.query_start_loc, meta.state_indices, meta.has_initial_state
     mixed, conv_state = conv1d.causal_conv1d(
         mixed, conv_weight, None, conv_state, qsl, slots, has_init, impl=impl
@@ -104,17 +102,16 @@ def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)
     mixed, conv_state = conv1d.causal_conv1d_update(
         rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl
     )
-    q, k, v = _split_qkv(mixed, dims)
-    a_log, a, dt_bias, b = gating
-    out, ssm_state = gdn.fused_gating_recurrent_gated_delta_rule(
-        q, k, v, a_log, rows(a, meta), dt_bias, rows(b, meta), ssm_state, slots, impl=impl
+    # The kernel reads q, k, v and b, a where the conv and the projection put them.
+    out, ssm_state = gdn.packed_gating_recurrent_gated_delta_rule(
+        mixed, rows(gating.ba, meta), gating.A_log, gating.dt_bias, ssm_state, slots, impl=impl
     )
     ssm_state = _stored_slots(ssm_state, slots, dims)
     return LinearMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, ())
 
 
 def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
-    g, beta = gdn.gdn_gating(*gating)
+    g, beta = gating.gates()
     slots = meta.state_indices
     mixed, windows = conv1d.causal_conv1d_verify(
         rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl, **tree_args(meta)
@@ -144,9 +141,8 @@ def gdn_mix(
     mixed_qkv: jax.Array,
     conv_weight: jax.Array,
     A_log: jax.Array,
-    a: jax.Array,
+    ba: jax.Array,
     dt_bias: jax.Array,
-    b: jax.Array,
     conv_state: jax.Array,
     ssm_state: jax.Array,
     meta: ForwardMetadata,
@@ -158,13 +154,13 @@ def gdn_mix(
     ``meta.mode``.
 
     mixed_qkv: ``[T, 2*H*K + HV*V]`` (q, k, v channels before the conv); conv_weight
-    ``[C, W]``; A_log, dt_bias ``[HV]`` and a, b ``[T, HV]``: the inputs of ``gdn_gating``
-    (gated inside the decode kernel in DECODE, by ``gdn_gating`` otherwise); conv_state
-    ``[S, C, W-1]``; ssm_state float32 ``[S, HV, K, V]`` (states written at
-    ``dims.state_dtype``'s precision). Returns the delta rule's output
+    ``[C, W]``; A_log, dt_bias ``[HV]`` and ba ``[T, 2*HV]`` (``[b | a]`` per token): the
+    inputs of ``gdn_gating`` (gated inside the decode kernel in DECODE, by ``gdn_gating``
+    otherwise); conv_state ``[S, C, W-1]``; ssm_state float32 ``[S, HV, K, V]`` (states
+    written at ``dims.state_dtype``'s precision). Returns the delta rule's output
     ``[T, HV, V]`` and the pools (see ``LinearMixResult``). Raises
     ``UnsupportedForwardModeError`` while tracing when GDN layers have no path for the mode.
     """
     path = mix_path(LayerKind.GDN, _PATHS, meta)
-    gating = _Gating(A_log, a, dt_bias, b)
+    gating = _Gating(A_log, ba, dt_bias)
     return path(mixed_qkv, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)

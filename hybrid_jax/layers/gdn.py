@@ -146,13 +146,12 @@ class GatedDeltaNet(nnx.Module):
                                    param_dtype=dtype, rngs=rngs)  # fmt: skip
 
     def _project(self, x: jax.Array, *, impl: str = "auto"):
+        """``(mixed, z, ba)``: the conv's input ``[Q | K | V]``, the output gate per value
+        head and ``[b | a]``, each left whole for the op that reads it."""
         d = self.config.dims
-        t = x.shape[0]
         mixed, z, ba = project(x, [self.in_proj_qkv, self.in_proj_z, self.in_proj_ba], impl=impl)
-        # Explicit sizes everywhere: an IDLE step has t == 0, where -1 cannot be inferred.
-        z = z.reshape(t, d.num_value_heads, d.head_v_dim)
-        b, a = jnp.split(ba, 2, axis=-1)
-        return mixed, z, b, a
+        # Explicit sizes: an IDLE step has no tokens, where -1 cannot be inferred.
+        return mixed, z.reshape(x.shape[0], d.num_value_heads, d.head_v_dim), ba
 
     def __call__(
         self,
@@ -165,9 +164,9 @@ class GatedDeltaNet(nnx.Module):
     ) -> LinearLayerOutput:
         """x: ``[T, hidden]`` packed tokens of ``meta``; conv_state ``[S, C, W-1]``;
         ssm_state float32 ``[S, HV, K, V]``."""
-        mixed, z, b, a = self._project(x, impl=impl)
+        mixed, z, ba = self._project(x, impl=impl)
         mix = gdn_mix(
-            mixed, self.conv_weight[...], self.A_log[...], a, self.dt_bias[...], b,
+            mixed, self.conv_weight[...], self.A_log[...], ba, self.dt_bias[...],
             conv_state, ssm_state, meta, self.config.dims, impl=impl,
         )  # fmt: skip
         out = self.norm(mix.out, z).reshape(x.shape[0], self.config.dims.value_dim)

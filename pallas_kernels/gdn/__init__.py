@@ -5,6 +5,8 @@ from pallas_kernels.gdn.commit import commit_states
 from pallas_kernels.gdn.fused_recurrent import (
     fused_gating_recurrent_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
+    packed_gating_recurrent_gated_delta_rule,
+    split_qkv,
     verify_gated_delta_rule,
 )
 from pallas_kernels.gdn.gating import gdn_gating
@@ -15,5 +17,7 @@ __all__ = [
     "fused_gating_recurrent_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
     "gdn_gating",
+    "packed_gating_recurrent_gated_delta_rule",
+    "split_qkv",
     "verify_gated_delta_rule",
 ]

@@ -24,9 +24,11 @@ __all__ = [
     "check_commit",
     "check_gated_rows",
     "check_gating",
+    "check_packed_rows",
     "check_rows",
     "check_varlen",
     "default_scale",
+    "packed_stand_ins",
 ]
 
 
@@ -137,6 +139,50 @@ def check_gated_rows(
     # here would leave an op in the caller's jaxpr).
     tokens = lambda x: jax.ShapeDtypeStruct((want[0] * want[1], want[2]), x.dtype)  # noqa: E731
     check_gating(op, a_log, tokens(a), dt_bias, tokens(b))
+
+
+def packed_stand_ins(
+    qkv: jax.Array, ba: jax.Array, ssm_pool: jax.Array
+) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Shape stand-ins ``(q, k, v, a, b)`` for the heads of a conv output ``qkv``
+    ``[N, D, H K + H K + HV V]`` and ``ba`` ``[N, D, 2 HV]``; HV, K and V are the pool's,
+    H what is left of qkv's width. Assumes ``check_packed_rows`` accepted them."""
+    hv, kd, vd = shape(ssm_pool)[1:]
+    n_rows, n_steps, width = shape(qkv)
+    h = (width - hv * vd) // (2 * kd)
+    keys = jax.ShapeDtypeStruct((n_rows, n_steps, h, kd), qkv.dtype)
+    values = jax.ShapeDtypeStruct((n_rows, n_steps, hv, vd), qkv.dtype)
+    gate = jax.ShapeDtypeStruct((n_rows, n_steps, hv), ba.dtype)
+    return keys, keys, values, gate, gate
+
+
+def check_packed_rows(
+    op: str,
+    qkv: jax.Array,
+    ba: jax.Array,
+    a_log: jax.Array,
+    dt_bias: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+) -> None:
+    """``check_gated_rows`` for rows whose q, k, v come as one conv output ``qkv``
+    ``[N, D, H K + H K + HV V]`` and whose b, a come as ``ba`` ``[N, D, 2 HV]``."""
+    if ssm_pool.ndim != 4:
+        fail(op, f"ssm_pool.shape={shape(ssm_pool)} must be [S, HV, K, V]")
+    hv, kd, vd = shape(ssm_pool)[1:]
+    if qkv.ndim != 3:
+        fail(op, f"qkv.shape={shape(qkv)} must be [N, D, H*K + H*K + HV*V]")
+    keys = qkv.shape[-1] - hv * vd
+    if keys <= 0 or keys % (2 * kd):
+        fail(
+            op,
+            f"qkv.shape[-1]={qkv.shape[-1]} must be 2*H*K + HV*V with the pool's HV={hv}, "
+            f"K={kd}, V={vd} and some H >= 1",
+        )
+    if shape(ba) != (*shape(qkv)[:2], 2 * hv):
+        fail(op, f"ba.shape={shape(ba)} must be {(*shape(qkv)[:2], 2 * hv)} ([b | a] per token)")
+    q, k, v, a, b = packed_stand_ins(qkv, ba, ssm_pool)
+    check_gated_rows(op, q, k, v, a_log, a, dt_bias, b, ssm_pool, state_indices)
 
 
 def check_commit(

@@ -42,6 +42,7 @@ configurations the benchmark times.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import NUM_SMS, interpret_params
-from pallas_kernels.gdn._checks import check_gated_rows
+from pallas_kernels.gdn._checks import check_gated_rows, check_packed_rows, packed_stand_ins
 
 __all__ = [
     "DEFAULT",
@@ -60,6 +61,8 @@ __all__ = [
     "fused_gating_recurrent_gated_delta_rule",
     "fused_gating_unsupported_reason",
     "fused_recurrent_gated_delta_rule",
+    "packed_gating_recurrent_gated_delta_rule",
+    "packed_gating_unsupported_reason",
     "pick_block_v",
     "unsupported_reason",
 ]
@@ -71,6 +74,7 @@ _ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # the 227 KiB an sm_90 block may use. 16 covers every speculative depth in use.
 MAX_TOKENS = 16
 _GATING_OP = "decode_mgpu.fused_gating_recurrent_gated_delta_rule"
+_PACKED_OP = "decode_mgpu.packed_gating_recurrent_gated_delta_rule"
 _VEC = 2  # fp32 per register vector along V in the "cols" layout (8-byte SMEM accesses)
 _TMA_SMEM_ALIGN = 128  # bytes: a TMA's SMEM address is a multiple of this
 
@@ -128,6 +132,29 @@ def _layouts(variant: DecodeVariant, bv: int):
     return state, state.reduce(1), state.reduce(0)
 
 
+class _Heads(NamedTuple):
+    """Head counts and dims of a call (static)."""
+
+    h: int
+    k_dim: int
+    hv: int
+    v_dim: int
+
+
+class _Columns(NamedTuple):
+    """Where the heads sit along the last axis of the ``[N, D, width]`` inputs: key head i's
+    q at ``q + i K`` (k likewise), value head j's v at ``v + j V``, its two gate scalars
+    (g and beta, or a and b) at ``gate_first + j`` and ``gate_second + j``. Separate q, k,
+    v arrays have every offset 0; a conv output ``[Q | K | V]`` has ``(0, H K, 2 H K)``, so
+    the kernel reads the heads where the conv wrote them, without a slice per input."""
+
+    q: int = 0
+    k: int = 0
+    v: int = 0
+    gate_first: int = 0
+    gate_second: int = 0
+
+
 def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use_qk_l2norm,
             one_pass):  # fmt: skip
     """Runs the tokens of one item on the register tile ``state``; writes ``o`` to SMEM.
@@ -166,15 +193,18 @@ def _softplus(x: jax.Array) -> jax.Array:
     return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
 
 
-def _load_gates(gate_refs, n, head, n_tokens):
+def _load_gates(gate_refs, cols: _Columns, n, head, n_tokens):
     """The gate scalars of item (row ``n``, ``head``) as read from GMEM, flat: ``(g, beta)``
     per token, or (fused gating: four refs) ``A_log, dt_bias`` then ``(a, b)`` per token,
     those in float32."""
+    first, second = head + cols.gate_first, head + cols.gate_second
     if len(gate_refs) == 2:
         g_ref, beta_ref = gate_refs
-        return tuple(x for t in range(n_tokens) for x in (g_ref[n, t, head], beta_ref[n, t, head]))
+        return tuple(
+            x for t in range(n_tokens) for x in (g_ref[n, t, first], beta_ref[n, t, second])
+        )
     a_log_ref, a_ref, dt_bias_ref, b_ref = gate_refs
-    per_token = (x for t in range(n_tokens) for x in (a_ref[n, t, head], b_ref[n, t, head]))
+    per_token = (x for t in range(n_tokens) for x in (a_ref[n, t, first], b_ref[n, t, second]))
     return tuple(x.astype(jnp.float32) for x in (a_log_ref[head], dt_bias_ref[head], *per_token))
 
 
@@ -204,11 +234,24 @@ def _zeros_o(o_smem, n_tokens, bv, col):
         o_smem[t] = zeros.astype(o_smem.dtype)
 
 
-def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, interpret):
-    """Grid (column block, value head, row): one TMA round trip per program. ``gates_in``:
-    ``(g, beta)`` or (fused gating) ``(A_log, a, dt_bias, b)``."""
-    n_rows, n_tokens, h, k_dim = q.shape
-    hv, v_dim = v.shape[2:]
+def _key(offset: int, head, k_dim: int):
+    """The columns of key head ``head``'s q (or k) in an input whose heads start at
+    ``offset``."""
+    return pl.ds(offset + head * k_dim, k_dim)
+
+
+def _value(offset: int, head, v_dim: int, block, bv: int):
+    """The columns of value head ``head``'s column block ``block`` (``bv`` wide)."""
+    return pl.ds(offset + head * v_dim + block * bv, bv)
+
+
+def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, scale,
+                          l2, interpret):  # fmt: skip
+    """Grid (column block, value head, row): one TMA round trip per program. q, k, v
+    ``[N, D, width]`` with heads at ``cols``; ``gates_in``: ``(g, beta)`` or (fused gating)
+    ``(A_log, a, dt_bias, b)``."""
+    n_rows, n_tokens = q.shape[:2]
+    h, k_dim, hv, v_dim = heads
     group = hv // h
     layouts = _layouts(variant, bv)
 
@@ -220,14 +263,17 @@ def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scal
         state_smem, q_smem, k_smem, v_smem, o_smem, qkv_bar, state_bar = refs[n_gates + 2 :]
         n = lax.axis_index("n")
         head = lax.axis_index("h")
-        cols = pl.ds(lax.axis_index("j") * bv, bv)
+        j = lax.axis_index("j")
         # q/k/v do not depend on the slot: their copies start before the slot is known.
-        plgpu.copy_gmem_to_smem(q_ref.at[n, :, head // group], q_smem, qkv_bar)
-        plgpu.copy_gmem_to_smem(k_ref.at[n, :, head // group], k_smem, qkv_bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[n, :, head, cols], v_smem, qkv_bar)
+        plgpu.copy_gmem_to_smem(q_ref.at[n, :, _key(cols.q, head // group, k_dim)], q_smem,
+                                qkv_bar)  # fmt: skip
+        plgpu.copy_gmem_to_smem(k_ref.at[n, :, _key(cols.k, head // group, k_dim)], k_smem,
+                                qkv_bar)  # fmt: skip
+        plgpu.copy_gmem_to_smem(v_ref.at[n, :, _value(cols.v, head, v_dim, j, bv)], v_smem,
+                                qkv_bar)  # fmt: skip
         slot = idx_ref[n]
-        gates = _load_gates(gate_refs, n, head, n_tokens)  # in flight with the slot
-        tile = pool.at[slot, head, :, cols]
+        gates = _load_gates(gate_refs, cols, n, head, n_tokens)  # in flight with the slot
+        tile = pool.at[slot, head, :, pl.ds(j * bv, bv)]
 
         @pl.when(slot != 0)
         def _real_row():
@@ -249,12 +295,12 @@ def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scal
             _zeros_o(o_smem, n_tokens, bv, layouts[2])
             plgpu.commit_smem()
 
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, :, head, cols])
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, :, head, pl.ds(j * bv, bv)])
         _wait_stores_read()
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
+        out_type=jax.ShapeDtypeStruct((n_rows, n_tokens, hv, v_dim), v.dtype),
         # The column block varies fastest (it is CUDA's x), so the programs of one (row, head)
         # run side by side and read its [K, V] block as one contiguous region.
         grid=(v_dim // bv, hv, n_rows),
@@ -283,11 +329,12 @@ def _stage_rows(n_tokens: int, bv: int, dtype) -> int:
     return -(-n_tokens // step) * step
 
 
-def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, interpret):
+def _pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, scale, l2,
+               interpret):  # fmt: skip
     """Persistent grid; each program walks items ``c, c + P, c + 2P, ...`` (``P`` programs)
     through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead."""
-    n_rows, n_tokens, h, k_dim = q.shape
-    hv, v_dim = v.shape[2:]
+    n_rows, n_tokens = q.shape[:2]
+    h, k_dim, hv, v_dim = heads
     v_rows = _stage_rows(n_tokens, bv, v.dtype)
     group = hv // h
     n_blocks = v_dim // bv
@@ -317,19 +364,23 @@ def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, inte
             """Starts the loads of item i into stage i % stages (nothing for a padded row)."""
             n, head, j = coords(i)
             s = i % stages
-            cols = pl.ds(j * bv, bv)
+            block = pl.ds(j * bv, bv)
 
             @pl.when((i < count) & (slot != 0))
             def _():
                 bar = bars.at[s]
-                plgpu.copy_gmem_to_smem(pool.at[slot, head, :, cols], state_smem.at[s], bar)
-                plgpu.copy_gmem_to_smem(q_ref.at[n, :, head // group], q_smem.at[s], bar)
-                plgpu.copy_gmem_to_smem(k_ref.at[n, :, head // group], k_smem.at[s], bar)
-                plgpu.copy_gmem_to_smem(v_ref.at[n, :, head, cols], v_smem.at[s, :n_tokens], bar)
+                key = head // group
+                plgpu.copy_gmem_to_smem(pool.at[slot, head, :, block], state_smem.at[s], bar)
+                plgpu.copy_gmem_to_smem(q_ref.at[n, :, _key(cols.q, key, k_dim)], q_smem.at[s],
+                                        bar)  # fmt: skip
+                plgpu.copy_gmem_to_smem(k_ref.at[n, :, _key(cols.k, key, k_dim)], k_smem.at[s],
+                                        bar)  # fmt: skip
+                plgpu.copy_gmem_to_smem(v_ref.at[n, :, _value(cols.v, head, v_dim, j, bv)],
+                                        v_smem.at[s, :n_tokens], bar)  # fmt: skip
 
         def gates_of(i):
             n, head, _ = coords(i)
-            return _load_gates(gate_refs, n, head, n_tokens)
+            return _load_gates(gate_refs, cols, n, head, n_tokens)
 
         slots = tuple(slot_of(i) for i in range(stages))
         for i in range(stages - 1):
@@ -341,11 +392,11 @@ def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, inte
             slots, gates = carry
             n, head, j = coords(i)
             s = i % stages
-            cols = pl.ds(j * bv, bv)
+            block = pl.ds(j * bv, bv)
             slot = slots[0]
             next_slot = slot_of(i + stages)
             next_gates = gates_of(i + 1)
-            tile = pool.at[slot, head, :, cols]
+            tile = pool.at[slot, head, :, block]
 
             @pl.when(slot != 0)
             def _real_row():
@@ -370,7 +421,7 @@ def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, inte
             def _store_state():
                 plgpu.copy_smem_to_gmem(state_smem.at[s], tile)
 
-            plgpu.copy_smem_to_gmem(o_smem.at[s, :n_tokens], o_ref.at[n, :, head, cols])
+            plgpu.copy_smem_to_gmem(o_smem.at[s, :n_tokens], o_ref.at[n, :, head, block])
             return (*slots[1:], next_slot), next_gates
 
         lax.fori_loop(0, count, step, (slots, gates_of(0)))
@@ -378,7 +429,7 @@ def _pipelined(q, k, v, gates_in, pool_ref, idx, *, bv, variant, scale, l2, inte
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct(v.shape, v.dtype),
+        out_type=jax.ShapeDtypeStruct((n_rows, n_tokens, hv, v_dim), v.dtype),
         grid=(n_progs,),
         grid_names=("c",),
         scratch_types=[
@@ -497,9 +548,10 @@ def fused_recurrent_gated_delta_rule(
     reason = unsupported_reason(q, k, v, g, beta, ssm_pool, state_indices)
     if reason is not None:
         raise ValueError(reason)
+    heads = _Heads(*q.shape[2:], *v.shape[2:])
     return _launch(
-        q, k, v, (g, beta), ssm_pool, state_indices, scale=scale,
-        use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
+        *_flat_heads(q, k, v), (g, beta), ssm_pool, state_indices, heads=heads, cols=_Columns(),
+        scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
     )  # fmt: skip
 
 
@@ -531,28 +583,86 @@ def fused_gating_recurrent_gated_delta_rule(
     reason = fused_gating_unsupported_reason(q, k, v, *gating, ssm_pool, state_indices)
     if reason is not None:
         raise ValueError(reason)
+    heads = _Heads(*q.shape[2:], *v.shape[2:])
     return _launch(
-        q, k, v, gating, ssm_pool, state_indices, scale=scale,
-        use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
+        *_flat_heads(q, k, v), gating, ssm_pool, state_indices, heads=heads, cols=_Columns(),
+        scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
     )  # fmt: skip
 
 
-def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, scale, use_qk_l2norm, interpret,
-            variant):  # fmt: skip
-    """Both entries' launch, after their checks: variant, block and scale, then the kernel."""
+def packed_gating_unsupported_reason(
+    qkv: jax.Array,
+    ba: jax.Array,
+    A_log: jax.Array,  # noqa: N803 (the model's parameter name)
+    dt_bias: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> str | None:
+    """``fused_gating_unsupported_reason`` of the heads ``packed_gating_...`` reads (its
+    arguments as ``check_packed_rows`` accepted them)."""
+    q, k, v, a, b = packed_stand_ins(qkv, ba, ssm_pool)
+    return fused_gating_unsupported_reason(
+        q, k, v, A_log, a, dt_bias, b, ssm_pool, state_indices,
+        scale=scale, use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip
+
+
+def packed_gating_recurrent_gated_delta_rule(
+    qkv: jax.Array,
+    ba: jax.Array,
+    A_log: jax.Array,  # noqa: N803 (the model's parameter name)
+    dt_bias: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    interpret: bool = False,
+    variant: DecodeVariant | str = DEFAULT,
+) -> tuple[jax.Array, jax.Array]:
+    """``fused_gating_recurrent_gated_delta_rule`` reading q, k, v from the conv's output
+    ``qkv`` ``[N, D, H K + H K + HV V]`` (``[Q | K | V]``) and b, a from ``ba``
+    ``[N, D, 2 HV]`` (``[b | a]``) where they sit: no slice of either is written first."""
+    check_packed_rows(_PACKED_OP, qkv, ba, A_log, dt_bias, ssm_pool, state_indices)
+    reason = packed_gating_unsupported_reason(qkv, ba, A_log, dt_bias, ssm_pool, state_indices)
+    if reason is not None:
+        raise ValueError(reason)
+    q, _, v, _, _ = packed_stand_ins(qkv, ba, ssm_pool)
+    heads = _Heads(*q.shape[2:], *v.shape[2:])
+    key_dim = heads.h * heads.k_dim
+    cols = _Columns(q=0, k=key_dim, v=2 * key_dim, gate_first=heads.hv, gate_second=0)
+    return _launch(
+        qkv, qkv, qkv, (A_log, ba, dt_bias, ba), ssm_pool, state_indices, heads=heads,
+        cols=cols, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
+        variant=variant,
+    )  # fmt: skip
+
+
+def _flat_heads(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """``[N, D, heads, dim]`` -> ``[N, D, heads * dim]`` (a free reshape)."""
+    return tuple(x.reshape(*x.shape[:2], -1) for x in xs)
+
+
+def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, use_qk_l2norm,
+            interpret, variant):  # fmt: skip
+    """The entries' launch, after their checks: variant, block and scale, then the kernel.
+    q, k, v ``[N, D, width]`` with their heads at ``cols``."""
     if isinstance(variant, str):
         if variant not in VARIANTS:
             raise ValueError(f"variant {variant!r} is not one of {sorted(VARIANTS)}")
         variant = VARIANTS[variant]
-    n_rows, _, hv, v_dim = v.shape
-    bv = variant.block_v or pick_block_v(n_rows, hv, v_dim)
-    if v_dim % bv or bv < 4 * _VEC:
-        raise ValueError(f"block_v={bv} must divide V={v_dim} and be at least {4 * _VEC}")
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    n_rows = q.shape[0]
+    bv = variant.block_v or pick_block_v(n_rows, heads.hv, heads.v_dim)
+    if heads.v_dim % bv or bv < 4 * _VEC:
+        raise ValueError(f"block_v={bv} must divide V={heads.v_dim} and be at least {4 * _VEC}")
+    scale = heads.k_dim**-0.5 if scale is None else float(scale)
     run = _pipelined if variant.stages else _one_item_per_program
     pool_ref = jax.new_ref(ssm_pool)
     o = run(
-        q, k, v, gates_in, pool_ref, state_indices,
+        q, k, v, gates_in, pool_ref, state_indices, heads=heads, cols=cols,
         bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret,
     )  # fmt: skip
     return o, jax.freeze(pool_ref)

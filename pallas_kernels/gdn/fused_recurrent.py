@@ -1,7 +1,8 @@
 """Gated DeltaNet on rows of D tokens: decode (``fused_recurrent_gated_delta_rule``, writes the
 pool; ``fused_gating_recurrent_gated_delta_rule``, the same with the Qwen3-Next gating done
-in the kernel) and speculative verification (``verify_gated_delta_rule``, returns the state
-after every token and leaves the pool alone).
+in the kernel; ``packed_gating_recurrent_gated_delta_rule``, the same reading its inputs from
+the layer's conv output and ``[b | a]`` projection) and speculative verification
+(``verify_gated_delta_rule``, returns the state after every token and leaves the pool alone).
 
 The Mosaic GPU kernels live in ``decode_mgpu.py`` (decode: its default variant, the persistent
 TMA-pipelined kernel, with or without the gating) and ``recurrent_mgpu.py`` (verify), same
@@ -12,16 +13,25 @@ arguments plus ``interpret``; each entry's ``unsupported_reason`` decides whethe
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels._common import resolve_impl
 from pallas_kernels._tree import check_parents
 from pallas_kernels.gdn import decode_mgpu, recurrent_mgpu, reference
-from pallas_kernels.gdn._checks import check_gated_rows, check_rows, default_scale
+from pallas_kernels.gdn._checks import (
+    check_gated_rows,
+    check_packed_rows,
+    check_rows,
+    default_scale,
+    packed_stand_ins,
+)
 from pallas_kernels.gdn.gating import gdn_gating
 
 __all__ = [
     "fused_gating_recurrent_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
+    "packed_gating_recurrent_gated_delta_rule",
+    "split_qkv",
     "verify_gated_delta_rule",
 ]
 
@@ -116,6 +126,67 @@ def fused_gating_recurrent_gated_delta_rule(
     g, beta = gdn_gating(A_log, a.reshape(-1, hv), dt_bias, b.reshape(-1, hv), impl="reference")
     return reference.fused_recurrent_gated_delta_rule(
         q, k, v, g.reshape(rows), beta.reshape(rows), ssm_pool, state_indices, **options
+    )
+
+
+def split_qkv(
+    qkv: jax.Array, num_key_heads: int, head_k_dim: int, head_v_dim: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The heads of a conv output ``[..., H K + H K + HV V]`` (``[Q | K | V]``): q, k
+    ``[..., H, K]`` and v ``[..., HV, V]``."""
+    lead = qkv.shape[:-1]
+    key_dim = num_key_heads * head_k_dim
+    # Explicit sizes everywhere: an IDLE step has no tokens, where -1 cannot be inferred.
+    num_value_heads = (qkv.shape[-1] - 2 * key_dim) // head_v_dim
+    q, k, v = jnp.split(qkv, [key_dim, 2 * key_dim], axis=-1)
+    return (
+        q.reshape(*lead, num_key_heads, head_k_dim),
+        k.reshape(*lead, num_key_heads, head_k_dim),
+        v.reshape(*lead, num_value_heads, head_v_dim),
+    )
+
+
+def packed_gating_recurrent_gated_delta_rule(
+    qkv: jax.Array,
+    ba: jax.Array,
+    A_log: jax.Array,
+    dt_bias: jax.Array,
+    ssm_pool: jax.Array,
+    state_indices: jax.Array,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """``fused_gating_recurrent_gated_delta_rule`` on the inputs as a GDN layer makes them:
+    the kernel reads each head where it sits, so no slice of q, k, v, a or b is written
+    before it.
+
+    Args:
+      qkv: ``[N, D, H*K + H*K + HV*V]``, the conv's output channels ``[Q | K | V]``
+        (``split_qkv``); HV, K and V are the pool's, H is what the width leaves.
+      ba: ``[N, D, 2*HV]``, ``[b | a]`` per token (any float dtype).
+      A_log, dt_bias, ssm_pool, state_indices, scale, use_qk_l2norm, impl: as
+        ``fused_gating_recurrent_gated_delta_rule``.
+
+    Returns:
+      o ``[N, D, HV, V]`` in qkv's dtype, and the pool with each row's final state in its slot.
+    """
+    op = "packed_gating_recurrent_gated_delta_rule"
+    check_packed_rows(op, qkv, ba, A_log, dt_bias, ssm_pool, state_indices)
+    _, kd, vd = ssm_pool.shape[1:]
+    options = {"scale": default_scale(op, kd, scale), "use_qk_l2norm": use_qk_l2norm}
+    args = (qkv, ba, A_log, dt_bias, ssm_pool, state_indices)
+    which = resolve_impl(op, impl, decode_mgpu.packed_gating_unsupported_reason(*args, **options))
+    if which != "reference":
+        return decode_mgpu.packed_gating_recurrent_gated_delta_rule(
+            *args, **options, interpret=which == "interpret"
+        )
+    h = packed_stand_ins(qkv, ba, ssm_pool)[0].shape[2]
+    q, k, v = split_qkv(qkv, h, kd, vd)
+    b, a = jnp.split(ba, 2, axis=-1)
+    return fused_gating_recurrent_gated_delta_rule(
+        q, k, v, A_log, a, dt_bias, b, ssm_pool, state_indices, **options, impl="reference"
     )
 
 

@@ -157,9 +157,20 @@ def test_gdn_chunk_prefill_takes_every_value_key_head_ratio(hv, lens, tokens):
     assert rel(np.asarray(new_pool)[idx], np.asarray(pool_ref)[idx]) < 2e-2
 
 
+def _packed_decode(q, k, v, A_log, a, dt_bias, b, ssm_pool, state_indices):  # noqa: N803
+    """The packed op, which the DECODE step calls, on the rows as the layer makes them."""
+    n, d = v.shape[:2]
+    qkv = jnp.concatenate([x.reshape(n, d, -1) for x in (q, k, v)], axis=-1)
+    return gdn.packed_gating_recurrent_gated_delta_rule(
+        qkv, jnp.concatenate([b, a], axis=-1), A_log, dt_bias, ssm_pool, state_indices,
+        impl="pallas",
+    )  # fmt: skip
+
+
 _FUSED_GATING = {
     "kernel": decode_mgpu.fused_gating_recurrent_gated_delta_rule,
     "public-op": functools.partial(gdn.fused_gating_recurrent_gated_delta_rule, impl="pallas"),
+    "packed-op": _packed_decode,
 }
 
 
@@ -170,7 +181,8 @@ _FUSED_GATING = {
 )
 @pytest.mark.parametrize("entry", list(_FUSED_GATING))
 def test_gdn_fused_gating_decode_on_gpu_matches_oracle(entry, n, n_padded, hv):
-    """decode_mgpu's fused-gating entry, and the public op that the DECODE step calls."""
+    """decode_mgpu's fused-gating entry, its public op, and the packed op the DECODE step
+    calls."""
     args, idx = _gdn_case(2, n, 1, n_padded, hv=hv)
     before = np.asarray(args["ssm_pool"])
     rng = np.random.default_rng(3)

@@ -1,4 +1,6 @@
-"""``gdn.fused_gating_recurrent_gated_delta_rule``: decode with the Qwen3-Next gating inside.
+"""``gdn.fused_gating_recurrent_gated_delta_rule``: decode with the Qwen3-Next gating inside,
+and ``gdn.packed_gating_recurrent_gated_delta_rule``, the same op on the layer's ``[Q | K | V]``
+conv output and ``[b | a]`` projection.
 
 The op must equal ``gdn_gating`` followed by ``fused_recurrent_gated_delta_rule`` (float64
 oracle; bits for the reference), choose its implementation like the other GDN ops, and reject
@@ -24,7 +26,7 @@ SLOTS = 9
 _OP = "fused_gating_recurrent_gated_delta_rule"
 
 
-def _case(seed, *, n=5, d=1, kd=64, dtype=jnp.bfloat16, padded=(1,)):
+def _case(seed, *, n=5, d=1, kd=64, dtype=jnp.bfloat16, padded=(1,), h=H):
     """Fresh random rows at distinct random slots (slot 0 on the ``padded`` rows); the pool is
     NaN in slot 0 and in every slot no row names, so a read of a wrong slot shows."""
     rng = np.random.default_rng(seed)
@@ -33,8 +35,8 @@ def _case(seed, *, n=5, d=1, kd=64, dtype=jnp.bfloat16, padded=(1,)):
     pool = rng.standard_normal((SLOTS, HV, kd, kd)).astype(np.float32) * 0.3
     pool[np.setdiff1d(np.arange(SLOTS), idx[idx > 0])] = np.nan
     args = dict(
-        q=jnp.asarray(rng.standard_normal((n, d, H, kd)), dtype),
-        k=jnp.asarray(rng.standard_normal((n, d, H, kd)), dtype),
+        q=jnp.asarray(rng.standard_normal((n, d, h, kd)), dtype),
+        k=jnp.asarray(rng.standard_normal((n, d, h, kd)), dtype),
         v=jnp.asarray(rng.standard_normal((n, d, HV, kd)), dtype),
         A_log=jnp.asarray(rng.standard_normal(HV), jnp.float32),
         a=jnp.asarray(rng.standard_normal((n, d, HV)) * 2, dtype),
@@ -146,3 +148,72 @@ def test_bad_input_is_named_before_any_work(impl, name, make, message):
     args[name] = make(args[name])
     with pytest.raises(ValueError, match=re.escape(f"{_OP}: {message}")):
         gdn.fused_gating_recurrent_gated_delta_rule(**args, impl=impl)
+
+
+_PACKED_OP = "packed_gating_recurrent_gated_delta_rule"
+
+
+def _packed(args):
+    """``args`` as the packed op takes them: ``[Q | K | V]`` and ``[b | a]`` per token."""
+    n, d = args["v"].shape[:2]
+    flat = [args[key].reshape(n, d, -1) for key in ("q", "k", "v")]
+    rest = {key: args[key] for key in ("A_log", "dt_bias", "ssm_pool", "state_indices")}
+    return dict(qkv=jnp.concatenate(flat, -1), ba=jnp.concatenate([args["b"], args["a"]], -1),
+                **rest)  # fmt: skip
+
+
+def _packed_op(impl):
+    return jax.jit(functools.partial(gdn.packed_gating_recurrent_gated_delta_rule, impl=impl))
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize("h", [1, 2], ids=["two-value-heads-a-key", "one-each"])
+def test_packed_op_reads_each_head_where_it_sits(impl, h):
+    args, idx = _case(6, d=2, h=h, padded=(0, 3))
+    o, pool = _packed_op(impl)(**_packed(args))
+    o_ref, pool_ref = _oracle(args)
+    real = idx != 0
+    assert o.shape == args["v"].shape and o.dtype == jnp.bfloat16
+    assert rel(o[real], o_ref[real]) < 1e-2
+    assert not np.asarray(o, np.float32)[~real].any(), "padded rows must give zeros"
+    named = idx[real]
+    assert rel(pool[named], pool_ref[named]) < 1e-5
+    others = np.setdiff1d(np.arange(SLOTS), named)
+    np.testing.assert_array_equal(bits(pool[others]), bits(args["ssm_pool"][others]))
+    # The same arithmetic as the op on separate q, k, v, a, b: only where it reads differs.
+    for got, want in zip((o, pool), _op(impl)(**args), strict=True):
+        np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_packed_op_takes_the_kernel_where_the_unpacked_one_does(on_hopper):
+    args, _ = _case(7)
+    program = lambda impl, a: str(  # noqa: E731
+        jax.make_jaxpr(functools.partial(gdn.packed_gating_recurrent_gated_delta_rule,
+                                         impl=impl))(**_packed(a))
+    )  # fmt: skip
+    assert program("auto", args) == program("pallas" if on_hopper else "reference", args)
+    narrow, _ = _case(7, kd=16)
+    assert program("auto", narrow) == program("reference", narrow)
+
+
+@pytest.mark.parametrize(
+    "name, make, message",
+    [
+        (
+            "qkv",
+            lambda x: x[..., :-64],
+            r"qkv.shape[-1]=192 must be 2*H*K + HV*V with the "
+            r"pool's HV=2, K=64, V=64 and some H >= 1",
+        ),  # fmt: skip
+        ("qkv", lambda x: x[:, 0], r"qkv.shape=(5, 256) must be [N, D, H*K + H*K + HV*V]"),
+        ("ba", lambda x: x[..., :2], r"ba.shape=(5, 1, 2) must be (5, 1, 4) ([b | a] per token)"),
+        ("A_log", lambda x: x[:1], r"A_log.shape=(1,) must be [HV]=(2,), one value per value"),
+    ],
+    ids=["qkv-width", "qkv-rank", "ba-width", "A_log-length"],
+)
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_packed_bad_input_is_named_before_any_work(impl, name, make, message):
+    args = _packed(_case(8)[0])
+    args[name] = make(args[name])
+    with pytest.raises(ValueError, match=re.escape(f"{_PACKED_OP}: {message}")):
+        gdn.packed_gating_recurrent_gated_delta_rule(**args, impl=impl)

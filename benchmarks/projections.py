@@ -1,0 +1,123 @@
+"""A layer's input projections at decode's few rows: ``pallas_kernels.projections`` (one
+launch, split along K or not) beside XLA's products (cuBLAS, one per weight), at the shapes
+of the serving presets.
+
+Run on the GPU machine (see benchmarks/README.md)::
+
+    python3 benchmarks/projections.py [--rows 8,64] [--splits 1,2,4,8] [--out DIR]
+
+Each call reads a different copy of its weights (copies adding up to more than the L2
+cache), as a step's layers do. Device time from a profiler trace (``device_time``: the
+kernels of one call, a split's float32 sum included); the limit is the weights' bytes (and
+the rows') at 4.3e12 B/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import itertools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_time import device_time  # noqa: E402
+
+from pallas_kernels import projections  # noqa: E402
+from pallas_kernels._skinny import BLOCK_K  # noqa: E402
+
+BANDWIDTH = 4.3e12
+L2_BYTES = 50 * 2**20
+# name: (K, the weights' widths): the products one input feeds in a decode step.
+CASES = {
+    "35B GDN qkv|z|b a": (2048, (8192, 4096, 64)),
+    "35B attention q|k|v": (2048, (8192, 512, 512)),
+    "35B MoE router|shared gate|up": (2048, (256, 512, 512)),
+    "35B GDN out_proj": (4096, (2048,)),
+    "35B shared expert down": (512, (2048,)),
+    "9B GDN qkv|z|b a": (4096, (8192, 4096, 64)),
+    "9B attention q|k|v": (4096, (8192, 1024, 1024)),
+    "9B MLP gate|up": (4096, (12288, 12288)),
+    "9B MLP down": (12288, (4096,)),
+    "9B GDN out_proj": (4096, (4096,)),
+}
+
+
+def _copies(k: int, widths: tuple[int, ...]) -> int:
+    """Weight copies a run cycles through: together more than twice the L2 cache."""
+    return min(64, max(4, -(-4 * L2_BYTES // (k * sum(widths) * 2))))
+
+
+def _time(fn, x, weight_sets) -> float:
+    cycle = itertools.cycle(weight_sets)
+    return device_time(lambda: fn(x, next(cycle)), calls=len(weight_sets)).us
+
+
+def rows_of(name: str, rows: int, splits: list[int], rng: np.random.Generator) -> list[str]:
+    k, widths = CASES[name]
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    weight_sets = [
+        tuple(jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16) for n in widths)
+        for _ in range(_copies(k, widths))
+    ]
+    limit_us = (k * sum(widths) + rows * (k + sum(widths))) * 2 / BANDWIDTH * 1e6
+    want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64) for w in weight_sets[0]]
+    variants = {"XLA (one product per weight)": jax.jit(projections.projections_reference)}
+    for s in splits:
+        if k % (s * BLOCK_K) == 0:
+            variants[f"projections, splits={s}"] = jax.jit(
+                functools.partial(projections.projections, splits=s, impl="pallas")
+            )
+    out = []
+    for label, fn in variants.items():
+        got = fn(x, weight_sets[0])
+        err = max(
+            float(np.abs(np.asarray(g, np.float64) - w).max() / np.abs(w).max())
+            for g, w in zip(got, want, strict=True)
+        )
+        us = _time(fn, x, weight_sets)
+        flag = f" err {err:.2g}" if err > 2e-2 else ""
+        out.append(
+            f"| {name} | {rows} | {label} | {us:.1f} | {limit_us:.1f} | {limit_us / us:.0%} |"
+            + flag
+        )
+        print(out[-1], flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default="8,64")
+    parser.add_argument("--splits", default="1,2,4,8")
+    parser.add_argument("--cases", default="", help="comma-separated names (default: all)")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
+    args = parser.parse_args()
+    names = [n for n in args.cases.split(",") if n] or list(CASES)
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        parser.error(f"--cases: {unknown} not among {sorted(CASES)}")
+    splits = [int(s) for s in args.splits.split(",")]
+    rng = np.random.default_rng(0)
+    lines = [
+        f"{datetime.date.today()}, {jax.devices()[0].device_kind}, jax {jax.__version__}",
+        "",
+        "| product | rows | variant | us | limit us | fraction |",
+        "| --- | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for name in names:
+        for rows in (int(r) for r in args.rows.split(",")):
+            lines += rows_of(name, rows, splits, rng)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "RESULTS_projections.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
