@@ -1,15 +1,13 @@
 """A layer's input projections at decode's few rows: ``pallas_kernels.projections`` (one
-launch, split along K or not) beside XLA's products (cuBLAS, one per weight), at the shapes
-of the serving presets.
+launch) beside XLA's products (cuBLAS, one per weight), at the shapes of the serving presets.
 
 Run on the GPU machine (see benchmarks/README.md)::
 
-    python3 benchmarks/projections.py [--rows 8,64] [--splits 1,2,4,8] [--out DIR]
+    python3 benchmarks/projections.py [--rows 8,64] [--out DIR]
 
 Each call reads a different copy of its weights (copies adding up to more than the L2
 cache), as a step's layers do. Device time from a profiler trace (``device_time``: the
-kernels of one call, a split's float32 sum included); the limit is the weights' bytes (and
-the rows') at 4.3e12 B/s.
+kernels of one call); the limit is the weights' bytes (and the rows') at 4.3e12 B/s.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_time import device_time  # noqa: E402
 
 from pallas_kernels import projections  # noqa: E402
-from pallas_kernels._skinny import BLOCK_K  # noqa: E402
 
 BANDWIDTH = 4.3e12
 L2_BYTES = 50 * 2**20
@@ -58,7 +55,7 @@ def _time(fn, x, weight_sets) -> float:
     return device_time(lambda: fn(x, next(cycle)), calls=len(weight_sets)).us
 
 
-def rows_of(name: str, rows: int, splits: list[int], rng: np.random.Generator) -> list[str]:
+def rows_of(name: str, rows: int, rng: np.random.Generator) -> list[str]:
     k, widths = CASES[name]
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     weight_sets = [
@@ -67,12 +64,12 @@ def rows_of(name: str, rows: int, splits: list[int], rng: np.random.Generator) -
     ]
     limit_us = (k * sum(widths) + rows * (k + sum(widths))) * 2 / BANDWIDTH * 1e6
     want = [np.asarray(x, np.float64) @ np.asarray(w, np.float64) for w in weight_sets[0]]
-    variants = {"XLA (one product per weight)": jax.jit(projections.projections_reference)}
-    for s in splits:
-        if k % (s * BLOCK_K) == 0:
-            variants[f"projections, splits={s}"] = jax.jit(
-                functools.partial(projections.projections, splits=s, impl="pallas")
-            )
+    variants = {
+        "XLA (one product per weight)": jax.jit(projections.projections_reference),
+        "projections (one launch)": jax.jit(
+            functools.partial(projections.projections, impl="pallas")
+        ),
+    }
     out = []
     for label, fn in variants.items():
         got = fn(x, weight_sets[0])
@@ -93,7 +90,6 @@ def rows_of(name: str, rows: int, splits: list[int], rng: np.random.Generator) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="8,64")
-    parser.add_argument("--splits", default="1,2,4,8")
     parser.add_argument("--cases", default="", help="comma-separated names (default: all)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args()
@@ -101,7 +97,6 @@ def main() -> None:
     unknown = sorted(set(names) - set(CASES))
     if unknown:
         parser.error(f"--cases: {unknown} not among {sorted(CASES)}")
-    splits = [int(s) for s in args.splits.split(",")]
     rng = np.random.default_rng(0)
     lines = [
         f"{datetime.date.today()}, {jax.devices()[0].device_kind}, jax {jax.__version__}",
@@ -111,7 +106,7 @@ def main() -> None:
     ]
     for name in names:
         for rows in (int(r) for r in args.rows.split(",")):
-            lines += rows_of(name, rows, splits, rng)
+            lines += rows_of(name, rows, rng)
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out)

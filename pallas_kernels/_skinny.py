@@ -26,14 +26,13 @@ ROWS_PER_TILE = 64  # the wgmma tile's rows; only a program's own rows are loade
 DTYPES = (jnp.bfloat16, jnp.float16)  # the operands' dtypes the tensor-core product takes
 
 
-def scratch(steps: int, dtype, out_dtype=None) -> list:
-    """The ring (rows and weight tiles), the output tile (``out_dtype``, default the
-    operands') and the ring's barriers."""
+def scratch(steps: int, dtype) -> list:
+    """The ring (rows and weight tiles), the output tile and the ring's barriers."""
     stages = min(STAGES, steps)
     return [
         smem((stages, ROWS_PER_TILE, BLOCK_K), dtype),
         smem((stages, BLOCK_K, BLOCK_N), dtype),
-        smem((ROWS_PER_TILE, BLOCK_N), out_dtype or dtype),
+        smem((ROWS_PER_TILE, BLOCK_N), dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
 

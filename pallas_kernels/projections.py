@@ -60,29 +60,25 @@ def projections_reference(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[j
     return tuple(jnp.dot(x, w, preferred_element_type=F32).astype(x.dtype) for w in weights)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "interpret"))
-def _kernel(x: jax.Array, weights: tuple[jax.Array, ...], *, splits: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _kernel(x: jax.Array, weights: tuple[jax.Array, ...], *, interpret: bool):
     rows, k_dim = x.shape
-    steps = k_dim // BLOCK_K // splits
+    steps = k_dim // BLOCK_K
     held = -(-rows // ALIGN) * ALIGN
     xp = jnp.pad(x, ((0, held - rows), (0, 0)))
     tiles = [w.shape[1] // BLOCK_N for w in weights]
     starts = [sum(tiles[:i]) for i in range(len(tiles))]
-    # Split along K, a program's product is a partial sum: kept in float32 and added after.
-    out_dtype = x.dtype if splits == 1 else jnp.dtype(F32)
 
     def body(x_ref, *refs):
         w_refs, o_refs = refs[: len(weights)], refs[len(weights) : 2 * len(weights)]
         scratch_refs = refs[2 * len(weights) :]
         tile = lax.axis_index("t")
-        part = lax.axis_index("s")
-        ks = pl.ds(part * steps * BLOCK_K, steps * BLOCK_K)
 
         def product(w_ref, o_ref, start):
             cols = pl.ds((tile - start) * BLOCK_N, BLOCK_N)
             tile_product(
-                x_ref.at[:, ks], w_ref.at[ks, cols], o_ref.at[part, :, cols], *scratch_refs,
-                steps=steps, interpret=interpret,
+                x_ref, w_ref.at[:, cols], o_ref.at[:, cols], *scratch_refs, steps=steps,
+                interpret=interpret,
             )  # fmt: skip
 
         for w_ref, o_ref, start, count in zip(w_refs, o_refs, starts, tiles, strict=True):
@@ -92,31 +88,25 @@ def _kernel(x: jax.Array, weights: tuple[jax.Array, ...], *, splits: int, interp
 
     outs = plgpu.kernel(
         body,
-        out_type=tuple(
-            jax.ShapeDtypeStruct((splits, held, w.shape[1]), out_dtype) for w in weights
-        ),
-        scratch_types=scratch(steps, x.dtype, out_dtype),
-        grid=(sum(tiles), splits),
-        grid_names=("t", "s"),
+        out_type=tuple(jax.ShapeDtypeStruct((held, w.shape[1]), x.dtype) for w in weights),
+        scratch_types=scratch(steps, x.dtype),
+        grid=(sum(tiles),),
+        grid_names=("t",),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
         kernel_name="projections",
     )(xp, *weights)
-    if splits == 1:
-        return tuple(out[0, :rows] for out in outs)
-    return tuple(out[:, :rows].sum(0).astype(x.dtype) for out in outs)
+    return tuple(out[:rows] for out in outs)
 
 
 def projections(
-    x: jax.Array, weights: Sequence[jax.Array], *, splits: int = 1, impl: str = "auto"
+    x: jax.Array, weights: Sequence[jax.Array], *, impl: str = "auto"
 ) -> tuple[jax.Array, ...]:
     """``x @ w`` for every ``w`` of ``weights`` (float32 accumulation).
 
     Args:
       x: ``[R, K]`` rows (the kernel takes up to ``MAX_ROWS``).
       weights: ``[K, N_i]`` each, in x's dtype (read in place).
-      splits: programs per column tile, each over ``K / splits`` (their float32 partial sums
-        added after the kernel): more programs for weights too narrow to fill the GPU.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
@@ -124,13 +114,8 @@ def projections(
     """
     weights = tuple(weights)
     _check(x, weights)
-    if splits < 1 or x.shape[1] % (splits * BLOCK_K):
-        raise ValueError(
-            f"{_OP}: splits={splits} must be >= 1 and divide K={x.shape[1]} into multiples of "
-            f"{BLOCK_K}"
-        )
     reason = unsupported_reason(x, weights) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
         return projections_reference(x, weights)
-    return _kernel(x, weights, splits=splits, interpret=choice == "interpret")
+    return _kernel(x, weights, interpret=choice == "interpret")

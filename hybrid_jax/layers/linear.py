@@ -1,11 +1,11 @@
 """Projections of one input by several linear layers: one kernel launch at decode's few rows.
 
 A layer's input projections (GDN ``qkv | z | b a``, attention q/k/v, a MoE block's router and
-shared expert) each read their weight once; at a few rows a launch per weight costs more than
-its bytes. ``project`` runs them in one launch (``pallas_kernels.projections``, every weight
-read in place) when the step has at most ``FEW_ROWS`` rows and the kernel runs here, and as
-the layers themselves otherwise (XLA's products: the CPU, large steps, biases, shapes the
-kernel does not take).
+shared expert, a dense MLP's gate and up) each read their weight once; at a few rows a launch
+per weight costs more than its bytes. ``project`` runs them in one launch
+(``pallas_kernels.projections``, every weight read in place) when the step has at most
+``FEW_ROWS`` rows and the kernel runs here, and as the layers themselves otherwise (XLA's
+products: the CPU, large steps, biases, shapes the kernel does not take).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from pallas_kernels import projections, resolve_impl
 
 __all__ = ["FEW_ROWS", "project"]
 
-FEW_ROWS = 8
-"""Rows up to which ``project`` launches one kernel: decode buckets of up to 8 rows."""
+FEW_ROWS = 64
+"""Rows up to which ``project`` launches one kernel (the kernel's most): at 64 rows it reads
+the weights 1.2-1.4x faster than cuBLAS's products, at 8 rows about as fast
+(benchmarks/RESULTS_projections.md)."""
 
 
 def project(x: jax.Array, layers: Sequence[nnx.Linear], *, impl: str) -> tuple[jax.Array, ...]:

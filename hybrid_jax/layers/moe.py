@@ -36,7 +36,8 @@ class MLP(nnx.Module):
 
     A feed-forward block takes ``(x, real)``: ``real`` (bool ``[T]``) marks the tokens of real
     rows, which lets a MoE skip the padding, and ``impl`` chooses its kernels; a dense MLP
-    (XLA's matmuls, the same work for every token) uses neither."""
+    does the same work for every token and uses ``impl`` for its gate and up projections
+    (``project``: one launch at few rows)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: str, rngs: nnx.Rngs):
         dt = jnp.dtype(dtype)
@@ -48,7 +49,8 @@ class MLP(nnx.Module):
     def __call__(
         self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
     ) -> jax.Array:
-        return self.output(self.gate_proj(x), self.up_proj(x))
+        del real
+        return self.output(*project(x, [self.gate_proj, self.up_proj], impl=impl))
 
     def output(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         """The block's output from its gate and up projections: ``down(silu(gate) * up)``."""

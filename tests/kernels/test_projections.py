@@ -28,14 +28,13 @@ def _case(seed, rows, k, widths):
 
 
 @pytest.mark.parametrize(
-    ("rows", "k", "widths", "splits"),
-    [(5, 256, (128, 64, 192), 1), (8, 128, (64,), 1), (13, 384, (64, 256), 3),
-     (3, 512, (64, 128), 2)],
-)  # fmt: skip
+    ("rows", "k", "widths"),
+    [(5, 256, (128, 64, 192)), (8, 128, (64,)), (13, 384, (64, 256))],
+)
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
-def test_every_product_matches_the_float64_oracle(rows, k, widths, splits, impl):
+def test_every_product_matches_the_float64_oracle(rows, k, widths, impl):
     x, ws = _case(rows + k, rows, k, widths)
-    got = projections.projections(x, ws, splits=splits, impl=impl)
+    got = projections.projections(x, ws, impl=impl)
     assert len(got) == len(ws)
     for out, w in zip(got, ws, strict=True):
         chex.assert_shape(out, (rows, w.shape[1]))
@@ -45,13 +44,12 @@ def test_every_product_matches_the_float64_oracle(rows, k, widths, splits, impl)
         assert err < 1e-2
 
 
-@pytest.mark.parametrize("splits", [1, 4])
-def test_the_kernel_lowers_for_cuda(splits):
+def test_the_kernel_lowers_for_cuda():
     x = jnp.zeros((8, 2048), jnp.bfloat16)
     ws = tuple(jnp.zeros((2048, n), jnp.bfloat16) for n in (8192, 4096, 64))
 
     def call(x, ws):
-        return proj_module._kernel(x, ws, splits=splits, interpret=False)
+        return proj_module._kernel(x, ws, interpret=False)
 
     text = jax.jit(call).trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -72,8 +70,6 @@ def test_misshapen_calls_raise_naming_the_shapes():
         projections.projections(jnp.zeros((8, 128)), [jnp.zeros((64, 64))])
     with pytest.raises(ValueError, match="projections: x must be"):
         projections.projections(jnp.zeros((8, 128)), [])
-    with pytest.raises(ValueError, match=r"splits=3 must be >= 1 and divide K=512 into"):
-        projections.projections(jnp.zeros((8, 512)), [jnp.zeros((512, 64))], splits=3)
 
 
 def _linears(k, widths, *, bias=False):
