@@ -25,6 +25,7 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 __all__ = [
+    "round_up",
     "IMPLS",
     "NUM_SMS",
     "SMEM_BYTES",
@@ -42,6 +43,12 @@ NUM_SMS = 132
 
 SMEM_BYTES = 227 * 1024
 """Shared memory one sm_90 program may take (the opt-in maximum per thread block)."""
+
+
+def round_up(n, multiple: int):
+    """``n`` rounded up to a multiple of ``multiple`` (an int, or an integer array
+    elementwise)."""
+    return -(-n // multiple) * multiple
 
 
 def interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:

@@ -18,6 +18,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._common import round_up
+
 __all__ = [
     "ALIGN",
     "BF16",
@@ -169,9 +171,9 @@ def sequence_layout(qsl: jax.Array, num_tokens: int) -> SequenceLayout:
     n = qsl.shape[0] - 1
     qsl = qsl.astype(jnp.int32)
     lens = qsl[1:] - qsl[:-1]
-    room = -(-lens // ALIGN) * ALIGN
+    room = round_up(lens, ALIGN)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(room, dtype=jnp.int32)])
-    size = -(-(num_tokens + (ALIGN - 1) * n) // ALIGN) * ALIGN + CHUNK
+    size = round_up(num_tokens + (ALIGN - 1) * n, ALIGN) + CHUNK
     ends = starts[:-1] + lens
     # searchsorted(side="right") - 1: the last of equal starts, so an empty sequence owns
     # nothing.
@@ -221,4 +223,4 @@ def token_axis(qsl: jax.Array, tokens: int, packing_invariant: bool) -> TokenAxi
         layout = sequence_layout(qsl, tokens)
         return TokenAxis(layout.qsl, layout.num_tokens, tokens, layout)
     # A copy only when T is not already a multiple of 8 (or shorter than a chunk).
-    return TokenAxis(qsl, max(CHUNK, -(-tokens // ALIGN) * ALIGN), tokens, None)
+    return TokenAxis(qsl, max(CHUNK, round_up(tokens, ALIGN)), tokens, None)

@@ -22,7 +22,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import interpret_params, resolve_impl
+from pallas_kernels._common import interpret_params, resolve_impl, round_up
 from pallas_kernels._mgpu_chunks import ALIGN, F32
 from pallas_kernels._skinny import BLOCK_K, BLOCK_N, DTYPES, ROWS_PER_TILE, scratch, tile_product
 
@@ -64,7 +64,7 @@ def projections_reference(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[j
 def _kernel(x: jax.Array, weights: tuple[jax.Array, ...], *, interpret: bool):
     rows, k_dim = x.shape
     steps = k_dim // BLOCK_K
-    held = -(-rows // ALIGN) * ALIGN
+    held = round_up(rows, ALIGN)
     xp = jnp.pad(x, ((0, held - rows), (0, 0)))
     tiles = [w.shape[1] // BLOCK_N for w in weights]
     starts = [sum(tiles[:i]) for i in range(len(tiles))]

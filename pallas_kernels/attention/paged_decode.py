@@ -40,7 +40,13 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params, resolve_impl
+from pallas_kernels._common import (
+    NUM_SMS,
+    SMEM_BYTES,
+    interpret_params,
+    resolve_impl,
+    round_up,
+)
 from pallas_kernels._mgpu_chunks import F32, ROWS, WG, along_rows, matmul, matmul_into, smem
 from pallas_kernels._tree import check_parents
 
@@ -420,7 +426,7 @@ def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, *, scal
     kv_heads = k_pages.shape[2]
     groups = heads // kv_heads
     rows = tokens * groups
-    held = -(-rows // 8) * 8  # TMA moves whole 8-row groups of the swizzled tile
+    held = round_up(rows, 8)  # TMA moves whole 8-row groups of the swizzled tile
     tiles = q.reshape(batch, tokens, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
     tiles = tiles.reshape(batch, kv_heads, rows, head_dim)
     tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, held - rows), (0, 0)))

@@ -24,7 +24,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl
+from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
 from pallas_kernels._mgpu_chunks import ALIGN, F32
 from pallas_kernels._skinny import BLOCK_K, BLOCK_N, DTYPES, scratch, tile_product
 
@@ -90,7 +90,7 @@ def _kernel(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: bool) 
     programs = programs_per_tile(pairs, col_tiles)
     per_program = -(-pairs // programs)
     dtype = x.dtype
-    padded = -(-rows // ALIGN) * ALIGN
+    padded = round_up(rows, ALIGN)
     xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
     flat = jnp.pad(experts.reshape(-1), (0, programs * per_program - pairs), constant_values=-1)
 

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import resolve_impl
+from pallas_kernels._common import resolve_impl, round_up
 from pallas_kernels.moe import reference
 
 __all__ = ["grouped_matmul", "unsupported_reason"]
@@ -98,7 +98,7 @@ def grouped_matmul(
     if resolve_impl(_OP, impl, reason) == "reference":
         return reference.grouped_matmul(x, w, group_sizes)
     rows = x.shape[0]
-    padded = -(-rows // _ROW_TILE) * _ROW_TILE
+    padded = round_up(rows, _ROW_TILE)
     xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
     sizes = group_sizes.astype(jnp.int32)
     if padded >= _LONG_ROWS * w.shape[0] and x.shape[1] >= _WIDE_K:
