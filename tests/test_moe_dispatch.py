@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_jax.layers.moe import BY_ID_MAX_PAIRS, ExpertDispatch, MoEConfig, SparseMoE
+from hybrid_jax.layers.moe import (
+    BY_ID_MAX_PAIRS,
+    RANKED_TOP_K_TOKENS,
+    ExpertDispatch,
+    MoEConfig,
+    SparseMoE,
+    top_k,
+)
 
 
 @pytest.mark.parametrize("tokens,top_k,experts", [(13, 3, 5), (1, 4, 8), (32, 1, 3)])
@@ -104,3 +111,38 @@ def test_a_few_tokens_run_their_experts_by_id_as_the_sorted_path_does():
     assert not moe._runs_by_id(
         jnp.zeros((BY_ID_MAX_PAIRS // 2 + 1, 128), jnp.bfloat16), "interpret"
     )
+
+
+@pytest.mark.parametrize("tokens,n,k", [(8, 256, 8), (5, 16, 3), (0, 8, 2), (64, 32, 32)])
+def test_top_k_by_rank_is_lax_top_k_ties_included(tokens, n, k):
+    rng = np.random.default_rng(tokens + n)
+    # Few distinct values, so most rows hold ties: the lower index must come first.
+    x = jnp.asarray(rng.integers(-3, 4, (tokens, n)), jnp.float32) / 2
+    values, indices = jax.jit(top_k, static_argnums=1)(x, k)
+    want_values, want_indices = jax.lax.top_k(x, k)
+    assert indices.dtype == jnp.int32
+    np.testing.assert_array_equal(indices, want_indices)
+    np.testing.assert_array_equal(values, want_values)
+    # Above RANKED_TOP_K_TOKENS rows it is lax.top_k itself.
+    many = jnp.asarray(rng.standard_normal((RANKED_TOP_K_TOKENS + 1, n)), jnp.float32)
+    program = lambda a: str(jax.make_jaxpr(top_k, static_argnums=1)(a, k))  # noqa: E731
+    assert "top_k[" not in program(x) and "top_k[" in program(many)
+    np.testing.assert_array_equal(top_k(many, k)[1], jax.lax.top_k(many, k)[1])
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_route_weights_are_the_softmax_probabilities_of_the_chosen_experts(norm_topk_prob):
+    config = MoEConfig(hidden_size=16, num_experts=32, top_k=4, intermediate_size=8,
+                       shared_intermediate_size=8, norm_topk_prob=norm_topk_prob)  # fmt: skip
+    layer = SparseMoE(config, rngs=nnx.Rngs(0))
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((6, 32)) * 3, jnp.float32)
+    weights, experts = layer.route(logits)
+    wide = np.asarray(logits, np.float64)
+    probs = np.exp(wide - wide.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.argsort(-probs, axis=-1, kind="stable")[:, :4]
+    np.testing.assert_array_equal(experts, want)
+    chosen = np.take_along_axis(probs, want, axis=-1)
+    if norm_topk_prob:
+        chosen = chosen / chosen.sum(axis=-1, keepdims=True)
+    np.testing.assert_allclose(weights, chosen, rtol=1e-6)

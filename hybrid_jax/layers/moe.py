@@ -23,12 +23,46 @@ from flax import nnx
 from hybrid_jax.layers.linear import project
 from pallas_kernels import moe, resolve_impl
 
-__all__ = ["BY_ID_MAX_PAIRS", "MLP", "ExpertDispatch", "MoEConfig", "SparseMoE"]
+__all__ = [
+    "BY_ID_MAX_PAIRS",
+    "MLP",
+    "RANKED_TOP_K_TOKENS",
+    "ExpertDispatch",
+    "MoEConfig",
+    "SparseMoE",
+    "top_k",
+]
 
 BY_ID_MAX_PAIRS = 64
 """Routed (token, choice) pairs up to which a step runs its experts by id: each pair reads its
 own expert, which costs about what the grouped matmul reads while few pairs share an expert
 (decode buckets up to 8 tokens at top 8), and the step skips the sort-based dispatch."""
+
+RANKED_TOP_K_TOKENS = 64
+"""Tokens up to which ``top_k`` ranks instead of sorting."""
+
+
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(x, k)`` along the last axis of ``x`` ``[T, n]`` (equal values: the lower
+    index first), with int32 indices.
+
+    Up to ``RANKED_TOP_K_TOKENS`` rows it counts, for every entry, the entries that come
+    before it (larger, or equal at a lower index) and picks the entries of ranks ``0..k-1``:
+    an ``[T, n, n]`` comparison that XLA fuses into a reduction, where ``lax.top_k`` on the GPU
+    is a sort of its own per call. More rows sort (the comparison grows as ``n ** 2``).
+    """
+    if x.shape[0] > RANKED_TOP_K_TOKENS:
+        values, indices = jax.lax.top_k(x, k)
+        return values, indices.astype(jnp.int32)
+    n = x.shape[-1]
+    index = jnp.arange(n, dtype=jnp.int32)
+    mine, other = x[..., :, None], x[..., None, :]
+    before = (other > mine) | ((other == mine) & (index[None, :] < index[:, None]))
+    rank = before.sum(axis=-1, dtype=jnp.int32)  # [T, n]: each entry's place in the order
+    chosen = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [T, k, n]
+    values = jnp.where(chosen, x[..., None, :], 0).sum(axis=-1)
+    indices = jnp.where(chosen, index, 0).sum(axis=-1, dtype=jnp.int32)
+    return values.astype(x.dtype), indices
 
 
 class MLP(nnx.Module):
@@ -168,11 +202,15 @@ class SparseMoE(nnx.Module):
     def route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(weights ``[T, top_k]`` in the logits' dtype, experts int32 ``[T, top_k]``) of each
         token, from its router logits ``[T, E]``."""
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        weights, experts = jax.lax.top_k(probs, self.config.top_k)
+        wide = logits.astype(jnp.float32)
         if self.config.norm_topk_prob:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        return weights.astype(logits.dtype), experts.astype(jnp.int32)
+            # The softmax renormalised over the chosen experts is the softmax of their logits
+            # (the softmax keeps the logits' order): no softmax over every expert.
+            chosen, experts = top_k(wide, self.config.top_k)
+            weights = jax.nn.softmax(chosen, axis=-1)
+        else:
+            weights, experts = top_k(jax.nn.softmax(wide, axis=-1), self.config.top_k)
+        return weights.astype(logits.dtype), experts
 
     def __call__(
         self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
