@@ -623,6 +623,11 @@ def main(argv: list[str] | None = None) -> int:
         help="steps of up to this many rows run a layer's input projections in one launch "
         f"(default: layers.linear.FEW_ROWS = {linear_layer.FEW_ROWS}; 0: never)",
     )  # fmt: skip
+    parser.add_argument(
+        "--ranked-top-k-tokens", type=int, default=None,
+        help="steps of up to this many tokens route by ranking, not sorting (default: "
+        f"layers.moe.RANKED_TOP_K_TOKENS = {moe_layer.RANKED_TOP_K_TOKENS}; 0: always sort)",
+    )  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--flops", type=float, default=7.9e14)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
@@ -643,13 +648,16 @@ def main(argv: list[str] | None = None) -> int:
         args.decode, args.prefill = "2", "2x64"
         args.prompt_len, args.decode_steps, args.profile_steps = 8, 4, 2
         args.stream, args.stream_batch, args.output_len = "3x200", 2, 3
-    if args.profile_steps < 0:
-        parser.error(f"--profile-steps {args.profile_steps}: must be >= 0")
-    few_rows = linear_layer.FEW_ROWS
+    few_rows, ranked_tokens = linear_layer.FEW_ROWS, moe_layer.RANKED_TOP_K_TOKENS
+    for flag, value in (("--profile-steps", args.profile_steps),
+                        ("--projection-rows", args.projection_rows),
+                        ("--ranked-top-k-tokens", args.ranked_top_k_tokens)):  # fmt: skip
+        if value is not None and value < 0:
+            parser.error(f"{flag} {value}: must be >= 0")
     if args.projection_rows is not None:
-        if args.projection_rows < 0:
-            parser.error(f"--projection-rows {args.projection_rows}: must be >= 0")
         linear_layer.FEW_ROWS = args.projection_rows
+    if args.ranked_top_k_tokens is not None:
+        moe_layer.RANKED_TOP_K_TOKENS = args.ranked_top_k_tokens
     if args.cache_dir is None:
         # Cold, as a first start is; within the run the rows share it, as an engine's own
         # executables do (EXTEND and MIXED lower to the same program).
@@ -725,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
             break
     _GROUPED_MATMUL._tokamax_ragged_dot = kernel
     moe_layer.BY_ID_MAX_PAIRS = by_id_max_pairs
-    linear_layer.FEW_ROWS = few_rows
+    linear_layer.FEW_ROWS, moe_layer.RANKED_TOP_K_TOKENS = few_rows, ranked_tokens
     title = f"{args.preset}, {c.num_hidden_layers} layers"
     name = "RESULTS_serve_smoke.md" if args.smoke else "RESULTS_serve.md"
     write_results(out / name, title, rows)
