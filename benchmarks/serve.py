@@ -225,17 +225,17 @@ def _mlp_params(c: Qwen3NextConfig, i: int) -> tuple[int, int, int]:
     return fixed, 3 * h * m.intermediate_size, m.num_experts
 
 
-def decode_bytes(c: Qwen3NextConfig, batch: int, context: int) -> float:
-    """Bytes one decode step of ``batch`` rows at ``context`` positions must move."""
+def _expected_experts(c: Qwen3NextConfig, experts: int, batch: int) -> float:
+    """Distinct experts ``batch`` tokens hit under uniform routing."""
+    return experts * (1 - (1 - c.num_experts_per_tok / experts) ** batch)
+
+
+def _row_bytes(c: Qwen3NextConfig, batch: int, context: int) -> float:
+    """Bytes of the rows' own state in a decode step: recurrent states and conv windows read
+    and written, KV entries read."""
     item = _itemsize(c)
     total = 0.0
-    for i, kind in enumerate(c.layer_kinds):
-        total += _mixer_params(c, kind) * item
-        fixed, expert, experts = _mlp_params(c, i)
-        total += fixed * item
-        if experts:
-            hit = experts * (1 - (1 - c.num_experts_per_tok / experts) ** batch)
-            total += hit * expert * item
+    for kind in c.layer_kinds:
         if kind is LayerKind.GDN:
             g = c.gdn_config()
             total += batch * 2 * (g.num_value_heads * g.head_k_dim * g.head_v_dim * 4)
@@ -243,7 +243,42 @@ def decode_bytes(c: Qwen3NextConfig, batch: int, context: int) -> float:
         else:
             a = c.attention_config()
             total += batch * context * 2 * a.num_kv_heads * a.head_dim * item
-    return total + c.vocab_size * c.hidden_size * item
+    return total
+
+
+def decode_bytes(c: Qwen3NextConfig, batch: int, context: int) -> float:
+    """Bytes one decode step of ``batch`` rows at ``context`` positions must move: the weights
+    it touches once (the experts its tokens hit) and the rows' states and KV entries."""
+    item = _itemsize(c)
+    total = c.vocab_size * c.hidden_size * item
+    for i, kind in enumerate(c.layer_kinds):
+        fixed, expert, experts = _mlp_params(c, i)
+        total += (_mixer_params(c, kind) + fixed) * item
+        if experts:
+            total += _expected_experts(c, experts, batch) * expert * item
+    return total + _row_bytes(c, batch, context)
+
+
+def decode_roofline_s(
+    c: Qwen3NextConfig, batch: int, context: int, bandwidth: float, flops: float
+) -> float:
+    """Seconds of a decode step when each weight product takes the longer of its bytes and
+    its FLOPs (2 x rows x parameters): above ``flops / bandwidth`` rows a product is bound by
+    its FLOPs, which ``decode_bytes`` leaves out. States and KV entries count as bytes."""
+    item = _itemsize(c)
+
+    def product(params: float, rows: float) -> float:
+        return max(params * item / bandwidth, 2 * rows * params / flops)
+
+    total = product(c.vocab_size * c.hidden_size, batch)
+    for i, kind in enumerate(c.layer_kinds):
+        fixed, expert, experts = _mlp_params(c, i)
+        total += product(_mixer_params(c, kind), batch) + product(fixed, batch)
+        if experts:
+            hit = _expected_experts(c, experts, batch)
+            # The routed rows spread over the experts they hit.
+            total += hit * product(expert, batch * c.num_experts_per_tok / hit)
+    return total + _row_bytes(c, batch, context) / bandwidth
 
 
 def _weights(model) -> int:
@@ -458,6 +493,12 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     for rid in ids:
         engine.abort(rid)
     limit_s = limit_bytes(model, c, batch, prompt + steps) / args.bandwidth
+    if isinstance(c, Qwen3NextConfig):
+        roof_s = decode_roofline_s(c, batch, prompt + steps, args.bandwidth, args.flops)
+        note = (
+            f"roofline (each product's bytes or FLOPs, the longer) {roof_s * 1e3:.3f} ms: "
+            f"{roof_s / step_s:.0%}; {note}"
+        )
     at = f" at {prompt // 1024}k" if prompt >= 1024 else ""
     at += f" in a bucket of {bucket}" if bucket > batch else ""
     return Row(

@@ -66,3 +66,16 @@ def test_decode_limit_counts_only_the_experts_a_batch_can_touch(serve):
         many - one > 0.9 * moe_layers * (config.num_experts - config.num_experts_per_tok) * expert
     )
     assert serve.prefill_flops(config, 2, 1024) > 2 * serve.prefill_flops(config, 1, 1024) * 0.99
+
+
+def test_decode_roofline_is_the_byte_limit_until_the_rows_make_products_flop_bound(serve):
+    config = serve.PRESETS["qwen3.5-9b-like"][1](4)
+    bandwidth, flops = 4.3e12, 7.9e14  # the ridge: ~184 rows
+    for batch in (1, 64):
+        limit = serve.decode_bytes(config, batch, 64) / bandwidth
+        assert serve.decode_roofline_s(config, batch, 64, bandwidth, flops) == pytest.approx(limit)
+    # At 256 rows each dense product takes its FLOPs: 2 x 256 x parameters.
+    roof = serve.decode_roofline_s(config, 256, 64, bandwidth, flops)
+    rows = serve._row_bytes(config, 256, 64) / bandwidth
+    params = (serve.decode_bytes(config, 256, 64) - serve._row_bytes(config, 256, 64)) / 2
+    assert roof == pytest.approx(rows + 2 * 256 * params / flops)

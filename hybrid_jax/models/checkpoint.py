@@ -267,7 +267,7 @@ def load_weights(
         )
     placement = None if mesh is None else Placement(model, mesh)
     bar = Progress(len(rules), progress, doing="loading", done="loaded", items="parameters")
-    finite = []
+    placed = []
     for rule in rules:
         values = rule.ours([tensors[name] for name, _ in rule.sources])
         for target, value in zip(rule.targets, values, strict=True):
@@ -278,11 +278,14 @@ def load_weights(
             else:
                 array = placement.place(target, np.asarray(value).astype(dtype))
             param.set_value(array)
-            if check_finite:
-                finite.append((rule, _all_finite(array)))
+            placed.append((rule, array))
         bar(".".join(map(str, rule.target))[-24:])
-    flags = jax.device_get([ok for _, ok in finite])  # one read-back for every parameter
-    bad = [rule for (rule, _), ok in zip(finite, flags, strict=True) if not ok]
+    if not check_finite:
+        return model
+    # Checked after the loop, so that no check stands between one transfer and the next.
+    finite = [_all_finite(array) for _, array in placed]
+    flags = jax.device_get(finite)  # one read-back for every parameter
+    bad = [rule for (rule, _), ok in zip(placed, flags, strict=True) if not ok]
     if bad:
         names = list(dict.fromkeys(name for rule in bad for name, _ in rule.sources))
         raise CheckpointError(
