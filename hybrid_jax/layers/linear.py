@@ -20,8 +20,8 @@ from pallas_kernels import projections, resolve_impl
 __all__ = ["FEW_ROWS", "project"]
 
 FEW_ROWS = 64
-"""Rows up to which ``project`` launches one kernel (the kernel's most): at 64 rows it reads
-the weights 1.2-1.4x faster than cuBLAS's products, at 8 rows about as fast
+"""Rows up to which ``project`` launches one kernel: the kernel's most, since up to there the
+one launch reads the weights at least as fast as cuBLAS's products
 (benchmarks/RESULTS_projections.md)."""
 
 
