@@ -38,6 +38,7 @@ import dataclasses
 import datetime
 import importlib
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -249,14 +250,8 @@ def _row_bytes(c: Qwen3NextConfig, batch: int, context: int) -> float:
 def decode_bytes(c: Qwen3NextConfig, batch: int, context: int) -> float:
     """Bytes one decode step of ``batch`` rows at ``context`` positions must move: the weights
     it touches once (the experts its tokens hit) and the rows' states and KV entries."""
-    item = _itemsize(c)
-    total = c.vocab_size * c.hidden_size * item
-    for i, kind in enumerate(c.layer_kinds):
-        fixed, expert, experts = _mlp_params(c, i)
-        total += (_mixer_params(c, kind) + fixed) * item
-        if experts:
-            total += _expected_experts(c, experts, batch) * expert * item
-    return total + _row_bytes(c, batch, context)
+    # The roofline at one byte per second and unbounded FLOP/s: every product is its bytes.
+    return decode_roofline_s(c, batch, context, 1.0, math.inf)
 
 
 def decode_roofline_s(
@@ -274,8 +269,8 @@ def decode_roofline_s(
     for i, kind in enumerate(c.layer_kinds):
         fixed, expert, experts = _mlp_params(c, i)
         total += product(_mixer_params(c, kind), batch) + product(fixed, batch)
-        if experts:
-            hit = _expected_experts(c, experts, batch)
+        hit = _expected_experts(c, experts, batch) if experts else 0.0
+        if hit:
             # The routed rows spread over the experts they hit.
             total += hit * product(expert, batch * c.num_experts_per_tok / hit)
     return total + _row_bytes(c, batch, context) / bandwidth

@@ -548,10 +548,9 @@ def fused_recurrent_gated_delta_rule(
     reason = unsupported_reason(q, k, v, g, beta, ssm_pool, state_indices)
     if reason is not None:
         raise ValueError(reason)
-    heads = _Heads(*q.shape[2:], *v.shape[2:])
-    return _launch(
-        *_flat_heads(q, k, v), (g, beta), ssm_pool, state_indices, heads=heads, cols=_Columns(),
-        scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
+    return _launch_separate(
+        q, k, v, (g, beta), ssm_pool, state_indices, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
     )  # fmt: skip
 
 
@@ -583,10 +582,9 @@ def fused_gating_recurrent_gated_delta_rule(
     reason = fused_gating_unsupported_reason(q, k, v, *gating, ssm_pool, state_indices)
     if reason is not None:
         raise ValueError(reason)
-    heads = _Heads(*q.shape[2:], *v.shape[2:])
-    return _launch(
-        *_flat_heads(q, k, v), gating, ssm_pool, state_indices, heads=heads, cols=_Columns(),
-        scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
+    return _launch_separate(
+        q, k, v, gating, ssm_pool, state_indices, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, interpret=interpret, variant=variant,
     )  # fmt: skip
 
 
@@ -641,9 +639,14 @@ def packed_gating_recurrent_gated_delta_rule(
     )  # fmt: skip
 
 
-def _flat_heads(*xs: jax.Array) -> tuple[jax.Array, ...]:
-    """``[N, D, heads, dim]`` -> ``[N, D, heads * dim]`` (a free reshape)."""
-    return tuple(x.reshape(*x.shape[:2], -1) for x in xs)
+def _launch_separate(q, k, v, gates_in, ssm_pool, state_indices, **options):
+    """``_launch`` for separate q, k ``[N, D, H, K]`` and v ``[N, D, HV, V]``: each flattened
+    to ``[N, D, heads * dim]`` (a free reshape), its heads from offset 0."""
+    heads = _Heads(*q.shape[2:], *v.shape[2:])
+    flat = (x.reshape(*x.shape[:2], -1) for x in (q, k, v))
+    return _launch(
+        *flat, gates_in, ssm_pool, state_indices, heads=heads, cols=_Columns(), **options
+    )
 
 
 def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, use_qk_l2norm,
