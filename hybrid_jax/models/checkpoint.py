@@ -102,7 +102,7 @@ class Rule:
 
     target: tuple[str | int, ...]
     sources: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) in the checkpoint
-    to_ours: Callable[[Sequence[np.ndarray]], Any]
+    to_ours: Callable[[Sequence[jax.Array]], Any]  # in jnp: it runs where the tensors are
     to_hf: Callable[[Any], list[np.ndarray]]
     also: tuple[tuple[str | int, ...], ...] = ()
 
@@ -110,7 +110,7 @@ class Rule:
     def targets(self) -> tuple[tuple[str | int, ...], ...]:
         return (self.target, *self.also)
 
-    def ours(self, tensors: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def ours(self, tensors: Sequence[jax.Array]) -> list[jax.Array]:
         """One array per target, from the source tensors."""
         values = self.to_ours(tensors)
         return list(values) if self.also else [values]
@@ -222,11 +222,12 @@ def load_weights(
 ) -> nnx.Module:
     """Sets every parameter of ``model`` (an abstract one, from ``nnx.eval_shape``) from its
     rule's tensors, after checking that every tensor exists with its expected shape and a
-    floating dtype. Each parameter goes to the device once, from the memory-mapped file
-    (``progress``: a bar on stderr, one step per parameter); with ``mesh``, each device gets
-    only its slice (``parallel.Placement``: the model is then ready for a tensor-parallel
-    engine on that mesh). ``check_finite``: then refuses parameters holding inf or NaN (as
-    stored, or after the cast to the model's dtype), naming their tensors."""
+    floating dtype. Each tensor goes to the device once, as stored, from the memory-mapped
+    file, and becomes ours (layout, dtype) there (``progress``: a bar on stderr, one step per
+    parameter); with ``mesh``, each device gets only its slice (``parallel.Placement``: the
+    model is then ready for a tensor-parallel engine on that mesh). ``check_finite``: then
+    refuses parameters holding inf or NaN (as stored, or after the cast to the model's dtype),
+    naming their tensors."""
     rules = list(rules)
     needed = {name for rule in rules for name, _ in rule.sources}
     missing = sorted(needed - set(tensor_files))
@@ -269,12 +270,18 @@ def load_weights(
     bar = Progress(len(rules), progress, doing="loading", done="loaded", items="parameters")
     placed = []
     for rule in rules:
-        values = rule.ours([tensors[name] for name, _ in rule.sources])
+        sources = [tensors[name] for name, _ in rule.sources]
+        if placement is None:
+            # Each tensor goes to the device as stored, straight from its file's pages; the
+            # layout change (transposes, expert stacks) and the cast run there, where they
+            # are a copy at the device's bandwidth instead of a strided one on the host.
+            sources = [jax.device_put(tensor) for tensor in sources]
+        values = rule.ours(sources)
         for target, value in zip(rule.targets, values, strict=True):
             param = param_at(model, target)
             dtype = param.get_value().dtype
             if placement is None:
-                array = jnp.asarray(np.asarray(value), dtype)
+                array = jnp.asarray(value, dtype)
             else:
                 array = placement.place(target, np.asarray(value).astype(dtype))
             param.set_value(array)

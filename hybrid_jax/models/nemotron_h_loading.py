@@ -16,7 +16,7 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Callable, Iterator
 
-import numpy as np
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -37,7 +37,7 @@ def _experts(target, p: str, name: str, shape: tuple[int, int], e: int, fused: b
     return Rule(
         target,
         tuple((f"{p}{j}.{name}.weight", shape) for j in range(e)),
-        lambda a: np.stack([m.T for m in a]),
+        lambda a: jnp.stack(a).transpose(0, 2, 1),
         lambda w: [m.T for m in w],
     )
 

@@ -20,6 +20,7 @@ import os
 import pathlib
 from collections.abc import Callable, Iterator
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -66,7 +67,7 @@ def _gdn_projections(m: tuple, q: str, c: Qwen3NextConfig, split: bool) -> list[
             Rule(
                 (*m, "in_proj_ba", "kernel"),
                 tuple((f"{q}in_proj_{x}.weight", (heads, h)) for x in "ba"),
-                lambda a: np.concatenate([a[0].T, a[1].T], axis=1),
+                lambda a: jnp.concatenate([a[0].T, a[1].T], axis=1),
                 lambda w: [w[:, :heads].T, w[:, heads:].T],
             ),  # fmt: skip
         ]
@@ -105,7 +106,7 @@ def _experts(target, names, out_dim, in_dim) -> Rule:
     return Rule(
         target,
         tuple((name, (out_dim, in_dim)) for name in names),
-        lambda a: np.stack([m.T for m in a]),
+        lambda a: jnp.stack(a).transpose(0, 2, 1),
         lambda w: [m.T for m in w],
     )
 
@@ -117,9 +118,8 @@ def _gate_up_experts(target, experts: list[str], inter: int, hidden: int) -> Rul
     return Rule(
         target,
         tuple((name, (inter, hidden)) for name in names),
-        lambda a: np.concatenate(
-            [np.stack([m.T for m in a[:e]]), np.stack([m.T for m in a[e:]])], -1
-        ),
+        # [E, 2I, H] (each expert's gate rows, then its up rows) -> [E, H, 2I].
+        lambda a: jnp.concatenate([jnp.stack(a[:e]), jnp.stack(a[e:])], 1).transpose(0, 2, 1),
         lambda w: [m.T for m in w[..., :inter]] + [m.T for m in w[..., inter:]],
     )
 
