@@ -11,7 +11,9 @@ multiplies the 8-row group of ``x`` that holds its row (TMA moves whole 8-row gr
 expert's ``[K, BLOCK_N]`` tile, streamed through a TMA ring (``_skinny.tile_product``); a
 padding pair costs the read of its id. It stores all 8 rows and XLA keeps its row.
 A step reads each pair's expert tile once, so it costs about its experts' bytes while few
-pairs share an expert; the sort-based ``grouped_matmul`` is for many rows per expert.
+pairs share an expert; the sort-based ``grouped_matmul`` is for many rows per expert. A
+``dense`` product of the same width (a MoE block's shared expert) takes one more program per
+column tile, so a block's down products are one launch.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from jax import lax
 
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
 from pallas_kernels._mgpu_chunks import ALIGN, F32
-from pallas_kernels._skinny import BLOCK_K, BLOCK_N, DTYPES, scratch, tile_product
+from pallas_kernels._skinny import (
+    BLOCK_K,
+    BLOCK_N,
+    DTYPES,
+    ROWS_PER_TILE,
+    scratch,
+    tile_product,
+)
 
 __all__ = [
     "BLOCK_K",
@@ -40,7 +49,9 @@ __all__ = [
 _OP = "expert_matmul"
 
 
-def unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
+def unsupported_reason(
+    x: jax.Array, w: jax.Array, dense: tuple[jax.Array, jax.Array] | None = None
+) -> str | None:
     """Why the Mosaic GPU kernel cannot take this call, or None when it can."""
     if x.dtype != w.dtype or x.dtype not in DTYPES:
         return f"x and w must share a 16-bit float dtype (got {x.dtype} and {w.dtype})"
@@ -49,10 +60,18 @@ def unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
             f"K={x.shape[1]} must be a multiple of {BLOCK_K} and N={w.shape[2]} a multiple "
             f"of {BLOCK_N}"
         )
+    if dense is not None:
+        xd, wd = dense
+        if xd.dtype != x.dtype or wd.dtype != x.dtype:
+            return f"dense operands must be {x.dtype} (got {xd.dtype} and {wd.dtype})"
+        if xd.shape[1] % BLOCK_K:
+            return f"the dense product's K={xd.shape[1]} must be a multiple of {BLOCK_K}"
+        if xd.shape[0] > ROWS_PER_TILE:
+            return f"the dense product has {xd.shape[0]} rows; the kernel takes {ROWS_PER_TILE}"
     return None
 
 
-def _check(x: jax.Array, w: jax.Array, experts: jax.Array) -> None:
+def _check(x, w, experts, dense=None) -> None:
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(
             f"{_OP}: x must be [R, K] and w [E, K, N] with one K; got {x.shape} and {w.shape}"
@@ -61,6 +80,13 @@ def _check(x: jax.Array, w: jax.Array, experts: jax.Array) -> None:
         raise ValueError(
             f"{_OP}: experts must be int32 [R={x.shape[0]}, C]; got {experts.dtype} {experts.shape}"
         )
+    if dense is not None:
+        xd, wd = dense
+        if xd.ndim != 2 or wd.ndim != 2 or xd.shape[1] != wd.shape[0] or wd.shape[1] != w.shape[2]:
+            raise ValueError(
+                f"{_OP}: dense must be (xd [Rd, Kd], wd [Kd, N={w.shape[2]}]); got "
+                f"{xd.shape} and {wd.shape}"
+            )
 
 
 def expert_matmul_reference(x: jax.Array, w: jax.Array, experts: jax.Array) -> jax.Array:
@@ -80,7 +106,7 @@ def programs_per_tile(pairs: int, col_tiles: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _kernel(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: bool) -> jax.Array:
+def _kernel(x, w, experts, dense=None, *, interpret: bool):
     rows, k_dim = x.shape
     num_experts, _, n_dim = w.shape
     choices = experts.shape[1]
@@ -93,49 +119,88 @@ def _kernel(x: jax.Array, w: jax.Array, experts: jax.Array, *, interpret: bool) 
     padded = round_up(rows, ALIGN)
     xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
     flat = jnp.pad(experts.reshape(-1), (0, programs * per_program - pairs), constant_values=-1)
+    operands = [flat, xp, w]
+    out_types = [jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype)]
+    dense_steps = 0
+    if dense is not None:
+        dense_x, dense_w = dense
+        dense_rows = round_up(dense_x.shape[0], ALIGN)
+        dense_steps = dense_x.shape[1] // BLOCK_K
+        operands += [jnp.pad(dense_x, ((0, dense_rows - dense_x.shape[0]), (0, 0))), dense_w]
+        out_types.append(jax.ShapeDtypeStruct((dense_rows, n_dim), dtype))
 
-    def body(experts_ref, x_ref, w_ref, o_ref, *scratch_refs):
+    def body(experts_ref, x_ref, w_ref, *refs):
+        if dense is None:
+            (o_ref, *scratch_refs), dense_refs = refs, None
+        else:
+            dense_x_ref, dense_w_ref, o_ref, dense_o_ref, *scratch_refs = refs
+            dense_refs = (dense_x_ref, dense_w_ref, dense_o_ref)
         col, first = lax.axis_index("n"), lax.axis_index("p")
         cols = pl.ds(col * BLOCK_N, BLOCK_N)
-        # This program's pairs are first, first + programs, ...: with the real rows first
-        # (a bucket's padding last), the real pairs spread over all programs. Their ids load
-        # together, before any waits on them.
-        ids = [experts_ref[first + i * programs] for i in range(per_program)]
 
-        def product(pair, expert):
-            """Pair ``pair``'s column tile: its row's 8-row group times ``w[expert]``."""
-            group = pl.ds((pair // choices // ALIGN) * ALIGN, ALIGN)
-            tile_product(
-                x_ref.at[group], w_ref.at[expert, :, cols], o_ref.at[pair, :, cols],
-                *scratch_refs, steps=steps, interpret=interpret,
-            )  # fmt: skip
+        def pairs_of_this_program():
+            # This program's pairs are first, first + programs, ...: with the real rows first
+            # (a bucket's padding last), the real pairs spread over all programs. Their ids
+            # load together, before any waits on them.
+            ids = [experts_ref[first + i * programs] for i in range(per_program)]
 
-        for i, expert in enumerate(ids):
-            valid = (expert >= 0) & (expert < num_experts)
-            pl.when(valid)(functools.partial(product, first + i * programs, expert))
+            def product(pair, expert):
+                """Pair ``pair``'s column tile: its row's 8-row group times ``w[expert]``."""
+                group = pl.ds((pair // choices // ALIGN) * ALIGN, ALIGN)
+                tile_product(
+                    x_ref.at[group], w_ref.at[expert, :, cols], o_ref.at[pair, :, cols],
+                    *scratch_refs, steps=steps, interpret=interpret,
+                )  # fmt: skip
+
+            for i, expert in enumerate(ids):
+                valid = (expert >= 0) & (expert < num_experts)
+                pl.when(valid)(functools.partial(product, first + i * programs, expert))
+
+        if dense_refs is None:
+            pairs_of_this_program()
+        else:
+            # One more program per column tile takes the dense product's tile.
+            pl.when(first < programs)(pairs_of_this_program)
+
+            @pl.when(first == programs)
+            def _dense():
+                d_x, d_w, d_o = dense_refs
+                tile_product(
+                    d_x, d_w.at[:, cols], d_o.at[:, cols], *scratch_refs, steps=dense_steps,
+                    interpret=interpret,
+                )  # fmt: skip
+
         plgpu.wait_smem_to_gmem(0)
 
-    out = plgpu.kernel(
+    outs = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype),
-        scratch_types=scratch(steps, dtype),
-        grid=(col_tiles, programs),
+        out_type=tuple(out_types),
+        scratch_types=scratch(max(steps, dense_steps), dtype),
+        grid=(col_tiles, programs + (dense is not None)),
         grid_names=("n", "p"),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
         kernel_name="expert_matmul",
-    )(flat, xp, w)
+    )(*operands)
     # Pair p's program stored the 8-row group of its row r = p // C; r is line r % 8 of it.
     # Padding pairs' tiles were never written: they become zeros here.
     pair = jnp.arange(pairs)
-    out = out[pair, (pair // choices) % ALIGN]
+    out = outs[0][pair, (pair // choices) % ALIGN]
     valid = (flat[:pairs] >= 0) & (flat[:pairs] < num_experts)
-    return jnp.where(valid[:, None], out, 0).reshape(rows, choices, n_dim)
+    out = jnp.where(valid[:, None], out, 0).reshape(rows, choices, n_dim)
+    if dense is None:
+        return out
+    return out, outs[1][: dense[0].shape[0]]
 
 
 def expert_matmul(
-    x: jax.Array, w: jax.Array, experts: jax.Array, *, impl: str = "auto"
-) -> jax.Array:
+    x: jax.Array,
+    w: jax.Array,
+    experts: jax.Array,
+    *,
+    dense: tuple[jax.Array, jax.Array] | None = None,
+    impl: str = "auto",
+):
     """``out[r, c] = x[r] @ w[experts[r, c]]`` (float32 accumulation).
 
     Args:
@@ -143,14 +208,21 @@ def expert_matmul(
       w: ``[E, K, N]`` one matrix per expert, in the layout the kernel reads.
       experts: int32 ``[R, C]`` each row's experts; an id outside ``0 .. E - 1`` gives a zero
         row and reads no expert.
+      dense: optional ``(xd [Rd, Kd], wd [Kd, N])``, a plain product with the experts' N
+        (a MoE block's shared expert) run in the same launch: one more program per column
+        tile instead of a launch of its own.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
-      ``[R, C, N]`` in x's dtype.
+      ``[R, C, N]`` in x's dtype; with ``dense``, ``(that, xd @ wd)``.
     """
-    _check(x, w, experts)
-    reason = unsupported_reason(x, w) if impl != "reference" else None
+    _check(x, w, experts, dense)
+    reason = unsupported_reason(x, w, dense) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference":
-        return expert_matmul_reference(x, w, experts)
-    return _kernel(x, w, experts, interpret=choice == "interpret")
+        out = expert_matmul_reference(x, w, experts)
+        if dense is None:
+            return out
+        xd, wd = dense
+        return out, jnp.dot(xd, wd, preferred_element_type=F32).astype(xd.dtype)
+    return _kernel(x, w, experts, dense, interpret=choice == "interpret")

@@ -81,6 +81,22 @@ def test_experts_by_id_match_the_oracle_and_read_no_padding_expert(rows, choices
     np.testing.assert_array_equal(got64[pad:], 0)
 
 
+def test_the_shared_expert_s_down_product_in_the_experts_launch_matches_the_oracle():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((64, 512)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 512, 2048)) / np.sqrt(512), jnp.bfloat16)
+    ids = jnp.asarray(rng.choice(256, (64, 1)), jnp.int32)
+    xd = jnp.asarray(rng.standard_normal((8, 512)), jnp.bfloat16)
+    wd = jnp.asarray(rng.standard_normal((512, 2048)) / np.sqrt(512), jnp.bfloat16)
+    run = jax.jit(lambda *a: moe.expert_matmul(*a[:3], dense=a[3:], impl="pallas"))
+    got, got_dense = run(x, w, ids, xd, wd)
+    alone = jax.jit(lambda *a: moe.expert_matmul(*a, impl="pallas"))(x, w, ids)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(alone))
+    want = np.asarray(xd, np.float64) @ np.asarray(wd, np.float64)
+    err = np.linalg.norm(np.asarray(got_dense, np.float64) - want) / np.linalg.norm(want)
+    assert err < 1e-2
+
+
 def test_a_decode_bucket_s_experts_by_id_match_the_reference_layer():
     config = MoEConfig(hidden_size=2048, num_experts=256, top_k=8, intermediate_size=512,
                        shared_intermediate_size=512, dtype="bfloat16")  # fmt: skip

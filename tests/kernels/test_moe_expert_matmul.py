@@ -101,3 +101,57 @@ def test_unsupported_reason_names_dtype_and_alignment():
 def test_misshapen_calls_raise_naming_the_shapes(x_shape, w_shape, ids, match):
     with pytest.raises(ValueError, match=match):
         moe.expert_matmul(jnp.zeros(x_shape, jnp.bfloat16), jnp.zeros(w_shape, jnp.bfloat16), ids)
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize(("dense_rows", "dense_k"), [(5, 128), (8, 384)])
+def test_a_dense_product_runs_in_the_same_launch(impl, dense_rows, dense_k):
+    rows, choices, k, n = 5, 3, 256, 128
+    x, w, ids = _case(7 + dense_k, rows, choices, k, n)
+    rng = np.random.default_rng(dense_k)
+    xd = jnp.asarray(rng.standard_normal((dense_rows, dense_k)), jnp.bfloat16)
+    wd = jnp.asarray(rng.standard_normal((dense_k, n)) / np.sqrt(dense_k), jnp.bfloat16)
+    got, got_dense = moe.expert_matmul(x, w, jnp.asarray(ids), dense=(xd, wd), impl=impl)
+    chex.assert_shape([got, got_dense], [(rows, choices, n), (dense_rows, n)])
+    want = _oracle(x, w, ids)
+    got64 = np.asarray(got, np.float64)
+    assert np.linalg.norm(got64 - want) / np.linalg.norm(want) < 1e-2
+    np.testing.assert_array_equal(got64[1, -1], 0)
+    want_dense = np.asarray(xd, np.float64) @ np.asarray(wd, np.float64)
+    err = np.linalg.norm(np.asarray(got_dense, np.float64) - want_dense)
+    assert err / np.linalg.norm(want_dense) < 1e-2
+    # The routed products are the ones the launch gives without the dense one.
+    chex.assert_trees_all_equal(got, moe.expert_matmul(x, w, jnp.asarray(ids), impl=impl))
+
+
+def test_the_launch_with_a_dense_product_lowers_for_cuda():
+    x = jnp.zeros((64, 512), jnp.bfloat16)
+    w = jnp.zeros((256, 512, 2048), jnp.bfloat16)
+    ids = jnp.zeros((64, 1), jnp.int32)
+    dense = (jnp.zeros((8, 512), jnp.bfloat16), jnp.zeros((512, 2048), jnp.bfloat16))
+
+    def call(*a):
+        return em_module._kernel(*a, interpret=False)
+
+    text = jax.jit(call).trace(x, w, ids, dense).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 1
+
+
+@pytest.mark.parametrize(
+    ("dense", "match"),
+    [
+        ((jnp.zeros((8, 128)), jnp.zeros((128, 64))), "dense operands must be bfloat16"),
+        ((jnp.zeros((8, 64), jnp.bfloat16), jnp.zeros((64, 64), jnp.bfloat16)), "multiple of 128"),
+        ((jnp.zeros((72, 128), jnp.bfloat16), jnp.zeros((128, 64), jnp.bfloat16)), "72 rows"),
+    ],
+)
+def test_unsupported_dense_products_are_named(dense, match):
+    x, w = jnp.zeros((8, 256), jnp.bfloat16), jnp.zeros((2, 256, 64), jnp.bfloat16)
+    assert match in moe.expert_matmul_unsupported_reason(x, w, dense)
+
+
+def test_a_dense_product_of_another_width_is_refused():
+    x, w = jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((2, 128, 64), jnp.bfloat16)
+    dense = (jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((128, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"wd \[Kd, N=64\]"):
+        moe.expert_matmul(x, w, jnp.zeros((8, 2), jnp.int32), dense=dense)
