@@ -58,7 +58,7 @@ class _Gating(NamedTuple):
 
     def gates(self) -> tuple[jax.Array, jax.Array]:
         """``(g, beta)`` of ``gdn_gating``."""
-        b, a = jnp.split(self.ba, 2, axis=-1)
+        b, a = gdn.split_ba(self.ba)
         return gdn.gdn_gating(self.A_log, a, self.dt_bias, b)
 
 

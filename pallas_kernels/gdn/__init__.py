@@ -6,6 +6,7 @@ from pallas_kernels.gdn.fused_recurrent import (
     fused_gating_recurrent_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
     packed_gating_recurrent_gated_delta_rule,
+    split_ba,
     split_qkv,
     verify_gated_delta_rule,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "fused_recurrent_gated_delta_rule",
     "gdn_gating",
     "packed_gating_recurrent_gated_delta_rule",
+    "split_ba",
     "split_qkv",
     "verify_gated_delta_rule",
 ]

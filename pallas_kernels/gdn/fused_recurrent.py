@@ -146,6 +146,12 @@ def split_qkv(
     )
 
 
+def split_ba(ba: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(b, a)`` ``[..., HV]`` each of a gating projection ``[..., 2 HV]`` (``[b | a]``)."""
+    b, a = jnp.split(ba, 2, axis=-1)
+    return b, a
+
+
 def packed_gating_recurrent_gated_delta_rule(
     qkv: jax.Array,
     ba: jax.Array,
@@ -184,7 +190,7 @@ def packed_gating_recurrent_gated_delta_rule(
         )
     h = packed_stand_ins(qkv, ba, ssm_pool)[0].shape[2]
     q, k, v = split_qkv(qkv, h, kd, vd)
-    b, a = jnp.split(ba, 2, axis=-1)
+    b, a = split_ba(ba)
     return fused_gating_recurrent_gated_delta_rule(
         q, k, v, A_log, a, dt_bias, b, ssm_pool, state_indices, **options, impl="reference"
     )
