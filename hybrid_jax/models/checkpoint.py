@@ -275,8 +275,12 @@ def load_weights(
             # Each tensor goes to the device as stored, straight from its file's pages; the
             # layout change (transposes, expert stacks) and the cast run there, where they
             # are a copy at the device's bandwidth instead of a strided one on the host.
-            sources = [jax.device_put(tensor) for tensor in sources]
-        values = rule.ours(sources)
+            values = rule.ours([jax.device_put(tensor) for tensor in sources])
+        else:
+            # On a mesh no device holds a whole tensor: the layout changes on the host, and
+            # each device gets its slice of the result.
+            with jax.default_device(jax.devices("cpu")[0]):
+                values = rule.ours(sources)
         for target, value in zip(rule.targets, values, strict=True):
             param = param_at(model, target)
             dtype = param.get_value().dtype
