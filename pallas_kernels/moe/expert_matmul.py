@@ -12,8 +12,8 @@ expert's ``[K, BLOCK_N]`` tile, streamed through a TMA ring (``_skinny.tile_prod
 padding pair costs the read of its id. It stores all 8 rows and XLA keeps its row.
 A step reads each pair's expert tile once, so it costs about its experts' bytes while few
 pairs share an expert; the sort-based ``grouped_matmul`` is for many rows per expert. A
-``dense`` product of the same width (a MoE block's shared expert) takes one more program per
-column tile, so a block's down products are one launch.
+``dense`` product of the same width (a MoE block's shared expert down projection) takes one
+more program per column tile of the same launch.
 """
 
 from __future__ import annotations
