@@ -664,6 +664,11 @@ def main(argv: list[str] | None = None) -> int:
         help="steps of up to this many tokens route by ranking, not sorting (default: "
         f"layers.moe.RANKED_TOP_K_TOKENS = {moe_layer.RANKED_TOP_K_TOKENS}; 0: always sort)",
     )  # fmt: skip
+    parser.add_argument(
+        "--shared-down-with-experts", action="store_true",
+        help="a MoE block whose experts run by id takes the shared expert's down product in "
+        "the experts' down launch (layers.moe.SHARED_DOWN_WITH_EXPERTS)",
+    )  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--flops", type=float, default=7.9e14)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
@@ -694,6 +699,8 @@ def main(argv: list[str] | None = None) -> int:
         linear_layer.FEW_ROWS = args.projection_rows
     if args.ranked_top_k_tokens is not None:
         moe_layer.RANKED_TOP_K_TOKENS = args.ranked_top_k_tokens
+    shared_down_with_experts = moe_layer.SHARED_DOWN_WITH_EXPERTS
+    moe_layer.SHARED_DOWN_WITH_EXPERTS |= args.shared_down_with_experts
     if args.cache_dir is None:
         # Cold, as a first start is; within the run the rows share it, as an engine's own
         # executables do (EXTEND and MIXED lower to the same program).
@@ -770,6 +777,7 @@ def main(argv: list[str] | None = None) -> int:
     _GROUPED_MATMUL._tokamax_ragged_dot = kernel
     moe_layer.BY_ID_MAX_PAIRS = by_id_max_pairs
     linear_layer.FEW_ROWS, moe_layer.RANKED_TOP_K_TOKENS = few_rows, ranked_tokens
+    moe_layer.SHARED_DOWN_WITH_EXPERTS = shared_down_with_experts
     title = f"{args.preset}, {c.num_hidden_layers} layers"
     name = "RESULTS_serve_smoke.md" if args.smoke else "RESULTS_serve.md"
     write_results(out / name, title, rows)

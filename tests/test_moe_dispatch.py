@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.layers.moe import (
     BY_ID_MAX_PAIRS,
     RANKED_TOP_K_TOKENS,
@@ -17,6 +18,7 @@ from hybrid_jax.layers.moe import (
     SparseMoE,
     top_k,
 )
+from pallas_kernels import moe as moe_kernels
 
 
 @pytest.mark.parametrize("tokens,top_k,experts", [(13, 3, 5), (1, 4, 8), (32, 1, 3)])
@@ -80,14 +82,26 @@ def test_the_dispatch_has_no_scatter():
     assert "scatter" not in text and "sort" in text
 
 
-def _bf16_moe(seed):
+def _bf16_moe(seed, shared_width=64):
     config = MoEConfig(hidden_size=128, num_experts=8, top_k=2, intermediate_size=128,
-                       shared_intermediate_size=64, dtype="bfloat16")  # fmt: skip
+                       shared_intermediate_size=shared_width, dtype="bfloat16")  # fmt: skip
     return SparseMoE(config, rngs=nnx.Rngs(seed))
 
 
-def test_a_few_tokens_run_their_experts_by_id_as_the_sorted_path_does():
-    moe = _bf16_moe(5)
+# With SHARED_DOWN_WITH_EXPERTS, width 128 runs the shared expert's down product in the
+# experts' down launch; 64 (not a multiple of the kernel's K block) on its own either way.
+@pytest.mark.parametrize("with_experts", [False, True])
+@pytest.mark.parametrize("shared_width", [128, 64])
+def test_a_few_tokens_run_their_experts_by_id_as_the_sorted_path_does(
+    shared_width, with_experts, monkeypatch
+):
+    monkeypatch.setattr(moe_layer, "SHARED_DOWN_WITH_EXPERTS", with_experts)
+    moe = _bf16_moe(5, shared_width)
+    in_launch = moe_kernels.expert_matmul_unsupported_reason(
+        jnp.zeros((10, 128), jnp.bfloat16), moe.down_proj[...],
+        (jnp.zeros((5, shared_width), jnp.bfloat16), moe.shared_expert.down_proj.kernel[...]),
+    )  # fmt: skip
+    assert (in_launch is None) == (shared_width == 128)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((5, 128)), jnp.bfloat16)
     real = jnp.arange(5) < 3  # a bucket of 5 rows, 3 real
 

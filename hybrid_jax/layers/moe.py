@@ -27,6 +27,7 @@ __all__ = [
     "BY_ID_MAX_PAIRS",
     "MLP",
     "RANKED_TOP_K_TOKENS",
+    "SHARED_DOWN_WITH_EXPERTS",
     "ExpertDispatch",
     "MoEConfig",
     "SparseMoE",
@@ -40,6 +41,11 @@ own expert, which costs about what the grouped matmul reads while few pairs shar
 
 RANKED_TOP_K_TOKENS = 64
 """Tokens up to which ``top_k`` ranks instead of sorting."""
+
+SHARED_DOWN_WITH_EXPERTS = False
+"""Whether a block whose experts run by id takes the shared expert's down product in the
+experts' down launch (``moe.expert_matmul(dense=)``: one launch fewer per block) instead of a
+product of its own; off until it is compiled and timed on the H200."""
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -88,7 +94,12 @@ class MLP(nnx.Module):
 
     def output(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         """The block's output from its gate and up projections: ``down(silu(gate) * up)``."""
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(self.hidden(gate, up))
+
+    @staticmethod
+    def hidden(gate: jax.Array, up: jax.Array) -> jax.Array:
+        """The input of the down projection: ``silu(gate) * up``."""
+        return jax.nn.silu(gate) * up
 
 
 @jax.tree_util.register_dataclass
@@ -222,12 +233,12 @@ class SparseMoE(nnx.Module):
             x, [self.gate, shared_mlp.gate_proj, shared_mlp.up_proj], impl=impl
         )
         weights, experts = self.route(logits)
-        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * shared_mlp.output(
-            shared_gate, shared_up
-        )
+        shared_scale = jax.nn.sigmoid(self.shared_expert_gate(x))
+        shared_hidden = shared_mlp.hidden(shared_gate, shared_up)
         if self._runs_by_id(x, impl):
-            routed = self._experts_by_id(x, real, weights, experts, impl=impl)
-            return routed.astype(x.dtype) + shared
+            routed, shared = self._experts_by_id(x, real, weights, experts, shared_hidden, impl)
+            return routed.astype(x.dtype) + shared_scale * shared
+        shared = shared_scale * shared_mlp.down_proj(shared_hidden)
         dispatch = ExpertDispatch.sort(experts, self.config.num_experts, real)
         xs = dispatch.rows(x)
 
@@ -250,15 +261,26 @@ class SparseMoE(nnx.Module):
                 return False
         return resolve_impl("expert_matmul", impl, None) != "reference"
 
-    def _experts_by_id(self, x, real, weights, experts, *, impl: str) -> jax.Array:
-        """float32 ``[T, hidden]``: each token's experts read by id (padding tokens' ids are
-        out of range: they read none and give zeros), weighted and summed."""
+    def _experts_by_id(self, x, real, weights, experts, shared_hidden, impl: str):
+        """(float32 ``[T, hidden]``: each token's experts read by id (padding tokens' ids are
+        out of range: they read none and give zeros), weighted and summed; the shared
+        expert's down product of ``shared_hidden``, in the experts' down launch with
+        ``SHARED_DOWN_WITH_EXPERTS`` where the kernel takes it)."""
         tokens, top_k = experts.shape
         if real is not None:
             experts = jnp.where(real[:, None], experts, self.config.num_experts)
         gate_up = moe.expert_matmul(x, self.gate_up_proj[...], experts, impl=impl)
         gate, up = jnp.split(gate_up, 2, axis=-1)
         hidden = (jax.nn.silu(gate) * up).reshape(tokens * top_k, -1)
-        ys = moe.expert_matmul(hidden, self.down_proj[...], experts.reshape(-1, 1), impl=impl)
+        down, ids = self.down_proj[...], experts.reshape(-1, 1)
+        dense = (shared_hidden, self.shared_expert.down_proj.kernel[...])
+        if (
+            SHARED_DOWN_WITH_EXPERTS
+            and moe.expert_matmul_unsupported_reason(hidden, down, dense) is None
+        ):
+            ys, shared = moe.expert_matmul(hidden, down, ids, dense=dense, impl=impl)
+        else:
+            ys = moe.expert_matmul(hidden, down, ids, impl=impl)
+            shared = self.shared_expert.down_proj(shared_hidden)
         ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
-        return (ys * weights.astype(jnp.float32)[..., None]).sum(axis=1)
+        return (ys * weights.astype(jnp.float32)[..., None]).sum(axis=1), shared
