@@ -5,53 +5,35 @@ the fastest of the variants below, which ``benchmarks/decode_variants.py`` times
 another (numbers in benchmarks/RESULTS.md and benchmarks/notes.md).
 
 Contract: rows of D tokens, the pool updated in place through ``state_indices`` under ``jit``
-with the pool donated; slot 0 = padded row, never touched, zeros in ``o``. The design, each
-part separately switchable so that one GPU run says which pays:
-
-* Grid order (all variants): the programs of one ``(row, head)`` are adjacent in launch order,
-  so the two ``[K, 64]`` halves of a head's contiguous 64 KiB ``[K, V]`` block are read at the
-  same time, not a whole sweep apart; a ``[K, 64]`` tile alone is 128 pieces of 256 B at a
-  512 B stride (the Mamba2 decode kernel reads whole contiguous 32 KiB tiles).
-* ``layout="cols"``: the ``[K, bv]`` state tile is held in registers with the value columns
-  spread over the four warps and the K rows over registers and a few lanes. The delta rule's
-  two mat-vecs ``S^T k`` and ``S^T q`` (and the q/k norms) then reduce within a warp (register
-  adds and lane shuffles). In the WGMMA layout (``layout="wgmma"``, as the verify kernel in
-  ``recurrent_mgpu``) the K rows are spread over the warps, so each of those four reductions
-  goes through SMEM with a warpgroup barrier (the Mamba2 kernel reduces along its columns:
-  in-warp).
-* ``one_pass`` (with "cols"): ``S^T k`` and ``S^T q`` both from the state before the update
-  (``o = decay S^T q + (q . k) u``): two independent reductions in one read of the tile, then
-  one write pass, instead of reduce, update, reduce.
-* ``stages >= 2``: a persistent grid (two programs per SM) in which each program walks work
-  items ``(row, head, column block)`` through a ring of ``stages`` SMEM tiles: the TMA load of
-  item ``i + stages - 1`` is in flight while item ``i`` is computed and stored, so a program
-  keeps HBM busy on its own instead of relying on other resident programs. ``stages == 0`` is
-  one item per program.
-* Batch 1 (latency): 16-column blocks (256 programs instead of 128) and, in the one-item
-  programs, the q/k/v copies start before the slot is read.
+with the pool donated; slot 0 = padded row, never touched, zeros in ``o``. The kernel's two
+grids and their switchable parts (``DecodeVariant``) are in ``_decode_grids.py``.
 
 Entries: ``fused_recurrent_gated_delta_rule`` (the public op's arguments plus ``interpret``
 and ``variant``), ``fused_gating_recurrent_gated_delta_rule`` (the same with the raw
 Qwen3-Next gating inputs, gated inside the kernel: the public
-``fused_gating_recurrent_gated_delta_rule``'s kernel, checked on the H200 against the oracle)
-and their ``unsupported_reason`` / ``fused_gating_unsupported_reason`` (which ``impl="auto"``
-consults; the verify kernel checks its rows with the first too). ``VARIANTS`` names the
-configurations the benchmark times.
+``fused_gating_recurrent_gated_delta_rule``'s kernel, checked on the H200 against the oracle),
+``packed_gating_recurrent_gated_delta_rule`` (the same reading q, k, v and b, a where the
+conv and the projection wrote them) and their ``unsupported_reason`` /
+``fused_gating_unsupported_reason`` / ``packed_gating_unsupported_reason`` (which
+``impl="auto"`` consults; the verify kernel checks its rows with the first too).
+``VARIANTS`` names the configurations the benchmark times.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import NUM_SMS, interpret_params
+from pallas_kernels._common import NUM_SMS
 from pallas_kernels.gdn._checks import check_gated_rows, check_packed_rows, packed_stand_ins
+from pallas_kernels.gdn._decode_grids import (
+    VEC,
+    Columns,
+    DecodeVariant,
+    Heads,
+    one_item_per_program,
+    pipelined,
+)
 
 __all__ = [
     "DEFAULT",
@@ -75,29 +57,6 @@ _ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 MAX_TOKENS = 16
 _GATING_OP = "decode_mgpu.fused_gating_recurrent_gated_delta_rule"
 _PACKED_OP = "decode_mgpu.packed_gating_recurrent_gated_delta_rule"
-_VEC = 2  # fp32 per register vector along V in the "cols" layout (8-byte SMEM accesses)
-_TMA_SMEM_ALIGN = 128  # bytes: a TMA's SMEM address is a multiple of this
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeVariant:
-    """Static choices of one kernel.
-
-    ``layout``: "cols" (value columns over warps: in-warp reductions) or "wgmma" (K rows
-    over warps, as the verify kernel). ``block_v``: value columns per work item, or 0 for
-    ``pick_block_v``. ``stages``: 0 for one item per program, else the SMEM ring depth of the
-    persistent pipelined kernel, which launches at most ``programs`` programs (two per SM by
-    default: one program's compute hides behind the other's copies). ``one_pass``: both
-    mat-vecs from the state before the update (``o = decay S^T q + (q . k) u``), so the tile
-    is read once for ``S^T k`` and ``S^T q`` together and written once; otherwise ``S^T q`` is
-    a second reduction after the update, as in the verify kernel.
-    """
-
-    layout: str = "cols"
-    block_v: int = 0
-    stages: int = 0
-    programs: int = 2 * NUM_SMS
-    one_pass: bool = True
 
 
 DEFAULT = "pipe3-cols"
@@ -116,334 +75,6 @@ def pick_block_v(n_rows: int, hv: int, v_dim: int) -> int:
     while block_v > 16 and n_rows * hv * (v_dim // block_v) < 2 * NUM_SMS:
         block_v //= 2
     return block_v
-
-
-def _layouts(variant: DecodeVariant, bv: int):
-    """(state [K, bv], row vector [K], column vector [bv]) register layouts."""
-    if variant.layout == "wgmma":
-        state = plgpu.Layout.WGMMA
-    else:
-        cols_per_warp = bv // 4
-        col_lanes = cols_per_warp // _VEC
-        row_lanes = 32 // col_lanes
-        # [K, bv] -> [K / row_lanes, 1, warp, row lane, column lane, vector] (canonical form).
-        tiling = plgpu.Tiling(((row_lanes, bv), (row_lanes, cols_per_warp), (_VEC,)))
-        state = plgpu.Layout.TILED(tiling, warp_dims=(-4,), lane_dims=(-3, -2), vector_dim=-1)
-    return state, state.reduce(1), state.reduce(0)
-
-
-class _Heads(NamedTuple):
-    """Head counts and dims of a call (static)."""
-
-    h: int
-    k_dim: int
-    hv: int
-    v_dim: int
-
-
-class _Columns(NamedTuple):
-    """Where the heads sit along the last axis of the ``[N, D, width]`` inputs: key head i's
-    q at ``q + i K`` (k likewise), value head j's v at ``v + j V``, its two gate scalars
-    (g and beta, or a and b) at ``gate_first + j`` and ``gate_second + j``. Separate q, k,
-    v arrays have every offset 0; a conv output ``[Q | K | V]`` has ``(0, H K, 2 H K)``, so
-    the kernel reads the heads where the conv wrote them, without a slice per input."""
-
-    q: int = 0
-    k: int = 0
-    v: int = 0
-    gate_first: int = 0
-    gate_second: int = 0
-
-
-def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use_qk_l2norm,
-            one_pass):  # fmt: skip
-    """Runs the tokens of one item on the register tile ``state``; writes ``o`` to SMEM.
-
-    ``gates``: per token ``(decay, beta)`` float32 scalars. Returns the final state.
-    """
-    _, row, col = layouts
-    for t, (decay, beta_t) in enumerate(gates):
-        q_t = plgpu.load(q_smem.at[t], layout=row).astype(jnp.float32)
-        k_t = plgpu.load(k_smem.at[t], layout=row).astype(jnp.float32)
-        v_t = plgpu.load(v_smem.at[t], layout=col).astype(jnp.float32)
-        q_scale = jnp.float32(scale)
-        if use_qk_l2norm:
-            q_scale = q_scale * lax.rsqrt(jnp.sum(q_t * q_t) + 1e-6)
-            k_t = k_t * lax.rsqrt(jnp.sum(k_t * k_t) + 1e-6)
-        k_rows = lax.broadcast_in_dim(k_t, state.shape, [0])
-        if one_pass:
-            # S' = decay S + k u^T with u = beta (v - decay S^T k), hence
-            # S'^T q = decay S^T q + (k . q) u: two independent reductions of the old state.
-            s_k = jnp.sum(k_rows * state, axis=0)
-            s_q = jnp.sum(lax.broadcast_in_dim(q_t, state.shape, [0]) * state, axis=0)
-            u = (v_t - decay * s_k) * beta_t
-            o_t = decay * s_q + jnp.sum(q_t * k_t) * u
-            state = state * decay + k_rows * lax.broadcast_in_dim(u, state.shape, [1])
-        else:
-            state = state * decay
-            u = (v_t - jnp.sum(k_rows * state, axis=0)) * beta_t
-            state = state + k_rows * lax.broadcast_in_dim(u, state.shape, [1])
-            o_t = jnp.sum(lax.broadcast_in_dim(q_t, state.shape, [0]) * state, axis=0)
-        o_smem[t] = (o_t * q_scale).astype(o_smem.dtype)
-    return state
-
-
-def _softplus(x: jax.Array) -> jax.Array:
-    # Overflow-free, and only exp/log/abs, which lower for scalars (log1p does not).
-    return jnp.maximum(x, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(x)))
-
-
-def _load_gates(gate_refs, cols: _Columns, n, head, n_tokens):
-    """The gate scalars of item (row ``n``, ``head``) as read from GMEM, flat: ``(g, beta)``
-    per token, or (fused gating: four refs) ``A_log, dt_bias`` then ``(a, b)`` per token,
-    those in float32."""
-    first, second = head + cols.gate_first, head + cols.gate_second
-    if len(gate_refs) == 2:
-        g_ref, beta_ref = gate_refs
-        return tuple(
-            x for t in range(n_tokens) for x in (g_ref[n, t, first], beta_ref[n, t, second])
-        )
-    a_log_ref, a_ref, dt_bias_ref, b_ref = gate_refs
-    per_token = (x for t in range(n_tokens) for x in (a_ref[n, t, first], b_ref[n, t, second]))
-    return tuple(x.astype(jnp.float32) for x in (a_log_ref[head], dt_bias_ref[head], *per_token))
-
-
-def _decays(gates, raw_gating: bool):
-    """``(decay, beta)`` per token from ``_load_gates``' scalars; with ``raw_gating`` the
-    Qwen3-Next gating ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``."""
-    if not raw_gating:
-        return tuple((jnp.exp(gates[i]), gates[i + 1]) for i in range(0, len(gates), 2))
-    a_log, dt_bias = gates[:2]
-    pairs = [(gates[i], gates[i + 1]) for i in range(2, len(gates), 2)]
-    return tuple(
-        (jnp.exp(-jnp.exp(a_log) * _softplus(a + dt_bias)), 1.0 / (1.0 + jnp.exp(-b)))
-        for a, b in pairs
-    )
-
-
-def _wait_stores_read():
-    # A program may exit once its bulk stores have read SMEM; their writes complete with the
-    # kernel (waiting for them, as the verify kernel does, holds the program's SMEM and registers
-    # for a whole write round trip longer).
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _zeros_o(o_smem, n_tokens, bv, col):
-    zeros = plgpu.layout_cast(jnp.zeros((bv,), jnp.float32), col)
-    for t in range(n_tokens):
-        o_smem[t] = zeros.astype(o_smem.dtype)
-
-
-def _key(offset: int, head, k_dim: int):
-    """The columns of key head ``head``'s q (or k) in an input whose heads start at
-    ``offset``."""
-    return pl.ds(offset + head * k_dim, k_dim)
-
-
-def _value(offset: int, head, v_dim: int, block, bv: int):
-    """The columns of value head ``head``'s column block ``block`` (``bv`` wide)."""
-    return pl.ds(offset + head * v_dim + block * bv, bv)
-
-
-def _one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, scale,
-                          l2, interpret):  # fmt: skip
-    """Grid (column block, value head, row): one TMA round trip per program. q, k, v
-    ``[N, D, width]`` with heads at ``cols``; ``gates_in``: ``(g, beta)`` or (fused gating)
-    ``(A_log, a, dt_bias, b)``."""
-    n_rows, n_tokens = q.shape[:2]
-    h, k_dim, hv, v_dim = heads
-    group = hv // h
-    layouts = _layouts(variant, bv)
-
-    n_gates = len(gates_in)
-    raw = n_gates == 4
-
-    def body(idx_ref, q_ref, k_ref, v_ref, *refs):
-        gate_refs, (pool, o_ref) = refs[:n_gates], refs[n_gates : n_gates + 2]
-        state_smem, q_smem, k_smem, v_smem, o_smem, qkv_bar, state_bar = refs[n_gates + 2 :]
-        n = lax.axis_index("n")
-        head = lax.axis_index("h")
-        j = lax.axis_index("j")
-        # q/k/v do not depend on the slot: their copies start before the slot is known.
-        plgpu.copy_gmem_to_smem(q_ref.at[n, :, _key(cols.q, head // group, k_dim)], q_smem,
-                                qkv_bar)  # fmt: skip
-        plgpu.copy_gmem_to_smem(k_ref.at[n, :, _key(cols.k, head // group, k_dim)], k_smem,
-                                qkv_bar)  # fmt: skip
-        plgpu.copy_gmem_to_smem(v_ref.at[n, :, _value(cols.v, head, v_dim, j, bv)], v_smem,
-                                qkv_bar)  # fmt: skip
-        slot = idx_ref[n]
-        gates = _load_gates(gate_refs, cols, n, head, n_tokens)  # in flight with the slot
-        tile = pool.at[slot, head, :, pl.ds(j * bv, bv)]
-
-        @pl.when(slot != 0)
-        def _real_row():
-            plgpu.copy_gmem_to_smem(tile, state_smem, state_bar)
-            plgpu.barrier_wait(qkv_bar)
-            plgpu.barrier_wait(state_bar)
-            state = plgpu.load(state_smem, layout=layouts[0])
-            state = _update(state, q_smem, k_smem, v_smem, o_smem, _decays(gates, raw),
-                            layouts=layouts, scale=scale, use_qk_l2norm=l2,
-                            one_pass=variant.one_pass)  # fmt: skip
-            state_smem[...] = state
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(state_smem, tile)
-
-        @pl.when(slot == 0)
-        def _padded_row():
-            # The q/k/v copies land in this program's SMEM: they must finish before it exits.
-            plgpu.barrier_wait(qkv_bar)
-            _zeros_o(o_smem, n_tokens, bv, layouts[2])
-            plgpu.commit_smem()
-
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, :, head, pl.ds(j * bv, bv)])
-        _wait_stores_read()
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((n_rows, n_tokens, hv, v_dim), v.dtype),
-        # The column block varies fastest (it is CUDA's x), so the programs of one (row, head)
-        # run side by side and read its [K, V] block as one contiguous region.
-        grid=(v_dim // bv, hv, n_rows),
-        grid_names=("j", "h", "n"),
-        scratch_types=[
-            plgpu.SMEM((k_dim, bv), jnp.float32),
-            plgpu.SMEM((n_tokens, k_dim), q.dtype),
-            plgpu.SMEM((n_tokens, k_dim), k.dtype),
-            plgpu.SMEM((n_tokens, bv), v.dtype),
-            plgpu.SMEM((n_tokens, bv), v.dtype),
-            plgpu.Barrier(num_arrivals=3),
-            plgpu.Barrier(num_arrivals=1),
-        ],
-        interpret=interpret_params(interpret),
-        kernel_name="gdn_decode",
-    )
-    return kernel(idx, q, k, v, *gates_in, pool_ref)
-
-
-def _stage_rows(n_tokens: int, bv: int, dtype) -> int:
-    """Rows of one ring stage of a ``[n_tokens, bv]`` tile: ``n_tokens`` rounded up so that
-    every stage starts on a TMA-aligned address (a narrow value tile of one token is 32
-    bytes, and the second stage of an unpadded ring is misaligned on the GPU)."""
-    per_row = bv * jnp.dtype(dtype).itemsize
-    step = max(1, _TMA_SMEM_ALIGN // per_row)
-    return -(-n_tokens // step) * step
-
-
-def _pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, scale, l2,
-               interpret):  # fmt: skip
-    """Persistent grid; each program walks items ``c, c + P, c + 2P, ...`` (``P`` programs)
-    through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead."""
-    n_rows, n_tokens = q.shape[:2]
-    h, k_dim, hv, v_dim = heads
-    v_rows = _stage_rows(n_tokens, bv, v.dtype)
-    group = hv // h
-    n_blocks = v_dim // bv
-    n_items = n_rows * hv * n_blocks
-    n_progs = min(n_items, variant.programs)
-    stages = variant.stages
-    layouts = _layouts(variant, bv)
-
-    n_gates = len(gates_in)
-    raw = n_gates == 4
-
-    def body(idx_ref, q_ref, k_ref, v_ref, *refs):
-        gate_refs, (pool, o_ref) = refs[:n_gates], refs[n_gates : n_gates + 2]
-        state_smem, q_smem, k_smem, v_smem, o_smem, bars = refs[n_gates + 2 :]
-        prog = lax.axis_index("c")
-        count = (n_items - prog + n_progs - 1) // n_progs  # this program's items
-
-        def coords(i):
-            """(row, head, columns) of this program's item i (clamped into range)."""
-            item = jnp.minimum(prog + i * n_progs, n_items - 1)
-            return item // (hv * n_blocks), (item // n_blocks) % hv, item % n_blocks
-
-        def slot_of(i):
-            return idx_ref[coords(i)[0]]
-
-        def issue(i, slot):
-            """Starts the loads of item i into stage i % stages (nothing for a padded row)."""
-            n, head, j = coords(i)
-            s = i % stages
-            block = pl.ds(j * bv, bv)
-
-            @pl.when((i < count) & (slot != 0))
-            def _():
-                bar = bars.at[s]
-                key = head // group
-                plgpu.copy_gmem_to_smem(pool.at[slot, head, :, block], state_smem.at[s], bar)
-                plgpu.copy_gmem_to_smem(q_ref.at[n, :, _key(cols.q, key, k_dim)], q_smem.at[s],
-                                        bar)  # fmt: skip
-                plgpu.copy_gmem_to_smem(k_ref.at[n, :, _key(cols.k, key, k_dim)], k_smem.at[s],
-                                        bar)  # fmt: skip
-                plgpu.copy_gmem_to_smem(v_ref.at[n, :, _value(cols.v, head, v_dim, j, bv)],
-                                        v_smem.at[s, :n_tokens], bar)  # fmt: skip
-
-        def gates_of(i):
-            n, head, _ = coords(i)
-            return _load_gates(gate_refs, cols, n, head, n_tokens)
-
-        slots = tuple(slot_of(i) for i in range(stages))
-        for i in range(stages - 1):
-            issue(i, slots[i])
-
-        def step(i, carry):
-            # Scalars read one iteration before their use (slots: stages - 1 items ahead for
-            # the prefetch; gates: the next item), so no GMEM latency is on the item's path.
-            slots, gates = carry
-            n, head, j = coords(i)
-            s = i % stages
-            block = pl.ds(j * bv, bv)
-            slot = slots[0]
-            next_slot = slot_of(i + stages)
-            next_gates = gates_of(i + 1)
-            tile = pool.at[slot, head, :, block]
-
-            @pl.when(slot != 0)
-            def _real_row():
-                plgpu.barrier_wait(bars.at[s])
-                state = plgpu.load(state_smem.at[s], layout=layouts[0])
-                state = _update(state, q_smem.at[s], k_smem.at[s], v_smem.at[s], o_smem.at[s],
-                                _decays(gates, raw), layouts=layouts, scale=scale,
-                                use_qk_l2norm=l2, one_pass=variant.one_pass)  # fmt: skip
-                state_smem[s] = state
-
-            @pl.when(slot == 0)
-            def _padded_row():
-                _zeros_o(o_smem.at[s], n_tokens, bv, layouts[2])
-
-            # Stage (i - 1) % stages is refilled next: the stores of item i - 1 out of it
-            # (two bulk groups: state and o) must have read it. Item i's stores come after.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            issue(i + stages - 1, slots[stages - 1])
-            plgpu.commit_smem()
-
-            @pl.when(slot != 0)
-            def _store_state():
-                plgpu.copy_smem_to_gmem(state_smem.at[s], tile)
-
-            plgpu.copy_smem_to_gmem(o_smem.at[s, :n_tokens], o_ref.at[n, :, head, block])
-            return (*slots[1:], next_slot), next_gates
-
-        lax.fori_loop(0, count, step, (slots, gates_of(0)))
-        _wait_stores_read()
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((n_rows, n_tokens, hv, v_dim), v.dtype),
-        grid=(n_progs,),
-        grid_names=("c",),
-        scratch_types=[
-            plgpu.SMEM((stages, k_dim, bv), jnp.float32),
-            plgpu.SMEM((stages, n_tokens, k_dim), q.dtype),
-            plgpu.SMEM((stages, n_tokens, k_dim), k.dtype),
-            plgpu.SMEM((stages, v_rows, bv), v.dtype),
-            plgpu.SMEM((stages, v_rows, bv), v.dtype),
-            plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-        ],
-        interpret=interpret_params(interpret),
-        kernel_name="gdn_decode_ring",
-    )
-    return kernel(idx, q, k, v, *gates_in, pool_ref)
 
 
 def unsupported_reason(
@@ -629,9 +260,9 @@ def packed_gating_recurrent_gated_delta_rule(
     if reason is not None:
         raise ValueError(reason)
     q, _, v, _, _ = packed_stand_ins(qkv, ba, ssm_pool)
-    heads = _Heads(*q.shape[2:], *v.shape[2:])
+    heads = Heads(*q.shape[2:], *v.shape[2:])
     key_dim = heads.h * heads.k_dim
-    cols = _Columns(q=0, k=key_dim, v=2 * key_dim, gate_first=heads.hv, gate_second=0)
+    cols = Columns(q=0, k=key_dim, v=2 * key_dim, gate_first=heads.hv, gate_second=0)
     return _launch(
         qkv, qkv, qkv, (A_log, ba, dt_bias, ba), ssm_pool, state_indices, heads=heads,
         cols=cols, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
@@ -642,11 +273,9 @@ def packed_gating_recurrent_gated_delta_rule(
 def _launch_separate(q, k, v, gates_in, ssm_pool, state_indices, **options):
     """``_launch`` for separate q, k ``[N, D, H, K]`` and v ``[N, D, HV, V]``: each flattened
     to ``[N, D, heads * dim]`` (a free reshape), its heads from offset 0."""
-    heads = _Heads(*q.shape[2:], *v.shape[2:])
+    heads = Heads(*q.shape[2:], *v.shape[2:])
     flat = (x.reshape(*x.shape[:2], -1) for x in (q, k, v))
-    return _launch(
-        *flat, gates_in, ssm_pool, state_indices, heads=heads, cols=_Columns(), **options
-    )
+    return _launch(*flat, gates_in, ssm_pool, state_indices, heads=heads, cols=Columns(), **options)
 
 
 def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, use_qk_l2norm,
@@ -659,10 +288,10 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
         variant = VARIANTS[variant]
     n_rows = q.shape[0]
     bv = variant.block_v or pick_block_v(n_rows, heads.hv, heads.v_dim)
-    if heads.v_dim % bv or bv < 4 * _VEC:
-        raise ValueError(f"block_v={bv} must divide V={heads.v_dim} and be at least {4 * _VEC}")
+    if heads.v_dim % bv or bv < 4 * VEC:
+        raise ValueError(f"block_v={bv} must divide V={heads.v_dim} and be at least {4 * VEC}")
     scale = heads.k_dim**-0.5 if scale is None else float(scale)
-    run = _pipelined if variant.stages else _one_item_per_program
+    run = pipelined if variant.stages else one_item_per_program
     pool_ref = jax.new_ref(ssm_pool)
     o = run(
         q, k, v, gates_in, pool_ref, state_indices, heads=heads, cols=cols,

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from _compare import bits, rel
 
+from pallas_kernels.gdn import _decode_grids as grids
 from pallas_kernels.gdn import decode_mgpu as variants
 from pallas_kernels.gdn import reference as gdn_reference
 
@@ -133,7 +134,7 @@ def test_ring_stages_of_narrow_tiles_start_on_tma_aligned_addresses():
         for dtype in (jnp.bfloat16, jnp.float32):
             row = bv * jnp.dtype(dtype).itemsize
             for n_tokens in range(1, variants.MAX_TOKENS + 1):
-                rows = variants._stage_rows(n_tokens, bv, dtype)
+                rows = grids._stage_rows(n_tokens, bv, dtype)
                 assert rows * row % 128 == 0 and n_tokens <= rows < n_tokens + max(1, 128 // row)
 
 
