@@ -38,7 +38,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import NUM_SMS, interpret_params
 
-__all__ = ["VEC", "Columns", "DecodeVariant", "Heads", "one_item_per_program", "pipelined"]
+__all__ = [
+    "VEC",
+    "Columns",
+    "DecodeVariant",
+    "Heads",
+    "load_token",
+    "one_item_per_program",
+    "pipelined",
+]
 
 VEC = 2  # fp32 per register vector along V in the "cols" layout (8-byte SMEM accesses)
 _TMA_SMEM_ALIGN = 128  # bytes: a TMA's SMEM address is a multiple of this
@@ -102,6 +110,20 @@ class Columns(NamedTuple):
     gate_second: int = 0
 
 
+def load_token(q_smem, k_smem, v_smem, t, *, row, col, scale, use_qk_l2norm):
+    """Token ``t``'s float32 ``(q, k, v, q_scale)`` from SMEM in the ``row`` (q, k) and ``col``
+    (v) register layouts. With ``use_qk_l2norm`` k is L2-normalised and ``q_scale`` (the
+    scale the caller applies to the output, not to q) includes q's inverse norm."""
+    q_t = plgpu.load(q_smem.at[t], layout=row).astype(jnp.float32)
+    k_t = plgpu.load(k_smem.at[t], layout=row).astype(jnp.float32)
+    v_t = plgpu.load(v_smem.at[t], layout=col).astype(jnp.float32)
+    q_scale = jnp.float32(scale)
+    if use_qk_l2norm:
+        q_scale = q_scale * lax.rsqrt(jnp.sum(q_t * q_t) + 1e-6)
+        k_t = k_t * lax.rsqrt(jnp.sum(k_t * k_t) + 1e-6)
+    return q_t, k_t, v_t, q_scale
+
+
 def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use_qk_l2norm,
             one_pass):  # fmt: skip
     """Runs the tokens of one item on the register tile ``state``; writes ``o`` to SMEM.
@@ -110,13 +132,9 @@ def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use
     """
     _, row, col = layouts
     for t, (decay, beta_t) in enumerate(gates):
-        q_t = plgpu.load(q_smem.at[t], layout=row).astype(jnp.float32)
-        k_t = plgpu.load(k_smem.at[t], layout=row).astype(jnp.float32)
-        v_t = plgpu.load(v_smem.at[t], layout=col).astype(jnp.float32)
-        q_scale = jnp.float32(scale)
-        if use_qk_l2norm:
-            q_scale = q_scale * lax.rsqrt(jnp.sum(q_t * q_t) + 1e-6)
-            k_t = k_t * lax.rsqrt(jnp.sum(k_t * k_t) + 1e-6)
+        q_t, k_t, v_t, q_scale = load_token(
+            q_smem, k_smem, v_smem, t, row=row, col=col, scale=scale, use_qk_l2norm=use_qk_l2norm
+        )
         k_rows = lax.broadcast_in_dim(k_t, state.shape, [0])
         if one_pass:
             # S' = decay S + k u^T with u = beta (v - decay S^T k), hence

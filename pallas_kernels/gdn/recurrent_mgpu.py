@@ -38,6 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import NUM_SMS, interpret_params
 from pallas_kernels.gdn import decode_mgpu
+from pallas_kernels.gdn._decode_grids import load_token
 
 __all__ = [
     "MAX_TOKENS",
@@ -145,13 +146,10 @@ def _verify(
                     # the same layout.
                     parent = parents_ref[n * n_tokens + t]
                     state = plgpu.load(state_smem.at[parent + 1], layout=_STATE)
-                q_t = plgpu.load(q_smem.at[t], layout=_ROW).astype(jnp.float32)
-                k_t = plgpu.load(k_smem.at[t], layout=_ROW).astype(jnp.float32)
-                v_t = plgpu.load(v_smem.at[t], layout=_COL).astype(jnp.float32)
-                q_scale = jnp.float32(scale)
-                if use_qk_l2norm:
-                    q_scale = q_scale * lax.rsqrt(jnp.sum(q_t * q_t) + 1e-6)
-                    k_t = k_t * lax.rsqrt(jnp.sum(k_t * k_t) + 1e-6)
+                q_t, k_t, v_t, q_scale = load_token(
+                    q_smem, k_smem, v_smem, t, row=_ROW, col=_COL, scale=scale,
+                    use_qk_l2norm=use_qk_l2norm,
+                )  # fmt: skip
                 decay = jnp.exp(g_ref[n, t, head])
                 beta_t = beta_ref[n, t, head]
                 state = state * decay
