@@ -15,6 +15,8 @@ from jax.experimental.compilation_cache import compilation_cache
 from hybrid_jax import Engine, EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import FinishReason, RequestError
+from hybrid_jax.engine.startup import ProgramStore, tracing_switches
+from hybrid_jax.layers import linear, moe
 from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.qwen3_next_loading import save_checkpoint
 from hybrid_jax.models.safetensors_io import read_header
@@ -292,6 +294,22 @@ def test_second_start_reads_every_step_program_back_without_tracing(engine, alon
     assert [r.token_ids for r in again.generate(prompts, GREEDY)] == want
     again = Engine.from_preset("tiny", engine.config, progress=False)
     assert again._steps.total_traces == 0
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "value"),
+    [(linear, "FEW_ROWS", 0), (moe, "SHARED_DOWN_WITH_EXPERTS", True)],
+)
+def test_a_stored_program_s_key_sees_the_switches_read_while_tracing(
+    tmp_path, monkeypatch, module, name, value
+):
+    store = ProgramStore(tmp_path)
+    before = store.key("step", "decode")
+    assert f"{module.__name__}.{name}" in tracing_switches()
+    monkeypatch.setattr(module, name, value)
+    assert store.key("step", "decode") != before
+    monkeypatch.undo()
+    assert store.key("step", "decode") == before
 
 
 def test_checkpoint_with_a_missing_tensor_fails_before_compiling(engine, tmp_path):

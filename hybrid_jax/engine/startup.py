@@ -24,7 +24,13 @@ from typing import Any
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-__all__ = ["ProgramStore", "StoredProgram", "code_fingerprint", "use_compilation_cache"]
+__all__ = [
+    "ProgramStore",
+    "StoredProgram",
+    "code_fingerprint",
+    "tracing_switches",
+    "use_compilation_cache",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +40,13 @@ log = logging.getLogger(__name__)
 _CUSTOM_CALLS = ("mosaic_gpu_v2", "AllocateBuffer")
 _PACKAGES = ("hybrid_jax", "pallas_kernels")
 _VERSIONED = ("jax", "jaxlib", "flax", "tokamax")
+# Module-level settings that the layers read while tracing a step: a program traced with
+# other values is another program (a user or a benchmark may set them at run time).
+_SWITCHES = {
+    "hybrid_jax.layers.linear": ("FEW_ROWS",),
+    "hybrid_jax.layers.moe": ("BY_ID_MAX_PAIRS", "RANKED_TOP_K_TOKENS", "SHARED_DOWN_WITH_EXPERTS"),
+    "hybrid_jax.backend.attention": ("TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
+}
 
 
 def use_compilation_cache(path: str) -> None:
@@ -73,6 +86,17 @@ def code_fingerprint() -> str:
     return digest.hexdigest()
 
 
+def tracing_switches() -> dict[str, Any]:
+    """The current values of the module-level settings read while tracing a step
+    (``layers.linear.FEW_ROWS``, ``layers.moe.SHARED_DOWN_WITH_EXPERTS`` and the like), by
+    qualified name."""
+    return {
+        f"{module}.{name}": getattr(importlib.import_module(module), name)
+        for module, names in _SWITCHES.items()
+        for name in names
+    }
+
+
 def _stable_repr(value: Any) -> str:
     """``repr`` without object addresses (a graph definition names functions by address)."""
     return re.sub(r" at 0x[0-9a-f]+", "", repr(value))
@@ -97,8 +121,9 @@ class StoredProgram:
 class ProgramStore:
     """Lowered programs in ``directory``, one file per key.
 
-    The key covers ``code_fingerprint()`` and what the caller names (the model's graph
-    definition, the arguments' structure, shapes and dtypes, the static choices). Code changed
+    The key covers ``code_fingerprint()``, ``tracing_switches()`` and what the caller names
+    (the model's graph definition, the arguments' structure, shapes and dtypes, the static
+    choices). Code changed
     at run time (a monkeypatched function) is not part of it: build engines with
     ``EngineConfig(program_store=False)`` while doing that.
     """
@@ -108,7 +133,7 @@ class ProgramStore:
 
     def key(self, *parts: Any) -> str:
         digest = hashlib.sha256(code_fingerprint().encode())
-        for part in parts:
+        for part in (tracing_switches(), *parts):
             digest.update(_stable_repr(part).encode())
             digest.update(b"\0")
         return digest.hexdigest()
