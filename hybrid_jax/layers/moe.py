@@ -45,7 +45,8 @@ RANKED_TOP_K_TOKENS = 64
 SHARED_DOWN_WITH_EXPERTS = False
 """Whether a block whose experts run by id takes the shared expert's down product in the
 experts' down launch (``moe.expert_matmul(dense=)``: one launch fewer per block) instead of a
-product of its own; off until it is compiled and timed on the H200."""
+product of its own. Off: on the H200 the launch's added programs take as long as the separate
+product (``benchmarks/RESULTS_serve.md``)."""
 
 
 def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
