@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_time import device_time  # noqa: E402
 
-from pallas_kernels import projections  # noqa: E402
+from pallas_kernels import _skinny, projections  # noqa: E402
 
 BANDWIDTH = 4.3e12
 L2_BYTES = 50 * 2**20
@@ -55,7 +55,27 @@ def _time(fn, x, weight_sets) -> float:
     return device_time(lambda: fn(x, next(cycle)), calls=len(weight_sets)).us
 
 
-def rows_of(name: str, rows: int, rng: np.random.Generator) -> list[str]:
+def _with_stages(stages: int):
+    """The one launch traced with a ring of ``stages`` buffers (``_skinny.STAGES``)."""
+    default = _skinny.STAGES
+    fn = jax.jit(functools.partial(projections.projections, impl="pallas"))
+
+    def traced_with_stages(x, weights):
+        # The stage count is read while tracing: trace (and compile) the first call with it.
+        _skinny.STAGES = stages
+        projections._kernel.clear_cache()
+        try:
+            return fn(x, weights)
+        finally:
+            _skinny.STAGES = default
+            projections._kernel.clear_cache()
+
+    return traced_with_stages, fn
+
+
+def rows_of(
+    name: str, rows: int, rng: np.random.Generator, stages: tuple[int, ...] = ()
+) -> list[str]:
     k, widths = CASES[name]
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     weight_sets = [
@@ -70,9 +90,13 @@ def rows_of(name: str, rows: int, rng: np.random.Generator) -> list[str]:
             functools.partial(projections.projections, impl="pallas")
         ),
     }
+    firsts = {label: fn for label, fn in variants.items()}
+    for count in stages:
+        label = f"projections (one launch, {count} stages)"
+        firsts[label], variants[label] = _with_stages(count)
     out = []
     for label, fn in variants.items():
-        got = fn(x, weight_sets[0])
+        got = firsts[label](x, weight_sets[0])
         err = max(
             float(np.abs(np.asarray(g, np.float64) - w).max() / np.abs(w).max())
             for g, w in zip(got, want, strict=True)
@@ -91,8 +115,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="8,64")
     parser.add_argument("--cases", default="", help="comma-separated names (default: all)")
+    parser.add_argument(
+        "--stages", default="",
+        help=f"also the one launch with these ring depths, comma-separated (default ring: "
+        f"{_skinny.STAGES})",
+    )  # fmt: skip
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args()
+    stages = tuple(int(v) for v in args.stages.split(",") if v)
     names = [n for n in args.cases.split(",") if n] or list(CASES)
     unknown = sorted(set(names) - set(CASES))
     if unknown:
@@ -106,7 +136,7 @@ def main() -> None:
     ]
     for name in names:
         for rows in (int(r) for r in args.rows.split(",")):
-            lines += rows_of(name, rows, rng)
+            lines += rows_of(name, rows, rng, stages)
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out)
