@@ -55,26 +55,30 @@ def _time(fn, x, weight_sets) -> float:
     return device_time(lambda: fn(x, next(cycle)), calls=len(weight_sets)).us
 
 
-def _with_stages(stages: int):
-    """The one launch traced with a ring of ``stages`` buffers (``_skinny.STAGES``)."""
-    default = _skinny.STAGES
+def _traced_with(stages: int, overlap: bool):
+    """The one launch traced with a ring of ``stages`` buffers and ``overlap`` products
+    (``_skinny.STAGES``, ``_skinny.OVERLAP_PRODUCTS``): the first call's function, which
+    traces and compiles with them, and the compiled function for the timed calls."""
+    default = _skinny.STAGES, _skinny.OVERLAP_PRODUCTS
     fn = jax.jit(functools.partial(projections.projections, impl="pallas"))
 
-    def traced_with_stages(x, weights):
-        # The stage count is read while tracing: trace (and compile) the first call with it.
-        _skinny.STAGES = stages
+    def first_call(x, weights):
+        _skinny.STAGES, _skinny.OVERLAP_PRODUCTS = stages, overlap
         projections._kernel.clear_cache()
         try:
             return fn(x, weights)
         finally:
-            _skinny.STAGES = default
+            _skinny.STAGES, _skinny.OVERLAP_PRODUCTS = default
             projections._kernel.clear_cache()
 
-    return traced_with_stages, fn
+    return first_call, fn
 
 
 def rows_of(
-    name: str, rows: int, rng: np.random.Generator, stages: tuple[int, ...] = ()
+    name: str,
+    rows: int,
+    rng: np.random.Generator,
+    rings: tuple[tuple[int, bool], ...] = (),
 ) -> list[str]:
     k, widths = CASES[name]
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
@@ -91,9 +95,9 @@ def rows_of(
         ),
     }
     firsts = {label: fn for label, fn in variants.items()}
-    for count in stages:
-        label = f"projections (one launch, {count} stages)"
-        firsts[label], variants[label] = _with_stages(count)
+    for stages, overlap in rings:
+        label = f"projections (one launch, {stages} stages{', overlapped' if overlap else ''})"
+        firsts[label], variants[label] = _traced_with(stages, overlap)
     out = []
     for label, fn in variants.items():
         got = firsts[label](x, weight_sets[0])
@@ -118,11 +122,12 @@ def main() -> None:
     parser.add_argument(
         "--stages", default="",
         help=f"also the one launch with these ring depths, comma-separated (default ring: "
-        f"{_skinny.STAGES})",
+        f"{_skinny.STAGES}); a depth ending in 'o' overlaps the products "
+        "(_skinny.OVERLAP_PRODUCTS)",
     )  # fmt: skip
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args()
-    stages = tuple(int(v) for v in args.stages.split(",") if v)
+    rings = tuple((int(v.rstrip("o")), v.endswith("o")) for v in args.stages.split(",") if v)
     names = [n for n in args.cases.split(",") if n] or list(CASES)
     unknown = sorted(set(names) - set(CASES))
     if unknown:
@@ -136,7 +141,7 @@ def main() -> None:
     ]
     for name in names:
         for rows in (int(r) for r in args.rows.split(",")):
-            lines += rows_of(name, rows, rng, stages)
+            lines += rows_of(name, rows, rng, rings)
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out)

@@ -6,6 +6,11 @@ A program's rows (at most 64, a multiple of 8: TMA moves whole 8-row groups of t
 tile) fill the first rows of a 64-row wgmma tile; the weight's ``[K, BLOCK_N]`` column tile
 streams through ``stages`` buffers of ``BLOCK_K`` rows, a block refilling its stage as soon as
 the tensor cores have read it, so ``stages`` blocks stay in flight while one multiplies.
+
+With ``OVERLAP_PRODUCTS`` a block's product is issued and left running while the next
+block is awaited (at most two products in flight, ``wgmma_wait(1)``): its stage is refilled
+one block later, when the following product has been issued. Without it each product is
+waited for before its stage is refilled, so a program's blocks take a product's latency each.
 """
 
 from __future__ import annotations
@@ -17,13 +22,25 @@ from jax import lax
 
 from pallas_kernels._mgpu_chunks import F32, WG, matmul_into, smem
 
-__all__ = ["BLOCK_K", "BLOCK_N", "DTYPES", "ROWS_PER_TILE", "STAGES", "scratch", "tile_product"]
+__all__ = [
+    "BLOCK_K",
+    "BLOCK_N",
+    "DTYPES",
+    "OVERLAP_PRODUCTS",
+    "ROWS_PER_TILE",
+    "STAGES",
+    "scratch",
+    "tile_product",
+]
 
 BLOCK_K = 128  # K of one ring stage: a 64 x 128 row tile and a 128 x BLOCK_N weight tile
 BLOCK_N = 64  # columns of a program's tile: N / 64 programs per product keep the SMs busy
 STAGES = 4
 ROWS_PER_TILE = 64  # the wgmma tile's rows; only a program's own rows are loaded and stored
 DTYPES = (jnp.bfloat16, jnp.float16)  # the operands' dtypes the tensor-core product takes
+OVERLAP_PRODUCTS = False
+"""Whether a block's product runs while the next block is awaited (see the module's doc);
+off until it is checked against the oracle and timed on the H200."""
 
 
 def scratch(steps: int, dtype) -> list:
@@ -63,9 +80,36 @@ def tile_product(x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *, steps: int, i
         pl.when(j + stages < steps)(lambda: fill(j + stages, stage))
         return acc
 
-    init = plgpu.layout_cast(jnp.zeros((ROWS_PER_TILE, BLOCK_N), F32), WG)
-    acc = lax.fori_loop(0, steps, step, init)
+    if OVERLAP_PRODUCTS:
+        acc = _overlapped_products(x_s, w_s, bars, fill, steps=steps, stages=stages)
+    else:
+        init = plgpu.layout_cast(jnp.zeros((ROWS_PER_TILE, BLOCK_N), F32), WG)
+        acc = lax.fori_loop(0, steps, step, init)
     plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
     o_s[...] = acc.astype(o_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, rows)], out_rows)
+
+
+def _overlapped_products(x_s, w_s, bars, fill, *, steps: int, stages: int):
+    """The ring's products into one accumulator, each left running while the next block is
+    awaited; returns the float32 sum (``[ROWS_PER_TILE, BLOCK_N]``, WGMMA layout)."""
+
+    def scope(acc_ref):
+        def step(j, carry):
+            stage = lax.rem(j, stages)
+            plgpu.barrier_wait(bars.at[stage])
+            plgpu.wgmma(acc_ref, x_s.at[stage], w_s.at[stage])
+            # At most this product still runs: block j - 1's has read its stage.
+            plgpu.wgmma_wait(1)
+            previous = j - 1
+            pl.when((j > 0) & (previous + stages < steps))(
+                lambda: fill(previous + stages, lax.rem(previous, stages))
+            )
+            return carry
+
+        lax.fori_loop(0, steps, step, None)
+        return acc_ref[...]
+
+    # The barrier keeps LLVM from reading the registers before the products' wait.
+    return lax.optimization_barrier(pl.run_scoped(scope, plgpu.ACC((ROWS_PER_TILE, BLOCK_N), F32)))

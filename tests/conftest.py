@@ -57,3 +57,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
 
     items.sort(key=rank)  # stable: every other test keeps its place
+
+
+@pytest.fixture(params=[False, True], ids=["waited-products", "overlapped-products"])
+def overlap_products(request, monkeypatch):
+    """Runs a test of the small-batch product kernels both ways (``_skinny.OVERLAP_PRODUCTS``):
+    the switch is read while tracing, so the kernels' traces are dropped around it."""
+    import importlib
+
+    from pallas_kernels import _skinny
+
+    kernels = [
+        importlib.import_module(name)._kernel
+        for name in ("pallas_kernels.projections", "pallas_kernels.moe.expert_matmul")
+    ]
+    monkeypatch.setattr(_skinny, "OVERLAP_PRODUCTS", request.param)
+    for kernel in kernels:
+        kernel.clear_cache()
+    yield request.param
+    for kernel in kernels:
+        kernel.clear_cache()

@@ -57,7 +57,9 @@ def test_kernel_matches_the_oracle_and_zeroes_padding(rows, experts, k, n):
         (5, 3, 2048, 512, 5),  # rows not a multiple of 8
     ],
 )
-def test_experts_by_id_match_the_oracle_and_read_no_padding_expert(rows, choices, k, n, real):
+def test_experts_by_id_match_the_oracle_and_read_no_padding_expert(
+    rows, choices, k, n, real, overlap_products
+):
     rng = np.random.default_rng(rows * choices + real)
     experts = 256
     pad = real if choices > 1 else real * 8  # the first padding row
