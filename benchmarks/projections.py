@@ -55,21 +55,25 @@ def _time(fn, x, weight_sets) -> float:
     return device_time(lambda: fn(x, next(cycle)), calls=len(weight_sets)).us
 
 
-def _traced_with(stages: int, overlap: bool):
-    """The one launch traced with a ring of ``stages`` buffers and ``overlap`` products
-    (``_skinny.STAGES``, ``_skinny.OVERLAP_PRODUCTS``): the first call's function, which
-    traces and compiles with them, and the compiled function for the timed calls."""
-    default = _skinny.STAGES, _skinny.OVERLAP_PRODUCTS
+def _traced_with(stages: int, overlap: bool, swap: bool):
+    """The one launch traced with a ring of ``stages`` buffers and the product variants
+    (``_skinny.STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``): the first call's function,
+    which traces and compiles with them, and the compiled function for the timed calls."""
+    names = ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS")
+    default = [getattr(_skinny, name) for name in names]
     fn = jax.jit(functools.partial(projections.projections, impl="pallas"))
 
-    def first_call(x, weights):
-        _skinny.STAGES, _skinny.OVERLAP_PRODUCTS = stages, overlap
+    def set_and_clear(values):
+        for name, value in zip(names, values, strict=True):
+            setattr(_skinny, name, value)
         projections._kernel.clear_cache()
+
+    def first_call(x, weights):
+        set_and_clear((stages, overlap, swap))
         try:
             return fn(x, weights)
         finally:
-            _skinny.STAGES, _skinny.OVERLAP_PRODUCTS = default
-            projections._kernel.clear_cache()
+            set_and_clear(default)
 
     return first_call, fn
 
@@ -78,7 +82,7 @@ def rows_of(
     name: str,
     rows: int,
     rng: np.random.Generator,
-    rings: tuple[tuple[int, bool], ...] = (),
+    rings: tuple[tuple[int, bool, bool], ...] = (),
 ) -> list[str]:
     k, widths = CASES[name]
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
@@ -95,9 +99,12 @@ def rows_of(
         ),
     }
     firsts = {label: fn for label, fn in variants.items()}
-    for stages, overlap in rings:
-        label = f"projections (one launch, {stages} stages{', overlapped' if overlap else ''})"
-        firsts[label], variants[label] = _traced_with(stages, overlap)
+    for stages, overlap, swap in rings:
+        label = (
+            f"projections (one launch, {stages} stages{', overlapped' if overlap else ''}"
+            f"{', swapped' if swap else ''})"
+        )
+        firsts[label], variants[label] = _traced_with(stages, overlap, swap)
     out = []
     for label, fn in variants.items():
         got = firsts[label](x, weight_sets[0])
@@ -122,12 +129,12 @@ def main() -> None:
     parser.add_argument(
         "--stages", default="",
         help=f"also the one launch with these ring depths, comma-separated (default ring: "
-        f"{_skinny.STAGES}); a depth ending in 'o' overlaps the products "
-        "(_skinny.OVERLAP_PRODUCTS)",
+        f"{_skinny.STAGES}); a depth followed by 'o' overlaps the products "
+        "(_skinny.OVERLAP_PRODUCTS), by 's' swaps their operands (SWAP_OPERANDS): 4,4o,4os",
     )  # fmt: skip
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args()
-    rings = tuple((int(v.rstrip("o")), v.endswith("o")) for v in args.stages.split(",") if v)
+    rings = tuple((int(v.rstrip("os")), "o" in v, "s" in v) for v in args.stages.split(",") if v)
     names = [n for n in args.cases.split(",") if n] or list(CASES)
     unknown = sorted(set(names) - set(CASES))
     if unknown:

@@ -675,6 +675,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the small-batch product kernels (projections, experts by id) leave each block's "
         "product running while the next block is awaited (_skinny.OVERLAP_PRODUCTS)",
     )  # fmt: skip
+    parser.add_argument(
+        "--swap-operands", action="store_true",
+        help="the small-batch product kernels take each block's product transposed "
+        "(_skinny.SWAP_OPERANDS)",
+    )  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--flops", type=float, default=7.9e14)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
@@ -707,8 +712,9 @@ def main(argv: list[str] | None = None) -> int:
         moe_layer.RANKED_TOP_K_TOKENS = args.ranked_top_k_tokens
     shared_down_with_experts = moe_layer.SHARED_DOWN_WITH_EXPERTS
     moe_layer.SHARED_DOWN_WITH_EXPERTS |= args.shared_down_with_experts
-    overlap_products = _skinny.OVERLAP_PRODUCTS
+    products = _skinny.OVERLAP_PRODUCTS, _skinny.SWAP_OPERANDS
     _skinny.OVERLAP_PRODUCTS |= args.overlap_products
+    _skinny.SWAP_OPERANDS |= args.swap_operands
     if args.cache_dir is None:
         # Cold, as a first start is; within the run the rows share it, as an engine's own
         # executables do (EXTEND and MIXED lower to the same program).
@@ -786,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
     moe_layer.BY_ID_MAX_PAIRS = by_id_max_pairs
     linear_layer.FEW_ROWS, moe_layer.RANKED_TOP_K_TOKENS = few_rows, ranked_tokens
     moe_layer.SHARED_DOWN_WITH_EXPERTS = shared_down_with_experts
-    _skinny.OVERLAP_PRODUCTS = overlap_products
+    _skinny.OVERLAP_PRODUCTS, _skinny.SWAP_OPERANDS = products
     title = f"{args.preset}, {c.num_hidden_layers} layers"
     name = "RESULTS_serve_smoke.md" if args.smoke else "RESULTS_serve.md"
     write_results(out / name, title, rows)

@@ -7,10 +7,18 @@ tile) fill the first rows of a 64-row wgmma tile; the weight's ``[K, BLOCK_N]`` 
 streams through ``stages`` buffers of ``BLOCK_K`` rows, a block refilling its stage as soon as
 the tensor cores have read it, so ``stages`` blocks stay in flight while one multiplies.
 
-With ``OVERLAP_PRODUCTS`` a block's product is issued and left running while the next
-block is awaited (at most two products in flight, ``wgmma_wait(1)``): its stage is refilled
-one block later, when the following product has been issued. Without it each product is
-waited for before its stage is refilled, so a program's blocks take a product's latency each.
+Two variants, each a switch read while tracing:
+
+* ``OVERLAP_PRODUCTS``: a block's product is issued and left running while the next block
+  is awaited (at most two products in flight, ``wgmma_wait(1)``); its stage is refilled one
+  block later, when the following product has been issued. Without it each product is
+  waited for before its stage is refilled, so every block costs a product's latency.
+* ``SWAP_OPERANDS``: each block's product is taken transposed, ``(w tile)^T @ rows^T``: the
+  weight's ``BLOCK_N`` columns fill the wgmma tile's 64 rows and the program's rows (a
+  multiple of 8) are its columns. The ring's row buffers then hold only those rows (8 rows:
+  2 KiB a stage instead of 16, a program's shared memory 73 KiB instead of 136, so three
+  programs fit on an SM) and a product is rows/64 of a full tile's work. The float32 sum is
+  stored transposed into the output tile.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._mgpu_chunks import F32, WG, matmul_into, smem
+from pallas_kernels._common import round_up
+from pallas_kernels._mgpu_chunks import ALIGN, F32, WG, matmul_into, smem
 
 __all__ = [
     "BLOCK_K",
@@ -29,6 +38,7 @@ __all__ = [
     "OVERLAP_PRODUCTS",
     "ROWS_PER_TILE",
     "STAGES",
+    "SWAP_OPERANDS",
     "scratch",
     "tile_product",
 ]
@@ -41,15 +51,20 @@ DTYPES = (jnp.bfloat16, jnp.float16)  # the operands' dtypes the tensor-core pro
 OVERLAP_PRODUCTS = False
 """Whether a block's product runs while the next block is awaited (see the module's doc);
 off until it is checked against the oracle and timed on the H200."""
+SWAP_OPERANDS = False
+"""Whether each block's product is taken transposed (see the module's doc); off until it is
+checked against the oracle and timed on the H200."""
 
 
-def scratch(steps: int, dtype) -> list:
-    """The ring (rows and weight tiles), the output tile and the ring's barriers."""
+def scratch(steps: int, dtype, rows: int = ROWS_PER_TILE) -> list:
+    """The ring (rows and weight tiles), the output tile and the ring's barriers, for calls
+    of up to ``rows`` rows."""
     stages = min(STAGES, steps)
+    held = round_up(rows, ALIGN) if SWAP_OPERANDS else ROWS_PER_TILE
     return [
-        smem((stages, ROWS_PER_TILE, BLOCK_K), dtype),
+        smem((stages, held, BLOCK_K), dtype),
         smem((stages, BLOCK_K, BLOCK_N), dtype),
-        smem((ROWS_PER_TILE, BLOCK_N), dtype),
+        smem((held, BLOCK_N), dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
 
@@ -57,12 +72,22 @@ def scratch(steps: int, dtype) -> list:
 def tile_product(x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *, steps: int, interpret: bool):
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype).
 
-    ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64); ``w_cols``: ``[K,
-    BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``; ``steps = K // BLOCK_K``; the SMEM buffers and
-    barriers from ``scratch``. Waits for the previous call's store before reusing ``o_s``;
-    the caller waits for this one's (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
+    ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64 and at most the rows
+    ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;
+    ``steps = K // BLOCK_K``; the SMEM buffers and barriers from ``scratch``. Waits for the
+    previous call's store before reusing ``o_s``; the caller waits for this one's
+    (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
     rows = x_rows.shape[0]
     stages = min(STAGES, steps)
+    # The product's shape: [64, BLOCK_N], or transposed [BLOCK_N, rows] with the rows
+    # rounded up to the 8-row groups that TMA moves.
+    held = round_up(rows, ALIGN)
+    shape = (BLOCK_N, held) if SWAP_OPERANDS else (ROWS_PER_TILE, BLOCK_N)
+
+    def operands(stage):
+        if SWAP_OPERANDS:
+            return w_s.at[stage].transpose((1, 0)), x_s.at[stage, pl.ds(0, held)].transpose((1, 0))
+        return x_s.at[stage], w_s.at[stage]
 
     def fill(j, stage):
         ks = pl.ds(j * BLOCK_K, BLOCK_K)
@@ -75,31 +100,34 @@ def tile_product(x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *, steps: int, i
     def step(j, acc):
         stage = lax.rem(j, stages)
         plgpu.barrier_wait(bars.at[stage])
-        acc = matmul_into(acc, x_s.at[stage], w_s.at[stage], interpret=interpret)
+        acc = matmul_into(acc, *operands(stage), interpret=interpret)
         # The product has read this stage: it takes block j + stages.
         pl.when(j + stages < steps)(lambda: fill(j + stages, stage))
         return acc
 
     if OVERLAP_PRODUCTS:
-        acc = _overlapped_products(x_s, w_s, bars, fill, steps=steps, stages=stages)
+        acc = _overlapped_products(operands, bars, fill, shape, steps=steps, stages=stages)
     else:
-        init = plgpu.layout_cast(jnp.zeros((ROWS_PER_TILE, BLOCK_N), F32), WG)
+        init = plgpu.layout_cast(jnp.zeros(shape, F32), WG)
         acc = lax.fori_loop(0, steps, step, init)
     plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
-    o_s[...] = acc.astype(o_s.dtype)
+    if SWAP_OPERANDS:
+        o_s.at[pl.ds(0, held)].transpose((1, 0))[...] = acc.astype(o_s.dtype)
+    else:
+        o_s[...] = acc.astype(o_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, rows)], out_rows)
 
 
-def _overlapped_products(x_s, w_s, bars, fill, *, steps: int, stages: int):
-    """The ring's products into one accumulator, each left running while the next block is
-    awaited; returns the float32 sum (``[ROWS_PER_TILE, BLOCK_N]``, WGMMA layout)."""
+def _overlapped_products(operands, bars, fill, shape, *, steps: int, stages: int):
+    """The ring's products into one accumulator of ``shape``, each left running while the
+    next block is awaited; returns the float32 sum (WGMMA layout)."""
 
     def scope(acc_ref):
         def step(j, carry):
             stage = lax.rem(j, stages)
             plgpu.barrier_wait(bars.at[stage])
-            plgpu.wgmma(acc_ref, x_s.at[stage], w_s.at[stage])
+            plgpu.wgmma(acc_ref, *operands(stage))
             # At most this product still runs: block j - 1's has read its stage.
             plgpu.wgmma_wait(1)
             previous = j - 1
@@ -112,4 +140,4 @@ def _overlapped_products(x_s, w_s, bars, fill, *, steps: int, stages: int):
         return acc_ref[...]
 
     # The barrier keeps LLVM from reading the registers before the products' wait.
-    return lax.optimization_barrier(pl.run_scoped(scope, plgpu.ACC((ROWS_PER_TILE, BLOCK_N), F32)))
+    return lax.optimization_barrier(pl.run_scoped(scope, plgpu.ACC(shape, F32)))

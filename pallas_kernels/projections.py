@@ -89,7 +89,7 @@ def _kernel(x: jax.Array, weights: tuple[jax.Array, ...], *, interpret: bool):
     outs = plgpu.kernel(
         body,
         out_type=tuple(jax.ShapeDtypeStruct((held, w.shape[1]), x.dtype) for w in weights),
-        scratch_types=scratch(steps, x.dtype),
+        scratch_types=scratch(steps, x.dtype, held),
         grid=(sum(tiles),),
         grid_names=("t",),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),

@@ -59,10 +59,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: every other test keeps its place
 
 
-@pytest.fixture(params=[False, True], ids=["waited-products", "overlapped-products"])
-def overlap_products(request, monkeypatch):
-    """Runs a test of the small-batch product kernels both ways (``_skinny.OVERLAP_PRODUCTS``):
-    the switch is read while tracing, so the kernels' traces are dropped around it."""
+# (_skinny.OVERLAP_PRODUCTS, _skinny.SWAP_OPERANDS): the default and the variants on trial.
+PRODUCT_VARIANTS = {"default": (False, False), "overlapped": (True, False), "swapped": (True, True)}
+
+
+@pytest.fixture(params=list(PRODUCT_VARIANTS))
+def product_variant(request, monkeypatch):
+    """Runs a test of the small-batch product kernels (``pallas_kernels._skinny``) with the
+    default product and with each variant; the switches are read while tracing, so the
+    kernels' traces are dropped around the test."""
     import importlib
 
     from pallas_kernels import _skinny
@@ -71,7 +76,9 @@ def overlap_products(request, monkeypatch):
         importlib.import_module(name)._kernel
         for name in ("pallas_kernels.projections", "pallas_kernels.moe.expert_matmul")
     ]
-    monkeypatch.setattr(_skinny, "OVERLAP_PRODUCTS", request.param)
+    overlap, swap = PRODUCT_VARIANTS[request.param]
+    monkeypatch.setattr(_skinny, "OVERLAP_PRODUCTS", overlap)
+    monkeypatch.setattr(_skinny, "SWAP_OPERANDS", swap)
     for kernel in kernels:
         kernel.clear_cache()
     yield request.param

@@ -46,7 +46,7 @@ _SWITCHES = {
     "hybrid_jax.layers.linear": ("FEW_ROWS",),
     "hybrid_jax.layers.moe": ("BY_ID_MAX_PAIRS", "RANKED_TOP_K_TOKENS", "SHARED_DOWN_WITH_EXPERTS"),
     "hybrid_jax.backend.attention": ("TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
-    "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS"),
+    "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS"),
 }
 
 

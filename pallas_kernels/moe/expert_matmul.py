@@ -121,7 +121,7 @@ def _kernel(x, w, experts, dense=None, *, interpret: bool):
     flat = jnp.pad(experts.reshape(-1), (0, programs * per_program - pairs), constant_values=-1)
     operands = [flat, xp, w]
     out_types = [jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype)]
-    dense_steps = 0
+    dense_steps, dense_rows = 0, ALIGN
     if dense is not None:
         dense_x, dense_w = dense
         dense_rows = round_up(dense_x.shape[0], ALIGN)
@@ -175,7 +175,7 @@ def _kernel(x, w, experts, dense=None, *, interpret: bool):
     outs = plgpu.kernel(
         body,
         out_type=tuple(out_types),
-        scratch_types=scratch(max(steps, dense_steps), dtype),
+        scratch_types=scratch(max(steps, dense_steps), dtype, dense_rows),
         grid=(col_tiles, programs + (dense is not None)),
         grid_names=("n", "p"),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),

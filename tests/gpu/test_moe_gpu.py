@@ -58,7 +58,7 @@ def test_kernel_matches_the_oracle_and_zeroes_padding(rows, experts, k, n):
     ],
 )
 def test_experts_by_id_match_the_oracle_and_read_no_padding_expert(
-    rows, choices, k, n, real, overlap_products
+    rows, choices, k, n, real, product_variant
 ):
     rng = np.random.default_rng(rows * choices + real)
     experts = 256

@@ -28,7 +28,7 @@ pytestmark = [
         (37, 2048, (64,)),
     ],
 )
-def test_projections_match_the_oracle(rows, k, widths, overlap_products):
+def test_projections_match_the_oracle(rows, k, widths, product_variant):
     rng = np.random.default_rng(rows * k + len(widths))
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     ws = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16) for n in widths]

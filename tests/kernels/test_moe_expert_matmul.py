@@ -46,7 +46,7 @@ def _oracle(x, w, ids):
 )
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
 def test_matches_the_float64_oracle_and_zeroes_padding_ids(
-    rows, choices, k, n, impl, overlap_products
+    rows, choices, k, n, impl, product_variant
 ):
     x, w, ids = _case(rows * k + n, rows, choices, k, n)
     got = moe.expert_matmul(x, w, jnp.asarray(ids), impl=impl)
@@ -65,7 +65,7 @@ def test_programs_stay_within_one_wave_and_share_the_pairs():
     assert em_module.programs_per_tile(64, 200) == 1
 
 
-def test_the_kernel_lowers_for_cuda(overlap_products):
+def test_the_kernel_lowers_for_cuda(product_variant):
     x = jnp.zeros((8, 2048), jnp.bfloat16)
     w = jnp.zeros((256, 2048, 1024), jnp.bfloat16)
     ids = jnp.zeros((8, 8), jnp.int32)
@@ -107,7 +107,7 @@ def test_misshapen_calls_raise_naming_the_shapes(x_shape, w_shape, ids, match):
 
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
 @pytest.mark.parametrize(("dense_rows", "dense_k"), [(5, 128), (8, 384)])
-def test_a_dense_product_runs_in_the_same_launch(impl, dense_rows, dense_k, overlap_products):
+def test_a_dense_product_runs_in_the_same_launch(impl, dense_rows, dense_k, product_variant):
     rows, choices, k, n = 5, 3, 256, 128
     x, w, ids = _case(7 + dense_k, rows, choices, k, n)
     rng = np.random.default_rng(dense_k)

@@ -32,7 +32,7 @@ def _case(seed, rows, k, widths):
     [(5, 256, (128, 64, 192)), (8, 128, (64,)), (13, 384, (64, 256))],
 )
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
-def test_every_product_matches_the_float64_oracle(rows, k, widths, impl, overlap_products):
+def test_every_product_matches_the_float64_oracle(rows, k, widths, impl, product_variant):
     x, ws = _case(rows + k, rows, k, widths)
     got = projections.projections(x, ws, impl=impl)
     assert len(got) == len(ws)
@@ -44,7 +44,7 @@ def test_every_product_matches_the_float64_oracle(rows, k, widths, impl, overlap
         assert err < 1e-2
 
 
-def test_the_kernel_lowers_for_cuda(overlap_products):
+def test_the_kernel_lowers_for_cuda(product_variant):
     x = jnp.zeros((8, 2048), jnp.bfloat16)
     ws = tuple(jnp.zeros((2048, n), jnp.bfloat16) for n in (8192, 4096, 64))
 
