@@ -98,6 +98,12 @@ def rows_of(
             functools.partial(projections.projections, impl="pallas")
         ),
     }
+    if len(widths) == 1:
+        variants["partials (K split, summed by XLA)"] = jax.jit(
+            lambda x, ws: (
+                projections.projection_partials(x, ws[0], impl="pallas").sum(0).astype(x.dtype),
+            )
+        )
     firsts = {label: fn for label, fn in variants.items()}
     for stages, overlap, swap in rings:
         label = (

@@ -680,6 +680,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the small-batch product kernels take each block's product transposed "
         "(_skinny.SWAP_OPERANDS)",
     )  # fmt: skip
+    parser.add_argument(
+        "--split-output-projections", action="store_true",
+        help="output projections at few rows as float32 partial products over parts of K in "
+        "one launch (layers.linear.SPLIT_OUTPUT_PROJECTIONS)",
+    )  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--flops", type=float, default=7.9e14)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
@@ -701,6 +706,8 @@ def main(argv: list[str] | None = None) -> int:
         args.prompt_len, args.decode_steps, args.profile_steps = 8, 4, 2
         args.stream, args.stream_batch, args.output_len = "3x200", 2, 3
     few_rows, ranked_tokens = linear_layer.FEW_ROWS, moe_layer.RANKED_TOP_K_TOKENS
+    split_outputs = linear_layer.SPLIT_OUTPUT_PROJECTIONS
+    linear_layer.SPLIT_OUTPUT_PROJECTIONS |= args.split_output_projections
     for flag, value in (("--profile-steps", args.profile_steps),
                         ("--projection-rows", args.projection_rows),
                         ("--ranked-top-k-tokens", args.ranked_top_k_tokens)):  # fmt: skip
@@ -791,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     _GROUPED_MATMUL._tokamax_ragged_dot = kernel
     moe_layer.BY_ID_MAX_PAIRS = by_id_max_pairs
     linear_layer.FEW_ROWS, moe_layer.RANKED_TOP_K_TOKENS = few_rows, ranked_tokens
+    linear_layer.SPLIT_OUTPUT_PROJECTIONS = split_outputs
     moe_layer.SHARED_DOWN_WITH_EXPERTS = shared_down_with_experts
     _skinny.OVERLAP_PRODUCTS, _skinny.SWAP_OPERANDS = products
     title = f"{args.preset}, {c.num_hidden_layers} layers"

@@ -18,7 +18,8 @@ Two variants, each a switch read while tracing:
   multiple of 8) are its columns. The ring's row buffers then hold only those rows (8 rows:
   2 KiB a stage instead of 16, a program's shared memory 73 KiB instead of 136, so three
   programs fit on an SM) and a product is rows/64 of a full tile's work. The float32 sum is
-  stored transposed into the output tile.
+  stored transposed into the output tile, which Mosaic GPU does for 16-bit tiles: float32
+  outputs keep the plain product.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "STAGES",
     "SWAP_OPERANDS",
     "scratch",
+    "swapped",
     "tile_product",
 ]
 
@@ -56,15 +58,22 @@ SWAP_OPERANDS = False
 checked against the oracle and timed on the H200."""
 
 
-def scratch(steps: int, dtype, rows: int = ROWS_PER_TILE) -> list:
-    """The ring (rows and weight tiles), the output tile and the ring's barriers, for calls
-    of up to ``rows`` rows."""
+def swapped(out_dtype) -> bool:
+    """Whether products stored as ``out_dtype`` take the swapped operands: with
+    ``SWAP_OPERANDS``, for 16-bit outputs (Mosaic GPU stores a float32 sum transposed into a
+    16-bit tile only)."""
+    return SWAP_OPERANDS and jnp.dtype(out_dtype).itemsize == 2
+
+
+def scratch(steps: int, dtype, rows: int = ROWS_PER_TILE, out_dtype=None) -> list:
+    """The ring (rows and weight tiles), the output tile (``out_dtype``, default ``dtype``)
+    and the ring's barriers, for calls of up to ``rows`` rows."""
     stages = min(STAGES, steps)
-    held = round_up(rows, ALIGN) if SWAP_OPERANDS else ROWS_PER_TILE
+    held = round_up(rows, ALIGN) if swapped(out_dtype or dtype) else ROWS_PER_TILE
     return [
         smem((stages, held, BLOCK_K), dtype),
         smem((stages, BLOCK_K, BLOCK_N), dtype),
-        smem((held, BLOCK_N), dtype),
+        smem((held, BLOCK_N), out_dtype or dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
 
@@ -82,10 +91,11 @@ def tile_product(x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *, steps: int, i
     # The product's shape: [64, BLOCK_N], or transposed [BLOCK_N, rows] with the rows
     # rounded up to the 8-row groups that TMA moves.
     held = round_up(rows, ALIGN)
-    shape = (BLOCK_N, held) if SWAP_OPERANDS else (ROWS_PER_TILE, BLOCK_N)
+    swap = swapped(o_s.dtype)
+    shape = (BLOCK_N, held) if swap else (ROWS_PER_TILE, BLOCK_N)
 
     def operands(stage):
-        if SWAP_OPERANDS:
+        if swap:
             return w_s.at[stage].transpose((1, 0)), x_s.at[stage, pl.ds(0, held)].transpose((1, 0))
         return x_s.at[stage], w_s.at[stage]
 
@@ -111,7 +121,7 @@ def tile_product(x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *, steps: int, i
         init = plgpu.layout_cast(jnp.zeros(shape, F32), WG)
         acc = lax.fori_loop(0, steps, step, init)
     plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
-    if SWAP_OPERANDS:
+    if swap:
         o_s.at[pl.ds(0, held)].transpose((1, 0))[...] = acc.astype(o_s.dtype)
     else:
         o_s[...] = acc.astype(o_s.dtype)

@@ -22,11 +22,19 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import interpret_params, resolve_impl, round_up
+from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
 from pallas_kernels._mgpu_chunks import ALIGN, F32
 from pallas_kernels._skinny import BLOCK_K, BLOCK_N, DTYPES, ROWS_PER_TILE, scratch, tile_product
 
-__all__ = ["MAX_ROWS", "projections", "projections_reference", "unsupported_reason"]
+__all__ = [
+    "MAX_ROWS",
+    "partial_splits",
+    "projection_partials",
+    "projection_partials_reference",
+    "projections",
+    "projections_reference",
+    "unsupported_reason",
+]
 
 _OP = "projections"
 MAX_ROWS = ROWS_PER_TILE
@@ -119,3 +127,80 @@ def projections(
     if choice == "reference" or x.shape[0] == 0:
         return projections_reference(x, weights)
     return _kernel(x, weights, interpret=choice == "interpret")
+
+
+def partial_splits(k: int, n: int) -> int:
+    """The splits of K that ``projection_partials`` takes for a ``[k, n]`` weight: the most
+    of 1, 2, 4, 8 that keeps one program per (column tile, split) within the SMs and each
+    split a whole number of ``BLOCK_K`` blocks."""
+    tiles, steps = n // BLOCK_N, k // BLOCK_K
+    return max(s for s in (1, 2, 4, 8) if s == 1 or (tiles * s <= NUM_SMS and steps % s == 0))
+
+
+def projection_partials_reference(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
+    """The same partial products in XLA: float32 ``[splits, R, N]``."""
+    rows, k_dim = x.shape
+    xs = x.reshape(rows, splits, k_dim // splits)
+    ws = w.reshape(splits, k_dim // splits, w.shape[1])
+    return jnp.einsum("rsk,skn->srn", xs, ws, preferred_element_type=F32)
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "interpret"))
+def _partials_kernel(x: jax.Array, w: jax.Array, *, splits: int, interpret: bool):
+    rows, k_dim = x.shape
+    n_dim = w.shape[1]
+    steps = k_dim // BLOCK_K // splits
+    span = steps * BLOCK_K
+    held = round_up(rows, ALIGN)
+    xp = jnp.pad(x, ((0, held - rows), (0, 0)))
+
+    def body(x_ref, w_ref, o_ref, *scratch_refs):
+        tile, split = lax.axis_index("t"), lax.axis_index("s")
+        cols, ks = pl.ds(tile * BLOCK_N, BLOCK_N), pl.ds(split * span, span)
+        tile_product(
+            x_ref.at[:, ks], w_ref.at[ks, cols], o_ref.at[split, :, cols], *scratch_refs,
+            steps=steps, interpret=interpret,
+        )  # fmt: skip
+        plgpu.wait_smem_to_gmem(0)
+
+    out = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((splits, held, n_dim), F32),
+        scratch_types=scratch(steps, x.dtype, held, F32),
+        grid=(n_dim // BLOCK_N, splits),
+        grid_names=("t", "s"),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
+        interpret=interpret_params(interpret),
+        kernel_name="projection_partials",
+    )(xp, w)
+    return out[:, :rows]
+
+
+def projection_partials(
+    x: jax.Array, w: jax.Array, *, splits: int | None = None, impl: str = "auto"
+) -> jax.Array:
+    """``x @ w`` as float32 partial products over ``splits`` equal parts of K: their sum
+    over the first axis is the product.
+
+    Args:
+      x: ``[R, K]`` rows (the kernel takes up to ``MAX_ROWS``).
+      w: ``[K, N]`` in x's dtype (read in place).
+      splits: parts of K (default ``partial_splits(K, N)``); K must divide into them.
+      impl: ``"auto" | "pallas" | "interpret" | "reference"``.
+
+    Returns:
+      float32 ``[splits, R, N]``.
+    """
+    _check(x, (w,))
+    splits = partial_splits(*w.shape) if splits is None else splits
+    if splits < 1 or x.shape[1] % splits:
+        raise ValueError(f"{_OP}: splits={splits} must be >= 1 and divide K={x.shape[1]}")
+    reason = None
+    if impl != "reference":
+        reason = unsupported_reason(x, (w,))
+        if reason is None and x.shape[1] % (splits * BLOCK_K):
+            reason = f"K={x.shape[1]} must be a multiple of splits x {BLOCK_K}"
+    choice = resolve_impl(_OP, impl, reason)
+    if choice == "reference" or x.shape[0] == 0:
+        return projection_partials_reference(x, w, splits)
+    return _partials_kernel(x, w, splits=splits, interpret=choice == "interpret")

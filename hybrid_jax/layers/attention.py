@@ -21,7 +21,7 @@ from flax import nnx
 
 from hybrid_jax.backend.attention import paged_attention
 from hybrid_jax.kv_cache import KVCacheSpec
-from hybrid_jax.layers.linear import project
+from hybrid_jax.layers.linear import project, project_output
 from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 
@@ -151,4 +151,4 @@ class Attention(nnx.Module):
         if c.gated:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         out = out.reshape(t, c.num_heads * c.head_dim)
-        return AttentionOutput(self.o_proj(out), k_pages, v_pages)
+        return AttentionOutput(project_output(out, self.o_proj, impl=impl), k_pages, v_pages)

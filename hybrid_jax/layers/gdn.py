@@ -20,7 +20,7 @@ from flax import nnx
 
 from hybrid_jax.backend import GDNDims, gdn_mix
 from hybrid_jax.backend.linear import LinearLayerOutput
-from hybrid_jax.layers.linear import project
+from hybrid_jax.layers.linear import project, project_output
 from hybrid_jax.layers.norm import GatedRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.state_pool import LinearStateSpec
@@ -170,4 +170,5 @@ class GatedDeltaNet(nnx.Module):
             conv_state, ssm_state, meta, self.config.dims, impl=impl,
         )  # fmt: skip
         out = self.norm(mix.out, z).reshape(x.shape[0], self.config.dims.value_dim)
-        return LinearLayerOutput(self.out_proj(out), mix.conv_state, mix.ssm_state, mix.verify)
+        out = project_output(out, self.out_proj, impl=impl)
+        return LinearLayerOutput(out, mix.conv_state, mix.ssm_state, mix.verify)

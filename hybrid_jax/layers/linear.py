@@ -6,6 +6,11 @@ per weight costs more than its bytes. ``project`` runs them in one launch
 (``pallas_kernels.projections``, every weight read in place) when the step has at most
 ``FEW_ROWS`` rows and the kernel runs here, and as the layers themselves otherwise (XLA's
 products: the CPU, large steps, biases, shapes the kernel does not take).
+
+``project_output`` is the same choice for a block's single output projection (GDN and Mamba2
+``out_proj``, attention's ``o_proj``, an MLP's ``down_proj``): with ``SPLIT_OUTPUT_PROJECTIONS``
+its weight is read by one program per (column tile, part of K), and the float32 partial
+products are summed where the result is used.
 """
 
 from __future__ import annotations
@@ -17,12 +22,17 @@ from flax import nnx
 
 from pallas_kernels import projections, resolve_impl
 
-__all__ = ["FEW_ROWS", "project"]
+__all__ = ["FEW_ROWS", "SPLIT_OUTPUT_PROJECTIONS", "project", "project_output"]
 
 FEW_ROWS = 64
 """Rows up to which ``project`` launches one kernel: the kernel's most, since up to there the
 one launch reads the weights at least as fast as cuBLAS's products
 (benchmarks/RESULTS_projections.md)."""
+
+SPLIT_OUTPUT_PROJECTIONS = False
+"""Whether ``project_output`` splits K at few rows (``projections.projection_partials``): an
+output projection has few column tiles (2048 columns: 32 programs for 132 SMs), which the
+split multiplies. Off until it is checked and timed on the H200."""
 
 
 def project(x: jax.Array, layers: Sequence[nnx.Linear], *, impl: str) -> tuple[jax.Array, ...]:
@@ -36,3 +46,19 @@ def project(x: jax.Array, layers: Sequence[nnx.Linear], *, impl: str) -> tuple[j
     ):
         return projections.projections(x, weights, impl=impl)
     return tuple(layer(x) for layer in layers)
+
+
+def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
+    """``layer(x)``; at few rows on the GPU with ``SPLIT_OUTPUT_PROJECTIONS``, float32 partial
+    products over parts of K from one launch, summed (XLA fuses the sum into its use)."""
+    w = layer.kernel[...]
+    if (
+        SPLIT_OUTPUT_PROJECTIONS
+        and 0 < x.shape[0] <= FEW_ROWS
+        and not layer.use_bias
+        and projections.partial_splits(*w.shape) > 1
+        and projections.unsupported_reason(x, [w]) is None
+        and resolve_impl("projections", impl, None) != "reference"
+    ):
+        return projections.projection_partials(x, w, impl=impl).sum(axis=0).astype(x.dtype)
+    return layer(x)

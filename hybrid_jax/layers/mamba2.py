@@ -20,6 +20,7 @@ from flax import nnx
 
 from hybrid_jax.backend import Mamba2Dims, mamba2_mix
 from hybrid_jax.backend.linear import LinearLayerOutput
+from hybrid_jax.layers.linear import project_output
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.state_pool import LinearStateSpec
 
@@ -154,4 +155,5 @@ class Mamba2Mixer(nnx.Module):
         )  # fmt: skip
         # Explicit sizes: an IDLE step has t == 0, where -1 cannot be inferred.
         y = self.norm(mix.out.reshape(t, c.inner_dim), z)
-        return LinearLayerOutput(self.out_proj(y), mix.conv_state, mix.ssm_state, mix.verify)
+        y = project_output(y, self.out_proj, impl=impl)
+        return LinearLayerOutput(y, mix.conv_state, mix.ssm_state, mix.verify)

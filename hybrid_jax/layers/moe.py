@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_jax.layers.linear import project
+from hybrid_jax.layers.linear import project, project_output
 from pallas_kernels import moe, resolve_impl
 
 __all__ = [
@@ -91,11 +91,12 @@ class MLP(nnx.Module):
         self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
     ) -> jax.Array:
         del real
-        return self.output(*project(x, [self.gate_proj, self.up_proj], impl=impl))
+        gate, up = project(x, [self.gate_proj, self.up_proj], impl=impl)
+        return self.down(self.hidden(gate, up), impl=impl)
 
-    def output(self, gate: jax.Array, up: jax.Array) -> jax.Array:
-        """The block's output from its gate and up projections: ``down(silu(gate) * up)``."""
-        return self.down_proj(self.hidden(gate, up))
+    def down(self, hidden: jax.Array, *, impl: str) -> jax.Array:
+        """The down projection of ``hidden`` (``project_output``)."""
+        return project_output(hidden, self.down_proj, impl=impl)
 
     @staticmethod
     def hidden(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -239,7 +240,7 @@ class SparseMoE(nnx.Module):
         if self._runs_by_id(x, impl):
             routed, shared = self._experts_by_id(x, real, weights, experts, shared_hidden, impl)
             return routed.astype(x.dtype) + shared_scale * shared
-        shared = shared_scale * shared_mlp.down_proj(shared_hidden)
+        shared = shared_scale * shared_mlp.down(shared_hidden, impl=impl)
         dispatch = ExpertDispatch.sort(experts, self.config.num_experts, real)
         xs = dispatch.rows(x)
 
@@ -282,6 +283,6 @@ class SparseMoE(nnx.Module):
             ys, shared = moe.expert_matmul(hidden, down, ids, dense=dense, impl=impl)
         else:
             ys = moe.expert_matmul(hidden, down, ids, impl=impl)
-            shared = self.shared_expert.down_proj(shared_hidden)
+            shared = self.shared_expert.down(shared_hidden, impl=impl)
         ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
         return (ys * weights.astype(jnp.float32)[..., None]).sum(axis=1), shared

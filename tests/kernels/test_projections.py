@@ -1,5 +1,6 @@
-"""projections: the Mosaic GPU kernel in the interpreter and the XLA reference against a float64
-oracle, the ``cuda`` lowering, the errors, and ``layers.linear.project``'s choice of path."""
+"""projections: the Mosaic GPU kernels (every weight of an input in one launch; one weight's
+partial products over parts of K) in the interpreter and the XLA references against a float64
+oracle, the ``cuda`` lowering, the errors, and ``layers.linear``'s choice of path."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybrid_jax.layers import linear
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
-from hybrid_jax.layers.linear import FEW_ROWS, project
+from hybrid_jax.layers.linear import FEW_ROWS, project, project_output
+from hybrid_jax.layers.moe import MLP
 from pallas_kernels import projections
 
 # The module, not the function of the same name that it exports.
@@ -110,3 +113,73 @@ def test_a_gdn_layer_s_projections_in_one_launch_split_as_its_own_do():
     for got, want in zip(one_launch, per_layer, strict=True):
         chex.assert_equal_shape([got, want])
         chex.assert_trees_all_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(("rows", "k", "n", "splits"), [(5, 768, 128, 3), (8, 512, 64, 4)])
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_partial_products_sum_to_the_float64_oracle(rows, k, n, splits, impl, product_variant):
+    x, (w,) = _case(rows * n + splits, rows, k, (n,))
+    got = projections.projection_partials(x, w, splits=splits, impl=impl)
+    chex.assert_shape(got, (splits, rows, n))
+    assert got.dtype == jnp.float32
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    part = k // splits
+    for s in range(splits):  # each part is its own slice of K
+        want = x64[:, s * part : (s + 1) * part] @ w64[s * part : (s + 1) * part]
+        np.testing.assert_allclose(np.asarray(got[s], np.float64), want, rtol=1e-5, atol=1e-5)
+
+
+def test_partial_products_lower_for_cuda(product_variant):
+    x = jnp.zeros((8, 4096), jnp.bfloat16)
+    w = jnp.zeros((4096, 2048), jnp.bfloat16)
+
+    def call(x, w):
+        return proj_module._partials_kernel(x, w, splits=4, interpret=False)
+
+    text = jax.jit(call).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_splits_fill_the_sms_with_whole_blocks_of_k():
+    assert projections.partial_splits(4096, 2048) == 4  # 35B-like out_proj: 32 tiles -> 128
+    assert projections.partial_splits(512, 2048) == 4  # its shared expert's down: 1 block each
+    assert projections.partial_splits(4096, 4096) == 2  # 64 tiles -> 128
+    assert projections.partial_splits(2048, 8192) == 1  # 128 tiles fill the SMs already
+    assert projections.partial_splits(384, 2048) == 1  # 3 blocks of K: no even split
+    with pytest.raises(ValueError, match="splits=3 must be >= 1 and divide K=256"):
+        projections.projection_partials(jnp.zeros((8, 256)), jnp.zeros((256, 64)), splits=3)
+
+
+def test_project_output_sums_split_partials_only_when_switched_on(monkeypatch):
+    (layer,) = _linears(512, (128,))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 512)), jnp.bfloat16)
+    calls = []
+    partials = projections.projection_partials
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return partials(*args, **kwargs)
+
+    monkeypatch.setattr(projections, "projection_partials", counted)
+    want = layer(x)
+    chex.assert_trees_all_equal(project_output(x, layer, impl="interpret"), want)
+    assert calls == []  # off by default: the layer's own product
+    monkeypatch.setattr(linear, "SPLIT_OUTPUT_PROJECTIONS", True)
+    got = project_output(x, layer, impl="interpret")
+    assert calls == [(512, 128)]
+    assert got.dtype == want.dtype
+    chex.assert_trees_all_close(got, want, rtol=2e-2, atol=2e-2)
+    for rows, impl in ((FEW_ROWS + 1, "interpret"), (3, "reference")):
+        rows_x = jnp.ones((rows, 512), jnp.bfloat16)
+        chex.assert_trees_all_equal(project_output(rows_x, layer, impl=impl), layer(rows_x))
+    assert calls == [(512, 128)]
+
+
+def test_an_mlp_s_down_projection_splits_when_switched_on(monkeypatch):
+    mlp = MLP(128, 256, dtype="bfloat16", rngs=nnx.Rngs(3))
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((6, 128)), jnp.bfloat16)
+    want = mlp(x, impl="reference")
+    monkeypatch.setattr(linear, "SPLIT_OUTPUT_PROJECTIONS", True)
+    text = jax.jit(lambda a: mlp(a, impl="interpret")).lower(x).as_text()
+    assert "@_partials_kernel(" in text  # down [256, 128]: 2 column tiles x 2 parts of K
+    chex.assert_trees_all_close(mlp(x, impl="interpret"), want, rtol=3e-2, atol=3e-2)
