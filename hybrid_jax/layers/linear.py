@@ -36,16 +36,25 @@ split multiplies. Off until it is checked and timed on the H200."""
 
 
 def project(x: jax.Array, layers: Sequence[nnx.Linear], *, impl: str) -> tuple[jax.Array, ...]:
-    """``tuple(layer(x) for layer in layers)``, in one launch at few rows on the GPU."""
+    """``tuple(layer(x) for layer in layers)``, in one launch at few rows on the GPU.
+
+    When the kernel takes only some of the weights (a width that is not a multiple of its
+    column tile: the 27B-like GDN's 96-wide ``b | a``), those share the launch if there are
+    two or more (one weight alone is as fast in cuBLAS) and the rest run as their layers."""
+    if not (0 < x.shape[0] <= FEW_ROWS and resolve_impl("projections", impl, None) != "reference"):
+        return tuple(layer(x) for layer in layers)
     weights = [layer.kernel[...] for layer in layers]
-    if (
-        0 < x.shape[0] <= FEW_ROWS
-        and not any(layer.use_bias for layer in layers)
-        and projections.unsupported_reason(x, weights) is None
-        and resolve_impl("projections", impl, None) != "reference"
-    ):
-        return projections.projections(x, weights, impl=impl)
-    return tuple(layer(x) for layer in layers)
+    taken = [
+        i
+        for i, (layer, w) in enumerate(zip(layers, weights, strict=True))
+        if not layer.use_bias and projections.unsupported_reason(x, [w]) is None
+    ]
+    if len(taken) < min(len(layers), 2):
+        return tuple(layer(x) for layer in layers)
+    launched = dict(
+        zip(taken, projections.projections(x, [weights[i] for i in taken], impl=impl), strict=True)
+    )
+    return tuple(launched[i] if i in launched else layer(x) for i, layer in enumerate(layers))
 
 
 def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:

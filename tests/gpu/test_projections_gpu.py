@@ -25,6 +25,7 @@ pytestmark = [
         (8, 2048, (8192, 512, 512)),  # gated attention q, k, v
         (8, 2048, (256, 512, 512)),  # router, shared expert gate and up
         (1, 4096, (12288, 12288)),  # one row; the 9B-like MLP's widths
+        (8, 5120, (10240, 6144)),  # the 27B-like GDN's qkv and z (its 96-wide b|a: cuBLAS)
         (37, 2048, (64,)),
     ],
 )

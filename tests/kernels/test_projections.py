@@ -97,7 +97,12 @@ def test_project_runs_one_kernel_at_few_rows_and_the_layers_otherwise():
     assert not runs_kernel(FEW_ROWS + 1, layers, "interpret")
     assert not runs_kernel(3, layers, "reference")
     assert not runs_kernel(3, _linears(128, (64,), bias=True), "interpret")
-    assert not runs_kernel(3, _linears(128, (64, 1)), "interpret")
+    assert not runs_kernel(3, _linears(128, (64, 1)), "interpret")  # one weight: cuBLAS's
+    # Weights the kernel takes share the launch; a width it does not take runs as its layer.
+    mixed = _linears(128, (64, 96, 128))
+    assert runs_kernel(3, mixed, "interpret")
+    for out, layer in zip(project(x, mixed, impl="interpret"), mixed, strict=True):
+        chex.assert_trees_all_close(out, layer(x), rtol=2e-2, atol=2e-2)
 
 
 def test_a_gdn_layer_s_projections_in_one_launch_split_as_its_own_do():
