@@ -10,6 +10,7 @@ other's private helpers.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -27,6 +28,8 @@ __all__ = [
     "COLS",
     "F32",
     "ROWS",
+    "SMEM_LIMIT",
+    "SMEM_PER_SM",
     "SequenceLayout",
     "WG",
     "along_cols",
@@ -35,6 +38,7 @@ __all__ = [
     "chunk_table",
     "matmul",
     "matmul_into",
+    "scratch_smem_bytes",
     "sequence_layout",
     "smem",
     "token_axis",
@@ -47,6 +51,23 @@ BF16 = jnp.bfloat16
 WG = plgpu.Layout.WGMMA
 ROWS = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA tile
 COLS = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+SMEM_LIMIT = 227 * 1024  # dynamic SMEM per CTA on sm_90 (what Mosaic GPU checks at lowering)
+SMEM_PER_SM = 228 * 1024  # an SM's shared memory; each resident CTA also takes 1 KB of it
+_SMEM_ALIGN = 1024  # Mosaic GPU aligns each scratch buffer to this
+_BARRIER_BYTES = 8
+
+
+def scratch_smem_bytes(refs) -> int:
+    """Dynamic SMEM of a kernel's scratch list, counted as Mosaic GPU allocates it (each
+    buffer aligned to 1 KB, then 8 bytes per barrier)."""
+    total = barriers = 0
+    for ref in refs:
+        if isinstance(ref, plgpu.Barrier):
+            barriers += math.prod(ref.num_barriers)
+        else:
+            size = math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
+            total += -(-size // _SMEM_ALIGN) * _SMEM_ALIGN
+    return total + _BARRIER_BYTES * barriers
 
 
 def smem(shape: tuple[int, ...], dtype) -> plgpu.SMEM:

@@ -30,7 +30,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import round_up
-from pallas_kernels._mgpu_chunks import ALIGN, F32, WG, matmul_into, smem
+from pallas_kernels._mgpu_chunks import (
+    ALIGN,
+    F32,
+    SMEM_PER_SM,
+    WG,
+    matmul_into,
+    scratch_smem_bytes,
+    smem,
+)
 
 __all__ = [
     "BLOCK_K",
@@ -40,6 +48,7 @@ __all__ = [
     "ROWS_PER_TILE",
     "STAGES",
     "SWAP_OPERANDS",
+    "programs_per_sm",
     "scratch",
     "swapped",
     "tile_product",
@@ -76,6 +85,12 @@ def scratch(steps: int, dtype, rows: int = ROWS_PER_TILE, out_dtype=None) -> lis
         smem((held, BLOCK_N), out_dtype or dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
+
+
+def programs_per_sm(scratch_refs) -> int:
+    """Programs with this ``scratch`` list that fit on one SM at once (its shared memory,
+    with the 1 KB each resident program also takes)."""
+    return max(1, SMEM_PER_SM // (scratch_smem_bytes(scratch_refs) + 1024))
 
 
 def tile_product(x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *, steps: int, interpret: bool):

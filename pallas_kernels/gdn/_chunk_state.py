@@ -47,7 +47,6 @@ slower on every shape (benchmarks/prefill_notes.md).
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import jax
@@ -62,16 +61,17 @@ from pallas_kernels._mgpu_chunks import (
     CHUNK,
     F32,
     ROWS,
+    SMEM_LIMIT,
     WG,
     along_rows,
     matmul,
+    scratch_smem_bytes,
     smem,
 )
 from pallas_kernels.gdn._chunk_intra import VEC_ROWS
 
 __all__ = ["SMEM_LIMIT", "smem_bytes", "state_pass", "unsupported_reason"]
 
-SMEM_LIMIT = 227 * 1024  # dynamic SMEM per CTA on sm_90 (what Mosaic GPU checks at lowering)
 BLOCK_V = (32, 64)
 STAGES = (2, 3)
 HANDOFF = 2  # slots of published S / v' between the state and the output warpgroup
@@ -80,8 +80,6 @@ PRODUCER, STATE, OUTPUT = 0, 1, 2
 # three warpgroups; jax's own warp-specialised attention uses the same split).
 PRODUCER_REGS = 40
 COMPUTE_REGS = 232
-_SMEM_ALIGN = 1024  # Mosaic GPU aligns each scratch buffer to this
-_BARRIER_BYTES = 8
 
 
 def put_b_operand(ref, x: jax.Array, kmajor: bool) -> None:
@@ -248,16 +246,8 @@ def _scratch(key_dim: int, bv: int, stages: int, out_dtype) -> tuple:
 
 
 def smem_bytes(key_dim: int, block_v: int, stages: int, out_dtype=BF16) -> int:
-    """Dynamic SMEM of one CTA, counted as Mosaic GPU allocates it (each buffer aligned to
-    1 KB, then 8 bytes per barrier)."""
-    total = barriers = 0
-    for ref in _scratch(key_dim, block_v, stages, out_dtype):
-        if isinstance(ref, plgpu.Barrier):
-            barriers += math.prod(ref.num_barriers)
-        else:
-            size = math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize
-            total += -(-size // _SMEM_ALIGN) * _SMEM_ALIGN
-    return total + _BARRIER_BYTES * barriers
+    """Dynamic SMEM of one CTA, counted as Mosaic GPU allocates it."""
+    return scratch_smem_bytes(_scratch(key_dim, block_v, stages, out_dtype))
 
 
 def unsupported_reason(

@@ -33,6 +33,7 @@ from pallas_kernels._skinny import (
     BLOCK_N,
     DTYPES,
     ROWS_PER_TILE,
+    programs_per_sm,
     scratch,
     tile_product,
 )
@@ -98,11 +99,11 @@ def expert_matmul_reference(x: jax.Array, w: jax.Array, experts: jax.Array) -> j
     return jnp.where(valid[..., None], out, 0).astype(x.dtype)
 
 
-def programs_per_tile(pairs: int, col_tiles: int) -> int:
+def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1) -> int:
     """Programs that share one column tile's pairs: the grid stays within one wave of the
-    SMs (a program takes a whole SM's shared memory), so a program whose pairs are all
-    padding never delays one that has work."""
-    return max(1, min(pairs, NUM_SMS // col_tiles))
+    SMs (``per_sm`` programs fit on an SM at once), so a program whose pairs are all padding
+    never delays one that has work."""
+    return max(1, min(pairs, NUM_SMS * per_sm // col_tiles))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -113,19 +114,21 @@ def _kernel(x, w, experts, dense=None, *, interpret: bool):
     pairs = rows * choices
     steps = k_dim // BLOCK_K
     col_tiles = n_dim // BLOCK_N
-    programs = programs_per_tile(pairs, col_tiles)
-    per_program = -(-pairs // programs)
     dtype = x.dtype
+    dense_steps, dense_rows = 0, ALIGN
+    if dense is not None:
+        dense_rows = round_up(dense[0].shape[0], ALIGN)
+        dense_steps = dense[0].shape[1] // BLOCK_K
+    scratch_types = scratch(max(steps, dense_steps), dtype, dense_rows)
+    programs = programs_per_tile(pairs, col_tiles, programs_per_sm(scratch_types))
+    per_program = -(-pairs // programs)
     padded = round_up(rows, ALIGN)
     xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
     flat = jnp.pad(experts.reshape(-1), (0, programs * per_program - pairs), constant_values=-1)
     operands = [flat, xp, w]
     out_types = [jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype)]
-    dense_steps, dense_rows = 0, ALIGN
     if dense is not None:
         dense_x, dense_w = dense
-        dense_rows = round_up(dense_x.shape[0], ALIGN)
-        dense_steps = dense_x.shape[1] // BLOCK_K
         operands += [jnp.pad(dense_x, ((0, dense_rows - dense_x.shape[0]), (0, 0))), dense_w]
         out_types.append(jax.ShapeDtypeStruct((dense_rows, n_dim), dtype))
 
@@ -175,7 +178,7 @@ def _kernel(x, w, experts, dense=None, *, interpret: bool):
     outs = plgpu.kernel(
         body,
         out_type=tuple(out_types),
-        scratch_types=scratch(max(steps, dense_steps), dtype, dense_rows),
+        scratch_types=scratch_types,
         grid=(col_tiles, programs + (dense is not None)),
         grid_names=("n", "p"),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),

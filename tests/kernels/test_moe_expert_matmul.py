@@ -63,6 +63,7 @@ def test_programs_stay_within_one_wave_and_share_the_pairs():
     assert em_module.programs_per_tile(64, 32) == 4  # their down product
     assert em_module.programs_per_tile(3, 2) == 3  # never more programs than pairs
     assert em_module.programs_per_tile(64, 200) == 1
+    assert em_module.programs_per_tile(64, 32, per_sm=3) == 12  # three programs an SM
 
 
 def test_the_kernel_lowers_for_cuda(product_variant):

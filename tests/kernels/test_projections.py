@@ -188,3 +188,14 @@ def test_an_mlp_s_down_projection_splits_when_switched_on(monkeypatch):
     text = jax.jit(lambda a: mlp(a, impl="interpret")).lower(x).as_text()
     assert "@_partials_kernel(" in text  # down [256, 128]: 2 column tiles x 2 parts of K
     chex.assert_trees_all_close(mlp(x, impl="interpret"), want, rtol=3e-2, atol=3e-2)
+
+
+def test_swapped_operands_fit_three_programs_on_an_sm_at_eight_rows(monkeypatch):
+    from pallas_kernels import _skinny
+
+    assert _skinny.programs_per_sm(_skinny.scratch(16, jnp.bfloat16, 8)) == 1
+    monkeypatch.setattr(_skinny, "SWAP_OPERANDS", True)
+    assert _skinny.programs_per_sm(_skinny.scratch(16, jnp.bfloat16, 8)) == 3
+    assert _skinny.programs_per_sm(_skinny.scratch(16, jnp.bfloat16, 64)) == 1
+    # A float32 output tile keeps the plain product and its 64-row buffers.
+    assert _skinny.programs_per_sm(_skinny.scratch(16, jnp.bfloat16, 8, jnp.float32)) == 1
