@@ -162,6 +162,7 @@ def _overlapped_products(operands, bars, fill, shape, *, steps: int, stages: int
             return carry
 
         lax.fori_loop(0, steps, step, None)
+        plgpu.wgmma_wait(0)  # the last product is done before its sum is read
         return acc_ref[...]
 
     # The barrier keeps LLVM from reading the registers before the products' wait.
