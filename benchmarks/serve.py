@@ -384,8 +384,10 @@ def _breakdown(engine: Engine, steps: int, table: pathlib.Path | None = None) ->
     top = [(name, us) for name, _, us in kernels[:12]]
     busy = sum(categories.values())
     ranked = sorted(categories.items(), key=lambda kv: -kv[1])
+    launches = sum(calls for _, calls, _ in kernels)
     return (
-        "device us/step: " + ", ".join(f"{k} {v:.0f}" for k, v in ranked)
+        f"{launches:.0f} kernels/step; device us/step: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in ranked)
         + f"; idle {max(0.0, 1 - busy / wall_us):.0%} of {wall_us:.0f} us; top: "
         + "; ".join(f"{n[:60]} {us:.0f}" for n, us in top)
     )  # fmt: skip
