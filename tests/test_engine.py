@@ -22,6 +22,7 @@ from hybrid_jax.models.qwen3_next_loading import save_checkpoint
 from hybrid_jax.models.safetensors_io import read_header
 from hybrid_jax.models.tokenizer import ByteTokenizer
 from hybrid_jax.modes import ForwardMode, program_mode
+from pallas_kernels import _skinny
 
 M = ForwardMode
 # Max context 64 in pages of 8: a full-context request holds 8 of the 16 real pages, so two
@@ -298,7 +299,12 @@ def test_second_start_reads_every_step_program_back_without_tracing(engine, alon
 
 @pytest.mark.parametrize(
     ("module", "name", "value"),
-    [(linear, "FEW_ROWS", 0), (moe, "SHARED_DOWN_WITH_EXPERTS", True)],
+    [
+        (linear, "FEW_ROWS", 0),
+        (linear, "SPLIT_OUTPUT_PROJECTIONS", True),
+        (moe, "SHARED_DOWN_WITH_EXPERTS", True),
+        (_skinny, "SWAP_OPERANDS", True),
+    ],
 )
 def test_a_stored_program_s_key_sees_the_switches_read_while_tracing(
     tmp_path, monkeypatch, module, name, value
