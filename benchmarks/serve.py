@@ -76,6 +76,29 @@ from hybrid_jax.modes import LayerKind  # noqa: E402
 from pallas_kernels import _skinny  # noqa: E402
 
 _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
+# Switches on trial, each a module attribute read while tracing: flag -> (module, attribute,
+# what it does). A run turns on those it is given and restores them at the end.
+TRIAL_SWITCHES = {
+    "--shared-down-with-experts": (
+        moe_layer, "SHARED_DOWN_WITH_EXPERTS",
+        "a MoE block whose experts run by id takes the shared expert's down product in the "
+        "experts' down launch",
+    ),
+    "--split-output-projections": (
+        linear_layer, "SPLIT_OUTPUT_PROJECTIONS",
+        "output projections at few rows as float32 partial products over parts of K in one "
+        "launch",
+    ),
+    "--overlap-products": (
+        _skinny, "OVERLAP_PRODUCTS",
+        "the small-batch product kernels (projections, experts by id) leave each block's "
+        "product running while the next block is awaited",
+    ),
+    "--swap-operands": (
+        _skinny, "SWAP_OPERANDS",
+        "the small-batch product kernels take each block's product transposed",
+    ),
+}  # fmt: skip
 
 
 def _qwen3_next_layers(n: int) -> tuple[str, ...]:
@@ -667,26 +690,10 @@ def main(argv: list[str] | None = None) -> int:
         help="steps of up to this many tokens route by ranking, not sorting (default: "
         f"layers.moe.RANKED_TOP_K_TOKENS = {moe_layer.RANKED_TOP_K_TOKENS}; 0: always sort)",
     )  # fmt: skip
-    parser.add_argument(
-        "--shared-down-with-experts", action="store_true",
-        help="a MoE block whose experts run by id takes the shared expert's down product in "
-        "the experts' down launch (layers.moe.SHARED_DOWN_WITH_EXPERTS)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--overlap-products", action="store_true",
-        help="the small-batch product kernels (projections, experts by id) leave each block's "
-        "product running while the next block is awaited (_skinny.OVERLAP_PRODUCTS)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--swap-operands", action="store_true",
-        help="the small-batch product kernels take each block's product transposed "
-        "(_skinny.SWAP_OPERANDS)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--split-output-projections", action="store_true",
-        help="output projections at few rows as float32 partial products over parts of K in "
-        "one launch (layers.linear.SPLIT_OUTPUT_PROJECTIONS)",
-    )  # fmt: skip
+    for flag, (module, name, what) in TRIAL_SWITCHES.items():
+        parser.add_argument(
+            flag, action="store_true", help=f"{what} ({module.__name__}.{name}; off by default)"
+        )
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--flops", type=float, default=7.9e14)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
@@ -708,22 +715,20 @@ def main(argv: list[str] | None = None) -> int:
         args.prompt_len, args.decode_steps, args.profile_steps = 8, 4, 2
         args.stream, args.stream_batch, args.output_len = "3x200", 2, 3
     few_rows, ranked_tokens = linear_layer.FEW_ROWS, moe_layer.RANKED_TOP_K_TOKENS
-    split_outputs = linear_layer.SPLIT_OUTPUT_PROJECTIONS
-    linear_layer.SPLIT_OUTPUT_PROJECTIONS |= args.split_output_projections
     for flag, value in (("--profile-steps", args.profile_steps),
                         ("--projection-rows", args.projection_rows),
                         ("--ranked-top-k-tokens", args.ranked_top_k_tokens)):  # fmt: skip
         if value is not None and value < 0:
             parser.error(f"{flag} {value}: must be >= 0")
+    switched = {}  # the trial switches this run turns on, with their values before
+    for flag, (module, name, _) in TRIAL_SWITCHES.items():
+        if getattr(args, flag[2:].replace("-", "_")):
+            switched[module, name] = getattr(module, name)
+            setattr(module, name, True)
     if args.projection_rows is not None:
         linear_layer.FEW_ROWS = args.projection_rows
     if args.ranked_top_k_tokens is not None:
         moe_layer.RANKED_TOP_K_TOKENS = args.ranked_top_k_tokens
-    shared_down_with_experts = moe_layer.SHARED_DOWN_WITH_EXPERTS
-    moe_layer.SHARED_DOWN_WITH_EXPERTS |= args.shared_down_with_experts
-    products = _skinny.OVERLAP_PRODUCTS, _skinny.SWAP_OPERANDS
-    _skinny.OVERLAP_PRODUCTS |= args.overlap_products
-    _skinny.SWAP_OPERANDS |= args.swap_operands
     if args.cache_dir is None:
         # Cold, as a first start is; within the run the rows share it, as an engine's own
         # executables do (EXTEND and MIXED lower to the same program).
@@ -800,9 +805,8 @@ def main(argv: list[str] | None = None) -> int:
     _GROUPED_MATMUL._tokamax_ragged_dot = kernel
     moe_layer.BY_ID_MAX_PAIRS = by_id_max_pairs
     linear_layer.FEW_ROWS, moe_layer.RANKED_TOP_K_TOKENS = few_rows, ranked_tokens
-    linear_layer.SPLIT_OUTPUT_PROJECTIONS = split_outputs
-    moe_layer.SHARED_DOWN_WITH_EXPERTS = shared_down_with_experts
-    _skinny.OVERLAP_PRODUCTS, _skinny.SWAP_OPERANDS = products
+    for (module, name), value in switched.items():
+        setattr(module, name, value)
     title = f"{args.preset}, {c.num_hidden_layers} layers"
     name = "RESULTS_serve_smoke.md" if args.smoke else "RESULTS_serve.md"
     write_results(out / name, title, rows)
