@@ -57,23 +57,21 @@ def _time(fn, x, weight_sets) -> float:
 
 def _traced_with(stages: int, overlap: bool, swap: bool):
     """The one launch traced with a ring of ``stages`` buffers and the product variants
-    (``_skinny.STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``): the first call's function,
-    which traces and compiles with them, and the compiled function for the timed calls."""
+    (``_skinny.STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``, read when the launch is
+    traced): the first call's function, which traces and compiles with them, and the
+    compiled function for the timed calls."""
     names = ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS")
-    default = [getattr(_skinny, name) for name in names]
     fn = jax.jit(functools.partial(projections.projections, impl="pallas"))
 
-    def set_and_clear(values):
-        for name, value in zip(names, values, strict=True):
-            setattr(_skinny, name, value)
-        projections._kernel.clear_cache()
-
     def first_call(x, weights):
-        set_and_clear((stages, overlap, swap))
+        default = [getattr(_skinny, name) for name in names]
+        for name, value in zip(names, (stages, overlap, swap), strict=True):
+            setattr(_skinny, name, value)
         try:
             return fn(x, weights)
         finally:
-            set_and_clear(default)
+            for name, value in zip(names, default, strict=True):
+                setattr(_skinny, name, value)
 
     return first_call, fn
 

@@ -7,7 +7,9 @@ tile) fill the first rows of a 64-row wgmma tile; the weight's ``[K, BLOCK_N]`` 
 streams through ``stages`` buffers of ``BLOCK_K`` rows, a block refilling its stage as soon as
 the tensor cores have read it, so ``stages`` blocks stay in flight while one multiplies.
 
-Two variants, each a switch read while tracing:
+Two variants, each a module switch; a kernel's public function reads the switches when it
+is called (``current_variant``) and hands them to its jitted launch as a static argument, so
+a changed switch is a new trace:
 
 * ``OVERLAP_PRODUCTS``: a block's product is issued and left running while the next block
   is awaited (at most two products in flight, ``wgmma_wait(1)``); its stage is refilled one
@@ -23,6 +25,8 @@ Two variants, each a switch read while tracing:
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -48,6 +52,8 @@ __all__ = [
     "ROWS_PER_TILE",
     "STAGES",
     "SWAP_OPERANDS",
+    "ProductVariant",
+    "current_variant",
     "programs_per_sm",
     "scratch",
     "swapped",
@@ -67,18 +73,33 @@ SWAP_OPERANDS = False
 checked against the oracle and timed on the H200."""
 
 
-def swapped(out_dtype) -> bool:
+class ProductVariant(NamedTuple):
+    """A launch's static product choices: the ring's depth and the two variants."""
+
+    stages: int = STAGES
+    overlap: bool = False
+    swap: bool = False
+
+
+def current_variant() -> ProductVariant:
+    """The switches' values now (``STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``)."""
+    return ProductVariant(STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS)
+
+
+def swapped(out_dtype, variant: ProductVariant) -> bool:
     """Whether products stored as ``out_dtype`` take the swapped operands: with
-    ``SWAP_OPERANDS``, for 16-bit outputs (Mosaic GPU stores a float32 sum transposed into a
+    ``variant.swap``, for 16-bit outputs (Mosaic GPU stores a float32 sum transposed into a
     16-bit tile only)."""
-    return SWAP_OPERANDS and jnp.dtype(out_dtype).itemsize == 2
+    return variant.swap and jnp.dtype(out_dtype).itemsize == 2
 
 
-def scratch(steps: int, dtype, rows: int = ROWS_PER_TILE, out_dtype=None) -> list:
+def scratch(
+    steps: int, dtype, variant: ProductVariant, rows: int = ROWS_PER_TILE, out_dtype=None
+) -> list:
     """The ring (rows and weight tiles), the output tile (``out_dtype``, default ``dtype``)
     and the ring's barriers, for calls of up to ``rows`` rows."""
-    stages = min(STAGES, steps)
-    held = round_up(rows, ALIGN) if swapped(out_dtype or dtype) else ROWS_PER_TILE
+    stages = min(variant.stages, steps)
+    held = round_up(rows, ALIGN) if swapped(out_dtype or dtype, variant) else ROWS_PER_TILE
     return [
         smem((stages, held, BLOCK_K), dtype),
         smem((stages, BLOCK_K, BLOCK_N), dtype),
@@ -93,20 +114,24 @@ def programs_per_sm(scratch_refs) -> int:
     return max(1, SMEM_PER_SM // (scratch_smem_bytes(scratch_refs) + 1024))
 
 
-def tile_product(x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *, steps: int, interpret: bool):
+def tile_product(
+    x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *, steps: int, variant: ProductVariant,
+    interpret: bool,
+):  # fmt: skip
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype).
 
     ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64 and at most the rows
     ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;
-    ``steps = K // BLOCK_K``; the SMEM buffers and barriers from ``scratch``. Waits for the
+    ``steps = K // BLOCK_K``; the SMEM buffers and barriers from ``scratch`` (with the same
+    ``variant``). Waits for the
     previous call's store before reusing ``o_s``; the caller waits for this one's
     (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
     rows = x_rows.shape[0]
-    stages = min(STAGES, steps)
+    stages = min(variant.stages, steps)
     # The product's shape: [64, BLOCK_N], or transposed [BLOCK_N, rows] with the rows
     # rounded up to the 8-row groups that TMA moves.
     held = round_up(rows, ALIGN)
-    swap = swapped(o_s.dtype)
+    swap = swapped(o_s.dtype, variant)
     shape = (BLOCK_N, held) if swap else (ROWS_PER_TILE, BLOCK_N)
 
     def operands(stage):
@@ -130,7 +155,7 @@ def tile_product(x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *, steps: int, i
         pl.when(j + stages < steps)(lambda: fill(j + stages, stage))
         return acc
 
-    if OVERLAP_PRODUCTS:
+    if variant.overlap:
         acc = _overlapped_products(operands, bars, fill, shape, steps=steps, stages=stages)
     else:
         init = plgpu.layout_cast(jnp.zeros(shape, F32), WG)

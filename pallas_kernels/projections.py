@@ -24,7 +24,16 @@ from jax import lax
 
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
 from pallas_kernels._mgpu_chunks import ALIGN, F32
-from pallas_kernels._skinny import BLOCK_K, BLOCK_N, DTYPES, ROWS_PER_TILE, scratch, tile_product
+from pallas_kernels._skinny import (
+    BLOCK_K,
+    BLOCK_N,
+    DTYPES,
+    ROWS_PER_TILE,
+    ProductVariant,
+    current_variant,
+    scratch,
+    tile_product,
+)
 
 __all__ = [
     "MAX_ROWS",
@@ -68,8 +77,10 @@ def projections_reference(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[j
     return tuple(jnp.dot(x, w, preferred_element_type=F32).astype(x.dtype) for w in weights)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _kernel(x: jax.Array, weights: tuple[jax.Array, ...], *, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("variant", "interpret"))
+def _kernel(
+    x: jax.Array, weights: tuple[jax.Array, ...], *, variant: ProductVariant, interpret: bool
+):
     rows, k_dim = x.shape
     steps = k_dim // BLOCK_K
     held = round_up(rows, ALIGN)
@@ -86,7 +97,7 @@ def _kernel(x: jax.Array, weights: tuple[jax.Array, ...], *, interpret: bool):
             cols = pl.ds((tile - start) * BLOCK_N, BLOCK_N)
             tile_product(
                 x_ref, w_ref.at[:, cols], o_ref.at[:, cols], *scratch_refs, steps=steps,
-                interpret=interpret,
+                variant=variant, interpret=interpret,
             )  # fmt: skip
 
         for w_ref, o_ref, start, count in zip(w_refs, o_refs, starts, tiles, strict=True):
@@ -97,7 +108,7 @@ def _kernel(x: jax.Array, weights: tuple[jax.Array, ...], *, interpret: bool):
     outs = plgpu.kernel(
         body,
         out_type=tuple(jax.ShapeDtypeStruct((held, w.shape[1]), x.dtype) for w in weights),
-        scratch_types=scratch(steps, x.dtype, held),
+        scratch_types=scratch(steps, x.dtype, variant, held),
         grid=(sum(tiles),),
         grid_names=("t",),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
@@ -126,7 +137,7 @@ def projections(
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
         return projections_reference(x, weights)
-    return _kernel(x, weights, interpret=choice == "interpret")
+    return _kernel(x, weights, variant=current_variant(), interpret=choice == "interpret")
 
 
 def partial_splits(k: int, n: int) -> int:
@@ -145,8 +156,10 @@ def projection_partials_reference(x: jax.Array, w: jax.Array, splits: int) -> ja
     return jnp.einsum("rsk,skn->srn", xs, ws, preferred_element_type=F32)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "interpret"))
-def _partials_kernel(x: jax.Array, w: jax.Array, *, splits: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("splits", "variant", "interpret"))
+def _partials_kernel(
+    x: jax.Array, w: jax.Array, *, splits: int, variant: ProductVariant, interpret: bool
+):
     rows, k_dim = x.shape
     n_dim = w.shape[1]
     steps = k_dim // BLOCK_K // splits
@@ -159,14 +172,14 @@ def _partials_kernel(x: jax.Array, w: jax.Array, *, splits: int, interpret: bool
         cols, ks = pl.ds(tile * BLOCK_N, BLOCK_N), pl.ds(split * span, span)
         tile_product(
             x_ref.at[:, ks], w_ref.at[ks, cols], o_ref.at[split, :, cols], *scratch_refs,
-            steps=steps, interpret=interpret,
+            steps=steps, variant=variant, interpret=interpret,
         )  # fmt: skip
         plgpu.wait_smem_to_gmem(0)
 
     out = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((splits, held, n_dim), F32),
-        scratch_types=scratch(steps, x.dtype, held, F32),
+        scratch_types=scratch(steps, x.dtype, variant, held, F32),
         grid=(n_dim // BLOCK_N, splits),
         grid_names=("t", "s"),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
@@ -203,4 +216,6 @@ def projection_partials(
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
         return projection_partials_reference(x, w, splits)
-    return _partials_kernel(x, w, splits=splits, interpret=choice == "interpret")
+    return _partials_kernel(
+        x, w, splits=splits, variant=current_variant(), interpret=choice == "interpret"
+    )

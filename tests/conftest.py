@@ -66,21 +66,10 @@ PRODUCT_VARIANTS = {"default": (False, False), "overlapped": (True, False), "swa
 @pytest.fixture(params=list(PRODUCT_VARIANTS))
 def product_variant(request, monkeypatch):
     """Runs a test of the small-batch product kernels (``pallas_kernels._skinny``) with the
-    default product and with each variant; the switches are read while tracing, so the
-    kernels' traces are dropped around the test."""
-    import importlib
-
+    default product and with each variant."""
     from pallas_kernels import _skinny
 
-    kernels = [
-        importlib.import_module(name)._kernel
-        for name in ("pallas_kernels.projections", "pallas_kernels.moe.expert_matmul")
-    ]
     overlap, swap = PRODUCT_VARIANTS[request.param]
     monkeypatch.setattr(_skinny, "OVERLAP_PRODUCTS", overlap)
     monkeypatch.setattr(_skinny, "SWAP_OPERANDS", swap)
-    for kernel in kernels:
-        kernel.clear_cache()
-    yield request.param
-    for kernel in kernels:
-        kernel.clear_cache()
+    return request.param

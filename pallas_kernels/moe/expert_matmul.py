@@ -33,6 +33,8 @@ from pallas_kernels._skinny import (
     BLOCK_N,
     DTYPES,
     ROWS_PER_TILE,
+    ProductVariant,
+    current_variant,
     programs_per_sm,
     scratch,
     tile_product,
@@ -106,8 +108,8 @@ def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1) -> int:
     return max(1, min(pairs, NUM_SMS * per_sm // col_tiles))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _kernel(x, w, experts, dense=None, *, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("variant", "interpret"))
+def _kernel(x, w, experts, dense=None, *, variant: ProductVariant, interpret: bool):
     rows, k_dim = x.shape
     num_experts, _, n_dim = w.shape
     choices = experts.shape[1]
@@ -119,7 +121,7 @@ def _kernel(x, w, experts, dense=None, *, interpret: bool):
     if dense is not None:
         dense_rows = round_up(dense[0].shape[0], ALIGN)
         dense_steps = dense[0].shape[1] // BLOCK_K
-    scratch_types = scratch(max(steps, dense_steps), dtype, dense_rows)
+    scratch_types = scratch(max(steps, dense_steps), dtype, variant, dense_rows)
     programs = programs_per_tile(pairs, col_tiles, programs_per_sm(scratch_types))
     per_program = -(-pairs // programs)
     padded = round_up(rows, ALIGN)
@@ -152,7 +154,7 @@ def _kernel(x, w, experts, dense=None, *, interpret: bool):
                 group = pl.ds((pair // choices // ALIGN) * ALIGN, ALIGN)
                 tile_product(
                     x_ref.at[group], w_ref.at[expert, :, cols], o_ref.at[pair, :, cols],
-                    *scratch_refs, steps=steps, interpret=interpret,
+                    *scratch_refs, steps=steps, variant=variant, interpret=interpret,
                 )  # fmt: skip
 
             for i, expert in enumerate(ids):
@@ -170,7 +172,7 @@ def _kernel(x, w, experts, dense=None, *, interpret: bool):
                 d_x, d_w, d_o = dense_refs
                 tile_product(
                     d_x, d_w.at[:, cols], d_o.at[:, cols], *scratch_refs, steps=dense_steps,
-                    interpret=interpret,
+                    variant=variant, interpret=interpret,
                 )  # fmt: skip
 
         plgpu.wait_smem_to_gmem(0)
@@ -228,4 +230,4 @@ def expert_matmul(
             return out
         xd, wd = dense
         return out, jnp.dot(xd, wd, preferred_element_type=F32).astype(xd.dtype)
-    return _kernel(x, w, experts, dense, interpret=choice == "interpret")
+    return _kernel(x, w, experts, dense, variant=current_variant(), interpret=choice == "interpret")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import moe
+from pallas_kernels._skinny import current_variant
 
 # The module, not the function of the same name that the package re-exports.
 em_module = importlib.import_module("pallas_kernels.moe.expert_matmul")
@@ -72,7 +73,7 @@ def test_the_kernel_lowers_for_cuda(product_variant):
     ids = jnp.zeros((8, 8), jnp.int32)
 
     def call(*a):
-        return em_module._kernel(*a, interpret=False)
+        return em_module._kernel(*a, variant=current_variant(), interpret=False)
 
     text = jax.jit(call).trace(x, w, ids).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -134,7 +135,7 @@ def test_the_launch_with_a_dense_product_lowers_for_cuda():
     dense = (jnp.zeros((8, 512), jnp.bfloat16), jnp.zeros((512, 2048), jnp.bfloat16))
 
     def call(*a):
-        return em_module._kernel(*a, interpret=False)
+        return em_module._kernel(*a, variant=current_variant(), interpret=False)
 
     text = jax.jit(call).trace(x, w, ids, dense).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 1

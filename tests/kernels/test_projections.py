@@ -18,6 +18,7 @@ from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.layers.linear import FEW_ROWS, project, project_output
 from hybrid_jax.layers.moe import MLP
 from pallas_kernels import projections
+from pallas_kernels._skinny import ProductVariant, current_variant, programs_per_sm, scratch
 
 # The module, not the function of the same name that it exports.
 proj_module = importlib.import_module("pallas_kernels.projections")
@@ -52,7 +53,7 @@ def test_the_kernel_lowers_for_cuda(product_variant):
     ws = tuple(jnp.zeros((2048, n), jnp.bfloat16) for n in (8192, 4096, 64))
 
     def call(x, ws):
-        return proj_module._kernel(x, ws, interpret=False)
+        return proj_module._kernel(x, ws, variant=current_variant(), interpret=False)
 
     text = jax.jit(call).trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -139,7 +140,9 @@ def test_partial_products_lower_for_cuda(product_variant):
     w = jnp.zeros((4096, 2048), jnp.bfloat16)
 
     def call(x, w):
-        return proj_module._partials_kernel(x, w, splits=4, interpret=False)
+        return proj_module._partials_kernel(
+            x, w, splits=4, variant=current_variant(), interpret=False
+        )
 
     text = jax.jit(call).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -190,12 +193,27 @@ def test_an_mlp_s_down_projection_splits_when_switched_on(monkeypatch):
     chex.assert_trees_all_close(mlp(x, impl="interpret"), want, rtol=3e-2, atol=3e-2)
 
 
-def test_swapped_operands_fit_three_programs_on_an_sm_at_eight_rows(monkeypatch):
+def test_swapped_operands_fit_three_programs_on_an_sm_at_eight_rows():
+    plain, swapped = ProductVariant(), ProductVariant(swap=True)
+    assert programs_per_sm(scratch(16, jnp.bfloat16, plain, 8)) == 1
+    assert programs_per_sm(scratch(16, jnp.bfloat16, swapped, 8)) == 3
+    assert programs_per_sm(scratch(16, jnp.bfloat16, swapped, 64)) == 1
+    # A float32 output tile keeps the plain product and its 64-row buffers.
+    assert programs_per_sm(scratch(16, jnp.bfloat16, swapped, 8, jnp.float32)) == 1
+
+
+def test_a_switch_changed_between_calls_reaches_the_next_trace(monkeypatch):
     from pallas_kernels import _skinny
 
-    assert _skinny.programs_per_sm(_skinny.scratch(16, jnp.bfloat16, 8)) == 1
+    x = jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)
+    ws = (jax.ShapeDtypeStruct((256, 64), jnp.bfloat16),)
+
+    def lowered():
+        call = jax.jit(lambda x, ws: projections.projections(x, ws, impl="interpret"))
+        return call.lower(x, ws).as_text()
+
+    plain = lowered()
     monkeypatch.setattr(_skinny, "SWAP_OPERANDS", True)
-    assert _skinny.programs_per_sm(_skinny.scratch(16, jnp.bfloat16, 8)) == 3
-    assert _skinny.programs_per_sm(_skinny.scratch(16, jnp.bfloat16, 64)) == 1
-    # A float32 output tile keeps the plain product and its 64-row buffers.
-    assert _skinny.programs_per_sm(_skinny.scratch(16, jnp.bfloat16, 8, jnp.float32)) == 1
+    assert lowered() != plain  # no trace of the plain launch is reused
+    monkeypatch.setattr(_skinny, "SWAP_OPERANDS", False)
+    assert lowered() == plain
