@@ -16,6 +16,7 @@ import argparse
 import datetime
 import functools
 import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def rows_of(
                 projections.projection_partials(x, ws[0], impl="pallas").sum(0).astype(x.dtype),
             )
         )
-    firsts = {label: fn for label, fn in variants.items()}
+    firsts = dict(variants)
     for stages, overlap, swap in rings:
         label = (
             f"projections (one launch, {stages} stages{', overlapped' if overlap else ''}"
@@ -138,7 +139,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args()
-    rings = tuple((int(v.rstrip("os")), "o" in v, "s" in v) for v in args.stages.split(",") if v)
+    specs = [v for v in args.stages.split(",") if v]
+    bad = [v for v in specs if not re.fullmatch(r"[1-9][0-9]*o?s?", v)]
+    if bad:
+        parser.error(f"--stages {args.stages!r}: {bad} are not a depth with optional o, s (4o)")
+    rings = tuple((int(v.rstrip("os")), "o" in v, "s" in v) for v in specs)
     names = [n for n in args.cases.split(",") if n] or list(CASES)
     unknown = sorted(set(names) - set(CASES))
     if unknown:
