@@ -76,27 +76,28 @@ from hybrid_jax.modes import LayerKind  # noqa: E402
 from pallas_kernels import _skinny  # noqa: E402
 
 _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
-# Switches on trial, each a module attribute read while tracing: flag -> (module, attribute,
-# what it does). A run turns on those it is given and restores them at the end.
+# Switches a run can flip, each a module attribute read while tracing: flag -> (module,
+# attribute, the value the flag sets, what that does). A run sets those it is given and
+# restores them at the end.
 TRIAL_SWITCHES = {
     "--shared-down-with-experts": (
-        moe_layer, "SHARED_DOWN_WITH_EXPERTS",
+        moe_layer, "SHARED_DOWN_WITH_EXPERTS", True,
         "a MoE block whose experts run by id takes the shared expert's down product in the "
         "experts' down launch",
     ),
-    "--split-output-projections": (
-        linear_layer, "SPLIT_OUTPUT_PROJECTIONS",
-        "output projections at few rows as float32 partial products over parts of K in one "
-        "launch",
+    "--no-split-output-projections": (
+        linear_layer, "SPLIT_OUTPUT_PROJECTIONS", False,
+        "output projections at few rows as the layers' own products, not float32 partial "
+        "products over parts of K",
     ),
-    "--overlap-products": (
-        _skinny, "OVERLAP_PRODUCTS",
-        "the small-batch product kernels (projections, experts by id) leave each block's "
-        "product running while the next block is awaited",
+    "--no-overlap-products": (
+        _skinny, "OVERLAP_PRODUCTS", False,
+        "the small-batch product kernels (projections, experts by id) wait for each block's "
+        "product before the next block",
     ),
-    "--swap-operands": (
-        _skinny, "SWAP_OPERANDS",
-        "the small-batch product kernels take each block's product transposed",
+    "--no-swap-operands": (
+        _skinny, "SWAP_OPERANDS", False,
+        "the small-batch product kernels take each block's product untransposed",
     ),
 }  # fmt: skip
 
@@ -690,10 +691,11 @@ def main(argv: list[str] | None = None) -> int:
         help="steps of up to this many tokens route by ranking, not sorting (default: "
         f"layers.moe.RANKED_TOP_K_TOKENS = {moe_layer.RANKED_TOP_K_TOKENS}; 0: always sort)",
     )  # fmt: skip
-    for flag, (module, name, what) in TRIAL_SWITCHES.items():
+    for flag, (module, name, value, what) in TRIAL_SWITCHES.items():
         parser.add_argument(
-            flag, action="store_true", help=f"{what} ({module.__name__}.{name}; off by default)"
-        )
+            flag, action="store_true",
+            help=f"{what} ({module.__name__}.{name} = {value}; {getattr(module, name)} by default)",
+        )  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--flops", type=float, default=7.9e14)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
@@ -720,11 +722,11 @@ def main(argv: list[str] | None = None) -> int:
                         ("--ranked-top-k-tokens", args.ranked_top_k_tokens)):  # fmt: skip
         if value is not None and value < 0:
             parser.error(f"{flag} {value}: must be >= 0")
-    switched = {}  # the trial switches this run turns on, with their values before
-    for flag, (module, name, _) in TRIAL_SWITCHES.items():
+    switched = {}  # the trial switches this run sets, with their values before
+    for flag, (module, name, value, _) in TRIAL_SWITCHES.items():
         if getattr(args, flag[2:].replace("-", "_")):
             switched[module, name] = getattr(module, name)
-            setattr(module, name, True)
+            setattr(module, name, value)
     if args.projection_rows is not None:
         linear_layer.FEW_ROWS = args.projection_rows
     if args.ranked_top_k_tokens is not None:

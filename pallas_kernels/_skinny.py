@@ -7,9 +7,10 @@ tile) fill the first rows of a 64-row wgmma tile; the weight's ``[K, BLOCK_N]`` 
 streams through ``stages`` buffers of ``BLOCK_K`` rows, a block refilling its stage as soon as
 the tensor cores have read it, so ``stages`` blocks stay in flight while one multiplies.
 
-Two variants, each a module switch; a kernel's public function reads the switches when it
-is called (``current_variant``) and hands them to its jitted launch as a static argument, so
-a changed switch is a new trace:
+Two variants, each a module switch, both on (at a few rows they read the weights faster:
+benchmarks/RESULTS_projections.md); a kernel's public function reads the switches when it is called
+(``current_variant``) and hands them to its jitted launch as a static argument, so a changed
+switch is a new trace:
 
 * ``OVERLAP_PRODUCTS``: a block's product is issued and left running while the next block
   is awaited (at most two products in flight, ``wgmma_wait(1)``); its stage is refilled one
@@ -65,12 +66,10 @@ BLOCK_N = 64  # columns of a program's tile: N / 64 programs per product keep th
 STAGES = 4
 ROWS_PER_TILE = 64  # the wgmma tile's rows; only a program's own rows are loaded and stored
 DTYPES = (jnp.bfloat16, jnp.float16)  # the operands' dtypes the tensor-core product takes
-OVERLAP_PRODUCTS = False
-"""Whether a block's product runs while the next block is awaited (see the module's doc);
-off until it is checked against the oracle and timed on the H200."""
-SWAP_OPERANDS = False
-"""Whether each block's product is taken transposed (see the module's doc); off until it is
-checked against the oracle and timed on the H200."""
+OVERLAP_PRODUCTS = True
+"""Whether a block's product runs while the next block is awaited (see the module's doc)."""
+SWAP_OPERANDS = True
+"""Whether each block's product is taken transposed (see the module's doc)."""
 
 
 class ProductVariant(NamedTuple):

@@ -59,14 +59,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)  # stable: every other test keeps its place
 
 
-# (_skinny.OVERLAP_PRODUCTS, _skinny.SWAP_OPERANDS): the default and the variants on trial.
-PRODUCT_VARIANTS = {"default": (False, False), "overlapped": (True, False), "swapped": (True, True)}
+# (_skinny.OVERLAP_PRODUCTS, _skinny.SWAP_OPERANDS): the default and the switches turned off.
+PRODUCT_VARIANTS = {"default": (True, True), "unswapped": (True, False), "plain": (False, False)}
 
 
 @pytest.fixture(params=list(PRODUCT_VARIANTS))
 def product_variant(request, monkeypatch):
     """Runs a test of the small-batch product kernels (``pallas_kernels._skinny``) with the
-    default product and with each variant."""
+    default product and with its variants turned off."""
     from pallas_kernels import _skinny
 
     overlap, swap = PRODUCT_VARIANTS[request.param]

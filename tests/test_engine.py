@@ -301,9 +301,9 @@ def test_second_start_reads_every_step_program_back_without_tracing(engine, alon
     ("module", "name", "value"),
     [
         (linear, "FEW_ROWS", 0),
-        (linear, "SPLIT_OUTPUT_PROJECTIONS", True),
+        (linear, "SPLIT_OUTPUT_PROJECTIONS", False),
         (moe, "SHARED_DOWN_WITH_EXPERTS", True),
-        (_skinny, "SWAP_OPERANDS", True),
+        (_skinny, "SWAP_OPERANDS", False),
     ],
 )
 def test_a_stored_program_s_key_sees_the_switches_read_while_tracing(

@@ -9,7 +9,7 @@ products: the CPU, large steps, biases, shapes the kernel does not take).
 
 ``project_output`` is the same choice for a block's single output projection (GDN and Mamba2
 ``out_proj``, attention's ``o_proj``, an MLP's ``down_proj``): with ``SPLIT_OUTPUT_PROJECTIONS``
-its weight is read by one program per (column tile, part of K), and the float32 partial
+(on) its weight is read by one program per (column tile, part of K), and the float32 partial
 products are summed where the result is used.
 """
 
@@ -29,10 +29,10 @@ FEW_ROWS = 64
 one launch reads the weights at least as fast as cuBLAS's products
 (benchmarks/RESULTS_projections.md)."""
 
-SPLIT_OUTPUT_PROJECTIONS = False
+SPLIT_OUTPUT_PROJECTIONS = True
 """Whether ``project_output`` splits K at few rows (``projections.projection_partials``): an
 output projection has few column tiles (2048 columns: 32 programs for 132 SMs), which the
-split multiplies. Off until it is checked and timed on the H200."""
+split multiplies (benchmarks/RESULTS_serve.md: the 35B-like batch-1 step)."""
 
 
 def project(x: jax.Array, layers: Sequence[nnx.Linear], *, impl: str) -> tuple[jax.Array, ...]:

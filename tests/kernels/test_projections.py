@@ -158,7 +158,7 @@ def test_splits_fill_the_sms_with_whole_blocks_of_k():
         projections.projection_partials(jnp.zeros((8, 256)), jnp.zeros((256, 64)), splits=3)
 
 
-def test_project_output_sums_split_partials_only_when_switched_on(monkeypatch):
+def test_project_output_sums_split_partials_when_switched_on(monkeypatch):
     (layer,) = _linears(512, (128,))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 512)), jnp.bfloat16)
     calls = []
@@ -170,8 +170,9 @@ def test_project_output_sums_split_partials_only_when_switched_on(monkeypatch):
 
     monkeypatch.setattr(projections, "projection_partials", counted)
     want = layer(x)
+    monkeypatch.setattr(linear, "SPLIT_OUTPUT_PROJECTIONS", False)
     chex.assert_trees_all_equal(project_output(x, layer, impl="interpret"), want)
-    assert calls == []  # off by default: the layer's own product
+    assert calls == []  # switched off: the layer's own product
     monkeypatch.setattr(linear, "SPLIT_OUTPUT_PROJECTIONS", True)
     got = project_output(x, layer, impl="interpret")
     assert calls == [(512, 128)]
@@ -212,6 +213,7 @@ def test_a_switch_changed_between_calls_reaches_the_next_trace(monkeypatch):
         call = jax.jit(lambda x, ws: projections.projections(x, ws, impl="interpret"))
         return call.lower(x, ws).as_text()
 
+    monkeypatch.setattr(_skinny, "SWAP_OPERANDS", False)
     plain = lowered()
     monkeypatch.setattr(_skinny, "SWAP_OPERANDS", True)
     assert lowered() != plain  # no trace of the plain launch is reused
