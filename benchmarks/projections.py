@@ -97,10 +97,11 @@ def rows_of(
             functools.partial(projections.projections, impl="pallas")
         ),
     }
-    if len(widths) == 1:
+    if projections.partial_splits(k, widths) > 1:  # few column tiles: K split too
         variants["partials (K split, summed by XLA)"] = jax.jit(
-            lambda x, ws: (
-                projections.projection_partials(x, ws[0], impl="pallas").sum(0).astype(x.dtype),
+            lambda x, ws: tuple(
+                p.sum(0).astype(x.dtype)
+                for p in projections.projection_partials(x, ws, impl="pallas")
             )
         )
     firsts = dict(variants)

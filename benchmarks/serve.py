@@ -85,6 +85,11 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id takes the shared expert's down product in the "
         "experts' down launch",
     ),
+    "--split-input-projections": (
+        linear_layer, "SPLIT_INPUT_PROJECTIONS", True,
+        "a layer's input projections with few column tiles together (a MoE block's router "
+        "and shared expert) as float32 partial products over parts of K",
+    ),
     "--no-split-output-projections": (
         linear_layer, "SPLIT_OUTPUT_PROJECTIONS", False,
         "output projections at few rows as the layers' own products, not float32 partial "

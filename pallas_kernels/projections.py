@@ -6,9 +6,12 @@ router and shared expert). At decode a step has few rows, so each product is a r
 weight, and a launch per weight costs more than its bytes (~5 us for a 1 MB router); one
 launch reads every weight in place, no concatenation.
 
-The Mosaic GPU kernel (sm_90): one program per ``BLOCK_N``-column tile of every weight (the
-weights' tiles numbered one after another); each multiplies the rows by its tile, streamed
-through a TMA ring (``_skinny.tile_product``). Rows: at most 64 (one wgmma tile).
+``projection_partials`` splits K too, for products of few column tiles: float32 partial
+products over parts of K, summed by the caller where it uses them.
+
+The Mosaic GPU kernel (sm_90): one program per (``BLOCK_N``-column tile of every weight, part
+of K) (the weights' tiles numbered one after another); each multiplies the rows by its tile,
+streamed through a TMA ring (``_skinny.tile_product``). Rows: at most 64 (one wgmma tile).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pallas_kernels._skinny import (
     ProductVariant,
     current_variant,
     scratch,
+    stores_transposed,
     tile_product,
 )
 
@@ -77,26 +81,34 @@ def projections_reference(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[j
     return tuple(jnp.dot(x, w, preferred_element_type=F32).astype(x.dtype) for w in weights)
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "interpret"))
+@functools.partial(jax.jit, static_argnames=("splits", "partial", "variant", "interpret"))
 def _kernel(
-    x: jax.Array, weights: tuple[jax.Array, ...], *, variant: ProductVariant, interpret: bool
-):
+    x: jax.Array, weights: tuple[jax.Array, ...], *, splits: int, partial: bool,
+    variant: ProductVariant, interpret: bool,
+):  # fmt: skip
+    """Every weight's products over ``splits`` parts of K: ``[splits, R, N_i]`` each, float32
+    when ``partial``, else in x's dtype."""
     rows, k_dim = x.shape
-    steps = k_dim // BLOCK_K
+    steps = k_dim // BLOCK_K // splits
+    span = steps * BLOCK_K
     held = round_up(rows, ALIGN)
     xp = jnp.pad(x, ((0, held - rows), (0, 0)))
+    out_dtype = F32 if partial else x.dtype
+    transposed = stores_transposed(out_dtype, variant)
     tiles = [w.shape[1] // BLOCK_N for w in weights]
     starts = [sum(tiles[:i]) for i in range(len(tiles))]
 
     def body(x_ref, *refs):
         w_refs, o_refs = refs[: len(weights)], refs[len(weights) : 2 * len(weights)]
         scratch_refs = refs[2 * len(weights) :]
-        tile = lax.axis_index("t")
+        tile, split = lax.axis_index("t"), lax.axis_index("s")
+        ks = pl.ds(split * span, span)
 
         def product(w_ref, o_ref, start):
             cols = pl.ds((tile - start) * BLOCK_N, BLOCK_N)
+            out = o_ref.at[split, cols] if transposed else o_ref.at[split, :, cols]
             tile_product(
-                x_ref, w_ref.at[:, cols], o_ref.at[:, cols], *scratch_refs, steps=steps,
+                x_ref.at[:, ks], w_ref.at[ks, cols], out, *scratch_refs, steps=steps,
                 variant=variant, interpret=interpret,
             )  # fmt: skip
 
@@ -105,17 +117,22 @@ def _kernel(
             pl.when(mine)(functools.partial(product, w_ref, o_ref, start))
         plgpu.wait_smem_to_gmem(0)
 
+    def out_shape(n):
+        return (splits, n, held) if transposed else (splits, held, n)
+
     outs = plgpu.kernel(
         body,
-        out_type=tuple(jax.ShapeDtypeStruct((held, w.shape[1]), x.dtype) for w in weights),
-        scratch_types=scratch(steps, x.dtype, variant, held),
-        grid=(sum(tiles),),
-        grid_names=("t",),
+        out_type=tuple(jax.ShapeDtypeStruct(out_shape(w.shape[1]), out_dtype) for w in weights),
+        scratch_types=scratch(steps, x.dtype, variant, held, out_dtype),
+        grid=(sum(tiles), splits),
+        grid_names=("t", "s"),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
-        kernel_name="projections",
+        kernel_name="projection_partials" if partial else "projections",
     )(xp, *weights)
-    return tuple(out[:rows] for out in outs)
+    if transposed:
+        outs = tuple(out.transpose(0, 2, 1) for out in outs)
+    return tuple(out[:, :rows] for out in outs)
 
 
 def projections(
@@ -137,85 +154,70 @@ def projections(
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
         return projections_reference(x, weights)
-    return _kernel(x, weights, variant=current_variant(), interpret=choice == "interpret")
+    outs = _kernel(
+        x, weights, splits=1, partial=False, variant=current_variant(),
+        interpret=choice == "interpret",
+    )  # fmt: skip
+    return tuple(out[0] for out in outs)
 
 
-def partial_splits(k: int, n: int) -> int:
-    """The splits of K that ``projection_partials`` takes for a ``[k, n]`` weight: the most
-    of 1, 2, 4, 8 that keeps one program per (column tile, split) within the SMs and each
-    split a whole number of ``BLOCK_K`` blocks."""
-    tiles, steps = n // BLOCK_N, k // BLOCK_K
+def partial_splits(k: int, widths: Sequence[int]) -> int:
+    """The splits of K that ``projection_partials`` takes for ``[k, n]`` weights of these
+    widths: the most of 1, 2, 4, 8 that keeps one program per (column tile, split) within
+    the SMs and each split a whole number of ``BLOCK_K`` blocks."""
+    tiles, steps = sum(n // BLOCK_N for n in widths), k // BLOCK_K
     return max(s for s in (1, 2, 4, 8) if s == 1 or (tiles * s <= NUM_SMS and steps % s == 0))
 
 
-def projection_partials_reference(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
-    """The same partial products in XLA: float32 ``[splits, R, N]``."""
+def projection_partials_reference(
+    x: jax.Array, weights: Sequence[jax.Array], splits: int
+) -> tuple[jax.Array, ...]:
+    """The same partial products in XLA: float32 ``[splits, R, N_i]`` each."""
     rows, k_dim = x.shape
     xs = x.reshape(rows, splits, k_dim // splits)
-    ws = w.reshape(splits, k_dim // splits, w.shape[1])
-    return jnp.einsum("rsk,skn->srn", xs, ws, preferred_element_type=F32)
-
-
-@functools.partial(jax.jit, static_argnames=("splits", "variant", "interpret"))
-def _partials_kernel(
-    x: jax.Array, w: jax.Array, *, splits: int, variant: ProductVariant, interpret: bool
-):
-    rows, k_dim = x.shape
-    n_dim = w.shape[1]
-    steps = k_dim // BLOCK_K // splits
-    span = steps * BLOCK_K
-    held = round_up(rows, ALIGN)
-    xp = jnp.pad(x, ((0, held - rows), (0, 0)))
-
-    def body(x_ref, w_ref, o_ref, *scratch_refs):
-        tile, split = lax.axis_index("t"), lax.axis_index("s")
-        cols, ks = pl.ds(tile * BLOCK_N, BLOCK_N), pl.ds(split * span, span)
-        tile_product(
-            x_ref.at[:, ks], w_ref.at[ks, cols], o_ref.at[split, :, cols], *scratch_refs,
-            steps=steps, variant=variant, interpret=interpret,
+    return tuple(
+        jnp.einsum(
+            "rsk,skn->srn",
+            xs,
+            w.reshape(splits, k_dim // splits, w.shape[1]),
+            preferred_element_type=F32,
         )  # fmt: skip
-        plgpu.wait_smem_to_gmem(0)
-
-    out = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((splits, held, n_dim), F32),
-        scratch_types=scratch(steps, x.dtype, variant, held, F32),
-        grid=(n_dim // BLOCK_N, splits),
-        grid_names=("t", "s"),
-        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
-        interpret=interpret_params(interpret),
-        kernel_name="projection_partials",
-    )(xp, w)
-    return out[:, :rows]
+        for w in weights
+    )
 
 
 def projection_partials(
-    x: jax.Array, w: jax.Array, *, splits: int | None = None, impl: str = "auto"
-) -> jax.Array:
-    """``x @ w`` as float32 partial products over ``splits`` equal parts of K: their sum
-    over the first axis is the product.
+    x: jax.Array, weights: Sequence[jax.Array], *, splits: int | None = None, impl: str = "auto"
+) -> tuple[jax.Array, ...]:
+    """``x @ w`` for every ``w`` of ``weights`` as float32 partial products over ``splits``
+    equal parts of K: the sum of each over its first axis is the product. For products with
+    few column tiles (an output projection, a MoE block's router and shared expert), whose
+    programs alone leave most SMs idle.
 
     Args:
       x: ``[R, K]`` rows (the kernel takes up to ``MAX_ROWS``).
-      w: ``[K, N]`` in x's dtype (read in place).
-      splits: parts of K (default ``partial_splits(K, N)``); K must divide into them.
+      weights: ``[K, N_i]`` each, in x's dtype (read in place).
+      splits: parts of K (default ``partial_splits(K, widths)``); K must divide into them.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
-      float32 ``[splits, R, N]``.
+      A tuple of float32 ``[splits, R, N_i]``.
     """
-    _check(x, (w,))
-    splits = partial_splits(*w.shape) if splits is None else splits
+    weights = tuple(weights)
+    _check(x, weights)
+    if splits is None:
+        splits = partial_splits(x.shape[1], [w.shape[1] for w in weights])
     if splits < 1 or x.shape[1] % splits:
         raise ValueError(f"{_OP}: splits={splits} must be >= 1 and divide K={x.shape[1]}")
     reason = None
     if impl != "reference":
-        reason = unsupported_reason(x, (w,))
+        reason = unsupported_reason(x, weights)
         if reason is None and x.shape[1] % (splits * BLOCK_K):
             reason = f"K={x.shape[1]} must be a multiple of splits x {BLOCK_K}"
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
-        return projection_partials_reference(x, w, splits)
-    return _partials_kernel(
-        x, w, splits=splits, variant=current_variant(), interpret=choice == "interpret"
-    )
+        return projection_partials_reference(x, weights, splits)
+    return _kernel(
+        x, weights, splits=splits, partial=True, variant=current_variant(),
+        interpret=choice == "interpret",
+    )  # fmt: skip

@@ -43,7 +43,11 @@ _VERSIONED = ("jax", "jaxlib", "flax", "tokamax")
 # Module-level settings that the layers read while tracing a step: a program traced with
 # other values is another program (a user or a benchmark may set them at run time).
 _SWITCHES = {
-    "hybrid_jax.layers.linear": ("FEW_ROWS", "SPLIT_OUTPUT_PROJECTIONS"),
+    "hybrid_jax.layers.linear": (
+        "FEW_ROWS",
+        "SPLIT_INPUT_PROJECTIONS",
+        "SPLIT_OUTPUT_PROJECTIONS",
+    ),
     "hybrid_jax.layers.moe": ("BY_ID_MAX_PAIRS", "RANKED_TOP_K_TOKENS", "SHARED_DOWN_WITH_EXPERTS"),
     "hybrid_jax.backend.attention": ("TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
     "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS"),

@@ -22,7 +22,13 @@ from flax import nnx
 
 from pallas_kernels import projections, resolve_impl
 
-__all__ = ["FEW_ROWS", "SPLIT_OUTPUT_PROJECTIONS", "project", "project_output"]
+__all__ = [
+    "FEW_ROWS",
+    "SPLIT_INPUT_PROJECTIONS",
+    "SPLIT_OUTPUT_PROJECTIONS",
+    "project",
+    "project_output",
+]
 
 FEW_ROWS = 64
 """Rows up to which ``project`` launches one kernel: the kernel's most, since up to there the
@@ -33,6 +39,11 @@ SPLIT_OUTPUT_PROJECTIONS = True
 """Whether ``project_output`` splits K at few rows (``projections.projection_partials``): an
 output projection has few column tiles (2048 columns: 32 programs for 132 SMs), which the
 split multiplies (benchmarks/RESULTS_serve.md: the 35B-like batch-1 step)."""
+
+SPLIT_INPUT_PROJECTIONS = False
+"""Whether ``project``'s one launch splits K too when its weights have few column tiles
+together (a MoE block's router and shared expert gate/up: 20 tiles of 64 columns), its
+float32 partial products summed where they are used. Off until it is timed on the H200."""
 
 
 def project(x: jax.Array, layers: Sequence[nnx.Linear], *, impl: str) -> tuple[jax.Array, ...]:
@@ -51,10 +62,19 @@ def project(x: jax.Array, layers: Sequence[nnx.Linear], *, impl: str) -> tuple[j
     ]
     if len(taken) < min(len(layers), 2):
         return tuple(layer(x) for layer in layers)
-    launched = dict(
-        zip(taken, projections.projections(x, [weights[i] for i in taken], impl=impl), strict=True)
-    )
+    taken_weights = [weights[i] for i in taken]
+    if SPLIT_INPUT_PROJECTIONS and _splits(x, taken_weights) > 1:
+        partials = projections.projection_partials(x, taken_weights, impl=impl)
+        products = [p.sum(axis=0).astype(x.dtype) for p in partials]
+    else:
+        products = projections.projections(x, taken_weights, impl=impl)
+    launched = dict(zip(taken, products, strict=True))
     return tuple(launched[i] if i in launched else layer(x) for i, layer in enumerate(layers))
+
+
+def _splits(x: jax.Array, weights: Sequence[jax.Array]) -> int:
+    """The parts of K ``projection_partials`` takes for these weights (1: no split)."""
+    return projections.partial_splits(x.shape[1], [w.shape[1] for w in weights])
 
 
 def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
@@ -65,9 +85,10 @@ def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
         SPLIT_OUTPUT_PROJECTIONS
         and 0 < x.shape[0] <= FEW_ROWS
         and not layer.use_bias
-        and projections.partial_splits(*w.shape) > 1
         and projections.unsupported_reason(x, [w]) is None
+        and _splits(x, [w]) > 1
         and resolve_impl("projections", impl, None) != "reference"
     ):
-        return projections.projection_partials(x, w, impl=impl).sum(axis=0).astype(x.dtype)
+        (partials,) = projections.projection_partials(x, [w], impl=impl)
+        return partials.sum(axis=0).astype(x.dtype)
     return layer(x)

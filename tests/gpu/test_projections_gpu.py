@@ -42,21 +42,25 @@ def test_projections_match_the_oracle(rows, k, widths, product_variant):
 
 
 @pytest.mark.parametrize(
-    ("rows", "k", "n"),
+    ("rows", "k", "widths"),
     [
-        (8, 4096, 2048),  # GDN out_proj / attention o_proj: 4 parts of K
-        (8, 512, 2048),  # the shared expert's down product: one block of K a part
-        (64, 4096, 4096),  # the 9B-like out_proj at the most rows: 2 parts
-        (1, 4096, 2048),
+        (8, 4096, (2048,)),  # GDN out_proj / attention o_proj: 4 parts of K
+        (8, 512, (2048,)),  # the shared expert's down product: one block of K a part
+        (64, 4096, (4096,)),  # the 9B-like out_proj at the most rows: 2 parts
+        (1, 4096, (2048,)),
+        (8, 2048, (256, 512, 512)),  # router, shared expert gate and up: 4 parts
+        (24, 2048, (256, 512, 512)),
     ],
 )
-def test_partial_products_sum_to_the_oracle(rows, k, n, product_variant):
-    rng = np.random.default_rng(rows + k + n)
+def test_partial_products_sum_to_the_oracle(rows, k, widths, product_variant):
+    rng = np.random.default_rng(rows + k + sum(widths))
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
-    got = jax.jit(lambda x, w: projections.projection_partials(x, w, impl="pallas"))(x, w)
-    assert got.shape == (projections.partial_splits(k, n), rows, n)
-    out64 = np.asarray(got, np.float64).sum(axis=0)
-    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    assert np.isfinite(out64).all()
-    assert np.linalg.norm(out64 - want) / np.linalg.norm(want) < 1e-3
+    ws = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16) for n in widths]
+    got = jax.jit(lambda x, ws: projections.projection_partials(x, ws, impl="pallas"))(x, ws)
+    splits = projections.partial_splits(k, widths)
+    for out, w in zip(got, ws, strict=True):
+        assert out.shape == (splits, rows, w.shape[1])
+        out64 = np.asarray(out, np.float64).sum(axis=0)
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        assert np.isfinite(out64).all()
+        assert np.linalg.norm(out64 - want) / np.linalg.norm(want) < 1e-3

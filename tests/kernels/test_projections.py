@@ -53,7 +53,9 @@ def test_the_kernel_lowers_for_cuda(product_variant):
     ws = tuple(jnp.zeros((2048, n), jnp.bfloat16) for n in (8192, 4096, 64))
 
     def call(x, ws):
-        return proj_module._kernel(x, ws, variant=current_variant(), interpret=False)
+        return proj_module._kernel(
+            x, ws, splits=1, partial=False, variant=current_variant(), interpret=False
+        )
 
     text = jax.jit(call).trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -121,67 +123,67 @@ def test_a_gdn_layer_s_projections_in_one_launch_split_as_its_own_do():
         chex.assert_trees_all_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize(("rows", "k", "n", "splits"), [(5, 768, 128, 3), (8, 512, 64, 4)])
+@pytest.mark.parametrize(
+    ("rows", "k", "widths", "splits"),
+    [(5, 768, (128,), 3), (8, 512, (64,), 4), (16, 512, (64, 128), 2), (3, 256, (64,), 1)],
+)
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
-def test_partial_products_sum_to_the_float64_oracle(rows, k, n, splits, impl, product_variant):
-    x, (w,) = _case(rows * n + splits, rows, k, (n,))
-    got = projections.projection_partials(x, w, splits=splits, impl=impl)
-    chex.assert_shape(got, (splits, rows, n))
-    assert got.dtype == jnp.float32
-    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+def test_partial_products_sum_to_the_float64_oracle(rows, k, widths, splits, impl, product_variant):
+    x, ws = _case(rows * sum(widths) + splits, rows, k, widths)
+    got = projections.projection_partials(x, ws, splits=splits, impl=impl)
+    assert len(got) == len(ws)
+    x64 = np.asarray(x, np.float64)
     part = k // splits
-    for s in range(splits):  # each part is its own slice of K
-        want = x64[:, s * part : (s + 1) * part] @ w64[s * part : (s + 1) * part]
-        np.testing.assert_allclose(np.asarray(got[s], np.float64), want, rtol=1e-5, atol=1e-5)
+    for out, w in zip(got, ws, strict=True):
+        chex.assert_shape(out, (splits, rows, w.shape[1]))
+        assert out.dtype == jnp.float32
+        w64 = np.asarray(w, np.float64)
+        for s in range(splits):  # each part is its own slice of K
+            want = x64[:, s * part : (s + 1) * part] @ w64[s * part : (s + 1) * part]
+            np.testing.assert_allclose(np.asarray(out[s], np.float64), want, rtol=1e-5, atol=1e-5)
 
 
 def test_partial_products_lower_for_cuda(product_variant):
-    x = jnp.zeros((8, 4096), jnp.bfloat16)
-    w = jnp.zeros((4096, 2048), jnp.bfloat16)
+    x = jnp.zeros((8, 2048), jnp.bfloat16)
+    ws = tuple(jnp.zeros((2048, n), jnp.bfloat16) for n in (256, 512, 512))
 
-    def call(x, w):
-        return proj_module._partials_kernel(
-            x, w, splits=4, variant=current_variant(), interpret=False
+    def call(x, ws):
+        return proj_module._kernel(
+            x, ws, splits=4, partial=True, variant=current_variant(), interpret=False
         )
 
-    text = jax.jit(call).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(call).trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
 def test_splits_fill_the_sms_with_whole_blocks_of_k():
-    assert projections.partial_splits(4096, 2048) == 4  # 35B-like out_proj: 32 tiles -> 128
-    assert projections.partial_splits(512, 2048) == 4  # its shared expert's down: 1 block each
-    assert projections.partial_splits(4096, 4096) == 2  # 64 tiles -> 128
-    assert projections.partial_splits(2048, 8192) == 1  # 128 tiles fill the SMs already
-    assert projections.partial_splits(384, 2048) == 1  # 3 blocks of K: no even split
+    assert projections.partial_splits(4096, (2048,)) == 4  # 35B-like out_proj: 32 tiles -> 128
+    assert projections.partial_splits(512, (2048,)) == 4  # shared expert's down: 1 block each
+    assert projections.partial_splits(2048, (256, 512, 512)) == 4  # router, shared gate, up
+    assert projections.partial_splits(4096, (4096,)) == 2  # 64 tiles -> 128
+    assert projections.partial_splits(2048, (8192,)) == 1  # 128 tiles fill the SMs already
+    assert projections.partial_splits(384, (2048,)) == 1  # 3 blocks of K: no even split
     with pytest.raises(ValueError, match="splits=3 must be >= 1 and divide K=256"):
-        projections.projection_partials(jnp.zeros((8, 256)), jnp.zeros((256, 64)), splits=3)
+        projections.projection_partials(jnp.zeros((8, 256)), [jnp.zeros((256, 64))], splits=3)
 
 
 def test_project_output_sums_split_partials_when_switched_on(monkeypatch):
     (layer,) = _linears(512, (128,))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 512)), jnp.bfloat16)
-    calls = []
-    partials = projections.projection_partials
-
-    def counted(*args, **kwargs):
-        calls.append(args[1].shape)
-        return partials(*args, **kwargs)
-
-    monkeypatch.setattr(projections, "projection_partials", counted)
+    calls = _count_partials(monkeypatch)
     want = layer(x)
     monkeypatch.setattr(linear, "SPLIT_OUTPUT_PROJECTIONS", False)
     chex.assert_trees_all_equal(project_output(x, layer, impl="interpret"), want)
     assert calls == []  # switched off: the layer's own product
     monkeypatch.setattr(linear, "SPLIT_OUTPUT_PROJECTIONS", True)
     got = project_output(x, layer, impl="interpret")
-    assert calls == [(512, 128)]
+    assert calls == [[(512, 128)]]
     assert got.dtype == want.dtype
     chex.assert_trees_all_close(got, want, rtol=2e-2, atol=2e-2)
     for rows, impl in ((FEW_ROWS + 1, "interpret"), (3, "reference")):
         rows_x = jnp.ones((rows, 512), jnp.bfloat16)
         chex.assert_trees_all_equal(project_output(rows_x, layer, impl=impl), layer(rows_x))
-    assert calls == [(512, 128)]
+    assert calls == [[(512, 128)]]
 
 
 def test_an_mlp_s_down_projection_splits_when_switched_on(monkeypatch):
@@ -189,9 +191,37 @@ def test_an_mlp_s_down_projection_splits_when_switched_on(monkeypatch):
     x = jnp.asarray(np.random.default_rng(5).standard_normal((6, 128)), jnp.bfloat16)
     want = mlp(x, impl="reference")
     monkeypatch.setattr(linear, "SPLIT_OUTPUT_PROJECTIONS", True)
-    text = jax.jit(lambda a: mlp(a, impl="interpret")).lower(x).as_text()
-    assert "@_partials_kernel(" in text  # down [256, 128]: 2 column tiles x 2 parts of K
+    calls = _count_partials(monkeypatch)
     chex.assert_trees_all_close(mlp(x, impl="interpret"), want, rtol=3e-2, atol=3e-2)
+    assert calls == [[(256, 128)]]  # down: 2 column tiles x 2 parts of K
+
+
+def _count_partials(monkeypatch) -> list:
+    """The weights' shapes of each ``projection_partials`` call from now on."""
+    calls, partials = [], projections.projection_partials
+
+    def counted(x, weights, **kwargs):
+        calls.append([w.shape for w in weights])
+        return partials(x, weights, **kwargs)
+
+    monkeypatch.setattr(projections, "projection_partials", counted)
+    return calls
+
+
+def test_input_projections_of_few_column_tiles_split_k_when_switched_on(monkeypatch):
+    # A MoE block's router, shared gate and up at small width: 5 column tiles, 4 parts of K.
+    layers = _linears(512, (64, 128, 128))
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((5, 512)), jnp.bfloat16)
+    calls = _count_partials(monkeypatch)
+    assert linear.SPLIT_INPUT_PROJECTIONS is False
+    one_launch = project(x, layers, impl="interpret")
+    assert calls == []  # off by default
+    monkeypatch.setattr(linear, "SPLIT_INPUT_PROJECTIONS", True)
+    split = project(x, layers, impl="interpret")
+    assert calls == [[(512, 64), (512, 128), (512, 128)]]
+    for got, same, layer in zip(split, one_launch, layers, strict=True):
+        assert got.dtype == same.dtype == jnp.bfloat16
+        chex.assert_trees_all_close(got, layer(x), rtol=2e-2, atol=2e-2)
 
 
 def test_swapped_operands_fit_three_programs_on_an_sm_at_eight_rows():
@@ -199,8 +229,8 @@ def test_swapped_operands_fit_three_programs_on_an_sm_at_eight_rows():
     assert programs_per_sm(scratch(16, jnp.bfloat16, plain, 8)) == 1
     assert programs_per_sm(scratch(16, jnp.bfloat16, swapped, 8)) == 3
     assert programs_per_sm(scratch(16, jnp.bfloat16, swapped, 64)) == 1
-    # A float32 output tile keeps the plain product and its 64-row buffers.
-    assert programs_per_sm(scratch(16, jnp.bfloat16, swapped, 8, jnp.float32)) == 1
+    # A float32 output tile is stored as the swapped product gives it: [64 columns, 8 rows].
+    assert programs_per_sm(scratch(16, jnp.bfloat16, swapped, 8, jnp.float32)) == 3
 
 
 def test_a_switch_changed_between_calls_reaches_the_next_trace(monkeypatch):
