@@ -21,9 +21,8 @@ switch is a new trace:
   multiple of 8) are its columns. The ring's row buffers then hold only those rows (8 rows:
   2 KiB a stage instead of 16, a program's shared memory 73 KiB instead of 136, so three
   programs fit on an SM) and a product is rows/64 of a full tile's work. The float32 sum is
-  stored transposed into a 16-bit output tile; Mosaic GPU does not transpose into a 32-bit
-  tile, so a float32 output is stored as the product gives it, ``[BLOCK_N, rows]``, and its
-  caller lays its output out transposed (``stores_transposed``).
+  stored transposed into the output tile, which Mosaic GPU does for 16-bit tiles: float32
+  outputs keep the plain product.
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ __all__ = [
     "current_variant",
     "programs_per_sm",
     "scratch",
-    "stores_transposed",
+    "swapped",
     "tile_product",
 ]
 
@@ -86,10 +85,11 @@ def current_variant() -> ProductVariant:
     return ProductVariant(STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS)
 
 
-def stores_transposed(out_dtype, variant: ProductVariant) -> bool:
-    """Whether ``tile_product`` stores ``out_dtype`` products transposed, ``[BLOCK_N, rows]``:
-    swapped products with 32-bit outputs."""
-    return variant.swap and jnp.dtype(out_dtype).itemsize == 4
+def swapped(out_dtype, variant: ProductVariant) -> bool:
+    """Whether products stored as ``out_dtype`` take the swapped operands: with
+    ``variant.swap``, for 16-bit outputs (Mosaic GPU stores a float32 sum transposed into a
+    16-bit tile only)."""
+    return variant.swap and jnp.dtype(out_dtype).itemsize == 2
 
 
 def scratch(
@@ -98,13 +98,11 @@ def scratch(
     """The ring (rows and weight tiles), the output tile (``out_dtype``, default ``dtype``)
     and the ring's barriers, for calls of up to ``rows`` rows."""
     stages = min(variant.stages, steps)
-    out_dtype = out_dtype or dtype
-    held = round_up(rows, ALIGN) if variant.swap else ROWS_PER_TILE
-    out_shape = (BLOCK_N, held) if stores_transposed(out_dtype, variant) else (held, BLOCK_N)
+    held = round_up(rows, ALIGN) if swapped(out_dtype or dtype, variant) else ROWS_PER_TILE
     return [
         smem((stages, held, BLOCK_K), dtype),
         smem((stages, BLOCK_K, BLOCK_N), dtype),
-        smem(out_shape, out_dtype),
+        smem((held, BLOCK_N), out_dtype or dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
 
@@ -122,9 +120,9 @@ def tile_product(
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype).
 
     ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64 and at most the rows
-    ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``, or
-    its transpose ``[BLOCK_N, R]`` where ``stores_transposed``; ``steps = K // BLOCK_K``; the
-    SMEM buffers and barriers from ``scratch`` (with the same ``variant``). Waits for the
+    ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;
+    ``steps = K // BLOCK_K``; the SMEM buffers and barriers from ``scratch`` (with the same
+    ``variant``). Waits for the
     previous call's store before reusing ``o_s``; the caller waits for this one's
     (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
     rows = x_rows.shape[0]
@@ -132,7 +130,7 @@ def tile_product(
     # The product's shape: [64, BLOCK_N], or transposed [BLOCK_N, rows] with the rows
     # rounded up to the 8-row groups that TMA moves.
     held = round_up(rows, ALIGN)
-    swap = variant.swap
+    swap = swapped(o_s.dtype, variant)
     shape = (BLOCK_N, held) if swap else (ROWS_PER_TILE, BLOCK_N)
 
     def operands(stage):
@@ -162,13 +160,6 @@ def tile_product(
         init = plgpu.layout_cast(jnp.zeros(shape, F32), WG)
         acc = lax.fori_loop(0, steps, step, init)
     plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
-    if stores_transposed(o_s.dtype, variant):
-        # A tile held for more rows than this call's is cut to them (minor dim).
-        out_s = o_s if o_s.shape[1] == held else o_s.at[:, pl.ds(0, held)]
-        out_s[...] = acc.astype(o_s.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_s, out_rows)
-        return
     if swap:
         o_s.at[pl.ds(0, held)].transpose((1, 0))[...] = acc.astype(o_s.dtype)
     else:

@@ -35,7 +35,6 @@ from pallas_kernels._skinny import (
     ProductVariant,
     current_variant,
     scratch,
-    stores_transposed,
     tile_product,
 )
 
@@ -94,7 +93,6 @@ def _kernel(
     held = round_up(rows, ALIGN)
     xp = jnp.pad(x, ((0, held - rows), (0, 0)))
     out_dtype = F32 if partial else x.dtype
-    transposed = stores_transposed(out_dtype, variant)
     tiles = [w.shape[1] // BLOCK_N for w in weights]
     starts = [sum(tiles[:i]) for i in range(len(tiles))]
 
@@ -106,10 +104,9 @@ def _kernel(
 
         def product(w_ref, o_ref, start):
             cols = pl.ds((tile - start) * BLOCK_N, BLOCK_N)
-            out = o_ref.at[split, cols] if transposed else o_ref.at[split, :, cols]
             tile_product(
-                x_ref.at[:, ks], w_ref.at[ks, cols], out, *scratch_refs, steps=steps,
-                variant=variant, interpret=interpret,
+                x_ref.at[:, ks], w_ref.at[ks, cols], o_ref.at[split, :, cols], *scratch_refs,
+                steps=steps, variant=variant, interpret=interpret,
             )  # fmt: skip
 
         for w_ref, o_ref, start, count in zip(w_refs, o_refs, starts, tiles, strict=True):
@@ -117,12 +114,11 @@ def _kernel(
             pl.when(mine)(functools.partial(product, w_ref, o_ref, start))
         plgpu.wait_smem_to_gmem(0)
 
-    def out_shape(n):
-        return (splits, n, held) if transposed else (splits, held, n)
-
     outs = plgpu.kernel(
         body,
-        out_type=tuple(jax.ShapeDtypeStruct(out_shape(w.shape[1]), out_dtype) for w in weights),
+        out_type=tuple(
+            jax.ShapeDtypeStruct((splits, held, w.shape[1]), out_dtype) for w in weights
+        ),
         scratch_types=scratch(steps, x.dtype, variant, held, out_dtype),
         grid=(sum(tiles), splits),
         grid_names=("t", "s"),
@@ -130,8 +126,6 @@ def _kernel(
         interpret=interpret_params(interpret),
         kernel_name="projection_partials" if partial else "projections",
     )(xp, *weights)
-    if transposed:
-        outs = tuple(out.transpose(0, 2, 1) for out in outs)
     return tuple(out[:, :rows] for out in outs)
 
 
