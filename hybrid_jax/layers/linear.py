@@ -43,7 +43,8 @@ split multiplies (benchmarks/RESULTS_serve.md: the 35B-like batch-1 step)."""
 SPLIT_INPUT_PROJECTIONS = False
 """Whether ``project``'s one launch splits K too when its weights have few column tiles
 together (a MoE block's router and shared expert gate/up: 20 tiles of 64 columns), its
-float32 partial products summed where they are used. Off until it is timed on the H200."""
+float32 partial products summed where they are used. Off: not yet shown faster on the H200
+(benchmarks/RESULTS_serve.md, session 20)."""
 
 
 def project(x: jax.Array, layers: Sequence[nnx.Linear], *, impl: str) -> tuple[jax.Array, ...]:
