@@ -24,6 +24,7 @@ from pallas_kernels import projections, resolve_impl
 
 __all__ = [
     "FEW_ROWS",
+    "MIN_SPLITS",
     "SPLIT_INPUT_PROJECTIONS",
     "SPLIT_OUTPUT_PROJECTIONS",
     "project",
@@ -39,6 +40,12 @@ SPLIT_OUTPUT_PROJECTIONS = True
 """Whether ``project_output`` splits K at few rows (``projections.projection_partials``): an
 output projection has few column tiles (2048 columns: 32 programs for 132 SMs), which the
 split multiplies (benchmarks/RESULTS_serve.md: the 35B-like batch-1 step)."""
+
+MIN_SPLITS = 4
+"""The fewest parts of K a split takes: weights whose column tiles fill at most a quarter of
+the SMs (the 35B-like ``out_proj``, 32 tiles, gains from 4 parts; the 9B-like MLP's
+``down_proj``, 64 tiles in 2 parts, is slower than cuBLAS at 8 rows:
+benchmarks/RESULTS_projections.md)."""
 
 SPLIT_INPUT_PROJECTIONS = False
 """Whether ``project``'s one launch splits K too when its weights have few column tiles
@@ -74,8 +81,10 @@ def project(x: jax.Array, layers: Sequence[nnx.Linear], *, impl: str) -> tuple[j
 
 
 def _splits(x: jax.Array, weights: Sequence[jax.Array]) -> int:
-    """The parts of K ``projection_partials`` takes for these weights (1: no split)."""
-    return projections.partial_splits(x.shape[1], [w.shape[1] for w in weights])
+    """The parts of K ``projection_partials`` takes for these weights; 1 (no split) below
+    ``MIN_SPLITS``."""
+    splits = projections.partial_splits(x.shape[1], [w.shape[1] for w in weights])
+    return splits if splits >= MIN_SPLITS else 1
 
 
 def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:

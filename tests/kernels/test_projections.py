@@ -187,13 +187,18 @@ def test_project_output_sums_split_partials_when_switched_on(monkeypatch):
 
 
 def test_an_mlp_s_down_projection_splits_when_switched_on(monkeypatch):
-    mlp = MLP(128, 256, dtype="bfloat16", rngs=nnx.Rngs(3))
+    mlp = MLP(128, 512, dtype="bfloat16", rngs=nnx.Rngs(3))
     x = jnp.asarray(np.random.default_rng(5).standard_normal((6, 128)), jnp.bfloat16)
     want = mlp(x, impl="reference")
     monkeypatch.setattr(linear, "SPLIT_OUTPUT_PROJECTIONS", True)
     calls = _count_partials(monkeypatch)
     chex.assert_trees_all_close(mlp(x, impl="interpret"), want, rtol=3e-2, atol=3e-2)
-    assert calls == [[(256, 128)]]  # down: 2 column tiles x 2 parts of K
+    assert calls == [[(512, 128)]]  # down: 2 column tiles x 4 parts of K
+    # Fewer parts than linear.MIN_SPLITS: the layer's own product.
+    narrow = MLP(128, 256, dtype="bfloat16", rngs=nnx.Rngs(3))  # down: 2 parts of K
+    hidden = jnp.ones((6, 256), jnp.bfloat16)
+    chex.assert_trees_all_equal(narrow.down(hidden, impl="interpret"), narrow.down_proj(hidden))
+    assert len(calls) == 1
 
 
 def _count_partials(monkeypatch) -> list:
