@@ -48,13 +48,17 @@ def test_every_product_matches_the_float64_oracle(rows, k, widths, impl, product
         assert err < 1e-2
 
 
-def test_the_kernel_lowers_for_cuda(product_variant):
+@pytest.mark.parametrize(
+    ("widths", "splits", "partial"),
+    [((8192, 4096, 64), 1, False), ((256, 512, 512), 4, True)],
+)
+def test_the_kernel_lowers_for_cuda(widths, splits, partial, product_variant):
     x = jnp.zeros((8, 2048), jnp.bfloat16)
-    ws = tuple(jnp.zeros((2048, n), jnp.bfloat16) for n in (8192, 4096, 64))
+    ws = tuple(jnp.zeros((2048, n), jnp.bfloat16) for n in widths)
 
     def call(x, ws):
         return proj_module._kernel(
-            x, ws, splits=1, partial=False, variant=current_variant(), interpret=False
+            x, ws, splits=splits, partial=partial, variant=current_variant(), interpret=False
         )
 
     text = jax.jit(call).trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
@@ -141,19 +145,6 @@ def test_partial_products_sum_to_the_float64_oracle(rows, k, widths, splits, imp
         for s in range(splits):  # each part is its own slice of K
             want = x64[:, s * part : (s + 1) * part] @ w64[s * part : (s + 1) * part]
             np.testing.assert_allclose(np.asarray(out[s], np.float64), want, rtol=1e-5, atol=1e-5)
-
-
-def test_partial_products_lower_for_cuda(product_variant):
-    x = jnp.zeros((8, 2048), jnp.bfloat16)
-    ws = tuple(jnp.zeros((2048, n), jnp.bfloat16) for n in (256, 512, 512))
-
-    def call(x, ws):
-        return proj_module._kernel(
-            x, ws, splits=4, partial=True, variant=current_variant(), interpret=False
-        )
-
-    text = jax.jit(call).trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
 
 
 def test_splits_fill_the_sms_with_whole_blocks_of_k():
