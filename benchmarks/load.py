@@ -30,7 +30,8 @@ import jax
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from serve import PRESETS, _device, _versions  # noqa: E402
+from serve import _device, _versions  # noqa: E402
+from serve_presets import PRESETS  # noqa: E402
 
 from hybrid_jax.models.auto import load_checkpoint  # noqa: E402
 from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig  # noqa: E402

@@ -21,7 +21,14 @@ def serve():
     spec.loader.exec_module(module)
     yield module
     del sys.modules["serve"]
+    sys.modules.pop("serve_presets", None)
     sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.fixture(scope="module")
+def presets(serve):
+    """``benchmarks/serve_presets.py``, as serve.py imports it."""
+    return sys.modules["serve_presets"]
 
 
 def test_smoke_rows_all_measure_and_write_results(serve, tmp_path):
@@ -35,47 +42,48 @@ def test_smoke_rows_all_measure_and_write_results(serve, tmp_path):
     assert "ITL p50/p90/p99" in stream and "TTFT p50/p90/p99" in text, text
 
 
-def test_the_nemotron_h_preset_runs_and_its_limit_follows_the_model(serve, tmp_path):
+def test_the_nemotron_h_preset_runs_and_its_limit_follows_the_model(serve, presets, tmp_path):
     assert serve.main(["--smoke", "--preset", "nemotron-smoke", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "RESULTS_serve_smoke.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith(("| decode", "| prefill"))]
     assert len(rows) == 2 and not any("failed" in row for row in rows), text
-    config = serve.PRESETS["nemotron-h-8b-like"][1](52)
+    config = presets.PRESETS["nemotron-h-8b-like"][1](52)
     blocks = config.layers_block_type
     assert (blocks.count("linear_attention"), blocks.count("mlp")) == (24, 24)
     assert blocks.count("full_attention") == 4
-    small = serve.PRESETS["nemotron-smoke"][1](8)
+    small = presets.PRESETS["nemotron-smoke"][1](8)
     model = serve.NemotronH(small, rngs=serve.nnx.Rngs(0))
-    weights = serve._weights(model) * 4  # float32
+    weights = presets.parameter_count(model) * 4  # float32
     # Batch 1 at 64 positions: the weights, one row's states (read and written) and its KV.
     states = sum(spec.slot_bytes for spec in model.state_specs())
     kv = sum(2 * s.num_kv_heads * s.head_dim * 4 for s in model.kv_specs())
-    assert serve.limit_bytes(model, small, 1, 64) == weights + 2 * states + 64 * kv
-    assert (
-        serve.limit_flops(model, small, 2, 64) > 2 * serve.limit_flops(model, small, 1, 64) * 0.99
-    )
+    assert presets.limit_bytes(model, small, 1, 64) == weights + 2 * states + 64 * kv
+    one_prompt = presets.limit_flops(model, small, 1, 64)
+    assert presets.limit_flops(model, small, 2, 64) > 2 * one_prompt * 0.99
 
 
-def test_decode_limit_counts_only_the_experts_a_batch_can_touch(serve):
-    config = serve.PRESETS["qwen3-next-80b-a3b"][1](4)
-    one, many = serve.decode_bytes(config, 1, 64), serve.decode_bytes(config, 256, 64)
+def test_decode_limit_counts_only_the_experts_a_batch_can_touch(presets):
+    config = presets.PRESETS["qwen3-next-80b-a3b"][1](4)
+    one, many = presets.decode_bytes(config, 1, 64), presets.decode_bytes(config, 256, 64)
     expert = 3 * config.hidden_size * config.moe_intermediate_size * 2  # bf16
     moe_layers = sum(config.is_moe_layer(i) for i in range(4))
     # Batch 1 reads top_k experts per MoE layer; batch 256 nearly all 512 of them.
     assert (
         many - one > 0.9 * moe_layers * (config.num_experts - config.num_experts_per_tok) * expert
     )
-    assert serve.prefill_flops(config, 2, 1024) > 2 * serve.prefill_flops(config, 1, 1024) * 0.99
+    one_prompt = presets.prefill_flops(config, 1, 1024)
+    assert presets.prefill_flops(config, 2, 1024) > 2 * one_prompt * 0.99
 
 
-def test_decode_roofline_is_the_byte_limit_until_the_rows_make_products_flop_bound(serve):
-    config = serve.PRESETS["qwen3.5-9b-like"][1](4)
+def test_decode_roofline_is_the_byte_limit_until_the_rows_make_products_flop_bound(presets):
+    config = presets.PRESETS["qwen3.5-9b-like"][1](4)
     bandwidth, flops = 4.3e12, 7.9e14  # the ridge: ~184 rows
     for batch in (1, 64):
-        limit = serve.decode_bytes(config, batch, 64) / bandwidth
-        assert serve.decode_roofline_s(config, batch, 64, bandwidth, flops) == pytest.approx(limit)
+        limit = presets.decode_bytes(config, batch, 64) / bandwidth
+        roof = presets.decode_roofline_s(config, batch, 64, bandwidth, flops)
+        assert roof == pytest.approx(limit)
     # At 256 rows each dense product takes its FLOPs: 2 x 256 x parameters.
-    roof = serve.decode_roofline_s(config, 256, 64, bandwidth, flops)
-    rows = serve._row_bytes(config, 256, 64) / bandwidth
-    params = (serve.decode_bytes(config, 256, 64) - serve._row_bytes(config, 256, 64)) / 2
+    roof = presets.decode_roofline_s(config, 256, 64, bandwidth, flops)
+    rows = presets.row_bytes(config, 256, 64) / bandwidth
+    params = (presets.decode_bytes(config, 256, 64) - presets.row_bytes(config, 256, 64)) / 2
     assert roof == pytest.approx(rows + 2 * 256 * params / flops)
