@@ -45,6 +45,7 @@ _VERSIONED = ("jax", "jaxlib", "flax", "tokamax")
 _SWITCHES = {
     "hybrid_jax.layers.linear": (
         "FEW_ROWS",
+        "MIN_SPLITS",
         "SPLIT_INPUT_PROJECTIONS",
         "SPLIT_OUTPUT_PROJECTIONS",
     ),
