@@ -73,7 +73,8 @@ SWAP_OPERANDS = True
 
 
 class ProductVariant(NamedTuple):
-    """A launch's static product choices: the ring's depth and the two variants."""
+    """A launch's static product choices: the ring's depth and the two variants.
+    ``ProductVariant()`` is the plain product; ``current_variant()`` gives the switches'."""
 
     stages: int = STAGES
     overlap: bool = False
@@ -122,9 +123,8 @@ def tile_product(
     ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64 and at most the rows
     ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;
     ``steps = K // BLOCK_K``; the SMEM buffers and barriers from ``scratch`` (with the same
-    ``variant``). Waits for the
-    previous call's store before reusing ``o_s``; the caller waits for this one's
-    (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
+    ``variant``). Waits for the previous call's store before reusing ``o_s``; the caller
+    waits for this one's (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
     rows = x_rows.shape[0]
     stages = min(variant.stages, steps)
     # The product's shape: [64, BLOCK_N], or transposed [BLOCK_N, rows] with the rows

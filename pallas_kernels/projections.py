@@ -175,7 +175,7 @@ def projection_partials_reference(
             xs,
             w.reshape(splits, k_dim // splits, w.shape[1]),
             preferred_element_type=F32,
-        )  # fmt: skip
+        )
         for w in weights
     )
 

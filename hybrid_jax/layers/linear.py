@@ -72,8 +72,7 @@ def project(x: jax.Array, layers: Sequence[nnx.Linear], *, impl: str) -> tuple[j
         return tuple(layer(x) for layer in layers)
     taken_weights = [weights[i] for i in taken]
     if SPLIT_INPUT_PROJECTIONS and _splits(x, taken_weights) > 1:
-        partials = projections.projection_partials(x, taken_weights, impl=impl)
-        products = [p.sum(axis=0).astype(x.dtype) for p in partials]
+        products = _summed_partials(x, taken_weights, impl=impl)
     else:
         products = projections.projections(x, taken_weights, impl=impl)
     launched = dict(zip(taken, products, strict=True))
@@ -85,6 +84,13 @@ def _splits(x: jax.Array, weights: Sequence[jax.Array]) -> int:
     ``MIN_SPLITS``."""
     splits = projections.partial_splits(x.shape[1], [w.shape[1] for w in weights])
     return splits if splits >= MIN_SPLITS else 1
+
+
+def _summed_partials(x: jax.Array, weights: Sequence[jax.Array], *, impl: str) -> list:
+    """``x @ w`` for each weight, from float32 partial products over parts of K summed in
+    x's dtype (XLA fuses the sum into the products' use)."""
+    partials = projections.projection_partials(x, weights, impl=impl)
+    return [p.sum(axis=0).astype(x.dtype) for p in partials]
 
 
 def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
@@ -99,6 +105,6 @@ def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
         and _splits(x, [w]) > 1
         and resolve_impl("projections", impl, None) != "reference"
     ):
-        (partials,) = projections.projection_partials(x, [w], impl=impl)
-        return partials.sum(axis=0).astype(x.dtype)
+        (product,) = _summed_partials(x, [w], impl=impl)
+        return product
     return layer(x)
