@@ -237,6 +237,17 @@ def _kernel_table(args, row: str) -> pathlib.Path | None:
     return pathlib.Path(args.out) / f"kernels_{args.preset}_{row}.tsv"
 
 
+def _write_hlo(engine: Engine, args, row: str) -> None:
+    """With ``--hlo``, the row's DECODE executable as XLA optimised it (the fusions the
+    kernel tables name), to --out as ``hlo_*.txt``."""
+    if not args.hlo:
+        return
+    for (program, batch, tokens), executable in engine.executables.items():
+        if program is ForwardMode.DECODE:
+            path = pathlib.Path(args.out) / f"hlo_{args.preset}_{row}_{batch}x{tokens}.txt"
+            path.write_text(executable.as_text())
+
+
 def _memory(engine: Engine) -> str:
     """What the row's engine holds on the device, in GiB."""
     m = {k: v / 2**30 for k, v in engine.memory.items()}
@@ -273,6 +284,7 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
         _host_profile(engine, args.profile_steps, f"decode B={batch}")
     table = _kernel_table(args, f"decode_b{batch}_{prompt}")
     note = f"{_breakdown(engine, args.profile_steps, table)}; {_memory(engine)}"
+    _write_hlo(engine, args, f"decode_b{batch}_{prompt}")
     for rid in ids:
         engine.abort(rid)
     limit_s = limit_bytes(model, c, batch, prompt + steps) / args.bandwidth
@@ -435,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kernel-tables", action="store_true",
         help="write each row's kernels (calls and us per step) to --out as kernels_*.tsv",
+    )  # fmt: skip
+    parser.add_argument(
+        "--hlo", action="store_true",
+        help="write each decode row's optimised HLO (its fusions by name) to --out as hlo_*.txt",
     )  # fmt: skip
     parser.add_argument(
         "--moe", default="auto",

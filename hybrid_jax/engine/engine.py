@@ -50,6 +50,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -405,6 +406,12 @@ class Engine(SpeculativeServing):
         return self._traces() - self._warm_traces
 
     @property
+    def executables(self) -> dict[tuple[ForwardMode, int, int], Any]:
+        """The step executables compiled so far by (program, batch size, tokens); each has
+        ``as_text()`` (its optimised HLO) and ``memory_analysis()``."""
+        return self._steps.executables()
+
+    @property
     def memory(self) -> dict[str, int]:
         """Bytes the engine holds on the device: ``weights``, ``states`` (the linear layers'
         slot pool), ``kv_cache``, and ``step_temp``, the largest scratch any compiled step
@@ -413,7 +420,7 @@ class Engine(SpeculativeServing):
         def nbytes(tree) -> int:
             return sum(a.nbytes for a in jax.tree.leaves(tree))
 
-        temps = [ex.memory_analysis() for ex in self._steps.executables()]
+        temps = [ex.memory_analysis() for ex in self.executables.values()]
         return {
             "weights": nbytes(self._steps.params),
             "states": nbytes(self._state.pool),

@@ -123,6 +123,10 @@ class StoredProgram:
         """The compiled program's memory use (``jax.stages.Compiled.memory_analysis``)."""
         return self._compiled.memory_analysis()
 
+    def as_text(self) -> str:
+        """The compiled program's optimised HLO (``jax.stages.Compiled.as_text``)."""
+        return self._compiled.as_text()
+
 
 class ProgramStore:
     """Lowered programs in ``directory``, one file per key.

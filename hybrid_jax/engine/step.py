@@ -169,9 +169,9 @@ class StepFunctions:
         with on_mesh(self.mesh):
             return self._jitted.lower(program, self.params, pool, x, meta).compile()
 
-    def executables(self) -> list[Any]:
-        """The step executables compiled so far, one per (program, bucket)."""
-        return list(self._compiled.values())
+    def executables(self) -> dict[tuple[ForwardMode, int, int], Any]:
+        """The step executables compiled so far by (program, batch size, tokens)."""
+        return dict(self._compiled)
 
     def __call__(self, pool: StatePool, x: jax.Array, meta: ForwardMetadata):
         """Runs one step; ``pool`` is donated (do not use it afterwards). Uses the executable
