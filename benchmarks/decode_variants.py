@@ -8,8 +8,7 @@ On the H200 (about 3 minutes, most of it compiling)::
    (H=16, HV=32, K=V=128, bf16 q/k/v, fp32 pool of 1024 slots, random slots, one padded row):
    relative error of ``o`` and of the written slots, NaN-free, padded row zeros, every slot
    no row names bit-identical.
-2. Times decode at batch 256, 1, 64, 16 and 256 again (``--batches``: also R/N, R real rows
-   in a bucket of N, as a decode step of few requests runs; the goals first; the repeat shows
+2. Times decode at batch 256, 1, 64, 16 and 256 again (the goals first; the repeat shows
    the run-to-run spread) for each variant, all in this run: the step time of
    ``benchmarks/gdn.py``'s ``jax_per_step_us`` (steps unrolled in one executable, pool
    donated, fresh random slots each step; it has a 12-15 us floor of host launch work) and
@@ -112,42 +111,21 @@ def _step(fn):
     return step
 
 
-def _batch(spec: str) -> tuple[int, int]:
-    """A --batches entry, N (N real rows) or R/N (R real rows in a bucket of N, the rest
-    padded), as (R, N)."""
-    real, _, rows = spec.rpartition("/")
-    rows = int(rows)
-    real = int(real) if real else rows
-    if not 1 <= real <= rows:
-        raise SystemExit(f"--batches: {spec!r} needs 1 <= real rows <= rows")
-    return real, rows
-
-
-def _padded_slots(rng, real: int, rows: int):
-    """``gdn._slots_of`` for a bucket of ``rows`` whose first ``real`` rows have slots and
-    the rest are padded (slot 0), as a decode step of few requests runs."""
-    slots = gdn._slots_of(rng, real)
-    pad = jnp.zeros((rows - real,), jnp.int32)
-    return lambda n_steps: tuple(jnp.concatenate([s, pad]) for s in slots(n_steps))
-
-
 def bench(kernels: dict, batches) -> None:
     rng = np.random.default_rng(0)
     pool = gdn._ssm_pool(seed=10)
-    for i, spec in enumerate(batches):
-        real, n = _batch(spec)
-        shape = f"batch {spec}" + (" again" if spec in batches[:i] else "")
+    for i, n in enumerate(batches):
+        shape = f"batch {n}" + (" again" if n in batches[:i] else "")
         inputs = gdn._token_inputs(rng, (n, 1))
-        traffic = 2 * real * gdn.STATE_BYTES
+        traffic = 2 * n * gdn.STATE_BYTES
         for name, fn in kernels.items():
 
-            def measure(fn=fn, real=real, n=n, inputs=inputs):
-                return gdn.jax_per_step_us(_step(fn), pool, _padded_slots(rng, real, n),
-                                           n_steps=8, calls=(2, 10), reps=7,
-                                           operands=inputs)  # fmt: skip
+            def measure(fn=fn, n=n, inputs=inputs):
+                return gdn.jax_per_step_us(_step(fn), pool, gdn._slots_of(rng, n), n_steps=8,
+                                           calls=(2, 10), reps=7, operands=inputs)  # fmt: skip
 
-            def device(fn=fn, real=real, n=n, inputs=inputs):
-                return gdn.jax_device_time(_step(fn), pool, _padded_slots(rng, real, n), inputs)
+            def device(fn=fn, n=n, inputs=inputs):
+                return gdn.jax_device_time(_step(fn), pool, gdn._slots_of(rng, n), inputs)
 
             gdn._record("decode", shape, name, measure, gdn._tbps(traffic), device=device)
 
@@ -173,30 +151,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=0, help="seconds; later rows skipped")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
-    parser.add_argument(
-        "--batches", default=",".join(map(str, BATCHES)),
-        help="timed batches, comma-separated: N (N rows) or R/N (R real rows in a bucket of N)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--variants", default="", help="variants timed, comma-separated (default: every one)"
-    )
     args = parser.parse_args()
     start = time.monotonic()
     if args.budget:
         gdn.DEADLINE = start + args.budget
-    batches, check_batches = args.batches.split(","), CHECK_BATCHES
-    for spec in batches:
-        _batch(spec)
+    batches, check_batches = BATCHES, CHECK_BATCHES
     if args.smoke:
         gdn._smoke_mode()  # tiny shapes
-        batches, check_batches = ["2", "1", "1/2", "2"], (3,)
+        batches, check_batches = (2, 1, 2), (3,)
     kernels = _kernels(interpret=args.smoke)
-    if args.variants:
-        wanted = args.variants.split(",")
-        unknown = sorted(set(wanted) - set(kernels))
-        if unknown:
-            raise SystemExit(f"--variants: {unknown} are not among {sorted(kernels)}")
-        kernels = {name: fn for name, fn in kernels.items() if name in wanted}
     print(f"device: {jax.devices()[0].device_kind}; H={gdn.H} HV={gdn.HV} K={gdn.K} V={gdn.V} "
           f"slots={gdn.SLOTS}", flush=True)  # fmt: skip
     checks: dict[str, list[str]] = {name: [] for name in kernels}

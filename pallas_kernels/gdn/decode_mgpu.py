@@ -64,9 +64,7 @@ VARIANTS = {
     "wgmma": DecodeVariant("wgmma", one_pass=False),
     "cols": DecodeVariant("cols"),
     "cols-bv32": DecodeVariant("cols", block_v=32),
-    "cols-bv16": DecodeVariant("cols", block_v=16),
     "pipe3-cols": DecodeVariant("cols", stages=3),
-    "pipe3-cols-bv16": DecodeVariant("cols", block_v=16, stages=3),
 }
 
 
