@@ -88,6 +88,10 @@ TRIAL_SWITCHES = {
         "a layer's input projections with few column tiles together (a MoE block's router "
         "and shared expert) as float32 partial products over parts of K",
     ),
+    "--no-norms-in-launch": (
+        linear_layer, "NORMS_IN_LAUNCH", False,
+        "a decoder layer's norms run as their own kernels before the projections' launch",
+    ),
     "--no-split-output-projections": (
         linear_layer, "SPLIT_OUTPUT_PROJECTIONS", False,
         "output projections at few rows as the layers' own products, not float32 partial "

@@ -37,9 +37,13 @@ from jax import lax
 from pallas_kernels._common import round_up
 from pallas_kernels._mgpu_chunks import (
     ALIGN,
+    COLS,
     F32,
+    ROWS,
     SMEM_PER_SM,
     WG,
+    along_cols,
+    along_rows,
     matmul_into,
     scratch_smem_bytes,
     smem,
@@ -94,18 +98,23 @@ def swapped(out_dtype, variant: ProductVariant) -> bool:
 
 
 def scratch(
-    steps: int, dtype, variant: ProductVariant, rows: int = ROWS_PER_TILE, out_dtype=None
-) -> list:
+    steps: int, dtype, variant: ProductVariant, rows: int = ROWS_PER_TILE, out_dtype=None,
+    *, row_scale: bool = False,
+) -> list:  # fmt: skip
     """The ring (rows and weight tiles), the output tile (``out_dtype``, default ``dtype``)
-    and the ring's barriers, for calls of up to ``rows`` rows."""
+    and the ring's barriers, for calls of up to ``rows`` rows; with ``row_scale``, a float32
+    vector of the rows' scales and its barrier after them (``tile_product(row_scale=)``)."""
     stages = min(variant.stages, steps)
     held = round_up(rows, ALIGN) if swapped(out_dtype or dtype, variant) else ROWS_PER_TILE
-    return [
+    refs = [
         smem((stages, held, BLOCK_K), dtype),
         smem((stages, BLOCK_K, BLOCK_N), dtype),
         smem((held, BLOCK_N), out_dtype or dtype),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
+    if row_scale:
+        refs += [plgpu.SMEM((ROWS_PER_TILE,), F32), plgpu.Barrier(num_arrivals=1)]
+    return refs
 
 
 def programs_per_sm(scratch_refs) -> int:
@@ -115,17 +124,22 @@ def programs_per_sm(scratch_refs) -> int:
 
 
 def tile_product(
-    x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *, steps: int, variant: ProductVariant,
-    interpret: bool,
+    x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, scale_s=None, scale_bar=None, *,
+    steps: int, variant: ProductVariant, interpret: bool, row_scale=None,
 ):  # fmt: skip
-    """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype).
+    """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype); with
+    ``row_scale`` (a GMEM view ``[R]``, float32) each row's sum times its scale before the
+    store.
 
     ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64 and at most the rows
     ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;
     ``steps = K // BLOCK_K``; the SMEM buffers and barriers from ``scratch`` (with the same
-    ``variant``). Waits for the previous call's store before reusing ``o_s``; the caller
-    waits for this one's (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
+    ``variant``, and ``row_scale=True`` for a scaled call). Waits for the previous call's
+    store before reusing ``o_s``; the caller waits for this one's
+    (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
     rows = x_rows.shape[0]
+    if row_scale is not None:
+        plgpu.copy_gmem_to_smem(row_scale, scale_s.at[pl.ds(0, rows)], scale_bar)
     stages = min(variant.stages, steps)
     # The product's shape: [64, BLOCK_N], or transposed [BLOCK_N, rows] with the rows
     # rounded up to the 8-row groups that TMA moves.
@@ -159,6 +173,12 @@ def tile_product(
     else:
         init = plgpu.layout_cast(jnp.zeros(shape, F32), WG)
         acc = lax.fori_loop(0, steps, step, init)
+    if row_scale is not None:
+        plgpu.barrier_wait(scale_bar)
+        if swap:  # the rows are the product's columns
+            acc = acc * along_cols(plgpu.load(scale_s.at[pl.ds(0, held)], layout=COLS), shape)
+        else:
+            acc = acc * along_rows(plgpu.load(scale_s, layout=ROWS), shape)
     plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
     if swap:
         o_s.at[pl.ds(0, held)].transpose((1, 0))[...] = acc.astype(o_s.dtype)

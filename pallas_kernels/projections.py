@@ -67,38 +67,52 @@ def unsupported_reason(x: jax.Array, weights: Sequence[jax.Array]) -> str | None
     return None
 
 
-def _check(x: jax.Array, weights: Sequence[jax.Array]) -> None:
+def _check(x: jax.Array, weights: Sequence[jax.Array], row_scale=None) -> None:
     if x.ndim != 2 or not weights or any(w.ndim != 2 or w.shape[0] != x.shape[1] for w in weights):
         raise ValueError(
             f"{_OP}: x must be [R, K] and each weight [K, N] with x's K; got x {x.shape} and "
             f"weights {[w.shape for w in weights]}"
         )
+    if row_scale is not None and row_scale.shape != x.shape[:1]:
+        raise ValueError(f"{_OP}: row_scale {row_scale.shape} must be [R] = [{x.shape[0]}]")
 
 
-def projections_reference(x: jax.Array, weights: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+def projections_reference(
+    x: jax.Array, weights: Sequence[jax.Array], row_scale: jax.Array | None = None
+) -> tuple[jax.Array, ...]:
     """The same products in XLA, one each."""
-    return tuple(jnp.dot(x, w, preferred_element_type=F32).astype(x.dtype) for w in weights)
+
+    def product(w: jax.Array) -> jax.Array:
+        y = jnp.dot(x, w, preferred_element_type=F32)
+        return (y if row_scale is None else y * row_scale.astype(F32)[:, None]).astype(x.dtype)
+
+    return tuple(product(w) for w in weights)
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "partial", "variant", "interpret"))
 def _kernel(
-    x: jax.Array, weights: tuple[jax.Array, ...], *, splits: int, partial: bool,
-    variant: ProductVariant, interpret: bool,
+    x: jax.Array, weights: tuple[jax.Array, ...], row_scale: jax.Array | None = None, *,
+    splits: int, partial: bool, variant: ProductVariant, interpret: bool,
 ):  # fmt: skip
     """Every weight's products over ``splits`` parts of K: ``[splits, R, N_i]`` each, float32
-    when ``partial``, else in x's dtype."""
+    when ``partial``, else in x's dtype; each row times its ``row_scale`` when given."""
     rows, k_dim = x.shape
     steps = k_dim // BLOCK_K // splits
     span = steps * BLOCK_K
     held = round_up(rows, ALIGN)
     xp = jnp.pad(x, ((0, held - rows), (0, 0)))
+    scaled = row_scale is not None
+    operands = [xp, *weights]
+    if scaled:
+        operands.append(jnp.pad(row_scale.astype(F32), (0, held - rows), constant_values=1))
     out_dtype = F32 if partial else x.dtype
     tiles = [w.shape[1] // BLOCK_N for w in weights]
     starts = [sum(tiles[:i]) for i in range(len(tiles))]
 
     def body(x_ref, *refs):
-        w_refs, o_refs = refs[: len(weights)], refs[len(weights) : 2 * len(weights)]
-        scratch_refs = refs[2 * len(weights) :]
+        w_refs, refs = refs[: len(weights)], refs[len(weights) :]
+        scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
+        o_refs, scratch_refs = refs[: len(weights)], refs[len(weights) :]
         tile, split = lax.axis_index("t"), lax.axis_index("s")
         ks = pl.ds(split * span, span)
 
@@ -106,7 +120,7 @@ def _kernel(
             cols = pl.ds((tile - start) * BLOCK_N, BLOCK_N)
             tile_product(
                 x_ref.at[:, ks], w_ref.at[ks, cols], o_ref.at[split, :, cols], *scratch_refs,
-                steps=steps, variant=variant, interpret=interpret,
+                steps=steps, variant=variant, interpret=interpret, row_scale=scale_ref,
             )  # fmt: skip
 
         for w_ref, o_ref, start, count in zip(w_refs, o_refs, starts, tiles, strict=True):
@@ -119,37 +133,44 @@ def _kernel(
         out_type=tuple(
             jax.ShapeDtypeStruct((splits, held, w.shape[1]), out_dtype) for w in weights
         ),
-        scratch_types=scratch(steps, x.dtype, variant, held, out_dtype),
+        scratch_types=scratch(steps, x.dtype, variant, held, out_dtype, row_scale=scaled),
         grid=(sum(tiles), splits),
         grid_names=("t", "s"),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
         kernel_name="projection_partials" if partial else "projections",
-    )(xp, *weights)
+    )(*operands)
     return tuple(out[:, :rows] for out in outs)
 
 
 def projections(
-    x: jax.Array, weights: Sequence[jax.Array], *, impl: str = "auto"
+    x: jax.Array,
+    weights: Sequence[jax.Array],
+    *,
+    row_scale: jax.Array | None = None,
+    impl: str = "auto",
 ) -> tuple[jax.Array, ...]:
-    """``x @ w`` for every ``w`` of ``weights`` (float32 accumulation).
+    """``x @ w`` for every ``w`` of ``weights`` (float32 accumulation), each row's sum times
+    its ``row_scale`` when given.
 
     Args:
       x: ``[R, K]`` rows (the kernel takes up to ``MAX_ROWS``).
       weights: ``[K, N_i]`` each, in x's dtype (read in place).
+      row_scale: ``[R]``, applied in float32 before the cast (an RMS norm's inverse RMS:
+        the norm's weight goes into x, its row scale after the product).
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
       A tuple of ``[R, N_i]`` in x's dtype.
     """
     weights = tuple(weights)
-    _check(x, weights)
+    _check(x, weights, row_scale)
     reason = unsupported_reason(x, weights) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
-        return projections_reference(x, weights)
+        return projections_reference(x, weights, row_scale)
     outs = _kernel(
-        x, weights, splits=1, partial=False, variant=current_variant(),
+        x, weights, row_scale, splits=1, partial=False, variant=current_variant(),
         interpret=choice == "interpret",
     )  # fmt: skip
     return tuple(out[0] for out in outs)

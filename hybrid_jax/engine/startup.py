@@ -46,6 +46,7 @@ _SWITCHES = {
     "hybrid_jax.layers.linear": (
         "FEW_ROWS",
         "MIN_SPLITS",
+        "NORMS_IN_LAUNCH",
         "SPLIT_INPUT_PROJECTIONS",
         "SPLIT_OUTPUT_PROJECTIONS",
     ),

@@ -20,11 +20,13 @@ from collections.abc import Sequence
 import jax
 from flax import nnx
 
+from hybrid_jax.layers.norm import NormedRows, formed
 from pallas_kernels import projections, resolve_impl
 
 __all__ = [
     "FEW_ROWS",
     "MIN_SPLITS",
+    "NORMS_IN_LAUNCH",
     "SPLIT_INPUT_PROJECTIONS",
     "SPLIT_OUTPUT_PROJECTIONS",
     "project",
@@ -47,6 +49,12 @@ the SMs (the 35B-like ``out_proj``, 32 tiles, gains from 4 parts; the 9B-like ML
 ``down_proj``, 64 tiles in 2 parts, is slower than cuBLAS at 8 rows:
 benchmarks/RESULTS_projections.md)."""
 
+NORMS_IN_LAUNCH = True
+"""Whether a decoder layer hands its norms to their products unformed (``NormedRows``): the
+projections' launch reads the rows times the norm's weight and scales each row of its sums
+by the row's inverse RMS, so no norm kernel (and no copy of its weight out of the layers'
+stack) runs between the residual add and the launch."""
+
 SPLIT_INPUT_PROJECTIONS = False
 """Whether ``project``'s one launch splits K too when its weights have few column tiles
 together (a MoE block's router and shared expert gate/up: 20 tiles of 64 columns), its
@@ -54,29 +62,40 @@ float32 partial products summed where they are used. Off: not yet shown faster o
 (benchmarks/RESULTS_serve.md, session 20)."""
 
 
-def project(x: jax.Array, layers: Sequence[nnx.Linear], *, impl: str) -> tuple[jax.Array, ...]:
+def project(
+    x: jax.Array | NormedRows, layers: Sequence[nnx.Linear], *, impl: str
+) -> tuple[jax.Array, ...]:
     """``tuple(layer(x) for layer in layers)``, in one launch at few rows on the GPU.
 
-    When the kernel takes only some of the weights (a width that is not a multiple of its
-    column tile: the 27B-like GDN's 96-wide ``b | a``), those share the launch if there are
-    two or more (one weight alone is as fast in cuBLAS) and the rest run as their layers."""
+    ``x`` may be a norm's ``NormedRows``: the launch then reads the rows times the norm's
+    weight and scales each row of its products by the row's inverse RMS, and the norm is
+    never formed; elsewhere it is formed first. When the kernel takes only some of the weights
+    (a width that is not a multiple of its column tile: the 27B-like GDN's 96-wide ``b | a``),
+    those share the launch if there are two or more (one weight alone is as fast in cuBLAS)
+    and the rest run as their layers."""
     if not (0 < x.shape[0] <= FEW_ROWS and resolve_impl("projections", impl, None) != "reference"):
-        return tuple(layer(x) for layer in layers)
+        h = formed(x)
+        return tuple(layer(h) for layer in layers)
     weights = [layer.kernel[...] for layer in layers]
+    rows = x.weighted() if isinstance(x, NormedRows) else x
     taken = [
         i
         for i, (layer, w) in enumerate(zip(layers, weights, strict=True))
-        if not layer.use_bias and projections.unsupported_reason(x, [w]) is None
+        if not layer.use_bias and projections.unsupported_reason(rows, [w]) is None
     ]
     if len(taken) < min(len(layers), 2):
-        return tuple(layer(x) for layer in layers)
+        h = formed(x)
+        return tuple(layer(h) for layer in layers)
     taken_weights = [weights[i] for i in taken]
-    if SPLIT_INPUT_PROJECTIONS and _splits(x, taken_weights) > 1:
-        products = _summed_partials(x, taken_weights, impl=impl)
+    scale = x.inverse_rms() if isinstance(x, NormedRows) else None
+    if SPLIT_INPUT_PROJECTIONS and _splits(rows, taken_weights) > 1:
+        products = _summed_partials(rows, taken_weights, row_scale=scale, impl=impl)
     else:
-        products = projections.projections(x, taken_weights, impl=impl)
+        products = projections.projections(rows, taken_weights, row_scale=scale, impl=impl)
     launched = dict(zip(taken, products, strict=True))
-    return tuple(launched[i] if i in launched else layer(x) for i, layer in enumerate(layers))
+    rest = [layer for i, layer in enumerate(layers) if i not in launched]
+    h = formed(x) if rest else None
+    return tuple(launched[i] if i in launched else layer(h) for i, layer in enumerate(layers))
 
 
 def _splits(x: jax.Array, weights: Sequence[jax.Array]) -> int:
@@ -86,11 +105,18 @@ def _splits(x: jax.Array, weights: Sequence[jax.Array]) -> int:
     return splits if splits >= MIN_SPLITS else 1
 
 
-def _summed_partials(x: jax.Array, weights: Sequence[jax.Array], *, impl: str) -> list:
-    """``x @ w`` for each weight, from float32 partial products over parts of K summed in
-    x's dtype (XLA fuses the sum into the products' use)."""
+def _summed_partials(
+    x: jax.Array, weights: Sequence[jax.Array], *, row_scale: jax.Array | None = None,
+    impl: str,
+) -> list:  # fmt: skip
+    """``x @ w`` for each weight (each row times its ``row_scale`` when given), from float32
+    partial products over parts of K summed in x's dtype (XLA fuses the sum into the
+    products' use)."""
     partials = projections.projection_partials(x, weights, impl=impl)
-    return [p.sum(axis=0).astype(x.dtype) for p in partials]
+    sums = [p.sum(axis=0) for p in partials]
+    if row_scale is not None:
+        sums = [total * row_scale[:, None] for total in sums]
+    return [total.astype(x.dtype) for total in sums]
 
 
 def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.layers.linear import project, project_output
+from hybrid_jax.layers.norm import NormedRows, formed
 from pallas_kernels import moe, resolve_impl
 
 __all__ = [
@@ -235,11 +236,12 @@ class SparseMoE(nnx.Module):
             x, [self.gate, shared_mlp.gate_proj, shared_mlp.up_proj], impl=impl
         )
         weights, experts = self.route(logits)
-        shared_scale = jax.nn.sigmoid(self.shared_expert_gate(x))
+        shared_scale = jax.nn.sigmoid(self._shared_gate_logit(x))
         shared_hidden = shared_mlp.hidden(shared_gate, shared_up)
         if self._runs_by_id(x, impl):
             routed, shared = self._experts_by_id(x, real, weights, experts, shared_hidden, impl)
             return routed.astype(x.dtype) + shared_scale * shared
+        x = formed(x)
         shared = shared_scale * shared_mlp.down(shared_hidden, impl=impl)
         dispatch = ExpertDispatch.sort(experts, self.config.num_experts, real)
         xs = dispatch.rows(x)
@@ -252,13 +254,22 @@ class SparseMoE(nnx.Module):
         routed = dispatch.combine(experts_matmul(hidden, self.down_proj), weights)
         return routed.astype(x.dtype) + shared
 
-    def _runs_by_id(self, x: jax.Array, impl: str) -> bool:
+    def _shared_gate_logit(self, x: jax.Array | NormedRows) -> jax.Array:
+        """``shared_expert_gate(x)`` ``[T, 1]``; of ``NormedRows``, the product of the
+        weighted rows times each row's inverse RMS (the norm is not formed for it)."""
+        if not isinstance(x, NormedRows):
+            return self.shared_expert_gate(x)
+        logit = self.shared_expert_gate(x.weighted()).astype(jnp.float32)
+        return (logit * x.inverse_rms()[:, None]).astype(x.dtype)
+
+    def _runs_by_id(self, x: jax.Array | NormedRows, impl: str) -> bool:
         """Whether this call's experts run by id: few pairs, and the kernel runs here (never
         the reference, which would gather every pair's whole expert)."""
         if not 0 < x.shape[0] * self.config.top_k <= BY_ID_MAX_PAIRS:
             return False
         hidden = jax.ShapeDtypeStruct((x.shape[0], self.config.intermediate_size), x.dtype)
-        for rows, w in ((x, self.gate_up_proj[...]), (hidden, self.down_proj[...])):
+        tokens = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        for rows, w in ((tokens, self.gate_up_proj[...]), (hidden, self.down_proj[...])):
             if moe.expert_matmul_unsupported_reason(rows, w) is not None:
                 return False
         return resolve_impl("expert_matmul", impl, None) != "reference"
@@ -271,9 +282,13 @@ class SparseMoE(nnx.Module):
         tokens, top_k = experts.shape
         if real is not None:
             experts = jnp.where(real[:, None], experts, self.config.num_experts)
-        gate_up = moe.expert_matmul(x, self.gate_up_proj[...], experts, impl=impl)
+        if isinstance(x, NormedRows):  # each token's products times its inverse RMS
+            gate_up = moe.expert_matmul(x.weighted(), self.gate_up_proj[...], experts, impl=impl)
+            gate_up = gate_up.astype(jnp.float32) * x.inverse_rms()[:, None, None]
+        else:
+            gate_up = moe.expert_matmul(x, self.gate_up_proj[...], experts, impl=impl)
         gate, up = jnp.split(gate_up, 2, axis=-1)
-        hidden = (jax.nn.silu(gate) * up).reshape(tokens * top_k, -1)
+        hidden = (jax.nn.silu(gate) * up).astype(x.dtype).reshape(tokens * top_k, -1)
         down, ids = self.down_proj[...], experts.reshape(-1, 1)
         dense = (shared_hidden, self.shared_expert.down_proj.kernel[...])
         if (

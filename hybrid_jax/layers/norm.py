@@ -1,17 +1,67 @@
-"""RMS norms of the Qwen3-Next family: zero-centred RMSNorm and the gated RMSNorm of GDN."""
+"""RMS norms of the Qwen3-Next family: zero-centred RMSNorm and the gated RMSNorm of GDN.
+
+A norm whose output only products read (a layer's input norm before its projections) can hand
+them ``NormedRows``: the norm's input and weight, unformed. A product launch then takes the
+rows times the weight and scales each row of its sum by the row's inverse RMS
+(``layers.linear.project``), so no separate norm runs between the residual add and the
+products; any other reader forms the norm's output (``NormedRows.value``).
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["GatedRMSNorm", "ZeroCenteredRMSNorm"]
+__all__ = ["GatedRMSNorm", "NormedRows", "ZeroCenteredRMSNorm", "formed"]
+
+
+def _inverse_rms(x: jax.Array, eps: float) -> jax.Array:
+    """float32 ``1 / rms`` over the last axis, keeping it (``[..., 1]``)."""
+    x32 = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 def _normalize(x: jax.Array, eps: float) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return x.astype(jnp.float32) * _inverse_rms(x, eps)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NormedRows:
+    """``x / rms(x) * scale`` over ``x`` ``[T, dim]``'s rows, not yet formed: ``scale``
+    float32 ``[dim]`` (a zero-centred norm's ``1 + weight``)."""
+
+    x: jax.Array
+    scale: jax.Array
+    eps: float = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.x.shape
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.x.dtype
+
+    def value(self) -> jax.Array:
+        """The norm's output, in x's dtype."""
+        return (_normalize(self.x, self.eps) * self.scale).astype(self.x.dtype)
+
+    def weighted(self) -> jax.Array:
+        """``x * scale`` in x's dtype: the rows a product reads before ``inverse_rms``."""
+        return (self.x.astype(jnp.float32) * self.scale).astype(self.x.dtype)
+
+    def inverse_rms(self) -> jax.Array:
+        """float32 ``[T]``: what each row of ``weighted() @ w`` is multiplied by."""
+        return _inverse_rms(self.x, self.eps)[..., 0]
+
+
+def formed(x: jax.Array | NormedRows) -> jax.Array:
+    """``x`` as an array: a ``NormedRows`` formed, an array as it is."""
+    return x.value() if isinstance(x, NormedRows) else x
 
 
 class ZeroCenteredRMSNorm(nnx.Module):
@@ -25,7 +75,11 @@ class ZeroCenteredRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return (_normalize(x, self.eps) * (1.0 + self.weight[...])).astype(x.dtype)
+        return self.deferred(x).value()
+
+    def deferred(self, x: jax.Array) -> NormedRows:
+        """The norm of ``x`` ``[T, dim]``, left for its products to form (``NormedRows``)."""
+        return NormedRows(x, 1.0 + self.weight[...], self.eps)
 
 
 class GatedRMSNorm(nnx.Module):

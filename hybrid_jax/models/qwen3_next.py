@@ -34,10 +34,11 @@ import numpy as np
 from flax import nnx
 
 from hybrid_jax.kv_cache import KVCache, KVCacheSpec
+from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers.attention import Attention, AttentionConfig
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.layers.moe import MLP, MoEConfig, SparseMoE
-from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
+from hybrid_jax.layers.norm import NormedRows, ZeroCenteredRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates
 from hybrid_jax.models.hf_config import (
@@ -322,13 +323,19 @@ class DecoderLayer(nnx.Module):
     ) -> jax.Array:
         """x: ``[T, hidden]`` -> the same after both residual branches; the mixer takes its
         turn of ``states``."""
-        h = self.input_layernorm(x)
+        # The norms' outputs are read by products only: with ``NORMS_IN_LAUNCH`` each is
+        # left to its products' launch to form (``NormedRows``).
+        h = self._normed(self.input_layernorm, x)
         if self.kind is LayerKind.GDN:
             x = x + states.linear(self.linear_attn, h, meta, impl=impl)
         else:
             x = x + states.attention(self.self_attn, h, meta, impl=impl)
-        h = self.post_attention_layernorm(x)
+        h = self._normed(self.post_attention_layernorm, x)
         return x + run_block(self.mlp, h, meta.real_tokens, impl=impl)
+
+    @staticmethod
+    def _normed(norm: ZeroCenteredRMSNorm, x: jax.Array) -> jax.Array | NormedRows:
+        return norm.deferred(x) if linear_layer.NORMS_IN_LAUNCH else norm(x)
 
 
 class MTPHead(nnx.Module):

@@ -44,6 +44,31 @@ def test_projections_match_the_oracle(rows, k, widths, product_variant):
 @pytest.mark.parametrize(
     ("rows", "k", "widths"),
     [
+        (8, 2048, (8192, 4096, 64)),  # a GDN layer's input norm in its projections' launch
+        (1, 4096, (12288, 12288)),
+        (24, 2048, (256, 512, 512)),
+    ],
+)
+def test_row_scaled_projections_match_the_oracle(rows, k, widths, product_variant):
+    rng = np.random.default_rng(rows * k + 3)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16) for n in widths]
+    scale = jnp.asarray(rng.uniform(0.05, 4.0, rows), jnp.float32)
+    got = jax.jit(lambda x, ws, s: projections.projections(x, ws, row_scale=s, impl="pallas"))(
+        x, ws, scale
+    )
+    for out, w in zip(got, ws, strict=True):
+        want = (np.asarray(x, np.float64) @ np.asarray(w, np.float64)) * np.asarray(
+            scale, np.float64
+        )[:, None]
+        out64 = np.asarray(out, np.float64)
+        assert out64.shape == want.shape and np.isfinite(out64).all()
+        assert np.linalg.norm(out64 - want) / np.linalg.norm(want) < 1e-2
+
+
+@pytest.mark.parametrize(
+    ("rows", "k", "widths"),
+    [
         (8, 4096, (2048,)),  # GDN out_proj / attention o_proj: 4 parts of K
         (8, 512, (2048,)),  # the shared expert's down product: one block of K a part
         (64, 4096, (4096,)),  # the 9B-like out_proj at the most rows: 2 parts

@@ -48,20 +48,44 @@ def test_every_product_matches_the_float64_oracle(rows, k, widths, impl, product
         assert err < 1e-2
 
 
+@pytest.mark.parametrize(("rows", "k", "widths"), [(5, 256, (128, 64)), (16, 384, (192,))])
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_row_scaled_products_match_the_float64_oracle(rows, k, widths, impl, product_variant):
+    x, ws = _case(rows * k, rows, k, widths)
+    scale = jnp.asarray(np.random.default_rng(rows).uniform(0.1, 3.0, rows), jnp.float32)
+    got = projections.projections(x, ws, row_scale=scale, impl=impl)
+    for out, w in zip(got, ws, strict=True):
+        chex.assert_shape(out, (rows, w.shape[1]))
+        want = (np.asarray(x, np.float64) @ np.asarray(w, np.float64)) * np.asarray(
+            scale, np.float64
+        )[:, None]
+        err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
+        assert err < 1e-2
+
+
+def test_a_row_scale_of_another_length_is_refused():
+    x, ws = _case(0, 8, 128, (64,))
+    with pytest.raises(ValueError, match=r"row_scale \(5,\) must be \[R\] = \[8\]"):
+        projections.projections(x, ws, row_scale=jnp.ones((5,), jnp.float32))
+
+
 @pytest.mark.parametrize(
-    ("widths", "splits", "partial"),
-    [((8192, 4096, 64), 1, False), ((256, 512, 512), 4, True)],
-)
-def test_the_kernel_lowers_for_cuda(widths, splits, partial, product_variant):
+    ("widths", "splits", "partial", "scaled"),
+    [((8192, 4096, 64), 1, False, False), ((256, 512, 512), 4, True, False),
+     ((8192, 4096, 64), 1, False, True)],
+)  # fmt: skip
+def test_the_kernel_lowers_for_cuda(widths, splits, partial, scaled, product_variant):
     x = jnp.zeros((8, 2048), jnp.bfloat16)
     ws = tuple(jnp.zeros((2048, n), jnp.bfloat16) for n in widths)
+    scale = jnp.ones((8,), jnp.float32) if scaled else None
 
-    def call(x, ws):
+    def call(x, ws, scale):
         return proj_module._kernel(
-            x, ws, splits=splits, partial=partial, variant=current_variant(), interpret=False
-        )
+            x, ws, scale, splits=splits, partial=partial, variant=current_variant(),
+            interpret=False,
+        )  # fmt: skip
 
-    text = jax.jit(call).trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(call).trace(x, ws, scale).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 

@@ -1,0 +1,110 @@
+"""A norm left to its products (``layers.norm.NormedRows``): the launch that reads the rows
+times the norm's weight and scales each row of its sums by the row's inverse RMS gives what
+the formed norm followed by the products gives, and every other path forms the norm exactly
+as the norm module does."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hybrid_jax.layers import linear
+from hybrid_jax.layers.linear import FEW_ROWS, project
+from hybrid_jax.layers.moe import MoEConfig, SparseMoE
+from hybrid_jax.layers.norm import NormedRows, ZeroCenteredRMSNorm, formed
+
+HIDDEN = 256
+
+
+def _norm(seed: int) -> ZeroCenteredRMSNorm:
+    norm = ZeroCenteredRMSNorm(HIDDEN)
+    norm.weight[...] = jax.random.normal(jax.random.key(seed), (HIDDEN,)) * 0.5
+    return norm
+
+
+def _rows(seed: int, tokens: int) -> jax.Array:
+    # A residual stream far from unit RMS, different per row: the scale must matter.
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, HIDDEN)) * rng.uniform(0.5, 20.0, (tokens, 1))
+    return jnp.asarray(x, jnp.bfloat16)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_the_deferred_norm_formed_is_the_norm_bit_for_bit():
+    norm, x = _norm(0), _rows(1, 5)
+    deferred = norm.deferred(x)
+    chex.assert_trees_all_equal(formed(deferred), norm(x))
+    chex.assert_shape(deferred.inverse_rms(), (5,))
+    assert deferred.shape == x.shape and deferred.dtype == x.dtype
+    assert formed(x) is x
+
+
+@pytest.mark.parametrize("tokens", [3, 8])
+def test_projections_of_normed_rows_in_one_launch_match_the_float64_oracle(tokens):
+    norm, x = _norm(2), _rows(3, tokens)
+    layers = [
+        nnx.Linear(HIDDEN, n, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                   rngs=nnx.Rngs(n))
+        for n in (128, 64)
+    ]  # fmt: skip
+    got = project(norm.deferred(x), layers, impl="interpret")
+    x64 = np.asarray(x, np.float64)
+    normed = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + norm.eps)
+    normed *= 1 + np.asarray(norm.weight[...], np.float64)
+    for out, layer in zip(got, layers, strict=True):
+        want = normed @ np.asarray(layer.kernel[...], np.float64)
+        assert out.dtype == jnp.bfloat16
+        assert _rel(out, want) < 1e-2
+
+
+def test_normed_rows_are_formed_where_no_launch_takes_them():
+    """Past FEW_ROWS, and on the reference, the layers read the formed norm: the same bits as
+    the norm module's output."""
+    norm = _norm(4)
+    layer = nnx.Linear(HIDDEN, 64, use_bias=False, dtype=jnp.bfloat16,
+                       param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))  # fmt: skip
+    for tokens, impl in ((FEW_ROWS + 1, "interpret"), (4, "reference")):
+        x = _rows(tokens, tokens)
+        (got,) = project(norm.deferred(x), [layer], impl=impl)
+        chex.assert_trees_all_equal(got, layer(norm(x)))
+
+
+def test_split_input_projections_scale_the_summed_partials(monkeypatch):
+    monkeypatch.setattr(linear, "SPLIT_INPUT_PROJECTIONS", True)
+    monkeypatch.setattr(linear, "MIN_SPLITS", 2)
+    norm, x = _norm(5), _rows(6, 8)
+    layers = [
+        nnx.Linear(HIDDEN, 64, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                   rngs=nnx.Rngs(i))
+        for i in range(2)
+    ]  # fmt: skip
+    assert linear._splits(x, [layer.kernel[...] for layer in layers]) == 2
+    got = project(norm.deferred(x), layers, impl="interpret")
+    for out, layer in zip(got, layers, strict=True):
+        assert _rel(out, layer(norm(x))) < 1e-2
+
+
+def test_a_moe_block_of_normed_rows_matches_the_formed_norm():
+    """By id (the experts' products of the weighted rows, scaled per token, and the shared
+    gate likewise) against the sorted path on the formed norm."""
+    config = MoEConfig(hidden_size=HIDDEN, num_experts=8, top_k=2, intermediate_size=128,
+                       shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
+    moe, norm, x = SparseMoE(config, rngs=nnx.Rngs(7)), _norm(8), _rows(9, 5)
+    real = jnp.arange(5) < 4
+
+    def run(rows, impl):
+        return jax.jit(lambda m, r, a: m(r, a, impl=impl))(moe, rows, real)
+
+    assert moe._runs_by_id(norm.deferred(x), "interpret")
+    deferred = run(norm.deferred(x), "interpret")
+    reference = run(norm(x), "reference")
+    assert isinstance(norm.deferred(x), NormedRows)
+    assert _rel(deferred, reference) < 2e-2
