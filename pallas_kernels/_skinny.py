@@ -126,10 +126,12 @@ def programs_per_sm(scratch_refs) -> int:
 def tile_product(
     x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, scale_s=None, scale_bar=None, *,
     steps: int, variant: ProductVariant, interpret: bool, row_scale=None,
+    rms_eps: float | None = None,
 ):  # fmt: skip
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype); with
     ``row_scale`` (a GMEM view ``[R]``, float32) each row's sum times its scale before the
-    store.
+    store, or with ``rms_eps`` too times ``1 / sqrt(row_scale + rms_eps)`` (``row_scale``
+    then holds each row's mean square: an RMS norm's scale, formed here).
 
     ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64 and at most the rows
     ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;
@@ -176,9 +178,12 @@ def tile_product(
     if row_scale is not None:
         plgpu.barrier_wait(scale_bar)
         if swap:  # the rows are the product's columns
-            acc = acc * along_cols(plgpu.load(scale_s.at[pl.ds(0, held)], layout=COLS), shape)
+            scale = plgpu.load(scale_s.at[pl.ds(0, held)], layout=COLS)
         else:
-            acc = acc * along_rows(plgpu.load(scale_s, layout=ROWS), shape)
+            scale = plgpu.load(scale_s, layout=ROWS)
+        if rms_eps is not None:
+            scale = lax.rsqrt(scale + rms_eps)
+        acc = acc * (along_cols(scale, shape) if swap else along_rows(scale, shape))
     plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
     if swap:
         o_s.at[pl.ds(0, held)].transpose((1, 0))[...] = acc.astype(o_s.dtype)

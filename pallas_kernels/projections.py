@@ -78,24 +78,40 @@ def _check(x: jax.Array, weights: Sequence[jax.Array], row_scale=None) -> None:
 
 
 def projections_reference(
-    x: jax.Array, weights: Sequence[jax.Array], row_scale: jax.Array | None = None
+    x: jax.Array,
+    weights: Sequence[jax.Array],
+    row_scale: jax.Array | None = None,
+    rms_eps: float | None = None,
 ) -> tuple[jax.Array, ...]:
     """The same products in XLA, one each."""
+    scale = _row_scale(row_scale, rms_eps)
 
     def product(w: jax.Array) -> jax.Array:
         y = jnp.dot(x, w, preferred_element_type=F32)
-        return (y if row_scale is None else y * row_scale.astype(F32)[:, None]).astype(x.dtype)
+        return (y if scale is None else y * scale[:, None]).astype(x.dtype)
 
     return tuple(product(w) for w in weights)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "partial", "variant", "interpret"))
+def _row_scale(row_scale: jax.Array | None, rms_eps: float | None) -> jax.Array | None:
+    """What each row's sum is multiplied by (float32), or None."""
+    if row_scale is None:
+        return None
+    row_scale = row_scale.astype(F32)
+    return row_scale if rms_eps is None else lax.rsqrt(row_scale + rms_eps)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("splits", "partial", "variant", "interpret", "rms_eps")
+)
 def _kernel(
     x: jax.Array, weights: tuple[jax.Array, ...], row_scale: jax.Array | None = None, *,
     splits: int, partial: bool, variant: ProductVariant, interpret: bool,
+    rms_eps: float | None = None,
 ):  # fmt: skip
     """Every weight's products over ``splits`` parts of K: ``[splits, R, N_i]`` each, float32
-    when ``partial``, else in x's dtype; each row times its ``row_scale`` when given."""
+    when ``partial``, else in x's dtype; each row times its ``row_scale`` when given (or
+    ``1 / sqrt(row_scale + rms_eps)``, ``tile_product``)."""
     rows, k_dim = x.shape
     steps = k_dim // BLOCK_K // splits
     span = steps * BLOCK_K
@@ -121,6 +137,7 @@ def _kernel(
             tile_product(
                 x_ref.at[:, ks], w_ref.at[ks, cols], o_ref.at[split, :, cols], *scratch_refs,
                 steps=steps, variant=variant, interpret=interpret, row_scale=scale_ref,
+                rms_eps=rms_eps,
             )  # fmt: skip
 
         for w_ref, o_ref, start, count in zip(w_refs, o_refs, starts, tiles, strict=True):
@@ -148,6 +165,7 @@ def projections(
     weights: Sequence[jax.Array],
     *,
     row_scale: jax.Array | None = None,
+    rms_eps: float | None = None,
     impl: str = "auto",
 ) -> tuple[jax.Array, ...]:
     """``x @ w`` for every ``w`` of ``weights`` (float32 accumulation), each row's sum times
@@ -156,8 +174,10 @@ def projections(
     Args:
       x: ``[R, K]`` rows (the kernel takes up to ``MAX_ROWS``).
       weights: ``[K, N_i]`` each, in x's dtype (read in place).
-      row_scale: ``[R]``, applied in float32 before the cast (an RMS norm's inverse RMS:
-        the norm's weight goes into x, its row scale after the product).
+      row_scale: ``[R]``, applied in float32 before the cast.
+      rms_eps: with it, ``row_scale`` holds each row's mean square and the rows are scaled
+        by ``1 / sqrt(row_scale + rms_eps)``: an RMS norm's scale (the norm's weight goes
+        into x, its row scale after the product), formed in the launch.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
@@ -167,11 +187,13 @@ def projections(
     _check(x, weights, row_scale)
     reason = unsupported_reason(x, weights) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
+    if rms_eps is not None and row_scale is None:
+        raise ValueError(f"{_OP}: rms_eps={rms_eps} scales rows by their row_scale; none given")
     if choice == "reference" or x.shape[0] == 0:
-        return projections_reference(x, weights, row_scale)
+        return projections_reference(x, weights, row_scale, rms_eps)
     outs = _kernel(
         x, weights, row_scale, splits=1, partial=False, variant=current_variant(),
-        interpret=choice == "interpret",
+        interpret=choice == "interpret", rms_eps=None if rms_eps is None else float(rms_eps),
     )  # fmt: skip
     return tuple(out[0] for out in outs)
 

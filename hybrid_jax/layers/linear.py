@@ -87,11 +87,15 @@ def project(
         h = formed(x)
         return tuple(layer(h) for layer in layers)
     taken_weights = [weights[i] for i in taken]
-    scale = x.inverse_rms() if isinstance(x, NormedRows) else None
     if SPLIT_INPUT_PROJECTIONS and _splits(rows, taken_weights) > 1:
+        scale = x.inverse_rms() if isinstance(x, NormedRows) else None
         products = _summed_partials(rows, taken_weights, row_scale=scale, impl=impl)
+    elif isinstance(x, NormedRows):  # the launch forms each row's inverse RMS
+        products = projections.projections(
+            rows, taken_weights, row_scale=x.mean_square(), rms_eps=x.eps, impl=impl
+        )
     else:
-        products = projections.projections(rows, taken_weights, row_scale=scale, impl=impl)
+        products = projections.projections(rows, taken_weights, impl=impl)
     launched = dict(zip(taken, products, strict=True))
     rest = [layer for i, layer in enumerate(layers) if i not in launched]
     h = formed(x) if rest else None

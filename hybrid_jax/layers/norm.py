@@ -18,14 +18,9 @@ from flax import nnx
 __all__ = ["GatedRMSNorm", "NormedRows", "ZeroCenteredRMSNorm", "formed"]
 
 
-def _inverse_rms(x: jax.Array, eps: float) -> jax.Array:
-    """float32 ``1 / rms`` over the last axis, keeping it (``[..., 1]``)."""
-    x32 = x.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-
-
 def _normalize(x: jax.Array, eps: float) -> jax.Array:
-    return x.astype(jnp.float32) * _inverse_rms(x, eps)
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 @jax.tree_util.register_dataclass
@@ -54,9 +49,15 @@ class NormedRows:
         """``x * scale`` in x's dtype: the rows a product reads before ``inverse_rms``."""
         return (self.x.astype(jnp.float32) * self.scale).astype(self.x.dtype)
 
+    def mean_square(self) -> jax.Array:
+        """float32 ``[T]``: each row's mean square (``inverse_rms`` is
+        ``1 / sqrt(mean_square + eps)``)."""
+        x32 = self.x.astype(jnp.float32)
+        return jnp.mean(x32 * x32, axis=-1)
+
     def inverse_rms(self) -> jax.Array:
         """float32 ``[T]``: what each row of ``weighted() @ w`` is multiplied by."""
-        return _inverse_rms(self.x, self.eps)[..., 0]
+        return jax.lax.rsqrt(self.mean_square() + self.eps)
 
 
 def formed(x: jax.Array | NormedRows) -> jax.Array:

@@ -126,7 +126,8 @@ def _kernel(x, w, experts, dense=None, *, variant: ProductVariant, interpret: bo
     per_program = -(-pairs // programs)
     padded = round_up(rows, ALIGN)
     xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
-    flat = jnp.pad(experts.reshape(-1), (0, programs * per_program - pairs), constant_values=-1)
+    # Unpadded: a program reads past the last pair as no pair (no pad op ahead of the launch).
+    flat = experts.reshape(-1)
     operands = [flat, xp, w]
     out_types = [jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype)]
     if dense is not None:
@@ -147,7 +148,8 @@ def _kernel(x, w, experts, dense=None, *, variant: ProductVariant, interpret: bo
             # This program's pairs are first, first + programs, ...: with the real rows first
             # (a bucket's padding last), the real pairs spread over all programs. Their ids
             # load together, before any waits on them.
-            ids = [experts_ref[first + i * programs] for i in range(per_program)]
+            places = [first + i * programs for i in range(per_program)]
+            ids = [experts_ref[jnp.minimum(place, pairs - 1)] for place in places]
 
             def product(pair, expert):
                 """Pair ``pair``'s column tile: its row's 8-row group times ``w[expert]``."""
@@ -157,9 +159,9 @@ def _kernel(x, w, experts, dense=None, *, variant: ProductVariant, interpret: bo
                     *scratch_refs, steps=steps, variant=variant, interpret=interpret,
                 )  # fmt: skip
 
-            for i, expert in enumerate(ids):
-                valid = (expert >= 0) & (expert < num_experts)
-                pl.when(valid)(functools.partial(product, first + i * programs, expert))
+            for place, expert in zip(places, ids, strict=True):
+                valid = (place < pairs) & (expert >= 0) & (expert < num_experts)
+                pl.when(valid)(functools.partial(product, place, expert))
 
         if dense_refs is None:
             pairs_of_this_program()
@@ -191,7 +193,7 @@ def _kernel(x, w, experts, dense=None, *, variant: ProductVariant, interpret: bo
     # Padding pairs' tiles were never written: they become zeros here.
     pair = jnp.arange(pairs)
     out = outs[0][pair, (pair // choices) % ALIGN]
-    valid = (flat[:pairs] >= 0) & (flat[:pairs] < num_experts)
+    valid = (flat >= 0) & (flat < num_experts)
     out = jnp.where(valid[:, None], out, 0).reshape(rows, choices, n_dim)
     if dense is None:
         return out

@@ -50,15 +50,19 @@ def test_every_product_matches_the_float64_oracle(rows, k, widths, impl, product
 
 @pytest.mark.parametrize(("rows", "k", "widths"), [(5, 256, (128, 64)), (16, 384, (192,))])
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
-def test_row_scaled_products_match_the_float64_oracle(rows, k, widths, impl, product_variant):
+@pytest.mark.parametrize("rms_eps", [None, 0.25])
+def test_row_scaled_products_match_the_float64_oracle(
+    rows, k, widths, impl, rms_eps, product_variant
+):
     x, ws = _case(rows * k, rows, k, widths)
     scale = jnp.asarray(np.random.default_rng(rows).uniform(0.1, 3.0, rows), jnp.float32)
-    got = projections.projections(x, ws, row_scale=scale, impl=impl)
+    got = projections.projections(x, ws, row_scale=scale, rms_eps=rms_eps, impl=impl)
+    scale64 = np.asarray(scale, np.float64)
+    if rms_eps is not None:  # scale holds mean squares
+        scale64 = 1 / np.sqrt(scale64 + rms_eps)
     for out, w in zip(got, ws, strict=True):
         chex.assert_shape(out, (rows, w.shape[1]))
-        want = (np.asarray(x, np.float64) @ np.asarray(w, np.float64)) * np.asarray(
-            scale, np.float64
-        )[:, None]
+        want = (np.asarray(x, np.float64) @ np.asarray(w, np.float64)) * scale64[:, None]
         err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
         assert err < 1e-2
 
@@ -67,12 +71,14 @@ def test_a_row_scale_of_another_length_is_refused():
     x, ws = _case(0, 8, 128, (64,))
     with pytest.raises(ValueError, match=r"row_scale \(5,\) must be \[R\] = \[8\]"):
         projections.projections(x, ws, row_scale=jnp.ones((5,), jnp.float32))
+    with pytest.raises(ValueError, match="rms_eps=0.1 scales rows by their row_scale; none"):
+        projections.projections(x, ws, rms_eps=0.1)
 
 
 @pytest.mark.parametrize(
     ("widths", "splits", "partial", "scaled"),
-    [((8192, 4096, 64), 1, False, False), ((256, 512, 512), 4, True, False),
-     ((8192, 4096, 64), 1, False, True)],
+    [((8192, 4096, 64), 1, False, None), ((256, 512, 512), 4, True, None),
+     ((8192, 4096, 64), 1, False, "scale"), ((8192, 4096, 64), 1, False, "rms")],
 )  # fmt: skip
 def test_the_kernel_lowers_for_cuda(widths, splits, partial, scaled, product_variant):
     x = jnp.zeros((8, 2048), jnp.bfloat16)
@@ -82,7 +88,7 @@ def test_the_kernel_lowers_for_cuda(widths, splits, partial, scaled, product_var
     def call(x, ws, scale):
         return proj_module._kernel(
             x, ws, scale, splits=splits, partial=partial, variant=current_variant(),
-            interpret=False,
+            interpret=False, rms_eps=1e-6 if scaled == "rms" else None,
         )  # fmt: skip
 
     text = jax.jit(call).trace(x, ws, scale).lower(lowering_platforms=("cuda",)).as_text()
