@@ -25,7 +25,6 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 __all__ = [
-    "distinct_operands",
     "round_up",
     "IMPLS",
     "NUM_SMS",
@@ -55,30 +54,6 @@ def round_up(n, multiple: int):
 def interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:
     """``plgpu.kernel``'s ``interpret=``: the Mosaic GPU CPU interpreter, or the compiled kernel."""
     return plgpu.InterpretGPUParams() if interpret else False
-
-
-def distinct_operands(body, operands):
-    """``(body', operands')`` where each array of ``operands`` (the kernel's leading inputs)
-    is passed once, and ``body'`` hands ``body`` its refs in the original order (the rest of
-    its refs after them).
-
-    An entry that reads one array as several operands (a GDN decode step's conv output as
-    q, k and v) otherwise passes it to the custom call several times, and XLA then copies
-    the call's other operands out of the layers' stack instead of addressing them in place
-    (its dynamic-slice fusion does not wrap such a call)."""
-    unique: list = []
-    positions: list[int] = []
-    for a in operands:
-        at = next((i for i, u in enumerate(unique) if u is a), None)
-        if at is None:
-            at = len(unique)
-            unique.append(a)
-        positions.append(at)
-
-    def reordered(*refs):
-        return body(*(refs[i] for i in positions), *refs[len(unique) :])
-
-    return reordered, unique
 
 
 @functools.cache

@@ -130,8 +130,8 @@ def tile_product(
 ):  # fmt: skip
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype); with
     ``row_scale`` (a GMEM view ``[R]``, float32) each row's sum times its scale before the
-    store, or with ``rms_eps`` too times ``1 / sqrt(row_scale + rms_eps)`` (``row_scale``
-    then holds each row's mean square: an RMS norm's scale, formed here).
+    store, or with ``rms_eps`` too times ``1 / sqrt(row_scale / K + rms_eps)`` (``row_scale``
+    then holds each row's sum of squares over K: an RMS norm's scale, formed here).
 
     ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64 and at most the rows
     ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;
@@ -182,7 +182,7 @@ def tile_product(
         else:
             scale = plgpu.load(scale_s, layout=ROWS)
         if rms_eps is not None:
-            scale = lax.rsqrt(scale + rms_eps)
+            scale = lax.rsqrt(scale * (1.0 / (steps * BLOCK_K)) + rms_eps)
         acc = acc * (along_cols(scale, shape) if swap else along_rows(scale, shape))
     plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
     if swap:

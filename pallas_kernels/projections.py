@@ -84,7 +84,7 @@ def projections_reference(
     rms_eps: float | None = None,
 ) -> tuple[jax.Array, ...]:
     """The same products in XLA, one each."""
-    scale = _row_scale(row_scale, rms_eps)
+    scale = _row_scale(row_scale, rms_eps, x.shape[1])
 
     def product(w: jax.Array) -> jax.Array:
         y = jnp.dot(x, w, preferred_element_type=F32)
@@ -93,12 +93,12 @@ def projections_reference(
     return tuple(product(w) for w in weights)
 
 
-def _row_scale(row_scale: jax.Array | None, rms_eps: float | None) -> jax.Array | None:
+def _row_scale(row_scale: jax.Array | None, rms_eps: float | None, k: int) -> jax.Array | None:
     """What each row's sum is multiplied by (float32), or None."""
     if row_scale is None:
         return None
     row_scale = row_scale.astype(F32)
-    return row_scale if rms_eps is None else lax.rsqrt(row_scale + rms_eps)
+    return row_scale if rms_eps is None else lax.rsqrt(row_scale / k + rms_eps)
 
 
 @functools.partial(
@@ -111,7 +111,7 @@ def _kernel(
 ):  # fmt: skip
     """Every weight's products over ``splits`` parts of K: ``[splits, R, N_i]`` each, float32
     when ``partial``, else in x's dtype; each row times its ``row_scale`` when given (or
-    ``1 / sqrt(row_scale + rms_eps)``, ``tile_product``)."""
+    ``1 / sqrt(row_scale / K + rms_eps)``, ``tile_product``)."""
     rows, k_dim = x.shape
     steps = k_dim // BLOCK_K // splits
     span = steps * BLOCK_K
@@ -175,9 +175,10 @@ def projections(
       x: ``[R, K]`` rows (the kernel takes up to ``MAX_ROWS``).
       weights: ``[K, N_i]`` each, in x's dtype (read in place).
       row_scale: ``[R]``, applied in float32 before the cast.
-      rms_eps: with it, ``row_scale`` holds each row's mean square and the rows are scaled
-        by ``1 / sqrt(row_scale + rms_eps)``: an RMS norm's scale (the norm's weight goes
-        into x, its row scale after the product), formed in the launch.
+      rms_eps: with it, ``row_scale`` holds each row's sum of squares over K (of the
+        norm's input) and the rows are scaled by ``1 / sqrt(row_scale / K + rms_eps)``: an
+        RMS norm's scale (the norm's weight goes into x, its row scale after the product),
+        formed in the launch.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:

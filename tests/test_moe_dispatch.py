@@ -144,6 +144,17 @@ def test_top_k_by_rank_is_lax_top_k_ties_included(tokens, n, k):
     np.testing.assert_array_equal(top_k(many, k)[1], jax.lax.top_k(many, k)[1])
 
 
+@pytest.mark.parametrize("tokens", [6, RANKED_TOP_K_TOKENS + 2])  # ranked, then sorted
+def test_top_k_gives_rows_not_valid_the_out_of_range_index(tokens):
+    rng = np.random.default_rng(tokens)
+    x = jnp.asarray(rng.standard_normal((tokens, 16)), jnp.float32)
+    valid = jnp.asarray(rng.random(tokens) < 0.5).at[0].set(True).at[1].set(False)
+    values, indices = top_k(x, 3, valid)
+    want_values, want = jax.lax.top_k(x, 3)
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(indices, np.where(np.asarray(valid)[:, None], want, 16))
+
+
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_route_weights_are_the_softmax_probabilities_of_the_chosen_experts(norm_topk_prob):
     config = MoEConfig(hidden_size=16, num_experts=32, top_k=4, intermediate_size=8,

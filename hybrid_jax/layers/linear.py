@@ -92,7 +92,7 @@ def project(
         products = _summed_partials(rows, taken_weights, row_scale=scale, impl=impl)
     elif isinstance(x, NormedRows):  # the launch forms each row's inverse RMS
         products = projections.projections(
-            rows, taken_weights, row_scale=x.mean_square(), rms_eps=x.eps, impl=impl
+            rows, taken_weights, row_scale=x.square_sum(), rms_eps=x.eps, impl=impl
         )
     else:
         products = projections.projections(rows, taken_weights, impl=impl)

@@ -50,26 +50,31 @@ product of its own. Off: on the H200 the launch's added programs take as long as
 product (``benchmarks/RESULTS_serve.md``)."""
 
 
-def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def top_k(x: jax.Array, k: int, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k(x, k)`` along the last axis of ``x`` ``[T, n]`` (equal values: the lower
-    index first), with int32 indices.
+    index first), with int32 indices; rows where ``valid`` (bool ``[T]``) is False get index
+    ``n`` (out of range: no expert) for each choice.
 
     Up to ``RANKED_TOP_K_TOKENS`` rows it counts, for every entry, the entries that come
     before it (larger, or equal at a lower index) and picks the entries of ranks ``0..k-1``:
     an ``[T, n, n]`` comparison that XLA fuses into a reduction, where ``lax.top_k`` on the GPU
     is a sort of its own per call. More rows sort (the comparison grows as ``n ** 2``).
     """
+    n = x.shape[-1]
     if x.shape[0] > RANKED_TOP_K_TOKENS:
         values, indices = jax.lax.top_k(x, k)
-        return values, indices.astype(jnp.int32)
-    n = x.shape[-1]
+        indices = indices.astype(jnp.int32)
+        return values, indices if valid is None else jnp.where(valid[:, None], indices, n)
     index = jnp.arange(n, dtype=jnp.int32)
     mine, other = x[..., :, None], x[..., None, :]
     before = (other > mine) | ((other == mine) & (index[None, :] < index[:, None]))
     rank = before.sum(axis=-1, dtype=jnp.int32)  # [T, n]: each entry's place in the order
     chosen = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [T, k, n]
     values = jnp.where(chosen, x[..., None, :], 0).sum(axis=-1)
-    indices = jnp.where(chosen, index, 0).sum(axis=-1, dtype=jnp.int32)
+    # An invalid row's index inside the sum (one entry is chosen per choice), not after
+    # it: XLA then needs no kernel of its own for the mask.
+    ids = index if valid is None else jnp.where(valid[:, None, None], index, n)
+    indices = jnp.where(chosen, ids, 0).sum(axis=-1, dtype=jnp.int32)
     return values.astype(x.dtype), indices
 
 
@@ -213,17 +218,20 @@ class SparseMoE(nnx.Module):
             c.hidden_size, 1, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
 
-    def route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def route(
+        self, logits: jax.Array, real: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """(weights ``[T, top_k]`` in the logits' dtype, experts int32 ``[T, top_k]``) of each
-        token, from its router logits ``[T, E]``."""
+        token, from its router logits ``[T, E]``; a token that ``real`` (bool ``[T]``) marks
+        as padding gets expert ``E`` (none) for every choice."""
         wide = logits.astype(jnp.float32)
         if self.config.norm_topk_prob:
             # The softmax renormalised over the chosen experts is the softmax of their logits
             # (the softmax keeps the logits' order): no softmax over every expert.
-            chosen, experts = top_k(wide, self.config.top_k)
+            chosen, experts = top_k(wide, self.config.top_k, real)
             weights = jax.nn.softmax(chosen, axis=-1)
         else:
-            weights, experts = top_k(jax.nn.softmax(wide, axis=-1), self.config.top_k)
+            weights, experts = top_k(jax.nn.softmax(wide, axis=-1), self.config.top_k, real)
         return weights.astype(logits.dtype), experts
 
     def __call__(
@@ -235,11 +243,11 @@ class SparseMoE(nnx.Module):
         logits, shared_gate, shared_up = project(
             x, [self.gate, shared_mlp.gate_proj, shared_mlp.up_proj], impl=impl
         )
-        weights, experts = self.route(logits)
+        weights, experts = self.route(logits, real)
         shared_scale = jax.nn.sigmoid(self._shared_gate_logit(x))
         shared_hidden = shared_mlp.hidden(shared_gate, shared_up)
         if self._runs_by_id(x, impl):
-            routed, shared = self._experts_by_id(x, real, weights, experts, shared_hidden, impl)
+            routed, shared = self._experts_by_id(x, weights, experts, shared_hidden, impl)
             return routed.astype(x.dtype) + shared_scale * shared
         x = formed(x)
         shared = shared_scale * shared_mlp.down(shared_hidden, impl=impl)
@@ -274,14 +282,12 @@ class SparseMoE(nnx.Module):
                 return False
         return resolve_impl("expert_matmul", impl, None) != "reference"
 
-    def _experts_by_id(self, x, real, weights, experts, shared_hidden, impl: str):
+    def _experts_by_id(self, x, weights, experts, shared_hidden, impl: str):
         """(float32 ``[T, hidden]``: each token's experts read by id (padding tokens' ids are
-        out of range: they read none and give zeros), weighted and summed; the shared
-        expert's down product of ``shared_hidden``, in the experts' down launch with
-        ``SHARED_DOWN_WITH_EXPERTS`` where the kernel takes it)."""
+        out of range, from ``route``: they read none and give zeros), weighted and summed;
+        the shared expert's down product of ``shared_hidden``, in the experts' down launch
+        with ``SHARED_DOWN_WITH_EXPERTS`` where the kernel takes it)."""
         tokens, top_k = experts.shape
-        if real is not None:
-            experts = jnp.where(real[:, None], experts, self.config.num_experts)
         if isinstance(x, NormedRows):  # each token's products times its inverse RMS
             gate_up = moe.expert_matmul(x.weighted(), self.gate_up_proj[...], experts, impl=impl)
             gate_up = gate_up.astype(jnp.float32) * x.inverse_rms()[:, None, None]

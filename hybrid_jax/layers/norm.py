@@ -49,15 +49,16 @@ class NormedRows:
         """``x * scale`` in x's dtype: the rows a product reads before ``inverse_rms``."""
         return (self.x.astype(jnp.float32) * self.scale).astype(self.x.dtype)
 
-    def mean_square(self) -> jax.Array:
-        """float32 ``[T]``: each row's mean square (``inverse_rms`` is
-        ``1 / sqrt(mean_square + eps)``)."""
+    def square_sum(self) -> jax.Array:
+        """float32 ``[T]``: each row's sum of squares (``inverse_rms`` is
+        ``1 / sqrt(square_sum / dim + eps)``). A launch takes the sum, not the mean: the
+        reduction that gives it is then the last op of its kernel."""
         x32 = self.x.astype(jnp.float32)
-        return jnp.mean(x32 * x32, axis=-1)
+        return jnp.sum(x32 * x32, axis=-1)
 
     def inverse_rms(self) -> jax.Array:
         """float32 ``[T]``: what each row of ``weighted() @ w`` is multiplied by."""
-        return jax.lax.rsqrt(self.mean_square() + self.eps)
+        return jax.lax.rsqrt(self.square_sum() / self.x.shape[-1] + self.eps)
 
 
 def formed(x: jax.Array | NormedRows) -> jax.Array:

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import NUM_SMS, distinct_operands, interpret_params
+from pallas_kernels._common import NUM_SMS, interpret_params
 
 __all__ = [
     "VEC",
@@ -263,7 +263,6 @@ def one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, v
         plgpu.copy_smem_to_gmem(o_smem, o_ref.at[n, :, head, pl.ds(j * bv, bv)])
         _wait_stores_read()
 
-    body, operands = distinct_operands(body, (idx, q, k, v, *gates_in))
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((n_rows, n_tokens, hv, v_dim), v.dtype),
@@ -283,7 +282,7 @@ def one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, v
         interpret=interpret_params(interpret),
         kernel_name="gdn_decode",
     )
-    return kernel(*operands, pool_ref)
+    return kernel(idx, q, k, v, *gates_in, pool_ref)
 
 
 def _stage_rows(n_tokens: int, bv: int, dtype) -> int:
@@ -393,7 +392,6 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
         lax.fori_loop(0, count, step, (slots, gates_of(0)))
         _wait_stores_read()
 
-    body, operands = distinct_operands(body, (idx, q, k, v, *gates_in))
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((n_rows, n_tokens, hv, v_dim), v.dtype),
@@ -410,4 +408,4 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
         interpret=interpret_params(interpret),
         kernel_name="gdn_decode_ring",
     )
-    return kernel(*operands, pool_ref)
+    return kernel(idx, q, k, v, *gates_in, pool_ref)

@@ -50,17 +50,17 @@ def test_projections_match_the_oracle(rows, k, widths, product_variant):
     ],
 )
 def test_row_scaled_projections_match_the_oracle(rows, k, widths, product_variant):
-    """Each row scaled by ``1 / sqrt(mean_square + eps)`` in the launch (an RMS norm's)."""
+    """Each row scaled by ``1 / sqrt(square_sum / K + eps)`` in the launch (an RMS norm's)."""
     rng = np.random.default_rng(rows * k + 3)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     ws = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16) for n in widths]
-    mean_square = jnp.asarray(rng.uniform(0.05, 400.0, rows), jnp.float32)
+    square_sum = jnp.asarray(rng.uniform(0.05, 400.0, rows) * k, jnp.float32)
 
     def call(x, ws, s):
         return projections.projections(x, ws, row_scale=s, rms_eps=1e-6, impl="pallas")
 
-    got = jax.jit(call)(x, ws, mean_square)
-    scale = 1 / np.sqrt(np.asarray(mean_square, np.float64) + 1e-6)
+    got = jax.jit(call)(x, ws, square_sum)
+    scale = 1 / np.sqrt(np.asarray(square_sum, np.float64) / k + 1e-6)
     for out, w in zip(got, ws, strict=True):
         want = (np.asarray(x, np.float64) @ np.asarray(w, np.float64)) * scale[:, None]
         out64 = np.asarray(out, np.float64)

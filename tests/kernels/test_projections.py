@@ -58,8 +58,8 @@ def test_row_scaled_products_match_the_float64_oracle(
     scale = jnp.asarray(np.random.default_rng(rows).uniform(0.1, 3.0, rows), jnp.float32)
     got = projections.projections(x, ws, row_scale=scale, rms_eps=rms_eps, impl=impl)
     scale64 = np.asarray(scale, np.float64)
-    if rms_eps is not None:  # scale holds mean squares
-        scale64 = 1 / np.sqrt(scale64 + rms_eps)
+    if rms_eps is not None:  # scale holds sums of squares over K
+        scale64 = 1 / np.sqrt(scale64 / k + rms_eps)
     for out, w in zip(got, ws, strict=True):
         chex.assert_shape(out, (rows, w.shape[1]))
         want = (np.asarray(x, np.float64) @ np.asarray(w, np.float64)) * scale64[:, None]
