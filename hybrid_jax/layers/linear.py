@@ -5,7 +5,9 @@ shared expert, a dense MLP's gate and up) each read their weight once; at a few 
 per weight costs more than its bytes. ``project`` runs them in one launch
 (``pallas_kernels.projections``, every weight read in place) when the step has at most
 ``FEW_ROWS`` rows and the kernel runs here, and as the layers themselves otherwise (XLA's
-products: the CPU, large steps, biases, shapes the kernel does not take).
+products: the CPU, large steps, biases, shapes the kernel does not take). Its input may be a
+norm left unformed (``layers.norm.NormedRows``, with ``NORMS_IN_LAUNCH``): the launch then
+applies the norm's row scale to its sums, and no norm kernel runs before it.
 
 ``project_output`` is the same choice for a block's single output projection (GDN and Mamba2
 ``out_proj``, attention's ``o_proj``, an MLP's ``down_proj``): with ``SPLIT_OUTPUT_PROJECTIONS``
