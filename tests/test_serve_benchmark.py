@@ -32,7 +32,7 @@ def presets(serve):
 
 
 def test_smoke_rows_all_measure_and_write_results(serve, tmp_path):
-    assert serve.main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert serve.main(["--smoke", "--hlo", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "RESULTS_serve_smoke.md").read_text()
     rows = [
         line for line in text.splitlines() if line.startswith(("| decode", "| prefill", "| stream"))
@@ -40,6 +40,9 @@ def test_smoke_rows_all_measure_and_write_results(serve, tmp_path):
     assert len(rows) == 3 and not any("failed" in row for row in rows), text
     stream = rows[2]
     assert "ITL p50/p90/p99" in stream and "TTFT p50/p90/p99" in text, text
+    # --hlo: the decode row's executable as XLA optimised it.
+    (hlo,) = tmp_path.glob("hlo_smoke_decode_*.txt")
+    assert hlo.read_text().startswith("HloModule")
 
 
 def test_the_nemotron_h_preset_runs_and_its_limit_follows_the_model(serve, presets, tmp_path):
