@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_time import device_time  # noqa: E402
+from switches import switches_set  # noqa: E402
 
 from pallas_kernels import _skinny, projections  # noqa: E402
 
@@ -61,18 +62,13 @@ def _traced_with(stages: int, overlap: bool, swap: bool):
     (``_skinny.STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``, read when the launch is
     traced): the first call's function, which traces and compiles with them, and the
     compiled function for the timed calls."""
-    names = ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS")
     fn = jax.jit(functools.partial(projections.projections, impl="pallas"))
+    variant = {(_skinny, "STAGES"): stages, (_skinny, "OVERLAP_PRODUCTS"): overlap,
+               (_skinny, "SWAP_OPERANDS"): swap}  # fmt: skip
 
     def first_call(x, weights):
-        default = [getattr(_skinny, name) for name in names]
-        for name, value in zip(names, (stages, overlap, swap), strict=True):
-            setattr(_skinny, name, value)
-        try:
+        with switches_set(variant):
             return fn(x, weights)
-        finally:
-            for name, value in zip(names, default, strict=True):
-                setattr(_skinny, name, value)
 
     return first_call, fn
 

@@ -63,6 +63,7 @@ from serve_presets import (  # noqa: E402
     limit_bytes,
     limit_flops,
 )
+from switches import switches_set  # noqa: E402
 
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
@@ -418,6 +419,44 @@ def _plot(path: pathlib.Path, rows: list[Row]) -> None:
     fig.savefig(path)
 
 
+def variant_rows(model, c, args, rng, label: str) -> list[Row]:
+    """The decode, prefill and stream rows the arguments ask for, each measured (a failed row
+    is reported as such, the rest still run; ``--smoke`` raises instead)."""
+    rows: list[Row] = []
+
+    def measure(name: str, row) -> None:
+        try:
+            rows.append(row())
+        except Exception as err:
+            if args.smoke:
+                raise
+            rows.append(_failed(f"{name} ({label})", err))
+        print(rows[-1], flush=True)
+
+    decode_rows = [(int(b), args.prompt_len) for b in args.decode.split(",") if b]
+    decode_rows += [
+        tuple(int(v) for v in spec.split("@")) for spec in args.decode_long.split(",") if spec
+    ]
+    for batch, prompt in decode_rows:
+        measure(
+            f"decode B={batch}",
+            lambda b=batch, p=prompt: decode_row(model, c, b, p, args, rng, label),
+        )
+    for spec in (s for s in args.prefill.split(",") if s):
+        n, length = (int(v) for v in spec.split("x"))
+        measure(
+            f"prefill {spec}",
+            lambda n=n, length=length: prefill_row(model, c, n, length, args, rng, label),
+        )
+    for spec in (s for s in args.stream.split(",") if s):
+        n, rate = spec.split("x")
+        measure(
+            f"stream {spec}",
+            lambda n=n, rate=rate: stream_row(model, c, int(n), float(rate), args, rng, label),
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="qwen3-next-80b-a3b", choices=sorted(PRESETS))
@@ -497,21 +536,20 @@ def main(argv: list[str] | None = None) -> int:
         args.decode, args.prefill = "2", "2x64"
         args.prompt_len, args.decode_steps, args.profile_steps = 8, 4, 2
         args.stream, args.stream_batch, args.output_len = "3x200", 2, 3
-    few_rows, ranked_tokens = linear_layer.FEW_ROWS, moe_layer.RANKED_TOP_K_TOKENS
     for flag, value in (("--profile-steps", args.profile_steps),
                         ("--projection-rows", args.projection_rows),
                         ("--ranked-top-k-tokens", args.ranked_top_k_tokens)):  # fmt: skip
         if value is not None and value < 0:
             parser.error(f"{flag} {value}: must be >= 0")
-    switched = {}  # the trial switches this run sets, with their values before
-    for flag, (module, name, value, _) in TRIAL_SWITCHES.items():
-        if getattr(args, flag[2:].replace("-", "_")):
-            switched[module, name] = getattr(module, name)
-            setattr(module, name, value)
+    settings = {
+        (module, name): value
+        for flag, (module, name, value, _) in TRIAL_SWITCHES.items()
+        if getattr(args, flag[2:].replace("-", "_"))
+    }
     if args.projection_rows is not None:
-        linear_layer.FEW_ROWS = args.projection_rows
+        settings[linear_layer, "FEW_ROWS"] = args.projection_rows
     if args.ranked_top_k_tokens is not None:
-        moe_layer.RANKED_TOP_K_TOKENS = args.ranked_top_k_tokens
+        settings[moe_layer, "RANKED_TOP_K_TOKENS"] = args.ranked_top_k_tokens
     if args.cache_dir is None:
         # Cold, as a first start is; within the run the rows share it, as an engine's own
         # executables do (EXTEND and MIXED lower to the same program).
@@ -537,13 +575,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(chosen) - {"auto", "sorted", "reference"})
     if unknown:
         parser.error(f"--moe {args.moe!r}: {unknown} not among auto, sorted, reference, both")
-    by_id_max_pairs = moe_layer.BY_ID_MAX_PAIRS
     rows: list[Row] = []
     for variant in chosen:
         # The reference rows hide tokamax from the grouped matmul, so auto takes ragged_dot;
         # the sorted rows never run experts by id.
-        _GROUPED_MATMUL._tokamax_ragged_dot = kernel if variant != "reference" else (lambda: None)
-        moe_layer.BY_ID_MAX_PAIRS = 0 if variant == "sorted" else by_id_max_pairs
+        variant_settings = dict(settings)
+        if variant == "reference":
+            variant_settings[_GROUPED_MATMUL, "_tokamax_ragged_dot"] = lambda: None
+        if variant == "sorted":
+            variant_settings[moe_layer, "BY_ID_MAX_PAIRS"] = 0
         args.program_store = variant == "auto"
         tokamax = variant != "reference" and kernel() is not None
         label = (
@@ -553,43 +593,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         if not getattr(c, "num_experts", 0):
             label = "dense"
-        decode_rows = [(int(b), args.prompt_len) for b in args.decode.split(",") if b]
-        decode_rows += [
-            tuple(int(v) for v in spec.split("@")) for spec in args.decode_long.split(",") if spec
-        ]
-        for batch, prompt in decode_rows:
-            try:
-                rows.append(decode_row(model, c, batch, prompt, args, rng, label))
-            except Exception as err:  # a failed row is reported, the rest still runs
-                if args.smoke:
-                    raise
-                rows.append(_failed(f"decode B={batch} ({label})", err))
-            print(rows[-1], flush=True)
-        for spec in (s for s in args.prefill.split(",") if s):
-            n, length = (int(v) for v in spec.split("x"))
-            try:
-                rows.append(prefill_row(model, c, n, length, args, rng, label))
-            except Exception as err:
-                if args.smoke:
-                    raise
-                rows.append(_failed(f"prefill {spec} ({label})", err))
-            print(rows[-1], flush=True)
-        for spec in (s for s in args.stream.split(",") if s):
-            n, rate = spec.split("x")
-            try:
-                rows.append(stream_row(model, c, int(n), float(rate), args, rng, label))
-            except Exception as err:
-                if args.smoke:
-                    raise
-                rows.append(_failed(f"stream {spec} ({label})", err))
-            print(rows[-1], flush=True)
+        with switches_set(variant_settings):
+            rows += variant_rows(model, c, args, rng, label)
         if not getattr(c, "num_experts", 0):
             break
-    _GROUPED_MATMUL._tokamax_ragged_dot = kernel
-    moe_layer.BY_ID_MAX_PAIRS = by_id_max_pairs
-    linear_layer.FEW_ROWS, moe_layer.RANKED_TOP_K_TOKENS = few_rows, ranked_tokens
-    for (module, name), value in switched.items():
-        setattr(module, name, value)
     title = f"{args.preset}, {c.num_hidden_layers} layers"
     name = "RESULTS_serve_smoke.md" if args.smoke else "RESULTS_serve.md"
     write_results(out / name, title, rows)

@@ -22,6 +22,7 @@ def serve():
     yield module
     del sys.modules["serve"]
     sys.modules.pop("serve_presets", None)
+    sys.modules.pop("switches", None)
     sys.path.remove(str(ROOT / "benchmarks"))
 
 
@@ -43,6 +44,22 @@ def test_smoke_rows_all_measure_and_write_results(serve, tmp_path):
     # --hlo: the decode row's executable as XLA optimised it.
     (hlo,) = tmp_path.glob("hlo_smoke_decode_*.txt")
     assert hlo.read_text().startswith("HloModule")
+
+
+def test_a_trial_switch_holds_for_the_rows_and_is_put_back_after(serve, tmp_path, monkeypatch):
+    """``--no-norms-in-launch`` is set while the rows run and as it was after, raised or not."""
+    from hybrid_jax.layers import linear
+
+    seen = []
+
+    def rows(*args, **kwargs):
+        seen.append(linear.NORMS_IN_LAUNCH)
+        raise RuntimeError("row failed")
+
+    monkeypatch.setattr(serve, "variant_rows", rows)
+    with pytest.raises(RuntimeError, match="row failed"):
+        serve.main(["--smoke", "--no-norms-in-launch", "--out", str(tmp_path)])
+    assert seen == [False] and linear.NORMS_IN_LAUNCH is True
 
 
 def test_the_nemotron_h_preset_runs_and_its_limit_follows_the_model(serve, presets, tmp_path):
