@@ -126,12 +126,13 @@ def programs_per_sm(scratch_refs) -> int:
 def tile_product(
     x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, scale_s=None, scale_bar=None, *,
     steps: int, variant: ProductVariant, interpret: bool, row_scale=None,
-    rms_eps: float | None = None,
+    rms: tuple[float, int] | None = None,
 ):  # fmt: skip
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype); with
     ``row_scale`` (a GMEM view ``[R]``, float32) each row's sum times its scale before the
-    store, or with ``rms_eps`` too times ``1 / sqrt(row_scale / K + rms_eps)`` (``row_scale``
-    then holds each row's sum of squares over K: an RMS norm's scale, formed here).
+    store, or with ``rms = (eps, width)`` too times ``1 / sqrt(row_scale / width + eps)``
+    (``row_scale`` then holds each row's sum of squares over the norm's ``width``: an RMS
+    norm's scale, formed here).
 
     ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64 and at most the rows
     ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;
@@ -181,8 +182,9 @@ def tile_product(
             scale = plgpu.load(scale_s.at[pl.ds(0, held)], layout=COLS)
         else:
             scale = plgpu.load(scale_s, layout=ROWS)
-        if rms_eps is not None:
-            scale = lax.rsqrt(scale * (1.0 / (steps * BLOCK_K)) + rms_eps)
+        if rms is not None:
+            eps, width = rms
+            scale = lax.rsqrt(scale * (1.0 / width) + eps)
         acc = acc * (along_cols(scale, shape) if swap else along_rows(scale, shape))
     plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
     if swap:

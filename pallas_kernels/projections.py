@@ -67,7 +67,7 @@ def unsupported_reason(x: jax.Array, weights: Sequence[jax.Array]) -> str | None
     return None
 
 
-def _check(x: jax.Array, weights: Sequence[jax.Array], row_scale=None) -> None:
+def _check(x: jax.Array, weights: Sequence[jax.Array], row_scale=None, rms_eps=None) -> None:
     if x.ndim != 2 or not weights or any(w.ndim != 2 or w.shape[0] != x.shape[1] for w in weights):
         raise ValueError(
             f"{_OP}: x must be [R, K] and each weight [K, N] with x's K; got x {x.shape} and "
@@ -75,6 +75,8 @@ def _check(x: jax.Array, weights: Sequence[jax.Array], row_scale=None) -> None:
         )
     if row_scale is not None and row_scale.shape != x.shape[:1]:
         raise ValueError(f"{_OP}: row_scale {row_scale.shape} must be [R] = [{x.shape[0]}]")
+    if rms_eps is not None and row_scale is None:
+        raise ValueError(f"{_OP}: rms_eps={rms_eps} scales rows by their row_scale; none given")
 
 
 def projections_reference(
@@ -111,7 +113,7 @@ def _kernel(
 ):  # fmt: skip
     """Every weight's products over ``splits`` parts of K: ``[splits, R, N_i]`` each, float32
     when ``partial``, else in x's dtype; each row times its ``row_scale`` when given (or
-    ``1 / sqrt(row_scale / K + rms_eps)``, ``tile_product``)."""
+    ``1 / sqrt(row_scale / K + rms_eps)`` with the whole K, ``tile_product``)."""
     rows, k_dim = x.shape
     steps = k_dim // BLOCK_K // splits
     span = steps * BLOCK_K
@@ -137,7 +139,7 @@ def _kernel(
             tile_product(
                 x_ref.at[:, ks], w_ref.at[ks, cols], o_ref.at[split, :, cols], *scratch_refs,
                 steps=steps, variant=variant, interpret=interpret, row_scale=scale_ref,
-                rms_eps=rms_eps,
+                rms=None if rms_eps is None else (rms_eps, k_dim),
             )  # fmt: skip
 
         for w_ref, o_ref, start, count in zip(w_refs, o_refs, starts, tiles, strict=True):
@@ -185,11 +187,9 @@ def projections(
       A tuple of ``[R, N_i]`` in x's dtype.
     """
     weights = tuple(weights)
-    _check(x, weights, row_scale)
+    _check(x, weights, row_scale, rms_eps)
     reason = unsupported_reason(x, weights) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
-    if rms_eps is not None and row_scale is None:
-        raise ValueError(f"{_OP}: rms_eps={rms_eps} scales rows by their row_scale; none given")
     if choice == "reference" or x.shape[0] == 0:
         return projections_reference(x, weights, row_scale, rms_eps)
     outs = _kernel(

@@ -99,8 +99,7 @@ def project(
     else:
         products = projections.projections(rows, taken_weights, impl=impl)
     launched = dict(zip(taken, products, strict=True))
-    rest = [layer for i, layer in enumerate(layers) if i not in launched]
-    h = formed(x) if rest else None
+    h = formed(x) if len(launched) < len(layers) else None  # for the layers not launched
     return tuple(launched[i] if i in launched else layer(h) for i, layer in enumerate(layers))
 
 

@@ -251,7 +251,8 @@ class SparseMoE(nnx.Module):
             return routed.astype(x.dtype) + shared_scale * shared
         x = formed(x)
         shared = shared_scale * shared_mlp.down(shared_hidden, impl=impl)
-        dispatch = ExpertDispatch.sort(experts, self.config.num_experts, real)
+        # ``route`` gave padding tokens the out-of-range expert: they sort after the groups.
+        dispatch = ExpertDispatch.sort(experts, self.config.num_experts)
         xs = dispatch.rows(x)
 
         def experts_matmul(rows: jax.Array, w: nnx.Param) -> jax.Array:
