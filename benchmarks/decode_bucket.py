@@ -31,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from device_time import device_time  # noqa: E402
 
-from pallas_kernels.gdn import decode_mgpu  # noqa: E402
+from pallas_kernels.gdn import decode_mgpu, stack_gate_params  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
 SLOTS = 1024
@@ -60,7 +60,7 @@ def measure(n: int, real: int, block_v: int, rng: np.random.Generator) -> tuple[
 
     def op(pool, slots, variant):
         return decode_mgpu.packed_gating_recurrent_gated_delta_rule(
-            qkv, ba, a_log, dt_bias, pool, slots, variant=variant
+            qkv, ba, stack_gate_params(a_log, dt_bias), pool, slots, variant=variant
         )
 
     o_ref, _ = jax.jit(lambda p: op(p, slots[0], base))(pool)

@@ -103,7 +103,7 @@ def _gdn_cuts(m: GatedDeltaNet) -> dict[str, Cut]:
     return {
         "in_proj_qkv.kernel": Cut(-1, qkv), "in_proj_z.kernel": Cut(-1),
         "in_proj_ba.kernel": Cut(-1, (d.num_value_heads,) * 2), "conv_weight": Cut(-2, qkv),
-        "dt_bias": Cut(-1), "A_log": Cut(-1), "out_proj.kernel": Cut(-2),
+        "gate_params": Cut(-1), "out_proj.kernel": Cut(-2),
     }  # fmt: skip
 
 

@@ -41,8 +41,10 @@ def _bits(x) -> np.ndarray:
 @pytest.fixture(scope="module")
 def layer() -> GatedDeltaNet:
     layer = GatedDeltaNet(CONFIG, rngs=nnx.Rngs(0))
-    # dt_bias starts at ones: make it random so that a wrong head's bias shows.
-    layer.dt_bias[...] = jax.random.normal(jax.random.key(1), layer.dt_bias.shape)
+    # dt_bias (gate_params' second row) starts at ones: make it random so that a wrong head's
+    # bias shows.
+    params = layer.gate_params[...]
+    layer.gate_params[...] = params.at[1].set(jax.random.normal(jax.random.key(1), params[1].shape))
     return layer
 
 
@@ -63,7 +65,8 @@ def _unfused_decode(layer, x, conv_state, ssm_state, meta, *, impl):
     d, bs = CONFIG.dims, meta.batch_size
     mixed, z, ba = layer._project(x)
     b, a = jnp.split(ba, 2, axis=-1)
-    g, beta = gdn.gdn_gating(layer.A_log[...], a, layer.dt_bias[...], b)
+    a_log, dt_bias = layer.gate_params[...]
+    g, beta = gdn.gdn_gating(a_log, a, dt_bias, b)
     mixed, conv_state = conv1d.causal_conv1d_update(
         mixed.reshape(bs, 1, -1), layer.conv_weight[...], None, conv_state,
         meta.state_indices, impl=impl,
@@ -127,18 +130,17 @@ def _primitives_outside_kernels(jaxpr) -> tuple[set[str], int]:
 
 def _mix_args(layer, x, conv, ssm, meta):
     mixed, _, ba = layer._project(x)
-    return mixed, layer.conv_weight[...], layer.A_log[...], ba, layer.dt_bias[...], conv, ssm
+    return mixed, layer.conv_weight[...], layer.gate_params[...], ba, conv, ssm
 
 
 def test_decode_step_gates_only_inside_the_kernel(layer):
     x, conv, ssm, meta = _inputs(1)
     args = _mix_args(layer, x, conv, ssm, meta)
 
-    def fused(mixed, conv_weight, a_log, ba, dt_bias, conv, ssm):
+    def fused(mixed, conv_weight, gate_params, ba, conv, ssm):
         return gdn_mix(
-            mixed, conv_weight, a_log, ba, dt_bias, conv, ssm, meta, CONFIG.dims,
-            impl="interpret",
-        )  # fmt: skip
+            mixed, conv_weight, gate_params, ba, conv, ssm, meta, CONFIG.dims, impl="interpret"
+        )
 
     names, kernels = _primitives_outside_kernels(jax.make_jaxpr(fused)(*args).jaxpr)
     assert kernels == 2, "the conv update and the decode kernel"
@@ -159,21 +161,19 @@ def test_decode_step_lowers_for_cuda_with_the_pools_aliased():
     shapes = (
         jax.ShapeDtypeStruct((bs, channels), bf16),
         jax.ShapeDtypeStruct((channels, 4), bf16),
-        jax.ShapeDtypeStruct((hv,), f32),
+        jax.ShapeDtypeStruct((2, hv), f32),
         jax.ShapeDtypeStruct((bs, 2 * hv), bf16),
-        jax.ShapeDtypeStruct((hv,), f32),
         jax.ShapeDtypeStruct((slots, channels, 3), bf16),
         jax.ShapeDtypeStruct((slots, hv, kd, kd), f32),
     )
 
-    def step(mixed, conv_weight, a_log, ba, dt_bias, conv, ssm, meta):
+    def step(mixed, conv_weight, gate_params, ba, conv, ssm, meta):
         mix = gdn_mix(
-            mixed, conv_weight, a_log, ba, dt_bias, conv, ssm, meta, GDNDims(*dims),
-            impl="pallas",
-        )  # fmt: skip
+            mixed, conv_weight, gate_params, ba, conv, ssm, meta, GDNDims(*dims), impl="pallas"
+        )
         return mix.out, mix.conv_state, mix.ssm_state
 
-    traced = jax.jit(step, donate_argnums=(5, 6)).trace(*shapes, meta)
+    traced = jax.jit(step, donate_argnums=(4, 5)).trace(*shapes, meta)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     assert re.search(rf"tensor<{slots}x{channels}x3xbf16> {{tf.aliasing_output = 1 ", main)

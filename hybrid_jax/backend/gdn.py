@@ -50,16 +50,16 @@ class GDNDims(NamedTuple):
 
 
 class _Gating(NamedTuple):
-    """The gating inputs of one GDN layer: ``ba`` ``[T, 2 HV]`` is ``[b | a]`` per token."""
+    """The gating inputs of one GDN layer: ``params`` ``[2, HV]`` is ``[A_log; dt_bias]``,
+    ``ba`` ``[T, 2 HV]`` is ``[b | a]`` per token."""
 
-    A_log: jax.Array
+    params: jax.Array
     ba: jax.Array
-    dt_bias: jax.Array
 
     def gates(self) -> tuple[jax.Array, jax.Array]:
         """``(g, beta)`` of ``gdn_gating``."""
         b, a = gdn.split_ba(self.ba)
-        return gdn.gdn_gating(self.A_log, a, self.dt_bias, b)
+        return gdn.gdn_gating(self.params[0], a, self.params[1], b)
 
 
 def _split_qkv(mixed: jax.Array, dims: GDNDims) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -104,7 +104,7 @@ def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)
     )
     # The kernel reads q, k, v and b, a where the conv and the projection put them.
     out, ssm_state = gdn.packed_gating_recurrent_gated_delta_rule(
-        mixed, rows(gating.ba, meta), gating.A_log, gating.dt_bias, ssm_state, slots, impl=impl
+        mixed, rows(gating.ba, meta), gating.params, ssm_state, slots, impl=impl
     )
     ssm_state = _stored_slots(ssm_state, slots, dims)
     return LinearMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, ())
@@ -140,9 +140,8 @@ _PATHS: dict[TokenLayout, Callable[..., LinearMixResult]] = {
 def gdn_mix(
     mixed_qkv: jax.Array,
     conv_weight: jax.Array,
-    A_log: jax.Array,
+    gate_params: jax.Array,
     ba: jax.Array,
-    dt_bias: jax.Array,
     conv_state: jax.Array,
     ssm_state: jax.Array,
     meta: ForwardMetadata,
@@ -154,13 +153,13 @@ def gdn_mix(
     ``meta.mode``.
 
     mixed_qkv: ``[T, 2*H*K + HV*V]`` (q, k, v channels before the conv); conv_weight
-    ``[C, W]``; A_log, dt_bias ``[HV]`` and ba ``[T, 2*HV]`` (``[b | a]`` per token): the
-    inputs of ``gdn_gating`` (gated inside the decode kernel in DECODE, by ``gdn_gating``
-    otherwise); conv_state ``[S, C, W-1]``; ssm_state float32 ``[S, HV, K, V]`` (states
-    written at ``dims.state_dtype``'s precision). Returns the delta rule's output
-    ``[T, HV, V]`` and the pools (see ``LinearMixResult``). Raises
+    ``[C, W]``; gate_params ``[2, HV]`` (``[A_log; dt_bias]``) and ba ``[T, 2*HV]``
+    (``[b | a]`` per token): the inputs of ``gdn_gating`` (gated inside the decode kernel in
+    DECODE, by ``gdn_gating`` otherwise); conv_state ``[S, C, W-1]``; ssm_state float32
+    ``[S, HV, K, V]`` (states written at ``dims.state_dtype``'s precision). Returns the
+    delta rule's output ``[T, HV, V]`` and the pools (see ``LinearMixResult``). Raises
     ``UnsupportedForwardModeError`` while tracing when GDN layers have no path for the mode.
     """
     path = mix_path(LayerKind.GDN, _PATHS, meta)
-    gating = _Gating(A_log, ba, dt_bias)
+    gating = _Gating(gate_params, ba)
     return path(mixed_qkv, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)

@@ -24,6 +24,7 @@ from hybrid_jax.layers.linear import project, project_output
 from hybrid_jax.layers.norm import GatedRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.state_pool import LinearStateSpec
+from pallas_kernels import gdn as gdn_kernels
 
 __all__ = [
     "STATE_DTYPES",
@@ -138,9 +139,13 @@ class GatedDeltaNet(nnx.Module):
         self.conv_weight = nnx.Param(
             jax.random.uniform(rngs.params(), (c.conv_dim, c.conv_kernel), dtype, -bound, bound)
         )
-        self.dt_bias = nnx.Param(jnp.ones((d.num_value_heads,), jnp.float32))
         decay = jax.random.uniform(rngs.params(), (d.num_value_heads,), jnp.float32, 1.0, 16.0)
-        self.A_log = nnx.Param(jnp.log(decay))
+        # The checkpoint's A_log and dt_bias as the rows of one array: stacked over the layers
+        # for the scan, a layer's slice is then one block the decode kernel reads in place
+        # (XLA copies a slice of fewer than 256 bytes out before a custom call reads it).
+        self.gate_params = nnx.Param(
+            gdn_kernels.stack_gate_params(jnp.log(decay), jnp.ones_like(decay))
+        )
         self.norm = GatedRMSNorm(d.head_v_dim, eps=c.rms_norm_eps)
         self.out_proj = nnx.Linear(d.value_dim, c.hidden_size, use_bias=False, dtype=dtype,
                                    param_dtype=dtype, rngs=rngs)  # fmt: skip
@@ -166,8 +171,8 @@ class GatedDeltaNet(nnx.Module):
         ssm_state float32 ``[S, HV, K, V]``."""
         mixed, z, ba = self._project(x, impl=impl)
         mix = gdn_mix(
-            mixed, self.conv_weight[...], self.A_log[...], ba, self.dt_bias[...],
-            conv_state, ssm_state, meta, self.config.dims, impl=impl,
+            mixed, self.conv_weight[...], self.gate_params[...], ba, conv_state, ssm_state,
+            meta, self.config.dims, impl=impl,
         )  # fmt: skip
         out = self.norm(mix.out, z).reshape(x.shape[0], self.config.dims.value_dim)
         out = project_output(out, self.out_proj, impl=impl)

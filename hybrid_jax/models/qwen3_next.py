@@ -460,10 +460,9 @@ def _seeded_value(path: tuple, shape: tuple[int, ...], rng: np.random.Generator)
     """One parameter of the built-in model: matrices ~ N(0, 1/fan_in), norm weights near
     their identity, GDN decay and time-step bias in their usual ranges."""
     name = path[-1]
-    if name == "A_log":
-        return np.log(rng.uniform(1.0, 16.0, shape))
-    if name == "dt_bias":
-        return rng.uniform(0.5, 1.5, shape)
+    if name == "gate_params":  # [A_log; dt_bias]
+        heads = shape[1:]
+        return np.stack([np.log(rng.uniform(1.0, 16.0, heads)), rng.uniform(0.5, 1.5, heads)])
     if name == "conv_weight":
         bound = shape[-1] ** -0.5
         return rng.uniform(-bound, bound, shape)

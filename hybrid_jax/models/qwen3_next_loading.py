@@ -37,6 +37,7 @@ from hybrid_jax.models.checkpoint import (
 from hybrid_jax.models.checkpoint import weight_map as checkpoint_files
 from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig
 from hybrid_jax.modes import LayerKind
+from pallas_kernels import gdn as gdn_kernels
 
 __all__ = ["CheckpointLayout", "load_config", "load_qwen3_next", "model_rules", "save_checkpoint"]
 
@@ -176,8 +177,11 @@ def _layer_rules(
             (*m, "conv_weight"), ((f"{q}conv1d.weight", (g.conv_dim, 1, g.conv_kernel)),),
             lambda x: x[0][:, 0, :], lambda w: [w[:, None, :]],
         )  # fmt: skip
-        yield plain((*m, "dt_bias"), f"{q}dt_bias", (d.num_value_heads,))
-        yield plain((*m, "A_log"), f"{q}A_log", (d.num_value_heads,))
+        yield Rule(
+            (*m, "gate_params"),
+            ((f"{q}A_log", (d.num_value_heads,)), (f"{q}dt_bias", (d.num_value_heads,))),
+            lambda x: gdn_kernels.stack_gate_params(*x), lambda w: [w[0], w[1]],
+        )  # fmt: skip
         yield plain((*m, "norm", "weight"), f"{q}norm.weight", (d.head_v_dim,))
         yield linear((*m, "out_proj", "kernel"), f"{q}out_proj.weight", h, d.value_dim)
     else:

@@ -8,6 +8,7 @@ from pallas_kernels.gdn.fused_recurrent import (
     packed_gating_recurrent_gated_delta_rule,
     split_ba,
     split_qkv,
+    stack_gate_params,
     verify_gated_delta_rule,
 )
 from pallas_kernels.gdn.gating import gdn_gating
@@ -21,5 +22,6 @@ __all__ = [
     "packed_gating_recurrent_gated_delta_rule",
     "split_ba",
     "split_qkv",
+    "stack_gate_params",
     "verify_gated_delta_rule",
 ]

@@ -160,13 +160,13 @@ def check_packed_rows(
     op: str,
     qkv: jax.Array,
     ba: jax.Array,
-    a_log: jax.Array,
-    dt_bias: jax.Array,
+    gate_params: jax.Array,
     ssm_pool: jax.Array,
     state_indices: jax.Array,
 ) -> None:
     """``check_gated_rows`` for rows whose q, k, v come as one conv output ``qkv``
-    ``[N, D, H K + H K + HV V]`` and whose b, a come as ``ba`` ``[N, D, 2 HV]``."""
+    ``[N, D, H K + H K + HV V]``, whose b, a come as ``ba`` ``[N, D, 2 HV]`` and whose A_log
+    and dt_bias come as the rows of ``gate_params`` ``[2, HV]``."""
     if ssm_pool.ndim != 4:
         fail(op, f"ssm_pool.shape={shape(ssm_pool)} must be [S, HV, K, V]")
     hv, kd, vd = shape(ssm_pool)[1:]
@@ -181,8 +181,11 @@ def check_packed_rows(
         )
     if shape(ba) != (*shape(qkv)[:2], 2 * hv):
         fail(op, f"ba.shape={shape(ba)} must be {(*shape(qkv)[:2], 2 * hv)} ([b | a] per token)")
+    if shape(gate_params) != (2, hv):
+        fail(op, f"gate_params.shape={shape(gate_params)} must be (2, {hv}): [A_log; dt_bias]")
+    row = jax.ShapeDtypeStruct((hv,), gate_params.dtype)
     q, k, v, a, b = packed_stand_ins(qkv, ba, ssm_pool)
-    check_gated_rows(op, q, k, v, a_log, a, dt_bias, b, ssm_pool, state_indices)
+    check_gated_rows(op, q, k, v, row, a, row, b, ssm_pool, state_indices)
 
 
 def check_commit(

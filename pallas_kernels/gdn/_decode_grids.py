@@ -160,17 +160,23 @@ def _softplus(x: jax.Array) -> jax.Array:
 
 def _load_gates(gate_refs, cols: Columns, n, head, n_tokens):
     """The gate scalars of item (row ``n``, ``head``) as read from GMEM, flat: ``(g, beta)``
-    per token, or (fused gating: four refs) ``A_log, dt_bias`` then ``(a, b)`` per token,
-    those in float32."""
+    per token, or (fused gating) ``A_log, dt_bias`` then ``(a, b)`` per token, those in
+    float32. Fused gating comes as four refs ``(A_log, a, dt_bias, b)`` or as three,
+    ``(gate_params, a, b)`` with ``gate_params`` ``[2, HV]`` = ``[A_log; dt_bias]``."""
     first, second = head + cols.gate_first, head + cols.gate_second
     if len(gate_refs) == 2:
         g_ref, beta_ref = gate_refs
         return tuple(
             x for t in range(n_tokens) for x in (g_ref[n, t, first], beta_ref[n, t, second])
         )
-    a_log_ref, a_ref, dt_bias_ref, b_ref = gate_refs
+    if len(gate_refs) == 3:
+        params_ref, a_ref, b_ref = gate_refs
+        a_log, dt_bias = params_ref[0, head], params_ref[1, head]
+    else:
+        a_log_ref, a_ref, dt_bias_ref, b_ref = gate_refs
+        a_log, dt_bias = a_log_ref[head], dt_bias_ref[head]
     per_token = (x for t in range(n_tokens) for x in (a_ref[n, t, first], b_ref[n, t, second]))
-    return tuple(x.astype(jnp.float32) for x in (a_log_ref[head], dt_bias_ref[head], *per_token))
+    return tuple(x.astype(jnp.float32) for x in (a_log, dt_bias, *per_token))
 
 
 def _decays(gates, raw_gating: bool):
@@ -214,14 +220,14 @@ def one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, v
                           l2, interpret):  # fmt: skip
     """Grid (column block, value head, row): one TMA round trip per program. q, k, v
     ``[N, D, width]`` with heads at ``cols``; ``gates_in``: ``(g, beta)`` or (fused gating)
-    ``(A_log, a, dt_bias, b)``."""
+    ``(A_log, a, dt_bias, b)`` or ``(gate_params, a, b)`` (``_load_gates``)."""
     n_rows, n_tokens = q.shape[:2]
     h, k_dim, hv, v_dim = heads
     group = hv // h
     layouts = _layouts(variant, bv)
 
     n_gates = len(gates_in)
-    raw = n_gates == 4
+    raw = n_gates > 2
 
     def body(idx_ref, q_ref, k_ref, v_ref, *refs):
         gate_refs, (pool, o_ref) = refs[:n_gates], refs[n_gates : n_gates + 2]
@@ -309,7 +315,7 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
     layouts = _layouts(variant, bv)
 
     n_gates = len(gates_in)
-    raw = n_gates == 4
+    raw = n_gates > 2
 
     def body(idx_ref, q_ref, k_ref, v_ref, *refs):
         gate_refs, (pool, o_ref) = refs[:n_gates], refs[n_gates : n_gates + 2]

@@ -222,8 +222,7 @@ def fused_gating_recurrent_gated_delta_rule(
 def packed_gating_unsupported_reason(
     qkv: jax.Array,
     ba: jax.Array,
-    A_log: jax.Array,  # noqa: N803 (the model's parameter name)
-    dt_bias: jax.Array,
+    gate_params: jax.Array,
     ssm_pool: jax.Array,
     state_indices: jax.Array,
     *,
@@ -234,7 +233,7 @@ def packed_gating_unsupported_reason(
     arguments as ``check_packed_rows`` accepted them)."""
     q, k, v, a, b = packed_stand_ins(qkv, ba, ssm_pool)
     return fused_gating_unsupported_reason(
-        q, k, v, A_log, a, dt_bias, b, ssm_pool, state_indices,
+        q, k, v, gate_params[0], a, gate_params[1], b, ssm_pool, state_indices,
         scale=scale, use_qk_l2norm=use_qk_l2norm,
     )  # fmt: skip
 
@@ -242,8 +241,7 @@ def packed_gating_unsupported_reason(
 def packed_gating_recurrent_gated_delta_rule(
     qkv: jax.Array,
     ba: jax.Array,
-    A_log: jax.Array,  # noqa: N803 (the model's parameter name)
-    dt_bias: jax.Array,
+    gate_params: jax.Array,
     ssm_pool: jax.Array,
     state_indices: jax.Array,
     *,
@@ -254,9 +252,10 @@ def packed_gating_recurrent_gated_delta_rule(
 ) -> tuple[jax.Array, jax.Array]:
     """``fused_gating_recurrent_gated_delta_rule`` reading q, k, v from the conv's output
     ``qkv`` ``[N, D, H K + H K + HV V]`` (``[Q | K | V]``) and b, a from ``ba``
-    ``[N, D, 2 HV]`` (``[b | a]``) where they sit: no slice of either is written first."""
-    check_packed_rows(_PACKED_OP, qkv, ba, A_log, dt_bias, ssm_pool, state_indices)
-    reason = packed_gating_unsupported_reason(qkv, ba, A_log, dt_bias, ssm_pool, state_indices)
+    ``[N, D, 2 HV]`` (``[b | a]``) where they sit: no slice of either is written first. A_log
+    and dt_bias come as one operand, ``gate_params`` ``[2, HV]``."""
+    check_packed_rows(_PACKED_OP, qkv, ba, gate_params, ssm_pool, state_indices)
+    reason = packed_gating_unsupported_reason(qkv, ba, gate_params, ssm_pool, state_indices)
     if reason is not None:
         raise ValueError(reason)
     q, _, v, _, _ = packed_stand_ins(qkv, ba, ssm_pool)
@@ -264,7 +263,7 @@ def packed_gating_recurrent_gated_delta_rule(
     key_dim = heads.h * heads.k_dim
     cols = Columns(q=0, k=key_dim, v=2 * key_dim, gate_first=heads.hv, gate_second=0)
     return _launch(
-        qkv, qkv, qkv, (A_log, ba, dt_bias, ba), ssm_pool, state_indices, heads=heads,
+        qkv, qkv, qkv, (gate_params, ba, ba), ssm_pool, state_indices, heads=heads,
         cols=cols, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
         variant=variant,
     )  # fmt: skip

@@ -32,6 +32,7 @@ __all__ = [
     "fused_recurrent_gated_delta_rule",
     "packed_gating_recurrent_gated_delta_rule",
     "split_qkv",
+    "stack_gate_params",
     "verify_gated_delta_rule",
 ]
 
@@ -155,8 +156,7 @@ def split_ba(ba: jax.Array) -> tuple[jax.Array, jax.Array]:
 def packed_gating_recurrent_gated_delta_rule(
     qkv: jax.Array,
     ba: jax.Array,
-    A_log: jax.Array,
-    dt_bias: jax.Array,
+    gate_params: jax.Array,
     ssm_pool: jax.Array,
     state_indices: jax.Array,
     *,
@@ -164,25 +164,28 @@ def packed_gating_recurrent_gated_delta_rule(
     use_qk_l2norm: bool = True,
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
-    """``fused_gating_recurrent_gated_delta_rule`` on the inputs as a GDN layer makes them:
+    """``fused_gating_recurrent_gated_delta_rule`` on the inputs as a GDN layer keeps them:
     the kernel reads each head where it sits, so no slice of q, k, v, a or b is written
-    before it.
+    before it, and takes A_log and dt_bias as one array (a layer's slice of scanned weights
+    is then one block the kernel reads in place, where two 128-byte rows would each be
+    copied out first).
 
     Args:
       qkv: ``[N, D, H*K + H*K + HV*V]``, the conv's output channels ``[Q | K | V]``
         (``split_qkv``); HV, K and V are the pool's, H is what the width leaves.
       ba: ``[N, D, 2*HV]``, ``[b | a]`` per token (any float dtype).
-      A_log, dt_bias, ssm_pool, state_indices, scale, use_qk_l2norm, impl: as
+      gate_params: ``[2, HV]``, ``[A_log; dt_bias]`` (``stack_gate_params``).
+      ssm_pool, state_indices, scale, use_qk_l2norm, impl: as
         ``fused_gating_recurrent_gated_delta_rule``.
 
     Returns:
       o ``[N, D, HV, V]`` in qkv's dtype, and the pool with each row's final state in its slot.
     """
     op = "packed_gating_recurrent_gated_delta_rule"
-    check_packed_rows(op, qkv, ba, A_log, dt_bias, ssm_pool, state_indices)
+    check_packed_rows(op, qkv, ba, gate_params, ssm_pool, state_indices)
     _, kd, vd = ssm_pool.shape[1:]
     options = {"scale": default_scale(op, kd, scale), "use_qk_l2norm": use_qk_l2norm}
-    args = (qkv, ba, A_log, dt_bias, ssm_pool, state_indices)
+    args = (qkv, ba, gate_params, ssm_pool, state_indices)
     which = resolve_impl(op, impl, decode_mgpu.packed_gating_unsupported_reason(*args, **options))
     if which != "reference":
         return decode_mgpu.packed_gating_recurrent_gated_delta_rule(
@@ -191,9 +194,16 @@ def packed_gating_recurrent_gated_delta_rule(
     h = packed_stand_ins(qkv, ba, ssm_pool)[0].shape[2]
     q, k, v = split_qkv(qkv, h, kd, vd)
     b, a = split_ba(ba)
+    A_log, dt_bias = gate_params  # noqa: N806 (the model's parameter name)
     return fused_gating_recurrent_gated_delta_rule(
         q, k, v, A_log, a, dt_bias, b, ssm_pool, state_indices, **options, impl="reference"
     )
+
+
+def stack_gate_params(A_log: jax.Array, dt_bias: jax.Array) -> jax.Array:  # noqa: N803
+    """``[2, HV]`` ``[A_log; dt_bias]``, as ``packed_gating_recurrent_gated_delta_rule`` takes
+    them (float32)."""
+    return jnp.stack([A_log, dt_bias]).astype(jnp.float32)
 
 
 def verify_gated_delta_rule(

@@ -162,8 +162,8 @@ def _packed_decode(q, k, v, A_log, a, dt_bias, b, ssm_pool, state_indices):  # n
     n, d = v.shape[:2]
     qkv = jnp.concatenate([x.reshape(n, d, -1) for x in (q, k, v)], axis=-1)
     return gdn.packed_gating_recurrent_gated_delta_rule(
-        qkv, jnp.concatenate([b, a], axis=-1), A_log, dt_bias, ssm_pool, state_indices,
-        impl="pallas",
+        qkv, jnp.concatenate([b, a], axis=-1), gdn.stack_gate_params(A_log, dt_bias),
+        ssm_pool, state_indices, impl="pallas",
     )  # fmt: skip
 
 

@@ -37,7 +37,14 @@ def _generate(norms_in_launch: bool) -> list:
         intermediate_size=1024, num_nextn_predict_layers=0,
     )  # fmt: skip
     model = Qwen3Next(config, rngs=nnx.Rngs(0))
-    engine_config = EngineConfig(max_batch=8, max_tokens=64, max_context=256, cache_dir=None)
+    engine_config = EngineConfig(
+        max_batch=8,
+        max_tokens=64,
+        max_context=256,
+        batch_buckets=(8,),
+        token_buckets=(64,),
+        cache_dir=None,
+    )
     with switches_set({(linear, "NORMS_IN_LAUNCH"): norms_in_launch}):
         engine = Engine(model, ByteTokenizer(), engine_config, progress=False)
         rng = np.random.default_rng(0)

@@ -157,8 +157,9 @@ def _packed(args):
     """``args`` as the packed op takes them: ``[Q | K | V]`` and ``[b | a]`` per token."""
     n, d = args["v"].shape[:2]
     flat = [args[key].reshape(n, d, -1) for key in ("q", "k", "v")]
-    rest = {key: args[key] for key in ("A_log", "dt_bias", "ssm_pool", "state_indices")}
+    rest = {key: args[key] for key in ("ssm_pool", "state_indices")}
     return dict(qkv=jnp.concatenate(flat, -1), ba=jnp.concatenate([args["b"], args["a"]], -1),
+                gate_params=gdn.stack_gate_params(args["A_log"], args["dt_bias"]),
                 **rest)  # fmt: skip
 
 
@@ -207,9 +208,13 @@ def test_packed_op_takes_the_kernel_where_the_unpacked_one_does(on_hopper):
         ),  # fmt: skip
         ("qkv", lambda x: x[:, 0], r"qkv.shape=(5, 256) must be [N, D, H*K + H*K + HV*V]"),
         ("ba", lambda x: x[..., :2], r"ba.shape=(5, 1, 2) must be (5, 1, 4) ([b | a] per token)"),
-        ("A_log", lambda x: x[:1], r"A_log.shape=(1,) must be [HV]=(2,), one value per value"),
+        (
+            "gate_params",
+            lambda x: x[:, :1],
+            r"gate_params.shape=(2, 1) must be (2, 2): [A_log; dt_bias]",
+        ),  # fmt: skip
     ],
-    ids=["qkv-width", "qkv-rank", "ba-width", "A_log-length"],
+    ids=["qkv-width", "qkv-rank", "ba-width", "gate_params-length"],
 )
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
 def test_packed_bad_input_is_named_before_any_work(impl, name, make, message):
