@@ -39,9 +39,8 @@ def _run(mode, dims, seed=0):
     args = (
         jax.random.normal(keys[0], (t, channels)),
         jax.random.normal(keys[1], (channels, WIDTH)) * 0.5,
-        jax.random.normal(keys[2], (hv,)),
+        jax.random.normal(keys[2], (2, hv)),  # [A_log; dt_bias]
         jax.random.normal(keys[3], (t, 2 * hv)),
-        jax.random.normal(keys[4], (hv,)),
         jax.random.normal(keys[6], (SLOTS, channels, WIDTH - 1)),
         jax.random.normal(keys[7], (SLOTS, hv, DIMS.head_k_dim, DIMS.head_v_dim)) * 0.3,
     )

@@ -1,13 +1,21 @@
 """The norms in the projections' launch (``layers.linear.NORMS_IN_LAUNCH``) on the H200: a
-Qwen3-Next model at kernel-sized dimensions decodes the same greedy tokens, with the same
-log-probabilities to bf16 rounding, as with each norm formed before its products. Decode
-steps at few rows run the projections' launch with the row scale and the experts by id with
-the inverse RMS applied after their products; the prompt's step forms the norms either way."""
+Qwen3-Next model at kernel-sized dimensions with bf16 weights stays as close to the same
+weights computed in float32 as it does with each norm formed before its products. Steps at
+few rows (the prompt's step and every decode step here) run the projections' launch with
+the row scale and the experts by id with the inverse RMS applied after their products.
+
+A random model's next-token distributions are nearly flat: bf16 rounding alone moves its
+log-probabilities by up to a few tenths, and two roundings may pick different greedy tokens.
+So the oracle is the float32 computation, each bf16 run is scored by its distance to it, and
+the comparison is teacher-forced: a request's steps count while all three runs have produced
+the same tokens before them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -25,10 +33,11 @@ pytestmark = [
     pytest.mark.skipif(not on_hopper_gpu(), reason="needs an sm_90 GPU"),
 ]
 
-PARAMS = SamplingParams(max_new_tokens=12, logprobs=3)
+PARAMS = SamplingParams(max_new_tokens=4, logprobs=5)
+PROMPT_LENGTHS = (9, 12, 4, 7, 5, 11, 3, 6)
 
 
-def _generate(norms_in_launch: bool) -> list:
+def _generate(dtype: str, norms_in_launch: bool) -> list:
     config = dataclasses.replace(
         tiny_qwen3_next_config("bfloat16"), hidden_size=1024, num_attention_heads=16,
         num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
@@ -37,25 +46,44 @@ def _generate(norms_in_launch: bool) -> list:
         intermediate_size=1024, num_nextn_predict_layers=0,
     )  # fmt: skip
     model = Qwen3Next(config, rngs=nnx.Rngs(0))
+    if dtype != "bfloat16":  # the bf16 weights, computed wider
+        wide = Qwen3Next(dataclasses.replace(config, dtype=dtype), rngs=nnx.Rngs(0))
+        nnx.update(wide, jax.tree.map(lambda x: x.astype(dtype), nnx.state(model, nnx.Param)))
+        model = wide
     engine_config = EngineConfig(
-        max_batch=8,
-        max_tokens=64,
-        max_context=256,
-        batch_buckets=(8,),
-        token_buckets=(64,),
+        max_batch=8, max_tokens=64, max_context=256, batch_buckets=(8,), token_buckets=(64,),
         cache_dir=None,
-    )
+    )  # fmt: skip
     with switches_set({(linear, "NORMS_IN_LAUNCH"): norms_in_launch}):
         engine = Engine(model, ByteTokenizer(), engine_config, progress=False)
         rng = np.random.default_rng(0)
-        prompts = [rng.integers(0, 256, n).tolist() for n in (9, 30, 4)]
+        prompts = [rng.integers(0, 256, n).tolist() for n in PROMPT_LENGTHS]
         return engine.generate(prompts, PARAMS)
 
 
-def test_decode_with_the_norms_in_the_launch_matches_the_formed_norms():
-    got, want = _generate(True), _generate(False)
-    for a, b in zip(got, want, strict=True):
-        assert a.token_ids == b.token_ids
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=3e-2)
-        for top_a, top_b in zip(a.top_logprobs, b.top_logprobs, strict=True):
-            np.testing.assert_allclose([p for _, p in top_a], [p for _, p in top_b], atol=3e-2)
+def _distance(run, oracle, step: int) -> float:
+    """The largest |log-probability difference| over the top tokens both report at ``step``."""
+    ours, theirs = dict(run.top_logprobs[step]), dict(oracle.top_logprobs[step])
+    return max(abs(ours[token] - theirs[token]) for token in ours.keys() & theirs.keys())
+
+
+def _teacher_forced_distances(runs: list[list], oracle: list) -> np.ndarray:
+    """``[steps, runs]``: each run's distance to the oracle at every step of every request
+    before which all runs and the oracle produced the same tokens."""
+    rows = []
+    for results in zip(*runs, oracle, strict=True):
+        for step in range(PARAMS.max_new_tokens):
+            rows.append([_distance(r, results[-1], step) for r in results[:-1]])
+            if len({tuple(r.token_ids[: step + 1]) for r in results}) > 1:
+                break
+    return np.asarray(rows)
+
+
+def test_decode_with_the_norms_in_the_launch_is_as_close_to_float32_as_the_formed_norms():
+    oracle = _generate("float32", norms_in_launch=False)
+    launch, formed = _generate("bfloat16", True), _generate("bfloat16", False)
+    distances = _teacher_forced_distances([launch, formed], oracle)
+    # The prompt's step and at least one decode step per request on average.
+    assert len(distances) >= 2 * len(PROMPT_LENGTHS)
+    total_launch, total_formed = distances.sum(axis=0)
+    assert total_launch <= 1.25 * total_formed, distances
