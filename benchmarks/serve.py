@@ -57,6 +57,7 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from device_time import call_events  # noqa: E402
+from hlo_census import census  # noqa: E402
 from serve_presets import (  # noqa: E402
     PRESETS,
     decode_roofline_s,
@@ -242,6 +243,16 @@ def _kernel_table(args, row: str) -> pathlib.Path | None:
     return pathlib.Path(args.out) / f"kernels_{args.preset}_{row}.tsv"
 
 
+def _decode_census(engine: Engine) -> str:
+    """The kernels of the engine's DECODE executables, counted in their optimised HLO
+    (``hlo_census``): the model's step, without the sampler's program."""
+    return "; ".join(
+        f"HLO census {batch}x{tokens}: {census(executable.as_text()).describe()}"
+        for (program, batch, tokens), executable in engine.executables.items()
+        if program is ForwardMode.DECODE
+    )
+
+
 def _write_hlo(engine: Engine, args, row: str) -> None:
     """With ``--hlo``, the row's DECODE executable as XLA optimised it (the fusions the
     kernel tables name), to --out as ``hlo_*.txt``."""
@@ -279,6 +290,13 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     tokens = min(batch * prompt, max(prompt, 8192))
     bucket = max(batch, args.decode_bucket)
     engine = _engine(model, args, batch=bucket, tokens=tokens, context=context)
+    at = f" at {prompt // 1024}k" if prompt >= 1024 else ""
+    at += f" in a bucket of {bucket}" if bucket > batch else ""
+    name = f"decode B={batch}{at} ({label})"
+    if args.compile_only:
+        _write_hlo(engine, args, f"decode_b{batch}_{prompt}")
+        note = _decode_census(engine)
+        return Row(name, "compiled", "", 0.0, engine.compile_s, _slowest(engine), note)
     params = SamplingParams(max_new_tokens=budget)
     ids = [engine.add_request(p, params) for p in _prompts(rng, batch, prompt)]
     while len(engine.step_times[ForwardMode.DECODE]) < steps:
@@ -289,6 +307,8 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
         _host_profile(engine, args.profile_steps, f"decode B={batch}")
     table = _kernel_table(args, f"decode_b{batch}_{prompt}")
     note = f"{_breakdown(engine, args.profile_steps, table)}; {_memory(engine)}"
+    if args.census:
+        note = f"{note}; {_decode_census(engine)}"
     _write_hlo(engine, args, f"decode_b{batch}_{prompt}")
     for rid in ids:
         engine.abort(rid)
@@ -299,11 +319,9 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
             f"roofline (each product's bytes or FLOPs, the longer) {roof_s * 1e3:.3f} ms: "
             f"{roof_s / step_s:.0%}; {note}"
         )
-    at = f" at {prompt // 1024}k" if prompt >= 1024 else ""
-    at += f" in a bucket of {bucket}" if bucket > batch else ""
     return Row(
-        f"decode B={batch}{at} ({label})", f"{step_s * 1e3:.3f} ms", f"{limit_s * 1e3:.3f} ms",
-        limit_s / step_s, engine.compile_s, _slowest(engine), note,
+        name, f"{step_s * 1e3:.3f} ms", f"{limit_s * 1e3:.3f} ms", limit_s / step_s,
+        engine.compile_s, _slowest(engine), note,
     )  # fmt: skip
 
 
@@ -442,6 +460,8 @@ def variant_rows(model, c, args, rng, label: str) -> list[Row]:
             f"decode B={batch}",
             lambda b=batch, p=prompt: decode_row(model, c, b, p, args, rng, label),
         )
+    if args.compile_only:  # a census of the decode executables only
+        return rows
     for spec in (s for s in args.prefill.split(",") if s):
         n, length = (int(v) for v in spec.split("x"))
         measure(
@@ -494,6 +514,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hlo", action="store_true",
         help="write each decode row's optimised HLO (its fusions by name) to --out as hlo_*.txt",
+    )  # fmt: skip
+    parser.add_argument(
+        "--census", action="store_true",
+        help="add each decode row's kernel census (its DECODE executable's launches, counted "
+        "in the optimised HLO by kind: benchmarks/hlo_census.py) to its note",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile-only", action="store_true",
+        help="decode rows compile their engine and report the kernel census, without running "
+        "a step (prefill and stream rows are skipped): a quick count of what a variant launches",
     )  # fmt: skip
     parser.add_argument(
         "--moe", default="auto",

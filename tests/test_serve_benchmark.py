@@ -23,6 +23,7 @@ def serve():
     del sys.modules["serve"]
     sys.modules.pop("serve_presets", None)
     sys.modules.pop("switches", None)
+    sys.modules.pop("hlo_census", None)
     sys.path.remove(str(ROOT / "benchmarks"))
 
 
@@ -44,6 +45,17 @@ def test_smoke_rows_all_measure_and_write_results(serve, tmp_path):
     # --hlo: the decode row's executable as XLA optimised it.
     (hlo,) = tmp_path.glob("hlo_smoke_decode_*.txt")
     assert hlo.read_text().startswith("HloModule")
+
+
+def test_compile_only_rows_report_the_kernel_census_of_their_hlo(serve, tmp_path):
+    assert serve.main(["--smoke", "--compile-only", "--hlo", "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "RESULTS_serve_smoke.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ")][2:]
+    assert len(rows) == 1 and rows[0].startswith("| decode B=2") and "compiled" in rows[0], text
+    (hlo,) = tmp_path.glob("hlo_smoke_decode_*.txt")
+    counted = sys.modules["hlo_census"].census(hlo.read_text())
+    assert counted.loops and counted.total > 0
+    assert f"{counted.total} kernels a step" in text, text
 
 
 def test_a_trial_switch_holds_for_the_rows_and_is_put_back_after(serve, tmp_path, monkeypatch):
