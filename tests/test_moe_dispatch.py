@@ -127,6 +127,28 @@ def test_a_few_tokens_run_their_experts_by_id_as_the_sorted_path_does(
     )
 
 
+@pytest.mark.parametrize("shared_width", [128, 64])
+def test_the_shared_hidden_formed_with_the_experts_changes_no_bit(shared_width, monkeypatch):
+    """``SHARED_HIDDEN_WITH_EXPERTS``: both SiLU products in one array, each down launch
+    reading its rows of it, where the widths agree (128); a narrower shared expert (64) keeps
+    its own."""
+    moe = _bf16_moe(6, shared_width)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((5, 128)), jnp.bfloat16)
+    real = jnp.arange(5) < 4
+
+    def run():
+        step = jax.jit(lambda m, a, r: m(a, r, impl="interpret"))
+        return np.asarray(step(moe, x, real)), step.lower(moe, x, real).as_text()
+
+    apart, apart_program = run()
+    monkeypatch.setattr(moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", True)
+    together, together_program = run()
+    np.testing.assert_array_equal(together.view(np.uint16), apart.view(np.uint16))
+    # One barrier more (the interpreted kernels have their own) where the widths agree.
+    barriers = [p.count("optimization_barrier") for p in (apart_program, together_program)]
+    assert barriers[1] - barriers[0] == (shared_width == 128)
+
+
 @pytest.mark.parametrize("tokens,n,k", [(8, 256, 8), (5, 16, 3), (0, 8, 2), (64, 32, 32)])
 def test_top_k_by_rank_is_lax_top_k_ties_included(tokens, n, k):
     rng = np.random.default_rng(tokens + n)

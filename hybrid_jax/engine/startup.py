@@ -50,7 +50,12 @@ _SWITCHES = {
         "SPLIT_INPUT_PROJECTIONS",
         "SPLIT_OUTPUT_PROJECTIONS",
     ),
-    "hybrid_jax.layers.moe": ("BY_ID_MAX_PAIRS", "RANKED_TOP_K_TOKENS", "SHARED_DOWN_WITH_EXPERTS"),
+    "hybrid_jax.layers.moe": (
+        "BY_ID_MAX_PAIRS",
+        "RANKED_TOP_K_TOKENS",
+        "SHARED_DOWN_WITH_EXPERTS",
+        "SHARED_HIDDEN_WITH_EXPERTS",
+    ),
     "hybrid_jax.backend.attention": ("TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
     "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS"),
 }

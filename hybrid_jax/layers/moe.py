@@ -29,6 +29,7 @@ __all__ = [
     "MLP",
     "RANKED_TOP_K_TOKENS",
     "SHARED_DOWN_WITH_EXPERTS",
+    "SHARED_HIDDEN_WITH_EXPERTS",
     "ExpertDispatch",
     "MoEConfig",
     "SparseMoE",
@@ -48,6 +49,13 @@ SHARED_DOWN_WITH_EXPERTS = False
 experts' down launch (``moe.expert_matmul(dense=)``: one launch fewer per block) instead of a
 product of its own. Off: on the H200 the launch's added programs take as long as the separate
 product (``benchmarks/RESULTS_serve.md``)."""
+
+
+SHARED_HIDDEN_WITH_EXPERTS = False
+"""Whether a block whose experts run by id forms the shared expert's SiLU product and its
+experts' in one array (the shared rows after the routed pairs' ones, where both widths
+agree), which each down launch reads its rows of in place: one XLA fusion for both products
+instead of one each. Off until measured on the H200."""
 
 
 def top_k(x: jax.Array, k: int, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -296,6 +304,11 @@ class SparseMoE(nnx.Module):
             gate_up = moe.expert_matmul(x, self.gate_up_proj[...], experts, impl=impl)
         gate, up = jnp.split(gate_up, 2, axis=-1)
         hidden = (jax.nn.silu(gate) * up).astype(x.dtype).reshape(tokens * top_k, -1)
+        if SHARED_HIDDEN_WITH_EXPERTS and shared_hidden.shape[1] == hidden.shape[1]:
+            # The barrier keeps the slices from being folded back into the two products
+            # (which would leave the concatenation a copy of its own).
+            both = jax.lax.optimization_barrier(jnp.concatenate([hidden, shared_hidden]))
+            hidden, shared_hidden = both[: tokens * top_k], both[tokens * top_k :]
         down, ids = self.down_proj[...], experts.reshape(-1, 1)
         dense = (shared_hidden, self.shared_expert.down_proj.kernel[...])
         if (
