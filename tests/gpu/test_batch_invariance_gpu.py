@@ -7,15 +7,14 @@ move with the tokens packed before it."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
+from _kernel_sized import kernel_sized_qwen3_next_config
 from flax import nnx
 
 from hybrid_jax import Engine, EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams
-from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
+from hybrid_jax.models.qwen3_next import Qwen3Next
 from hybrid_jax.models.tokenizer import ByteTokenizer
 from pallas_kernels._common import on_hopper_gpu
 
@@ -28,13 +27,7 @@ PARAMS = SamplingParams(max_new_tokens=8, logprobs=0)
 
 
 def _engine(batch_invariant: bool) -> Engine:
-    config = dataclasses.replace(
-        tiny_qwen3_next_config("bfloat16"), hidden_size=1024, num_attention_heads=16,
-        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-        linear_key_head_dim=128, linear_value_head_dim=128, num_experts=16,
-        num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-        intermediate_size=1024, num_nextn_predict_layers=0,
-    )  # fmt: skip
+    config = kernel_sized_qwen3_next_config(num_experts=16, num_experts_per_tok=4)
     model = Qwen3Next(config, rngs=nnx.Rngs(0))
     engine_config = EngineConfig(
         max_batch=8, max_tokens=64, chunk_size=32, max_context=256, cache_dir=None,

@@ -18,13 +18,14 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from _kernel_sized import kernel_sized_qwen3_next_config
 from flax import nnx
 
 from benchmarks.switches import switches_set
 from hybrid_jax import Engine, EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams
 from hybrid_jax.layers import linear
-from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
+from hybrid_jax.models.qwen3_next import Qwen3Next
 from hybrid_jax.models.tokenizer import ByteTokenizer
 from pallas_kernels._common import on_hopper_gpu
 
@@ -38,13 +39,7 @@ PROMPT_LENGTHS = (9, 12, 4, 7, 5, 11, 3, 6)
 
 
 def _generate(dtype: str, norms_in_launch: bool) -> list:
-    config = dataclasses.replace(
-        tiny_qwen3_next_config("bfloat16"), hidden_size=1024, num_attention_heads=16,
-        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-        linear_key_head_dim=128, linear_value_head_dim=128, num_experts=64,
-        num_experts_per_tok=8, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-        intermediate_size=1024, num_nextn_predict_layers=0,
-    )  # fmt: skip
+    config = kernel_sized_qwen3_next_config(num_experts=64, num_experts_per_tok=8)
     model = Qwen3Next(config, rngs=nnx.Rngs(0))
     if dtype != "bfloat16":  # the bf16 weights, computed wider
         wide = Qwen3Next(dataclasses.replace(config, dtype=dtype), rngs=nnx.Rngs(0))
