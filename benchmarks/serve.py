@@ -551,6 +551,11 @@ def main(argv: list[str] | None = None) -> int:
             flag, action="store_true",
             help=f"{what} ({module.__name__}.{name} = {value}; {getattr(module, name)} by default)",
         )  # fmt: skip
+    parser.add_argument(
+        "--each-switch", default="",
+        help="trial switches (flag names without the dashes, comma-separated) to run the rows "
+        "with one at a time, after the rows with none, in one process (one model build)",
+    )  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--flops", type=float, default=7.9e14)
     parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
@@ -581,6 +586,13 @@ def main(argv: list[str] | None = None) -> int:
         for flag, (module, name, value, _) in TRIAL_SWITCHES.items()
         if getattr(args, flag[2:].replace("-", "_"))
     }
+    each = [f"--{name.strip()}" for name in args.each_switch.split(",") if name.strip()]
+    unknown = [flag for flag in each if flag not in TRIAL_SWITCHES]
+    if unknown:
+        parser.error(
+            f"--each-switch {args.each_switch!r}: {unknown} are not trial switches "
+            f"({', '.join(sorted(f[2:] for f in TRIAL_SWITCHES))})"
+        )
     if args.projection_rows is not None:
         settings[linear_layer, "FEW_ROWS"] = args.projection_rows
     if args.ranked_top_k_tokens is not None:
@@ -628,8 +640,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         if not getattr(c, "num_experts", 0):
             label = "dense"
-        with switches_set(variant_settings):
-            rows += variant_rows(model, c, args, rng, label)
+        for trial in [None, *each]:
+            trial_settings = dict(variant_settings)
+            if trial is not None:
+                module, name, value, _ = TRIAL_SWITCHES[trial]
+                trial_settings[module, name] = value
+            with switches_set(trial_settings):
+                rows += variant_rows(model, c, args, rng, f"{label}, {trial}" if trial else label)
         if not getattr(c, "num_experts", 0):
             break
     title = f"{args.preset}, {c.num_hidden_layers} layers"

@@ -58,6 +58,29 @@ def test_compile_only_rows_report_the_kernel_census_of_their_hlo(serve, tmp_path
     assert f"{counted.total} kernels a step" in text, text
 
 
+def test_each_switch_runs_the_rows_again_with_one_switch_at_a_time(
+    serve, tmp_path, capsys, monkeypatch
+):
+    from hybrid_jax.layers import moe
+
+    seen = []
+    rows = serve.variant_rows
+
+    def recording(model, c, args, rng, label):
+        seen.append((label, moe.SHARED_HIDDEN_WITH_EXPERTS))
+        return rows(model, c, args, rng, label)
+
+    flags = ["--smoke", "--compile-only", "--out", str(tmp_path)]
+    monkeypatch.setattr(serve, "variant_rows", recording)
+    assert serve.main([*flags, "--each-switch", "shared-hidden-with-experts"]) == 0
+    trial = "MoE ragged_dot, --shared-hidden-with-experts"
+    assert seen == [("MoE ragged_dot", False), (trial, True)]
+    assert moe.SHARED_HIDDEN_WITH_EXPERTS is False
+    with pytest.raises(SystemExit):
+        serve.main([*flags, "--each-switch", "no-such-switch"])
+    assert "'--no-such-switch'] are not trial switches" in capsys.readouterr().err
+
+
 def test_a_trial_switch_holds_for_the_rows_and_is_put_back_after(serve, tmp_path, monkeypatch):
     """``--no-norms-in-launch`` is set while the rows run and as it was after, raised or not."""
     from hybrid_jax.layers import linear
