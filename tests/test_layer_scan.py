@@ -23,7 +23,7 @@ from hybrid_jax.models.layer_scan import LayerRun, ScannedRun, layer_runs, scan_
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig
 from hybrid_jax.models.qwen3_next import (
     Qwen3Next,
-    _seeded_value,
+    seed_weights,
     tiny_qwen3_next,
     tiny_qwen3_next_config,
 )
@@ -50,9 +50,7 @@ def _seeded(build, seed: int = 0):
     compile), in the built-in model's ranges."""
     model = nnx.eval_shape(build)
     rng = np.random.default_rng(seed)
-    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        abstract = param.get_value()
-        param.set_value(jnp.asarray(_seeded_value(path, abstract.shape, rng), abstract.dtype))
+    seed_weights(model, lambda path: rng)
     return model
 
 

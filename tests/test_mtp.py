@@ -38,7 +38,7 @@ from hybrid_jax.kv_cache import init_kv_cache
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata
 from hybrid_jax.models.qwen3_next import (
     Qwen3Next,
-    _seeded_value,
+    seed_weights,
     tiny_qwen3_next,
     tiny_qwen3_next_config,
 )
@@ -246,10 +246,10 @@ def test_tiny_preset_carries_the_head_without_changing_its_other_weights():
     bare = nnx.eval_shape(lambda: Qwen3Next(config, rngs=nnx.Rngs(0)))
     assert with_head.has_mtp and not bare.has_mtp
     rng = np.random.default_rng(4)
+    seed_weights(bare, lambda path: rng)
     got = params_of(with_head)
     # The main weights come from the seed's stream alone, in the same order as without a head.
-    for path, param in nnx.to_flat_state(nnx.state(bare, nnx.Param)):
-        want = _seeded_value(path, param.get_value().shape, rng).astype(np.float32)
+    for path, want in params_of(bare).items():
         np.testing.assert_array_equal(got[path], want, err_msg=str(path))
 
 

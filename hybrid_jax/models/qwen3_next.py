@@ -25,7 +25,7 @@ is the same computation with other tensor names and layouts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -460,9 +460,10 @@ def _seeded_value(path: tuple, shape: tuple[int, ...], rng: np.random.Generator)
     """One parameter of the built-in model: matrices ~ N(0, 1/fan_in), norm weights near
     their identity, GDN decay and time-step bias in their usual ranges."""
     name = path[-1]
-    if name == "gate_params":  # [A_log; dt_bias]
-        heads = shape[1:]
-        return np.stack([np.log(rng.uniform(1.0, 16.0, heads)), rng.uniform(0.5, 1.5, heads)])
+    if name == "A_log":
+        return np.log(rng.uniform(1.0, 16.0, shape))
+    if name == "dt_bias":
+        return rng.uniform(0.5, 1.5, shape)
     if name == "conv_weight":
         bound = shape[-1] ** -0.5
         return rng.uniform(-bound, bound, shape)
@@ -471,6 +472,32 @@ def _seeded_value(path: tuple, shape: tuple[int, ...], rng: np.random.Generator)
         return centre + 0.1 * rng.standard_normal(shape)
     fan_in = shape[-1] if name == "embedding" else shape[-2]
     return rng.standard_normal(shape) * fan_in**-0.5
+
+
+def seed_weights(model: nnx.Module, rng_for: Callable[[tuple], np.random.Generator]) -> None:
+    """Fills ``model``'s parameters (abstract shapes will do) with numpy draws in the built-in
+    model's ranges, each tensor from ``rng_for(its path)``, in the order of the checkpoint's
+    tensors' paths: a GDN layer's ``gate_params`` is drawn as its rows ``A_log`` and
+    ``dt_bias`` in their own places, so a seed gives the weights it gave before the two were
+    stacked."""
+    draws = []
+    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path[-1] == "gate_params":
+            draws += [((*path[:-1], "A_log"), param, 0), ((*path[:-1], "dt_bias"), param, 1)]
+        else:
+            draws.append((path, param, None))
+    draws.sort(key=lambda draw: [(isinstance(key, str), key) for key in draw[0]])
+    stacked: dict[int, tuple[nnx.Variable, list]] = {}
+    for path, param, row in draws:
+        abstract = param.get_value()
+        if row is None:
+            value = _seeded_value(path, abstract.shape, rng_for(path))
+            param.set_value(jnp.asarray(value, abstract.dtype))
+        else:
+            rows = stacked.setdefault(id(param), (param, [None, None]))[1]
+            rows[row] = _seeded_value(path, abstract.shape[1:], rng_for(path))
+    for param, rows in stacked.values():
+        param.set_value(jnp.asarray(np.stack(rows), param.get_value().dtype))
 
 
 def tiny_qwen3_next(seed: int = 0, dtype: str = "float32") -> Qwen3Next:
@@ -483,9 +510,5 @@ def tiny_qwen3_next(seed: int = 0, dtype: str = "float32") -> Qwen3Next:
     # The MTP head draws from its own stream, so the other weights of a seed are the same as
     # they were before the preset had the head.
     streams = {"model": np.random.default_rng(seed), "mtp": np.random.default_rng([seed, 1])}
-    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        abstract = param.get_value()
-        rng = streams["mtp" if path[0] == "mtp" else "model"]
-        value = _seeded_value(path, abstract.shape, rng)
-        param.set_value(jnp.asarray(value, abstract.dtype))
+    seed_weights(model, lambda path: streams["mtp" if path[0] == "mtp" else "model"])
     return model
