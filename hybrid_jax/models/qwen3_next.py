@@ -478,8 +478,8 @@ def seed_weights(model: nnx.Module, rng_for: Callable[[tuple], np.random.Generat
     """Fills ``model``'s parameters (abstract shapes will do) with numpy draws in the built-in
     model's ranges, each tensor from ``rng_for(its path)``, in the order of the checkpoint's
     tensors' paths: a GDN layer's ``gate_params`` is drawn as its rows ``A_log`` and
-    ``dt_bias`` in their own places, so a seed gives the weights it gave before the two were
-    stacked."""
+    ``dt_bias`` in their own places, so a seed's weights follow the checkpoint's tensors, not
+    how a layer stores them."""
     draws = []
     for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if path[-1] == "gate_params":
