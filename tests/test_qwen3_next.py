@@ -24,6 +24,7 @@ from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.qwen3_next import (
     ConfigError,
     Qwen3NextConfig,
+    _seeded_value,
     tiny_qwen3_next,
     tiny_qwen3_next_config,
 )
@@ -53,6 +54,24 @@ def test_verify_then_commit_continues_like_transformers(runners, refs):
 
 def test_chunked_prefill_mixed_and_draft_extend_match_transformers(runners, refs):
     parity.check_chunked_prefill_mixed_and_draft_extend(runners["moe"], refs["moe"])
+
+
+def test_the_tiny_model_draws_gate_params_as_the_checkpoint_s_a_log_and_dt_bias():
+    """``seed_weights`` draws a GDN layer's ``[A_log; dt_bias]`` as the checkpoint's two
+    tensors in their own places among the paths (A_log before the conv weight, dt_bias after
+    it): the weights a seed gives follow the checkpoint's tensors."""
+    model = tiny_qwen3_next(seed=3)
+    gdn = model.layers[0].linear_attn
+    hv = gdn.gate_params.shape[1]
+    layer = ("layers", 0, "linear_attn")
+    rng = np.random.default_rng(3)
+    _seeded_value(("embed_tokens", "embedding"), model.embed_tokens.embedding.shape, rng)
+    _seeded_value(("layers", 0, "input_layernorm", "weight"), (64,), rng)
+    a_log = _seeded_value((*layer, "A_log"), (hv,), rng)
+    _seeded_value((*layer, "conv_weight"), gdn.conv_weight.shape, rng)
+    dt_bias = _seeded_value((*layer, "dt_bias"), (hv,), rng)
+    want = np.stack([a_log, dt_bias]).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(gdn.gate_params[...]), want)
 
 
 # ---------------------------------------------------------------- pools, modes, structure

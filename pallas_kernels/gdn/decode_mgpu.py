@@ -232,8 +232,9 @@ def packed_gating_unsupported_reason(
     """``fused_gating_unsupported_reason`` of the heads ``packed_gating_...`` reads (its
     arguments as ``check_packed_rows`` accepted them)."""
     q, k, v, a, b = packed_stand_ins(qkv, ba, ssm_pool)
+    row = jax.ShapeDtypeStruct(gate_params.shape[1:], gate_params.dtype)  # A_log, dt_bias
     return fused_gating_unsupported_reason(
-        q, k, v, gate_params[0], a, gate_params[1], b, ssm_pool, state_indices,
+        q, k, v, row, a, row, b, ssm_pool, state_indices,
         scale=scale, use_qk_l2norm=use_qk_l2norm,
     )  # fmt: skip
 
