@@ -42,6 +42,7 @@ import os
 import pathlib
 import platform
 import pstats
+import re
 import statistics
 import sys
 import tempfile
@@ -94,6 +95,11 @@ TRIAL_SWITCHES = {
         linear_layer, "SPLIT_INPUT_PROJECTIONS", True,
         "a layer's input projections with few column tiles together (a MoE block's router "
         "and shared expert) as float32 partial products over parts of K",
+    ),
+    "--adds-for-short-sums": (
+        linear_layer, "ADDS_FOR_SHORT_SUMS", True,
+        "sums over a short axis (partial products, a MoE token's choices and their softmax) "
+        "as chains of adds, which XLA fuses into their readers",
     ),
     "--no-norms-in-launch": (
         linear_layer, "NORMS_IN_LAUNCH", False,
@@ -298,8 +304,10 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     at = f" at {prompt // 1024}k" if prompt >= 1024 else ""
     at += f" in a bucket of {bucket}" if bucket > batch else ""
     name = f"decode B={batch}{at} ({label})"
+    # Files named by the row's label too: rows of several variants share an --out.
+    file_row = f"decode_b{batch}_{prompt}_{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}"
     if args.compile_only:
-        _write_hlo(engine, args, f"decode_b{batch}_{prompt}")
+        _write_hlo(engine, args, file_row)
         note = _decode_census(engine)
         return Row(name, "compiled", "", 0.0, engine.compile_s, _slowest(engine), note)
     params = SamplingParams(max_new_tokens=budget)
@@ -310,11 +318,11 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     step_s = statistics.median(times)
     if args.host_profile:
         _host_profile(engine, args.profile_steps, f"decode B={batch}")
-    table = _kernel_table(args, f"decode_b{batch}_{prompt}")
+    table = _kernel_table(args, file_row)
     note = f"{_breakdown(engine, args.profile_steps, table)}; {_memory(engine)}"
     if args.census:
         note = f"{note}; {_decode_census(engine)}"
-    _write_hlo(engine, args, f"decode_b{batch}_{prompt}")
+    _write_hlo(engine, args, file_row)
     for rid in ids:
         engine.abort(rid)
     limit_s = limit_bytes(model, c, batch, prompt + steps) / args.bandwidth

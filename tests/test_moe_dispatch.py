@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.layers.moe import (
     BY_ID_MAX_PAIRS,
@@ -147,6 +148,49 @@ def test_the_shared_hidden_formed_with_the_experts_changes_no_bit(shared_width, 
     # One barrier more (the interpreted kernels have their own) where the widths agree.
     barriers = [p.count("optimization_barrier") for p in (apart_program, together_program)]
     assert barriers[1] - barriers[0] == (shared_width == 128)
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_short_sum_adds_the_parts_where_the_switch_says(axis, monkeypatch):
+    x = jnp.asarray(np.random.default_rng(axis).standard_normal((4, 3, 5)), jnp.float32)
+    want = np.asarray(x, np.float64).sum(axis)
+    for adds in (False, True):
+        monkeypatch.setattr(linear_layer, "ADDS_FOR_SHORT_SUMS", adds)
+        # A fresh function each time: a traced one is cached, whatever the switch says now.
+        program = str(jax.make_jaxpr(lambda a: linear_layer.short_sum(a, axis))(x))
+        assert ("reduce_sum" in program) is not adds
+        np.testing.assert_allclose(linear_layer.short_sum(x, axis), want, rtol=1e-6, atol=1e-6)
+
+
+# 5 tokens run their experts by id (the kernels interpreted, bf16); 40 sort (float32).
+@pytest.mark.parametrize("tokens,impl,dtype", [(5, "interpret", "bfloat16"),
+                                               (40, "reference", "float32")])  # fmt: skip
+def test_adds_for_short_sums_change_a_moe_block_by_rounding_and_drop_its_small_reduces(
+    tokens, impl, dtype, monkeypatch
+):
+    """``ADDS_FOR_SHORT_SUMS``: the softmax over each token's chosen experts (its max is the
+    first, as ``top_k`` orders them), the sum over its choices and, by id, the shared expert's
+    partial products become adds; the block's output moves by rounding only."""
+    config = MoEConfig(hidden_size=128, num_experts=8, top_k=2, intermediate_size=128,
+                       shared_intermediate_size=128, dtype=dtype)  # fmt: skip
+    moe = SparseMoE(config, rngs=nnx.Rngs(11))
+    x = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, 128)), dtype)
+    real = jnp.arange(tokens) < tokens - 1  # the last token is padding
+
+    def run():
+        step = jax.jit(lambda m, a, r: m(a, r, impl=impl))
+        return np.asarray(step(moe, x, real), np.float64), step.lower(moe, x, real).as_text()
+
+    assert moe._runs_by_id(x, impl) is (impl == "interpret")
+    reduced, reduced_program = run()
+    monkeypatch.setattr(linear_layer, "ADDS_FOR_SHORT_SUMS", True)
+    added, added_program = run()
+    tol = 1e-2 if dtype == "bfloat16" else 1e-6
+    np.testing.assert_allclose(added, reduced, rtol=tol, atol=tol)
+    reduces = [p.count("stablehlo.reduce") for p in (reduced_program, added_program)]
+    # The softmax's max and sum, the choices' sum; by id also the shared expert's partials
+    # (sorted, the layers' own products take no partials).
+    assert reduces[0] - reduces[1] >= 3
 
 
 @pytest.mark.parametrize("tokens,n,k", [(8, 256, 8), (5, 16, 3), (0, 8, 2), (64, 32, 32)])

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers.attention import Attention, AttentionConfig
 from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.qwen3_next import (
@@ -54,6 +55,13 @@ def test_verify_then_commit_continues_like_transformers(runners, refs):
 
 def test_chunked_prefill_mixed_and_draft_extend_match_transformers(runners, refs):
     parity.check_chunked_prefill_mixed_and_draft_extend(runners["moe"], refs["moe"])
+
+
+def test_adds_for_short_sums_keep_parity_with_transformers(refs, monkeypatch):
+    """``layers.linear.ADDS_FOR_SHORT_SUMS`` (the MoE softmax and combine as adds) on a
+    fresh runner: a switch is read while tracing."""
+    monkeypatch.setattr(linear_layer, "ADDS_FOR_SHORT_SUMS", True)
+    parity.check_prefill_then_decode(parity.Runner(load_qwen3_next(FIXTURES / "moe")), refs["moe"])
 
 
 def test_the_tiny_model_draws_gate_params_as_the_checkpoint_s_a_log_and_dt_bias():

@@ -17,6 +17,8 @@ products are summed where the result is used.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 
 import jax
@@ -26,6 +28,7 @@ from hybrid_jax.layers.norm import NormedRows, formed
 from pallas_kernels import projections, resolve_impl
 
 __all__ = [
+    "ADDS_FOR_SHORT_SUMS",
     "FEW_ROWS",
     "MIN_SPLITS",
     "NORMS_IN_LAUNCH",
@@ -33,6 +36,7 @@ __all__ = [
     "SPLIT_OUTPUT_PROJECTIONS",
     "project",
     "project_output",
+    "short_sum",
 ]
 
 FEW_ROWS = 64
@@ -62,6 +66,23 @@ SPLIT_INPUT_PROJECTIONS = False
 together (a MoE block's router and shared expert gate/up: 20 tiles of 64 columns), its
 float32 partial products summed where they are used. Off: not yet shown faster on the H200
 (benchmarks/RESULTS_serve.md, session 20)."""
+
+
+ADDS_FOR_SHORT_SUMS = False
+"""Whether ``short_sum`` writes a sum over a short axis (the partial products' parts of K, a
+MoE token's choices and the softmax over them) as a chain of adds: elementwise ops, which
+XLA fuses into whatever reads the sum (the next norm's reduction among them), where a
+reduce is a fusion of its own that other reductions do not take in. Off until measured on
+the H200."""
+
+
+def short_sum(x: jax.Array, axis: int) -> jax.Array:
+    """``x.sum(axis)`` for a short ``axis`` (a few parts); with ``ADDS_FOR_SHORT_SUMS``, the
+    parts added one after another."""
+    if not ADDS_FOR_SHORT_SUMS:
+        return x.sum(axis=axis)
+    parts = (jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(x.shape[axis]))
+    return functools.reduce(operator.add, parts)
 
 
 def project(
@@ -118,7 +139,7 @@ def _summed_partials(
     partial products over parts of K summed in x's dtype (XLA fuses the sum into the
     products' use)."""
     partials = projections.projection_partials(x, weights, impl=impl)
-    sums = [p.sum(axis=0) for p in partials]
+    sums = [short_sum(p, 0) for p in partials]
     if row_scale is not None:
         sums = [total * row_scale[:, None] for total in sums]
     return [total.astype(x.dtype) for total in sums]

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_jax.layers.linear import project, project_output
+from hybrid_jax.layers import linear as linear_layer
+from hybrid_jax.layers.linear import project, project_output, short_sum
 from hybrid_jax.layers.norm import NormedRows, formed
 from pallas_kernels import moe, resolve_impl
 
@@ -84,6 +85,16 @@ def top_k(x: jax.Array, k: int, valid: jax.Array | None = None) -> tuple[jax.Arr
     ids = index if valid is None else jnp.where(valid[:, None, None], index, n)
     indices = jnp.where(chosen, ids, 0).sum(axis=-1, dtype=jnp.int32)
     return values.astype(x.dtype), indices
+
+
+def _softmax_of_ordered(x: jax.Array) -> jax.Array:
+    """The softmax of each row of ``x`` ``[T, k]``, whose values come largest first (as
+    ``top_k`` gives them); with ``ADDS_FOR_SHORT_SUMS`` its max is the first value and its
+    sum ``short_sum``'s, so it holds no reduce."""
+    if not linear_layer.ADDS_FOR_SHORT_SUMS:
+        return jax.nn.softmax(x, axis=-1)
+    exps = jnp.exp(x - x[:, :1])
+    return exps / short_sum(exps, 1)[:, None]
 
 
 class MLP(nnx.Module):
@@ -174,7 +185,7 @@ class ExpertDispatch:
         # A product and a sum over the choices, which XLA fuses with the gather into one
         # reduction (a dot would materialise the gathered rows first).
         scaled = per_token.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]
-        return scaled.sum(axis=1)
+        return short_sum(scaled, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +248,7 @@ class SparseMoE(nnx.Module):
             # The softmax renormalised over the chosen experts is the softmax of their logits
             # (the softmax keeps the logits' order): no softmax over every expert.
             chosen, experts = top_k(wide, self.config.top_k, real)
-            weights = jax.nn.softmax(chosen, axis=-1)
+            weights = _softmax_of_ordered(chosen)
         else:
             weights, experts = top_k(jax.nn.softmax(wide, axis=-1), self.config.top_k, real)
         return weights.astype(logits.dtype), experts
@@ -320,4 +331,4 @@ class SparseMoE(nnx.Module):
             ys = moe.expert_matmul(hidden, down, ids, impl=impl)
             shared = self.shared_expert.down(shared_hidden, impl=impl)
         ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
-        return (ys * weights.astype(jnp.float32)[..., None]).sum(axis=1), shared
+        return short_sum(ys * weights.astype(jnp.float32)[..., None], 1), shared
