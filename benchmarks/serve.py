@@ -86,10 +86,10 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id takes the shared expert's down product in the "
         "experts' down launch",
     ),
-    "--shared-hidden-with-experts": (
-        moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", True,
-        "a MoE block whose experts run by id forms its shared expert's SiLU product in one "
-        "array with its experts' (one fusion for both)",
+    "--no-shared-hidden-with-experts": (
+        moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", False,
+        "a MoE block whose experts run by id forms its shared expert's SiLU product apart "
+        "from its experts' (a fusion each)",
     ),
     "--split-input-projections": (
         linear_layer, "SPLIT_INPUT_PROJECTIONS", True,

@@ -141,9 +141,10 @@ def test_the_shared_hidden_formed_with_the_experts_changes_no_bit(shared_width, 
         step = jax.jit(lambda m, a, r: m(a, r, impl="interpret"))
         return np.asarray(step(moe, x, real)), step.lower(moe, x, real).as_text()
 
-    apart, apart_program = run()
-    monkeypatch.setattr(moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", True)
+    assert moe_layer.SHARED_HIDDEN_WITH_EXPERTS is True  # the default
     together, together_program = run()
+    monkeypatch.setattr(moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", False)
+    apart, apart_program = run()
     np.testing.assert_array_equal(together.view(np.uint16), apart.view(np.uint16))
     # One barrier more (the interpreted kernels have their own) where the widths agree.
     barriers = [p.count("optimization_barrier") for p in (apart_program, together_program)]

@@ -72,10 +72,10 @@ def test_each_switch_runs_the_rows_again_with_one_switch_at_a_time(
 
     flags = ["--smoke", "--compile-only", "--out", str(tmp_path)]
     monkeypatch.setattr(serve, "variant_rows", recording)
-    assert serve.main([*flags, "--each-switch", "shared-hidden-with-experts"]) == 0
-    trial = "MoE ragged_dot, --shared-hidden-with-experts"
-    assert seen == [("MoE ragged_dot", False), (trial, True)]
-    assert moe.SHARED_HIDDEN_WITH_EXPERTS is False
+    assert serve.main([*flags, "--each-switch", "no-shared-hidden-with-experts"]) == 0
+    trial = "MoE ragged_dot, --no-shared-hidden-with-experts"
+    assert seen == [("MoE ragged_dot", True), (trial, False)]
+    assert moe.SHARED_HIDDEN_WITH_EXPERTS is True
     with pytest.raises(SystemExit):
         serve.main([*flags, "--each-switch", "no-such-switch"])
     assert "'--no-such-switch'] are not trial switches" in capsys.readouterr().err

@@ -71,9 +71,10 @@ float32 partial products summed where they are used. Off: not yet shown faster o
 ADDS_FOR_SHORT_SUMS = False
 """Whether ``short_sum`` writes a sum over a short axis (the partial products' parts of K, a
 MoE token's choices and the softmax over them) as a chain of adds: elementwise ops, which
-XLA fuses into whatever reads the sum (the next norm's reduction among them), where a
-reduce is a fusion of its own that other reductions do not take in. Off until measured on
-the H200."""
+XLA may fuse into whatever reads the sum, where a reduce is a fusion that other reductions
+do not take in. Off: on the H200 XLA fuses them as it fused the reduces (the same kernels a
+batch-1 step; the chosen experts' softmax a loop fusion instead of a Triton one,
+``benchmarks/RESULTS_serve.md``)."""
 
 
 def short_sum(x: jax.Array, axis: int) -> jax.Array:

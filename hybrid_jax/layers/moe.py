@@ -52,11 +52,12 @@ product of its own. Off: on the H200 the launch's added programs take as long as
 product (``benchmarks/RESULTS_serve.md``)."""
 
 
-SHARED_HIDDEN_WITH_EXPERTS = False
+SHARED_HIDDEN_WITH_EXPERTS = True
 """Whether a block whose experts run by id forms the shared expert's SiLU product and its
 experts' in one array (the shared rows after the routed pairs' ones, where both widths
 agree), which each down launch reads its rows of in place: one XLA fusion for both products
-instead of one each. Off until measured on the H200."""
+instead of one each (one kernel fewer per MoE block on the H200:
+``benchmarks/RESULTS_serve.md``)."""
 
 
 def top_k(x: jax.Array, k: int, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:

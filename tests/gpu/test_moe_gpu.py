@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.layers.moe import MoEConfig, SparseMoE
 from pallas_kernels import moe
 from pallas_kernels._common import on_hopper_gpu
@@ -112,3 +113,22 @@ def test_a_decode_bucket_s_experts_by_id_match_the_reference_layer():
 
     got, want = run("auto"), run("reference")
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+def test_the_shared_hidden_formed_with_the_experts_changes_no_bit_on_the_gpu(monkeypatch):
+    """``SHARED_HIDDEN_WITH_EXPERTS`` (the default): each down launch reads its rows of the
+    one array in place, and the block's output is that of the products formed apart."""
+    config = MoEConfig(hidden_size=2048, num_experts=256, top_k=8, intermediate_size=512,
+                       shared_intermediate_size=512, dtype="bfloat16")  # fmt: skip
+    layer = SparseMoE(config, rngs=nnx.Rngs(2))
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((8, 2048)), jnp.bfloat16)
+    real = jnp.arange(8) < 5
+
+    def run():
+        return np.asarray(jax.jit(lambda m, a, r: m(a, r, impl="auto"))(layer, x, real))
+
+    assert moe_layer.SHARED_HIDDEN_WITH_EXPERTS is True
+    together = run()
+    monkeypatch.setattr(moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", False)
+    apart = run()
+    np.testing.assert_array_equal(together.view(np.uint16), apart.view(np.uint16))
