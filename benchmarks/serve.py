@@ -68,6 +68,7 @@ from serve_presets import (  # noqa: E402
 from switches import switches_set  # noqa: E402
 
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa: E402
+from hybrid_jax.layers import gdn as gdn_layer  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
 from hybrid_jax.layers import moe as moe_layer  # noqa: E402
 from hybrid_jax.metadata import MIN_BATCH_BUCKET  # noqa: E402
@@ -95,6 +96,10 @@ TRIAL_SWITCHES = {
         linear_layer, "SPLIT_INPUT_PROJECTIONS", True,
         "a layer's input projections with few column tiles together (a MoE block's router "
         "and shared expert) as float32 partial products over parts of K",
+    ),
+    "--norm-in-decode-kernel": (
+        gdn_layer, "NORM_IN_DECODE_KERNEL", True,
+        "a GDN layer's gated output norm formed by the decode kernel (items of whole heads)",
     ),
     "--adds-for-short-sums": (
         linear_layer, "ADDS_FOR_SHORT_SUMS", True,

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from hybrid_jax.backend import GDNDims, gdn_mix
+from hybrid_jax.layers import gdn as gdn_layer
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.modes import ForwardMode
@@ -88,8 +89,14 @@ def _fused_decode(layer, x, conv_state, ssm_state, meta, *, impl):
     return out.y, out.conv_state, out.ssm_state
 
 
+@pytest.mark.parametrize("norm_in_kernel", [False, True], ids=["norm-after", "norm-in-kernel"])
 @pytest.mark.parametrize("impl", ["reference", "interpret"])
-def test_decode_step_equals_the_unfused_path_and_writes_only_its_rows(layer, impl):
+def test_decode_step_equals_the_unfused_path_and_writes_only_its_rows(
+    layer, impl, norm_in_kernel, monkeypatch
+):
+    """With ``NORM_IN_DECODE_KERNEL`` the decode kernel forms the output norm (its items
+    whole heads): the same step within float32 rounding."""
+    monkeypatch.setattr(gdn_layer, "NORM_IN_DECODE_KERNEL", norm_in_kernel)
     x, conv, ssm, meta = _inputs(0)
     step = lambda fn: jax.jit(functools.partial(fn, layer, impl=impl))  # noqa: E731
     y, conv_out, ssm_out = step(_fused_decode)(x, conv, ssm, meta)
@@ -149,6 +156,25 @@ def test_decode_step_gates_only_inside_the_kernel(layer):
     unfused = functools.partial(_unfused_decode, layer, meta=meta, impl="interpret")
     names, kernels = _primitives_outside_kernels(jax.make_jaxpr(unfused)(x, conv, ssm).jaxpr)
     assert kernels == 2 and {"exp", "logistic"} <= names
+
+
+def test_the_output_norm_handed_to_the_mix_runs_inside_the_decode_kernel(layer):
+    x, conv, ssm, meta = _inputs(2)
+    _, z, _ = layer._project(x)
+    norm = gdn.OutputNorm(z.reshape(x.shape[0], -1), layer.norm.weight[...], layer.norm.eps)
+
+    def mix(*args):
+        return gdn_mix(*args, meta, CONFIG.dims, output_norm=norm, impl="interpret").out
+
+    norm_ops = {"rsqrt", "logistic"}
+    names, kernels = _primitives_outside_kernels(
+        jax.make_jaxpr(mix)(*_mix_args(layer, x, conv, ssm, meta)).jaxpr
+    )
+    assert kernels == 2 and not names & norm_ops, f"the norm outside the kernel: {names}"
+    # The check sees the norm where it is: formed in XLA it holds both.
+    out = jnp.zeros((meta.num_tokens, 2, 64), jnp.float32)
+    formed = jax.make_jaxpr(layer.norm)(out, z)
+    assert norm_ops <= _primitives_outside_kernels(formed.jaxpr)[0]
 
 
 def test_decode_step_lowers_for_cuda_with_the_pools_aliased():

@@ -13,6 +13,7 @@ beta arrays, no separate op), the other paths call ``gdn_gating`` before their o
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ from hybrid_jax.backend.linear import LinearMixResult, VerifyStates, mix_path, r
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.modes import LayerKind, TokenLayout
 from pallas_kernels import conv1d, gdn
+from pallas_kernels.gdn import reference as gdn_reference
 
 __all__ = ["GDNDims", "gdn_mix"]
 
@@ -81,7 +83,16 @@ def _stored_slots(pool: jax.Array, slots: jax.Array, dims: GDNDims) -> jax.Array
     return pool.at[target].set(_stored(pool[slots], dims), mode="drop")
 
 
-def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
+def _normed(mix: LinearMixResult, norm: gdn.OutputNorm | None) -> LinearMixResult:
+    """``mix`` with its output gated-normed by ``norm`` (z ``[T, HV*V]``), if given: the paths
+    whose op does not form the norm."""
+    if norm is None:
+        return mix
+    z = norm.z.reshape(mix.out.shape)
+    return mix._replace(out=gdn_reference.gated_output_norm(mix.out, z, norm.weight, norm.eps))
+
+
+def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
     g, beta = gating.gates()
     qsl, slots, has_init = meta.query_start_loc, meta.state_indices, meta.has_initial_state
     mixed, conv_state = conv1d.causal_conv1d(
@@ -94,23 +105,27 @@ def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)
     )  # fmt: skip
     # Rows without tokens keep their slot, already at the stored precision.
     ssm_state = _stored_slots(ssm_state, slots, dims)
-    return LinearMixResult(out, conv_state, ssm_state, ())
+    return _normed(LinearMixResult(out, conv_state, ssm_state, ()), norm)
 
 
-def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
+def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
     slots = meta.state_indices
     mixed, conv_state = conv1d.causal_conv1d_update(
         rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl
     )
-    # The kernel reads q, k, v and b, a where the conv and the projection put them.
+    # The kernel reads q, k, v and b, a where the conv and the projection put them, and forms
+    # the output norm when it is given one.
+    if norm is not None:
+        norm = dataclasses.replace(norm, z=rows(norm.z, meta))
     out, ssm_state = gdn.packed_gating_recurrent_gated_delta_rule(
-        mixed, rows(gating.ba, meta), gating.params, ssm_state, slots, impl=impl
-    )
+        mixed, rows(gating.ba, meta), gating.params, ssm_state, slots, output_norm=norm,
+        impl=impl,
+    )  # fmt: skip
     ssm_state = _stored_slots(ssm_state, slots, dims)
     return LinearMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, ())
 
 
-def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
+def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
     g, beta = gating.gates()
     slots = meta.state_indices
     mixed, windows = conv1d.causal_conv1d_verify(
@@ -121,10 +136,12 @@ def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)
         q, k, v, rows(g, meta), rows(beta, meta), ssm_state, slots, impl=impl, **tree_args(meta)
     )
     verify = VerifyStates(windows, _stored(states, dims))
-    return LinearMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, verify)
+    out = out.reshape(-1, *out.shape[2:])
+    return _normed(LinearMixResult(out, conv_state, ssm_state, verify), norm)
 
 
-def _idle(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl):
+def _idle(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
+    del norm  # no tokens: zeros either way
     out = jnp.zeros((mixed.shape[0], dims.num_value_heads, dims.head_v_dim), mixed.dtype)
     return LinearMixResult(out, conv_state, ssm_state, ())
 
@@ -147,10 +164,12 @@ def gdn_mix(
     meta: ForwardMetadata,
     dims: GDNDims,
     *,
+    output_norm: gdn.OutputNorm | None = None,
     impl: str = "auto",
 ) -> LinearMixResult:
     """Causal conv1d + SiLU, the gating, then the gated delta rule, for one GDN layer in
-    ``meta.mode``.
+    ``meta.mode``; with ``output_norm`` (its gate ``z`` ``[T, HV*V]``) the output comes
+    gated-normed (``gdn.reference.gated_output_norm``), formed by the decode kernel in DECODE.
 
     mixed_qkv: ``[T, 2*H*K + HV*V]`` (q, k, v channels before the conv); conv_weight
     ``[C, W]``; gate_params ``[2, HV]`` (``[A_log; dt_bias]``) and ba ``[T, 2*HV]``
@@ -162,4 +181,6 @@ def gdn_mix(
     """
     path = mix_path(LayerKind.GDN, _PATHS, meta)
     gating = _Gating(gate_params, ba)
-    return path(mixed_qkv, conv_weight, gating, conv_state, ssm_state, meta, dims, impl)
+    return path(
+        mixed_qkv, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, output_norm
+    )

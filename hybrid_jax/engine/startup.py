@@ -51,6 +51,7 @@ _SWITCHES = {
         "SPLIT_INPUT_PROJECTIONS",
         "SPLIT_OUTPUT_PROJECTIONS",
     ),
+    "hybrid_jax.layers.gdn": ("NORM_IN_DECODE_KERNEL",),
     "hybrid_jax.layers.moe": (
         "BY_ID_MAX_PAIRS",
         "RANKED_TOP_K_TOKENS",

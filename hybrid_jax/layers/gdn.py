@@ -27,6 +27,7 @@ from hybrid_jax.state_pool import LinearStateSpec
 from pallas_kernels import gdn as gdn_kernels
 
 __all__ = [
+    "NORM_IN_DECODE_KERNEL",
     "STATE_DTYPES",
     "GDNConfig",
     "GatedDeltaNet",
@@ -35,6 +36,11 @@ __all__ = [
 ]
 
 STATE_DTYPES = ("float32", "bfloat16", "float16")
+
+NORM_IN_DECODE_KERNEL = False
+"""Whether the layer hands its gated output norm to the mix (``gdn_mix(output_norm=)``),
+whose decode kernel then forms it as it writes each head's output (items of whole heads):
+no norm kernels between the decode kernel and ``out_proj``. Off until measured on the H200."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,10 +176,15 @@ class GatedDeltaNet(nnx.Module):
         """x: ``[T, hidden]`` packed tokens of ``meta``; conv_state ``[S, C, W-1]``;
         ssm_state float32 ``[S, HV, K, V]``."""
         mixed, z, ba = self._project(x, impl=impl)
+        norm = None
+        if NORM_IN_DECODE_KERNEL:
+            flat = z.reshape(x.shape[0], self.config.dims.value_dim)
+            norm = gdn_kernels.OutputNorm(flat, self.norm.weight[...], self.norm.eps)
         mix = gdn_mix(
             mixed, self.conv_weight[...], self.gate_params[...], ba, conv_state, ssm_state,
-            meta, self.config.dims, impl=impl,
+            meta, self.config.dims, output_norm=norm, impl=impl,
         )  # fmt: skip
-        out = self.norm(mix.out, z).reshape(x.shape[0], self.config.dims.value_dim)
+        out = mix.out if norm is not None else self.norm(mix.out, z)
+        out = out.reshape(x.shape[0], self.config.dims.value_dim)
         out = project_output(out, self.out_proj, impl=impl)
         return LinearLayerOutput(out, mix.conv_state, mix.ssm_state, mix.verify)

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.gdn import reference as gdn_reference
+
 __all__ = ["GatedRMSNorm", "NormedRows", "ZeroCenteredRMSNorm", "formed"]
 
 
@@ -96,5 +98,4 @@ class GatedRMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
-        normed = self.weight[...] * _normalize(x, self.eps).astype(x.dtype)
-        return (normed * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
+        return gdn_reference.gated_output_norm(x, gate, self.weight[...], self.eps)

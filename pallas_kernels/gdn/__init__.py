@@ -3,6 +3,7 @@
 from pallas_kernels.gdn.chunk import chunk_gated_delta_rule
 from pallas_kernels.gdn.commit import commit_states
 from pallas_kernels.gdn.fused_recurrent import (
+    OutputNorm,
     fused_gating_recurrent_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
     packed_gating_recurrent_gated_delta_rule,
@@ -14,6 +15,7 @@ from pallas_kernels.gdn.fused_recurrent import (
 from pallas_kernels.gdn.gating import gdn_gating
 
 __all__ = [
+    "OutputNorm",
     "chunk_gated_delta_rule",
     "commit_states",
     "fused_gating_recurrent_gated_delta_rule",

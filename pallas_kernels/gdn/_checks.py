@@ -226,3 +226,16 @@ def default_scale(op: str, head_dim: int, scale: float | None) -> float:
     if isinstance(scale, jax.Array):
         fail(op, f"scale={scale!r} must be a Python float (it is static), not an array")
     return float(scale)
+
+
+def check_output_norm(op: str, qkv: jax.Array, ssm_pool: jax.Array, z: jax.Array,
+                      weight: jax.Array) -> None:  # fmt: skip
+    """The output norm's gate ``z`` ``[N, D, HV V]`` (qkv's rows and dtype) and float32
+    ``weight`` ``[V]``, for a packed call whose pool is ``[S, HV, K, V]``."""
+    hv, _, vd = shape(ssm_pool)[1:]
+    want = (*shape(qkv)[:2], hv * vd)
+    if shape(z) != want or z.dtype != qkv.dtype:
+        fail(op, f"z {z.dtype}{list(shape(z))} must be {qkv.dtype.name}{list(want)} (the gate of "
+                 "every value head)")  # fmt: skip
+    if shape(weight) != (vd,) or weight.dtype != jnp.float32:
+        fail(op, f"weight {weight.dtype}{list(shape(weight))} must be float32[{vd}] (one head)")

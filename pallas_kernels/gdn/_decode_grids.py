@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import NUM_SMS, interpret_params
+from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params
 
 __all__ = [
     "VEC",
@@ -44,11 +44,13 @@ __all__ = [
     "DecodeVariant",
     "Heads",
     "load_token",
+    "normed_stages",
     "one_item_per_program",
     "pipelined",
 ]
 
 VEC = 2  # fp32 per register vector along V in the "cols" layout (8-byte SMEM accesses)
+_REDUCTION_SCRATCH = 128 * 4 * 4  # SMEM bytes of the pipelined kernel's cross-warp reductions
 _TMA_SMEM_ALIGN = 128  # bytes: a TMA's SMEM address is a multiple of this
 
 
@@ -125,10 +127,13 @@ def load_token(q_smem, k_smem, v_smem, t, *, row, col, scale, use_qk_l2norm):
 
 
 def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use_qk_l2norm,
-            one_pass):  # fmt: skip
+            one_pass, out_norm=None):  # fmt: skip
     """Runs the tokens of one item on the register tile ``state``; writes ``o`` to SMEM.
 
-    ``gates``: per token ``(decay, beta)`` float32 scalars. Returns the final state.
+    ``gates``: per token ``(decay, beta)`` float32 scalars. With ``out_norm`` ``(z_smem,
+    weight, eps)`` (the item is a whole head: ``weight`` float32 ``[V]`` in the column
+    layout) each token's ``o`` is written gated-normed (``gated_output_norm``). Returns the
+    final state.
     """
     _, row, col = layouts
     for t, (decay, beta_t) in enumerate(gates):
@@ -149,8 +154,22 @@ def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use
             u = (v_t - jnp.sum(k_rows * state, axis=0)) * beta_t
             state = state + k_rows * lax.broadcast_in_dim(u, state.shape, [1])
             o_t = jnp.sum(lax.broadcast_in_dim(q_t, state.shape, [0]) * state, axis=0)
-        o_smem[t] = (o_t * q_scale).astype(o_smem.dtype)
+        o_t = o_t * q_scale
+        if out_norm is not None:
+            z_smem, weight, eps = out_norm
+            z_t = plgpu.load(z_smem.at[t], layout=col).astype(jnp.float32)
+            o_t = _gated_norm(o_t, z_t, weight, eps, o_smem.dtype)
+        o_smem[t] = o_t.astype(o_smem.dtype)
     return state
+
+
+def _gated_norm(o, z, weight, eps: float, dtype):
+    """``gated_output_norm`` of one token's head ``o`` (float32 ``[V]``, rounded to ``dtype``
+    first, as the op stores it) with its gate ``z``: the same roundings in the same order."""
+    o = o.astype(dtype).astype(jnp.float32)
+    normed = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / o.shape[0]) + eps)
+    normed = normed.astype(dtype).astype(jnp.float32)
+    return weight * normed * (z / (1.0 + jnp.exp(-z)))
 
 
 def _softplus(x: jax.Array) -> jax.Array:
@@ -291,6 +310,24 @@ def one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, v
     return kernel(idx, q, k, v, *gates_in, pool_ref)
 
 
+def normed_stages(stages: int, n_tokens: int, heads: Heads, dtype) -> int:
+    """The ring stages (at most ``stages``, at least 2) of a pipelined call with the output
+    norm, whose items are whole heads: as many as fit the SMEM an sm_90 block may use, with
+    the cross-warp reduction's scratch."""
+    size = jnp.dtype(dtype).itemsize
+    rows = _stage_rows(n_tokens, heads.v_dim, dtype)
+
+    def smem(s: int) -> int:
+        state = s * heads.k_dim * heads.v_dim * 4
+        qk = 2 * s * n_tokens * heads.k_dim * size
+        voz = 3 * s * rows * heads.v_dim * size
+        return state + qk + voz + heads.v_dim * 4 + _REDUCTION_SCRATCH + 64 * (s + 1)
+
+    while stages > 2 and smem(stages) > SMEM_BYTES:
+        stages -= 1
+    return stages
+
+
 def _stage_rows(n_tokens: int, bv: int, dtype) -> int:
     """Rows of one ring stage of a ``[n_tokens, bv]`` tile: ``n_tokens`` rounded up so that
     every stage starts on a TMA-aligned address (a narrow value tile of one token is 32
@@ -301,9 +338,11 @@ def _stage_rows(n_tokens: int, bv: int, dtype) -> int:
 
 
 def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, scale, l2,
-               interpret):  # fmt: skip
+               interpret, out_norm=None):  # fmt: skip
     """Persistent grid; each program walks items ``c, c + P, c + 2P, ...`` (``P`` programs)
-    through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead."""
+    through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead. With
+    ``out_norm`` ``(z, weight, eps)`` (z ``[N, D, HV V]``, weight float32 ``[V]``; items of
+    whole heads, ``bv == V``) the output is gated-normed (``_update``)."""
     n_rows, n_tokens = q.shape[:2]
     h, k_dim, hv, v_dim = heads
     v_rows = _stage_rows(n_tokens, bv, v.dtype)
@@ -316,10 +355,13 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
 
     n_gates = len(gates_in)
     raw = n_gates > 2
+    normed = out_norm is not None
+    norm_in = tuple(out_norm[:2]) if normed else ()
 
     def body(idx_ref, q_ref, k_ref, v_ref, *refs):
-        gate_refs, (pool, o_ref) = refs[:n_gates], refs[n_gates : n_gates + 2]
-        state_smem, q_smem, k_smem, v_smem, o_smem, bars = refs[n_gates + 2 :]
+        gate_refs, refs = refs[:n_gates], refs[n_gates:]
+        (z_ref, weight_ref), refs = refs[: len(norm_in)] or (None, None), refs[len(norm_in) :]
+        pool, o_ref, state_smem, q_smem, k_smem, v_smem, o_smem, bars, *norm_smem = refs
         prog = lax.axis_index("c")
         count = (n_items - prog + n_progs - 1) // n_progs  # this program's items
 
@@ -348,14 +390,22 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
                                         bar)  # fmt: skip
                 plgpu.copy_gmem_to_smem(v_ref.at[n, :, _value(cols.v, head, v_dim, j, bv)],
                                         v_smem.at[s, :n_tokens], bar)  # fmt: skip
+                if normed:
+                    plgpu.copy_gmem_to_smem(z_ref.at[n, :, _value(0, head, v_dim, j, bv)],
+                                            norm_smem[0].at[s, :n_tokens], bar)  # fmt: skip
 
         def gates_of(i):
             n, head, _ = coords(i)
             return _load_gates(gate_refs, cols, n, head, n_tokens)
 
         slots = tuple(slot_of(i) for i in range(stages))
+        if normed:
+            z_smem, weight_smem, weight_bar = norm_smem
+            plgpu.copy_gmem_to_smem(weight_ref, weight_smem, weight_bar)
         for i in range(stages - 1):
             issue(i, slots[i])
+        if normed:
+            plgpu.barrier_wait(weight_bar)
 
         def step(i, carry):
             # Scalars read one iteration before their use (slots: stages - 1 items ahead for
@@ -373,9 +423,14 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
             def _real_row():
                 plgpu.barrier_wait(bars.at[s])
                 state = plgpu.load(state_smem.at[s], layout=layouts[0])
+                item_norm = None
+                if normed:  # the weight loaded per item: registers are held by the state
+                    weight = plgpu.load(weight_smem, layout=layouts[2])
+                    item_norm = (z_smem.at[s], weight, out_norm[2])
                 state = _update(state, q_smem.at[s], k_smem.at[s], v_smem.at[s], o_smem.at[s],
                                 _decays(gates, raw), layouts=layouts, scale=scale,
-                                use_qk_l2norm=l2, one_pass=variant.one_pass)  # fmt: skip
+                                use_qk_l2norm=l2, one_pass=variant.one_pass,
+                                out_norm=item_norm)  # fmt: skip
                 state_smem[s] = state
 
             @pl.when(slot == 0)
@@ -409,9 +464,19 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
             plgpu.SMEM((stages, n_tokens, k_dim), k.dtype),
             plgpu.SMEM((stages, v_rows, bv), v.dtype),
             plgpu.SMEM((stages, v_rows, bv), v.dtype),
-            plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-        ],
+            plgpu.Barrier(num_arrivals=4 + normed, num_barriers=stages),
+            *(
+                [
+                    plgpu.SMEM((stages, v_rows, bv), out_norm[0].dtype),
+                    plgpu.SMEM((bv,), jnp.float32),
+                    plgpu.Barrier(num_arrivals=1),
+                ]
+                if normed
+                else []
+            ),
+        ],  # fmt: skip
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=_REDUCTION_SCRATCH),
         interpret=interpret_params(interpret),
         kernel_name="gdn_decode_ring",
     )
-    return kernel(idx, q, k, v, *gates_in, pool_ref)
+    return kernel(idx, q, k, v, *gates_in, *norm_in, pool_ref)

@@ -21,6 +21,8 @@ conv and the projection wrote them) and their ``unsupported_reason`` /
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -31,6 +33,7 @@ from pallas_kernels.gdn._decode_grids import (
     Columns,
     DecodeVariant,
     Heads,
+    normed_stages,
     one_item_per_program,
     pipelined,
 )
@@ -250,11 +253,16 @@ def packed_gating_recurrent_gated_delta_rule(
     use_qk_l2norm: bool = True,
     interpret: bool = False,
     variant: DecodeVariant | str = DEFAULT,
+    output_norm: tuple[jax.Array, jax.Array, float] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``fused_gating_recurrent_gated_delta_rule`` reading q, k, v from the conv's output
     ``qkv`` ``[N, D, H K + H K + HV V]`` (``[Q | K | V]``) and b, a from ``ba``
     ``[N, D, 2 HV]`` (``[b | a]``) where they sit: no slice of either is written first. A_log
-    and dt_bias come as one operand, ``gate_params`` ``[2, HV]``."""
+    and dt_bias come as one operand, ``gate_params`` ``[2, HV]``. With ``output_norm``
+    ``(z [N, D, HV V], weight float32 [V], eps)`` the output is
+    ``reference.gated_output_norm(o, z, weight, eps)``, formed in the kernel (its items are
+    then whole heads, in the pipelined grid); the caller checks it
+    (``_checks.check_output_norm``)."""
     check_packed_rows(_PACKED_OP, qkv, ba, gate_params, ssm_pool, state_indices)
     reason = packed_gating_unsupported_reason(qkv, ba, gate_params, ssm_pool, state_indices)
     if reason is not None:
@@ -266,7 +274,7 @@ def packed_gating_recurrent_gated_delta_rule(
     return _launch(
         qkv, qkv, qkv, (gate_params, ba, ba), ssm_pool, state_indices, heads=heads,
         cols=cols, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
-        variant=variant,
+        variant=variant, out_norm=output_norm,
     )  # fmt: skip
 
 
@@ -279,7 +287,7 @@ def _launch_separate(q, k, v, gates_in, ssm_pool, state_indices, **options):
 
 
 def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, use_qk_l2norm,
-            interpret, variant):  # fmt: skip
+            interpret, variant, out_norm=None):  # fmt: skip
     """The entries' launch, after their checks: variant, block and scale, then the kernel.
     q, k, v ``[N, D, width]`` with their heads at ``cols``."""
     if isinstance(variant, str):
@@ -288,6 +296,15 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
         variant = VARIANTS[variant]
     n_rows = q.shape[0]
     bv = variant.block_v or pick_block_v(n_rows, heads.hv, heads.v_dim)
+    options = {}
+    if out_norm is not None:
+        if not variant.stages:
+            raise ValueError("the output norm runs in the pipelined grid (variant.stages >= 2)")
+        # The norm reads a whole head: one item per head, as many ring stages as fit.
+        bv = heads.v_dim
+        stages = normed_stages(variant.stages, q.shape[1], heads, q.dtype)
+        variant = dataclasses.replace(variant, block_v=bv, stages=stages)
+        options["out_norm"] = out_norm
     if heads.v_dim % bv or bv < 4 * VEC:
         raise ValueError(f"block_v={bv} must divide V={heads.v_dim} and be at least {4 * VEC}")
     scale = heads.k_dim**-0.5 if scale is None else float(scale)
@@ -295,6 +312,6 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
     pool_ref = jax.new_ref(ssm_pool)
     o = run(
         q, k, v, gates_in, pool_ref, state_indices, heads=heads, cols=cols,
-        bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret,
+        bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret, **options,
     )  # fmt: skip
     return o, jax.freeze(pool_ref)

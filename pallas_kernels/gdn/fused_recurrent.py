@@ -12,6 +12,8 @@ arguments plus ``interpret``; each entry's ``unsupported_reason`` decides whethe
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -20,6 +22,7 @@ from pallas_kernels._tree import check_parents
 from pallas_kernels.gdn import decode_mgpu, recurrent_mgpu, reference
 from pallas_kernels.gdn._checks import (
     check_gated_rows,
+    check_output_norm,
     check_packed_rows,
     check_rows,
     default_scale,
@@ -28,6 +31,7 @@ from pallas_kernels.gdn._checks import (
 from pallas_kernels.gdn.gating import gdn_gating
 
 __all__ = [
+    "OutputNorm",
     "fused_gating_recurrent_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
     "packed_gating_recurrent_gated_delta_rule",
@@ -153,6 +157,18 @@ def split_ba(ba: jax.Array) -> tuple[jax.Array, jax.Array]:
     return b, a
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OutputNorm:
+    """Gated DeltaNet's output norm for the packed decode op to form
+    (``reference.gated_output_norm``): ``z`` ``[N, D, HV V]`` the gate of every value head,
+    ``weight`` float32 ``[V]``, ``eps`` (static: it is a constant of the kernel)."""
+
+    z: jax.Array
+    weight: jax.Array
+    eps: float = dataclasses.field(metadata=dict(static=True))
+
+
 def packed_gating_recurrent_gated_delta_rule(
     qkv: jax.Array,
     ba: jax.Array,
@@ -162,6 +178,7 @@ def packed_gating_recurrent_gated_delta_rule(
     *,
     scale: float | None = None,
     use_qk_l2norm: bool = True,
+    output_norm: OutputNorm | None = None,
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """``fused_gating_recurrent_gated_delta_rule`` on the inputs as a GDN layer keeps them:
@@ -177,27 +194,37 @@ def packed_gating_recurrent_gated_delta_rule(
       gate_params: ``[2, HV]``, ``[A_log; dt_bias]`` (``stack_gate_params``).
       ssm_pool, state_indices, scale, use_qk_l2norm, impl: as
         ``fused_gating_recurrent_gated_delta_rule``.
+      output_norm: optional ``OutputNorm``: o comes out gated-normed
+        (``reference.gated_output_norm`` of each head), formed in the kernel, where the
+        layer's norm would be a kernel (or two) of its own after it.
 
     Returns:
       o ``[N, D, HV, V]`` in qkv's dtype, and the pool with each row's final state in its slot.
     """
     op = "packed_gating_recurrent_gated_delta_rule"
     check_packed_rows(op, qkv, ba, gate_params, ssm_pool, state_indices)
+    if output_norm is not None:
+        check_output_norm(op, qkv, ssm_pool, output_norm.z, output_norm.weight)
     _, kd, vd = ssm_pool.shape[1:]
     options = {"scale": default_scale(op, kd, scale), "use_qk_l2norm": use_qk_l2norm}
     args = (qkv, ba, gate_params, ssm_pool, state_indices)
     which = resolve_impl(op, impl, decode_mgpu.packed_gating_unsupported_reason(*args, **options))
     if which != "reference":
         return decode_mgpu.packed_gating_recurrent_gated_delta_rule(
-            *args, **options, interpret=which == "interpret"
-        )
+            *args, **options, interpret=which == "interpret",
+            output_norm=None if output_norm is None else dataclasses.astuple(output_norm),
+        )  # fmt: skip
     h = packed_stand_ins(qkv, ba, ssm_pool)[0].shape[2]
     q, k, v = split_qkv(qkv, h, kd, vd)
     b, a = split_ba(ba)
     A_log, dt_bias = gate_params  # noqa: N806 (the model's parameter name)
-    return fused_gating_recurrent_gated_delta_rule(
+    o, pool = fused_gating_recurrent_gated_delta_rule(
         q, k, v, A_log, a, dt_bias, b, ssm_pool, state_indices, **options, impl="reference"
     )
+    if output_norm is None:
+        return o, pool
+    z = output_norm.z.reshape(o.shape)  # padded rows' o is zeros, and so is their norm
+    return reference.gated_output_norm(o, z, output_norm.weight, output_norm.eps), pool
 
 
 def stack_gate_params(A_log: jax.Array, dt_bias: jax.Array) -> jax.Array:  # noqa: N803

@@ -64,6 +64,7 @@ __all__ = [
     "chunk_gated_delta_rule_chunked",
     "chunk_gated_delta_rule_recurrent",
     "fused_recurrent_gated_delta_rule",
+    "gated_output_norm",
     "verify_gated_delta_rule",
 ]
 
@@ -338,6 +339,16 @@ def fused_recurrent_gated_delta_rule(
     ssm_pool, state_indices = args[5:]
     pool = write_where(ssm_pool, state_indices, last[:, 0], state_indices != 0)
     return o.astype(v.dtype), pool
+
+
+def gated_output_norm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Gated DeltaNet's output norm: ``weight * o / rms(o) * silu(z)`` over the last axis (a
+    head), in o's dtype. ``o / rms(o)`` is computed in float32 and rounded to o's dtype
+    before the weight, as the reference implementation does (bf16 runs round alike)."""
+    x = o.astype(jnp.float32)
+    normed = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    normed = weight * normed.astype(o.dtype)
+    return (normed * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
 
 
 def verify_gated_delta_rule(

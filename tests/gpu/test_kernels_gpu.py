@@ -207,6 +207,49 @@ def test_gdn_fused_gating_decode_on_gpu_matches_oracle(entry, n, n_padded, hv):
     np.testing.assert_array_equal(bits(pool[others]), bits(before[others]))
 
 
+# A decode bucket of 8 rows with one real (the batch-1 step), 64 rows, and 48 value heads.
+@pytest.mark.parametrize(
+    "n, n_padded, hv", [(8, 7, HV), (64, 4, HV), (8, 5, 48)], ids=["b8-1", "b64", "b8-ratio3"]
+)
+def test_gdn_packed_decode_with_the_output_norm_on_gpu_matches_oracle(n, n_padded, hv):
+    """The packed op forming the gated output norm (whole-head items, a cross-warp sum):
+    ``weight * o / rms(o) * silu(z)`` of the float64 oracle's o; the pool as without it."""
+    args, idx = _gdn_case(4, n, 1, n_padded, hv=hv)
+    before = np.asarray(args["ssm_pool"])
+    rng = np.random.default_rng(5)
+    gating = dict(
+        A_log=jnp.asarray(rng.standard_normal(hv), jnp.float32),
+        a=jnp.asarray(rng.standard_normal((n, 1, hv)) * 2, jnp.bfloat16),
+        dt_bias=jnp.asarray(rng.standard_normal(hv), jnp.float32),
+        b=jnp.asarray(rng.standard_normal((n, 1, hv)) * 2, jnp.bfloat16),
+    )
+    x = np.asarray(gating["a"], np.float64) + np.asarray(gating["dt_bias"], np.float64)
+    args["g"] = -np.exp(np.asarray(gating["A_log"], np.float64)) * np.logaddexp(0.0, x)
+    args["beta"] = 1 / (1 + np.exp(-np.asarray(gating["b"], np.float64)))
+    o_ref, pool_ref = _oracle(gdn_reference.fused_recurrent_gated_delta_rule, args)
+    z = jnp.asarray(rng.standard_normal((n, 1, hv * V)) * 2, jnp.bfloat16)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, V), jnp.float32)
+    n_, d = args["v"].shape[:2]
+    qkv = jnp.concatenate([args[key].reshape(n_, d, -1) for key in ("q", "k", "v")], axis=-1)
+    norm = gdn.OutputNorm(z, weight, 1e-6)
+    op = functools.partial(gdn.packed_gating_recurrent_gated_delta_rule, impl="pallas")
+    o, pool = jax.jit(op)(
+        qkv, jnp.concatenate([gating["b"], gating["a"]], -1),
+        gdn.stack_gate_params(gating["A_log"], gating["dt_bias"]), args["ssm_pool"],
+        args["state_indices"], output_norm=norm,
+    )  # fmt: skip
+    o64 = np.asarray(o_ref, np.float64)
+    z64 = np.asarray(z, np.float64).reshape(o64.shape)
+    want = o64 / np.sqrt((o64 * o64).mean(-1, keepdims=True) + 1e-6)
+    want = np.asarray(weight, np.float64) * want * z64 / (1 + np.exp(-z64))
+    _check_outputs(o, want, idx, 2e-2)
+    named = idx[idx != 0]
+    pool = np.asarray(pool)
+    assert rel(pool[named], pool_ref[named]) < 1e-5
+    others = np.setdiff1d(np.arange(SLOTS), named)
+    np.testing.assert_array_equal(bits(pool[others]), bits(before[others]))
+
+
 @pytest.mark.parametrize("n", [16, 64])
 def test_gdn_verify_on_gpu_matches_oracle_and_leaves_pool(n):
     args, idx = _gdn_case(1, n, 4, 3)

@@ -9,6 +9,7 @@ bad input with the checks of the ops it fuses. Kernels run under the Mosaic GPU 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -184,6 +185,81 @@ def test_packed_op_reads_each_head_where_it_sits(impl, h):
     # The same arithmetic as the op on separate q, k, v, a, b: only where it reads differs.
     for got, want in zip((o, pool), _op(impl)(**args), strict=True):
         np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def _output_norm(args, seed):
+    """A random ``gdn.OutputNorm`` for ``args``' rows (eps large enough to matter)."""
+    rng = np.random.default_rng(seed)
+    n, d, hv, vd = args["v"].shape
+    z = jnp.asarray(rng.standard_normal((n, d, hv * vd)) * 2, args["v"].dtype)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, vd), jnp.float32)
+    return gdn.OutputNorm(z, weight, 1e-3)
+
+
+def _gated_norm_oracle(o, norm):
+    """``weight * o / rms(o) * silu(z)`` per head, float64."""
+    o = np.asarray(o, np.float64)
+    z = np.asarray(norm.z, np.float64).reshape(o.shape)
+    normed = o / np.sqrt((o * o).mean(-1, keepdims=True) + norm.eps)
+    return np.asarray(norm.weight, np.float64) * normed * z / (1 + np.exp(-z))
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize(
+    "dtype, d, tol", [(jnp.bfloat16, 1, 2e-2), (jnp.float32, 2, 1e-5)], ids=["bf16-D1", "f32-D2"]
+)
+def test_packed_op_forms_the_output_norm_and_leaves_the_pool_as_without_it(impl, dtype, d, tol):
+    args, idx = _case(8, d=d, dtype=dtype, h=2, padded=(2,))
+    norm = _output_norm(args, 9)
+    o, pool = _packed_op(impl)(**_packed(args), output_norm=norm)
+    o_ref, pool_ref = _oracle(args)
+    real = idx != 0
+    assert o.shape == args["v"].shape and o.dtype == dtype
+    assert np.isfinite(np.asarray(o, np.float32)).all(), "an output was never written (NaN)"
+    assert rel(o[real], _gated_norm_oracle(o_ref, norm)[real]) < tol
+    assert not np.asarray(o, np.float32)[~real].any(), "padded rows must give zeros"
+    named = idx[real]
+    assert rel(pool[named], pool_ref[named]) < 1e-5
+    others = np.setdiff1d(np.arange(SLOTS), named)
+    np.testing.assert_array_equal(bits(pool[others]), bits(args["ssm_pool"][others]))
+    # Whole-head items sum the state in another order than the op's own blocks: the same
+    # states and outputs within float32 rounding.
+    plain_o, plain_pool = _packed_op(impl)(**_packed(args))
+    assert rel(pool[named], plain_pool[named]) < 1e-6
+    # The norm of the op's own (rounded) output, as the layer's norm would form it.
+    layer = gdn_reference.gated_output_norm(plain_o, norm.z.reshape(o.shape), norm.weight,
+                                            norm.eps)  # fmt: skip
+    assert rel(o, layer) < (1e-2 if dtype == jnp.bfloat16 else 1e-6)
+
+
+def test_packed_op_names_a_misshaped_output_norm():
+    args, _ = _case(10)
+    norm = _output_norm(args, 11)
+    narrow = dataclasses.replace(norm, weight=jnp.ones(3))
+    with pytest.raises(ValueError, match=re.escape("weight float32[3] must be float32[64]")):
+        _packed_op("reference")(**_packed(args), output_norm=narrow)
+    wide = dataclasses.replace(norm, z=norm.z.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"z float32\[5, 1, 128\] must be bfloat16\[5, 1, 128\]"):
+        _packed_op("reference")(**_packed(args), output_norm=wide)
+
+
+def test_packed_op_with_the_output_norm_lowers_for_cuda():
+    """Qwen3.5's heads (16 key / 32 value heads of 128) at a 64-row bucket: the whole-head
+    items, the cross-warp sum of the norm and the z loads lower for Mosaic GPU."""
+    n, h, hv, kd = 64, 16, 32, 128
+    spec = jax.ShapeDtypeStruct
+    args = dict(
+        qkv=spec((n, 1, 2 * h * kd + hv * kd), jnp.bfloat16),
+        ba=spec((n, 1, 2 * hv), jnp.bfloat16),
+        gate_params=spec((2, hv), jnp.float32),
+        ssm_pool=spec((n + 1, hv, kd, kd), jnp.float32),
+        state_indices=spec((n,), jnp.int32),
+    )
+    norm = gdn.OutputNorm(spec((n, 1, hv * kd), jnp.bfloat16), spec((kd,), jnp.float32), 1e-6)
+    fn = functools.partial(gdn.packed_gating_recurrent_gated_delta_rule, impl="pallas")
+    traced = jax.jit(fn).trace(**args, output_norm=norm)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 def test_packed_op_takes_the_kernel_where_the_unpacked_one_does(on_hopper):
