@@ -77,6 +77,15 @@ def _oracle(fn, args, **options):
         return jax.tree.map(np.asarray, jax.jit(functools.partial(fn, **options))(**wide))
 
 
+def _check_pool(pool, pool_ref, idx, before):
+    """The real rows' slots hold the oracle's states; every other slot is as ``before``."""
+    named = idx[idx != 0]
+    pool = np.asarray(pool)
+    assert rel(pool[named], pool_ref[named]) < 1e-5
+    others = np.setdiff1d(np.arange(SLOTS), named)
+    np.testing.assert_array_equal(bits(pool[others]), bits(before[others]))
+
+
 def _check_outputs(o, o_ref, idx, tol):
     o = np.asarray(o, np.float32)
     real = idx != 0
@@ -101,11 +110,7 @@ def test_gdn_decode_op_on_gpu_matches_oracle_in_place(n, n_padded):
     o, pool = step(**args)
     assert pool.unsafe_buffer_pointer() == pointer, "the donated pool was copied, not aliased"
     _check_outputs(o, o_ref, idx, 1e-2)
-    named = idx[idx != 0]
-    pool = np.asarray(pool)
-    assert rel(pool[named], pool_ref[named]) < 1e-5
-    others = np.setdiff1d(np.arange(SLOTS), named)
-    np.testing.assert_array_equal(bits(pool[others]), bits(before[others]))
+    _check_pool(pool, pool_ref, idx, before)
 
 
 # Qwen3.5's value/key head ratios on 16 key heads: 1 (0.8B, 2B), 3 (27B), 4 (122B, 397B).
@@ -200,11 +205,7 @@ def test_gdn_fused_gating_decode_on_gpu_matches_oracle(entry, n, n_padded, hv):
     o, pool = step(A_log=jnp.asarray(a_log), a=a, dt_bias=jnp.asarray(dt_bias), b=b, **kernel_args)
     assert pool.unsafe_buffer_pointer() == pointer, "the donated pool was copied, not aliased"
     _check_outputs(o, o_ref, idx, 1e-2)
-    named = idx[idx != 0]
-    pool = np.asarray(pool)
-    assert rel(pool[named], pool_ref[named]) < 1e-5
-    others = np.setdiff1d(np.arange(SLOTS), named)
-    np.testing.assert_array_equal(bits(pool[others]), bits(before[others]))
+    _check_pool(pool, pool_ref, idx, before)
 
 
 # A decode bucket of 8 rows with one real (the batch-1 step), 64 rows, and 48 value heads.
@@ -243,11 +244,7 @@ def test_gdn_packed_decode_with_the_output_norm_on_gpu_matches_oracle(n, n_padde
     want = o64 / np.sqrt((o64 * o64).mean(-1, keepdims=True) + 1e-6)
     want = np.asarray(weight, np.float64) * want * z64 / (1 + np.exp(-z64))
     _check_outputs(o, want, idx, 2e-2)
-    named = idx[idx != 0]
-    pool = np.asarray(pool)
-    assert rel(pool[named], pool_ref[named]) < 1e-5
-    others = np.setdiff1d(np.arange(SLOTS), named)
-    np.testing.assert_array_equal(bits(pool[others]), bits(before[others]))
+    _check_pool(pool, pool_ref, idx, before)
 
 
 @pytest.mark.parametrize("n", [16, 64])
