@@ -11,6 +11,10 @@ activations, float32 pool) for each ``(N, R, block_v)``, device time from a prof
 On the H200 (see benchmarks/README.md; about a minute)::
 
     python3 benchmarks/decode_bucket.py [--rows 8:1,8:8,16:1,16:16] [--blocks 16,32,64]
+        [--output-norm]
+
+``--output-norm`` adds a row per ``(N, R)``: the op forming the gated output norm
+(``output_norm=``: whole-head items), checked against the norm formed after the default op.
 
 Prints one table (device us per call, state bytes of the real rows per second) and checks each
 configuration's output against the default block's first.
@@ -31,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from device_time import device_time  # noqa: E402
 
-from pallas_kernels.gdn import decode_mgpu, stack_gate_params  # noqa: E402
+from pallas_kernels.gdn import decode_mgpu, reference, stack_gate_params  # noqa: E402
 
 H, HV, K, V = 16, 32, 128, 128
 SLOTS = 1024
@@ -52,21 +56,31 @@ def _inputs(n: int, real: int, rng: np.random.Generator):
     return qkv, ba, a_log, dt_bias, pool, jnp.asarray(slots)
 
 
-def measure(n: int, real: int, block_v: int, rng: np.random.Generator) -> tuple[float, float]:
-    """(device us per call, largest |o - o at the default block| of the real rows)."""
+def measure(
+    n: int, real: int, block_v: int, rng: np.random.Generator, *, output_norm: bool = False
+) -> tuple[float, float]:
+    """(device us per call, largest |o - o at the default block| of the real rows); with
+    ``output_norm`` the op forms the gated output norm, compared with the norm formed after
+    the default op."""
     qkv, ba, a_log, dt_bias, pool, slots = _inputs(n, real, rng)
     base = dataclasses.replace(decode_mgpu.VARIANTS[decode_mgpu.DEFAULT], block_v=0)
     variant = dataclasses.replace(base, block_v=block_v)
+    z = jnp.asarray(rng.standard_normal((n, 1, HV * V)), jnp.bfloat16)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, V), jnp.float32)
+    norm = (z, weight, 1e-6) if output_norm else None
 
-    def op(pool, slots, variant):
+    def op(pool, slots, variant, norm=None):
         return decode_mgpu.packed_gating_recurrent_gated_delta_rule(
-            qkv, ba, stack_gate_params(a_log, dt_bias), pool, slots, variant=variant
-        )
+            qkv, ba, stack_gate_params(a_log, dt_bias), pool, slots, variant=variant,
+            output_norm=norm,
+        )  # fmt: skip
 
     o_ref, _ = jax.jit(lambda p: op(p, slots[0], base))(pool)
-    o, _ = jax.jit(lambda p: op(p, slots[0], variant))(pool)
+    if output_norm:
+        o_ref = reference.gated_output_norm(o_ref, z.reshape(o_ref.shape), weight, 1e-6)
+    o, _ = jax.jit(lambda p: op(p, slots[0], variant, norm))(pool)
     err = float(jnp.max(jnp.abs(o[:real].astype(jnp.float32) - o_ref[:real].astype(jnp.float32))))
-    step = jax.jit(lambda p, s: op(p, s, variant)[1], donate_argnums=0)
+    step = jax.jit(lambda p, s: op(p, s, variant, norm)[1], donate_argnums=0)
     held = [pool, 0]
 
     def call():
@@ -81,6 +95,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="8:1,8:8,16:1,16:16", help="N:R pairs, comma-separated")
     parser.add_argument("--blocks", default="16,32,64", help="block_v values, comma-separated")
+    parser.add_argument(
+        "--output-norm", action="store_true",
+        help="add a row per N:R with the op forming the gated output norm (whole heads)",
+    )  # fmt: skip
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
@@ -95,6 +113,11 @@ def main() -> None:
             rate = 2 * real * HV * K * V * 4 / (us * 1e-6) / 1e12
             mark = "*" if block_v == picked else ""
             print(f"| {n} | {real} | {block_v} | {mark} | {us:.1f} | {rate:.2f} | {err:.2e} |",
+                  flush=True)  # fmt: skip
+        if args.output_norm:
+            us, err = measure(n, real, V, rng, output_norm=True)
+            rate = 2 * real * HV * K * V * 4 / (us * 1e-6) / 1e12
+            print(f"| {n} | {real} | {V}, output norm | | {us:.1f} | {rate:.2f} | {err:.2e} |",
                   flush=True)  # fmt: skip
 
 
