@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params
+from pallas_kernels._mgpu_chunks import SMEM_PER_SM
 
 __all__ = [
     "VEC",
@@ -44,7 +45,7 @@ __all__ = [
     "DecodeVariant",
     "Heads",
     "load_token",
-    "normed_stages",
+    "normed_variant",
     "one_item_per_program",
     "pipelined",
 ]
@@ -310,10 +311,12 @@ def one_item_per_program(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, v
     return kernel(idx, q, k, v, *gates_in, pool_ref)
 
 
-def normed_stages(stages: int, n_tokens: int, heads: Heads, dtype) -> int:
-    """The ring stages (at most ``stages``, at least 2) of a pipelined call with the output
-    norm, whose items are whole heads: as many as fit the SMEM an sm_90 block may use, with
-    the cross-warp reduction's scratch."""
+def normed_variant(variant: DecodeVariant, n_tokens: int, heads: Heads, dtype) -> DecodeVariant:
+    """``variant`` for a pipelined call with the output norm, whose items are whole heads
+    (``block_v = V``): its ring stages (at most ``variant.stages``, at least 2) as many as fit
+    the SMEM an sm_90 block may use, with the cross-warp reduction's scratch, and its
+    programs as many as can be resident at once (a persistent program that waits for an SM
+    would run its items after the others' instead of beside them)."""
     size = jnp.dtype(dtype).itemsize
     rows = _stage_rows(n_tokens, heads.v_dim, dtype)
 
@@ -323,9 +326,13 @@ def normed_stages(stages: int, n_tokens: int, heads: Heads, dtype) -> int:
         voz = 3 * s * rows * heads.v_dim * size
         return state + qk + voz + heads.v_dim * 4 + _REDUCTION_SCRATCH + 64 * (s + 1)
 
+    stages = variant.stages
     while stages > 2 and smem(stages) > SMEM_BYTES:
         stages -= 1
-    return stages
+    resident = NUM_SMS * max(1, SMEM_PER_SM // (smem(stages) + 1024))
+    return dataclasses.replace(
+        variant, block_v=heads.v_dim, stages=stages, programs=min(variant.programs, resident)
+    )
 
 
 def _stage_rows(n_tokens: int, bv: int, dtype) -> int:

@@ -21,8 +21,6 @@ conv and the projection wrote them) and their ``unsupported_reason`` /
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
@@ -33,7 +31,7 @@ from pallas_kernels.gdn._decode_grids import (
     Columns,
     DecodeVariant,
     Heads,
-    normed_stages,
+    normed_variant,
     one_item_per_program,
     pipelined,
 )
@@ -300,10 +298,9 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
     if out_norm is not None:
         if not variant.stages:
             raise ValueError("the output norm runs in the pipelined grid (variant.stages >= 2)")
-        # The norm reads a whole head: one item per head, as many ring stages as fit.
-        bv = heads.v_dim
-        stages = normed_stages(variant.stages, q.shape[1], heads, q.dtype)
-        variant = dataclasses.replace(variant, block_v=bv, stages=stages)
+        # The norm reads a whole head: one item per head.
+        variant = normed_variant(variant, q.shape[1], heads, q.dtype)
+        bv = variant.block_v
         options["out_norm"] = out_norm
     if heads.v_dim % bv or bv < 4 * VEC:
         raise ValueError(f"block_v={bv} must divide V={heads.v_dim} and be at least {4 * VEC}")

@@ -264,3 +264,16 @@ def test_unsupported_reason_names_the_rule_and_the_kernel_refuses(change, words)
     assert reason is not None and words in reason
     with pytest.raises(ValueError, match=re.escape(words)):
         variants.fused_recurrent_gated_delta_rule(**args, interpret=True)
+
+
+@pytest.mark.parametrize(
+    "tokens, dtype, stages", [(1, jnp.bfloat16, 3), (16, jnp.float32, 2)], ids=["D1", "D16-f32"]
+)
+def test_the_output_norm_s_items_are_whole_heads_in_a_ring_that_fits(tokens, dtype, stages):
+    """Qwen3.5's heads: a whole head's state is 64 KiB a stage, so three stages fit one
+    program's SMEM at one bf16 token and two at 16 float32 tokens; one program fits an SM,
+    so the persistent grid launches one per SM."""
+    heads = grids.Heads(16, 128, 32, 128)
+    variant = grids.normed_variant(variants.VARIANTS[variants.DEFAULT], tokens, heads, dtype)
+    assert (variant.block_v, variant.stages) == (128, stages)
+    assert variant.programs == variants.NUM_SMS
