@@ -367,7 +367,8 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
 
     def body(idx_ref, q_ref, k_ref, v_ref, *refs):
         gate_refs, refs = refs[:n_gates], refs[n_gates:]
-        (z_ref, weight_ref), refs = refs[: len(norm_in)] or (None, None), refs[len(norm_in) :]
+        z_ref, weight_ref = refs[:2] if normed else (None, None)
+        refs = refs[len(norm_in) :]
         pool, o_ref, state_smem, q_smem, k_smem, v_smem, o_smem, bars, *norm_smem = refs
         prog = lax.axis_index("c")
         count = (n_items - prog + n_progs - 1) // n_progs  # this program's items

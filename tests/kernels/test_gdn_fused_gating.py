@@ -20,6 +20,7 @@ import pytest
 from _compare import bits, rel
 
 from pallas_kernels import _common, gdn
+from pallas_kernels.gdn import decode_mgpu
 from pallas_kernels.gdn import reference as gdn_reference
 
 H, HV = 1, 2
@@ -241,6 +242,15 @@ def test_packed_op_names_a_misshaped_output_norm():
     wide = dataclasses.replace(norm, z=norm.z.astype(jnp.float32))
     with pytest.raises(ValueError, match=r"z float32\[5, 1, 128\] must be bfloat16\[5, 1, 128\]"):
         _packed_op("reference")(**_packed(args), output_norm=wide)
+
+
+def test_the_output_norm_asks_for_the_pipelined_grid():
+    args, _ = _case(12)
+    norm = dataclasses.astuple(_output_norm(args, 13))
+    with pytest.raises(ValueError, match=r"the output norm runs in the pipelined grid"):
+        decode_mgpu.packed_gating_recurrent_gated_delta_rule(
+            **_packed(args), output_norm=norm, variant="cols", interpret=True
+        )
 
 
 def test_packed_op_with_the_output_norm_lowers_for_cuda():
