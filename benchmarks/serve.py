@@ -97,9 +97,9 @@ TRIAL_SWITCHES = {
         "a layer's input projections with few column tiles together (a MoE block's router "
         "and shared expert) as float32 partial products over parts of K",
     ),
-    "--norm-in-decode-kernel": (
-        gdn_layer, "NORM_IN_DECODE_KERNEL", True,
-        "a GDN layer's gated output norm formed by the decode kernel (items of whole heads)",
+    "--no-norm-in-decode-kernel": (
+        gdn_layer, "NORM_IN_DECODE_KERNEL", False,
+        "a GDN layer's gated output norm formed by XLA after the decode kernel",
     ),
     "--adds-for-short-sums": (
         linear_layer, "ADDS_FOR_SHORT_SUMS", True,

@@ -37,10 +37,12 @@ __all__ = [
 
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 
-NORM_IN_DECODE_KERNEL = False
+NORM_IN_DECODE_KERNEL = True
 """Whether the layer hands its gated output norm to the mix (``gdn_mix(output_norm=)``),
 whose decode kernel then forms it as it writes each head's output (items of whole heads):
-no norm kernels between the decode kernel and ``out_proj``. Off until measured on the H200."""
+no norm kernels between the decode kernel and ``out_proj`` (two kernels fewer per GDN layer
+a decode step on the H200, and a shorter step at batch 1 and 64:
+``benchmarks/RESULTS_serve.md``)."""
 
 
 @dataclasses.dataclass(frozen=True)
