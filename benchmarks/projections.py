@@ -57,14 +57,14 @@ def _time(fn, x, weight_sets) -> float:
     return device_time(lambda: fn(x, next(cycle)), calls=len(weight_sets)).us
 
 
-def _traced_with(stages: int, overlap: bool, swap: bool):
+def _traced_with(stages: int, overlap: bool, swap: bool, fill: bool):
     """The one launch traced with a ring of ``stages`` buffers and the product variants
-    (``_skinny.STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``, read when the launch is
-    traced): the first call's function, which traces and compiles with them, and the
-    compiled function for the timed calls."""
+    (``_skinny.STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``, ``RING_FILLS_SM``, read when
+    the launch is traced): the first call's function, which traces and compiles with them,
+    and the compiled function for the timed calls."""
     fn = jax.jit(functools.partial(projections.projections, impl="pallas"))
     variant = {(_skinny, "STAGES"): stages, (_skinny, "OVERLAP_PRODUCTS"): overlap,
-               (_skinny, "SWAP_OPERANDS"): swap}  # fmt: skip
+               (_skinny, "SWAP_OPERANDS"): swap, (_skinny, "RING_FILLS_SM"): fill}  # fmt: skip
 
     def first_call(x, weights):
         with switches_set(variant):
@@ -77,7 +77,7 @@ def rows_of(
     name: str,
     rows: int,
     rng: np.random.Generator,
-    rings: tuple[tuple[int, bool, bool], ...] = (),
+    rings: tuple[tuple[int, bool, bool, bool], ...] = (),
 ) -> list[str]:
     k, widths = CASES[name]
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
@@ -101,12 +101,12 @@ def rows_of(
             )
         )
     firsts = dict(variants)
-    for stages, overlap, swap in rings:
+    for stages, overlap, swap, fill in rings:
         label = (
             f"projections (one launch, {stages} stages{', overlapped' if overlap else ''}"
-            f"{', swapped' if swap else ''})"
+            f"{', swapped' if swap else ''}{', ring filling the SM' if fill else ''})"
         )
-        firsts[label], variants[label] = _traced_with(stages, overlap, swap)
+        firsts[label], variants[label] = _traced_with(stages, overlap, swap, fill)
     out = []
     for label, fn in variants.items():
         got = firsts[label](x, weight_sets[0])
@@ -132,15 +132,18 @@ def main() -> None:
         "--stages", default="",
         help=f"also the one launch with these ring depths, comma-separated (default ring: "
         f"{_skinny.STAGES}); a depth followed by 'o' overlaps the products "
-        "(_skinny.OVERLAP_PRODUCTS), by 's' swaps their operands (SWAP_OPERANDS): 4,4o,4os",
+        "(_skinny.OVERLAP_PRODUCTS), by 's' swaps their operands (SWAP_OPERANDS), by 'f' "
+        "deepens the ring of a launch of one program an SM (RING_FILLS_SM): 4,4o,4os,4osf",
     )  # fmt: skip
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args()
     specs = [v for v in args.stages.split(",") if v]
-    bad = [v for v in specs if not re.fullmatch(r"[1-9][0-9]*o?s?", v)]
+    bad = [v for v in specs if not re.fullmatch(r"[1-9][0-9]*o?s?f?", v)]
     if bad:
-        parser.error(f"--stages {args.stages!r}: {bad} are not a depth with optional o, s (4o)")
-    rings = tuple((int(v.rstrip("os")), "o" in v, "s" in v) for v in specs)
+        parser.error(
+            f"--stages {args.stages!r}: {bad} are not a depth with optional o, s, f (4osf)"
+        )
+    rings = tuple((int(v.rstrip("osf")), "o" in v, "s" in v, "f" in v) for v in specs)
     names = [n for n in args.cases.split(",") if n] or list(CASES)
     unknown = sorted(set(names) - set(CASES))
     if unknown:

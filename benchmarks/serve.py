@@ -106,6 +106,11 @@ TRIAL_SWITCHES = {
         "sums over a short axis (partial products, a MoE token's choices and their softmax) "
         "as chains of adds, which XLA fuses into their readers",
     ),
+    "--ring-fills-sm": (
+        _skinny, "RING_FILLS_SM", True,
+        "a small-batch product launch of at most one program per SM (a MoE block's router "
+        "and shared gate/up) gives each program the deepest ring that fits",
+    ),
     "--no-norms-in-launch": (
         linear_layer, "NORMS_IN_LAUNCH", False,
         "a decoder layer's norms run as their own kernels before the projections' launch",

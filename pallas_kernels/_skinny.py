@@ -7,7 +7,7 @@ tile) fill the first rows of a 64-row wgmma tile; the weight's ``[K, BLOCK_N]`` 
 streams through ``stages`` buffers of ``BLOCK_K`` rows, a block refilling its stage as soon as
 the tensor cores have read it, so ``stages`` blocks stay in flight while one multiplies.
 
-Two variants, each a module switch, both on (at a few rows they read the weights faster:
+Variants, each a module switch (the first two on: at a few rows they read the weights faster,
 benchmarks/RESULTS_projections.md); a kernel's public function reads the switches when it is called
 (``current_variant``) and hands them to its jitted launch as a static argument, so a changed
 switch is a new trace:
@@ -23,6 +23,10 @@ switch is a new trace:
   programs fit on an SM) and a product is rows/64 of a full tile's work. The float32 sum is
   stored transposed into the output tile, which Mosaic GPU does for 16-bit tiles: float32
   outputs keep the plain product.
+* ``RING_FILLS_SM``: a launch of at most one program per SM (a MoE block's router and shared
+  gate/up: 20 column tiles) gives each program the deepest ring a block's shared memory
+  holds (``filling_ring``). Such a program reads its tile at the rate its loads in flight
+  allow (bytes in flight over the memory's latency), not at an SM's share of the bandwidth.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import round_up
+from pallas_kernels._common import NUM_SMS, SMEM_BYTES, round_up
 from pallas_kernels._mgpu_chunks import (
     ALIGN,
     COLS,
@@ -57,8 +61,10 @@ __all__ = [
     "ROWS_PER_TILE",
     "STAGES",
     "SWAP_OPERANDS",
+    "RING_FILLS_SM",
     "ProductVariant",
     "current_variant",
+    "filling_ring",
     "programs_per_sm",
     "scratch",
     "swapped",
@@ -74,20 +80,47 @@ OVERLAP_PRODUCTS = True
 """Whether a block's product runs while the next block is awaited (see the module's doc)."""
 SWAP_OPERANDS = True
 """Whether each block's product is taken transposed (see the module's doc)."""
+RING_FILLS_SM = False
+"""Whether a launch of at most one program per SM takes the deepest ring that fits (see the
+module's doc). Off until measured on the H200."""
 
 
 class ProductVariant(NamedTuple):
-    """A launch's static product choices: the ring's depth and the two variants.
+    """A launch's static product choices: the ring's depth and the variants.
     ``ProductVariant()`` is the plain product; ``current_variant()`` gives the switches'."""
 
     stages: int = STAGES
     overlap: bool = False
     swap: bool = False
+    fill_sm: bool = False
 
 
 def current_variant() -> ProductVariant:
-    """The switches' values now (``STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``)."""
-    return ProductVariant(STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS)
+    """The switches' values now (``STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``,
+    ``RING_FILLS_SM``)."""
+    return ProductVariant(STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS, RING_FILLS_SM)
+
+
+def filling_ring(
+    variant: ProductVariant, programs: int, steps: int, dtype, rows: int = ROWS_PER_TILE,
+    out_dtype=None, *, row_scale: bool = False,
+) -> ProductVariant:  # fmt: skip
+    """The variant a launch of ``programs`` programs of ``steps`` blocks each runs: with
+    ``variant.fill_sm`` and at most one program per SM, its ring as deep as the ``scratch``
+    of a block fits in ``SMEM_BYTES`` (at most ``steps`` stages, never fewer than
+    ``variant.stages``); otherwise ``variant`` itself."""
+    if not variant.fill_sm or programs > NUM_SMS:
+        return variant
+
+    def fits(stages: int) -> bool:
+        refs = scratch(steps, dtype, variant._replace(stages=stages), rows, out_dtype,
+                       row_scale=row_scale)  # fmt: skip
+        return scratch_smem_bytes(refs) <= SMEM_BYTES
+
+    stages = variant.stages
+    while stages < steps and fits(stages + 1):
+        stages += 1
+    return variant._replace(stages=stages)
 
 
 def swapped(out_dtype, variant: ProductVariant) -> bool:

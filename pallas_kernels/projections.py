@@ -34,6 +34,7 @@ from pallas_kernels._skinny import (
     ROWS_PER_TILE,
     ProductVariant,
     current_variant,
+    filling_ring,
     scratch,
     tile_product,
 )
@@ -126,6 +127,9 @@ def _kernel(
     out_dtype = F32 if partial else x.dtype
     tiles = [w.shape[1] // BLOCK_N for w in weights]
     starts = [sum(tiles[:i]) for i in range(len(tiles))]
+    variant = filling_ring(
+        variant, sum(tiles) * splits, steps, x.dtype, held, out_dtype, row_scale=scaled
+    )
 
     def body(x_ref, *refs):
         w_refs, refs = refs[: len(weights)], refs[len(weights) :]

@@ -91,3 +91,33 @@ def test_partial_products_sum_to_the_oracle(rows, k, widths, product_variant):
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
         assert np.isfinite(out64).all()
         assert np.linalg.norm(out64 - want) / np.linalg.norm(want) < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("rows", "k", "widths", "partial"),
+    [
+        (8, 2048, (256, 512, 512), False),  # router, shared gate and up: 20 programs, 12 stages
+        (64, 2048, (256, 512, 512), False),  # 64-row buffers: 6 stages
+        (8, 4096, (2048,), True),  # out_proj partials: 128 programs, 6 stages of 8 blocks
+    ],
+)
+def test_filled_rings_match_the_oracle(rows, k, widths, partial, monkeypatch):
+    """``_skinny.RING_FILLS_SM``: launches of one program an SM with the deepest ring that
+    fits a block's shared memory (a larger scratch than any other launch takes)."""
+    from pallas_kernels import _skinny
+
+    monkeypatch.setattr(_skinny, "RING_FILLS_SM", True)
+    rng = np.random.default_rng(rows + k + 11)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16) for n in widths]
+    if partial:
+        call = lambda x, ws: projections.projection_partials(x, ws, impl="pallas")  # noqa: E731
+    else:
+        call = lambda x, ws: projections.projections(x, ws, impl="pallas")  # noqa: E731
+    got = jax.jit(call)(x, ws)
+    for out, w in zip(got, ws, strict=True):
+        out64 = np.asarray(out, np.float64)
+        out64 = out64.sum(axis=0) if partial else out64
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        assert out64.shape == want.shape and np.isfinite(out64).all()
+        assert np.linalg.norm(out64 - want) / np.linalg.norm(want) < 1e-2

@@ -275,3 +275,70 @@ def test_a_switch_changed_between_calls_reaches_the_next_trace(monkeypatch):
     assert lowered() != plain  # no trace of the plain launch is reused
     monkeypatch.setattr(_skinny, "SWAP_OPERANDS", False)
     assert lowered() == plain
+
+
+def test_a_launch_of_one_program_an_sm_fills_its_shared_memory_with_the_ring():
+    from pallas_kernels._common import NUM_SMS, SMEM_BYTES
+    from pallas_kernels._mgpu_chunks import scratch_smem_bytes
+    from pallas_kernels._skinny import filling_ring
+
+    filled = ProductVariant(swap=True, fill_sm=True)
+    # The 35B-like router and shared gate/up: 20 column tiles, K = 2048 (16 blocks), 8 rows.
+    ring = filling_ring(filled, 20, 16, jnp.bfloat16, 8, row_scale=True)
+    assert ring._replace(stages=filled.stages) == filled
+    deeper = ring._replace(stages=ring.stages + 1)
+    assert scratch_smem_bytes(scratch(16, jnp.bfloat16, ring, 8, row_scale=True)) <= SMEM_BYTES
+    assert scratch_smem_bytes(scratch(16, jnp.bfloat16, deeper, 8, row_scale=True)) > SMEM_BYTES
+    assert ring.stages == 12
+    # Float32 partials keep 64-row buffers: fewer stages fit.
+    assert filling_ring(filled, 128, 8, jnp.bfloat16, 8, jnp.float32).stages == 6
+    assert filling_ring(filled, 20, 6, jnp.bfloat16, 8).stages == 6  # no more than the blocks
+    assert filling_ring(filled, 20, 2, jnp.bfloat16, 8) == filled  # never fewer than asked
+    assert filling_ring(filled, NUM_SMS + 1, 16, jnp.bfloat16, 8) == filled
+    unfilled = ProductVariant(swap=True)
+    assert filling_ring(unfilled, 20, 16, jnp.bfloat16, 8) == unfilled
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["products", "partials"])
+def test_filled_rings_that_wrap_match_the_float64_oracle(partial, monkeypatch):
+    """``RING_FILLS_SM``: 20 blocks of K through a 12-stage ring (6 for float32 partials),
+    every stage refilled at least once."""
+    from pallas_kernels import _skinny
+
+    monkeypatch.setattr(_skinny, "RING_FILLS_SM", True)
+    x, ws = _case(7, 8, 20 * 128, (64, 128))
+    x64, ws64 = np.asarray(x, np.float64), [np.asarray(w, np.float64) for w in ws]
+    if partial:
+        got = [p.sum(0) for p in projections.projection_partials(x, ws, splits=1, impl="interpret")]
+    else:
+        scale = jnp.asarray(
+            np.random.default_rng(3).uniform(1.0, 400.0, 8) * x.shape[1], jnp.float32
+        )
+        got = projections.projections(x, ws, row_scale=scale, rms_eps=1e-6, impl="interpret")
+        x64 = x64 / np.sqrt(np.asarray(scale, np.float64) / x.shape[1] + 1e-6)[:, None]
+    for out, w in zip(got, ws64, strict=True):
+        want = x64 @ w
+        err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
+        assert err < 1e-2
+
+
+def test_filled_rings_lower_for_cuda_at_the_35b_router_shapes(monkeypatch):
+    from pallas_kernels import _skinny
+
+    x = jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16)
+    ws = tuple(jax.ShapeDtypeStruct((2048, n), jnp.bfloat16) for n in (256, 512, 512))
+    scale = jax.ShapeDtypeStruct((8,), jnp.float32)
+
+    def lowered():
+        call = jax.jit(
+            lambda x, ws, s: projections.projections(
+                x, ws, row_scale=s, rms_eps=1e-6, impl="pallas"
+            )
+        )
+        return call.trace(x, ws, scale).lower(lowering_platforms=("cuda",)).as_text()
+
+    monkeypatch.setattr(_skinny, "RING_FILLS_SM", True)
+    filled = lowered()
+    assert "mosaic_gpu" in filled
+    monkeypatch.setattr(_skinny, "RING_FILLS_SM", False)
+    assert lowered() != filled
