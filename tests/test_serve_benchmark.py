@@ -81,6 +81,16 @@ def test_each_switch_runs_the_rows_again_with_one_switch_at_a_time(
     assert "'--no-such-switch'] are not trial switches" in capsys.readouterr().err
 
 
+def test_every_trial_switch_is_part_of_the_executables_cache_key(serve):
+    """A switch the engine's cache key leaves out would give its rows the executable traced
+    without it (a switched row compiling in seconds)."""
+    from hybrid_jax.engine import startup
+
+    keyed = {(module, name) for module, names in startup._SWITCHES.items() for name in names}
+    trial = {(module.__name__, name) for module, name, _, _ in serve.TRIAL_SWITCHES.values()}
+    assert trial <= keyed, sorted(trial - keyed)
+
+
 def test_a_trial_switch_holds_for_the_rows_and_is_put_back_after(serve, tmp_path, monkeypatch):
     """``--no-norms-in-launch`` is set while the rows run and as it was after, raised or not."""
     from hybrid_jax.layers import linear

@@ -59,7 +59,7 @@ _SWITCHES = {
         "SHARED_HIDDEN_WITH_EXPERTS",
     ),
     "hybrid_jax.backend.attention": ("TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
-    "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS"),
+    "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS", "RING_FILLS_SM"),
 }
 
 
