@@ -106,10 +106,10 @@ TRIAL_SWITCHES = {
         "sums over a short axis (partial products, a MoE token's choices and their softmax) "
         "as chains of adds, which XLA fuses into their readers",
     ),
-    "--ring-fills-sm": (
-        _skinny, "RING_FILLS_SM", True,
+    "--no-ring-fills-sm": (
+        _skinny, "RING_FILLS_SM", False,
         "a small-batch product launch of at most one program per SM (a MoE block's router "
-        "and shared gate/up) gives each program the deepest ring that fits",
+        "and shared gate/up) keeps the default ring depth",
     ),
     "--no-norms-in-launch": (
         linear_layer, "NORMS_IN_LAUNCH", False,

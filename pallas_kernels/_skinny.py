@@ -7,10 +7,10 @@ tile) fill the first rows of a 64-row wgmma tile; the weight's ``[K, BLOCK_N]`` 
 streams through ``stages`` buffers of ``BLOCK_K`` rows, a block refilling its stage as soon as
 the tensor cores have read it, so ``stages`` blocks stay in flight while one multiplies.
 
-Variants, each a module switch (the first two on: at a few rows they read the weights faster,
-benchmarks/RESULTS_projections.md); a kernel's public function reads the switches when it is called
-(``current_variant``) and hands them to its jitted launch as a static argument, so a changed
-switch is a new trace:
+Variants, each a module switch, all on (at a few rows they read the weights faster:
+benchmarks/RESULTS_projections.md, RESULTS_serve.md); a kernel's public function reads the
+switches when it is called (``current_variant``) and hands them to its jitted launch as a
+static argument, so a changed switch is a new trace:
 
 * ``OVERLAP_PRODUCTS``: a block's product is issued and left running while the next block
   is awaited (at most two products in flight, ``wgmma_wait(1)``); its stage is refilled one
@@ -80,9 +80,10 @@ OVERLAP_PRODUCTS = True
 """Whether a block's product runs while the next block is awaited (see the module's doc)."""
 SWAP_OPERANDS = True
 """Whether each block's product is taken transposed (see the module's doc)."""
-RING_FILLS_SM = False
+RING_FILLS_SM = True
 """Whether a launch of at most one program per SM takes the deepest ring that fits (see the
-module's doc). Off until measured on the H200."""
+module's doc): the 35B-like router and shared gate/up launch ~1.2 us shorter at 8 and 64
+rows (benchmarks/RESULTS_serve.md)."""
 
 
 class ProductVariant(NamedTuple):
