@@ -111,6 +111,11 @@ TRIAL_SWITCHES = {
         "a small-batch product launch of at most one program per SM (a MoE block's router "
         "and shared gate/up) keeps the default ring depth",
     ),
+    "--softmax-in-ranking": (
+        moe_layer, "SOFTMAX_IN_RANKING", True,
+        "a MoE block that ranks its experts forms the chosen experts' softmax inside the "
+        "ranking's reductions",
+    ),
     "--no-norms-in-launch": (
         linear_layer, "NORMS_IN_LAUNCH", False,
         "a decoder layer's norms run as their own kernels before the projections' launch",

@@ -18,6 +18,7 @@ from hybrid_jax.layers.moe import (
     MoEConfig,
     SparseMoE,
     top_k,
+    top_k_softmax,
 )
 from pallas_kernels import moe as moe_kernels
 
@@ -238,3 +239,44 @@ def test_route_weights_are_the_softmax_probabilities_of_the_chosen_experts(norm_
     if norm_topk_prob:
         chosen = chosen / chosen.sum(axis=-1, keepdims=True)
     np.testing.assert_allclose(weights, chosen, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "tokens,n,k,spread", [(8, 256, 8, 3.0), (5, 16, 3, 0.5), (3, 32, 4, 400.0)]
+)
+def test_top_k_softmax_is_the_softmax_of_lax_top_k_s_values(tokens, n, k, spread):
+    """Ties (few distinct values) keep lax.top_k's order; a spread of logits past exp's range
+    gives weights of 0 and 1, never NaN."""
+    rng = np.random.default_rng(tokens * n)
+    x = jnp.asarray(rng.integers(-3, 4, (tokens, n)) * spread, jnp.float32)
+    valid = jnp.arange(tokens) < tokens - 1  # the last row is padding
+    weights, indices = jax.jit(top_k_softmax, static_argnums=1)(x, k, valid)
+    values, want = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(indices, np.where(np.asarray(valid)[:, None], want, n))
+    np.testing.assert_allclose(weights, jax.nn.softmax(values, axis=-1), rtol=1e-6, atol=1e-30)
+    assert np.isfinite(np.asarray(weights)).all()
+
+
+def test_softmax_in_ranking_routes_as_the_softmax_after_it_with_no_reduce_of_its_own(
+    monkeypatch,
+):
+    """``SOFTMAX_IN_RANKING``: the same experts and weights, and every reduction of the route
+    is over the ranking's comparisons (rank 3), none over the chosen values."""
+    config = MoEConfig(hidden_size=16, num_experts=32, top_k=4, intermediate_size=8,
+                       shared_intermediate_size=8)  # fmt: skip
+    layer = SparseMoE(config, rngs=nnx.Rngs(0))
+    logits = jnp.asarray(np.random.default_rng(2).standard_normal((6, 32)) * 3, jnp.bfloat16)
+    real = jnp.arange(6) < 5
+
+    def routed():
+        program = jax.make_jaxpr(layer.route)(logits, real)
+        reduces = [e for e in program.eqns if e.primitive.name.startswith("reduce_")]
+        return layer.route(logits, real), [e.invars[0].aval.ndim for e in reduces]
+
+    (weights, experts), ranks_after = routed()
+    monkeypatch.setattr(moe_layer, "SOFTMAX_IN_RANKING", True)
+    (in_ranking, in_ranking_experts), ranks_in = routed()
+    np.testing.assert_array_equal(in_ranking_experts, experts)
+    np.testing.assert_allclose(np.asarray(in_ranking, np.float32),
+                               np.asarray(weights, np.float32), rtol=1e-2)  # fmt: skip
+    assert 2 in ranks_after and set(ranks_in) == {3}

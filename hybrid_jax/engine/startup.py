@@ -57,6 +57,7 @@ _SWITCHES = {
         "RANKED_TOP_K_TOKENS",
         "SHARED_DOWN_WITH_EXPERTS",
         "SHARED_HIDDEN_WITH_EXPERTS",
+        "SOFTMAX_IN_RANKING",
     ),
     "hybrid_jax.backend.attention": ("TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
     "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS", "RING_FILLS_SM"),

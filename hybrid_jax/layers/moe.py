@@ -15,6 +15,8 @@ per-expert ``[out, in]`` matrices (or its fused ``gate_up_proj``) into them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +33,12 @@ __all__ = [
     "RANKED_TOP_K_TOKENS",
     "SHARED_DOWN_WITH_EXPERTS",
     "SHARED_HIDDEN_WITH_EXPERTS",
+    "SOFTMAX_IN_RANKING",
     "ExpertDispatch",
     "MoEConfig",
     "SparseMoE",
     "top_k",
+    "top_k_softmax",
 ]
 
 BY_ID_MAX_PAIRS = 64
@@ -60,6 +64,14 @@ instead of one each (one kernel fewer per MoE block on the H200:
 ``benchmarks/RESULTS_serve.md``)."""
 
 
+SOFTMAX_IN_RANKING = False
+"""Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
+``norm_topk_prob``) forms the chosen experts' softmax inside the ranking's reductions
+(``top_k_softmax``: the row's max beside each entry's rank, the exponentials' picks beside the
+chosen ids) instead of after them, where it is a kernel of its own on the GPU. Off until
+measured on the H200."""
+
+
 def top_k(x: jax.Array, k: int, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k(x, k)`` along the last axis of ``x`` ``[T, n]`` (equal values: the lower
     index first), with int32 indices; rows where ``valid`` (bool ``[T]``) is False get index
@@ -75,17 +87,50 @@ def top_k(x: jax.Array, k: int, valid: jax.Array | None = None) -> tuple[jax.Arr
         values, indices = jax.lax.top_k(x, k)
         indices = indices.astype(jnp.int32)
         return values, indices if valid is None else jnp.where(valid[:, None], indices, n)
-    index = jnp.arange(n, dtype=jnp.int32)
+    index, _, chosen = _ranking(x, k)
+    values = jnp.where(chosen, x[..., None, :], 0).sum(axis=-1)
+    return values.astype(x.dtype), _chosen_indices(chosen, index, valid)
+
+
+def _ranking(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(the indices ``[n]``; ``before`` ``[T, n, n]``: whether entry j comes before entry i,
+    larger or equal at a lower index; ``chosen`` ``[T, k, n]``: whether an entry's rank, its
+    place in that order, is the choice's) of ``x`` ``[T, n]``."""
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
     mine, other = x[..., :, None], x[..., None, :]
     before = (other > mine) | ((other == mine) & (index[None, :] < index[:, None]))
-    rank = before.sum(axis=-1, dtype=jnp.int32)  # [T, n]: each entry's place in the order
-    chosen = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [T, k, n]
-    values = jnp.where(chosen, x[..., None, :], 0).sum(axis=-1)
+    rank = before.sum(axis=-1, dtype=jnp.int32)  # [T, n]
+    return index, before, rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
+
+
+def _chosen_indices(chosen: jax.Array, index: jax.Array, valid: jax.Array | None) -> jax.Array:
+    """The index of each row's chosen entry per choice (``chosen`` ``[T, k, n]``, one entry
+    each), or ``n`` in rows where ``valid`` is False."""
     # An invalid row's index inside the sum (one entry is chosen per choice), not after
     # it: XLA then needs no kernel of its own for the mask.
-    ids = index if valid is None else jnp.where(valid[:, None, None], index, n)
-    indices = jnp.where(chosen, ids, 0).sum(axis=-1, dtype=jnp.int32)
-    return values.astype(x.dtype), indices
+    ids = index if valid is None else jnp.where(valid[:, None, None], index, index.shape[0])
+    return jnp.where(chosen, ids, 0).sum(axis=-1, dtype=jnp.int32)
+
+
+def top_k_softmax(
+    x: jax.Array, k: int, valid: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(the softmax over each row's ``k`` largest entries, float32 ``[T, k]``; their int32
+    indices ``[T, k]``) of float32 ``x`` ``[T, n]``, largest first, ranked as ``top_k`` ranks
+    (rows where ``valid`` is False get index ``n``).
+
+    Two reductions, each over the ``[T, n, n]`` or ``[T, k, n]`` comparisons the ranking
+    makes anyway: every entry's rank beside the largest of its own value and those ranked
+    before it (the row's max, whatever the entry), then each choice's index beside its
+    ``exp(value - max)``. What remains is the sum of ``k`` of those and a division, written as
+    adds, which XLA may fuse into the weights' reader."""
+    index, before, chosen = _ranking(x, k)
+    at_or_before = before | (index[None, :] == index[:, None])
+    top = jnp.where(at_or_before, x[..., None, :], -jnp.inf).max(axis=-1)  # the row's max
+    exps = jnp.exp(x - top)  # at most 1: the largest entry's is 1
+    picked = jnp.where(chosen, exps[..., None, :], 0).sum(axis=-1)  # [T, k]
+    total = functools.reduce(operator.add, (picked[:, j] for j in range(k)))  # at least 1
+    return picked / total[:, None], _chosen_indices(chosen, index, valid)
 
 
 def _softmax_of_ordered(x: jax.Array) -> jax.Array:
@@ -245,7 +290,10 @@ class SparseMoE(nnx.Module):
         token, from its router logits ``[T, E]``; a token that ``real`` (bool ``[T]``) marks
         as padding gets expert ``E`` (none) for every choice."""
         wide = logits.astype(jnp.float32)
-        if self.config.norm_topk_prob:
+        ranked = logits.shape[0] <= RANKED_TOP_K_TOKENS
+        if self.config.norm_topk_prob and SOFTMAX_IN_RANKING and ranked:
+            weights, experts = top_k_softmax(wide, self.config.top_k, real)
+        elif self.config.norm_topk_prob:
             # The softmax renormalised over the chosen experts is the softmax of their logits
             # (the softmax keeps the logits' order): no softmax over every expert.
             chosen, experts = top_k(wide, self.config.top_k, real)
