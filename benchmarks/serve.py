@@ -111,6 +111,11 @@ TRIAL_SWITCHES = {
         "a small-batch product launch of at most one program per SM (a MoE block's router "
         "and shared gate/up) keeps the default ring depth",
     ),
+    "--hidden-in-expert-launch": (
+        moe_layer, "HIDDEN_IN_EXPERT_LAUNCH", True,
+        "a MoE block whose experts run by id forms its experts' and shared expert's SwiGLU "
+        "hidden rows in one launch (the router launched alone)",
+    ),
     "--softmax-in-ranking": (
         moe_layer, "SOFTMAX_IN_RANKING", True,
         "a MoE block that ranks its experts forms the chosen experts' softmax inside the "

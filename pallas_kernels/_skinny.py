@@ -160,13 +160,15 @@ def programs_per_sm(scratch_refs) -> int:
 def tile_product(
     x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, scale_s=None, scale_bar=None, *,
     steps: int, variant: ProductVariant, interpret: bool, row_scale=None,
-    rms: tuple[float, int] | None = None,
+    rms: tuple[float, int] | None = None, up_cols=None,
 ):  # fmt: skip
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype); with
     ``row_scale`` (a GMEM view ``[R]``, float32) each row's sum times its scale before the
     store, or with ``rms = (eps, width)`` too times ``1 / sqrt(row_scale / width + eps)``
     (``row_scale`` then holds each row's sum of squares over the norm's ``width``: an RMS
-    norm's scale, formed here).
+    norm's scale, formed here). With ``up_cols`` (``[K, BLOCK_N]``, the up projection's tile
+    beside ``w_cols``, the gate's) it stores ``silu(x @ w_cols) * (x @ up_cols)`` instead,
+    each product scaled first: a SwiGLU's hidden tile.
 
     ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64 and at most the rows
     ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;
@@ -177,11 +179,39 @@ def tile_product(
     rows = x_rows.shape[0]
     if row_scale is not None:
         plgpu.copy_gmem_to_smem(row_scale, scale_s.at[pl.ds(0, rows)], scale_bar)
-    stages = min(variant.stages, steps)
-    # The product's shape: [64, BLOCK_N], or transposed [BLOCK_N, rows] with the rows
-    # rounded up to the 8-row groups that TMA moves.
-    held = round_up(rows, ALIGN)
     swap = swapped(o_s.dtype, variant)
+    ring = (x_s, w_s, bars)
+    acc = _tile_sum(x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap,
+                    interpret=interpret)  # fmt: skip
+    up = None
+    if up_cols is not None:
+        up = _tile_sum(x_rows, up_cols, *ring, steps=steps, variant=variant, swap=swap,
+                       interpret=interpret)  # fmt: skip
+    if row_scale is not None:
+        plgpu.barrier_wait(scale_bar)
+        scale = _row_scales(scale_s, round_up(rows, ALIGN), swap, acc.shape, rms)
+        acc = acc * scale
+        up = None if up is None else up * scale
+    if up is not None:
+        acc = acc / (1.0 + jnp.exp(-acc)) * up
+    plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
+    held = round_up(rows, ALIGN)
+    if swap:
+        o_s.at[pl.ds(0, held)].transpose((1, 0))[...] = acc.astype(o_s.dtype)
+    else:
+        o_s[...] = acc.astype(o_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, rows)], out_rows)
+
+
+def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVariant,
+              swap: bool, interpret: bool):  # fmt: skip
+    """The float32 sum ``x_rows @ w_cols`` through the ring (WGMMA layout): ``[64,
+    BLOCK_N]``, or transposed ``[BLOCK_N, rows]`` with ``swap`` (the rows rounded up to the
+    8-row groups that TMA moves). The ring is free again when it returns."""
+    rows = x_rows.shape[0]
+    stages = min(variant.stages, steps)
+    held = round_up(rows, ALIGN)
     shape = (BLOCK_N, held) if swap else (ROWS_PER_TILE, BLOCK_N)
 
     def operands(stage):
@@ -206,27 +236,23 @@ def tile_product(
         return acc
 
     if variant.overlap:
-        acc = _overlapped_products(operands, bars, fill, shape, steps=steps, stages=stages)
-    else:
-        init = plgpu.layout_cast(jnp.zeros(shape, F32), WG)
-        acc = lax.fori_loop(0, steps, step, init)
-    if row_scale is not None:
-        plgpu.barrier_wait(scale_bar)
-        if swap:  # the rows are the product's columns
-            scale = plgpu.load(scale_s.at[pl.ds(0, held)], layout=COLS)
-        else:
-            scale = plgpu.load(scale_s, layout=ROWS)
-        if rms is not None:
-            eps, width = rms
-            scale = lax.rsqrt(scale * (1.0 / width) + eps)
-        acc = acc * (along_cols(scale, shape) if swap else along_rows(scale, shape))
-    plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
+        return _overlapped_products(operands, bars, fill, shape, steps=steps, stages=stages)
+    init = plgpu.layout_cast(jnp.zeros(shape, F32), WG)
+    return lax.fori_loop(0, steps, step, init)
+
+
+def _row_scales(scale_s, held: int, swap: bool, shape, rms: tuple[float, int] | None):
+    """Each row's scale from ``scale_s`` (float32, after its barrier), broadcast over a sum of
+    ``shape``: along its columns when swapped (the rows are its columns), else its rows; with
+    ``rms = (eps, width)``, ``1 / sqrt(scale / width + eps)``."""
     if swap:
-        o_s.at[pl.ds(0, held)].transpose((1, 0))[...] = acc.astype(o_s.dtype)
+        scale = plgpu.load(scale_s.at[pl.ds(0, held)], layout=COLS)
     else:
-        o_s[...] = acc.astype(o_s.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, rows)], out_rows)
+        scale = plgpu.load(scale_s, layout=ROWS)
+    if rms is not None:
+        eps, width = rms
+        scale = lax.rsqrt(scale * (1.0 / width) + eps)
+    return along_cols(scale, shape) if swap else along_rows(scale, shape)
 
 
 def _overlapped_products(operands, bars, fill, shape, *, steps: int, stages: int):

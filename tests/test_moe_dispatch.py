@@ -20,6 +20,7 @@ from hybrid_jax.layers.moe import (
     top_k,
     top_k_softmax,
 )
+from hybrid_jax.layers.norm import NormedRows
 from pallas_kernels import moe as moe_kernels
 
 
@@ -150,6 +151,38 @@ def test_the_shared_hidden_formed_with_the_experts_changes_no_bit(shared_width, 
     # One barrier more (the interpreted kernels have their own) where the widths agree.
     barriers = [p.count("optimization_barrier") for p in (apart_program, together_program)]
     assert barriers[1] - barriers[0] == (shared_width == 128)
+
+
+@pytest.mark.parametrize("normed", [False, True], ids=["rows", "normed-rows"])
+@pytest.mark.parametrize("shared_width", [128, 64])
+def test_hidden_rows_formed_in_the_expert_launch_match_the_silu_after_it(
+    shared_width, normed, monkeypatch
+):
+    """``HIDDEN_IN_EXPERT_LAUNCH``: the experts' and the shared expert's hidden rows from one
+    ``expert_hidden`` launch (the norm's inverse RMS formed in it), the router alone in its
+    projections launch and no SiLU product in XLA; a shared expert narrower than the experts
+    (64) keeps the products apart."""
+    moe = _bf16_moe(7, shared_width)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    if normed:
+        norm_weight = jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32)
+        x = NormedRows(x, norm_weight, 1e-6)
+    real = jnp.arange(5) < 4
+
+    def run():
+        step = jax.jit(lambda m, a, r: m(a, r, impl="interpret"))
+        return np.asarray(step(moe, x, real), np.float64), str(jax.make_jaxpr(step)(moe, x, real))
+
+    apart, apart_program = run()
+    monkeypatch.setattr(moe_layer, "HIDDEN_IN_EXPERT_LAUNCH", True)
+    assert moe._hidden_in_launch(x, "interpret") is (shared_width == 128)
+    assert not moe._hidden_in_launch(x, "reference")
+    together, together_program = run()
+    assert np.linalg.norm(together - apart) / np.linalg.norm(apart) < 1e-2
+    # The shared expert's gate is the one sigmoid left where the launch forms the hidden rows.
+    sigmoids = [p.count("logistic") for p in (apart_program, together_program)]
+    assert sigmoids == [3, 1 if shared_width == 128 else 3]
 
 
 @pytest.mark.parametrize("axis", [0, 1])

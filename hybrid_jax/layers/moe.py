@@ -29,6 +29,7 @@ from pallas_kernels import moe, resolve_impl
 
 __all__ = [
     "BY_ID_MAX_PAIRS",
+    "HIDDEN_IN_EXPERT_LAUNCH",
     "MLP",
     "RANKED_TOP_K_TOKENS",
     "SHARED_DOWN_WITH_EXPERTS",
@@ -63,6 +64,13 @@ agree), which each down launch reads its rows of in place: one XLA fusion for bo
 instead of one each (one kernel fewer per MoE block on the H200:
 ``benchmarks/RESULTS_serve.md``)."""
 
+
+HIDDEN_IN_EXPERT_LAUNCH = False
+"""Whether a block whose experts run by id forms its experts' and its shared expert's
+SwiGLU hidden rows in one launch (``moe.expert_hidden``: each program multiplies by a gate
+tile and the up tile beside it and stores ``silu(gate) * up``) instead of the experts'
+gate/up products, the shared expert's beside the router's, and an XLA fusion for both SiLU
+products. The router then launches alone. Off until measured on the H200."""
 
 SOFTMAX_IN_RANKING = False
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
@@ -308,6 +316,13 @@ class SparseMoE(nnx.Module):
         """x ``[T, hidden]`` -> the same; ``real`` (bool ``[T]``) marks the tokens of real
         rows, whose experts alone are computed (padding tokens get the shared expert only)."""
         shared_mlp = self.shared_expert
+        if self._hidden_in_launch(x, impl):
+            (logits,) = project(x, [self.gate], impl=impl)
+            weights, experts = self.route(logits, real)
+            shared_scale = jax.nn.sigmoid(self._shared_gate_logit(x))
+            hidden, shared_hidden = self._hidden_by_id(x, experts, impl)
+            routed, shared = self._down_by_id(hidden, shared_hidden, weights, experts, impl)
+            return routed.astype(x.dtype) + shared_scale * shared
         logits, shared_gate, shared_up = project(
             x, [self.gate, shared_mlp.gate_proj, shared_mlp.up_proj], impl=impl
         )
@@ -351,11 +366,43 @@ class SparseMoE(nnx.Module):
                 return False
         return resolve_impl("expert_matmul", impl, None) != "reference"
 
+    def _shared_weights(self) -> tuple[jax.Array, jax.Array]:
+        mlp = self.shared_expert
+        return mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...]
+
+    def _hidden_in_launch(self, x: jax.Array | NormedRows, impl: str) -> bool:
+        """Whether this call's hidden rows come from ``moe.expert_hidden``
+        (``HIDDEN_IN_EXPERT_LAUNCH``, experts by id, a shared expert of the experts' width,
+        shapes the kernel takes)."""
+        if not (HIDDEN_IN_EXPERT_LAUNCH and self._runs_by_id(x, impl)):
+            return False
+        if self.config.shared_intermediate_size != self.config.intermediate_size:
+            return False
+        rows = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        reason = moe.expert_hidden_unsupported_reason(
+            rows, self.gate_up_proj[...], self._shared_weights()
+        )
+        return reason is None
+
+    def _hidden_by_id(self, x, experts, impl: str) -> tuple[jax.Array, jax.Array]:
+        """(the routed pairs' hidden rows ``[T * top_k, I]``, the shared expert's ``[T, I]``)
+        from one ``moe.expert_hidden`` launch; of ``NormedRows``, the weighted rows with each
+        row's inverse RMS formed in the launch."""
+        w, shared = self.gate_up_proj[...], self._shared_weights()
+        if isinstance(x, NormedRows):
+            hidden, shared_hidden = moe.expert_hidden(
+                x.weighted(), w, experts, shared=shared, row_scale=x.square_sum(),
+                rms_eps=x.eps, impl=impl,
+            )  # fmt: skip
+        else:
+            hidden, shared_hidden = moe.expert_hidden(x, w, experts, shared=shared, impl=impl)
+        return hidden.reshape(-1, hidden.shape[-1]), shared_hidden
+
     def _experts_by_id(self, x, weights, experts, shared_hidden, impl: str):
         """(float32 ``[T, hidden]``: each token's experts read by id (padding tokens' ids are
         out of range, from ``route``: they read none and give zeros), weighted and summed;
-        the shared expert's down product of ``shared_hidden``, in the experts' down launch
-        with ``SHARED_DOWN_WITH_EXPERTS`` where the kernel takes it)."""
+        the shared expert's down product of ``shared_hidden``) from the experts' gate/up
+        launch, the SiLU products in XLA and ``_down_by_id``."""
         tokens, top_k = experts.shape
         if isinstance(x, NormedRows):  # each token's products times its inverse RMS
             gate_up = moe.expert_matmul(x.weighted(), self.gate_up_proj[...], experts, impl=impl)
@@ -369,6 +416,14 @@ class SparseMoE(nnx.Module):
             # (which would leave the concatenation a copy of its own).
             both = jax.lax.optimization_barrier(jnp.concatenate([hidden, shared_hidden]))
             hidden, shared_hidden = both[: tokens * top_k], both[tokens * top_k :]
+        return self._down_by_id(hidden, shared_hidden, weights, experts, impl)
+
+    def _down_by_id(self, hidden, shared_hidden, weights, experts, impl: str):
+        """(float32 ``[T, hidden]``: the pairs' down products of ``hidden`` ``[T * top_k,
+        I]`` read by id, weighted and summed over each token's choices; the shared expert's
+        down product of ``shared_hidden``, in the experts' down launch with
+        ``SHARED_DOWN_WITH_EXPERTS`` where the kernel takes it)."""
+        tokens, top_k = experts.shape
         down, ids = self.down_proj[...], experts.reshape(-1, 1)
         dense = (shared_hidden, self.shared_expert.down_proj.kernel[...])
         if (

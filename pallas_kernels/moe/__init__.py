@@ -1,11 +1,22 @@
 """Mixture-of-experts ops: the grouped matmul over tokens sorted by expert, and the product of
 each row with its own experts read by id (a few tokens a step)."""
 
-from pallas_kernels.moe.expert_matmul import expert_matmul, expert_matmul_reference
+from pallas_kernels.moe.expert_matmul import (
+    expert_hidden,
+    expert_hidden_reference,
+    expert_matmul,
+    expert_matmul_reference,
+)
+from pallas_kernels.moe.expert_matmul import (
+    hidden_unsupported_reason as expert_hidden_unsupported_reason,
+)
 from pallas_kernels.moe.expert_matmul import unsupported_reason as expert_matmul_unsupported_reason
 from pallas_kernels.moe.grouped_matmul import grouped_matmul, unsupported_reason
 
 __all__ = [
+    "expert_hidden",
+    "expert_hidden_reference",
+    "expert_hidden_unsupported_reason",
     "expert_matmul",
     "expert_matmul_reference",
     "expert_matmul_unsupported_reason",

@@ -14,6 +14,12 @@ A step reads each pair's expert tile once, so it costs about its experts' bytes 
 pairs share an expert; the sort-based ``grouped_matmul`` is for many rows per expert. A
 ``dense`` product of the same width (a MoE block's shared expert down projection) takes one
 more program per column tile of the same launch.
+
+``expert_hidden`` is the same launch for a SwiGLU's first half: each program multiplies its
+pair's rows by the gate's tile and the up projection's tile beside it and stores
+``silu(gate) * up``, the hidden rows the down projection reads (and, with ``shared``, the
+shared expert's hidden rows from one more program per column tile), so no XLA kernel forms
+them between the two launches.
 """
 
 from __future__ import annotations
@@ -43,8 +49,11 @@ from pallas_kernels._skinny import (
 __all__ = [
     "BLOCK_K",
     "BLOCK_N",
+    "expert_hidden",
+    "expert_hidden_reference",
     "expert_matmul",
     "expert_matmul_reference",
+    "hidden_unsupported_reason",
     "programs_per_tile",
     "unsupported_reason",
 ]
@@ -94,11 +103,48 @@ def _check(x, w, experts, dense=None) -> None:
 
 def expert_matmul_reference(x: jax.Array, w: jax.Array, experts: jax.Array) -> jax.Array:
     """The same product in XLA: each (row, choice) gathers its expert's whole matrix."""
+    return _sums_reference(x, w, experts).astype(x.dtype)
+
+
+def _sums_reference(x: jax.Array, w: jax.Array, experts: jax.Array) -> jax.Array:
+    """The float32 products ``[R, C, N]``, zero for ids out of range."""
     num_experts = w.shape[0]
     valid = (experts >= 0) & (experts < num_experts)
     mats = w[jnp.clip(experts, 0, num_experts - 1)]  # [R, C, K, N]
     out = jnp.einsum("rk,rckn->rcn", x, mats, preferred_element_type=F32)
-    return jnp.where(valid[..., None], out, 0).astype(x.dtype)
+    return jnp.where(valid[..., None], out, 0)
+
+
+def _rms_scale(row_scale: jax.Array | None, rms_eps: float | None, k: int) -> jax.Array | None:
+    """Each row's float32 factor: ``row_scale``, or with ``rms_eps`` the inverse RMS of the
+    rows whose square sums it holds."""
+    if row_scale is None:
+        return None
+    row_scale = row_scale.astype(F32)
+    return row_scale if rms_eps is None else lax.rsqrt(row_scale / k + rms_eps)
+
+
+def _swiglu(gate_up: jax.Array) -> jax.Array:
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+def expert_hidden_reference(
+    x: jax.Array, w: jax.Array, experts: jax.Array, *, shared=None, row_scale=None,
+    rms_eps: float | None = None,
+):  # fmt: skip
+    """The same hidden rows in XLA (float32 products, scaled, then ``silu(gate) * up``)."""
+    scale = _rms_scale(row_scale, rms_eps, x.shape[1])
+    sums = _sums_reference(x, w, experts)
+    if scale is not None:
+        sums = sums * scale[:, None, None]
+    hidden = _swiglu(sums).astype(x.dtype)
+    if shared is None:
+        return hidden
+    shared_sums = jnp.dot(x, jnp.concatenate(shared, axis=1), preferred_element_type=F32)
+    if scale is not None:
+        shared_sums = shared_sums * scale[:, None]
+    return hidden, _swiglu(shared_sums).astype(x.dtype)
 
 
 def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1) -> int:
@@ -108,41 +154,63 @@ def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1) -> int:
     return max(1, min(pairs, NUM_SMS * per_sm // col_tiles))
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "interpret"))
-def _kernel(x, w, experts, dense=None, *, variant: ProductVariant, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps"))
+def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVariant,
+            interpret: bool, gated: bool = False, rms_eps: float | None = None):  # fmt: skip
+    """The launch of ``expert_matmul`` or, ``gated``, of ``expert_hidden``: then ``w`` holds
+    each expert's gate and up columns side by side, ``dense`` is the shared expert's
+    ``(gate, up)`` weights (its rows are x's), and each product is scaled by ``row_scale``
+    (or the inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``."""
     rows, k_dim = x.shape
-    num_experts, _, n_dim = w.shape
+    num_experts, _, w_cols = w.shape
+    n_dim = w_cols // 2 if gated else w_cols
     choices = experts.shape[1]
     pairs = rows * choices
     steps = k_dim // BLOCK_K
     col_tiles = n_dim // BLOCK_N
     dtype = x.dtype
+    padded = round_up(rows, ALIGN)
     dense_steps, dense_rows = 0, ALIGN
     if dense is not None:
-        dense_rows = round_up(dense[0].shape[0], ALIGN)
-        dense_steps = dense[0].shape[1] // BLOCK_K
-    scratch_types = scratch(max(steps, dense_steps), dtype, variant, dense_rows)
+        dense_rows = padded if gated else round_up(dense[0].shape[0], ALIGN)
+        dense_steps = steps if gated else dense[0].shape[1] // BLOCK_K
+    scaled = row_scale is not None
+    scratch_types = scratch(max(steps, dense_steps), dtype, variant, dense_rows, row_scale=scaled)
     programs = programs_per_tile(pairs, col_tiles, programs_per_sm(scratch_types))
     per_program = -(-pairs // programs)
-    padded = round_up(rows, ALIGN)
     xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
     # Unpadded: a program reads past the last pair as no pair (no pad op ahead of the launch).
     flat = experts.reshape(-1)
     operands = [flat, xp, w]
     out_types = [jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype)]
     if dense is not None:
-        dense_x, dense_w = dense
-        operands += [jnp.pad(dense_x, ((0, dense_rows - dense_x.shape[0]), (0, 0))), dense_w]
-        out_types.append(jax.ShapeDtypeStruct((dense_rows, n_dim), dtype))
+        if gated:
+            operands += list(dense)
+            out_types.append(jax.ShapeDtypeStruct((padded, n_dim), dtype))
+        else:
+            dense_x, dense_w = dense
+            operands += [jnp.pad(dense_x, ((0, dense_rows - dense_x.shape[0]), (0, 0))), dense_w]
+            out_types.append(jax.ShapeDtypeStruct((dense_rows, n_dim), dtype))
+    if scaled:
+        operands.append(jnp.pad(row_scale.astype(F32), (0, padded - rows), constant_values=1))
+    rms = None if rms_eps is None else (rms_eps, k_dim)
+    n_dense = 0 if dense is None else len(dense)
 
     def body(experts_ref, x_ref, w_ref, *refs):
-        if dense is None:
-            (o_ref, *scratch_refs), dense_refs = refs, None
-        else:
-            dense_x_ref, dense_w_ref, o_ref, dense_o_ref, *scratch_refs = refs
-            dense_refs = (dense_x_ref, dense_w_ref, dense_o_ref)
+        dense_in, refs = refs[:n_dense], refs[n_dense:]
+        scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
+        o_ref, refs = refs[0], refs[1:]
+        dense_o_ref, scratch_refs = (refs[0], refs[1:]) if dense is not None else (None, refs)
         col, first = lax.axis_index("n"), lax.axis_index("p")
         cols = pl.ds(col * BLOCK_N, BLOCK_N)
+        up_cols = pl.ds(n_dim + col * BLOCK_N, BLOCK_N)
+
+        def product(x_rows, w_tile, o_rows, *, scale=None, up=None, k_steps=steps):
+            tile_product(
+                x_rows, w_tile, o_rows, *scratch_refs, steps=k_steps, variant=variant,
+                interpret=interpret, row_scale=scale, rms=rms if scale is not None else None,
+                up_cols=up,
+            )  # fmt: skip
 
         def pairs_of_this_program():
             # This program's pairs are first, first + programs, ...: with the real rows first
@@ -151,19 +219,20 @@ def _kernel(x, w, experts, dense=None, *, variant: ProductVariant, interpret: bo
             places = [first + i * programs for i in range(per_program)]
             ids = [experts_ref[jnp.minimum(place, pairs - 1)] for place in places]
 
-            def product(pair, expert):
+            def pair_product(pair, expert):
                 """Pair ``pair``'s column tile: its row's 8-row group times ``w[expert]``."""
                 group = pl.ds((pair // choices // ALIGN) * ALIGN, ALIGN)
-                tile_product(
+                product(
                     x_ref.at[group], w_ref.at[expert, :, cols], o_ref.at[pair, :, cols],
-                    *scratch_refs, steps=steps, variant=variant, interpret=interpret,
+                    scale=None if scale_ref is None else scale_ref.at[group],
+                    up=w_ref.at[expert, :, up_cols] if gated else None,
                 )  # fmt: skip
 
             for place, expert in zip(places, ids, strict=True):
                 valid = (place < pairs) & (expert >= 0) & (expert < num_experts)
-                pl.when(valid)(functools.partial(product, place, expert))
+                pl.when(valid)(functools.partial(pair_product, place, expert))
 
-        if dense_refs is None:
+        if dense is None:
             pairs_of_this_program()
         else:
             # One more program per column tile takes the dense product's tile.
@@ -171,11 +240,13 @@ def _kernel(x, w, experts, dense=None, *, variant: ProductVariant, interpret: bo
 
             @pl.when(first == programs)
             def _dense():
-                d_x, d_w, d_o = dense_refs
-                tile_product(
-                    d_x, d_w.at[:, cols], d_o.at[:, cols], *scratch_refs, steps=dense_steps,
-                    variant=variant, interpret=interpret,
-                )  # fmt: skip
+                if gated:
+                    gate_w, up_w = dense_in
+                    product(x_ref, gate_w.at[:, cols], dense_o_ref.at[:, cols],
+                            scale=scale_ref, up=up_w.at[:, cols])  # fmt: skip
+                else:
+                    d_x, d_w = dense_in
+                    product(d_x, d_w.at[:, cols], dense_o_ref.at[:, cols], k_steps=dense_steps)
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -187,7 +258,7 @@ def _kernel(x, w, experts, dense=None, *, variant: ProductVariant, interpret: bo
         grid_names=("n", "p"),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
-        kernel_name="expert_matmul",
+        kernel_name="expert_hidden" if gated else "expert_matmul",
     )(*operands)
     # Pair p's program stored the 8-row group of its row r = p // C; r is line r % 8 of it.
     # Padding pairs' tiles were never written: they become zeros here.
@@ -197,7 +268,7 @@ def _kernel(x, w, experts, dense=None, *, variant: ProductVariant, interpret: bo
     out = jnp.where(valid[:, None], out, 0).reshape(rows, choices, n_dim)
     if dense is None:
         return out
-    return out, outs[1][: dense[0].shape[0]]
+    return out, outs[1][: rows if gated else dense[0].shape[0]]
 
 
 def expert_matmul(
@@ -233,3 +304,73 @@ def expert_matmul(
         xd, wd = dense
         return out, jnp.dot(xd, wd, preferred_element_type=F32).astype(xd.dtype)
     return _kernel(x, w, experts, dense, variant=current_variant(), interpret=choice == "interpret")
+
+
+def hidden_unsupported_reason(
+    x: jax.Array, w: jax.Array, shared: tuple[jax.Array, jax.Array] | None = None
+) -> str | None:
+    """Why the Mosaic GPU kernel cannot take this ``expert_hidden`` call, or None."""
+    if w.shape[2] % (2 * BLOCK_N):
+        return f"each half of N={w.shape[2]} must be a multiple of {BLOCK_N}"
+    if x.shape[0] > ROWS_PER_TILE and shared is not None:
+        return f"x has {x.shape[0]} rows; the shared expert's program takes {ROWS_PER_TILE}"
+    if shared is not None and any(s.dtype != x.dtype for s in shared):
+        return f"the shared expert's weights must be {x.dtype}"
+    return unsupported_reason(x, w)
+
+
+def _check_hidden(x, w, experts, shared, row_scale, rms_eps) -> None:
+    _check(x, w, experts)
+    if w.shape[2] % 2:
+        raise ValueError(f"{_OP}: w [E, K, 2I] holds the gate and up columns; N={w.shape[2]}")
+    if shared is not None:
+        want = (x.shape[1], w.shape[2] // 2)
+        if len(shared) != 2 or any(s.shape != want for s in shared):
+            raise ValueError(
+                f"{_OP}: shared must be (gate, up) weights of {want} each; got "
+                f"{[s.shape for s in shared]}"
+            )
+    if row_scale is not None and row_scale.shape != x.shape[:1]:
+        raise ValueError(f"{_OP}: row_scale {row_scale.shape} must be [R] = [{x.shape[0]}]")
+    if rms_eps is not None and row_scale is None:
+        raise ValueError(f"{_OP}: rms_eps={rms_eps} scales rows by their row_scale; none given")
+
+
+def expert_hidden(
+    x: jax.Array,
+    w: jax.Array,
+    experts: jax.Array,
+    *,
+    shared: tuple[jax.Array, jax.Array] | None = None,
+    row_scale: jax.Array | None = None,
+    rms_eps: float | None = None,
+    impl: str = "auto",
+):
+    """A SwiGLU's hidden rows by expert id: ``silu(g) * u`` with ``g | u = x[r] @
+    w[experts[r, c]]`` (float32 sums, each row's times its ``row_scale`` first).
+
+    Args:
+      x: ``[R, K]`` rows.
+      w: ``[E, K, 2I]``: each expert's gate columns, then its up columns.
+      experts: int32 ``[R, C]``; an id outside ``0 .. E - 1`` gives a zero row.
+      shared: optional ``(gate [K, I], up [K, I])``: a shared expert every row takes, its
+        hidden rows formed in the same launch (one more program per column tile).
+      row_scale: ``[R]``; with ``rms_eps`` each row's sum of squares over K, the rows then
+        scaled by ``1 / sqrt(row_scale / K + rms_eps)`` (an RMS norm's scale).
+      impl: ``"auto" | "pallas" | "interpret" | "reference"``.
+
+    Returns:
+      ``[R, C, I]`` in x's dtype; with ``shared``, ``(that, [R, I])``.
+    """
+    _check_hidden(x, w, experts, shared, row_scale, rms_eps)
+    reason = hidden_unsupported_reason(x, w, shared) if impl != "reference" else None
+    choice = resolve_impl(_OP, impl, reason)
+    if choice == "reference":
+        return expert_hidden_reference(
+            x, w, experts, shared=shared, row_scale=row_scale, rms_eps=rms_eps
+        )
+    return _kernel(
+        x, w, experts, None if shared is None else tuple(shared), row_scale,
+        variant=current_variant(), interpret=choice == "interpret", gated=True,
+        rms_eps=None if rms_eps is None else float(rms_eps),
+    )  # fmt: skip

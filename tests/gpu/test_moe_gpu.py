@@ -132,3 +132,70 @@ def test_the_shared_hidden_formed_with_the_experts_changes_no_bit_on_the_gpu(mon
     monkeypatch.setattr(moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", False)
     apart = run()
     np.testing.assert_array_equal(together.view(np.uint16), apart.view(np.uint16))
+
+
+@pytest.mark.parametrize(("real", "scaled"), [(1, True), (8, False)])
+def test_the_hidden_rows_formed_in_the_expert_launch_match_the_oracle(real, scaled):
+    """``moe.expert_hidden`` at the 35B-like shapes (8 rows, top 8 of 256 experts, gate|up
+    1024 wide, a shared expert of 512): ``silu(gate) * up`` of each pair and of the shared
+    expert, each row scaled by its inverse RMS in the launch; padding rows NaN, their pairs
+    zero."""
+    rng = np.random.default_rng(real)
+    rows, k, width, experts = 8, 2048, 512, 256
+    x = rng.standard_normal((rows, k))
+    x[real:] = np.nan  # padding: a real row sharing their 8-row group must not see them
+    x = jnp.asarray(x, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
+    shared = tuple(
+        jnp.asarray(rng.standard_normal((k, width)) / np.sqrt(k), jnp.bfloat16) for _ in "gu"
+    )
+    ids = np.stack([rng.choice(experts, 8, replace=False) for _ in range(rows)]).astype(np.int32)
+    ids[real:] = experts
+    square_sum = jnp.asarray(rng.uniform(0.5, 2.0, rows) * k, jnp.float32) if scaled else None
+    run = jax.jit(
+        lambda x, w, i, s, q: moe.expert_hidden(
+            x, w, i, shared=s, row_scale=q, rms_eps=1e-6 if scaled else None, impl="pallas"
+        )
+    )
+    got, got_shared = (
+        np.asarray(a, np.float64) for a in run(x, w, jnp.asarray(ids), shared, square_sum)
+    )
+    x64 = np.asarray(x, np.float64)
+    if scaled:
+        x64 = x64 / np.sqrt(np.asarray(square_sum, np.float64) / k + 1e-6)[:, None]
+    w64 = np.asarray(w, np.float64)
+
+    def swiglu(sums):
+        gate, up = sums[..., :width], sums[..., width:]
+        return gate / (1 + np.exp(-gate)) * up
+
+    want = np.zeros(got.shape)
+    for r, c in np.ndindex(ids.shape):
+        if r < real:
+            want[r, c] = swiglu(x64[r] @ w64[ids[r, c]])
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    np.testing.assert_array_equal(got[real:], 0)
+    want_shared = swiglu(
+        x64[:real] @ np.concatenate([np.asarray(s, np.float64) for s in shared], 1)
+    )
+    err = np.linalg.norm(got_shared[:real] - want_shared) / np.linalg.norm(want_shared)
+    assert err < 1e-2
+
+
+def test_a_decode_bucket_with_its_hidden_rows_in_the_expert_launch_matches_the_reference(
+    monkeypatch,
+):
+    monkeypatch.setattr(moe_layer, "HIDDEN_IN_EXPERT_LAUNCH", True)
+    config = MoEConfig(hidden_size=2048, num_experts=256, top_k=8, intermediate_size=512,
+                       shared_intermediate_size=512, dtype="bfloat16")  # fmt: skip
+    layer = SparseMoE(config, rngs=nnx.Rngs(3))
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((8, 2048)), jnp.bfloat16)
+    real = jnp.arange(8) < 1
+    assert layer._hidden_in_launch(x, "auto")
+
+    def run(impl):
+        return np.asarray(jax.jit(lambda m, a, r: m(a, r, impl=impl))(layer, x, real), np.float64)
+
+    got, want = run("auto"), run("reference")
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
