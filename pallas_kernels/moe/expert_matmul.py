@@ -41,6 +41,7 @@ from pallas_kernels._skinny import (
     ROWS_PER_TILE,
     ProductVariant,
     current_variant,
+    filling_ring,
     programs_per_sm,
     scratch,
     tile_product,
@@ -49,6 +50,7 @@ from pallas_kernels._skinny import (
 __all__ = [
     "BLOCK_K",
     "BLOCK_N",
+    "DEEP_RINGS",
     "expert_hidden",
     "expert_hidden_reference",
     "expert_matmul",
@@ -59,6 +61,13 @@ __all__ = [
 ]
 
 _OP = "expert_matmul"
+
+DEEP_RINGS = False
+"""Whether a launch whose products take more blocks of K than the ring has stages (the
+gate/up of a few tokens: 16 blocks) runs one program per SM, each with the deepest ring a
+block's shared memory holds (``_skinny.filling_ring``), instead of as many programs as fit
+with the default ring. At batch 1 a column tile's few real pairs then each stream with
+three times the loads in flight. Off until measured on the H200."""
 
 
 def unsupported_reason(
@@ -147,20 +156,23 @@ def expert_hidden_reference(
     return hidden, _swiglu(shared_sums).astype(x.dtype)
 
 
-def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1) -> int:
-    """Programs that share one column tile's pairs: the grid stays within one wave of the
-    SMs (``per_sm`` programs fit on an SM at once), so a program whose pairs are all padding
-    never delays one that has work."""
-    return max(1, min(pairs, NUM_SMS * per_sm // col_tiles))
+def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1, reserved: int = 0) -> int:
+    """Programs that share one column tile's pairs: the grid, with ``reserved`` programs
+    more (a dense product's), stays within one wave of the SMs (``per_sm`` programs fit on
+    an SM at once), so a program whose pairs are all padding never delays one that has
+    work."""
+    return max(1, min(pairs, (NUM_SMS * per_sm - reserved) // col_tiles))
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps"))
+@functools.partial(jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps", "deep"))
 def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVariant,
-            interpret: bool, gated: bool = False, rms_eps: float | None = None):  # fmt: skip
+            interpret: bool, gated: bool = False, rms_eps: float | None = None,
+            deep: bool = False):  # fmt: skip
     """The launch of ``expert_matmul`` or, ``gated``, of ``expert_hidden``: then ``w`` holds
     each expert's gate and up columns side by side, ``dense`` is the shared expert's
     ``(gate, up)`` weights (its rows are x's), and each product is scaled by ``row_scale``
-    (or the inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``."""
+    (or the inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``. ``deep``:
+    ``DEEP_RINGS``."""
     rows, k_dim = x.shape
     num_experts, _, w_cols = w.shape
     n_dim = w_cols // 2 if gated else w_cols
@@ -175,8 +187,15 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
         dense_rows = padded if gated else round_up(dense[0].shape[0], ALIGN)
         dense_steps = steps if gated else dense[0].shape[1] // BLOCK_K
     scaled = row_scale is not None
-    scratch_types = scratch(max(steps, dense_steps), dtype, variant, dense_rows, row_scale=scaled)
-    programs = programs_per_tile(pairs, col_tiles, programs_per_sm(scratch_types))
+    ring_steps = max(steps, dense_steps)
+    if deep and steps > variant.stages:  # one program an SM: its ring as deep as fits
+        variant = filling_ring(
+            variant._replace(fill_sm=True), 1, ring_steps, dtype, dense_rows, row_scale=scaled
+        )
+    scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled)
+    programs = programs_per_tile(
+        pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0
+    )
     per_program = -(-pairs // programs)
     xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
     # Unpadded: a program reads past the last pair as no pair (no pad op ahead of the launch).
@@ -303,7 +322,10 @@ def expert_matmul(
             return out
         xd, wd = dense
         return out, jnp.dot(xd, wd, preferred_element_type=F32).astype(xd.dtype)
-    return _kernel(x, w, experts, dense, variant=current_variant(), interpret=choice == "interpret")
+    return _kernel(
+        x, w, experts, dense, variant=current_variant(), interpret=choice == "interpret",
+        deep=DEEP_RINGS,
+    )  # fmt: skip
 
 
 def hidden_unsupported_reason(
@@ -372,5 +394,5 @@ def expert_hidden(
     return _kernel(
         x, w, experts, None if shared is None else tuple(shared), row_scale,
         variant=current_variant(), interpret=choice == "interpret", gated=True,
-        rms_eps=None if rms_eps is None else float(rms_eps),
+        rms_eps=None if rms_eps is None else float(rms_eps), deep=DEEP_RINGS,
     )  # fmt: skip
