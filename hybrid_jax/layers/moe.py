@@ -384,19 +384,18 @@ class SparseMoE(nnx.Module):
         )
         return reason is None
 
-    def _hidden_by_id(self, x, experts, impl: str) -> tuple[jax.Array, jax.Array]:
-        """(the routed pairs' hidden rows ``[T * top_k, I]``, the shared expert's ``[T, I]``)
-        from one ``moe.expert_hidden`` launch; of ``NormedRows``, the weighted rows with each
-        row's inverse RMS formed in the launch."""
+    def _hidden_by_id(self, x, experts, impl: str):
+        """(the routed pairs' hidden rows as the launch stored them, ``moe.PairTiles``, which
+        the down launch reads in place; the shared expert's ``[T, I]``) from one
+        ``moe.expert_hidden`` launch; of ``NormedRows``, the weighted rows with each row's
+        inverse RMS formed in the launch."""
         w, shared = self.gate_up_proj[...], self._shared_weights()
         if isinstance(x, NormedRows):
-            hidden, shared_hidden = moe.expert_hidden(
+            return moe.expert_hidden(
                 x.weighted(), w, experts, shared=shared, row_scale=x.square_sum(),
-                rms_eps=x.eps, impl=impl,
+                rms_eps=x.eps, tiles=True, impl=impl,
             )  # fmt: skip
-        else:
-            hidden, shared_hidden = moe.expert_hidden(x, w, experts, shared=shared, impl=impl)
-        return hidden.reshape(-1, hidden.shape[-1]), shared_hidden
+        return moe.expert_hidden(x, w, experts, shared=shared, tiles=True, impl=impl)
 
     def _experts_by_id(self, x, weights, experts, shared_hidden, impl: str):
         """(float32 ``[T, hidden]``: each token's experts read by id (padding tokens' ids are
@@ -420,7 +419,8 @@ class SparseMoE(nnx.Module):
 
     def _down_by_id(self, hidden, shared_hidden, weights, experts, impl: str):
         """(float32 ``[T, hidden]``: the pairs' down products of ``hidden`` ``[T * top_k,
-        I]`` read by id, weighted and summed over each token's choices; the shared expert's
+        I]`` (or an earlier launch's ``moe.PairTiles`` of those pairs) read by id, weighted
+        and summed over each token's choices; the shared expert's
         down product of ``shared_hidden``, in the experts' down launch with
         ``SHARED_DOWN_WITH_EXPERTS`` where the kernel takes it)."""
         tokens, top_k = experts.shape

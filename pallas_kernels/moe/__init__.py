@@ -2,6 +2,7 @@
 each row with its own experts read by id (a few tokens a step)."""
 
 from pallas_kernels.moe.expert_matmul import (
+    PairTiles,
     expert_hidden,
     expert_hidden_reference,
     expert_matmul,
@@ -14,6 +15,7 @@ from pallas_kernels.moe.expert_matmul import unsupported_reason as expert_matmul
 from pallas_kernels.moe.grouped_matmul import grouped_matmul, unsupported_reason
 
 __all__ = [
+    "PairTiles",
     "expert_hidden",
     "expert_hidden_reference",
     "expert_hidden_unsupported_reason",

@@ -24,6 +24,7 @@ them between the two launches.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -51,6 +52,7 @@ __all__ = [
     "BLOCK_K",
     "BLOCK_N",
     "DEEP_RINGS",
+    "PairTiles",
     "expert_hidden",
     "expert_hidden_reference",
     "expert_matmul",
@@ -68,6 +70,41 @@ gate/up of a few tokens: 16 blocks) runs one program per SM, each with the deepe
 block's shared memory holds (``_skinny.filling_ring``), instead of as many programs as fit
 with the default ring. At batch 1 a column tile's few real pairs then each stream with
 three times the loads in flight. Off until measured on the H200."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PairTiles:
+    """A by-id launch's output as the launch stores it: ``tiles`` ``[P, 8, N]`` (P at least
+    the pairs of ``experts``, int32 ``[R, C]``), pair p's tile the 8-row group of its row
+    times its expert, the pair's own row at line ``(p // per_line) % 8``; a pair whose id is
+    outside ``0 .. num_experts - 1`` never wrote its tile. A down launch reads each pair's
+    tile in place (``expert_matmul(PairTiles, ...)``), so XLA never gathers the rows
+    between the two launches."""
+
+    tiles: jax.Array
+    experts: jax.Array
+    num_experts: int = dataclasses.field(metadata=dict(static=True))
+    per_line: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``[pairs, N]``: the rows a down launch takes."""
+        return (self.experts.size, self.tiles.shape[2])
+
+    @property
+    def dtype(self):
+        return self.tiles.dtype
+
+    ndim = 2
+
+    def rows(self) -> jax.Array:
+        """``[R, C, N]``: each pair's own row, zeros for ids out of range."""
+        pair = jnp.arange(self.experts.size)
+        out = self.tiles[pair, (pair // self.per_line) % ALIGN]
+        flat = self.experts.reshape(-1)
+        valid = (flat >= 0) & (flat < self.num_experts)
+        return jnp.where(valid[:, None], out, 0).reshape(*self.experts.shape, -1)
 
 
 def unsupported_reason(
@@ -172,7 +209,9 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
     each expert's gate and up columns side by side, ``dense`` is the shared expert's
     ``(gate, up)`` weights (its rows are x's), and each product is scaled by ``row_scale``
     (or the inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``. ``deep``:
-    ``DEEP_RINGS``."""
+    ``DEEP_RINGS``. ``x`` may be an earlier launch's ``PairTiles``: row r's rows are then its
+    tile r. Returns the launch's ``PairTiles`` (and the dense product's rows)."""
+    tiled = isinstance(x, PairTiles)
     rows, k_dim = x.shape
     num_experts, _, w_cols = w.shape
     n_dim = w_cols // 2 if gated else w_cols
@@ -197,7 +236,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
         pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0
     )
     per_program = -(-pairs // programs)
-    xp = jnp.pad(x, ((0, padded - rows), (0, 0)))
+    xp = x.tiles if tiled else jnp.pad(x, ((0, padded - rows), (0, 0)))
     # Unpadded: a program reads past the last pair as no pair (no pad op ahead of the launch).
     flat = experts.reshape(-1)
     operands = [flat, xp, w]
@@ -239,8 +278,10 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
             ids = [experts_ref[jnp.minimum(place, pairs - 1)] for place in places]
 
             def pair_product(pair, expert):
-                """Pair ``pair``'s column tile: its row's 8-row group times ``w[expert]``."""
-                group = pl.ds((pair // choices // ALIGN) * ALIGN, ALIGN)
+                """Pair ``pair``'s column tile: its row's 8-row group (or tile) times
+                ``w[expert]``."""
+                row = pair // choices
+                group = row if tiled else pl.ds((row // ALIGN) * ALIGN, ALIGN)
                 product(
                     x_ref.at[group], w_ref.at[expert, :, cols], o_ref.at[pair, :, cols],
                     scale=None if scale_ref is None else scale_ref.at[group],
@@ -279,19 +320,17 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
         interpret=interpret_params(interpret),
         kernel_name="expert_hidden" if gated else "expert_matmul",
     )(*operands)
-    # Pair p's program stored the 8-row group of its row r = p // C; r is line r % 8 of it.
-    # Padding pairs' tiles were never written: they become zeros here.
-    pair = jnp.arange(pairs)
-    out = outs[0][pair, (pair // choices) % ALIGN]
-    valid = (flat >= 0) & (flat < num_experts)
-    out = jnp.where(valid[:, None], out, 0).reshape(rows, choices, n_dim)
+    # Pair p's program stored the 8-row group of its row r = p // C: r is at the line the
+    # group's input held it (r % 8, or the input tiles' line of r).
+    per_line = choices * (x.per_line if tiled else 1)
+    out = PairTiles(outs[0], experts, num_experts, per_line)
     if dense is None:
         return out
     return out, outs[1][: rows if gated else dense[0].shape[0]]
 
 
 def expert_matmul(
-    x: jax.Array,
+    x: jax.Array | PairTiles,
     w: jax.Array,
     experts: jax.Array,
     *,
@@ -301,7 +340,8 @@ def expert_matmul(
     """``out[r, c] = x[r] @ w[experts[r, c]]`` (float32 accumulation).
 
     Args:
-      x: ``[R, K]`` rows.
+      x: ``[R, K]`` rows, or an earlier launch's ``PairTiles`` of R pairs (each pair's tile
+        read in place).
       w: ``[E, K, N]`` one matrix per expert, in the layout the kernel reads.
       experts: int32 ``[R, C]`` each row's experts; an id outside ``0 .. E - 1`` gives a zero
         row and reads no expert.
@@ -317,15 +357,17 @@ def expert_matmul(
     reason = unsupported_reason(x, w, dense) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference":
-        out = expert_matmul_reference(x, w, experts)
+        rows = x.rows().reshape(x.shape) if isinstance(x, PairTiles) else x
+        out = expert_matmul_reference(rows, w, experts)
         if dense is None:
             return out
         xd, wd = dense
         return out, jnp.dot(xd, wd, preferred_element_type=F32).astype(xd.dtype)
-    return _kernel(
+    out = _kernel(
         x, w, experts, dense, variant=current_variant(), interpret=choice == "interpret",
         deep=DEEP_RINGS,
     )  # fmt: skip
+    return out.rows() if dense is None else (out[0].rows(), out[1])
 
 
 def hidden_unsupported_reason(
@@ -366,6 +408,7 @@ def expert_hidden(
     shared: tuple[jax.Array, jax.Array] | None = None,
     row_scale: jax.Array | None = None,
     rms_eps: float | None = None,
+    tiles: bool = False,
     impl: str = "auto",
 ):
     """A SwiGLU's hidden rows by expert id: ``silu(g) * u`` with ``g | u = x[r] @
@@ -379,20 +422,29 @@ def expert_hidden(
         hidden rows formed in the same launch (one more program per column tile).
       row_scale: ``[R]``; with ``rms_eps`` each row's sum of squares over K, the rows then
         scaled by ``1 / sqrt(row_scale / K + rms_eps)`` (an RMS norm's scale).
+      tiles: give the routed rows as the launch stored them (``PairTiles``, which a down
+        launch reads in place), or ``[R * C, I]`` where XLA formed them (the reference).
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
-      ``[R, C, I]`` in x's dtype; with ``shared``, ``(that, [R, I])``.
+      ``[R, C, I]`` in x's dtype (see ``tiles``); with ``shared``, ``(that, [R, I])``.
     """
     _check_hidden(x, w, experts, shared, row_scale, rms_eps)
     reason = hidden_unsupported_reason(x, w, shared) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference":
-        return expert_hidden_reference(
+        out = expert_hidden_reference(
             x, w, experts, shared=shared, row_scale=row_scale, rms_eps=rms_eps
         )
-    return _kernel(
+        routed = out if shared is None else out[0]
+        if tiles:
+            routed = routed.reshape(-1, routed.shape[-1])
+        return routed if shared is None else (routed, out[1])
+    out = _kernel(
         x, w, experts, None if shared is None else tuple(shared), row_scale,
         variant=current_variant(), interpret=choice == "interpret", gated=True,
         rms_eps=None if rms_eps is None else float(rms_eps), deep=DEEP_RINGS,
     )  # fmt: skip
+    routed = out if shared is None else out[0]
+    routed = routed if tiles else routed.rows()
+    return routed if shared is None else (routed, out[1])

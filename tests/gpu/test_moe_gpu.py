@@ -233,3 +233,28 @@ def test_deep_rings_change_no_bit_on_the_gpu(gated, monkeypatch):
     )  # fmt: skip
     routed = deep[0] if gated else deep
     assert np.isfinite(np.asarray(routed, np.float32)).all() and np.abs(routed[0]).max() > 0
+
+
+def test_a_down_launch_over_the_hidden_tiles_changes_no_bit_on_the_gpu():
+    """The 35B-like down launch reading ``expert_hidden``'s tiles in place equals the launch
+    over the rows XLA gathers from them."""
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 2048, 1024)) / np.sqrt(2048), jnp.bfloat16)
+    down = jnp.asarray(rng.standard_normal((256, 512, 2048)) / np.sqrt(512), jnp.bfloat16)
+    ids = np.full((8, 8), 256, np.int32)
+    ids[:3] = np.stack([rng.choice(256, 8, replace=False) for _ in range(3)])
+    ids = jnp.asarray(ids)
+
+    @jax.jit
+    def both(x, w, ids, down):
+        tiles = moe.expert_hidden(x, w, ids, tiles=True, impl="pallas")
+        pair_ids = ids.reshape(-1, 1)
+        in_place = moe.expert_matmul(tiles, down, pair_ids, impl="pallas")
+        gathered = moe.expert_matmul(tiles.rows().reshape(64, 512), down, pair_ids, impl="pallas")
+        return in_place, gathered
+
+    in_place, gathered = (np.asarray(a) for a in both(x, w, ids, down))
+    np.testing.assert_array_equal(in_place.view(np.uint16), gathered.view(np.uint16))
+    assert np.abs(in_place[:24].astype(np.float32)).max() > 0
+    np.testing.assert_array_equal(in_place[24:].astype(np.float32), 0)

@@ -281,3 +281,42 @@ def test_deep_rings_lower_for_cuda_at_the_35b_gate_up_shapes(monkeypatch):
     assert "mosaic_gpu" in deep
     monkeypatch.setattr(em_module, "DEEP_RINGS", False)
     assert lowered() != deep
+
+
+def test_a_down_launch_reads_the_hidden_tiles_in_place_as_it_reads_their_rows():
+    """``expert_hidden(tiles=True)`` gives the launch's ``PairTiles``; the down launch over
+    them equals the launch over the rows XLA would gather, bit for bit, and so does its
+    reference path."""
+    rng = np.random.default_rng(41)
+    rows, k, width, experts = 5, 256, 128, 4
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
+    down = jnp.asarray(rng.standard_normal((experts, width, k)) / np.sqrt(width), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, experts, (rows, 2)), jnp.int32).at[4].set(experts)
+    tiles = moe.expert_hidden(x, w, ids, tiles=True, impl="interpret")
+    assert isinstance(tiles, moe.PairTiles)
+    chex.assert_shape(tiles.rows(), (rows, 2, width))
+    hidden = tiles.rows().reshape(-1, width)
+    pair_ids = ids.reshape(-1, 1)
+    in_place = moe.expert_matmul(tiles, down, pair_ids, impl="interpret")
+    gathered = moe.expert_matmul(hidden, down, pair_ids, impl="interpret")
+    chex.assert_trees_all_equal(in_place, gathered)
+    chex.assert_trees_all_equal(
+        moe.expert_matmul(tiles, down, pair_ids, impl="reference"),
+        moe.expert_matmul(hidden, down, pair_ids, impl="reference"),
+    )
+    np.testing.assert_array_equal(np.asarray(in_place[8:], np.float32), 0)  # row 4's pairs
+
+
+def test_the_down_launch_over_hidden_tiles_lowers_for_cuda_at_the_35b_shapes():
+    s = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+
+    def call(x, w, ids, down):
+        tiles = moe.expert_hidden(x, w, ids, tiles=True, impl="pallas")
+        return moe.expert_matmul(tiles, down, ids.reshape(-1, 1), impl="pallas")
+
+    args = (s((8, 2048), bf16), s((256, 2048, 1024), bf16), s((8, 8), jnp.int32),
+            s((256, 512, 2048), bf16))  # fmt: skip
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 2
