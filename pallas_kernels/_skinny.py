@@ -64,7 +64,9 @@ __all__ = [
     "RING_FILLS_SM",
     "ProductVariant",
     "current_variant",
+    "check_row_scale",
     "filling_ring",
+    "rms_row_scale",
     "programs_per_sm",
     "scratch",
     "swapped",
@@ -149,6 +151,24 @@ def scratch(
     if row_scale:
         refs += [plgpu.SMEM((ROWS_PER_TILE,), F32), plgpu.Barrier(num_arrivals=1)]
     return refs
+
+
+def check_row_scale(op: str, rows: int, row_scale, rms_eps: float | None) -> None:
+    """A product's ``row_scale`` (``[rows]``) and ``rms_eps`` (which needs a row scale)."""
+    if row_scale is not None and tuple(row_scale.shape) != (rows,):
+        raise ValueError(f"{op}: row_scale {tuple(row_scale.shape)} must be [R] = [{rows}]")
+    if rms_eps is not None and row_scale is None:
+        raise ValueError(f"{op}: rms_eps={rms_eps} scales rows by their row_scale; none given")
+
+
+def rms_row_scale(row_scale, rms_eps: float | None, k: int):
+    """What each row's float32 sum is multiplied by (XLA, for the references): ``row_scale``,
+    or with ``rms_eps`` the inverse RMS of rows whose square sums over ``k`` it holds; None
+    without a row scale."""
+    if row_scale is None:
+        return None
+    row_scale = row_scale.astype(F32)
+    return row_scale if rms_eps is None else lax.rsqrt(row_scale / k + rms_eps)
 
 
 def programs_per_sm(scratch_refs) -> int:

@@ -33,8 +33,10 @@ from pallas_kernels._skinny import (
     DTYPES,
     ROWS_PER_TILE,
     ProductVariant,
+    check_row_scale,
     current_variant,
     filling_ring,
+    rms_row_scale,
     scratch,
     tile_product,
 )
@@ -74,10 +76,7 @@ def _check(x: jax.Array, weights: Sequence[jax.Array], row_scale=None, rms_eps=N
             f"{_OP}: x must be [R, K] and each weight [K, N] with x's K; got x {x.shape} and "
             f"weights {[w.shape for w in weights]}"
         )
-    if row_scale is not None and row_scale.shape != x.shape[:1]:
-        raise ValueError(f"{_OP}: row_scale {row_scale.shape} must be [R] = [{x.shape[0]}]")
-    if rms_eps is not None and row_scale is None:
-        raise ValueError(f"{_OP}: rms_eps={rms_eps} scales rows by their row_scale; none given")
+    check_row_scale(_OP, x.shape[0], row_scale, rms_eps)
 
 
 def projections_reference(
@@ -87,21 +86,13 @@ def projections_reference(
     rms_eps: float | None = None,
 ) -> tuple[jax.Array, ...]:
     """The same products in XLA, one each."""
-    scale = _row_scale(row_scale, rms_eps, x.shape[1])
+    scale = rms_row_scale(row_scale, rms_eps, x.shape[1])
 
     def product(w: jax.Array) -> jax.Array:
         y = jnp.dot(x, w, preferred_element_type=F32)
         return (y if scale is None else y * scale[:, None]).astype(x.dtype)
 
     return tuple(product(w) for w in weights)
-
-
-def _row_scale(row_scale: jax.Array | None, rms_eps: float | None, k: int) -> jax.Array | None:
-    """What each row's sum is multiplied by (float32), or None."""
-    if row_scale is None:
-        return None
-    row_scale = row_scale.astype(F32)
-    return row_scale if rms_eps is None else lax.rsqrt(row_scale / k + rms_eps)
 
 
 @functools.partial(

@@ -41,9 +41,11 @@ from pallas_kernels._skinny import (
     DTYPES,
     ROWS_PER_TILE,
     ProductVariant,
+    check_row_scale,
     current_variant,
     filling_ring,
     programs_per_sm,
+    rms_row_scale,
     scratch,
     tile_product,
 )
@@ -161,15 +163,6 @@ def _sums_reference(x: jax.Array, w: jax.Array, experts: jax.Array) -> jax.Array
     return jnp.where(valid[..., None], out, 0)
 
 
-def _rms_scale(row_scale: jax.Array | None, rms_eps: float | None, k: int) -> jax.Array | None:
-    """Each row's float32 factor: ``row_scale``, or with ``rms_eps`` the inverse RMS of the
-    rows whose square sums it holds."""
-    if row_scale is None:
-        return None
-    row_scale = row_scale.astype(F32)
-    return row_scale if rms_eps is None else lax.rsqrt(row_scale / k + rms_eps)
-
-
 def _swiglu(gate_up: jax.Array) -> jax.Array:
     gate, up = jnp.split(gate_up, 2, axis=-1)
     return gate / (1.0 + jnp.exp(-gate)) * up
@@ -180,7 +173,7 @@ def expert_hidden_reference(
     rms_eps: float | None = None,
 ):  # fmt: skip
     """The same hidden rows in XLA (float32 products, scaled, then ``silu(gate) * up``)."""
-    scale = _rms_scale(row_scale, rms_eps, x.shape[1])
+    scale = rms_row_scale(row_scale, rms_eps, x.shape[1])
     sums = _sums_reference(x, w, experts)
     if scale is not None:
         sums = sums * scale[:, None, None]
@@ -394,10 +387,7 @@ def _check_hidden(x, w, experts, shared, row_scale, rms_eps) -> None:
                 f"{_OP}: shared must be (gate, up) weights of {want} each; got "
                 f"{[s.shape for s in shared]}"
             )
-    if row_scale is not None and row_scale.shape != x.shape[:1]:
-        raise ValueError(f"{_OP}: row_scale {row_scale.shape} must be [R] = [{x.shape[0]}]")
-    if rms_eps is not None and row_scale is None:
-        raise ValueError(f"{_OP}: rms_eps={rms_eps} scales rows by their row_scale; none given")
+    check_row_scale(_OP, x.shape[0], row_scale, rms_eps)
 
 
 def expert_hidden(
