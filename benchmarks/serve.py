@@ -342,10 +342,13 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
         engine.step()
     times = engine.step_times[ForwardMode.DECODE][2:]
     step_s = statistics.median(times)
+    p10, p90 = np.percentile(times, [10, 90]) * 1e3
+    spread = f"{len(times)} steps, 10th-90th percentile {p10:.3f}-{p90:.3f} ms"
     if args.host_profile:
         _host_profile(engine, args.profile_steps, f"decode B={batch}")
     table = _kernel_table(args, file_row)
-    note = f"{_breakdown(engine, args.profile_steps, table)}; {_memory(engine)}"
+    parts = (spread, _breakdown(engine, args.profile_steps, table), _memory(engine))
+    note = "; ".join(part for part in parts if part)
     if args.census:
         note = f"{note}; {_decode_census(engine)}"
     _write_hlo(engine, args, file_row)
@@ -535,7 +538,11 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-long", default="", help="decode rows at long contexts, BATCH@PROMPT_LEN, "
         "comma-separated (e.g. 1@8192,64@8192)",
     )  # fmt: skip
-    parser.add_argument("--decode-steps", type=int, default=24)
+    parser.add_argument(
+        "--decode-steps", type=int, default=64,
+        help="DECODE steps a decode row times (their median is the row's time; the note gives "
+        "their 10th-90th percentile spread)",
+    )  # fmt: skip
     parser.add_argument(
         "--decode-bucket", type=int, default=MIN_BATCH_BUCKET,
         help="decode rows run in a batch bucket of at least this many rows (the rest padding; "
