@@ -149,7 +149,9 @@ def test_the_hidden_rows_formed_in_the_expert_launch_match_the_oracle(real, scal
     x = rng.standard_normal((rows, k))
     x[real:] = np.nan  # padding: a real row sharing their 8-row group must not see them
     x = jnp.asarray(x, jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((experts, k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
+    w = jnp.asarray(
+        rng.standard_normal((experts, k, 2 * width), np.float32) / np.sqrt(k), jnp.bfloat16
+    )
     shared = tuple(
         jnp.asarray(rng.standard_normal((k, width)) / np.sqrt(k), jnp.bfloat16) for _ in "gu"
     )
@@ -167,7 +169,6 @@ def test_the_hidden_rows_formed_in_the_expert_launch_match_the_oracle(real, scal
     x64 = np.asarray(x, np.float64)
     if scaled:
         x64 = x64 / np.sqrt(np.asarray(square_sum, np.float64) / k + 1e-6)[:, None]
-    w64 = np.asarray(w, np.float64)
 
     def swiglu(sums):
         gate, up = sums[..., :width], sums[..., width:]
@@ -176,7 +177,7 @@ def test_the_hidden_rows_formed_in_the_expert_launch_match_the_oracle(real, scal
     want = np.zeros(got.shape)
     for r, c in np.ndindex(ids.shape):
         if r < real:
-            want[r, c] = swiglu(x64[r] @ w64[ids[r, c]])
+            want[r, c] = swiglu(x64[r] @ np.asarray(w[ids[r, c]], np.float64))
     assert np.isfinite(got).all()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
     np.testing.assert_array_equal(got[real:], 0)
@@ -197,7 +198,9 @@ def test_deep_rings_change_no_bit_on_the_gpu(gated, monkeypatch):
     em_module = importlib.import_module("pallas_kernels.moe.expert_matmul")
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((256, 2048, 1024)) / np.sqrt(2048), jnp.bfloat16)
+    w = jnp.asarray(
+        rng.standard_normal((256, 2048, 1024), np.float32) / np.sqrt(2048), jnp.bfloat16
+    )
     ids = np.full((8, 8), 256, np.int32)
     ids[0] = rng.choice(256, 8, replace=False)
     shared = tuple(
@@ -226,8 +229,12 @@ def test_a_down_launch_over_the_hidden_tiles_changes_no_bit_on_the_gpu():
     over the rows XLA gathers from them."""
     rng = np.random.default_rng(12)
     x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((256, 2048, 1024)) / np.sqrt(2048), jnp.bfloat16)
-    down = jnp.asarray(rng.standard_normal((256, 512, 2048)) / np.sqrt(512), jnp.bfloat16)
+    w = jnp.asarray(
+        rng.standard_normal((256, 2048, 1024), np.float32) / np.sqrt(2048), jnp.bfloat16
+    )
+    down = jnp.asarray(
+        rng.standard_normal((256, 512, 2048), np.float32) / np.sqrt(512), jnp.bfloat16
+    )
     ids = np.full((8, 8), 256, np.int32)
     ids[:3] = np.stack([rng.choice(256, 8, replace=False) for _ in range(3)])
     ids = jnp.asarray(ids)
