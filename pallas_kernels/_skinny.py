@@ -65,6 +65,7 @@ __all__ = [
     "ProductVariant",
     "current_variant",
     "check_row_scale",
+    "deepest_ring",
     "filling_ring",
     "rms_row_scale",
     "programs_per_sm",
@@ -109,11 +110,20 @@ def filling_ring(
     out_dtype=None, *, row_scale: bool = False,
 ) -> ProductVariant:  # fmt: skip
     """The variant a launch of ``programs`` programs of ``steps`` blocks each runs: with
-    ``variant.fill_sm`` and at most one program per SM, its ring as deep as the ``scratch``
-    of a block fits in ``SMEM_BYTES`` (at most ``steps`` stages, never fewer than
-    ``variant.stages``); otherwise ``variant`` itself."""
+    ``variant.fill_sm`` and at most one program per SM, ``deepest_ring``; otherwise
+    ``variant`` itself."""
     if not variant.fill_sm or programs > NUM_SMS:
         return variant
+    return deepest_ring(variant, steps, dtype, rows, out_dtype, row_scale=row_scale)
+
+
+def deepest_ring(
+    variant: ProductVariant, steps: int, dtype, rows: int = ROWS_PER_TILE, out_dtype=None,
+    *, row_scale: bool = False,
+) -> ProductVariant:  # fmt: skip
+    """``variant`` with its ring as deep as the ``scratch`` of a block fits in
+    ``SMEM_BYTES`` (at most ``steps`` stages, never fewer than ``variant.stages``): for a
+    launch of one program per SM."""
 
     def fits(stages: int) -> bool:
         refs = scratch(steps, dtype, variant._replace(stages=stages), rows, out_dtype,
@@ -197,6 +207,7 @@ def tile_product(
     store before reusing ``o_s``; the caller waits for this one's
     (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
     rows = x_rows.shape[0]
+    held = round_up(rows, ALIGN)  # the rows TMA moves: whole 8-row groups
     if row_scale is not None:
         plgpu.copy_gmem_to_smem(row_scale, scale_s.at[pl.ds(0, rows)], scale_bar)
     swap = swapped(o_s.dtype, variant)
@@ -209,13 +220,12 @@ def tile_product(
                        interpret=interpret)  # fmt: skip
     if row_scale is not None:
         plgpu.barrier_wait(scale_bar)
-        scale = _row_scales(scale_s, round_up(rows, ALIGN), swap, acc.shape, rms)
+        scale = _row_scales(scale_s, held, swap, acc.shape, rms)
         acc = acc * scale
         up = None if up is None else up * scale
     if up is not None:
         acc = acc / (1.0 + jnp.exp(-acc)) * up
     plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
-    held = round_up(rows, ALIGN)
     if swap:
         o_s.at[pl.ds(0, held)].transpose((1, 0))[...] = acc.astype(o_s.dtype)
     else:

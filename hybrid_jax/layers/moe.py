@@ -316,19 +316,17 @@ class SparseMoE(nnx.Module):
         """x ``[T, hidden]`` -> the same; ``real`` (bool ``[T]``) marks the tokens of real
         rows, whose experts alone are computed (padding tokens get the shared expert only)."""
         shared_mlp = self.shared_expert
-        if self._hidden_in_launch(x, impl):
-            (logits,) = project(x, [self.gate], impl=impl)
-            weights, experts = self.route(logits, real)
-            shared_scale = jax.nn.sigmoid(self._shared_gate_logit(x))
+        hidden_in_launch = self._hidden_in_launch(x, impl)
+        # With the hidden rows in the experts' launch the router launches alone.
+        inputs = [self.gate] if hidden_in_launch else [self.gate, *self._shared_inputs()]
+        logits, *shared_gate_up = project(x, inputs, impl=impl)
+        weights, experts = self.route(logits, real)
+        shared_scale = jax.nn.sigmoid(self._shared_gate_logit(x))
+        if hidden_in_launch:
             hidden, shared_hidden = self._hidden_by_id(x, experts, impl)
             routed, shared = self._down_by_id(hidden, shared_hidden, weights, experts, impl)
             return routed.astype(x.dtype) + shared_scale * shared
-        logits, shared_gate, shared_up = project(
-            x, [self.gate, shared_mlp.gate_proj, shared_mlp.up_proj], impl=impl
-        )
-        weights, experts = self.route(logits, real)
-        shared_scale = jax.nn.sigmoid(self._shared_gate_logit(x))
-        shared_hidden = shared_mlp.hidden(shared_gate, shared_up)
+        shared_hidden = shared_mlp.hidden(*shared_gate_up)
         if self._runs_by_id(x, impl):
             routed, shared = self._experts_by_id(x, weights, experts, shared_hidden, impl)
             return routed.astype(x.dtype) + shared_scale * shared
@@ -366,9 +364,12 @@ class SparseMoE(nnx.Module):
                 return False
         return resolve_impl("expert_matmul", impl, None) != "reference"
 
+    def _shared_inputs(self) -> tuple[nnx.Linear, nnx.Linear]:
+        """The shared expert's gate and up projections."""
+        return self.shared_expert.gate_proj, self.shared_expert.up_proj
+
     def _shared_weights(self) -> tuple[jax.Array, jax.Array]:
-        mlp = self.shared_expert
-        return mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...]
+        return tuple(layer.kernel[...] for layer in self._shared_inputs())
 
     def _hidden_in_launch(self, x: jax.Array | NormedRows, impl: str) -> bool:
         """Whether this call's hidden rows come from ``moe.expert_hidden``

@@ -43,7 +43,7 @@ from pallas_kernels._skinny import (
     ProductVariant,
     check_row_scale,
     current_variant,
-    filling_ring,
+    deepest_ring,
     programs_per_sm,
     rms_row_scale,
     scratch,
@@ -69,7 +69,7 @@ _OP = "expert_matmul"
 DEEP_RINGS = False
 """Whether a launch whose products take more blocks of K than the ring has stages (the
 gate/up of a few tokens: 16 blocks) runs one program per SM, each with the deepest ring a
-block's shared memory holds (``_skinny.filling_ring``), instead of as many programs as fit
+block's shared memory holds (``_skinny.deepest_ring``), instead of as many programs as fit
 with the default ring. At batch 1 a column tile's few real pairs then each stream with
 three times the loads in flight. Off until measured on the H200."""
 
@@ -221,9 +221,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
     scaled = row_scale is not None
     ring_steps = max(steps, dense_steps)
     if deep and steps > variant.stages:  # one program an SM: its ring as deep as fits
-        variant = filling_ring(
-            variant._replace(fill_sm=True), 1, ring_steps, dtype, dense_rows, row_scale=scaled
-        )
+        variant = deepest_ring(variant, ring_steps, dtype, dense_rows, row_scale=scaled)
     scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled)
     programs = programs_per_tile(
         pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0
