@@ -122,10 +122,10 @@ TRIAL_SWITCHES = {
         "the experts' by-id launches of many blocks of K run one program per SM, each with "
         "the deepest ring that fits",
     ),
-    "--softmax-in-ranking": (
-        moe_layer, "SOFTMAX_IN_RANKING", True,
-        "a MoE block that ranks its experts forms the chosen experts' softmax inside the "
-        "ranking's reductions",
+    "--no-softmax-in-ranking": (
+        moe_layer, "SOFTMAX_IN_RANKING", False,
+        "a MoE block that ranks its experts forms the chosen experts' softmax after the "
+        "ranking's reductions (a kernel of its own)",
     ),
     "--no-norms-in-launch": (
         linear_layer, "NORMS_IN_LAUNCH", False,

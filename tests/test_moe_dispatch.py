@@ -306,6 +306,7 @@ def test_softmax_in_ranking_routes_as_the_softmax_after_it_with_no_reduce_of_its
         reduces = [e for e in program.eqns if e.primitive.name.startswith("reduce_")]
         return layer.route(logits, real), [e.invars[0].aval.ndim for e in reduces]
 
+    monkeypatch.setattr(moe_layer, "SOFTMAX_IN_RANKING", False)
     (weights, experts), ranks_after = routed()
     monkeypatch.setattr(moe_layer, "SOFTMAX_IN_RANKING", True)
     (in_ranking, in_ranking_experts), ranks_in = routed()

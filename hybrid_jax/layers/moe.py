@@ -72,12 +72,12 @@ tile and the up tile beside it and stores ``silu(gate) * up``) instead of the ex
 gate/up products, the shared expert's beside the router's, and an XLA fusion for both SiLU
 products. The router then launches alone. Off until measured on the H200."""
 
-SOFTMAX_IN_RANKING = False
+SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
 ``norm_topk_prob``) forms the chosen experts' softmax inside the ranking's reductions
 (``top_k_softmax``: the row's max beside each entry's rank, the exponentials' picks beside the
-chosen ids) instead of after them, where it is a kernel of its own on the GPU. Off until
-measured on the H200."""
+chosen ids) instead of after them, where it is a kernel of its own on the GPU (one kernel
+fewer per MoE block: ``benchmarks/RESULTS_serve.md``)."""
 
 
 def top_k(x: jax.Array, k: int, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
