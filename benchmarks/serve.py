@@ -71,6 +71,7 @@ from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa
 from hybrid_jax.layers import gdn as gdn_layer  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
 from hybrid_jax.layers import moe as moe_layer  # noqa: E402
+from hybrid_jax.layers import norm as norm_layer  # noqa: E402
 from hybrid_jax.metadata import MIN_BATCH_BUCKET  # noqa: E402
 from hybrid_jax.models.layer_scan import scan_layers  # noqa: E402
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
@@ -593,6 +594,13 @@ def main(argv: list[str] | None = None) -> int:
             help=f"{what} ({module.__name__}.{name} = {value}; {getattr(module, name)} by default)",
         )  # fmt: skip
     parser.add_argument(
+        "--no-fold-norm-weights", action="store_true",
+        help="engines leave each decoder layer's norm weights with the norm "
+        "(layers.norm.FOLD_NORM_WEIGHTS = False): the layers are stacked, and folded by the "
+        "first engine, once for every row of a run, so this is a run's setting, not a trial "
+        "switch",
+    )  # fmt: skip
+    parser.add_argument(
         "--each-switch", default="",
         help="trial switches (flag names without the dashes, comma-separated) to run the rows "
         "with one at a time, after the rows with none, in one process (one model build)",
@@ -634,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--each-switch {args.each_switch!r}: {unknown} are not trial switches "
             f"({', '.join(sorted(f[2:] for f in TRIAL_SWITCHES))})"
         )
+    if args.no_fold_norm_weights:
+        settings[norm_layer, "FOLD_NORM_WEIGHTS"] = False
     if args.projection_rows is not None:
         settings[linear_layer, "FEW_ROWS"] = args.projection_rows
     if args.ranked_top_k_tokens is not None:

@@ -42,6 +42,7 @@ from pallas_kernels._skinny import (
 )
 
 __all__ = [
+    "COLUMN_TILE",
     "MAX_ROWS",
     "partial_splits",
     "projection_partials",
@@ -53,6 +54,7 @@ __all__ = [
 
 _OP = "projections"
 MAX_ROWS = ROWS_PER_TILE
+COLUMN_TILE = BLOCK_N  # every weight's N is a multiple of it
 
 
 def unsupported_reason(x: jax.Array, weights: Sequence[jax.Array]) -> str | None:

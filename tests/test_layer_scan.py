@@ -19,7 +19,13 @@ from flax import nnx
 from hybrid_jax import Engine, EngineConfig, SamplingParams
 from hybrid_jax.backend.commit import commit_verified
 from hybrid_jax.metadata import RowSpec, build_metadata
-from hybrid_jax.models.layer_scan import LayerRun, ScannedRun, layer_runs, scan_layers
+from hybrid_jax.models.layer_scan import (
+    LayerRun,
+    ScannedRun,
+    fold_scanned_norms,
+    layer_runs,
+    scan_layers,
+)
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig
 from hybrid_jax.models.qwen3_next import (
     Qwen3Next,
@@ -110,15 +116,13 @@ def test_scan_layers_groups_qwen3_next_in_its_period_and_leaves_singles_alone():
 # ---------------------------------------------------------------- same results
 
 
-def _runners(model):
-    return parity.Runner(model), parity.Runner(scan_layers(model))
-
-
-def _check_same_steps(model):
+def _check_same_steps(model, scanned_model=None, verify_tol: float = 1e-5):
     """EXTEND of two rows, DECODE, a chain TARGET_VERIFY and its commit: the scanned model's
-    logits, pool (random states), cache (NaN where unwritten) and verify states are the
-    layer-by-layer model's."""
-    plain, scanned = _runners(model)
+    (``scanned_model``, by default ``scan_layers(model)``) logits, pool (random states), cache
+    (NaN where unwritten) and verify states are the layer-by-layer model's (the verify states
+    and commits to ``verify_tol``)."""
+    plain = parity.Runner(model)
+    scanned = parity.Runner(scan_layers(model) if scanned_model is None else scanned_model)
     rng = np.random.default_rng(1)
     rows = [RowSpec(1, 0, 5, (3, 7)), RowSpec(3, 0, 7, (1, 12))]
     tokens = rng.integers(0, model.config.vocab_size, 12)
@@ -148,16 +152,44 @@ def _check_same_steps(model):
             chex.assert_trees_all_close(
                 (stack.windows[i], stack.ssm[i]),
                 (per_layer[layer].windows[0], per_layer[layer].ssm[0]),
-                rtol=1e-5, atol=1e-5,
+                rtol=verify_tol, atol=verify_tol,
             )  # fmt: skip
     slots, steps = jnp.asarray([1, 0], jnp.int32), jnp.asarray([2, -1], jnp.int32)
     committed = [commit_verified(o.pool, o.verify, slots, steps) for _, o in outs]
-    chex.assert_trees_all_close(committed[1], committed[0], rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(committed[1], committed[0], rtol=verify_tol, atol=verify_tol)
     assert not np.allclose(np.asarray(committed[0].ssm[:, 1]), np.asarray(out.pool.ssm[:, 1]))
 
 
 def test_scanned_qwen3_next_steps_equal_the_layer_by_layer_model():
     _check_same_steps(qwen3_next(2))
+
+
+def test_scanned_layers_with_their_norms_folded_step_as_the_layer_by_layer_model():
+    """Each scanned layer's norm weights folded into the products that read them (a MoE
+    block's experts, router, shared expert and its gate too): the same steps as the unfolded
+    layers, whose norms weight their rows, and the model the run was stacked from keeps its
+    own weights."""
+    config = dataclasses.replace(
+        tiny_qwen3_next_config(), num_hidden_layers=6, layer_types=(G, G, A) * 2,
+        mlp_only_layers=(), num_nextn_predict_layers=0,
+    )  # fmt: skip
+    model = _seeded(lambda: Qwen3Next(config, rngs=nnx.Rngs(0)))
+    norm = model.layers[0].post_attention_layernorm
+    weight, experts = norm.weight.get_value(), model.layers[0].mlp.gate_up_proj.get_value()
+    assert np.abs(np.asarray(weight)).min() > 0  # a fold that forgot a reader would show
+    folded = scan_layers(model)
+    fold_scanned_norms(folded)
+    block = folded.layers[0].blocks[0]
+    assert block.input_layernorm.folded and block.post_attention_layernorm.folded
+    assert not np.asarray(block.post_attention_layernorm.weight.get_value()).any()
+    assert block.mlp.shared_expert_gate.kernel.get_value().shape[-1] == 64
+    # The folded weights round differently: float32 round-off, carried through the states.
+    _check_same_steps(model, folded, verify_tol=1e-4)
+    assert not norm.folded
+    chex.assert_trees_all_equal(
+        (norm.weight.get_value(), model.layers[0].mlp.gate_up_proj.get_value()),
+        (weight, experts),
+    )
 
 
 def test_scanned_nemotron_h_steps_equal_the_layer_by_layer_model():

@@ -205,7 +205,9 @@ def test_adds_for_short_sums_change_a_moe_block_by_rounding_and_drop_its_small_r
 ):
     """``ADDS_FOR_SHORT_SUMS``: the softmax over each token's chosen experts (its max is the
     first, as ``top_k`` orders them), the sum over its choices and, by id, the shared expert's
-    partial products become adds; the block's output moves by rounding only."""
+    partial products become adds; the block's output moves by rounding only. (The softmax
+    after the ranking: ``SOFTMAX_IN_RANKING`` forms it inside the ranking's reductions.)"""
+    monkeypatch.setattr(moe_layer, "SOFTMAX_IN_RANKING", False)
     config = MoEConfig(hidden_size=128, num_experts=8, top_k=2, intermediate_size=128,
                        shared_intermediate_size=128, dtype=dtype)  # fmt: skip
     moe = SparseMoE(config, rngs=nnx.Rngs(11))

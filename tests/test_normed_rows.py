@@ -108,3 +108,25 @@ def test_a_moe_block_of_normed_rows_matches_the_formed_norm():
     reference = run(norm(x), "reference")
     assert isinstance(norm.deferred(x), NormedRows)
     assert _rel(deferred, reference) < 2e-2
+
+
+def test_a_moe_block_with_its_norm_folded_in_matches_the_formed_norm():
+    """The norm's weight folded into every product that reads it (``fold_into``), the shared
+    gate widened into the router's launch: the launches read the rows themselves (no weighted
+    rows), and the block gives what it gave on the formed norm before the fold."""
+    config = MoEConfig(hidden_size=HIDDEN, num_experts=8, top_k=2, intermediate_size=128,
+                       shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
+    moe, norm, x = SparseMoE(config, rngs=nnx.Rngs(10)), _norm(11), _rows(12, 5)
+    real = jnp.arange(5) < 4
+
+    def run(rows, impl):
+        return jax.jit(lambda m, r, a: m(r, a, impl=impl))(moe, rows, real)
+
+    before = run(norm(x), "reference")
+    norm.fold_into(moe.input_readers())
+    moe.widen_shared_gate()
+    deferred = norm.deferred(x)
+    assert norm.folded and deferred.scale is None and deferred.weighted() is x
+    assert moe._shared_gate_in_launch() and moe._runs_by_id(deferred, "interpret")
+    assert _rel(run(deferred, "interpret"), before) < 2e-2
+    assert _rel(run(norm(x), "reference"), before) < 2e-2

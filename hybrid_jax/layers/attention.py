@@ -122,6 +122,10 @@ class Attention(nnx.Module):
         self.q_norm = norm() if c.qk_norm else None
         self.k_norm = norm() if c.qk_norm else None
 
+    def input_readers(self) -> list[nnx.Param]:
+        """The weights of the products that read the layer's input (all of its readers)."""
+        return [layer.kernel for layer in (self.q_proj, self.k_proj, self.v_proj)]
+
     def __call__(
         self,
         x: jax.Array,

@@ -158,6 +158,10 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = nnx.Linear(d.value_dim, c.hidden_size, use_bias=False, dtype=dtype,
                                    param_dtype=dtype, rngs=rngs)  # fmt: skip
 
+    def input_readers(self) -> list[nnx.Param]:
+        """The weights of the products that read the layer's input (all of its readers)."""
+        return [layer.kernel for layer in (self.in_proj_qkv, self.in_proj_z, self.in_proj_ba)]
+
     def _project(self, x: jax.Array, *, impl: str = "auto"):
         """``(mixed, z, ba)``: the conv's input ``[Q | K | V]``, the output gate per value
         head and ``[b | a]``, each left whole for the op that reads it."""

@@ -25,7 +25,7 @@ from flax import nnx
 from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers.linear import project, project_output, short_sum
 from hybrid_jax.layers.norm import NormedRows, formed
-from pallas_kernels import moe, resolve_impl
+from pallas_kernels import moe, projections, resolve_impl
 
 __all__ = [
     "BY_ID_MAX_PAIRS",
@@ -173,6 +173,10 @@ class MLP(nnx.Module):
         gate, up = project(x, [self.gate_proj, self.up_proj], impl=impl)
         return self.down(self.hidden(gate, up), impl=impl)
 
+    def input_readers(self) -> list[nnx.Param]:
+        """The weights of the products that read the block's input (all of its readers)."""
+        return [self.gate_proj.kernel, self.up_proj.kernel]
+
     def down(self, hidden: jax.Array, *, impl: str) -> jax.Array:
         """The down projection of ``hidden`` (``project_output``)."""
         return project_output(hidden, self.down_proj, impl=impl)
@@ -319,9 +323,17 @@ class SparseMoE(nnx.Module):
         hidden_in_launch = self._hidden_in_launch(x, impl)
         # With the hidden rows in the experts' launch the router launches alone.
         inputs = [self.gate] if hidden_in_launch else [self.gate, *self._shared_inputs()]
+        gate_in_launch = self._shared_gate_in_launch()
+        if gate_in_launch:
+            inputs.append(self.shared_expert_gate)
         logits, *shared_gate_up = project(x, inputs, impl=impl)
+        if gate_in_launch:
+            *shared_gate_up, gate_logit = shared_gate_up
+            gate_logit = gate_logit[:, :1]
+        else:
+            gate_logit = self._shared_gate_logit(x)
         weights, experts = self.route(logits, real)
-        shared_scale = jax.nn.sigmoid(self._shared_gate_logit(x))
+        shared_scale = jax.nn.sigmoid(gate_logit)
         if hidden_in_launch:
             hidden, shared_hidden = self._hidden_by_id(x, experts, impl)
             routed, shared = self._down_by_id(hidden, shared_hidden, weights, experts, impl)
@@ -348,9 +360,33 @@ class SparseMoE(nnx.Module):
         """``shared_expert_gate(x)`` ``[T, 1]``; of ``NormedRows``, the product of the
         weighted rows times each row's inverse RMS (the norm is not formed for it)."""
         if not isinstance(x, NormedRows):
-            return self.shared_expert_gate(x)
-        logit = self.shared_expert_gate(x.weighted()).astype(jnp.float32)
+            return self.shared_expert_gate(x)[:, :1]
+        logit = self.shared_expert_gate(x.weighted())[:, :1].astype(jnp.float32)
         return (logit * x.inverse_rms()[:, None]).astype(x.dtype)
+
+    def _shared_gate_in_launch(self) -> bool:
+        """Whether the shared expert's gate is widened to a column tile
+        (``widen_shared_gate``): its logit is then column 0 of a product in the router's
+        launch."""
+        return self.shared_expert_gate.kernel.shape[-1] > 1
+
+    def input_readers(self) -> list[nnx.Param]:
+        """The weights of the products that read the block's input (all of its readers)."""
+        shared = [layer.kernel for layer in (*self._shared_inputs(), self.shared_expert_gate)]
+        return [self.gate.kernel, *shared, self.gate_up_proj]
+
+    def widen_shared_gate(self) -> None:
+        """Give the shared expert's gate ``[hidden, 1]`` zero columns up to a column tile of
+        the projections' launch, which then forms its logit beside the router's (the other
+        columns are never read). For a block whose input norm is folded into its readers
+        (``ZeroCenteredRMSNorm.fold_into``): the launch's rows are then the input itself,
+        and the gate alone would be a product of its own over them."""
+        kernel = self.shared_expert_gate.kernel
+        width = kernel.shape[-1]
+        if width % projections.COLUMN_TILE:
+            pad = projections.COLUMN_TILE - width % projections.COLUMN_TILE
+            widths = [(0, 0)] * (len(kernel.shape) - 1) + [(0, pad)]
+            kernel.set_value(jnp.pad(kernel.get_value(), widths))
 
     def _runs_by_id(self, x: jax.Array | NormedRows, impl: str) -> bool:
         """Whether this call's experts run by id: few pairs, and the kernel runs here (never

@@ -5,11 +5,19 @@ them ``NormedRows``: the norm's input and weight, unformed. A product launch the
 rows times the weight and scales each row of its sum by the row's inverse RMS
 (``layers.linear.project``), so no separate norm runs between the residual add and the
 products; any other reader forms the norm's output (``NormedRows.value``).
+
+A norm whose readers are all products can also hand its weight to them
+(``ZeroCenteredRMSNorm.fold_into``: ``x / rms(x) * (1 + w) @ W == x / rms(x) @ ((1 + w) W)``).
+Its launch then reads the residual stream itself, and the square sums are all that is left of
+the norm: a reduction XLA forms in the residual add's kernel, where the weighted rows, an
+output of the same shape as its input, kept the add out of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +25,13 @@ from flax import nnx
 
 from pallas_kernels.gdn import reference as gdn_reference
 
-__all__ = ["GatedRMSNorm", "NormedRows", "ZeroCenteredRMSNorm", "formed"]
+__all__ = ["FOLD_NORM_WEIGHTS", "GatedRMSNorm", "NormedRows", "ZeroCenteredRMSNorm", "formed"]
+
+FOLD_NORM_WEIGHTS = True
+"""Whether an engine folds each decoder layer's norm weights into the products that read the
+norm (``ZeroCenteredRMSNorm.fold_into``, on its own stacked copy of the layers): one XLA
+kernel fewer per norm a step on the H200 (``benchmarks/RESULTS_serve.md``). Read when an
+engine is built."""
 
 
 def _normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -29,10 +43,11 @@ def _normalize(x: jax.Array, eps: float) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class NormedRows:
     """``x / rms(x) * scale`` over ``x`` ``[T, dim]``'s rows, not yet formed: ``scale``
-    float32 ``[dim]`` (a zero-centred norm's ``1 + weight``)."""
+    float32 ``[dim]`` (a zero-centred norm's ``1 + weight``), or None where the norm's
+    weight is folded into its readers (``ZeroCenteredRMSNorm.fold_into``)."""
 
     x: jax.Array
-    scale: jax.Array
+    scale: jax.Array | None
     eps: float = dataclasses.field(metadata=dict(static=True))
 
     @property
@@ -45,10 +60,16 @@ class NormedRows:
 
     def value(self) -> jax.Array:
         """The norm's output, in x's dtype."""
-        return (_normalize(self.x, self.eps) * self.scale).astype(self.x.dtype)
+        normalized = _normalize(self.x, self.eps)
+        if self.scale is not None:
+            normalized = normalized * self.scale
+        return normalized.astype(self.x.dtype)
 
     def weighted(self) -> jax.Array:
-        """``x * scale`` in x's dtype: the rows a product reads before ``inverse_rms``."""
+        """``x * scale`` in x's dtype: the rows a product reads before ``inverse_rms``
+        (``x`` itself without a scale)."""
+        if self.scale is None:
+            return self.x
         return (self.x.astype(jnp.float32) * self.scale).astype(self.x.dtype)
 
     def square_sum(self) -> jax.Array:
@@ -61,6 +82,16 @@ class NormedRows:
     def inverse_rms(self) -> jax.Array:
         """float32 ``[T]``: what each row of ``weighted() @ w`` is multiplied by."""
         return jax.lax.rsqrt(self.square_sum() / self.x.shape[-1] + self.eps)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scaled_along_rows(w: jax.Array, scale: jax.Array) -> jax.Array:
+    """``w [*lead, *mid, dim, N]`` times ``scale [*lead, dim]`` along ``dim``, in w's dtype
+    (w donated: the folded weight takes its memory)."""
+    lead, dim = scale.shape[:-1], scale.shape[-1]
+    mid = w.ndim - scale.ndim - 1
+    along = scale.reshape(*lead, *(1,) * mid, dim, 1)
+    return (w.astype(jnp.float32) * along).astype(w.dtype)
 
 
 def formed(x: jax.Array | NormedRows) -> jax.Array:
@@ -77,13 +108,29 @@ class ZeroCenteredRMSNorm(nnx.Module):
     def __init__(self, dim: int, *, eps: float = 1e-6):
         self.weight = nnx.Param(jnp.zeros((dim,), jnp.float32))
         self.eps = eps
+        self.folded = False  # whether ``fold_into`` gave the weight to the norm's readers
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.deferred(x).value()
 
     def deferred(self, x: jax.Array) -> NormedRows:
         """The norm of ``x`` ``[T, dim]``, left for its products to form (``NormedRows``)."""
-        return NormedRows(x, 1.0 + self.weight[...], self.eps)
+        return NormedRows(x, None if self.folded else 1.0 + self.weight[...], self.eps)
+
+    def fold_into(self, readers: Sequence[nnx.Param]) -> None:
+        """Multiply ``1 + weight`` into the weights of every product that reads this norm
+        (each ``[..., dim, N]``, scaled along ``dim``; leading axes such as a stack of layers
+        are the weight's too, then experts), in place, and leave the norm without a weight:
+        its output times each weight is unchanged up to rounding (the weights' dtype takes
+        the product). The caller owns the weights, and names every reader: one left out
+        would read the norm unweighted. A folded norm is left as it is."""
+        if self.folded:
+            return
+        scale = 1.0 + self.weight[...]
+        for param in readers:
+            param.set_value(_scaled_along_rows(param.get_value(), scale))
+        self.weight.set_value(jnp.zeros_like(scale))
+        self.folded = True
 
 
 class GatedRMSNorm(nnx.Module):

@@ -23,7 +23,14 @@ from flax import nnx
 
 from hybrid_jax.modes import LayerKind
 
-__all__ = ["LayerRun", "ScannedRun", "layer_runs", "layer_signature", "scan_layers"]
+__all__ = [
+    "LayerRun",
+    "ScannedRun",
+    "fold_scanned_norms",
+    "layer_runs",
+    "layer_signature",
+    "scan_layers",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,3 +155,16 @@ def scan_layers[Model: nnx.Module](model: Model, *, donate: bool = False) -> Mod
             blocks.append(ScannedRun(layers[span], kinds[span], period=run.period, donate=donate))
     scanned.layers = nnx.List(blocks)
     return scanned
+
+
+def fold_scanned_norms(model: nnx.Module) -> None:
+    """Fold the norm weights of every scanned run's layers into their products, in place
+    (each layer's ``fold_norm_weights``, where its kind has one): the stacked weights are a
+    scanned model's own copy, never the checkpoint's. Layers outside the runs (shared with
+    the model ``scan_layers`` was given) are left as they are."""
+    for layer in model.layers:
+        if isinstance(layer, ScannedRun):
+            for block in layer.blocks:
+                fold = getattr(block, "fold_norm_weights", None)
+                if fold is not None:
+                    fold()

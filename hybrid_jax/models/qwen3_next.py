@@ -337,6 +337,18 @@ class DecoderLayer(nnx.Module):
     def _normed(norm: ZeroCenteredRMSNorm, x: jax.Array) -> jax.Array | NormedRows:
         return norm.deferred(x) if linear_layer.NORMS_IN_LAUNCH else norm(x)
 
+    def fold_norm_weights(self) -> None:
+        """Both norms' weights into the products that read them, in place
+        (``ZeroCenteredRMSNorm.fold_into``; a MoE block's shared gate then joins the router's
+        launch). The layer's outputs are unchanged up to rounding; its weights are no longer
+        the checkpoint's, so only a copy the caller owns is folded (an engine's stacked
+        layers)."""
+        mixer = self.linear_attn if self.kind is LayerKind.GDN else self.self_attn
+        self.input_layernorm.fold_into(mixer.input_readers())
+        self.post_attention_layernorm.fold_into(self.mlp.input_readers())
+        if isinstance(self.mlp, SparseMoE):
+            self.mlp.widen_shared_gate()
+
 
 class MTPHead(nnx.Module):
     """Qwen3-Next's multi-token-prediction layer (see the module docstring); the embedding and
