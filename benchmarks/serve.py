@@ -79,7 +79,6 @@ from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig  # noqa: E40
 from pallas_kernels import _skinny  # noqa: E402
 
 _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
-_EXPERT_MATMUL = importlib.import_module("pallas_kernels.moe.expert_matmul")
 # Switches a run can flip, each a module attribute read while tracing: flag -> (module,
 # attribute, the value the flag sets, what that does). A run sets those it is given and
 # restores them at the end.
@@ -117,11 +116,6 @@ TRIAL_SWITCHES = {
         moe_layer, "HIDDEN_IN_EXPERT_LAUNCH", True,
         "a MoE block whose experts run by id forms its experts' and shared expert's SwiGLU "
         "hidden rows in one launch (the router launched alone)",
-    ),
-    "--deep-expert-rings": (
-        _EXPERT_MATMUL, "DEEP_RINGS", True,
-        "the experts' by-id launches of many blocks of K run one program per SM, each with "
-        "the deepest ring that fits",
     ),
     "--no-softmax-in-ranking": (
         moe_layer, "SOFTMAX_IN_RANKING", False,

@@ -92,17 +92,24 @@ def test_split_input_projections_scale_the_summed_partials(monkeypatch):
         assert _rel(out, layer(norm(x))) < 1e-2
 
 
-def test_a_moe_block_of_normed_rows_matches_the_formed_norm():
-    """By id (the experts' products of the weighted rows, scaled per token, and the shared
-    gate likewise) against the sorted path on the formed norm."""
+def _moe_case(seed: int):
+    """(a bf16 MoE block of 8 experts, top 2; a norm; 5 rows; a run of the block on rows
+    with an impl, the last row padding)."""
     config = MoEConfig(hidden_size=HIDDEN, num_experts=8, top_k=2, intermediate_size=128,
                        shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
-    moe, norm, x = SparseMoE(config, rngs=nnx.Rngs(7)), _norm(8), _rows(9, 5)
+    moe, norm, x = SparseMoE(config, rngs=nnx.Rngs(seed)), _norm(seed + 1), _rows(seed + 2, 5)
     real = jnp.arange(5) < 4
 
     def run(rows, impl):
         return jax.jit(lambda m, r, a: m(r, a, impl=impl))(moe, rows, real)
 
+    return moe, norm, x, run
+
+
+def test_a_moe_block_of_normed_rows_matches_the_formed_norm():
+    """By id (the experts' products of the weighted rows, scaled per token, and the shared
+    gate likewise) against the sorted path on the formed norm."""
+    moe, norm, x, run = _moe_case(7)
     assert moe._runs_by_id(norm.deferred(x), "interpret")
     deferred = run(norm.deferred(x), "interpret")
     reference = run(norm(x), "reference")
@@ -114,14 +121,7 @@ def test_a_moe_block_with_its_norm_folded_in_matches_the_formed_norm():
     """The norm's weight folded into every product that reads it (``fold_into``), the shared
     gate widened into the router's launch: the launches read the rows themselves (no weighted
     rows), and the block gives what it gave on the formed norm before the fold."""
-    config = MoEConfig(hidden_size=HIDDEN, num_experts=8, top_k=2, intermediate_size=128,
-                       shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
-    moe, norm, x = SparseMoE(config, rngs=nnx.Rngs(10)), _norm(11), _rows(12, 5)
-    real = jnp.arange(5) < 4
-
-    def run(rows, impl):
-        return jax.jit(lambda m, r, a: m(r, a, impl=impl))(moe, rows, real)
-
+    moe, norm, x, run = _moe_case(10)
     before = run(norm(x), "reference")
     norm.fold_into(moe.input_readers())
     moe.widen_shared_gate()

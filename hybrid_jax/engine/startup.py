@@ -63,7 +63,6 @@ _SWITCHES = {
     ),
     "hybrid_jax.backend.attention": ("TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
     "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS", "RING_FILLS_SM"),
-    "pallas_kernels.moe.expert_matmul": ("DEEP_RINGS",),
 }
 
 

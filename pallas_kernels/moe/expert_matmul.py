@@ -43,7 +43,6 @@ from pallas_kernels._skinny import (
     ProductVariant,
     check_row_scale,
     current_variant,
-    deepest_ring,
     programs_per_sm,
     rms_row_scale,
     scratch,
@@ -53,7 +52,6 @@ from pallas_kernels._skinny import (
 __all__ = [
     "BLOCK_K",
     "BLOCK_N",
-    "DEEP_RINGS",
     "PairTiles",
     "expert_hidden",
     "expert_hidden_reference",
@@ -65,13 +63,6 @@ __all__ = [
 ]
 
 _OP = "expert_matmul"
-
-DEEP_RINGS = False
-"""Whether a launch whose products take more blocks of K than the ring has stages (the
-gate/up of a few tokens: 16 blocks) runs one program per SM, each with the deepest ring a
-block's shared memory holds (``_skinny.deepest_ring``), instead of as many programs as fit
-with the default ring. At batch 1 a column tile's few real pairs then each stream with
-three times the loads in flight. Off until measured on the H200."""
 
 
 @jax.tree_util.register_dataclass
@@ -194,16 +185,15 @@ def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1, reserved: int
     return max(1, min(pairs, (NUM_SMS * per_sm - reserved) // col_tiles))
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps", "deep"))
+@functools.partial(jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps"))
 def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVariant,
-            interpret: bool, gated: bool = False, rms_eps: float | None = None,
-            deep: bool = False):  # fmt: skip
+            interpret: bool, gated: bool = False, rms_eps: float | None = None):  # fmt: skip
     """The launch of ``expert_matmul`` or, ``gated``, of ``expert_hidden``: then ``w`` holds
     each expert's gate and up columns side by side, ``dense`` is the shared expert's
     ``(gate, up)`` weights (its rows are x's), and each product is scaled by ``row_scale``
-    (or the inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``. ``deep``:
-    ``DEEP_RINGS``. ``x`` may be an earlier launch's ``PairTiles``: row r's rows are then its
-    tile r. Returns the launch's ``PairTiles`` (and the dense product's rows)."""
+    (or the inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``. ``x`` may be
+    an earlier launch's ``PairTiles``: row r's rows are then its tile r. Returns the launch's
+    ``PairTiles`` (and the dense product's rows)."""
     tiled = isinstance(x, PairTiles)
     rows, k_dim = x.shape
     num_experts, _, w_cols = w.shape
@@ -220,8 +210,6 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
         dense_steps = steps if gated else dense[0].shape[1] // BLOCK_K
     scaled = row_scale is not None
     ring_steps = max(steps, dense_steps)
-    if deep and steps > variant.stages:  # one program an SM: its ring as deep as fits
-        variant = deepest_ring(variant, ring_steps, dtype, dense_rows, row_scale=scaled)
     scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled)
     programs = programs_per_tile(
         pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0
@@ -356,7 +344,6 @@ def expert_matmul(
         return out, jnp.dot(xd, wd, preferred_element_type=F32).astype(xd.dtype)
     out = _kernel(
         x, w, experts, dense, variant=current_variant(), interpret=choice == "interpret",
-        deep=DEEP_RINGS,
     )  # fmt: skip
     return out.rows() if dense is None else (out[0].rows(), out[1])
 
@@ -431,7 +418,7 @@ def expert_hidden(
     out = _kernel(
         x, w, experts, None if shared is None else tuple(shared), row_scale,
         variant=current_variant(), interpret=choice == "interpret", gated=True,
-        rms_eps=None if rms_eps is None else float(rms_eps), deep=DEEP_RINGS,
+        rms_eps=None if rms_eps is None else float(rms_eps),
     )  # fmt: skip
     routed = out if shared is None else out[0]
     routed = routed if tiles else routed.rows()

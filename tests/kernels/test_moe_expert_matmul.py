@@ -241,48 +241,6 @@ def test_misshapen_hidden_calls_raise_naming_the_rule():
     )
 
 
-@pytest.mark.parametrize("gated", [False, True], ids=["products", "hidden"])
-def test_deep_rings_change_no_bit_and_match_the_oracle(gated, monkeypatch):
-    """``DEEP_RINGS``: 20 blocks of K through the deepest ring (12 stages), one program an
-    SM; the blocks are summed in the same order as through the default ring."""
-    rng = np.random.default_rng(31 + gated)
-    rows, k, n, experts = 5, 20 * 128, 128, 4
-    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((experts, k, n)) / np.sqrt(k), jnp.bfloat16)
-    ids = jnp.asarray(rng.integers(0, experts, (rows, 2)), jnp.int32).at[4].set(experts)
-    op = moe.expert_hidden if gated else moe.expert_matmul
-
-    def run(deep):
-        monkeypatch.setattr(em_module, "DEEP_RINGS", deep)
-        return np.asarray(op(x, w, ids, impl="interpret"), np.float64)
-
-    deep, default = run(True), run(False)
-    np.testing.assert_array_equal(deep, default)
-    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
-    if gated:
-        want = _hidden_oracle(x64, w64, np.asarray(ids))
-    else:
-        want = np.einsum("rk,rckn->rcn", x64, w64[np.clip(np.asarray(ids), 0, experts - 1)])
-        want[4] = 0
-    assert np.linalg.norm(deep - want) / np.linalg.norm(want) < 1e-2
-
-
-def test_deep_rings_lower_for_cuda_at_the_35b_gate_up_shapes(monkeypatch):
-    args = (jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16),
-            jax.ShapeDtypeStruct((256, 2048, 1024), jnp.bfloat16),
-            jax.ShapeDtypeStruct((8, 8), jnp.int32))  # fmt: skip
-
-    def lowered():
-        call = jax.jit(lambda x, w, i: moe.expert_matmul(x, w, i, impl="pallas"))
-        return call.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-    monkeypatch.setattr(em_module, "DEEP_RINGS", True)
-    deep = lowered()
-    assert "mosaic_gpu" in deep
-    monkeypatch.setattr(em_module, "DEEP_RINGS", False)
-    assert lowered() != deep
-
-
 def test_a_down_launch_reads_the_hidden_tiles_in_place_as_it_reads_their_rows():
     """``expert_hidden(tiles=True)`` gives the launch's ``PairTiles``; the down launch over
     them equals the launch over the rows XLA would gather, bit for bit, and so does its
