@@ -1,8 +1,10 @@
-"""The norms in the projections' launch (``layers.linear.NORMS_IN_LAUNCH``) on the H200: a
+"""The norms in the projections' launch (``layers.linear.NORMS_IN_LAUNCH``) with their
+weights folded into the products (``layers.norm.FOLD_NORM_WEIGHTS``) on the H200: a
 Qwen3-Next model at kernel-sized dimensions with bf16 weights stays as close to the same
-weights computed in float32 as it does with each norm formed before its products. Steps at
-few rows (the prompt's step and every decode step here) run the projections' launch with
-the row scale and the experts by id with the inverse RMS applied after their products.
+weights computed in float32 as it does with each norm formed, weighted, before its products.
+Steps at few rows (the prompt's step and every decode step here) run the projections' launch
+with the row scale and the experts by id with the inverse RMS applied after their products;
+the model's 8 layers are two repeats of a block, which the engine scans and folds.
 
 A random model's next-token distributions are nearly flat: bf16 rounding alone moves its
 log-probabilities by up to a few tenths, and two roundings may pick different greedy tokens.
@@ -25,6 +27,7 @@ from benchmarks.switches import switches_set
 from hybrid_jax import Engine, EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams
 from hybrid_jax.layers import linear
+from hybrid_jax.layers import norm as norm_layer
 from hybrid_jax.models.qwen3_next import Qwen3Next
 from hybrid_jax.models.tokenizer import ByteTokenizer
 from pallas_kernels._common import on_hopper_gpu
@@ -38,8 +41,14 @@ PARAMS = SamplingParams(max_new_tokens=4, logprobs=5)
 PROMPT_LENGTHS = (9, 12, 4, 7, 5, 11, 3, 6)
 
 
-def _generate(dtype: str, norms_in_launch: bool) -> list:
-    config = kernel_sized_qwen3_next_config(num_experts=64, num_experts_per_tok=8)
+BLOCK = ("linear_attention",) * 3 + ("full_attention",)
+
+
+def _generate(dtype: str, norms_in_launch: bool, fold: bool) -> list:
+    config = kernel_sized_qwen3_next_config(
+        num_experts=64, num_experts_per_tok=8, num_hidden_layers=8, mlp_only_layers=(),
+        layer_types=BLOCK * 2,
+    )  # fmt: skip
     model = Qwen3Next(config, rngs=nnx.Rngs(0))
     if dtype != "bfloat16":  # the bf16 weights, computed wider
         wide = Qwen3Next(dataclasses.replace(config, dtype=dtype), rngs=nnx.Rngs(0))
@@ -49,7 +58,11 @@ def _generate(dtype: str, norms_in_launch: bool) -> list:
         max_batch=8, max_tokens=64, max_context=256, batch_buckets=(8,), token_buckets=(64,),
         cache_dir=None,
     )  # fmt: skip
-    with switches_set({(linear, "NORMS_IN_LAUNCH"): norms_in_launch}):
+    switches = {
+        (linear, "NORMS_IN_LAUNCH"): norms_in_launch,
+        (norm_layer, "FOLD_NORM_WEIGHTS"): fold,
+    }
+    with switches_set(switches):
         engine = Engine(model, ByteTokenizer(), engine_config, progress=False)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, 256, n).tolist() for n in PROMPT_LENGTHS]
@@ -75,8 +88,9 @@ def _teacher_forced_distances(runs: list[list], oracle: list) -> np.ndarray:
 
 
 def test_decode_with_the_norms_in_the_launch_is_as_close_to_float32_as_the_formed_norms():
-    oracle = _generate("float32", norms_in_launch=False)
-    launch, formed = _generate("bfloat16", True), _generate("bfloat16", False)
+    oracle = _generate("float32", norms_in_launch=False, fold=False)
+    launch = _generate("bfloat16", norms_in_launch=True, fold=True)  # the defaults
+    formed = _generate("bfloat16", norms_in_launch=False, fold=False)
     distances = _teacher_forced_distances([launch, formed], oracle)
     # The prompt's step and at least one decode step per request on average.
     assert len(distances) >= 2 * len(PROMPT_LENGTHS)
