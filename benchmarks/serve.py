@@ -73,7 +73,7 @@ from hybrid_jax.layers import linear as linear_layer  # noqa: E402
 from hybrid_jax.layers import moe as moe_layer  # noqa: E402
 from hybrid_jax.layers import norm as norm_layer  # noqa: E402
 from hybrid_jax.metadata import MIN_BATCH_BUCKET  # noqa: E402
-from hybrid_jax.models.layer_scan import scan_layers  # noqa: E402
+from hybrid_jax.models.layer_scan import fold_scanned_norms, scan_layers  # noqa: E402
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
 from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig  # noqa: E402
 from pallas_kernels import _skinny  # noqa: E402
@@ -589,10 +589,9 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     parser.add_argument(
         "--no-fold-norm-weights", action="store_true",
-        help="engines leave each decoder layer's norm weights with the norm "
-        "(layers.norm.FOLD_NORM_WEIGHTS = False): the layers are stacked, and folded by the "
-        "first engine, once for every row of a run, so this is a run's setting, not a trial "
-        "switch",
+        help="leave each decoder layer's norm weights with the norm "
+        "(layers.norm.FOLD_NORM_WEIGHTS = False): the layers are stacked, and folded, once "
+        "for every row of a run, so this is a run's setting, not a trial switch",
     )  # fmt: skip
     parser.add_argument(
         "--each-switch", default="",
@@ -653,8 +652,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     model = (NemotronH if isinstance(c, NemotronHConfig) else Qwen3Next)(c, rngs=nnx.Rngs(0))
     if not args.unrolled:
-        # Stacked once for every row's engine (each would otherwise stack its own copy).
+        # Stacked once for every row's engine (each would otherwise stack its own copy), and
+        # folded here: an engine folds only the layers it stacks itself.
         model = scan_layers(model, donate=True)
+        if not args.no_fold_norm_weights:
+            fold_scanned_norms(model)
     jax.block_until_ready(nnx.state(model))
     print(
         f"built {args.preset} x{c.num_hidden_layers} in {time.perf_counter() - start:.0f} s",

@@ -250,3 +250,16 @@ def test_engine_on_a_scanned_model_serves_the_greedy_tokens_of_the_layer_by_laye
     assert first.is_deleted() and isinstance(engine.model.layers[0], ScannedRun)
     (result,) = engine.generate([prompt], SamplingParams(max_new_tokens=4))
     assert result.token_ids == want
+
+
+def test_an_engine_folds_the_layers_it_stacks_and_leaves_a_scanned_model_alone():
+    config = EngineConfig(
+        max_batch=1, max_tokens=16, max_context=24, page_size=parity.PAGE, cache_dir=None,
+        impl="reference", overlap=False,
+    )  # fmt: skip
+    own = Engine(qwen3_next(2), ByteTokenizer(), config, progress=False, donate_weights=True)
+    assert own.model.layers[0].blocks[0].input_layernorm.folded
+    scanned = scan_layers(qwen3_next(2))
+    Engine(scanned, ByteTokenizer(), config, progress=False)
+    block = scanned.layers[0].blocks[0]
+    assert not block.input_layernorm.folded and not block.post_attention_layernorm.folded

@@ -181,9 +181,12 @@ class Engine(SpeculativeServing):
         if config.scan_layers:
             # A copy made here for the mesh is the engine's own to donate.
             own = donate_weights or step_model is not model
-            step_model = scan_layers(step_model, donate=own)
-            if norm_layer.FOLD_NORM_WEIGHTS:
-                fold_scanned_norms(step_model)
+            scanned = scan_layers(step_model, donate=own)
+            if norm_layer.FOLD_NORM_WEIGHTS and scanned is not step_model:
+                # Only layers stacked here are the engine's to fold: a model scanned before
+                # it came keeps its weights.
+                fold_scanned_norms(scanned)
+            step_model = scanned
         self.model = step_model if donate_weights else model
         self.tokenizer = tokenizer
         self.config = config
