@@ -687,6 +687,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if not getattr(c, "num_experts", 0):
             label = "dense"
+        if args.no_fold_norm_weights:
+            label += ", norm weights not folded"
         for trial in [None, *each]:
             trial_settings = dict(variant_settings)
             if trial is not None:

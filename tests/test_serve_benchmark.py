@@ -154,3 +154,24 @@ def test_decode_roofline_is_the_byte_limit_until_the_rows_make_products_flop_bou
     rows = presets.row_bytes(config, 256, 64) / bandwidth
     params = (presets.decode_bytes(config, 256, 64) - presets.row_bytes(config, 256, 64)) / 2
     assert roof == pytest.approx(rows + 2 * 256 * params / flops)
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-fold-norm-weights"]], ids=["folded", "not-folded"])
+def test_the_rows_model_is_folded_once_unless_the_run_says_not(serve, tmp_path, monkeypatch, flag):
+    """The layers stacked once for every row are folded there (``--no-fold-norm-weights``
+    leaves them, and says so in the rows' label)."""
+    from hybrid_jax.models.layer_scan import ScannedRun
+
+    seen = []
+
+    def recording(model, c, args, rng, label):
+        runs = [layer for layer in model.layers if isinstance(layer, ScannedRun)]
+        seen.append((label, {block.input_layernorm.folded for run in runs for block in run.blocks}))
+        return []
+
+    monkeypatch.setattr(serve, "variant_rows", recording)
+    monkeypatch.setattr(serve, "_plot", lambda path, rows: None)  # no rows to plot
+    assert serve.main(["--smoke", "--compile-only", "--out", str(tmp_path), *flag]) == 0
+    (label, folded), *_ = seen
+    assert folded == {not flag}
+    assert ("norm weights not folded" in label) is bool(flag)
