@@ -28,7 +28,7 @@ from hybrid_jax.engine.speculative import SpeculativeConfig  # noqa: E402
 from hybrid_jax.kv_cache import init_kv_cache  # noqa: E402
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata  # noqa: E402
 from hybrid_jax.models.auto import load_checkpoint  # noqa: E402
-from hybrid_jax.models.layer_scan import scan_layers  # noqa: E402
+from hybrid_jax.models.layer_scan import fold_scanned_norms, scan_layers  # noqa: E402
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config  # noqa: E402
 from hybrid_jax.models.tokenizer import ByteTokenizer  # noqa: E402
@@ -46,6 +46,12 @@ QWEN = dataclasses.replace(
     linear_num_key_heads=4, linear_num_value_heads=8, num_experts=8, num_nextn_predict_layers=0,
 )  # fmt: skip
 QWEN_MTP = dataclasses.replace(QWEN, num_nextn_predict_layers=1)
+# Two repeats of a block of MoE layers: scanned, and folded (``fold_scanned_norms``).
+QWEN_REPEATED = dataclasses.replace(
+    QWEN, num_hidden_layers=8, mlp_only_layers=(),
+    layer_types=("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3
+    + ("full_attention",),
+)  # fmt: skip
 # Mamba2 4 heads in 4 groups, attention 4 query / 4 KV heads, a latent MoE of 4 experts with a
 # shared expert, biases on every projection that has one (the row-cut ones are added once).
 NEMOTRON = NemotronHConfig(
@@ -68,12 +74,17 @@ def _randomised(model: nnx.Module, seed: int) -> nnx.Module:
     return model
 
 
-def _steps(model: nnx.Module, tp: int) -> tuple[list[np.ndarray], np.ndarray, str]:
+def _steps(
+    model: nnx.Module, tp: int, fold: bool = False
+) -> tuple[list[np.ndarray], np.ndarray, str]:
     """Logits of an EXTEND step (two prompts) then a DECODE step, the states after them and
-    the compiled DECODE step's HLO, with the model cut over ``tp`` devices."""
+    the compiled DECODE step's HLO, with the model cut over ``tp`` devices (its scanned
+    layers' norm weights folded into their products with ``fold``)."""
     mesh = parallel.make_mesh(tp)
     sharded = parallel.shard_model(model, mesh) if tp > 1 else model
     sharded = scan_layers(sharded)
+    if fold:
+        fold_scanned_norms(sharded)
     pool = init_state_pool(sharded.state_specs(), SLOTS)
     kv = init_kv_cache(sharded.kv_specs(), PAGES, PAGE)
     if tp > 1:
@@ -111,13 +122,14 @@ def _collectives(hlo: str) -> dict:
 
 def forward_checks() -> dict:
     result = {}
-    for name, model in (
-        ("qwen", _randomised(Qwen3Next(QWEN, rngs=nnx.Rngs(0)), 1)),
-        ("nemotron", _randomised(NemotronH(NEMOTRON, rngs=nnx.Rngs(0)), 2)),
+    for name, model, fold in (
+        ("qwen", _randomised(Qwen3Next(QWEN, rngs=nnx.Rngs(0)), 1), False),
+        ("nemotron", _randomised(NemotronH(NEMOTRON, rngs=nnx.Rngs(0)), 2), False),
+        ("qwen_folded", _randomised(Qwen3Next(QWEN_REPEATED, rngs=nnx.Rngs(0)), 3), True),
     ):
-        want, states, _ = _steps(model, 1)
+        want, states, _ = _steps(model, 1, fold)
         for tp in (2, 4):
-            got, got_states, hlo = _steps(model, tp)
+            got, got_states, hlo = _steps(model, tp, fold)
             result[f"{name}_tp{tp}"] = {
                 "logits_rel": [_rel(g, w) for g, w in zip(got, want, strict=True)],
                 "states_rel": _rel(got_states, states),

@@ -42,6 +42,16 @@ def test_a_model_cut_over_devices_computes_what_one_device_does(seen, model, tp)
     assert got["all_gather_shapes"] == []
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_scanned_layers_with_their_norms_folded_compute_across_devices_what_one_does(seen, tp):
+    """Two repeats of a block of MoE layers, scanned and their norm weights folded into the
+    products (the shared gate widened), cut over devices: what one device computes, and the
+    pools and caches never gathered."""
+    got = seen[f"qwen_folded_tp{tp}"]
+    assert max(got["logits_rel"]) < 1e-5 and got["states_rel"] < 1e-5
+    assert got["all_gather_shapes"] == []
+
+
 def test_an_engine_cut_over_devices_serves_the_tokens_of_one_device(seen):
     want = seen["tp1"]["tokens"]
     assert len(want) == 2 and all(len(t) == 8 for t in want)
