@@ -9,8 +9,9 @@ products; any other reader forms the norm's output (``NormedRows.value``).
 A norm whose readers are all products can also hand its weight to them
 (``ZeroCenteredRMSNorm.fold_into``: ``x / rms(x) * (1 + w) @ W == x / rms(x) @ ((1 + w) W)``).
 Its launch then reads the residual stream itself, and the square sums are all that is left of
-the norm: a reduction XLA forms in the residual add's kernel, where the weighted rows, an
-output of the same shape as its input, kept the add out of it.
+the norm: a reduction XLA can form in the kernel of the residual add before it (it does after
+a decoder layer's mixer), where the weighted rows, an output of the same shape as its input,
+kept the add out of it.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ __all__ = ["FOLD_NORM_WEIGHTS", "GatedRMSNorm", "NormedRows", "ZeroCenteredRMSNo
 
 FOLD_NORM_WEIGHTS = True
 """Whether an engine folds each decoder layer's norm weights into the products that read the
-norm (``ZeroCenteredRMSNorm.fold_into``, on its own stacked copy of the layers): one XLA
-kernel fewer per norm a step on the H200 (``benchmarks/RESULTS_serve.md``). Read when an
-engine is built."""
+norm (``ZeroCenteredRMSNorm.fold_into``, on its own stacked copy of the layers): the residual
+add after each mixer and the next norm's square sums are then one XLA kernel on the H200 (one
+kernel fewer per layer a step: ``benchmarks/RESULTS_serve.md``). Read when an engine is
+built."""
 
 
 def _normalize(x: jax.Array, eps: float) -> jax.Array:
