@@ -71,7 +71,6 @@ from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa
 from hybrid_jax.layers import gdn as gdn_layer  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
 from hybrid_jax.layers import moe as moe_layer  # noqa: E402
-from hybrid_jax.layers import norm as norm_layer  # noqa: E402
 from hybrid_jax.metadata import MIN_BATCH_BUCKET  # noqa: E402
 from hybrid_jax.models.layer_scan import fold_scanned_norms, scan_layers  # noqa: E402
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
@@ -635,8 +634,6 @@ def main(argv: list[str] | None = None) -> int:
             f"--each-switch {args.each_switch!r}: {unknown} are not trial switches "
             f"({', '.join(sorted(f[2:] for f in TRIAL_SWITCHES))})"
         )
-    if args.no_fold_norm_weights:
-        settings[norm_layer, "FOLD_NORM_WEIGHTS"] = False
     if args.projection_rows is not None:
         settings[linear_layer, "FEW_ROWS"] = args.projection_rows
     if args.ranked_top_k_tokens is not None:

@@ -52,7 +52,6 @@ _SWITCHES = {
         "SPLIT_OUTPUT_PROJECTIONS",
     ),
     "hybrid_jax.layers.gdn": ("NORM_IN_DECODE_KERNEL",),
-    "hybrid_jax.layers.norm": ("FOLD_NORM_WEIGHTS",),
     "hybrid_jax.layers.moe": (
         "BY_ID_MAX_PAIRS",
         "HIDDEN_IN_EXPERT_LAUNCH",
