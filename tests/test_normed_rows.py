@@ -130,3 +130,16 @@ def test_a_moe_block_with_its_norm_folded_in_matches_the_formed_norm():
     assert moe._shared_gate_in_launch() and moe._runs_by_id(deferred, "interpret")
     assert _rel(run(deferred, "interpret"), before) < 2e-2
     assert _rel(run(norm(x), "reference"), before) < 2e-2
+
+
+def test_a_fold_into_a_weight_of_another_width_is_refused_and_changes_nothing():
+    norm = _norm(13)
+    weight = norm.weight.get_value()
+    good = nnx.Param(jnp.ones((HIDDEN, 64), jnp.bfloat16))
+    bad = nnx.Param(jnp.ones((HIDDEN + 1, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"\(257, 64\) is not \[\.\.\., 256, N\]"):
+        norm.fold_into([good, bad])
+    assert not norm.folded
+    chex.assert_trees_all_equal(
+        (norm.weight.get_value(), good.get_value()), (weight, jnp.ones((HIDDEN, 64), jnp.bfloat16))
+    )

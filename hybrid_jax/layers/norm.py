@@ -129,6 +129,13 @@ class ZeroCenteredRMSNorm(nnx.Module):
         if self.folded:
             return
         scale = 1.0 + self.weight[...]
+        for param in readers:  # all checked before any is changed
+            shape = tuple(param.get_value().shape)
+            if len(shape) < scale.ndim + 1 or shape[-2] != scale.shape[-1]:
+                raise ValueError(
+                    f"fold_into: a reader of shape {shape} is not [..., {scale.shape[-1]}, N] "
+                    "(the norm's dim along its second-last axis)"
+                )
         for param in readers:
             param.set_value(_scaled_along_rows(param.get_value(), scale))
         self.weight.set_value(jnp.zeros_like(scale))
