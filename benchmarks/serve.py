@@ -164,11 +164,13 @@ def _category(name: str) -> str:
     return "other fusions"
 
 
-def profile_steps(
-    engine: Engine, steps: int
-) -> tuple[dict[str, float], list[tuple[str, float, float]], float]:
+_Events = list[tuple[str, float, float]]  # (name, start or offset, duration)
+
+
+def profile_steps(engine: Engine, steps: int) -> tuple[dict[str, float], _Events, float, _Events]:
     """Runs ``steps`` engine steps under the profiler; per-step device us by category, every
-    kernel (name, calls per step, us per step; longest first) and the wall us per step."""
+    kernel (name, calls per step, us per step; longest first), the wall us per step and the
+    last step's launches in order (name, us since that step's first start, duration us)."""
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     with tempfile.TemporaryDirectory() as log_dir:
@@ -190,7 +192,18 @@ def profile_steps(
         calls_us[0] += 1 / steps
         calls_us[1] += us
     kernels = sorted(((n, c, us) for n, (c, us) in by_kernel.items()), key=lambda k: -k[2])
-    return by_category, kernels, wall
+    return by_category, kernels, wall, _last_step(events, steps)
+
+
+def _last_step(events: _Events, steps: int) -> _Events:
+    """The launches of the last of ``steps`` equal steps (its share of the sorted events), as
+    (name, us since its first start, duration us): which launch of a layer takes how long,
+    where the kernel table sums a name over all of them."""
+    last = events[len(events) - len(events) // steps :]
+    if not last:
+        return []
+    first = last[0][1]
+    return [(name, (start - first) / 1e3, duration / 1e3) for name, start, duration in last]
 
 
 def _breakdown(engine: Engine, steps: int, table: pathlib.Path | None = None) -> str:
@@ -199,10 +212,14 @@ def _breakdown(engine: Engine, steps: int, table: pathlib.Path | None = None) ->
     ``steps == 0``: no breakdown (no profiled steps)."""
     if jax.default_backend() != "gpu" or steps == 0:
         return ""
-    categories, kernels, wall_us = profile_steps(engine, steps)
+    categories, kernels, wall_us, sequence = profile_steps(engine, steps)
     if table is not None:
         lines = [f"{us:.1f}\t{calls:g}\t{name}" for name, calls, us in kernels]
         table.write_text("us_per_step\tcalls_per_step\tkernel\n" + "\n".join(lines) + "\n")
+        lines = [f"{at:.2f}\t{us:.2f}\t{name}" for name, at, us in sequence]
+        table.with_suffix(".sequence.tsv").write_text(
+            "start_us\tus\tkernel\n" + "\n".join(lines) + "\n"
+        )
     top = [(name, us) for name, _, us in kernels[:12]]
     busy = sum(categories.values())
     ranked = sorted(categories.items(), key=lambda kv: -kv[1])
@@ -549,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-profile", action="store_true", help="cProfile decode steps")
     parser.add_argument(
         "--kernel-tables", action="store_true",
-        help="write each row's kernels (calls and us per step) to --out as kernels_*.tsv",
+        help="write each row's kernels (calls and us per step) to --out as kernels_*.tsv, and "
+        "its last profiled step's launches in order as kernels_*.sequence.tsv",
     )  # fmt: skip
     parser.add_argument(
         "--hlo", action="store_true",
