@@ -32,6 +32,7 @@ import itertools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.modes import (
@@ -387,8 +388,12 @@ class ForwardMetadata:
     def at_linear_layer(self, layer: jax.Array | int, num_slots: int) -> ForwardMetadata:
         """The metadata of linear layer ``layer`` (an int, or traced inside a scan over
         layers): its slots are rows ``layer * num_slots + slot`` of the flat ``[L*S, ...]``
-        pool (``state_pool.StatePool``)."""
-        return dataclasses.replace(self, state_indices=self.state_indices + layer * num_slots)
+        pool (``state_pool.StatePool``). A padded row keeps index 0: every kernel and
+        reference skips the flat pool's row 0 (layer 0's pad slot), where a shifted pad slot
+        would be read and written like a real row's."""
+        indices = jnp.asarray(self.state_indices)
+        shifted = jnp.where(indices == 0, 0, indices + layer * num_slots)
+        return dataclasses.replace(self, state_indices=shifted.astype(indices.dtype))
 
     def at_attention_layer(self, layer: jax.Array | int, num_pages: int) -> ForwardMetadata:
         """The metadata of full-attention layer ``layer``: its pages are pages ``layer *

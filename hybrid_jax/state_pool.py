@@ -6,8 +6,8 @@ one array for all layers: ``conv`` is ``[L, S, C, W-1]`` (activations' dtype, ol
 first on the last axis) and ``ssm`` is ``[L, S, *ssm_shape]`` (float32), so a forward that scans
 over its layers carries one array and each layer's kernel reads the flat ``[L*S, ...]`` view
 at rows ``l*S + slot`` (``ForwardMetadata.at_linear_layer``). Slot 0 of every layer is its pad
-slot: padded rows read and write it, nothing real is ever read from it, so it is never handed
-out. Which request owns
+slot, never handed out; a padded row reads index 0 of the flat pool in every layer, which
+every op skips (its outputs are zeros and it writes nothing). Which request owns
 which slot is host-side bookkeeping (``SlotAllocator``) and never enters jitted code.
 """
 
