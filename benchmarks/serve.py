@@ -68,6 +68,7 @@ from serve_presets import (  # noqa: E402
 from switches import switches_set  # noqa: E402
 
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa: E402
+from hybrid_jax.backend import attention as attention_backend  # noqa: E402
 from hybrid_jax.layers import gdn as gdn_layer  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
 from hybrid_jax.layers import moe as moe_layer  # noqa: E402
@@ -82,6 +83,11 @@ _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
 # attribute, the value the flag sets, what that does). A run sets those it is given and
 # restores them at the end.
 TRIAL_SWITCHES = {
+    "--no-rows-in-kernel": (
+        attention_backend, "ROWS_IN_KERNEL", False,
+        "a decode step's attention rows (q/k norms, rotary, page writes) formed by XLA's "
+        "fusions and scatters, not in one launch",
+    ),
     "--shared-down-with-experts": (
         moe_layer, "SHARED_DOWN_WITH_EXPERTS", True,
         "a MoE block whose experts run by id takes the shared expert's down product in the "

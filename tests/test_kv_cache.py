@@ -517,3 +517,47 @@ def test_sparse_moe_computes_the_experts_of_real_tokens_only():
     shared = jax.nn.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
     np.testing.assert_allclose(np.asarray(got[3:]), np.asarray(shared[3:]), rtol=1e-6, atol=1e-6)
     assert np.abs(np.asarray(got[3:] - moe(x)[3:])).max() > 1e-3  # the routed part is gone
+
+
+def test_decode_rows_kernel_writes_what_the_layer_writes_in_jnp():
+    """A gated attention layer with q/k norms and a half-turned head (bf16, 8 query / 2 KV
+    heads of 64): its DECODE step under ``impl="interpret"`` forms the norms, the rotary and
+    the page writes in the rows kernel (``decode_rows``) and agrees with ``reference``; the
+    pages are NaN wherever neither wrote. Other layouts and ``reference`` keep jnp."""
+    from hybrid_jax.layers.attention import Attention, AttentionConfig
+
+    config = AttentionConfig(64, 8, 2, 64, partial_rotary_factor=0.5, dtype="bfloat16")
+    layer = Attention(config, rngs=nnx.Rngs(3))
+    rng = np.random.default_rng(4)
+    for norm in (layer.q_norm, layer.k_norm):
+        norm.weight.set_value(jnp.asarray(0.3 * rng.standard_normal(64), jnp.float32))
+    policy = BucketPolicy(batch_buckets=(4,), token_buckets=(4,), page_size=16, max_context=64)
+    rows = [RowSpec(1, 40, 1, (3, 7, 1)), RowSpec(2, 12, 1, (9,)), RowSpec(3, 0, 1, (5,))]
+    meta, _, _, _, k_pages, v_pages = _bf16_step(M.DECODE, rows, policy, num_pages=12)
+    x = jnp.asarray(rng.standard_normal((meta.num_tokens, 64)), jnp.bfloat16)
+    q = jnp.zeros((4, 8, 128), jnp.bfloat16)
+    kv = jnp.zeros((4, 2, 64), jnp.bfloat16)
+    options = dict(q_scale=None, k_scale=None, eps=1e-6, rotary_dim=32, theta=1e4)
+    assert attention_backend.decode_rows(q, kv, kv, k_pages, v_pages, meta, **options,
+                                         impl="reference") is None  # fmt: skip
+    assert attention_backend.decode_rows(q, kv, kv, k_pages, v_pages, meta, **options,
+                                         impl="interpret") is not None  # fmt: skip
+    extend = build_metadata(M.EXTEND, [RowSpec(1, 0, 4, (3,))], policy, num_slots=4,
+                            num_pages=12)  # fmt: skip
+    assert attention_backend.decode_rows(q, kv, kv, k_pages, v_pages, extend, **options,
+                                         impl="interpret") is None  # fmt: skip
+    step = jax.jit(lambda impl, *a: layer(*a, impl=impl), static_argnums=0)
+    got = step("interpret", x, k_pages, v_pages, meta)
+    want = step("reference", x, k_pages, v_pages, meta)
+    assert np.linalg.norm(np.asarray(got.y, np.float32) - np.asarray(want.y, np.float32)) < (
+        2e-2 * np.linalg.norm(np.asarray(want.y, np.float32))
+    )
+    for a, b in ((got.k_pages, want.k_pages), (got.v_pages, want.v_pages)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_array_equal(np.isnan(a[1:]), np.isnan(b[1:]))  # page 0: the pad page
+        live = ~np.isnan(b[1:])
+        np.testing.assert_allclose(a[1:][live], b[1:][live], rtol=2e-2, atol=2e-2)
+    for row in rows:  # the step's own entry, written by both
+        p = row.prefix_len
+        entry = np.asarray(got.k_pages[row.pages[p // 16], p % 16], np.float32)
+        assert np.isfinite(entry).all()

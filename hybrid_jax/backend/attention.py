@@ -47,8 +47,14 @@ from hybrid_jax.modes import LayerKind, TokenLayout, check_supported
 from pallas_kernels import attention as attention_kernels
 from pallas_kernels import resolve_impl
 from pallas_kernels.attention import paged_decode
+from pallas_kernels.attention import rows as attention_rows
 
-__all__ = ["paged_attention", "tree_ancestors", "write_pages"]
+__all__ = ["ROWS_IN_KERNEL", "decode_rows", "paged_attention", "tree_ancestors", "write_pages"]
+
+ROWS_IN_KERNEL = True
+"""Whether a DECODE step forms its attention rows in one launch (``decode_rows``: the q/k
+norms, the rotary and both page writes) where the kernel takes the step, instead of XLA's
+fusions and scatters (seven kernels a layer on the H200: ``benchmarks/RESULTS_serve.md``)."""
 
 # Tree-draft tokens attended per vectorised batch: bounds their gathered keys to
 # TOKEN_BLOCK x (max_pages * page_size) x KVH x head_dim.
@@ -391,6 +397,43 @@ def _tree_tokens_attention(
     return jax.lax.map(attend, args, batch_size=TOKEN_BLOCK)
 
 
+def decode_rows(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    meta: ForwardMetadata,
+    *,
+    q_scale: jax.Array | None,
+    k_scale: jax.Array | None,
+    eps: float,
+    rotary_dim: int,
+    theta: float,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """A DECODE step's query and key norms, rotary and page writes in one launch
+    (``pallas_kernels.attention.rows``) where ``impl`` takes that kernel for the step:
+    ``(q [T, H, hd], k_pages, v_pages)`` with the step's keys and values written (then
+    ``paged_attention(..., written=True)``). None where the caller forms them in jnp: other
+    layouts, ``reference``, or a step the kernel cannot take (``pallas`` raises there).
+
+    q: ``[T, H, W]``, a head's query in its first ``hd`` features; k, v ``[T, KVH, hd]``;
+    ``q_scale`` / ``k_scale``: the norms' float32 ``[hd]`` scales, None for no norms."""
+    one_per_row = meta.token_layout is TokenLayout.ONE_PER_ROW and not meta.tree
+    empty = q.shape[0] == 0 or meta.pages.max_pages == 0
+    if not ROWS_IN_KERNEL or impl == "reference" or not one_per_row or empty:
+        return None
+    choice = _paged_choice(impl, attention_rows.unsupported_reason(q, k, k_pages, rotary_dim))
+    if choice is None:
+        return None
+    return attention_rows.attention_rows(
+        q, k, v, k_pages, v_pages, jnp.asarray(meta.pages.table),
+        jnp.asarray(meta.positions).astype(jnp.int32), q_scale=q_scale, k_scale=k_scale,
+        eps=eps, rotary_dim=rotary_dim, theta=theta, impl=choice,
+    )  # fmt: skip
+
+
 def paged_attention(
     q: jax.Array,
     k: jax.Array,
@@ -401,8 +444,10 @@ def paged_attention(
     *,
     scale: float,
     impl: str = "auto",
+    written: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Writes this step's keys and values, then causal grouped-query attention per row.
+    """Writes this step's keys and values (unless ``written``: ``decode_rows`` did), then
+    causal grouped-query attention per row.
 
     q: ``[T, H, hd]``; k, v: ``[T, KVH, hd]`` with ``H % KVH == 0`` (query head h reads key
     head ``h // (H // KVH)``); k_pages, v_pages: ``[P, page_size, KVH, hd]``. Returns
@@ -429,8 +474,9 @@ def paged_attention(
     token_pages = _token_pages(meta)
     tree = _tree_tokens(meta) if meta.tree else None
     store = None if tree is None else tree.store
-    k_pages = write_pages(k_pages, k, meta, token_pages, store)
-    v_pages = write_pages(v_pages, v, meta, token_pages, store)
+    if not written:
+        k_pages = write_pages(k_pages, k, meta, token_pages, store)
+        v_pages = write_pages(v_pages, v, meta, token_pages, store)
 
     k_flat = k_pages.reshape(-1, num_kv_heads, head_dim)
     v_flat = v_pages.reshape(-1, num_kv_heads, head_dim)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_jax.backend.attention import paged_attention
+from hybrid_jax.backend.attention import decode_rows, paged_attention
 from hybrid_jax.kv_cache import KVCacheSpec
 from hybrid_jax.layers.linear import project, project_output
 from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
@@ -141,17 +141,29 @@ class Attention(nnx.Module):
         t = x.shape[0]  # explicit sizes: t == 0 when IDLE
         q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], impl=impl)
         q = q.reshape(t, c.num_heads, (1 + c.gated) * c.head_dim)
-        q, gate = q[..., : c.head_dim], q[..., c.head_dim :]  # gate: [T, H, 0] when not gated
+        gate = q[..., c.head_dim :]  # [T, H, 0] when not gated
         k = k.reshape(t, c.num_kv_heads, c.head_dim)
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if c.rotary_dim:
-            q = apply_rotary(q, meta.positions, c.rotary_dim, c.rope_theta)
-            k = apply_rotary(k, meta.positions, c.rotary_dim, c.rope_theta)
+        scales = (self.q_norm.scale(), self.k_norm.scale()) if c.qk_norm else (None, None)
+        rows = None
+        if all(s is not None for s in scales) or not c.qk_norm:  # folded norms: jnp
+            rows = decode_rows(
+                q, k, v, k_pages, v_pages, meta, q_scale=scales[0], k_scale=scales[1],
+                eps=c.rms_norm_eps, rotary_dim=c.rotary_dim, theta=c.rope_theta, impl=impl,
+            )  # fmt: skip
+        if rows is None:
+            q = q[..., : c.head_dim]
+            if c.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if c.rotary_dim:
+                q = apply_rotary(q, meta.positions, c.rotary_dim, c.rope_theta)
+                k = apply_rotary(k, meta.positions, c.rotary_dim, c.rope_theta)
+        else:
+            q, k_pages, v_pages = rows
         out, k_pages, v_pages = paged_attention(
-            q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5, impl=impl
-        )
+            q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5, impl=impl,
+            written=rows is not None,
+        )  # fmt: skip
         if c.gated:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         out = out.reshape(t, c.num_heads * c.head_dim)

@@ -115,9 +115,14 @@ class ZeroCenteredRMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.deferred(x).value()
 
+    def scale(self) -> jax.Array | None:
+        """float32 ``[dim]``: what the normalised rows are multiplied by, ``1 + weight``;
+        None once the weight is folded into the norm's readers."""
+        return None if self.folded else 1.0 + self.weight[...]
+
     def deferred(self, x: jax.Array) -> NormedRows:
         """The norm of ``x`` ``[T, dim]``, left for its products to form (``NormedRows``)."""
-        return NormedRows(x, None if self.folded else 1.0 + self.weight[...], self.eps)
+        return NormedRows(x, self.scale(), self.eps)
 
     def fold_into(self, readers: Sequence[nnx.Param]) -> None:
         """Multiply ``1 + weight`` into the weights of every product that reads this norm

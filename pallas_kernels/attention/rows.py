@@ -1,0 +1,288 @@
+"""attention_rows: what a decode step does to its new query, key and value rows before
+attention reads them, in one launch: the q and k heads RMS-normed (each norm's float32
+scale, a zero-centred norm's ``1 + weight``), the first ``rotary_dim`` features of every head
+turned by the row's position (GPT-NeoX halves: feature i < rotary_dim / 2 pairs with
+i + rotary_dim / 2), the keys and values written into the row's page at that position, and
+the queries returned. In XLA these are a fusion per norm, a slice, a concatenation and a
+scatter per cache: seven kernels of a few microseconds each at a decode step's few rows.
+
+Row ``n`` is one token at ``positions[n]``: its key and value go to page
+``page_table[n, p // page_size]``, offset ``p % page_size`` (a padded row's table and
+position name its pad page). ``q`` ``[N, H, W]`` holds a head's query in its first ``D``
+features (``W > D``: Qwen3-Next's query then output gate, which is left where it is).
+
+The Mosaic GPU kernel (sm_90): one program per row. A head is read as ``D / P`` column
+pieces of ``P`` features (``P = rotary_dim / 2``, or 32 without rotary), each a contiguous
+SMEM tile ``[rows, P]`` that one TMA fills, so the rotary's two halves are two tiles and
+every array of the program shares one register layout (no exchange between lanes). The
+square sums add the pieces' row sums; the norm's roundings follow the reference (normed rows
+rounded to the activations' dtype before the rotation).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import interpret_params, resolve_impl, round_up
+
+__all__ = ["attention_rows", "attention_rows_reference", "unsupported_reason"]
+
+_OP = "attention_rows"
+_HEAD_DIMS = (64, 128, 256)
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_PIECE = 32  # features of a piece when the layer turns none
+_VEC = 2  # float32 values a thread holds side by side along a piece
+_REDUCTION_SCRATCH = 128 * 4 * 4  # SMEM bytes of the square sums' cross-warp reduction
+_F32 = jnp.float32
+
+
+def _piece(head_dim: int, rotary_dim: int) -> int:
+    return rotary_dim // 2 if rotary_dim else min(_PIECE, head_dim)
+
+
+def unsupported_reason(
+    q: jax.Array, k: jax.Array, k_pages: jax.Array, rotary_dim: int
+) -> str | None:
+    """Why the kernel cannot take this call (shapes and dtypes only), or None when it can."""
+    heads, head_dim = q.shape[1], k.shape[-1]
+    piece = _piece(head_dim, rotary_dim)
+    if head_dim not in _HEAD_DIMS:
+        return f"head_dim={head_dim} is not one of {_HEAD_DIMS}"
+    if piece % (4 * _VEC) or head_dim % piece or piece > 64:
+        return (
+            f"rotary_dim={rotary_dim}: its half ({piece}) must divide head_dim={head_dim}, be "
+            f"a multiple of {4 * _VEC} and at most 64"
+        )
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or k_pages.dtype != q.dtype:
+        return (
+            f"q, k and the pages must share a 16-bit float dtype (got {q.dtype}, {k.dtype}, "
+            f"{k_pages.dtype})"
+        )
+    if heads > 64:
+        return f"H={heads} query heads are over 64"
+    return None
+
+
+def _check(q, k, v, k_pages, v_pages, page_table, positions, q_scale, k_scale, rotary_dim):
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape or q.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"{_OP}: q must be [N, H, W] and k, v [N, KVH, D] with one N; got {q.shape}, "
+            f"{k.shape}, {v.shape}"
+        )
+    rows, kv_heads, head_dim = k.shape
+    if q.shape[2] < head_dim or q.shape[1] % kv_heads:
+        raise ValueError(
+            f"{_OP}: q {q.shape} must hold H (a multiple of KVH={kv_heads}) heads of at least "
+            f"D={head_dim} features"
+        )
+    if (
+        k_pages.ndim != 4
+        or v_pages.shape != k_pages.shape
+        or k_pages.shape[2:] != (kv_heads, head_dim)
+    ):
+        raise ValueError(
+            f"{_OP}: k_pages and v_pages must both be [P, page_size, {kv_heads}, {head_dim}]; "
+            f"got {k_pages.shape}, {v_pages.shape}"
+        )
+    if page_table.ndim != 2 or page_table.shape[0] != rows or page_table.dtype != jnp.int32:
+        raise ValueError(
+            f"{_OP}: page_table must be int32 [N={rows}, max_pages]; got {page_table.dtype} "
+            f"{page_table.shape}"
+        )
+    if positions.shape != (rows,) or positions.dtype != jnp.int32:
+        raise ValueError(
+            f"{_OP}: positions must be int32 [N={rows}]; got {positions.dtype} {positions.shape}"
+        )
+    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if scale is not None and scale.shape != (head_dim,):
+            raise ValueError(f"{_OP}: {name} {scale.shape} must be [D] = [{head_dim}]")
+    if (q_scale is None) != (k_scale is None):
+        raise ValueError(f"{_OP}: q_scale and k_scale come together (both norms) or not at all")
+    if rotary_dim % 2 or not 0 <= rotary_dim <= head_dim:
+        raise ValueError(f"{_OP}: rotary_dim={rotary_dim} must be even and in 0..{head_dim}")
+
+
+def inverse_frequencies(rotary_dim: int, theta: float) -> jax.Array:
+    """float32 ``[rotary_dim / 2]``: ``theta ** (-2 i / rotary_dim)``."""
+    return 1.0 / theta ** (jnp.arange(0, rotary_dim, 2, dtype=_F32) / rotary_dim)
+
+
+def attention_rows_reference(q, k, v, k_pages, v_pages, page_table, positions, *, q_scale,
+                             k_scale, eps: float, rotary_dim: int, theta: float):  # fmt: skip
+    """jnp ``attention_rows``: the norms (float32, rounded to the rows' dtype), then the
+    rotation in that dtype (cos and sin rounded to it), then the writes."""
+    head_dim = k.shape[-1]
+
+    def norm(x, scale):
+        if scale is None:
+            return x
+        x32 = x.astype(_F32)
+        x32 = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        return (x32 * scale).astype(x.dtype)
+
+    def rotate(x):
+        if not rotary_dim:
+            return x
+        half = rotary_dim // 2
+        angles = positions.astype(_F32)[:, None] * inverse_frequencies(rotary_dim, theta)
+        angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
+        cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        turned = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+        return jnp.concatenate([rot * cos + turned * sin, rest], axis=-1)
+
+    q_out = rotate(norm(q[..., :head_dim], q_scale))
+    k_new = rotate(norm(k, k_scale))
+    size, max_pages = k_pages.shape[1], page_table.shape[1]
+    slot = jnp.minimum(positions // size, max_pages - 1)
+    page = jnp.take_along_axis(page_table, slot[:, None], axis=1)[:, 0]
+    flat = page * size + positions % size
+
+    def write(pages, new):
+        rows = pages.reshape(-1, *pages.shape[2:]).at[flat].set(new.astype(pages.dtype))
+        return rows.reshape(pages.shape)
+
+    return q_out, write(k_pages, k_new), write(v_pages, v)
+
+
+def attention_rows(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    positions: jax.Array,
+    *,
+    q_scale: jax.Array | None,
+    k_scale: jax.Array | None,
+    eps: float,
+    rotary_dim: int,
+    theta: float,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns ``(q_out [N, H, D], k_pages, v_pages)``: q's and k's heads normed (with
+    ``q_scale`` / ``k_scale`` float32 ``[D]``; None for both: no norms) and turned, k and v
+    written at each row's position (module docstring). Under ``jit`` with the pages donated
+    the kernel writes them in place."""
+    _check(q, k, v, k_pages, v_pages, page_table, positions, q_scale, k_scale, rotary_dim)
+    impl = resolve_impl(_OP, impl, unsupported_reason(q, k, k_pages, rotary_dim))
+    options = dict(q_scale=q_scale, k_scale=k_scale, eps=eps, rotary_dim=rotary_dim, theta=theta)
+    if impl == "reference":
+        return attention_rows_reference(q, k, v, k_pages, v_pages, page_table, positions, **options)
+    head_dim = k.shape[-1]
+    piece = _piece(head_dim, rotary_dim)
+    pieces = head_dim // piece
+    normed = q_scale is not None
+    scales = [s.astype(_F32).reshape(pieces, piece) for s in (q_scale, k_scale) if s is not None]
+    freqs = inverse_frequencies(rotary_dim, theta) if rotary_dim else jnp.zeros((piece,), _F32)
+    consts = jnp.concatenate([*scales, freqs[None]])  # [2 pieces + 1, piece] or [1, piece]
+    k_ref, v_ref = jax.new_ref(k_pages), jax.new_ref(v_pages)
+    q_out = _kernel(
+        q, k, v, consts, page_table, positions, k_ref, v_ref, piece=piece, normed=normed,
+        eps=float(eps), rotary=bool(rotary_dim), interpret=impl == "interpret",
+    )  # fmt: skip
+    return q_out, jax.freeze(k_ref), jax.freeze(v_ref)
+
+
+def _layouts(piece: int):
+    """(tile ``[rows, piece]``, its row vector, its column vector) register layouts: the
+    piece's columns over the four warps and a few lanes, its rows over the other lanes and
+    registers (``rows`` a multiple of ``row_lanes(piece)``)."""
+    per_warp = piece // 4
+    col_lanes = per_warp // _VEC
+    row_lanes = 32 // col_lanes
+    tiling = plgpu.Tiling(((row_lanes, piece), (row_lanes, per_warp), (_VEC,)))
+    tile = plgpu.Layout.TILED(tiling, warp_dims=(-4,), lane_dims=(-3, -2), vector_dim=-1)
+    return tile, tile.reduce(1), tile.reduce(0)
+
+
+def _row_lanes(piece: int) -> int:
+    return 32 // (piece // 4 // _VEC)
+
+
+def _kernel(q, k, v, consts, page_table, positions, k_pages, v_pages, *, piece, normed, eps,
+            rotary, interpret):  # fmt: skip
+    n_rows, heads = q.shape[:2]
+    kv_heads, head_dim = k.shape[1:]
+    dtype = q.dtype
+    page_size = k_pages.shape[1]
+    max_pages = page_table.shape[1]
+    pieces = head_dim // piece
+    held = {
+        name: round_up(count, _row_lanes(piece)) for name, count in (("q", heads), ("k", kv_heads))
+    }
+    tile, row_vec, col_vec = _layouts(piece)
+
+    def body(q_ref, k_ref, v_ref, consts_ref, table_ref, pos_ref, k_pages_ref, v_pages_ref,
+             out_ref, q_s, k_s, v_s, c_s, bar):  # fmt: skip
+        n = lax.axis_index("n")
+        for j in range(pieces):
+            cols = pl.ds(j * piece, piece)
+            plgpu.copy_gmem_to_smem(q_ref.at[n, :, cols], q_s.at[j, pl.ds(0, heads)], bar)
+            plgpu.copy_gmem_to_smem(k_ref.at[n, :, cols], k_s.at[j, pl.ds(0, kv_heads)], bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[n], v_s, bar)
+        plgpu.copy_gmem_to_smem(consts_ref, c_s, bar)
+        pos = pos_ref[n]
+        page = table_ref[n, jnp.minimum(pos // page_size, max_pages - 1)]
+        offset = pos % page_size
+        plgpu.barrier_wait(bar)
+        if rotary:
+            freqs = plgpu.load(c_s.at[c_s.shape[0] - 1], layout=col_vec)
+            angles = pos.astype(_F32) * freqs
+            cos = jnp.cos(angles).astype(dtype).astype(_F32)
+            sin = jnp.sin(angles).astype(dtype).astype(_F32)
+        for which, (buf, rows) in enumerate(((q_s, held["q"]), (k_s, held["k"]))):
+            shape = (rows, piece)
+            x = [plgpu.load(buf.at[j], layout=tile).astype(_F32) for j in range(pieces)]
+            if normed:
+                squares = functools.reduce(operator.add, [jnp.sum(p * p, axis=1) for p in x])
+                inv = lax.rsqrt(squares * (1.0 / head_dim) + eps)
+                inv = lax.broadcast_in_dim(inv, shape, [0])
+                x = [
+                    (p * inv * lax.broadcast_in_dim(
+                        plgpu.load(c_s.at[which * pieces + j], layout=col_vec), shape, [1]
+                    )).astype(dtype).astype(_F32)
+                    for j, p in enumerate(x)
+                ]  # fmt: skip
+            if rotary:
+                c, s = (lax.broadcast_in_dim(a, shape, [1]) for a in (cos, sin))
+                first, second = x[0], x[1]
+                x[0] = first * c - second * s
+                x[1] = second * c + first * s
+            for j in range(pieces):
+                buf[j] = x[j].astype(dtype)
+        plgpu.commit_smem()
+        for j in range(pieces):
+            cols = pl.ds(j * piece, piece)
+            plgpu.copy_smem_to_gmem(q_s.at[j, pl.ds(0, heads)], out_ref.at[n, :, cols])
+            plgpu.copy_smem_to_gmem(
+                k_s.at[j, pl.ds(0, kv_heads)], k_pages_ref.at[page, offset, :, cols]
+            )
+        plgpu.copy_smem_to_gmem(v_s, v_pages_ref.at[page, offset])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((n_rows, heads, head_dim), dtype),
+        grid=(n_rows,),
+        grid_names=("n",),
+        scratch_types=[
+            plgpu.SMEM((pieces, held["q"], piece), dtype),
+            plgpu.SMEM((pieces, held["k"], piece), dtype),
+            plgpu.SMEM((kv_heads, head_dim), dtype),
+            plgpu.SMEM(consts.shape, _F32),
+            plgpu.Barrier(num_arrivals=2 * pieces + 2),
+        ],
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=_REDUCTION_SCRATCH),
+        interpret=interpret_params(interpret),
+        kernel_name="attention_rows",
+    )
+    return kernel(q, k, v, consts, page_table, positions, k_pages, v_pages)
