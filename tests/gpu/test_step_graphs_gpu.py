@@ -1,0 +1,69 @@
+"""The whole step as CUDA graphs (``STEP_GRAPH_FLAGS``: XLA's command buffers over the layer
+scan's while loop and the kernels that read the stacked weights), a candidate for
+``hybrid_jax.xla_flags.SERVING_XLA_FLAGS`` (benchmarks/RESULTS_serve.md), on the H200: a
+Qwen3-Next model at kernel-sized dimensions gives the same greedy tokens and the same
+log-probabilities, bit for bit, as the same model with no command buffers at all. The same
+kernels run in the same order either way; only how the host launches them differs. XLA reads
+its flags once per process, so each setting runs in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pallas_kernels._common import on_hopper_gpu
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not on_hopper_gpu(), reason="needs an sm_90 GPU"),
+]
+
+STEP_GRAPH_FLAGS = (
+    "--xla_gpu_enable_command_buffer="
+    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
+    "--xla_gpu_graph_min_graph_size=1",
+)
+
+_GENERATE = """
+import dataclasses, json, sys
+import numpy as np
+from flax import nnx
+sys.path.insert(0, "tests/gpu")
+from _kernel_sized import kernel_sized_qwen3_next_config
+from hybrid_jax import Engine, EngineConfig
+from hybrid_jax.engine.sampling import SamplingParams
+from hybrid_jax.models.qwen3_next import Qwen3Next
+from hybrid_jax.models.tokenizer import ByteTokenizer
+
+block = ("linear_attention",) * 3 + ("full_attention",)
+config = kernel_sized_qwen3_next_config(num_experts=64, num_experts_per_tok=8,
+    num_hidden_layers=8, mlp_only_layers=(), layer_types=block * 2)
+engine = Engine(Qwen3Next(config, rngs=nnx.Rngs(0)), ByteTokenizer(), EngineConfig(
+    max_batch=8, max_tokens=64, max_context=256, batch_buckets=(8,), token_buckets=(64,),
+    cache_dir=None), progress=False)
+rng = np.random.default_rng(0)
+prompts = [rng.integers(0, 256, n).tolist() for n in (9, 12, 4, 7)]
+results = engine.generate(prompts, SamplingParams(max_new_tokens=12, logprobs=0))
+print(json.dumps([[r.token_ids, r.logprobs] for r in results]))
+"""
+
+
+def _generate(flags: str) -> list:
+    env = dict(os.environ, XLA_FLAGS=flags)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _GENERATE], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_step_graphs_give_the_tokens_and_logprobs_of_launches_one_by_one():
+    graphs = _generate(" ".join(STEP_GRAPH_FLAGS))
+    one_by_one = _generate("--xla_gpu_enable_command_buffer=")
+    assert graphs == one_by_one
+    assert all(len(tokens) == 12 for tokens, _ in graphs)
