@@ -36,6 +36,7 @@ __all__ = [
     "along_rows",
     "TokenAxis",
     "chunk_table",
+    "columns_over_warps",
     "matmul",
     "matmul_into",
     "scratch_smem_bytes",
@@ -55,6 +56,21 @@ SMEM_LIMIT = 227 * 1024  # dynamic SMEM per CTA on sm_90 (what Mosaic GPU checks
 SMEM_PER_SM = 228 * 1024  # an SM's shared memory; each resident CTA also takes 1 KB of it
 _SMEM_ALIGN = 1024  # Mosaic GPU aligns each scratch buffer to this
 _BARRIER_BYTES = 8
+
+
+def columns_over_warps(width: int, vec: int = 2) -> tuple[plgpu.Layout, int]:
+    """The register layout of a ``[rows, width]`` float32 tile whose columns spread over the
+    warpgroup's four warps and a few lanes (``vec`` side by side in a thread), its rows over
+    the other lanes and the registers, and those lanes' count (``rows`` must be a multiple of
+    it). A sum along the rows stays within a warp; one along the columns crosses the warps
+    (the kernel's ``reduction_scratch_bytes``). ``width`` a multiple of ``4 * vec``."""
+    per_warp = width // 4
+    col_lanes = per_warp // vec
+    row_lanes = 32 // col_lanes
+    # [rows, width] -> [rows / row_lanes, 1, warp, row lane, column lane, vector].
+    tiling = plgpu.Tiling(((row_lanes, width), (row_lanes, per_warp), (vec,)))
+    layout = plgpu.Layout.TILED(tiling, warp_dims=(-4,), lane_dims=(-3, -2), vector_dim=-1)
+    return layout, row_lanes
 
 
 def scratch_smem_bytes(refs) -> int:

@@ -175,3 +175,12 @@ def test_the_rows_model_is_folded_once_unless_the_run_says_not(serve, tmp_path, 
     (label, folded), *_ = seen
     assert folded == {not flag}
     assert ("norm weights not folded" in label) is bool(flag)
+
+
+def test_the_sequence_table_is_the_last_profiled_steps_launches_from_its_start(serve):
+    """Two equal steps of three launches (ns): the last step's, in microseconds from its own
+    first start."""
+    events = [("a", 1000, 500), ("b", 3000, 250), ("c", 5000, 100),
+              ("a", 9000, 400), ("b", 9500, 300), ("c", 12000, 200)]  # fmt: skip
+    assert serve._last_step(events, 2) == [("a", 0.0, 0.4), ("b", 0.5, 0.3), ("c", 3.0, 0.2)]
+    assert serve._last_step([], 2) == []

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import interpret_params, resolve_impl, round_up
+from pallas_kernels._mgpu_chunks import columns_over_warps
 
 __all__ = ["attention_rows", "attention_rows_reference", "unsupported_reason"]
 
@@ -193,19 +194,10 @@ def attention_rows(
 
 
 def _layouts(piece: int):
-    """(tile ``[rows, piece]``, its row vector, its column vector) register layouts: the
-    piece's columns over the four warps and a few lanes, its rows over the other lanes and
-    registers (``rows`` a multiple of ``row_lanes(piece)``)."""
-    per_warp = piece // 4
-    col_lanes = per_warp // _VEC
-    row_lanes = 32 // col_lanes
-    tiling = plgpu.Tiling(((row_lanes, piece), (row_lanes, per_warp), (_VEC,)))
-    tile = plgpu.Layout.TILED(tiling, warp_dims=(-4,), lane_dims=(-3, -2), vector_dim=-1)
-    return tile, tile.reduce(1), tile.reduce(0)
-
-
-def _row_lanes(piece: int) -> int:
-    return 32 // (piece // 4 // _VEC)
+    """(tile ``[rows, piece]``, its row vector, its column vector) register layouts, and the
+    lanes its rows spread over (``rows`` a multiple of them): ``columns_over_warps``."""
+    tile, row_lanes = columns_over_warps(piece, _VEC)
+    return tile, tile.reduce(1), tile.reduce(0), row_lanes
 
 
 def _kernel(q, k, v, consts, page_table, positions, k_pages, v_pages, *, piece, normed, eps,
@@ -216,10 +208,8 @@ def _kernel(q, k, v, consts, page_table, positions, k_pages, v_pages, *, piece, 
     page_size = k_pages.shape[1]
     max_pages = page_table.shape[1]
     pieces = head_dim // piece
-    held = {
-        name: round_up(count, _row_lanes(piece)) for name, count in (("q", heads), ("k", kv_heads))
-    }
-    tile, row_vec, col_vec = _layouts(piece)
+    tile, _, col_vec, row_lanes = _layouts(piece)
+    held = {name: round_up(count, row_lanes) for name, count in (("q", heads), ("k", kv_heads))}
 
     def body(q_ref, k_ref, v_ref, consts_ref, table_ref, pos_ref, k_pages_ref, v_pages_ref,
              out_ref, q_s, k_s, v_s, c_s, bar):  # fmt: skip

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params
-from pallas_kernels._mgpu_chunks import SMEM_PER_SM
+from pallas_kernels._mgpu_chunks import SMEM_PER_SM, columns_over_warps
 
 __all__ = [
     "VEC",
@@ -81,12 +81,7 @@ def _layouts(variant: DecodeVariant, bv: int):
     if variant.layout == "wgmma":
         state = plgpu.Layout.WGMMA
     else:
-        cols_per_warp = bv // 4
-        col_lanes = cols_per_warp // VEC
-        row_lanes = 32 // col_lanes
-        # [K, bv] -> [K / row_lanes, 1, warp, row lane, column lane, vector] (canonical form).
-        tiling = plgpu.Tiling(((row_lanes, bv), (row_lanes, cols_per_warp), (VEC,)))
-        state = plgpu.Layout.TILED(tiling, warp_dims=(-4,), lane_dims=(-3, -2), vector_dim=-1)
+        state, _ = columns_over_warps(bv, VEC)
     return state, state.reduce(1), state.reduce(0)
 
 
