@@ -54,7 +54,8 @@ __all__ = ["ROWS_IN_KERNEL", "decode_rows", "paged_attention", "tree_ancestors",
 ROWS_IN_KERNEL = True
 """Whether a DECODE step forms its attention rows in one launch (``decode_rows``: the q/k
 norms, the rotary and both page writes) where the kernel takes the step, instead of XLA's
-fusions and scatters (seven kernels a layer on the H200: ``benchmarks/RESULTS_serve.md``)."""
+fusions, scatters and copies of the norm weights (nine kernels a layer on the H200, ~13 us
+against the launch's ~4: ``benchmarks/RESULTS_serve.md``)."""
 
 # Tree-draft tokens attended per vectorised batch: bounds their gathered keys to
 # TOKEN_BLOCK x (max_pages * page_size) x KVH x head_dim.
@@ -421,6 +422,7 @@ def decode_rows(
     q: ``[T, H, W]``, a head's query in its first ``hd`` features; k, v ``[T, KVH, hd]``;
     ``q_scale`` / ``k_scale``: the norms' float32 ``[hd]`` scales, None for no norms."""
     one_per_row = meta.token_layout is TokenLayout.ONE_PER_ROW and not meta.tree
+    one_per_row = one_per_row and q.shape[0] == meta.batch_size  # token n is row n
     empty = q.shape[0] == 0 or meta.pages.max_pages == 0
     if not ROWS_IN_KERNEL or impl == "reference" or not one_per_row or empty:
         return None

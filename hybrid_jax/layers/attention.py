@@ -146,7 +146,8 @@ class Attention(nnx.Module):
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
         scales = (self.q_norm.scale(), self.k_norm.scale()) if c.qk_norm else (None, None)
         rows = None
-        if all(s is not None for s in scales) or not c.qk_norm:  # folded norms: jnp
+        # A folded q/k norm (scale None) stays in jnp: to the kernel None means no norm.
+        if all(s is not None for s in scales) or not c.qk_norm:
             rows = decode_rows(
                 q, k, v, k_pages, v_pages, meta, q_scale=scales[0], k_scale=scales[1],
                 eps=c.rms_norm_eps, rotary_dim=c.rotary_dim, theta=c.rope_theta, impl=impl,
