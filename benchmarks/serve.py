@@ -98,6 +98,11 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id forms its shared expert's SiLU product apart "
         "from its experts' (a fusion each)",
     ),
+    "--square-sums-in-launch": (
+        linear_layer, "SQUARE_SUMS_IN_LAUNCH", True,
+        "a layer's input projections of a folded norm's rows sum the rows' squares in their "
+        "launch (no reduction kernel before it)",
+    ),
     "--split-input-projections": (
         linear_layer, "SPLIT_INPUT_PROJECTIONS", True,
         "a layer's input projections with few column tiles together (a MoE block's router "

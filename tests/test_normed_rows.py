@@ -65,6 +65,32 @@ def test_projections_of_normed_rows_in_one_launch_match_the_float64_oracle(token
         assert _rel(out, want) < 1e-2
 
 
+def test_a_folded_norms_rows_sum_their_squares_in_the_launch_when_switched_on(monkeypatch):
+    """``SQUARE_SUMS_IN_LAUNCH``: the launch of a folded norm's products forms the rows'
+    square sums itself; the products equal the formed norm's, as with XLA's sums (an unfolded
+    norm's rows, weighted, still take XLA's)."""
+    norm, x = _norm(5), _rows(6, 8)
+    layers = [
+        nnx.Linear(HIDDEN, n, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                   rngs=nnx.Rngs(n))
+        for n in (128, 64)
+    ]  # fmt: skip
+    want = [layer(norm(x)) for layer in layers]
+    norm.fold_into([layer.kernel for layer in layers])
+    calls = []
+    real = linear.projections.projections
+    monkeypatch.setattr(linear.projections, "projections",
+                        lambda *a, **k: calls.append(k) or real(*a, **k))  # fmt: skip
+    monkeypatch.setattr(linear, "SQUARE_SUMS_IN_LAUNCH", True)
+    got = project(norm.deferred(x), layers, impl="interpret")
+    assert calls[-1]["square_sums"] and calls[-1].get("row_scale") is None
+    for out, ref in zip(got, want, strict=True):
+        assert _rel(out, ref) < 2e-2
+    monkeypatch.setattr(linear, "SQUARE_SUMS_IN_LAUNCH", False)
+    project(norm.deferred(x), layers, impl="interpret")
+    assert "square_sums" not in calls[-1] and calls[-1]["row_scale"] is not None
+
+
 def test_normed_rows_are_formed_where_no_launch_takes_them():
     """Past FEW_ROWS, and on the reference, the layers read the formed norm: the same bits as
     the norm module's output."""

@@ -50,6 +50,7 @@ _SWITCHES = {
         "NORMS_IN_LAUNCH",
         "SPLIT_INPUT_PROJECTIONS",
         "SPLIT_OUTPUT_PROJECTIONS",
+        "SQUARE_SUMS_IN_LAUNCH",
     ),
     "hybrid_jax.layers.gdn": ("NORM_IN_DECODE_KERNEL",),
     "hybrid_jax.layers.moe": (

@@ -34,6 +34,7 @@ __all__ = [
     "NORMS_IN_LAUNCH",
     "SPLIT_INPUT_PROJECTIONS",
     "SPLIT_OUTPUT_PROJECTIONS",
+    "SQUARE_SUMS_IN_LAUNCH",
     "project",
     "project_output",
     "short_sum",
@@ -66,6 +67,13 @@ SPLIT_INPUT_PROJECTIONS = False
 together (a MoE block's router and shared expert gate/up: 20 tiles of 64 columns), its
 float32 partial products summed where they are used. Off: not yet shown faster on the H200
 (benchmarks/RESULTS_serve.md, session 20)."""
+
+
+SQUARE_SUMS_IN_LAUNCH = False
+"""Whether ``project``'s one launch sums the squares of a folded norm's rows itself
+(``projections(square_sums=True)``) instead of reading sums XLA formed: the input norm's
+reduction after a MoE block's combine is a kernel of its own on the H200 (40 a batch-1 step of
+the 35B-like preset, ``benchmarks/RESULTS_serve.md``). Off until measured there."""
 
 
 ADDS_FOR_SHORT_SUMS = False
@@ -114,6 +122,11 @@ def project(
     if SPLIT_INPUT_PROJECTIONS and _splits(rows, taken_weights) > 1:
         scale = x.inverse_rms() if isinstance(x, NormedRows) else None
         products = _summed_partials(rows, taken_weights, row_scale=scale, impl=impl)
+    elif isinstance(x, NormedRows) and SQUARE_SUMS_IN_LAUNCH and x.scale is None:
+        # A folded norm's rows are its input: the launch sums their squares itself.
+        products = projections.projections(
+            rows, taken_weights, rms_eps=x.eps, square_sums=True, impl=impl
+        )
     elif isinstance(x, NormedRows):  # the launch forms each row's inverse RMS
         products = projections.projections(
             rows, taken_weights, row_scale=x.square_sum(), rms_eps=x.eps, impl=impl
