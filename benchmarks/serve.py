@@ -98,6 +98,11 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id forms its shared expert's SiLU product apart "
         "from its experts' (a fusion each)",
     ),
+    "--dependent-launch": (
+        _skinny, "DEPENDENT_LAUNCH", True,
+        "the projections' launches are programmatic dependent launches that issue their first "
+        "weight tiles before waiting for the kernel before them",
+    ),
     "--square-sums-in-launch": (
         linear_layer, "SQUARE_SUMS_IN_LAUNCH", True,
         "a layer's input projections of a folded norm's rows sum the rows' squares in their "

@@ -57,6 +57,7 @@ from pallas_kernels._mgpu_chunks import (
 __all__ = [
     "BLOCK_K",
     "BLOCK_N",
+    "DEPENDENT_LAUNCH",
     "DTYPES",
     "OVERLAP_PRODUCTS",
     "ROWS_PER_TILE",
@@ -85,6 +86,12 @@ OVERLAP_PRODUCTS = True
 """Whether a block's product runs while the next block is awaited (see the module's doc)."""
 SWAP_OPERANDS = True
 """Whether each block's product is taken transposed (see the module's doc)."""
+DEPENDENT_LAUNCH = False
+"""Whether a launch whose weights are fixed (``projections``, ``projection_partials``) is a
+programmatic dependent launch: the GPU may start it while the kernel before it finishes; it
+issues its ring's first weight tiles, then waits for that kernel (``griddepcontrol.wait``)
+before it reads the rows (or writes anything), so the weights' first bytes are in flight
+across the boundary. Off until measured on the H200."""
 SQUARES_SCRATCH = 2048  # SMEM bytes of the square sums' reduction across the warps
 RING_FILLS_SM = True
 """Whether a launch of at most one program per SM takes the deepest ring that fits (see the
@@ -100,12 +107,13 @@ class ProductVariant(NamedTuple):
     overlap: bool = False
     swap: bool = False
     fill_sm: bool = False
+    dependent: bool = False
 
 
 def current_variant() -> ProductVariant:
     """The switches' values now (``STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``,
-    ``RING_FILLS_SM``)."""
-    return ProductVariant(STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS, RING_FILLS_SM)
+    ``RING_FILLS_SM``, ``DEPENDENT_LAUNCH``)."""
+    return ProductVariant(STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS, RING_FILLS_SM, DEPENDENT_LAUNCH)
 
 
 def filling_ring(
@@ -229,12 +237,17 @@ def tile_product(
     held = round_up(rows, ALIGN)  # the rows TMA moves: whole 8-row groups
     scale_s = extra[0] if extra else None
     plain = extra[1] if square_sums else None
-    if row_scale is not None:
-        plgpu.copy_gmem_to_smem(row_scale, scale_s.at[pl.ds(0, rows)], extra[1])
+
+    def read_row_scale():  # after the wait of a dependent launch: XLA wrote the scales
+        if row_scale is not None:
+            plgpu.copy_gmem_to_smem(row_scale, scale_s.at[pl.ds(0, rows)], extra[1])
+
     swap = swapped(o_s.dtype, variant)
     ring = (x_s, w_s, bars)
-    acc, squares = _tile_sum(x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap,
-                             interpret=interpret, plain=plain)  # fmt: skip
+    acc, squares = _tile_sum(
+        x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret,
+        plain=plain, after_wait=read_row_scale,
+    )  # fmt: skip
     up = None
     if up_cols is not None:
         up, _ = _tile_sum(x_rows, up_cols, *ring, steps=steps, variant=variant, swap=swap,
@@ -261,12 +274,14 @@ def tile_product(
 
 
 def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVariant,
-              swap: bool, interpret: bool, plain=None):  # fmt: skip
+              swap: bool, interpret: bool, plain=None, after_wait=None):  # fmt: skip
     """(the float32 sum ``x_rows @ w_cols`` through the ring (WGMMA layout): ``[64,
     BLOCK_N]``, or transposed ``[BLOCK_N, rows]`` with ``swap`` (the rows rounded up to the
     8-row groups that TMA moves); with ``plain``, the ring of unswizzled row blocks, the
     rows' float32 sums of squares ``[held]``, else None). The ring is free again when it
-    returns."""
+    returns. With ``variant.dependent`` (compiled, not interpreted) the ring's first weight
+    tiles are issued before ``griddepcontrol.wait`` and the rows after it; ``after_wait``
+    issues what else the launch reads from the kernels before it."""
     rows = x_rows.shape[0]
     stages = min(variant.stages, steps)
     held = round_up(rows, ALIGN)
@@ -278,13 +293,20 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
             return w_s.at[stage].transpose((1, 0)), x_s.at[stage, pl.ds(0, held)].transpose((1, 0))
         return x_s.at[stage], w_s.at[stage]
 
-    def fill(j, stage):
+    def fill_rows(j, stage):
         ks = pl.ds(j * BLOCK_K, BLOCK_K)
         plgpu.copy_gmem_to_smem(x_rows.at[:, ks], x_s.at[stage, pl.ds(0, rows)], bars.at[stage])
-        plgpu.copy_gmem_to_smem(w_cols.at[ks], w_s.at[stage], bars.at[stage])
         if plain is not None:
             plgpu.copy_gmem_to_smem(x_rows.at[:, ks], plain.at[stage, pl.ds(0, rows)],
                                     bars.at[stage])  # fmt: skip
+
+    def fill_weights(j, stage):
+        ks = pl.ds(j * BLOCK_K, BLOCK_K)
+        plgpu.copy_gmem_to_smem(w_cols.at[ks], w_s.at[stage], bars.at[stage])
+
+    def fill(j, stage):
+        fill_rows(j, stage)
+        fill_weights(j, stage)
 
     def squares_of(stage, squares):
         """``squares`` plus this stage's block's (the rows past R hold zeros or stale rows:
@@ -294,8 +316,19 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
         x = plgpu.load(plain.at[stage, pl.ds(0, held)], layout=block).astype(F32)
         return squares + jnp.sum(x * x, axis=1)
 
-    for j in range(stages):
-        fill(j, j)
+    if variant.dependent and not interpret:
+        for j in range(stages):
+            fill_weights(j, j)
+        plgpu.griddepcontrol_wait()
+        if after_wait is not None:
+            after_wait()
+        for j in range(stages):
+            fill_rows(j, j)
+    else:
+        if after_wait is not None:
+            after_wait()
+        for j in range(stages):
+            fill(j, j)
     no_squares = None
     if plain is not None:
         no_squares = plgpu.layout_cast(jnp.zeros((held,), F32), block.reduce(1))
