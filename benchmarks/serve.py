@@ -76,6 +76,7 @@ from hybrid_jax.metadata import MIN_BATCH_BUCKET  # noqa: E402
 from hybrid_jax.models.layer_scan import fold_scanned_norms, scan_layers  # noqa: E402
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
 from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig  # noqa: E402
+from pallas_kernels import _common as kernels_common  # noqa: E402
 from pallas_kernels import _skinny  # noqa: E402
 
 _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
@@ -98,10 +99,11 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id forms its shared expert's SiLU product apart "
         "from its experts' (a fusion each)",
     ),
-    "--dependent-launch": (
-        _skinny, "DEPENDENT_LAUNCH", True,
-        "the projections' launches are programmatic dependent launches that issue their first "
-        "weight tiles before waiting for the kernel before them",
+    "--dependent-launches": (
+        kernels_common, "DEPENDENT_LAUNCHES", True,
+        "the projections' launches and the GDN decode kernel are programmatic dependent "
+        "launches that issue their weight or state reads before waiting for the kernel "
+        "before them",
     ),
     "--square-sums-in-launch": (
         linear_layer, "SQUARE_SUMS_IN_LAUNCH", True,

@@ -25,6 +25,7 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 __all__ = [
+    "DEPENDENT_LAUNCHES",
     "round_up",
     "IMPLS",
     "NUM_SMS",
@@ -40,6 +41,15 @@ IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "reference")
 
 NUM_SMS = 132
 """Multiprocessors of an H100/H200 SXM: the kernels' grid heuristics size their launches by it."""
+
+DEPENDENT_LAUNCHES = False
+"""Whether the kernels that can take part in programmatic dependent launches do. Such a
+launch may start while the kernel before it finishes and waits for it
+(``griddepcontrol.wait``) before it reads what that kernel wrote or writes anything: the
+small-batch products (``_skinny``: ``projections``, ``projection_partials``) issue their
+first weight tiles before the wait; the pipelined GDN decode kernel waits first, and lets
+the launch after it (its output projection) start once its own programs run
+(``griddepcontrol.launch_dependents``). Off until measured on the H200."""
 
 SMEM_BYTES = 227 * 1024
 """Shared memory one sm_90 program may take (the opt-in maximum per thread block)."""

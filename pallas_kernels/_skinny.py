@@ -23,6 +23,9 @@ static argument, so a changed switch is a new trace:
   programs fit on an SM) and a product is rows/64 of a full tile's work. The float32 sum is
   stored transposed into the output tile, which Mosaic GPU does for 16-bit tiles: float32
   outputs keep the plain product.
+* ``_common.DEPENDENT_LAUNCHES`` (``ProductVariant.dependent``): the ring's first weight
+  tiles are issued, then ``griddepcontrol.wait``, then the rows (and row scales), so the
+  weights' first bytes are in flight while the kernel before the launch finishes.
 * ``RING_FILLS_SM``: a launch of at most one program per SM (a MoE block's router and shared
   gate/up: 20 column tiles) gives each program the deepest ring a block's shared memory
   holds (``filling_ring``). Such a program reads its tile at the rate its loads in flight
@@ -38,6 +41,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import _common
 from pallas_kernels._common import NUM_SMS, SMEM_BYTES, round_up
 from pallas_kernels._mgpu_chunks import (
     ALIGN,
@@ -57,7 +61,6 @@ from pallas_kernels._mgpu_chunks import (
 __all__ = [
     "BLOCK_K",
     "BLOCK_N",
-    "DEPENDENT_LAUNCH",
     "DTYPES",
     "OVERLAP_PRODUCTS",
     "ROWS_PER_TILE",
@@ -86,12 +89,6 @@ OVERLAP_PRODUCTS = True
 """Whether a block's product runs while the next block is awaited (see the module's doc)."""
 SWAP_OPERANDS = True
 """Whether each block's product is taken transposed (see the module's doc)."""
-DEPENDENT_LAUNCH = False
-"""Whether a launch whose weights are fixed (``projections``, ``projection_partials``) is a
-programmatic dependent launch: the GPU may start it while the kernel before it finishes; it
-issues its ring's first weight tiles, then waits for that kernel (``griddepcontrol.wait``)
-before it reads the rows (or writes anything), so the weights' first bytes are in flight
-across the boundary. Off until measured on the H200."""
 SQUARES_SCRATCH = 2048  # SMEM bytes of the square sums' reduction across the warps
 RING_FILLS_SM = True
 """Whether a launch of at most one program per SM takes the deepest ring that fits (see the
@@ -112,8 +109,10 @@ class ProductVariant(NamedTuple):
 
 def current_variant() -> ProductVariant:
     """The switches' values now (``STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``,
-    ``RING_FILLS_SM``, ``DEPENDENT_LAUNCH``)."""
-    return ProductVariant(STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS, RING_FILLS_SM, DEPENDENT_LAUNCH)
+    ``RING_FILLS_SM``, ``_common.DEPENDENT_LAUNCHES``)."""
+    return ProductVariant(
+        STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS, RING_FILLS_SM, _common.DEPENDENT_LAUNCHES
+    )
 
 
 def filling_ring(

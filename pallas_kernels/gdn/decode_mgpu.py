@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _common
 from pallas_kernels._common import NUM_SMS
 from pallas_kernels.gdn._checks import check_gated_rows, check_packed_rows, packed_stand_ins
 from pallas_kernels.gdn._decode_grids import (
@@ -305,7 +306,11 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
     if heads.v_dim % bv or bv < 4 * VEC:
         raise ValueError(f"block_v={bv} must divide V={heads.v_dim} and be at least {4 * VEC}")
     scale = heads.k_dim**-0.5 if scale is None else float(scale)
-    run = pipelined if variant.stages else one_item_per_program
+    if variant.stages:
+        run = pipelined
+        options["dependent"] = _common.DEPENDENT_LAUNCHES and not interpret
+    else:
+        run = one_item_per_program
     pool_ref = jax.new_ref(ssm_pool)
     o = run(
         q, k, v, gates_in, pool_ref, state_indices, heads=heads, cols=cols,

@@ -124,12 +124,12 @@ def test_the_kernel_lowers_for_cuda(widths, splits, partial, scaled, product_var
 def test_a_dependent_launch_waits_for_the_kernel_before_it_after_its_first_weights(
     partial, monkeypatch
 ):
-    """``DEPENDENT_LAUNCH``: the compiled launch is a programmatic dependent launch (its
+    """``DEPENDENT_LAUNCHES``: the compiled launch is a programmatic dependent launch (its
     module says so) that waits with ``griddepcontrol.wait``; the interpreter, which has no
     grids to wait for, gives the oracle's products as before."""
-    from pallas_kernels import _skinny
+    from pallas_kernels import _common
 
-    monkeypatch.setattr(_skinny, "DEPENDENT_LAUNCH", True)
+    monkeypatch.setattr(_common, "DEPENDENT_LAUNCHES", True)
     x = jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16)
     ws = tuple(jax.ShapeDtypeStruct((2048, n), jnp.bfloat16) for n in (2048, 64))
     launch = projections.projection_partials if partial else projections.projections
@@ -140,10 +140,10 @@ def test_a_dependent_launch_waits_for_the_kernel_before_it_after_its_first_weigh
 
     text = lowered()
     assert "griddepcontrol.wait" in text and "uses_pdl" in text
-    monkeypatch.setattr(_skinny, "DEPENDENT_LAUNCH", False)
+    monkeypatch.setattr(_common, "DEPENDENT_LAUNCHES", False)
     plain = lowered()
     assert "griddepcontrol.wait" not in plain and "uses_pdl" not in plain
-    monkeypatch.setattr(_skinny, "DEPENDENT_LAUNCH", True)
+    monkeypatch.setattr(_common, "DEPENDENT_LAUNCHES", True)
     x, ws = _case(9, 8, 256, (128, 64))
     got = projections.projections(x, ws, rms_eps=0.5, square_sums=True, impl="interpret")
     x64 = np.asarray(x, np.float64)
