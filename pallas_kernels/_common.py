@@ -45,11 +45,13 @@ NUM_SMS = 132
 DEPENDENT_LAUNCHES = False
 """Whether the kernels that can take part in programmatic dependent launches do. Such a
 launch may start while the kernel before it finishes and waits for it
-(``griddepcontrol.wait``) before it reads what that kernel wrote or writes anything: the
-small-batch products (``_skinny``: ``projections``, ``projection_partials``) issue their
-first weight tiles before the wait; the pipelined GDN decode kernel waits first, and lets
-the launch after it (its output projection) start once its own programs run
-(``griddepcontrol.launch_dependents``). Off until measured on the H200."""
+(``griddepcontrol.wait``) before it reads what that kernel wrote or writes anything, and
+lets the launch after it start once its own programs run
+(``griddepcontrol.launch_dependents``): the small-batch products (``_skinny``:
+``projections``, ``projection_partials``) issue their first weight tiles before the wait;
+the conv update and the pipelined GDN decode kernel wait first (their slots may be formed by
+the kernel before them). A GDN layer's projections, conv, decode and output projection are
+then one chain of such launches. Off until measured on the H200."""
 
 SMEM_BYTES = 227 * 1024
 """Shared memory one sm_90 program may take (the opt-in maximum per thread block)."""

@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import _common
 from pallas_kernels._common import interpret_params
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_verify", "unsupported_reason"]
@@ -105,10 +106,12 @@ def _rows(
     write_pool: bool,
     interpret: bool,
     parents: jax.Array | None = None,
+    dependent: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The kernel call: ``y`` (update; the pool is a mutable ref written in place) or
     ``(y, windows)`` (verify; the pool is only read; ``parents`` int32 ``[N, D]`` for tree
-    drafts)."""
+    drafts). ``dependent``: a programmatic dependent launch that lets the launch after it
+    start once its programs run, and waits for the kernel before it before anything else."""
     n_rows, n_tokens, channels = x.shape
     width = weight.shape[1]
     has_bias = bias is not None
@@ -137,6 +140,9 @@ def _rows(
         pool_ref, y_ref = refs[:2]
         win_ref = None if write_pool else refs[2]
 
+        if dependent:
+            plgpu.griddepcontrol_launch_dependents()
+            plgpu.griddepcontrol_wait()
         n = lax.axis_index("n")
         chans = pl.ds(lax.axis_index("c") * BLOCK_C, BLOCK_C)
         slot = idx_ref[n]
@@ -231,8 +237,8 @@ def causal_conv1d_update(
     _check(unsupported_reason(x, weight, bias, conv_pool, state_indices, activation=activation))
     pool_ref = jax.new_ref(conv_pool)
     y = _rows(
-        x, weight, bias, pool_ref, state_indices,
-        activation=activation, write_pool=True, interpret=interpret,
+        x, weight, bias, pool_ref, state_indices, activation=activation, write_pool=True,
+        interpret=interpret, dependent=_common.DEPENDENT_LAUNCHES and not interpret,
     )  # fmt: skip
     return y, jax.freeze(pool_ref)
 

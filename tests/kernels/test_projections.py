@@ -139,10 +139,11 @@ def test_a_dependent_launch_waits_for_the_kernel_before_it_after_its_first_weigh
         return call.trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
 
     text = lowered()
-    assert "griddepcontrol.wait" in text and "uses_pdl" in text
+    for marker in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "uses_pdl"):
+        assert marker in text, marker
     monkeypatch.setattr(_common, "DEPENDENT_LAUNCHES", False)
     plain = lowered()
-    assert "griddepcontrol.wait" not in plain and "uses_pdl" not in plain
+    assert "griddepcontrol" not in plain and "uses_pdl" not in plain
     monkeypatch.setattr(_common, "DEPENDENT_LAUNCHES", True)
     x, ws = _case(9, 8, 256, (128, 64))
     got = projections.projections(x, ws, rms_eps=0.5, square_sums=True, impl="interpret")
