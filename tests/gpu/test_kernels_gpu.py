@@ -342,3 +342,46 @@ def test_conv1d_prefill_on_gpu_matches_oracle_in_place():
     np.testing.assert_array_equal(bits(pool[written]), bits(pool_ref[written].astype(bf16)))
     others = np.setdiff1d(np.arange(SLOTS), written)
     np.testing.assert_array_equal(bits(pool[others]), bits(before[others]))
+
+
+def test_a_gdn_decode_chain_of_dependent_launches_gives_the_same_bits(monkeypatch):
+    """``_common.DEPENDENT_LAUNCHES``: the conv update and the packed decode op (which reads
+    the conv's output) as programmatic dependent launches, twice in a row on the pools the
+    first pass wrote, give bit for bit what the plain launches give."""
+    from pallas_kernels import _common
+
+    rng = np.random.default_rng(8)
+    n, hv = 8, HV
+    idx = _slots(rng, n, 5)
+    bf16 = jnp.bfloat16
+    args = dict(
+        x=jnp.asarray(rng.standard_normal((n, 1, CHANNELS)), bf16),
+        conv_weight=jnp.asarray(rng.standard_normal((CHANNELS, WIDTH)) * 0.5, bf16),
+        conv_pool=jnp.asarray(rng.standard_normal((SLOTS, CHANNELS, WIDTH - 1)), bf16),
+        ba=jnp.asarray(rng.standard_normal((n, 1, 2 * hv)) * 2, bf16),
+        params=jnp.asarray(rng.standard_normal((2, hv)), jnp.float32),
+        ssm_pool=jnp.asarray(rng.standard_normal((SLOTS, hv, K, V)) * 0.1, jnp.float32),
+        idx=jnp.asarray(idx),
+        z=jnp.asarray(rng.standard_normal((n, 1, hv * V)), bf16),
+    )
+
+    def chain(x, conv_weight, conv_pool, ba, params, ssm_pool, idx, z):
+        outs = []
+        for _ in range(2):
+            qkv, conv_pool = update_mgpu.causal_conv1d_update(x, conv_weight, None, conv_pool, idx)
+            norm = gdn.OutputNorm(z, jnp.ones((V,), jnp.float32), 1e-6)
+            o, ssm_pool = gdn.packed_gating_recurrent_gated_delta_rule(
+                qkv, ba, params, ssm_pool, idx, output_norm=norm, impl="pallas"
+            )
+            outs.append(o)
+        return outs, conv_pool, ssm_pool
+
+    runs = []
+    for dependent in (False, True):
+        monkeypatch.setattr(_common, "DEPENDENT_LAUNCHES", dependent)
+        got = jax.jit(functools.partial(chain))(**args)  # a trace of its own
+        runs.append(jax.tree.map(lambda a: bits(np.asarray(a)), jax.device_get(got)))
+    plain, dependent = runs
+    assert np.isfinite(np.asarray(jax.device_get(got)[0][1], np.float32)).all()
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(dependent), strict=True):
+        np.testing.assert_array_equal(a, b)
