@@ -24,6 +24,7 @@ from hybrid_jax.kv_cache import KVCacheSpec
 from hybrid_jax.layers.linear import project, project_output
 from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
+from pallas_kernels.attention.rows import apply_rotary
 
 __all__ = ["Attention", "AttentionConfig", "AttentionOutput", "apply_rotary"]
 
@@ -77,23 +78,6 @@ class AttentionConfig:
     def kv_spec(self) -> KVCacheSpec:
         """Per-page cache layout of one layer."""
         return KVCacheSpec(self.num_kv_heads, self.head_dim, jnp.dtype(self.dtype))
-
-
-def apply_rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
-    """Rotary embedding on the first ``rotary_dim`` features of each head.
-
-    x: ``[T, heads, head_dim]``; positions: int32 ``[T]``. Feature i < rotary_dim/2 pairs
-    with i + rotary_dim/2 (NeoX layout); frequencies ``theta ** (-2i / rotary_dim)``. The angles
-    are float32 and cos/sin are cast to x's dtype before use, as the reference does.
-    """
-    half = rotary_dim // 2
-    inv_freq = 1.0 / theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, half]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    turned = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-    return jnp.concatenate([rot * cos + turned * sin, rest], axis=-1)
 
 
 class AttentionOutput(NamedTuple):

@@ -33,7 +33,13 @@ from jax import lax
 from pallas_kernels._common import interpret_params, resolve_impl, round_up
 from pallas_kernels._mgpu_chunks import columns_over_warps
 
-__all__ = ["attention_rows", "attention_rows_reference", "unsupported_reason"]
+__all__ = [
+    "apply_rotary",
+    "attention_rows",
+    "attention_rows_reference",
+    "inverse_frequencies",
+    "unsupported_reason",
+]
 
 _OP = "attention_rows"
 _HEAD_DIMS = (64, 128, 256)
@@ -115,6 +121,23 @@ def inverse_frequencies(rotary_dim: int, theta: float) -> jax.Array:
     return 1.0 / theta ** (jnp.arange(0, rotary_dim, 2, dtype=_F32) / rotary_dim)
 
 
+def apply_rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """Rotary embedding on the first ``rotary_dim`` features of each head (the layers' jnp
+    path, and this kernel's reference).
+
+    x: ``[T, heads, head_dim]``; positions: int32 ``[T]``. Feature i < rotary_dim/2 pairs
+    with i + rotary_dim/2 (NeoX layout); frequencies ``inverse_frequencies``. The angles are
+    float32 and cos/sin are cast to x's dtype before use, as the reference does.
+    """
+    half = rotary_dim // 2
+    angles = positions.astype(_F32)[:, None] * inverse_frequencies(rotary_dim, theta)
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    turned = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
+    return jnp.concatenate([rot * cos + turned * sin, rest], axis=-1)
+
+
 def attention_rows_reference(q, k, v, k_pages, v_pages, page_table, positions, *, q_scale,
                              k_scale, eps: float, rotary_dim: int, theta: float):  # fmt: skip
     """jnp ``attention_rows``: the norms (float32, rounded to the rows' dtype), then the
@@ -129,15 +152,7 @@ def attention_rows_reference(q, k, v, k_pages, v_pages, page_table, positions, *
         return (x32 * scale).astype(x.dtype)
 
     def rotate(x):
-        if not rotary_dim:
-            return x
-        half = rotary_dim // 2
-        angles = positions.astype(_F32)[:, None] * inverse_frequencies(rotary_dim, theta)
-        angles = jnp.concatenate([angles, angles], axis=-1)[:, None, :]
-        cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-        turned = jnp.concatenate([-rot[..., half:], rot[..., :half]], axis=-1)
-        return jnp.concatenate([rot * cos + turned * sin, rest], axis=-1)
+        return apply_rotary(x, positions, rotary_dim, theta) if rotary_dim else x
 
     q_out = rotate(norm(q[..., :head_dim], q_scale))
     k_new = rotate(norm(k, k_scale))
