@@ -234,12 +234,16 @@ def tile_product(
     (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
     rows = x_rows.shape[0]
     held = round_up(rows, ALIGN)  # the rows TMA moves: whole 8-row groups
-    scale_s = extra[0] if extra else None
-    plain = extra[1] if square_sums else None
+    # ``scratch``'s additions: the scales and their barrier, or the sums and the plain ring.
+    scale_s = scale_bar = plain = None
+    if row_scale is not None:
+        scale_s, scale_bar = extra
+    elif square_sums:
+        scale_s, plain = extra
 
     def read_row_scale():  # after the wait of a dependent launch: XLA wrote the scales
         if row_scale is not None:
-            plgpu.copy_gmem_to_smem(row_scale, scale_s.at[pl.ds(0, rows)], extra[1])
+            plgpu.copy_gmem_to_smem(row_scale, scale_s.at[pl.ds(0, rows)], scale_bar)
 
     swap = swapped(o_s.dtype, variant)
     ring = (x_s, w_s, bars)
@@ -257,7 +261,7 @@ def tile_product(
         plgpu.commit_smem()
     if row_scale is not None or square_sums:
         if row_scale is not None:
-            plgpu.barrier_wait(extra[1])
+            plgpu.barrier_wait(scale_bar)
         scale = _row_scales(scale_s, held, swap, acc.shape, rms)
         acc = acc * scale
         up = None if up is None else up * scale

@@ -141,8 +141,7 @@ def _rows(
         win_ref = None if write_pool else refs[2]
 
         if dependent:
-            plgpu.griddepcontrol_launch_dependents()
-            plgpu.griddepcontrol_wait()
+            _common.wait_as_dependent()
         n = lax.axis_index("n")
         chans = pl.ds(lax.axis_index("c") * BLOCK_C, BLOCK_C)
         slot = idx_ref[n]
@@ -238,7 +237,7 @@ def causal_conv1d_update(
     pool_ref = jax.new_ref(conv_pool)
     y = _rows(
         x, weight, bias, pool_ref, state_indices, activation=activation, write_pool=True,
-        interpret=interpret, dependent=_common.DEPENDENT_LAUNCHES and not interpret,
+        interpret=interpret, dependent=_common.dependent_launch(interpret),
     )  # fmt: skip
     return y, jax.freeze(pool_ref)
 

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params
+from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params, wait_as_dependent
 from pallas_kernels._mgpu_chunks import SMEM_PER_SM, columns_over_warps
 
 __all__ = [
@@ -369,8 +369,7 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
         refs = refs[len(norm_in) :]
         pool, o_ref, state_smem, q_smem, k_smem, v_smem, o_smem, bars, *norm_smem = refs
         if dependent:
-            plgpu.griddepcontrol_launch_dependents()
-            plgpu.griddepcontrol_wait()
+            wait_as_dependent()
         prog = lax.axis_index("c")
         count = (n_items - prog + n_progs - 1) // n_progs  # this program's items
 

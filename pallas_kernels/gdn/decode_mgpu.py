@@ -308,7 +308,7 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
     scale = heads.k_dim**-0.5 if scale is None else float(scale)
     if variant.stages:
         run = pipelined
-        options["dependent"] = _common.DEPENDENT_LAUNCHES and not interpret
+        options["dependent"] = _common.dependent_launch(interpret)
     else:
         run = one_item_per_program
     pool_ref = jax.new_ref(ssm_pool)
