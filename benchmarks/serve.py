@@ -105,6 +105,11 @@ TRIAL_SWITCHES = {
         "launches that issue their weight or state reads before waiting for the kernel "
         "before them",
     ),
+    "--routing-in-kernel": (
+        moe_layer, "ROUTING_IN_KERNEL", True,
+        "a MoE block of a few tokens ranks their experts and forms the softmax over the "
+        "chosen ones in one launch (moe.top_k_routing), not in two XLA reductions",
+    ),
     "--square-sums-in-launch": (
         linear_layer, "SQUARE_SUMS_IN_LAUNCH", True,
         "a layer's input projections of a folded norm's rows sum the rows' squares in their "

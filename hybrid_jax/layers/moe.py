@@ -15,8 +15,6 @@ per-expert ``[out, in]`` matrices (or its fused ``gate_up_proj``) into them.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +24,14 @@ from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers.linear import project, project_output, short_sum
 from hybrid_jax.layers.norm import NormedRows, formed
 from pallas_kernels import moe, projections, resolve_impl
+from pallas_kernels.moe import top_k_softmax
 
 __all__ = [
     "BY_ID_MAX_PAIRS",
     "HIDDEN_IN_EXPERT_LAUNCH",
     "MLP",
     "RANKED_TOP_K_TOKENS",
+    "ROUTING_IN_KERNEL",
     "SHARED_DOWN_WITH_EXPERTS",
     "SHARED_HIDDEN_WITH_EXPERTS",
     "SOFTMAX_IN_RANKING",
@@ -80,65 +80,28 @@ chosen ids) instead of after them, where it is a kernel of its own on the GPU (o
 fewer per MoE block: ``benchmarks/RESULTS_serve.md``)."""
 
 
+ROUTING_IN_KERNEL = False
+"""Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
+``norm_topk_prob``) routes them in one launch (``moe.top_k_routing``: each token's top-k
+and their softmax) instead of the ranking's two XLA reductions. Off until measured on the
+H200."""
+
+
 def top_k(x: jax.Array, k: int, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k(x, k)`` along the last axis of ``x`` ``[T, n]`` (equal values: the lower
     index first), with int32 indices; rows where ``valid`` (bool ``[T]``) is False get index
     ``n`` (out of range: no expert) for each choice.
 
-    Up to ``RANKED_TOP_K_TOKENS`` rows it counts, for every entry, the entries that come
-    before it (larger, or equal at a lower index) and picks the entries of ranks ``0..k-1``:
-    an ``[T, n, n]`` comparison that XLA fuses into a reduction, where ``lax.top_k`` on the GPU
-    is a sort of its own per call. More rows sort (the comparison grows as ``n ** 2``).
+    Up to ``RANKED_TOP_K_TOKENS`` rows it ranks (``moe.ranked_top_k``: an ``[T, n, n]``
+    comparison that XLA fuses into a reduction, where ``lax.top_k`` on the GPU is a sort of its
+    own per call). More rows sort (the comparison grows as ``n ** 2``).
     """
     n = x.shape[-1]
     if x.shape[0] > RANKED_TOP_K_TOKENS:
         values, indices = jax.lax.top_k(x, k)
         indices = indices.astype(jnp.int32)
         return values, indices if valid is None else jnp.where(valid[:, None], indices, n)
-    index, _, chosen = _ranking(x, k)
-    values = jnp.where(chosen, x[..., None, :], 0).sum(axis=-1)
-    return values.astype(x.dtype), _chosen_indices(chosen, index, valid)
-
-
-def _ranking(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(the indices ``[n]``; ``before`` ``[T, n, n]``: whether entry j comes before entry i,
-    larger or equal at a lower index; ``chosen`` ``[T, k, n]``: whether an entry's rank, its
-    place in that order, is the choice's) of ``x`` ``[T, n]``."""
-    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
-    mine, other = x[..., :, None], x[..., None, :]
-    before = (other > mine) | ((other == mine) & (index[None, :] < index[:, None]))
-    rank = before.sum(axis=-1, dtype=jnp.int32)  # [T, n]
-    return index, before, rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]
-
-
-def _chosen_indices(chosen: jax.Array, index: jax.Array, valid: jax.Array | None) -> jax.Array:
-    """The index of each row's chosen entry per choice (``chosen`` ``[T, k, n]``, one entry
-    each), or ``n`` in rows where ``valid`` is False."""
-    # An invalid row's index inside the sum (one entry is chosen per choice), not after
-    # it: XLA then needs no kernel of its own for the mask.
-    ids = index if valid is None else jnp.where(valid[:, None, None], index, index.shape[0])
-    return jnp.where(chosen, ids, 0).sum(axis=-1, dtype=jnp.int32)
-
-
-def top_k_softmax(
-    x: jax.Array, k: int, valid: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """(the softmax over each row's ``k`` largest entries, float32 ``[T, k]``; their int32
-    indices ``[T, k]``) of float32 ``x`` ``[T, n]``, largest first, ranked as ``top_k`` ranks
-    (rows where ``valid`` is False get index ``n``).
-
-    Two reductions, each over the ``[T, n, n]`` or ``[T, k, n]`` comparisons the ranking
-    makes anyway: every entry's rank beside the largest of its own value and those ranked
-    before it (the row's max, whatever the entry), then each choice's index beside its
-    ``exp(value - max)``. What remains is the sum of ``k`` of those and a division, written as
-    adds, which XLA may fuse into the weights' reader."""
-    index, before, chosen = _ranking(x, k)
-    at_or_before = before | (index[None, :] == index[:, None])
-    top = jnp.where(at_or_before, x[..., None, :], -jnp.inf).max(axis=-1)  # the row's max
-    exps = jnp.exp(x - top)  # at most 1: the largest entry's is 1
-    picked = jnp.where(chosen, exps[..., None, :], 0).sum(axis=-1)  # [T, k]
-    total = functools.reduce(operator.add, (picked[:, j] for j in range(k)))  # at least 1
-    return picked / total[:, None], _chosen_indices(chosen, index, valid)
+    return moe.ranked_top_k(x, k, valid)
 
 
 def _softmax_of_ordered(x: jax.Array) -> jax.Array:
@@ -296,23 +259,39 @@ class SparseMoE(nnx.Module):
         )
 
     def route(
-        self, logits: jax.Array, real: jax.Array | None = None
+        self, logits: jax.Array, real: jax.Array | None = None, *, impl: str = "reference"
     ) -> tuple[jax.Array, jax.Array]:
         """(weights ``[T, top_k]`` in the logits' dtype, experts int32 ``[T, top_k]``) of each
         token, from its router logits ``[T, E]``; a token that ``real`` (bool ``[T]``) marks
-        as padding gets expert ``E`` (none) for every choice."""
+        as padding gets expert ``E`` (none) for every choice. ``impl`` chooses
+        ``moe.top_k_routing``'s kernel where ``ROUTING_IN_KERNEL`` lets it take the call."""
         wide = logits.astype(jnp.float32)
         ranked = logits.shape[0] <= RANKED_TOP_K_TOKENS
-        if self.config.norm_topk_prob and SOFTMAX_IN_RANKING and ranked:
-            weights, experts = top_k_softmax(wide, self.config.top_k, real)
+        k = self.config.top_k
+        if self._routes_in_kernel(logits, impl):
+            weights, experts = moe.top_k_routing(logits, k, real, impl=impl)
+        elif self.config.norm_topk_prob and SOFTMAX_IN_RANKING and ranked:
+            weights, experts = top_k_softmax(wide, k, real)
         elif self.config.norm_topk_prob:
             # The softmax renormalised over the chosen experts is the softmax of their logits
             # (the softmax keeps the logits' order): no softmax over every expert.
-            chosen, experts = top_k(wide, self.config.top_k, real)
+            chosen, experts = top_k(wide, k, real)
             weights = _softmax_of_ordered(chosen)
         else:
-            weights, experts = top_k(jax.nn.softmax(wide, axis=-1), self.config.top_k, real)
+            weights, experts = top_k(jax.nn.softmax(wide, axis=-1), k, real)
         return weights.astype(logits.dtype), experts
+
+    def _routes_in_kernel(self, logits: jax.Array, impl: str) -> bool:
+        """Whether this call's routing is ``moe.top_k_routing``'s launch: ``ROUTING_IN_KERNEL``,
+        the ranked token counts, renormalised weights, shapes the kernel takes, and the kernel
+        running here."""
+        if not (ROUTING_IN_KERNEL and self.config.norm_topk_prob):
+            return False
+        if not 0 < logits.shape[0] <= RANKED_TOP_K_TOKENS:
+            return False
+        if moe.routing_unsupported_reason(logits, self.config.top_k) is not None:
+            return False
+        return resolve_impl("top_k_routing", impl, None) != "reference"
 
     def __call__(
         self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
@@ -332,7 +311,7 @@ class SparseMoE(nnx.Module):
             gate_logit = gate_logit[:, :1]
         else:
             gate_logit = self._shared_gate_logit(x)
-        weights, experts = self.route(logits, real)
+        weights, experts = self.route(logits, real, impl=impl)
         shared_scale = jax.nn.sigmoid(gate_logit)
         if hidden_in_launch:
             hidden, shared_hidden = self._hidden_by_id(x, experts, impl)

@@ -1,5 +1,6 @@
-"""Mixture-of-experts ops: the grouped matmul over tokens sorted by expert, and the product of
-each row with its own experts read by id (a few tokens a step)."""
+"""Mixture-of-experts ops: the grouped matmul over tokens sorted by expert, the product of
+each row with its own experts read by id (a few tokens a step), and a few tokens' routing
+(their top-k experts and the softmax over them)."""
 
 from pallas_kernels.moe.expert_matmul import (
     PairTiles,
@@ -13,6 +14,8 @@ from pallas_kernels.moe.expert_matmul import (
 )
 from pallas_kernels.moe.expert_matmul import unsupported_reason as expert_matmul_unsupported_reason
 from pallas_kernels.moe.grouped_matmul import grouped_matmul, unsupported_reason
+from pallas_kernels.moe.routing import ranked_top_k, top_k_routing, top_k_softmax
+from pallas_kernels.moe.routing import unsupported_reason as routing_unsupported_reason
 
 __all__ = [
     "PairTiles",
@@ -23,5 +26,9 @@ __all__ = [
     "expert_matmul_reference",
     "expert_matmul_unsupported_reason",
     "grouped_matmul",
+    "ranked_top_k",
+    "routing_unsupported_reason",
+    "top_k_routing",
+    "top_k_softmax",
     "unsupported_reason",
 ]
