@@ -169,3 +169,41 @@ def test_a_fold_into_a_weight_of_another_width_is_refused_and_changes_nothing():
     chex.assert_trees_all_equal(
         (norm.weight.get_value(), good.get_value()), (weight, jnp.ones((HIDDEN, 64), jnp.bfloat16))
     )
+
+
+def test_a_moe_block_routes_its_split_router_products_in_one_launch(monkeypatch):
+    """``SPLIT_INPUT_PROJECTIONS`` with ``ROUTING_IN_KERNEL``, the norm folded: the router's
+    float32 partial products and the rows' inverse RMS go to ``moe.top_k_routing`` unsummed,
+    and the block gives what it gives with the ranking in XLA."""
+    from hybrid_jax.layers import moe as moe_layer
+    from pallas_kernels import moe as moe_kernels
+
+    monkeypatch.setattr(linear, "SPLIT_INPUT_PROJECTIONS", True)
+    monkeypatch.setattr(linear, "MIN_SPLITS", 2)
+    config = MoEConfig(hidden_size=HIDDEN, num_experts=128, top_k=4, intermediate_size=128,
+                       shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
+    moe, norm, x = SparseMoE(config, rngs=nnx.Rngs(21)), _norm(22), _rows(23, 5)
+    real = jnp.arange(5) < 4
+    norm.fold_into(moe.input_readers())
+    moe.widen_shared_gate()
+    routed = []
+    top_k_routing = moe_kernels.top_k_routing
+
+    def recorded(logits, k, valid=None, **kwargs):
+        routed.append((logits.shape, logits.dtype, kwargs.get("row_scale") is not None))
+        return top_k_routing(logits, k, valid, **kwargs)
+
+    monkeypatch.setattr(moe_kernels, "top_k_routing", recorded)
+
+    def run():
+        # A function of its own per run: the switch is read while tracing.
+        return jax.jit(lambda m, r, a: m(r, a, impl="interpret"))(moe, norm.deferred(x), real)
+
+    in_xla = run()
+    assert routed == []
+    monkeypatch.setattr(moe_layer, "ROUTING_IN_KERNEL", True)
+    in_kernel = run()
+    (shape, dtype, scaled), *_ = routed
+    assert len(shape) == 3 and shape[1:] == (5, 128) and shape[0] >= 2
+    assert dtype == jnp.float32 and scaled
+    assert _rel(in_kernel, in_xla) < 2e-2

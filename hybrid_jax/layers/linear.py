@@ -17,11 +17,13 @@ products are summed where the result is used.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.layers.norm import NormedRows, formed
@@ -35,6 +37,7 @@ __all__ = [
     "SPLIT_INPUT_PROJECTIONS",
     "SPLIT_OUTPUT_PROJECTIONS",
     "SQUARE_SUMS_IN_LAUNCH",
+    "SplitProduct",
     "project",
     "project_output",
     "short_sum",
@@ -94,9 +97,36 @@ def short_sum(x: jax.Array, axis: int) -> jax.Array:
     return functools.reduce(operator.add, parts)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SplitProduct:
+    """A product left as its float32 partial products over parts of K, ``parts`` ``[S, T,
+    N]``, each row of their sum to be multiplied by ``row_scale`` (float32 ``[T]``; None: 1):
+    for a reader that sums them itself (``project(keep_split=...)``)."""
+
+    parts: jax.Array
+    row_scale: jax.Array | None
+    dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.parts.shape[1:]
+
+    def value(self) -> jax.Array:
+        """The product, in ``dtype``, as ``project`` gives it unsplit."""
+        total = short_sum(self.parts, 0)
+        if self.row_scale is not None:
+            total = total * self.row_scale[:, None]
+        return total.astype(self.dtype)
+
+
 def project(
-    x: jax.Array | NormedRows, layers: Sequence[nnx.Linear], *, impl: str
-) -> tuple[jax.Array, ...]:
+    x: jax.Array | NormedRows,
+    layers: Sequence[nnx.Linear],
+    *,
+    impl: str,
+    keep_split: Collection[int] = (),
+) -> tuple[jax.Array | SplitProduct, ...]:
     """``tuple(layer(x) for layer in layers)``, in one launch at few rows on the GPU.
 
     ``x`` may be a norm's ``NormedRows``: the launch then reads the rows times the norm's
@@ -104,7 +134,11 @@ def project(
     never formed; elsewhere it is formed first. When the kernel takes only some of the weights
     (a width that is not a multiple of its column tile: the 27B-like GDN's 96-wide ``b | a``),
     those share the launch if there are two or more (one weight alone is as fast in cuBLAS)
-    and the rest run as their layers."""
+    and the rest run as their layers.
+
+    ``keep_split``: the layers whose products, where the launch splits K
+    (``SPLIT_INPUT_PROJECTIONS``), stay ``SplitProduct`` for a reader that sums them itself
+    (a MoE block's router logits, for ``moe.top_k_routing``)."""
     if not (0 < x.shape[0] <= FEW_ROWS and resolve_impl("projections", impl, None) != "reference"):
         h = formed(x)
         return tuple(layer(h) for layer in layers)
@@ -121,7 +155,13 @@ def project(
     taken_weights = [weights[i] for i in taken]
     if SPLIT_INPUT_PROJECTIONS and _splits(rows, taken_weights) > 1:
         scale = x.inverse_rms() if isinstance(x, NormedRows) else None
-        products = _summed_partials(rows, taken_weights, row_scale=scale, impl=impl)
+        partials = projections.projection_partials(rows, taken_weights, impl=impl)
+        products = [
+            split if i in keep_split else split.value()
+            for i, split in zip(
+                taken, (SplitProduct(p, scale, rows.dtype) for p in partials), strict=True
+            )
+        ]
     elif isinstance(x, NormedRows) and SQUARE_SUMS_IN_LAUNCH and x.scale is None:
         # A folded norm's rows are its input: the launch sums their squares itself.
         products = projections.projections(
@@ -145,18 +185,11 @@ def _splits(x: jax.Array, weights: Sequence[jax.Array]) -> int:
     return splits if splits >= MIN_SPLITS else 1
 
 
-def _summed_partials(
-    x: jax.Array, weights: Sequence[jax.Array], *, row_scale: jax.Array | None = None,
-    impl: str,
-) -> list:  # fmt: skip
-    """``x @ w`` for each weight (each row times its ``row_scale`` when given), from float32
-    partial products over parts of K summed in x's dtype (XLA fuses the sum into the
-    products' use)."""
+def _summed_partials(x: jax.Array, weights: Sequence[jax.Array], *, impl: str) -> list:
+    """``x @ w`` for each weight, from float32 partial products over parts of K summed in
+    x's dtype (XLA fuses the sum into the products' use)."""
     partials = projections.projection_partials(x, weights, impl=impl)
-    sums = [short_sum(p, 0) for p in partials]
-    if row_scale is not None:
-        sums = [total * row_scale[:, None] for total in sums]
-    return [total.astype(x.dtype) for total in sums]
+    return [SplitProduct(p, None, x.dtype).value() for p in partials]
 
 
 def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:

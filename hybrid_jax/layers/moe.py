@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.layers import linear as linear_layer
-from hybrid_jax.layers.linear import project, project_output, short_sum
+from hybrid_jax.layers.linear import SplitProduct, project, project_output, short_sum
 from hybrid_jax.layers.norm import NormedRows, formed
 from pallas_kernels import moe, projections, resolve_impl
 from pallas_kernels.moe import top_k_softmax
@@ -259,18 +259,31 @@ class SparseMoE(nnx.Module):
         )
 
     def route(
-        self, logits: jax.Array, real: jax.Array | None = None, *, impl: str = "reference"
+        self,
+        logits: jax.Array | SplitProduct,
+        real: jax.Array | None = None,
+        *,
+        impl: str = "reference",
     ) -> tuple[jax.Array, jax.Array]:
         """(weights ``[T, top_k]`` in the logits' dtype, experts int32 ``[T, top_k]``) of each
-        token, from its router logits ``[T, E]``; a token that ``real`` (bool ``[T]``) marks
-        as padding gets expert ``E`` (none) for every choice. ``impl`` chooses
-        ``moe.top_k_routing``'s kernel where ``ROUTING_IN_KERNEL`` lets it take the call."""
+        token, from its router logits ``[T, E]`` (or their ``SplitProduct``); a token that
+        ``real`` (bool ``[T]``) marks as padding gets expert ``E`` (none) for every choice.
+        ``impl`` chooses ``moe.top_k_routing``'s kernel where ``ROUTING_IN_KERNEL`` lets it
+        take the call (it sums a ``SplitProduct``'s parts itself)."""
+        k = self.config.top_k
+        if self._routes_in_kernel(logits.shape[0], impl):
+            if isinstance(logits, SplitProduct):
+                weights, experts = moe.top_k_routing(
+                    logits.parts, k, real, row_scale=logits.row_scale, impl=impl
+                )
+            else:
+                weights, experts = moe.top_k_routing(logits, k, real, impl=impl)
+            return weights.astype(logits.dtype), experts
+        if isinstance(logits, SplitProduct):
+            logits = logits.value()
         wide = logits.astype(jnp.float32)
         ranked = logits.shape[0] <= RANKED_TOP_K_TOKENS
-        k = self.config.top_k
-        if self._routes_in_kernel(logits, impl):
-            weights, experts = moe.top_k_routing(logits, k, real, impl=impl)
-        elif self.config.norm_topk_prob and SOFTMAX_IN_RANKING and ranked:
+        if self.config.norm_topk_prob and SOFTMAX_IN_RANKING and ranked:
             weights, experts = top_k_softmax(wide, k, real)
         elif self.config.norm_topk_prob:
             # The softmax renormalised over the chosen experts is the softmax of their logits
@@ -281,14 +294,15 @@ class SparseMoE(nnx.Module):
             weights, experts = top_k(jax.nn.softmax(wide, axis=-1), k, real)
         return weights.astype(logits.dtype), experts
 
-    def _routes_in_kernel(self, logits: jax.Array, impl: str) -> bool:
-        """Whether this call's routing is ``moe.top_k_routing``'s launch: ``ROUTING_IN_KERNEL``,
-        the ranked token counts, renormalised weights, shapes the kernel takes, and the kernel
-        running here."""
+    def _routes_in_kernel(self, tokens: int, impl: str) -> bool:
+        """Whether routing ``tokens`` tokens is ``moe.top_k_routing``'s launch:
+        ``ROUTING_IN_KERNEL``, the ranked token counts, renormalised weights, a router the
+        kernel takes, and the kernel running here."""
         if not (ROUTING_IN_KERNEL and self.config.norm_topk_prob):
             return False
-        if not 0 < logits.shape[0] <= RANKED_TOP_K_TOKENS:
+        if not 0 < tokens <= RANKED_TOP_K_TOKENS:
             return False
+        logits = jax.ShapeDtypeStruct((tokens, self.config.num_experts), jnp.float32)
         if moe.routing_unsupported_reason(logits, self.config.top_k) is not None:
             return False
         return resolve_impl("top_k_routing", impl, None) != "reference"
@@ -305,7 +319,9 @@ class SparseMoE(nnx.Module):
         gate_in_launch = self._shared_gate_in_launch()
         if gate_in_launch:
             inputs.append(self.shared_expert_gate)
-        logits, *shared_gate_up = project(x, inputs, impl=impl)
+        # The router's partial products, where its launch splits K, go to the routing launch.
+        keep = (0,) if self._routes_in_kernel(x.shape[0], impl) else ()
+        logits, *shared_gate_up = project(x, inputs, impl=impl, keep_split=keep)
         if gate_in_launch:
             *shared_gate_up, gate_logit = shared_gate_up
             gate_logit = gate_logit[:, :1]

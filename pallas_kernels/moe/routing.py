@@ -9,7 +9,9 @@ l_0)`` with the sum taken in choice order. A token whose ``valid`` is False gets
 (out of range: no expert) for every choice, its weights as the logits give them.
 
 ``logits`` is ``[T, n]`` in any float dtype, or float32 partial products ``[S, T, n]`` over
-parts of K (``projections.projection_partials``), summed here in float32.
+parts of K (``projections.projection_partials``), summed here in float32; ``row_scale``
+multiplies each token's logits first (a folded norm's inverse RMS, which the products leave
+to their reader).
 
 The Mosaic GPU kernel (sm_90): one program per token. Its ``n`` logits lie across the
 warpgroup (``columns_over_warps``: ``n / 128`` a thread); each choice is two reductions, the
@@ -51,7 +53,7 @@ def unsupported_reason(logits: jax.Array, k: int) -> str | None:
     return None
 
 
-def _check(logits: jax.Array, k: int, valid: jax.Array | None) -> None:
+def _check(logits: jax.Array, k: int, valid: jax.Array | None, row_scale: jax.Array | None) -> None:
     if logits.ndim not in (2, 3) or not jnp.issubdtype(logits.dtype, jnp.floating):
         raise ValueError(
             f"{_OP}: logits must be float [T, n] or partials [S, T, n]; got {logits.dtype} "
@@ -62,6 +64,11 @@ def _check(logits: jax.Array, k: int, valid: jax.Array | None) -> None:
         raise ValueError(f"{_OP}: k={k} must be in 1..n={n}")
     if valid is not None and (valid.shape != (tokens,) or valid.dtype != jnp.bool_):
         raise ValueError(f"{_OP}: valid must be bool [T={tokens}]; got {valid.dtype} {valid.shape}")
+    if row_scale is not None and (row_scale.shape != (tokens,) or row_scale.dtype != _F32):
+        raise ValueError(
+            f"{_OP}: row_scale must be float32 [T={tokens}]; got {row_scale.dtype} "
+            f"{row_scale.shape}"
+        )
 
 
 def _ranking(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -118,21 +125,35 @@ def top_k_softmax(
 
 
 def top_k_routing(
-    logits: jax.Array, k: int, valid: jax.Array | None = None, *, impl: str = "auto"
+    logits: jax.Array,
+    k: int,
+    valid: jax.Array | None = None,
+    *,
+    row_scale: jax.Array | None = None,
+    impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """(float32 weights ``[T, k]``, int32 experts ``[T, k]``) of ``logits`` ``[T, n]`` (or
-    float32 partials ``[S, T, n]``): each token's ``k`` largest and the softmax over them
-    (module docstring); ``valid`` bool ``[T]`` or None (every token valid)."""
-    _check(logits, k, valid)
+    float32 partials ``[S, T, n]``), each token's logits first multiplied by its
+    ``row_scale`` (float32 ``[T]``: a folded norm's inverse RMS; None: 1): each token's ``k``
+    largest and the softmax over them (module docstring); ``valid`` bool ``[T]`` or None
+    (every token valid)."""
+    _check(logits, k, valid, row_scale)
     impl = resolve_impl(_OP, impl, unsupported_reason(logits, k))
     if impl == "reference":
         wide = logits.astype(_F32)
-        return top_k_softmax(wide.sum(axis=0) if wide.ndim == 3 else wide, k, valid)
+        wide = wide.sum(axis=0) if wide.ndim == 3 else wide
+        if row_scale is not None:
+            wide = wide * row_scale[:, None]
+        return top_k_softmax(wide, k, valid)
     parts = logits if logits.ndim == 3 else logits[None]
     tokens, n = parts.shape[1:]
     flags = jnp.ones((tokens,), jnp.int32) if valid is None else valid.astype(jnp.int32)
+    scales = jnp.ones((tokens,), _F32) if row_scale is None else row_scale
     index = jnp.arange(n, dtype=_F32)[None]
-    return _kernel(parts, index, flags, k=k, interpret=impl == "interpret")
+    return _kernel(
+        parts, index, flags, scales, k=k, scaled=row_scale is not None,
+        interpret=impl == "interpret",
+    )  # fmt: skip
 
 
 def _row_layout(n: int) -> plgpu.Layout:
@@ -145,7 +166,7 @@ def _row_layout(n: int) -> plgpu.Layout:
     return plgpu.Layout.TILED(tiling, warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1)
 
 
-def _kernel(parts, index, flags, *, k, interpret):
+def _kernel(parts, index, flags, scales, *, k, scaled, interpret):
     num_parts, tokens, n = parts.shape
     row = _row_layout(n)
     shape = (1, n)
@@ -156,7 +177,8 @@ def _kernel(parts, index, flags, *, k, interpret):
     def full(value: float) -> jax.Array:
         return jnp.full(shape, value, _F32)
 
-    def body(parts_ref, index_ref, flags_ref, weights_ref, ids_ref, x_s, c_s, w_s, i_s, bar):
+    def body(parts_ref, index_ref, flags_ref, scales_ref, weights_ref, ids_ref, x_s, c_s, w_s,
+             i_s, bar):  # fmt: skip
         t = lax.axis_index("t")
         for s in range(num_parts):
             plgpu.copy_gmem_to_smem(parts_ref.at[s, pl.ds(t, 1)], x_s.at[s], bar)
@@ -166,6 +188,8 @@ def _kernel(parts, index, flags, *, k, interpret):
         x = functools.reduce(
             operator.add, [plgpu.load(x_s.at[s], layout=row).astype(_F32) for s in range(num_parts)]
         )
+        if scaled:
+            x = x * jnp.broadcast_to(scales_ref[t], shape)
         idx = plgpu.load(c_s, layout=row)
         # Every operand of a select is a whole row: the warpgroup lowering broadcasts none.
         none, zeros = full(-jnp.inf), full(0.0)
@@ -212,4 +236,4 @@ def _kernel(parts, index, flags, *, k, interpret):
         interpret=interpret_params(interpret),
         kernel_name="top_k_routing",
     )
-    return kernel(parts, index, flags)
+    return kernel(parts, index, flags, scales)

@@ -17,11 +17,16 @@ from hybrid_jax.layers.moe import MoEConfig, SparseMoE
 from pallas_kernels.moe import routing
 
 
-def _oracle(logits: np.ndarray, k: int, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float64 weights and int ids of each token's k largest logits (ties: lower index)."""
+def _oracle(
+    logits: np.ndarray, k: int, valid: np.ndarray, scale: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """float64 weights and int ids of each token's k largest logits, each token's logits
+    times its ``scale`` (ties: lower index)."""
     x = np.asarray(logits, np.float64)
     if x.ndim == 3:
         x = x.sum(axis=0)
+    if scale is not None:
+        x = x * np.asarray(scale, np.float64)[:, None]
     weights, ids = [], []
     for row, ok in zip(x, valid, strict=True):
         order = sorted(range(len(row)), key=lambda i: (-row[i], i))[:k]
@@ -66,6 +71,21 @@ def test_routing_matches_the_float64_oracle(impl, shape, dtype, k):
     np.testing.assert_allclose(np.asarray(weights), want_w, rtol=2e-6, atol=2e-7)
 
 
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_partials_with_a_row_scale_match_the_float64_oracle(impl):
+    """A folded norm's inverse RMS scales each token's summed partials before the ranking
+    and the softmax (the weights change with it; the choices do not)."""
+    logits = _logits(5, (4, 6, 256), jnp.float32)
+    scale = jnp.asarray(np.random.default_rng(6).uniform(0.2, 3.0, 6), jnp.float32)
+    valid = np.array([True, True, False, True, True, True])
+    weights, ids = routing.top_k_routing(logits, 8, jnp.asarray(valid), row_scale=scale, impl=impl)
+    want_w, want_ids = _oracle(np.asarray(logits), 8, valid, np.asarray(scale))
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(weights), want_w, rtol=2e-6, atol=2e-7)
+    unscaled, _ = _oracle(np.asarray(logits), 8, valid)
+    assert np.abs(unscaled - want_w).max() > 1e-3
+
+
 def test_kernel_and_reference_agree_without_a_validity_mask():
     logits = _logits(3, (6, 256), jnp.float32)
     got = routing.top_k_routing(logits, 8, impl="interpret")
@@ -86,11 +106,17 @@ def test_equal_logits_are_chosen_by_the_lower_index():
                                               ((64, 128), jnp.bfloat16)])  # fmt: skip
 def test_kernel_lowers_for_the_gpu(shape, dtype):
     spec = jax.ShapeDtypeStruct
-    logits, valid = spec(shape, dtype), spec((shape[-2],), jnp.bool_)
+    tokens = shape[-2]
+    logits, valid, scale = (
+        spec(shape, dtype),
+        spec((tokens,), jnp.bool_),
+        spec((tokens,), jnp.float32),
+    )
     assert routing.unsupported_reason(logits, 8) is None
-    call = lambda x, v: routing.top_k_routing(x, 8, v, impl="pallas")  # noqa: E731
+    call = lambda x, v, s: routing.top_k_routing(x, 8, v, row_scale=s, impl="pallas")  # noqa: E731
     with jax.default_device(jax.devices("cpu")[0]):
-        text = jax.jit(call).trace(logits, valid).lower(lowering_platforms=("cuda",)).as_text()
+        traced = jax.jit(call).trace(logits, valid, scale)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
@@ -105,6 +131,8 @@ def test_unsupported_calls_and_bad_arguments_say_why():
         routing.top_k_routing(x, 300)
     with pytest.raises(ValueError, match="valid must be bool"):
         routing.top_k_routing(x, 8, jnp.ones((4,), jnp.int32))
+    with pytest.raises(ValueError, match="row_scale must be float32"):
+        routing.top_k_routing(x, 8, row_scale=jnp.ones((4,), jnp.bfloat16))
     with pytest.raises(ValueError, match="logits must be float"):
         routing.top_k_routing(jnp.zeros((4, 256), jnp.int32), 8)
 
@@ -119,8 +147,8 @@ def test_a_moe_layer_routes_through_the_kernel_as_through_the_ranking(monkeypatc
     real = jnp.arange(8) < 5
     ranked = layer.route(logits, real, impl="interpret")
     monkeypatch.setattr(moe_layer, "ROUTING_IN_KERNEL", True)
-    assert layer._routes_in_kernel(logits, "interpret")
-    assert not layer._routes_in_kernel(logits, "reference")
+    assert layer._routes_in_kernel(8, "interpret")
+    assert not layer._routes_in_kernel(8, "reference")
     in_kernel = layer.route(logits, real, impl="interpret")
     np.testing.assert_array_equal(np.asarray(in_kernel[1]), np.asarray(ranked[1]))
     assert (np.asarray(in_kernel[1])[5:] == 128).all()
@@ -134,7 +162,6 @@ def test_the_layer_keeps_the_ranking_where_the_kernel_cannot_route():
         config = MoEConfig(hidden_size=64, num_experts=num_experts, top_k=top_k,
                            intermediate_size=32, shared_intermediate_size=32)  # fmt: skip
         layer = SparseMoE(config, rngs=nnx.Rngs(0))
-        logits = jnp.zeros((4, num_experts), jnp.float32)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(moe_layer, "ROUTING_IN_KERNEL", True)
-            assert not layer._routes_in_kernel(logits, "interpret")
+            assert not layer._routes_in_kernel(4, "interpret")
