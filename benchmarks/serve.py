@@ -229,6 +229,24 @@ def _last_step(events: _Events, steps: int) -> _Events:
     return [(name, (start - first) / 1e3, duration / 1e3) for name, start, duration in last]
 
 
+HOST_GAP_US = 5.0
+"""A pause between two launches of a step longer than this is the host behind, not the
+device: a launch's own gap is under a microsecond."""
+
+
+def device_bound_us(sequence: _Events) -> tuple[float, float]:
+    """(the step's launches back to back: their durations plus the gaps between them up to
+    ``HOST_GAP_US``; the longer gaps, where the device waited for the host) of one step's
+    launches in order (``_last_step``). The first is what the step would take with the host
+    always ahead, the measure to compare a batch-1 step's variants on: its median between
+    processes moves with the host."""
+    busy = sum(us for _, _, us in sequence)
+    ends = [at + us for _, at, us in sequence[:-1]]
+    gaps = [max(0.0, at - end) for (_, at, _), end in zip(sequence[1:], ends, strict=True)]
+    short = sum(g for g in gaps if g <= HOST_GAP_US)
+    return busy + short, sum(gaps) - short
+
+
 def _breakdown(engine: Engine, steps: int, table: pathlib.Path | None = None) -> str:
     """The device breakdown of the engine's next ``steps`` steps, as a row's note (GPU only);
     every kernel's calls and time per step go to ``table`` (tab-separated) when given.
@@ -247,8 +265,10 @@ def _breakdown(engine: Engine, steps: int, table: pathlib.Path | None = None) ->
     busy = sum(categories.values())
     ranked = sorted(categories.items(), key=lambda kv: -kv[1])
     launches = sum(calls for _, calls, _ in kernels)
+    bound, host = device_bound_us(sequence)
     return (
-        f"{launches:.0f} kernels/step; device us/step: "
+        f"{launches:.0f} kernels/step; its launches back to back {bound:.0f} us (host "
+        f"stalls {host:.0f} us in the last profiled step); device us/step: "
         + ", ".join(f"{k} {v:.0f}" for k, v in ranked)
         + f"; idle {max(0.0, 1 - busy / wall_us):.0%} of {wall_us:.0f} us; top: "
         + "; ".join(f"{n[:60]} {us:.0f}" for n, us in top)
