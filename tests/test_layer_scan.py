@@ -263,3 +263,33 @@ def test_an_engine_folds_the_layers_it_stacks_and_leaves_a_scanned_model_alone()
     Engine(scanned, ByteTokenizer(), config, progress=False)
     block = scanned.layers[0].blocks[0]
     assert not block.input_layernorm.folded and not block.post_attention_layernorm.folded
+
+
+def test_the_scan_body_reads_each_layer_s_slots_and_pages_shifted_before_the_loop():
+    """The layers' pool slots and page tables are shifted to every layer's rows before the
+    scan (its xs), so the loop body holds no index arithmetic: the metadata's own slots and
+    table are not among the scan's inputs, and each repeat's shifted ones are."""
+    model = scan_layers(qwen3_next(3))
+    run = parity.Runner(model)
+    pool, kv = run.fresh()
+    meta = build_metadata(
+        M.DECODE, [RowSpec(1, 3, 1, (2,)), RowSpec(2, 5, 1, (4, 5))], parity.POLICY,
+        num_slots=parity.NUM_SLOTS, num_pages=parity.NUM_PAGES,
+    )  # fmt: skip
+    meta = jax.tree.map(jnp.asarray, meta)
+    tokens = jnp.zeros(meta.num_tokens, jnp.int32)
+    args = (run.params, tokens, pool, kv, meta)
+    closed = jax.make_jaxpr(run.forward.__wrapped__)(*args)
+    leaves = jax.tree.leaves(args)
+
+    def var_of(leaf):
+        (i,) = [i for i, a in enumerate(leaves) if a is leaf]
+        return closed.jaxpr.invars[i]
+
+    scan = next(e for e in closed.jaxpr.eqns if e.primitive.name == "scan")
+    assert var_of(meta.state_indices) not in scan.invars
+    assert var_of(meta.pages.table) not in scan.invars
+    shapes = {tuple(v.aval.shape) for v in scan.invars if v.aval.dtype == jnp.int32}
+    bs, max_pages = meta.pages.table.shape
+    assert (3, 2, bs) in shapes  # 3 repeats of 2 GDN layers
+    assert (3, 1, bs, max_pages) in shapes  # and of 1 attention layer

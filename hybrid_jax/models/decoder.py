@@ -30,6 +30,66 @@ from hybrid_jax.state_pool import StatePool
 __all__ = ["DecoderOutput", "HybridCausalLM", "LayerStates"]
 
 
+@jax.tree_util.register_pytree_node_class
+class _RepeatMetadata:
+    """One repeat's linear layers' pool slots ``[n_linear, bs]`` and attention layers' page
+    tables ``[n_attention, bs, max_pages]``, each shifted to its layer's rows of the flat
+    pool and cache (``ForwardMetadata.at_linear_layer`` / ``at_attention_layer``); stacked on a
+    leading ``repeats`` axis before a scan, one repeat's inside it, handed out in layer
+    order."""
+
+    def __init__(self, slots: jax.Array | None, tables: jax.Array | None):
+        self.slots, self.tables = slots, tables
+        self._linear = self._attention = 0
+
+    def tree_flatten(self):
+        return (self.slots, self.tables), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    @classmethod
+    def stacked(
+        cls,
+        meta: ForwardMetadata,
+        repeats: int,
+        *,
+        linear: tuple[jax.Array | int, int, int],
+        attention: tuple[jax.Array | int, int, int],
+    ) -> _RepeatMetadata:
+        """Every repeat's: ``linear`` and ``attention`` are (the first layer's index, layers
+        of the kind a repeat, rows of a layer in the flat pool or cache)."""
+        (first, per_repeat, num_slots), (first_att, per_repeat_att, num_pages) = linear, attention
+        slots = tables = None
+        if per_repeat:
+            layer = first + jnp.arange(repeats * per_repeat, dtype=jnp.int32)
+            shifted = jax.vmap(lambda i: meta.at_linear_layer(i, num_slots).state_indices)(layer)
+            slots = shifted.reshape(repeats, per_repeat, -1)
+        if per_repeat_att:
+            layer = first_att + jnp.arange(repeats * per_repeat_att, dtype=jnp.int32)
+            table = jax.vmap(lambda i: meta.at_attention_layer(i, num_pages).pages.table)(layer)
+            tables = table.reshape(repeats, per_repeat_att, *table.shape[1:])
+        return cls(slots, tables)
+
+    def next_slots(self) -> jax.Array:
+        self._linear += 1
+        return self.slots[self._linear - 1]
+
+    def next_table(self) -> jax.Array:
+        self._attention += 1
+        return self.tables[self._attention - 1]
+
+    def check_used(self, linear: int, attention: int) -> None:
+        """Raises unless the repeat's block ran exactly its ``linear`` and ``attention``
+        layers (a count the caller gave wrong would shift every later layer)."""
+        if (self._linear, self._attention) != (linear, attention):
+            raise ValueError(
+                f"a repeat ran {self._linear} linear and {self._attention} attention layers; "
+                f"the scan was told {linear} and {attention}"
+            )
+
+
 class LayerStates:
     """The slot pool and KV cache of one forward, handed to the layers in order.
 
@@ -67,6 +127,7 @@ class LayerStates:
         self._stacks: list[VerifyStack] = []
         self._linear: jax.Array | int = 0
         self._attention: jax.Array | int = 0
+        self._repeat: _RepeatMetadata | None = None
 
     def linear(
         self,
@@ -80,7 +141,10 @@ class LayerStates:
         returns its output ``[T, hidden]`` and keeps its new states (and verify states)."""
         i, self._linear = self._linear, self._linear + 1
         conv, ssm, *pages = self._arrays
-        meta = meta.at_linear_layer(i, self._pool.num_slots)
+        if self._repeat is None:
+            meta = meta.at_linear_layer(i, self._pool.num_slots)
+        else:  # in a scan: this repeat's slots, shifted before the scan
+            meta = dataclasses.replace(meta, state_indices=self._repeat.next_slots())
         out = run_block(mixer, h, conv, ssm, meta, impl=impl)
         self._arrays = (out.conv_state, out.ssm_state, *pages)
         if out.verify:
@@ -99,7 +163,12 @@ class LayerStates:
         pages; returns its output ``[T, hidden]`` and keeps its new pages."""
         i, self._attention = self._attention, self._attention + 1
         conv, ssm, k, v = self._arrays
-        out = run_block(mixer, h, k, v, meta.at_attention_layer(i, self._kv.num_pages), impl=impl)
+        if self._repeat is None:
+            meta = meta.at_attention_layer(i, self._kv.num_pages)
+        else:  # in a scan: this repeat's page table, shifted before the scan
+            table = self._repeat.next_table()
+            meta = dataclasses.replace(meta, pages=dataclasses.replace(meta.pages, table=table))
+        out = run_block(mixer, h, k, v, meta, impl=impl)
         self._arrays = (conv, ssm, out.k_pages, out.v_pages)
         return out.y
 
@@ -113,6 +182,7 @@ class LayerStates:
         block: Callable[[jax.Array, Any], jax.Array],
         x: jax.Array,
         weights: Any,
+        meta: ForwardMetadata,
         *,
         repeats: int,
         linear_per_repeat: int,
@@ -121,21 +191,31 @@ class LayerStates:
         """``x = block(x, weights[r])`` for r in ``range(repeats)`` under ``lax.scan``, the
         pool and cache carried; ``weights``: a pytree of arrays stacked on a leading
         ``repeats`` axis. Each repeat runs ``linear_per_repeat`` linear and
-        ``attention_per_repeat`` attention layers (in that count, any order)."""
+        ``attention_per_repeat`` attention layers (in that count, any order), on ``meta``
+        shifted to their pool rows and cache pages before the scan (``_RepeatMetadata``): the
+        loop body holds no index arithmetic of its own."""
         self._stack_verify()
         linear0, attention0 = self._linear, self._attention
+        shifted = _RepeatMetadata.stacked(
+            meta, repeats,
+            linear=(linear0, linear_per_repeat, self._pool.num_slots),
+            attention=(attention0, attention_per_repeat,
+                       0 if self._kv is None else self._kv.num_pages),
+        )  # fmt: skip
 
         def step(carry, xs):
             x, self._arrays = carry
-            r, w = xs
+            r, w, self._repeat = xs
             self._linear = linear0 + r * linear_per_repeat
             self._attention = attention0 + r * attention_per_repeat
             x = block(x, w)
+            self._repeat.check_used(linear_per_repeat, attention_per_repeat)
+            self._repeat = None
             verify, self._verify = [states for _, states in self._verify], []
             return (x, self._arrays), verify
 
         (x, self._arrays), verify = jax.lax.scan(
-            step, (x, self._arrays), (jnp.arange(repeats, dtype=jnp.int32), weights)
+            step, (x, self._arrays), (jnp.arange(repeats, dtype=jnp.int32), weights, shifted)
         )
         self._linear = linear0 + repeats * linear_per_repeat
         self._attention = attention0 + repeats * attention_per_repeat

@@ -125,7 +125,7 @@ class ScannedRun(nnx.Module):
             return x
 
         return states.scan(
-            block, x, tuple(weights), repeats=self.repeats,
+            block, x, tuple(weights), meta, repeats=self.repeats,
             linear_per_repeat=self.linear_per_repeat,
             attention_per_repeat=self.attention_per_repeat,
         )  # fmt: skip
