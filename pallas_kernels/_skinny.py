@@ -312,12 +312,14 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
         fill_weights(j, stage)
 
     def squares_of(stage, squares):
-        """``squares`` plus this stage's block's (the rows past R hold zeros or stale rows:
-        their sums are never read)."""
+        """``squares`` (``[held, BLOCK_K]``, each row's squares so far, column by column)
+        plus this stage's block's (the rows past R hold zeros or stale rows: their sums are
+        never read). Summed along the rows once, after the ring: a sum across the warps each
+        block would hold the warpgroup at a barrier beside every product."""
         if plain is None:
             return squares
         x = plgpu.load(plain.at[stage, pl.ds(0, held)], layout=block).astype(F32)
-        return squares + jnp.sum(x * x, axis=1)
+        return squares + x * x
 
     if variant.dependent and not interpret:
         for j in range(stages):
@@ -334,7 +336,7 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
             fill(j, j)
     no_squares = None
     if plain is not None:
-        no_squares = plgpu.layout_cast(jnp.zeros((held,), F32), block.reduce(1))
+        no_squares = plgpu.layout_cast(jnp.zeros((held, BLOCK_K), F32), block)
 
     def step(j, carry):
         acc, squares = carry
@@ -347,10 +349,14 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
         return acc, squares
 
     if variant.overlap:
-        return _overlapped_products(operands, bars, fill, shape, steps=steps, stages=stages,
-                                    squares=(squares_of, no_squares))  # fmt: skip
-    init = plgpu.layout_cast(jnp.zeros(shape, F32), WG)
-    return lax.fori_loop(0, steps, step, (init, no_squares))
+        acc, squares = _overlapped_products(
+            operands, bars, fill, shape, steps=steps, stages=stages,
+            squares=(squares_of, no_squares),
+        )  # fmt: skip
+    else:
+        init = plgpu.layout_cast(jnp.zeros(shape, F32), WG)
+        acc, squares = lax.fori_loop(0, steps, step, (init, no_squares))
+    return acc, None if squares is None else jnp.sum(squares, axis=1)
 
 
 def _row_scales(scale_s, held: int, swap: bool, shape, rms: tuple[float, int] | None):
@@ -369,8 +375,9 @@ def _row_scales(scale_s, held: int, swap: bool, shape, rms: tuple[float, int] | 
 
 def _overlapped_products(operands, bars, fill, shape, *, steps: int, stages: int, squares):
     """The ring's products into one accumulator of ``shape``, each left running while the
-    next block is awaited; returns (the float32 sum (WGMMA layout), the rows' sums of
-    squares or None): ``squares`` is ``_tile_sum``'s ``(squares_of, initial sums)``."""
+    next block is awaited; returns (the float32 sum (WGMMA layout), the rows' squares
+    column by column or None): ``squares`` is ``_tile_sum``'s ``(squares_of, initial
+    squares)``."""
     squares_of, no_squares = squares
 
     def scope(acc_ref):
