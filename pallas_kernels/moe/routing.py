@@ -13,11 +13,11 @@ parts of K (``projections.projection_partials``), summed here in float32; ``row_
 multiplies each token's logits first (a folded norm's inverse RMS, which the products leave
 to their reader).
 
-The Mosaic GPU kernel (sm_90): one program per token. Its ``n`` logits lie across the
-warpgroup (``columns_over_warps``: ``n / 128`` a thread); each choice is two reductions, the
-row's largest remaining logit, then the lowest index holding it, and that entry is struck out.
-The choices are gathered into one register row (column ``j`` holds choice ``j``) whose first
-``k`` columns one TMA stores.
+The Mosaic GPU kernel (sm_90): one program per 4 tokens, a token per warp, its ``n`` logits
+across the warp's lanes. Each choice is two reductions along the token's row, within its warp
+(no shared memory, no barrier): the largest remaining logit, then the lowest index holding
+it, and that entry is struck out. The choices are gathered into one register row (column
+``j`` holds choice ``j``) whose first ``k`` columns one TMA stores per token.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = ["ranked_top_k", "top_k_routing", "top_k_softmax", "unsupported_reason
 
 _OP = "top_k_routing"
 _WIDTHS = (128, 256)  # experts: one TMA box holds at most 256 along a dimension
-_REDUCTION_SCRATCH = 128 * 4 * 4  # SMEM bytes of a cross-warp reduction
+_TOKENS = 4  # tokens a program routes: one per warp
 _F32 = jnp.float32
 
 
@@ -147,51 +147,67 @@ def top_k_routing(
         return top_k_softmax(wide, k, valid)
     parts = logits if logits.ndim == 3 else logits[None]
     tokens, n = parts.shape[1:]
-    flags = jnp.ones((tokens,), jnp.int32) if valid is None else valid.astype(jnp.int32)
+    flags = jnp.ones((tokens,), _F32) if valid is None else valid.astype(_F32)
     scales = jnp.ones((tokens,), _F32) if row_scale is None else row_scale
-    index = jnp.arange(n, dtype=_F32)[None]
-    return _kernel(
-        parts, index, flags, scales, k=k, scaled=row_scale is not None,
+    # Each element's column and token in a program's tile: constants the kernel compares with.
+    token, column = jnp.meshgrid(jnp.arange(_TOKENS), jnp.arange(n), indexing="ij")
+    place = jnp.stack([column, token]).astype(_F32)
+    extra = -tokens % _TOKENS  # padding tokens (none in a decode bucket), routed and dropped
+    if extra:
+        parts = jnp.pad(parts, ((0, 0), (0, extra), (0, 0)))
+        flags, scales = jnp.pad(flags, (0, extra)), jnp.pad(scales, (0, extra))
+    weights, ids = _kernel(
+        parts, place, flags, scales, k=k, scaled=row_scale is not None,
         interpret=impl == "interpret",
     )  # fmt: skip
+    return weights[:tokens], ids[:tokens]
 
 
-def _row_layout(n: int) -> plgpu.Layout:
-    """The register layout of a ``[1, n]`` float32 row across the warpgroup: a quarter of the
-    columns per warp, ``n / 128`` side by side in each thread. A reduction along the row
-    crosses the warps (the kernel's ``reduction_scratch_bytes``)."""
-    vec = n // 128
-    # [1, n] -> [1, 1, 1, warp, lane, vector]
-    tiling = plgpu.Tiling(((1, n), (n // 4,), (vec,)))
-    return plgpu.Layout.TILED(tiling, warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1)
+def _tile_layout(n: int) -> plgpu.Layout:
+    """The register layout of a ``[_TOKENS, n]`` float32 tile: a token per warp, its ``n``
+    columns over the warp's lanes (two side by side in a thread, ``n / 64`` pairs a lane). A
+    reduction along a token's columns stays within its warp."""
+    # [4, n] -> [token (warp), n / 64, lane, 2]
+    tiling = plgpu.Tiling(((_TOKENS, n), (64,), (2,)))
+    return plgpu.Layout.TILED(tiling, warp_dims=(-4,), lane_dims=(-2,), vector_dim=-1)
 
 
-def _kernel(parts, index, flags, scales, *, k, scaled, interpret):
+def _kernel(parts, place, flags, scales, *, k, scaled, interpret):
     num_parts, tokens, n = parts.shape
-    row = _row_layout(n)
-    shape = (1, n)
+    tile = _tile_layout(n)
+    shape = (_TOKENS, n)
 
     def across(vec: jax.Array) -> jax.Array:
         return lax.broadcast_in_dim(vec, shape, [0])
 
-    def full(value: float) -> jax.Array:
+    def full(value) -> jax.Array:
         return jnp.full(shape, value, _F32)
 
-    def body(parts_ref, index_ref, flags_ref, scales_ref, weights_ref, ids_ref, x_s, c_s, w_s,
+    def body(parts_ref, place_ref, flags_ref, scales_ref, weights_ref, ids_ref, x_s, c_s, w_s,
              i_s, bar):  # fmt: skip
-        t = lax.axis_index("t")
+        first_token = lax.axis_index("t") * _TOKENS
+        rows = pl.ds(first_token, _TOKENS)
         for s in range(num_parts):
-            plgpu.copy_gmem_to_smem(parts_ref.at[s, pl.ds(t, 1)], x_s.at[s], bar)
-        plgpu.copy_gmem_to_smem(index_ref, c_s, bar)
-        valid = flags_ref[t] != 0
+            plgpu.copy_gmem_to_smem(parts_ref.at[s, rows], x_s.at[s], bar)
+        plgpu.copy_gmem_to_smem(place_ref, c_s, bar)
         plgpu.barrier_wait(bar)
         x = functools.reduce(
-            operator.add, [plgpu.load(x_s.at[s], layout=row).astype(_F32) for s in range(num_parts)]
+            operator.add,
+            [plgpu.load(x_s.at[s], layout=tile).astype(_F32) for s in range(num_parts)],
         )
+        idx = plgpu.load(c_s.at[0], layout=tile)  # each element's column
+        token = plgpu.load(c_s.at[1], layout=tile)  # and its token in the tile
+
+        def per_token(ref) -> jax.Array:
+            """``ref[token]`` along each token's row (scalars read once, placed by token)."""
+            out = full(0.0)
+            for i in range(_TOKENS):
+                out = jnp.where(token == full(float(i)), full(ref[first_token + i]), out)
+            return out
+
         if scaled:
-            x = x * jnp.broadcast_to(scales_ref[t], shape)
-        idx = plgpu.load(c_s, layout=row)
-        # Every operand of a select is a whole row: the warpgroup lowering broadcasts none.
+            x = x * per_token(scales_ref)
+        # Every operand of a select is a whole tile: the warpgroup lowering broadcasts none.
         none, zeros = full(-jnp.inf), full(0.0)
         left = x  # the logits not yet chosen; a chosen one is -inf and out of the index pick
         taken, weights, chosen = zeros, zeros, zeros
@@ -209,12 +225,14 @@ def _kernel(parts, index, flags, scales, *, k, scaled, interpret):
         total = functools.reduce(operator.add, exps)
         for j, e in enumerate(exps):
             weights = jnp.where(idx == full(float(j)), across(e / total), weights)
-        chosen = jnp.where(jnp.broadcast_to(valid, shape), chosen, full(float(n)))
+        chosen = jnp.where(per_token(flags_ref) != zeros, chosen, full(float(n)))
         w_s[...] = weights
         i_s[...] = chosen.astype(jnp.int32)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(w_s.at[:, pl.ds(0, k)], weights_ref.at[pl.ds(t, 1)])
-        plgpu.copy_smem_to_gmem(i_s.at[:, pl.ds(0, k)], ids_ref.at[pl.ds(t, 1)])
+        for i in range(_TOKENS):  # a token's first k columns: one contiguous store each
+            at, out = pl.ds(i, 1), pl.ds(first_token + i, 1)
+            plgpu.copy_smem_to_gmem(w_s.at[at, pl.ds(0, k)], weights_ref.at[out])
+            plgpu.copy_smem_to_gmem(i_s.at[at, pl.ds(0, k)], ids_ref.at[out])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
@@ -223,17 +241,16 @@ def _kernel(parts, index, flags, scales, *, k, scaled, interpret):
             jax.ShapeDtypeStruct((tokens, k), _F32),
             jax.ShapeDtypeStruct((tokens, k), jnp.int32),
         ),
-        grid=(tokens,),
+        grid=(tokens // _TOKENS,),
         grid_names=("t",),
         scratch_types=[
-            plgpu.SMEM((num_parts, 1, n), parts.dtype),
-            plgpu.SMEM(shape, _F32),
+            plgpu.SMEM((num_parts, *shape), parts.dtype),
+            plgpu.SMEM((2, *shape), _F32),
             plgpu.SMEM(shape, _F32),
             plgpu.SMEM(shape, jnp.int32),
             plgpu.Barrier(num_arrivals=num_parts + 1),
         ],
-        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=_REDUCTION_SCRATCH),
         interpret=interpret_params(interpret),
         kernel_name="top_k_routing",
     )
-    return kernel(parts, index, flags, scales)
+    return kernel(parts, place, flags, scales)
