@@ -171,13 +171,16 @@ def test_a_fold_into_a_weight_of_another_width_is_refused_and_changes_nothing():
     )
 
 
-def test_a_moe_block_routes_its_split_router_products_in_one_launch(monkeypatch):
+@pytest.mark.parametrize("hidden_in_launch", [False, True])
+def test_a_moe_block_routes_its_split_router_products_in_one_launch(hidden_in_launch, monkeypatch):
     """``SPLIT_INPUT_PROJECTIONS`` with ``ROUTING_IN_KERNEL``, the norm folded: the router's
     float32 partial products and the rows' inverse RMS go to ``moe.top_k_routing`` unsummed,
-    and the block gives what it gives with the ranking in XLA."""
+    and the block gives what it gives with the ranking in XLA; with
+    ``HIDDEN_IN_EXPERT_LAUNCH`` too (the router then launches alone)."""
     from hybrid_jax.layers import moe as moe_layer
     from pallas_kernels import moe as moe_kernels
 
+    monkeypatch.setattr(moe_layer, "HIDDEN_IN_EXPERT_LAUNCH", hidden_in_launch)
     monkeypatch.setattr(linear, "SPLIT_INPUT_PROJECTIONS", True)
     monkeypatch.setattr(linear, "MIN_SPLITS", 2)
     config = MoEConfig(hidden_size=HIDDEN, num_experts=128, top_k=4, intermediate_size=128,
@@ -205,5 +208,6 @@ def test_a_moe_block_routes_its_split_router_products_in_one_launch(monkeypatch)
     in_kernel = run()
     (shape, dtype, scaled), *_ = routed
     assert len(shape) == 3 and shape[1:] == (5, 128) and shape[0] >= 2
+    assert moe._hidden_in_launch(norm.deferred(x), "interpret") == hidden_in_launch
     assert dtype == jnp.float32 and scaled
     assert _rel(in_kernel, in_xla) < 2e-2
