@@ -47,7 +47,9 @@ def unsupported_reason(logits: jax.Array, k: int) -> str | None:
     if n not in _WIDTHS:
         return f"n={n} experts is not one of {_WIDTHS}"
     if k % 4:
-        return f"k={k} is not a multiple of 4 (each token's choices are one 16-byte store)"
+        return (
+            f"k={k} is not a multiple of 4 (a token's choices are one TMA store of 16-byte units)"
+        )
     if logits.ndim == 3 and logits.dtype != _F32:
         return f"partial products must be float32 (got {logits.dtype})"
     return None
