@@ -314,7 +314,7 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
     def squares_of(stage, squares):
         """``squares`` (``[held, BLOCK_K]``, each row's squares so far, column by column)
         plus this stage's block's (the rows past R hold zeros or stale rows: their sums are
-        never read). Summed along the rows once, after the ring: a sum across the warps each
+        never read). Each row's are summed once, after the ring: a sum across the warps every
         block would hold the warpgroup at a barrier beside every product."""
         if plain is None:
             return squares

@@ -155,12 +155,10 @@ def project(
     taken_weights = [weights[i] for i in taken]
     if SPLIT_INPUT_PROJECTIONS and _splits(rows, taken_weights) > 1:
         scale = x.inverse_rms() if isinstance(x, NormedRows) else None
-        partials = projections.projection_partials(rows, taken_weights, impl=impl)
+        splits = _split_products(rows, taken_weights, row_scale=scale, impl=impl)
         products = [
             split if i in keep_split else split.value()
-            for i, split in zip(
-                taken, (SplitProduct(p, scale, rows.dtype) for p in partials), strict=True
-            )
+            for i, split in zip(taken, splits, strict=True)
         ]
     elif isinstance(x, NormedRows) and SQUARE_SUMS_IN_LAUNCH and x.scale is None:
         # A folded norm's rows are its input: the launch sums their squares itself.
@@ -185,11 +183,14 @@ def _splits(x: jax.Array, weights: Sequence[jax.Array]) -> int:
     return splits if splits >= MIN_SPLITS else 1
 
 
-def _summed_partials(x: jax.Array, weights: Sequence[jax.Array], *, impl: str) -> list:
-    """``x @ w`` for each weight, from float32 partial products over parts of K summed in
-    x's dtype (XLA fuses the sum into the products' use)."""
+def _split_products(
+    x: jax.Array, weights: Sequence[jax.Array], *, row_scale: jax.Array | None, impl: str
+) -> list[SplitProduct]:
+    """``x @ w`` for each weight as float32 partial products over parts of K from one launch
+    (``SplitProduct``: XLA fuses their sum into its use), each row of a sum to be multiplied
+    by ``row_scale``."""
     partials = projections.projection_partials(x, weights, impl=impl)
-    return [SplitProduct(p, None, x.dtype).value() for p in partials]
+    return [SplitProduct(p, row_scale, x.dtype) for p in partials]
 
 
 def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
@@ -204,6 +205,6 @@ def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
         and _splits(x, [w]) > 1
         and resolve_impl("projections", impl, None) != "reference"
     ):
-        (product,) = _summed_partials(x, [w], impl=impl)
-        return product
+        (product,) = _split_products(x, [w], row_scale=None, impl=impl)
+        return product.value()
     return layer(x)

@@ -35,8 +35,8 @@ class _RepeatMetadata:
     """One repeat's linear layers' pool slots ``[n_linear, bs]`` and attention layers' page
     tables ``[n_attention, bs, max_pages]``, each shifted to its layer's rows of the flat
     pool and cache (``ForwardMetadata.at_linear_layer`` / ``at_attention_layer``); stacked on a
-    leading ``repeats`` axis before a scan, one repeat's inside it, handed out in layer
-    order."""
+    leading ``repeats`` axis before a scan (``_every_repeat``), one repeat's inside it, handed
+    out in layer order."""
 
     def __init__(self, slots: jax.Array | None, tables: jax.Array | None):
         self.slots, self.tables = slots, tables
@@ -48,29 +48,6 @@ class _RepeatMetadata:
     @classmethod
     def tree_unflatten(cls, _, children):
         return cls(*children)
-
-    @classmethod
-    def stacked(
-        cls,
-        meta: ForwardMetadata,
-        repeats: int,
-        *,
-        linear: tuple[jax.Array | int, int, int],
-        attention: tuple[jax.Array | int, int, int],
-    ) -> _RepeatMetadata:
-        """Every repeat's: ``linear`` and ``attention`` are (the first layer's index, layers
-        of the kind a repeat, rows of a layer in the flat pool or cache)."""
-        (first, per_repeat, num_slots), (first_att, per_repeat_att, num_pages) = linear, attention
-        slots = tables = None
-        if per_repeat:
-            layer = first + jnp.arange(repeats * per_repeat, dtype=jnp.int32)
-            shifted = jax.vmap(lambda i: meta.at_linear_layer(i, num_slots).state_indices)(layer)
-            slots = shifted.reshape(repeats, per_repeat, -1)
-        if per_repeat_att:
-            layer = first_att + jnp.arange(repeats * per_repeat_att, dtype=jnp.int32)
-            table = jax.vmap(lambda i: meta.at_attention_layer(i, num_pages).pages.table)(layer)
-            tables = table.reshape(repeats, per_repeat_att, *table.shape[1:])
-        return cls(slots, tables)
 
     def next_slots(self) -> jax.Array:
         self._linear += 1
@@ -88,6 +65,18 @@ class _RepeatMetadata:
                 f"a repeat ran {self._linear} linear and {self._attention} attention layers; "
                 f"the scan was told {linear} and {attention}"
             )
+
+
+def _every_repeat(
+    repeats: int, first: jax.Array | int, per_repeat: int, shifted: Callable[[jax.Array], jax.Array]
+) -> jax.Array | None:
+    """``shifted(i)`` for each of ``repeats * per_repeat`` layers of one kind from layer
+    ``first`` on, stacked ``[repeats, per_repeat, ...]``; None when a repeat has none."""
+    if not per_repeat:
+        return None
+    layers = first + jnp.arange(repeats * per_repeat, dtype=jnp.int32)
+    out = jax.vmap(shifted)(layers)
+    return out.reshape(repeats, per_repeat, *out.shape[1:])
 
 
 class LayerStates:
@@ -196,11 +185,15 @@ class LayerStates:
         loop body holds no index arithmetic of its own."""
         self._stack_verify()
         linear0, attention0 = self._linear, self._attention
-        shifted = _RepeatMetadata.stacked(
-            meta, repeats,
-            linear=(linear0, linear_per_repeat, self._pool.num_slots),
-            attention=(attention0, attention_per_repeat,
-                       0 if self._kv is None else self._kv.num_pages),
+        shifted = _RepeatMetadata(
+            _every_repeat(
+                repeats, linear0, linear_per_repeat,
+                lambda i: meta.at_linear_layer(i, self._pool.num_slots).state_indices,
+            ),
+            _every_repeat(
+                repeats, attention0, attention_per_repeat,
+                lambda i: meta.at_attention_layer(i, self._kv.num_pages).pages.table,
+            ),
         )  # fmt: skip
 
         def step(carry, xs):
