@@ -411,6 +411,7 @@ def decode_rows(
     eps: float,
     rotary_dim: int,
     theta: float,
+    scale_offset: float = 0.0,
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array, jax.Array] | None:
     """A DECODE step's query and key norms, rotary and page writes in one launch
@@ -420,7 +421,8 @@ def decode_rows(
     layouts, ``reference``, or a step the kernel cannot take (``pallas`` raises there).
 
     q: ``[T, H, W]``, a head's query in its first ``hd`` features; k, v ``[T, KVH, hd]``;
-    ``q_scale`` / ``k_scale``: the norms' float32 ``[hd]`` scales, None for no norms."""
+    ``q_scale`` / ``k_scale``: float32 ``[hd]``, the norms multiply by ``scale_offset`` plus
+    them (a zero-centred norm's weight and 1); None for no norms."""
     one_per_row = meta.token_layout is TokenLayout.ONE_PER_ROW and not meta.tree
     one_per_row = one_per_row and q.shape[0] == meta.batch_size  # token n is row n
     empty = q.shape[0] == 0 or meta.pages.max_pages == 0
@@ -432,7 +434,7 @@ def decode_rows(
     return attention_rows.attention_rows(
         q, k, v, k_pages, v_pages, jnp.asarray(meta.pages.table),
         jnp.asarray(meta.positions).astype(jnp.int32), q_scale=q_scale, k_scale=k_scale,
-        eps=eps, rotary_dim=rotary_dim, theta=theta, impl=choice,
+        eps=eps, rotary_dim=rotary_dim, theta=theta, scale_offset=scale_offset, impl=choice,
     )  # fmt: skip
 
 

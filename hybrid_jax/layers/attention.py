@@ -128,13 +128,16 @@ class Attention(nnx.Module):
         gate = q[..., c.head_dim :]  # [T, H, 0] when not gated
         k = k.reshape(t, c.num_kv_heads, c.head_dim)
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
-        scales = (self.q_norm.scale(), self.k_norm.scale()) if c.qk_norm else (None, None)
+        norms = (self.q_norm, self.k_norm) if c.qk_norm else ()
         rows = None
-        # A folded q/k norm (scale None) stays in jnp: to the kernel None means no norm.
-        if all(s is not None for s in scales) or not c.qk_norm:
+        # A folded q/k norm stays in jnp: to the kernel no scales means no norm. The kernel
+        # adds the norms' offset to their weights itself (no kernel forms ``1 + weight``).
+        if not any(norm.folded for norm in norms):
+            weights = [norm.weight[...] for norm in norms] or [None, None]
             rows = decode_rows(
-                q, k, v, k_pages, v_pages, meta, q_scale=scales[0], k_scale=scales[1],
-                eps=c.rms_norm_eps, rotary_dim=c.rotary_dim, theta=c.rope_theta, impl=impl,
+                q, k, v, k_pages, v_pages, meta, q_scale=weights[0], k_scale=weights[1],
+                eps=c.rms_norm_eps, rotary_dim=c.rotary_dim, theta=c.rope_theta,
+                scale_offset=ZeroCenteredRMSNorm.OFFSET, impl=impl,
             )  # fmt: skip
         if rows is None:
             q = q[..., : c.head_dim]

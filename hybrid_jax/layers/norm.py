@@ -107,6 +107,9 @@ class ZeroCenteredRMSNorm(nnx.Module):
     x: ``[..., dim]`` -> same shape and dtype; the norm is computed in float32.
     """
 
+    OFFSET = 1.0
+    """What the weight is added to: the norm multiplies by ``OFFSET + weight``."""
+
     def __init__(self, dim: int, *, eps: float = 1e-6):
         self.weight = nnx.Param(jnp.zeros((dim,), jnp.float32))
         self.eps = eps
@@ -118,7 +121,7 @@ class ZeroCenteredRMSNorm(nnx.Module):
     def scale(self) -> jax.Array | None:
         """float32 ``[dim]``: what the normalised rows are multiplied by, ``1 + weight``;
         None once the weight is folded into the norm's readers."""
-        return None if self.folded else 1.0 + self.weight[...]
+        return None if self.folded else self.OFFSET + self.weight[...]
 
     def deferred(self, x: jax.Array) -> NormedRows:
         """The norm of ``x`` ``[T, dim]``, left for its products to form (``NormedRows``)."""
@@ -133,7 +136,7 @@ class ZeroCenteredRMSNorm(nnx.Module):
         would read the norm unweighted. A folded norm is left as it is."""
         if self.folded:
             return
-        scale = 1.0 + self.weight[...]
+        scale = self.OFFSET + self.weight[...]
         for param in readers:  # all checked before any is changed
             shape = tuple(param.get_value().shape)
             if len(shape) < scale.ndim + 1 or shape[-2] != scale.shape[-1]:

@@ -182,28 +182,37 @@ def attention_rows(
     eps: float,
     rotary_dim: int,
     theta: float,
+    scale_offset: float = 0.0,
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns ``(q_out [N, H, D], k_pages, v_pages)``: q's and k's heads normed (with
-    ``q_scale`` / ``k_scale`` float32 ``[D]``; None for both: no norms) and turned, k and v
-    written at each row's position (module docstring). Under ``jit`` with the pages donated
-    the kernel writes them in place."""
+    """Returns ``(q_out [N, H, D], k_pages, v_pages)``: q's and k's heads normed (times
+    ``scale_offset + q_scale`` / ``scale_offset + k_scale``, float32 ``[D]``; None for both:
+    no norms) and turned, k and v written at each row's position (module docstring). A
+    zero-centred norm passes its weight and ``scale_offset=1``: the kernel adds the one, so no
+    kernel forms ``1 + weight`` before the launch. Under ``jit`` with the pages donated the
+    kernel writes them in place."""
     _check(q, k, v, k_pages, v_pages, page_table, positions, q_scale, k_scale, rotary_dim)
     impl = resolve_impl(_OP, impl, unsupported_reason(q, k, k_pages, rotary_dim))
-    options = dict(q_scale=q_scale, k_scale=k_scale, eps=eps, rotary_dim=rotary_dim, theta=theta)
     if impl == "reference":
-        return attention_rows_reference(q, k, v, k_pages, v_pages, page_table, positions, **options)
+        q_scale, k_scale = (None if s is None else scale_offset + s.astype(_F32)
+                            for s in (q_scale, k_scale))  # fmt: skip
+        return attention_rows_reference(
+            q, k, v, k_pages, v_pages, page_table, positions, q_scale=q_scale, k_scale=k_scale,
+            eps=eps, rotary_dim=rotary_dim, theta=theta,
+        )  # fmt: skip
     head_dim = k.shape[-1]
     piece = _piece(head_dim, rotary_dim)
     pieces = head_dim // piece
-    normed = q_scale is not None
+    # Each a few rows of the program's constants, copied in by a TMA of its own: a
+    # concatenation of them would be a kernel before the launch.
     scales = [s.astype(_F32).reshape(pieces, piece) for s in (q_scale, k_scale) if s is not None]
-    freqs = inverse_frequencies(rotary_dim, theta) if rotary_dim else jnp.zeros((piece,), _F32)
-    consts = jnp.concatenate([*scales, freqs[None]])  # [2 pieces + 1, piece] or [1, piece]
+    with jax.ensure_compile_time_eval():  # a constant of the program, not a kernel
+        freqs = inverse_frequencies(rotary_dim, theta) if rotary_dim else jnp.zeros(piece, _F32)
     k_ref, v_ref = jax.new_ref(k_pages), jax.new_ref(v_pages)
     q_out = _kernel(
-        q, k, v, consts, page_table, positions, k_ref, v_ref, piece=piece, normed=normed,
-        eps=float(eps), rotary=bool(rotary_dim), interpret=impl == "interpret",
+        q, k, v, (*scales, freqs[None]), page_table, positions, k_ref, v_ref, piece=piece,
+        eps=float(eps), scale_offset=float(scale_offset), rotary=bool(rotary_dim),
+        interpret=impl == "interpret",
     )  # fmt: skip
     return q_out, jax.freeze(k_ref), jax.freeze(v_ref)
 
@@ -215,9 +224,14 @@ def _layouts(piece: int):
     return tile, tile.reduce(1), tile.reduce(0), row_lanes
 
 
-def _kernel(q, k, v, consts, page_table, positions, k_pages, v_pages, *, piece, normed, eps,
+def _kernel(q, k, v, consts, page_table, positions, k_pages, v_pages, *, piece, eps, scale_offset,
             rotary, interpret):  # fmt: skip
+    """``consts``: the norms' scales ``[D / piece, piece]`` each (none: no norms), then the
+    rotary's frequencies ``[1, piece]``; they fill the rows of one SMEM buffer."""
     n_rows, heads = q.shape[:2]
+    normed = len(consts) > 1
+    const_rows = sum(c.shape[0] for c in consts)
+    n_consts = len(consts)
     kv_heads, head_dim = k.shape[1:]
     dtype = q.dtype
     page_size = k_pages.shape[1]
@@ -226,21 +240,25 @@ def _kernel(q, k, v, consts, page_table, positions, k_pages, v_pages, *, piece, 
     tile, _, col_vec, row_lanes = _layouts(piece)
     held = {name: round_up(count, row_lanes) for name, count in (("q", heads), ("k", kv_heads))}
 
-    def body(q_ref, k_ref, v_ref, consts_ref, table_ref, pos_ref, k_pages_ref, v_pages_ref,
-             out_ref, q_s, k_s, v_s, c_s, bar):  # fmt: skip
+    def body(q_ref, k_ref, v_ref, *refs):
+        consts_refs, refs = refs[:n_consts], refs[n_consts:]
+        table_ref, pos_ref, k_pages_ref, v_pages_ref, out_ref, q_s, k_s, v_s, c_s, bar = refs
         n = lax.axis_index("n")
         for j in range(pieces):
             cols = pl.ds(j * piece, piece)
             plgpu.copy_gmem_to_smem(q_ref.at[n, :, cols], q_s.at[j, pl.ds(0, heads)], bar)
             plgpu.copy_gmem_to_smem(k_ref.at[n, :, cols], k_s.at[j, pl.ds(0, kv_heads)], bar)
         plgpu.copy_gmem_to_smem(v_ref.at[n], v_s, bar)
-        plgpu.copy_gmem_to_smem(consts_ref, c_s, bar)
+        first = 0
+        for ref in consts_refs:
+            plgpu.copy_gmem_to_smem(ref, c_s.at[pl.ds(first, ref.shape[0])], bar)
+            first += ref.shape[0]
         pos = pos_ref[n]
         page = table_ref[n, jnp.minimum(pos // page_size, max_pages - 1)]
         offset = pos % page_size
         plgpu.barrier_wait(bar)
         if rotary:
-            freqs = plgpu.load(c_s.at[c_s.shape[0] - 1], layout=col_vec)
+            freqs = plgpu.load(c_s.at[const_rows - 1], layout=col_vec)
             angles = pos.astype(_F32) * freqs
             cos = jnp.cos(angles).astype(dtype).astype(_F32)
             sin = jnp.sin(angles).astype(dtype).astype(_F32)
@@ -251,12 +269,15 @@ def _kernel(q, k, v, consts, page_table, positions, k_pages, v_pages, *, piece, 
                 squares = functools.reduce(operator.add, [jnp.sum(p * p, axis=1) for p in x])
                 inv = lax.rsqrt(squares * (1.0 / head_dim) + eps)
                 inv = lax.broadcast_in_dim(inv, shape, [0])
+                scale = [
+                    plgpu.load(c_s.at[which * pieces + j], layout=col_vec) for j in range(pieces)
+                ]
+                if scale_offset:
+                    scale = [scale_offset + part for part in scale]
                 x = [
-                    (p * inv * lax.broadcast_in_dim(
-                        plgpu.load(c_s.at[which * pieces + j], layout=col_vec), shape, [1]
-                    )).astype(dtype).astype(_F32)
-                    for j, p in enumerate(x)
-                ]  # fmt: skip
+                    (p * inv * lax.broadcast_in_dim(part, shape, [1])).astype(dtype).astype(_F32)
+                    for p, part in zip(x, scale, strict=True)
+                ]
             if rotary:
                 c, s = (lax.broadcast_in_dim(a, shape, [1]) for a in (cos, sin))
                 first, second = x[0], x[1]
@@ -283,11 +304,11 @@ def _kernel(q, k, v, consts, page_table, positions, k_pages, v_pages, *, piece, 
             plgpu.SMEM((pieces, held["q"], piece), dtype),
             plgpu.SMEM((pieces, held["k"], piece), dtype),
             plgpu.SMEM((kv_heads, head_dim), dtype),
-            plgpu.SMEM(consts.shape, _F32),
-            plgpu.Barrier(num_arrivals=2 * pieces + 2),
+            plgpu.SMEM((const_rows, piece), _F32),
+            plgpu.Barrier(num_arrivals=2 * pieces + 1 + n_consts),
         ],
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=_REDUCTION_SCRATCH),
         interpret=interpret_params(interpret),
         kernel_name="attention_rows",
     )
-    return kernel(q, k, v, consts, page_table, positions, k_pages, v_pages)
+    return kernel(q, k, v, *consts, page_table, positions, k_pages, v_pages)

@@ -37,3 +37,14 @@ def test_kernel_matches_the_float64_oracle(rows, heads, kv_heads, head_dim, rota
     fresh = make_case(rows, rows=rows, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                   gated=gated, normed=normed, max_pages=16)  # fmt: skip
     check(jax.device_get(got), fresh, rotary_dim=rotary_dim, theta=1e7, tol=8e-3)
+
+
+def test_the_norms_offset_added_in_the_kernel_matches_the_float64_oracle():
+    """A zero-centred norm's weights with ``scale_offset=1``: the scales ``1 + w``."""
+    setup = make_case(5, rows=8, heads=16, kv_heads=2, head_dim=256, max_pages=16)
+    weights = {name: setup[name] - 1.0 for name in ("q_scale", "k_scale")}
+    call = functools.partial(ar.attention_rows, eps=EPS, rotary_dim=64, theta=1e7,
+                             scale_offset=1.0, impl="pallas")  # fmt: skip
+    got = jax.jit(call, donate_argnames=("k_pages", "v_pages"))(**{**setup, **weights})
+    fresh = make_case(5, rows=8, heads=16, kv_heads=2, head_dim=256, max_pages=16)
+    check(jax.device_get(got), fresh, rotary_dim=64, theta=1e7, tol=8e-3)

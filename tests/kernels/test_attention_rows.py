@@ -36,6 +36,16 @@ def test_rows_match_the_float64_oracle(impl, shape):
     check(got, case, rotary_dim=rotary_dim, theta=theta, tol=8e-3)
 
 
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_a_zero_centred_norm_s_weight_with_its_offset_matches_the_oracle(impl):
+    """``scale_offset=1`` with the weights ``w`` is the call with the scales ``1 + w``."""
+    case = make_case(11, rows=3, heads=16, kv_heads=2, head_dim=256)
+    weights = {name: case[name] - 1.0 for name in ("q_scale", "k_scale")}
+    got = ar.attention_rows(**{**case, **weights}, eps=EPS, rotary_dim=64, theta=1e4,
+                            scale_offset=1.0, impl=impl)  # fmt: skip
+    check(got, case, rotary_dim=64, theta=1e4, tol=8e-3)
+
+
 def test_kernel_and_reference_agree_to_a_rounding_at_long_positions():
     """Positions far into a 128k context (angles of ~1e5 radians): the kernel's cos and sin
     follow the reference's float32 angles."""
@@ -60,7 +70,8 @@ def test_kernel_writes_the_pages_in_place_under_jit():
 
 
 @pytest.mark.parametrize("rows", [8, 64])
-def test_kernel_lowers_for_the_gpu_at_the_qwen_shape(rows):
+@pytest.mark.parametrize("scale_offset", [0.0, 1.0])
+def test_kernel_lowers_for_the_gpu_at_the_qwen_shape(rows, scale_offset):
     spec = jax.ShapeDtypeStruct
     bf16 = jnp.bfloat16
     pages = spec((10 * 650, 16, 2, 256), bf16)
@@ -71,7 +82,8 @@ def test_kernel_lowers_for_the_gpu_at_the_qwen_shape(rows):
         k_scale=spec((256,), jnp.float32),
     )  # fmt: skip
     assert ar.unsupported_reason(args["q"], args["k"], pages, 64) is None
-    call = functools.partial(ar.attention_rows, eps=EPS, rotary_dim=64, theta=1e7, impl="pallas")
+    call = functools.partial(ar.attention_rows, eps=EPS, rotary_dim=64, theta=1e7,
+                             scale_offset=scale_offset, impl="pallas")  # fmt: skip
     with jax.default_device(jax.devices("cpu")[0]):
         text = jax.jit(call).trace(**args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
