@@ -192,6 +192,10 @@ def _kernel(parts, place, flags, scales, *, k, scaled, interpret):
         for s in range(num_parts):
             plgpu.copy_gmem_to_smem(parts_ref.at[s, rows], x_s.at[s], bar)
         plgpu.copy_gmem_to_smem(place_ref, c_s, bar)
+        # The tokens' scalars load while the copies are in flight, not one round trip each
+        # after them.
+        flags = [flags_ref[first_token + i] for i in range(_TOKENS)]
+        scales = [scales_ref[first_token + i] for i in range(_TOKENS)] if scaled else None
         plgpu.barrier_wait(bar)
         x = functools.reduce(
             operator.add,
@@ -200,15 +204,15 @@ def _kernel(parts, place, flags, scales, *, k, scaled, interpret):
         idx = plgpu.load(c_s.at[0], layout=tile)  # each element's column
         token = plgpu.load(c_s.at[1], layout=tile)  # and its token in the tile
 
-        def per_token(ref) -> jax.Array:
-            """``ref[token]`` along each token's row (scalars read once, placed by token)."""
+        def per_token(values) -> jax.Array:
+            """Each token's scalar of ``values`` along its row."""
             out = full(0.0)
-            for i in range(_TOKENS):
-                out = jnp.where(token == full(float(i)), full(ref[first_token + i]), out)
+            for i, value in enumerate(values):
+                out = jnp.where(token == full(float(i)), full(value), out)
             return out
 
         if scaled:
-            x = x * per_token(scales_ref)
+            x = x * per_token(scales)
         # Every operand of a select is a whole tile: the warpgroup lowering broadcasts none.
         none, zeros = full(-jnp.inf), full(0.0)
         left = x  # the logits not yet chosen; a chosen one is -inf and out of the index pick
@@ -227,7 +231,7 @@ def _kernel(parts, place, flags, scales, *, k, scaled, interpret):
         total = functools.reduce(operator.add, exps)
         for j, e in enumerate(exps):
             weights = jnp.where(idx == full(float(j)), across(e / total), weights)
-        chosen = jnp.where(per_token(flags_ref) != zeros, chosen, full(float(n)))
+        chosen = jnp.where(per_token(flags) != zeros, chosen, full(float(n)))
         w_s[...] = weights
         i_s[...] = chosen.astype(jnp.int32)
         plgpu.commit_smem()
