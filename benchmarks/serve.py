@@ -76,7 +76,6 @@ from hybrid_jax.metadata import MIN_BATCH_BUCKET  # noqa: E402
 from hybrid_jax.models.layer_scan import fold_scanned_norms, scan_layers  # noqa: E402
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
 from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig  # noqa: E402
-from pallas_kernels import _common as kernels_common  # noqa: E402
 from pallas_kernels import _skinny  # noqa: E402
 
 _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
@@ -98,12 +97,6 @@ TRIAL_SWITCHES = {
         moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", False,
         "a MoE block whose experts run by id forms its shared expert's SiLU product apart "
         "from its experts' (a fusion each)",
-    ),
-    "--dependent-launches": (
-        kernels_common, "DEPENDENT_LAUNCHES", True,
-        "the projections' launches and the GDN decode kernel are programmatic dependent "
-        "launches that issue their weight or state reads before waiting for the kernel "
-        "before them",
     ),
     "--routing-in-kernel": (
         moe_layer, "ROUTING_IN_KERNEL", True,

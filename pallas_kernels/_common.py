@@ -25,8 +25,6 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 __all__ = [
-    "DEPENDENT_LAUNCHES",
-    "dependent_launch",
     "round_up",
     "IMPLS",
     "NUM_SMS",
@@ -35,7 +33,6 @@ __all__ = [
     "interpret_params",
     "on_hopper_gpu",
     "resolve_impl",
-    "wait_as_dependent",
 ]
 
 Impl = Literal["auto", "pallas", "interpret", "reference"]
@@ -43,18 +40,6 @@ IMPLS: tuple[str, ...] = ("auto", "pallas", "interpret", "reference")
 
 NUM_SMS = 132
 """Multiprocessors of an H100/H200 SXM: the kernels' grid heuristics size their launches by it."""
-
-DEPENDENT_LAUNCHES = False
-"""Whether the kernels that can take part in programmatic dependent launches do. Such a
-launch may start while the kernel before it finishes and waits for it
-(``griddepcontrol.wait``) before it reads what that kernel wrote or writes anything, and
-lets the launch after it start once its own programs run
-(``griddepcontrol.launch_dependents``): the small-batch products (``_skinny``:
-``projections``, ``projection_partials``) issue their first weight tiles before the wait;
-the conv update and the pipelined GDN decode kernel wait first (their slots may be formed by
-the kernel before them). A GDN layer's projections, conv, decode and output projection are
-then one chain of such launches. Off until measured on the H200."""
-
 
 SMEM_BYTES = 227 * 1024
 """Shared memory one sm_90 program may take (the opt-in maximum per thread block)."""
@@ -64,19 +49,6 @@ def round_up(n, multiple: int):
     """``n`` rounded up to a multiple of ``multiple`` (an int, or an integer array
     elementwise)."""
     return -(-n // multiple) * multiple
-
-
-def dependent_launch(interpret: bool) -> bool:
-    """Whether a kernel call is a programmatic dependent launch: ``DEPENDENT_LAUNCHES``, when
-    compiled (the interpreter has no grids to wait for)."""
-    return DEPENDENT_LAUNCHES and not interpret
-
-
-def wait_as_dependent() -> None:
-    """A dependent launch's first step where all it reads may come from the kernel before
-    it: let the launch after it start, then wait for the one before."""
-    plgpu.griddepcontrol_launch_dependents()
-    plgpu.griddepcontrol_wait()
 
 
 def interpret_params(interpret: bool) -> plgpu.InterpretGPUParams | bool:

@@ -23,9 +23,6 @@ static argument, so a changed switch is a new trace:
   programs fit on an SM) and a product is rows/64 of a full tile's work. The float32 sum is
   stored transposed into the output tile, which Mosaic GPU does for 16-bit tiles: float32
   outputs keep the plain product.
-* ``_common.DEPENDENT_LAUNCHES`` (``ProductVariant.dependent``): the ring's first weight
-  tiles are issued, then ``griddepcontrol.wait``, then the rows (and row scales), so the
-  weights' first bytes are in flight while the kernel before the launch finishes.
 * ``RING_FILLS_SM``: a launch of at most one program per SM (a MoE block's router and shared
   gate/up: 20 column tiles) gives each program the deepest ring a block's shared memory
   holds (``filling_ring``). Such a program reads its tile at the rate its loads in flight
@@ -41,7 +38,6 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import _common
 from pallas_kernels._common import NUM_SMS, SMEM_BYTES, round_up
 from pallas_kernels._mgpu_chunks import (
     ALIGN,
@@ -104,15 +100,12 @@ class ProductVariant(NamedTuple):
     overlap: bool = False
     swap: bool = False
     fill_sm: bool = False
-    dependent: bool = False
 
 
 def current_variant() -> ProductVariant:
     """The switches' values now (``STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``,
-    ``RING_FILLS_SM``, ``_common.DEPENDENT_LAUNCHES``)."""
-    return ProductVariant(
-        STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS, RING_FILLS_SM, _common.DEPENDENT_LAUNCHES
-    )
+    ``RING_FILLS_SM``)."""
+    return ProductVariant(STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS, RING_FILLS_SM)
 
 
 def filling_ring(
@@ -241,7 +234,7 @@ def tile_product(
     elif square_sums:
         scale_s, plain = extra
 
-    def read_row_scale():  # after the wait of a dependent launch: XLA wrote the scales
+    def read_row_scale():
         if row_scale is not None:
             plgpu.copy_gmem_to_smem(row_scale, scale_s.at[pl.ds(0, rows)], scale_bar)
 
@@ -249,7 +242,7 @@ def tile_product(
     ring = (x_s, w_s, bars)
     acc, squares = _tile_sum(
         x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret,
-        plain=plain, after_wait=read_row_scale,
+        plain=plain, before_ring=read_row_scale,
     )  # fmt: skip
     up = None
     if up_cols is not None:
@@ -277,14 +270,13 @@ def tile_product(
 
 
 def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVariant,
-              swap: bool, interpret: bool, plain=None, after_wait=None):  # fmt: skip
+              swap: bool, interpret: bool, plain=None, before_ring=None):  # fmt: skip
     """(the float32 sum ``x_rows @ w_cols`` through the ring (WGMMA layout): ``[64,
     BLOCK_N]``, or transposed ``[BLOCK_N, rows]`` with ``swap`` (the rows rounded up to the
     8-row groups that TMA moves); with ``plain``, the ring of unswizzled row blocks, the
     rows' float32 sums of squares ``[held]``, else None). The ring is free again when it
-    returns. With ``variant.dependent`` (compiled, not interpreted) the ring's first weight
-    tiles are issued before ``griddepcontrol.wait`` and the rows after it; ``after_wait``
-    issues what else the launch reads from the kernels before it."""
+    returns. ``before_ring`` issues what else the launch reads, ahead of the ring's first
+    blocks."""
     rows = x_rows.shape[0]
     stages = min(variant.stages, steps)
     held = round_up(rows, ALIGN)
@@ -296,20 +288,13 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
             return w_s.at[stage].transpose((1, 0)), x_s.at[stage, pl.ds(0, held)].transpose((1, 0))
         return x_s.at[stage], w_s.at[stage]
 
-    def fill_rows(j, stage):
+    def fill(j, stage):
         ks = pl.ds(j * BLOCK_K, BLOCK_K)
         plgpu.copy_gmem_to_smem(x_rows.at[:, ks], x_s.at[stage, pl.ds(0, rows)], bars.at[stage])
         if plain is not None:
             plgpu.copy_gmem_to_smem(x_rows.at[:, ks], plain.at[stage, pl.ds(0, rows)],
                                     bars.at[stage])  # fmt: skip
-
-    def fill_weights(j, stage):
-        ks = pl.ds(j * BLOCK_K, BLOCK_K)
         plgpu.copy_gmem_to_smem(w_cols.at[ks], w_s.at[stage], bars.at[stage])
-
-    def fill(j, stage):
-        fill_rows(j, stage)
-        fill_weights(j, stage)
 
     def squares_of(stage, squares):
         """``squares`` (``[held, BLOCK_K]``, each row's squares so far, column by column)
@@ -321,19 +306,10 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
         x = plgpu.load(plain.at[stage, pl.ds(0, held)], layout=block).astype(F32)
         return squares + x * x
 
-    if variant.dependent and not interpret:
-        for j in range(stages):
-            fill_weights(j, j)
-        plgpu.griddepcontrol_wait()
-        if after_wait is not None:
-            after_wait()
-        for j in range(stages):
-            fill_rows(j, j)
-    else:
-        if after_wait is not None:
-            after_wait()
-        for j in range(stages):
-            fill(j, j)
+    if before_ring is not None:
+        before_ring()
+    for j in range(stages):
+        fill(j, j)
     no_squares = None
     if plain is not None:
         no_squares = plgpu.layout_cast(jnp.zeros((held, BLOCK_K), F32), block)

@@ -137,8 +137,6 @@ def _kernel(
         w_refs, refs = refs[: len(weights)], refs[len(weights) :]
         scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
         o_refs, scratch_refs = refs[: len(weights)], refs[len(weights) :]
-        if variant.dependent and not interpret:
-            plgpu.griddepcontrol_launch_dependents()  # the next launch may start
         tile, split = lax.axis_index("t"), lax.axis_index("s")
         ks = pl.ds(split * span, span)
 

@@ -188,7 +188,7 @@ def test_the_sequence_table_is_the_last_profiled_steps_launches_from_its_start(s
 
 def test_launches_back_to_back_keep_the_short_gaps_and_set_the_host_s_apart(serve):
     """Launches (us): a 0.5 gap counts with the device, an 8 us one is the host's; an
-    overlap (a dependent launch starting early) adds no negative gap."""
+    overlap (a launch starting before the one before it ends) adds no negative gap."""
     sequence = [("a", 0.0, 2.0), ("b", 2.5, 1.0), ("c", 11.5, 3.0), ("d", 14.0, 1.0)]
     bound, host = serve.device_bound_us(sequence)
     assert bound == pytest.approx(2.0 + 1.0 + 3.0 + 1.0 + 0.5)

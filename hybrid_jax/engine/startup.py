@@ -64,7 +64,6 @@ _SWITCHES = {
     ),
     "hybrid_jax.backend.attention": ("ROWS_IN_KERNEL", "TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
     "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS", "RING_FILLS_SM"),
-    "pallas_kernels._common": ("DEPENDENT_LAUNCHES",),
 }
 
 

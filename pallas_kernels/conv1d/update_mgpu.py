@@ -28,7 +28,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _common
 from pallas_kernels._common import interpret_params
 
 __all__ = ["causal_conv1d_update", "causal_conv1d_verify", "unsupported_reason"]
@@ -106,12 +105,10 @@ def _rows(
     write_pool: bool,
     interpret: bool,
     parents: jax.Array | None = None,
-    dependent: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The kernel call: ``y`` (update; the pool is a mutable ref written in place) or
     ``(y, windows)`` (verify; the pool is only read; ``parents`` int32 ``[N, D]`` for tree
-    drafts). ``dependent``: a programmatic dependent launch that lets the launch after it
-    start once its programs run, and waits for the kernel before it before anything else."""
+    drafts)."""
     n_rows, n_tokens, channels = x.shape
     width = weight.shape[1]
     has_bias = bias is not None
@@ -140,8 +137,6 @@ def _rows(
         pool_ref, y_ref = refs[:2]
         win_ref = None if write_pool else refs[2]
 
-        if dependent:
-            _common.wait_as_dependent()
         n = lax.axis_index("n")
         chans = pl.ds(lax.axis_index("c") * BLOCK_C, BLOCK_C)
         slot = idx_ref[n]
@@ -237,7 +232,7 @@ def causal_conv1d_update(
     pool_ref = jax.new_ref(conv_pool)
     y = _rows(
         x, weight, bias, pool_ref, state_indices, activation=activation, write_pool=True,
-        interpret=interpret, dependent=_common.dependent_launch(interpret),
+        interpret=interpret,
     )  # fmt: skip
     return y, jax.freeze(pool_ref)
 

@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params, wait_as_dependent
+from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params
 from pallas_kernels._mgpu_chunks import SMEM_PER_SM, columns_over_warps
 
 __all__ = [
@@ -340,14 +340,11 @@ def _stage_rows(n_tokens: int, bv: int, dtype) -> int:
 
 
 def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, scale, l2,
-               interpret, out_norm=None, dependent=False):  # fmt: skip
+               interpret, out_norm=None):  # fmt: skip
     """Persistent grid; each program walks items ``c, c + P, c + 2P, ...`` (``P`` programs)
     through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead. With
     ``out_norm`` ``(z, weight, eps)`` (z ``[N, D, HV V]``, weight float32 ``[V]``; items of
-    whole heads, ``bv == V``) the output is gated-normed (``_update``). ``dependent``
-    (compiled only): a programmatic dependent launch that lets the launch after it start
-    once its programs run and waits for the kernel before it before reading anything (its
-    slots too: XLA may form them in that kernel)."""
+    whole heads, ``bv == V``) the output is gated-normed (``_update``)."""
     n_rows, n_tokens = q.shape[:2]
     h, k_dim, hv, v_dim = heads
     v_rows = _stage_rows(n_tokens, bv, v.dtype)
@@ -368,8 +365,6 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
         z_ref, weight_ref = refs[:2] if normed else (None, None)
         refs = refs[len(norm_in) :]
         pool, o_ref, state_smem, q_smem, k_smem, v_smem, o_smem, bars, *norm_smem = refs
-        if dependent:
-            wait_as_dependent()
         prog = lax.axis_index("c")
         count = (n_items - prog + n_progs - 1) // n_progs  # this program's items
 

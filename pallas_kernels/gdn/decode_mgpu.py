@@ -24,7 +24,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import _common
 from pallas_kernels._common import NUM_SMS
 from pallas_kernels.gdn._checks import check_gated_rows, check_packed_rows, packed_stand_ins
 from pallas_kernels.gdn._decode_grids import (
@@ -308,7 +307,6 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
     scale = heads.k_dim**-0.5 if scale is None else float(scale)
     if variant.stages:
         run = pipelined
-        options["dependent"] = _common.dependent_launch(interpret)
     else:
         run = one_item_per_program
     pool_ref = jax.new_ref(ssm_pool)

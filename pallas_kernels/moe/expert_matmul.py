@@ -210,8 +210,6 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
         dense_steps = steps if gated else dense[0].shape[1] // BLOCK_K
     scaled = row_scale is not None
     ring_steps = max(steps, dense_steps)
-    # Its weights are picked by ids the kernels before it wrote: never a dependent launch.
-    variant = variant._replace(dependent=False)
     scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled)
     programs = programs_per_tile(
         pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0

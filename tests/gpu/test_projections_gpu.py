@@ -150,33 +150,3 @@ def test_filled_rings_match_the_oracle(rows, k, widths, partial, monkeypatch):
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
         assert out64.shape == want.shape and np.isfinite(out64).all()
         assert np.linalg.norm(out64 - want) / np.linalg.norm(want) < 1e-2
-
-
-@pytest.mark.parametrize("partial", [False, True])
-def test_dependent_launches_read_what_the_kernel_before_them_wrote(partial, monkeypatch):
-    """``_common.DEPENDENT_LAUNCHES``: a launch that may start before the kernel writing its
-    rows ends (an XLA fusion here, doubling them) still reads the rows written, in steps that
-    repeat it back to back."""
-    from pallas_kernels import _common
-
-    monkeypatch.setattr(_common, "DEPENDENT_LAUNCHES", True)
-    rng = np.random.default_rng(21)
-    x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
-    ws = [jnp.asarray(rng.standard_normal((2048, n)) / 45.0, jnp.bfloat16) for n in (2048, 64)]
-    launch = projections.projection_partials if partial else projections.projections
-
-    def steps(x, ws):
-        outs = []
-        for i in range(8):  # each launch right after the fusion that forms its rows
-            rows = (x.astype(jnp.float32) * (i + 2)).astype(jnp.bfloat16)
-            outs.append(launch(rows, ws, impl="pallas"))
-        return outs
-
-    got = jax.jit(steps)(x, ws)
-    for i, outs in enumerate(got):
-        rows = np.asarray((x.astype(jnp.float32) * (i + 2)).astype(jnp.bfloat16), np.float64)
-        for out, w in zip(outs, ws, strict=True):
-            out64 = np.asarray(out, np.float64)
-            out64 = out64.sum(axis=0) if partial else out64
-            want = rows @ np.asarray(w, np.float64)
-            assert np.linalg.norm(out64 - want) / np.linalg.norm(want) < 1e-2, i

@@ -116,20 +116,6 @@ def test_update_lowers_for_cuda_with_the_pool_aliased(n, d, bias):
     assert re.search(r"tensor<64x8192x3xbf16> \{tf.aliasing_output = 1 ", main)
 
 
-@pytest.mark.parametrize("dependent", [False, True])
-def test_update_is_a_dependent_launch_when_switched_on(dependent, monkeypatch):
-    """``DEPENDENT_LAUNCHES``: the update lets the next launch start and waits for the kernel
-    before it (the GDN layer's projections) before it reads anything."""
-    from pallas_kernels import _common
-
-    monkeypatch.setattr(_common, "DEPENDENT_LAUNCHES", dependent)
-    args = _production(8, 1, bias=False)
-    fresh = functools.partial(update_mgpu.causal_conv1d_update)  # a trace of its own
-    text = jax.jit(fresh).trace(**args).lower(lowering_platforms=("cuda",)).as_text()
-    for marker in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "uses_pdl"):
-        assert (marker in text) == dependent, marker
-
-
 @pytest.mark.parametrize("n, d, dtype", [(16, 4, jnp.bfloat16), (64, 2, jnp.float32)], ids=str)
 def test_verify_lowers_for_cuda(n, d, dtype):
     jax.jit(update_mgpu.causal_conv1d_verify).trace(**_production(n, d, dtype=dtype)).lower(

@@ -120,40 +120,6 @@ def test_the_kernel_lowers_for_cuda(widths, splits, partial, scaled, product_var
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("partial", [False, True])
-def test_a_dependent_launch_waits_for_the_kernel_before_it_after_its_first_weights(
-    partial, monkeypatch
-):
-    """``DEPENDENT_LAUNCHES``: the compiled launch is a programmatic dependent launch (its
-    module says so) that waits with ``griddepcontrol.wait``; the interpreter, which has no
-    grids to wait for, gives the oracle's products as before."""
-    from pallas_kernels import _common
-
-    monkeypatch.setattr(_common, "DEPENDENT_LAUNCHES", True)
-    x = jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16)
-    ws = tuple(jax.ShapeDtypeStruct((2048, n), jnp.bfloat16) for n in (2048, 64))
-    launch = projections.projection_partials if partial else projections.projections
-
-    def lowered():  # a new trace each time: the switch is read while tracing
-        call = jax.jit(lambda x, ws: launch(x, ws, impl="pallas"))
-        return call.trace(x, ws).lower(lowering_platforms=("cuda",)).as_text()
-
-    text = lowered()
-    for marker in ("griddepcontrol.wait", "griddepcontrol.launch_dependents", "uses_pdl"):
-        assert marker in text, marker
-    monkeypatch.setattr(_common, "DEPENDENT_LAUNCHES", False)
-    plain = lowered()
-    assert "griddepcontrol" not in plain and "uses_pdl" not in plain
-    monkeypatch.setattr(_common, "DEPENDENT_LAUNCHES", True)
-    x, ws = _case(9, 8, 256, (128, 64))
-    got = projections.projections(x, ws, rms_eps=0.5, square_sums=True, impl="interpret")
-    x64 = np.asarray(x, np.float64)
-    scale = 1 / np.sqrt((x64 * x64).sum(axis=1) / 256 + 0.5)
-    for out, w in zip(got, ws, strict=True):
-        want = (x64 @ np.asarray(w, np.float64)) * scale[:, None]
-        assert np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want) < 1e-2
-
-
 def test_unsupported_reason_names_rows_dtype_and_alignment():
     x = jnp.zeros((8, 256), jnp.bfloat16)
     w = jnp.zeros((256, 64), jnp.bfloat16)
