@@ -117,10 +117,10 @@ TRIAL_SWITCHES = {
         gdn_layer, "NORM_IN_DECODE_KERNEL", False,
         "a GDN layer's gated output norm formed by XLA after the decode kernel",
     ),
-    "--adds-for-short-sums": (
-        linear_layer, "ADDS_FOR_SHORT_SUMS", True,
+    "--no-adds-for-short-sums": (
+        linear_layer, "ADDS_FOR_SHORT_SUMS", False,
         "sums over a short axis (partial products, a MoE token's choices and their softmax) "
-        "as chains of adds, which XLA fuses into their readers",
+        "as reduces instead of chains of adds",
     ),
     "--no-ring-fills-sm": (
         _skinny, "RING_FILLS_SM", False,

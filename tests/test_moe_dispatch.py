@@ -208,6 +208,7 @@ def test_adds_for_short_sums_change_a_moe_block_by_rounding_and_drop_its_small_r
     partial products become adds; the block's output moves by rounding only. (The softmax
     after the ranking: ``SOFTMAX_IN_RANKING`` forms it inside the ranking's reductions.)"""
     monkeypatch.setattr(moe_layer, "SOFTMAX_IN_RANKING", False)
+    monkeypatch.setattr(linear_layer, "ADDS_FOR_SHORT_SUMS", False)
     config = MoEConfig(hidden_size=128, num_experts=8, top_k=2, intermediate_size=128,
                        shared_intermediate_size=128, dtype=dtype)  # fmt: skip
     moe = SparseMoE(config, rngs=nnx.Rngs(11))
@@ -308,6 +309,9 @@ def test_softmax_in_ranking_routes_as_the_softmax_after_it_with_no_reduce_of_its
         reduces = [e for e in program.eqns if e.primitive.name.startswith("reduce_")]
         return layer.route(logits, real), [e.invars[0].aval.ndim for e in reduces]
 
+    # Short sums as reduces: the softmax after the ranking then shows its reduce over the
+    # chosen values (as adds it has none either way).
+    monkeypatch.setattr(linear_layer, "ADDS_FOR_SHORT_SUMS", False)
     monkeypatch.setattr(moe_layer, "SOFTMAX_IN_RANKING", False)
     (weights, experts), ranks_after = routed()
     monkeypatch.setattr(moe_layer, "SOFTMAX_IN_RANKING", True)

@@ -57,10 +57,10 @@ def test_chunked_prefill_mixed_and_draft_extend_match_transformers(runners, refs
     parity.check_chunked_prefill_mixed_and_draft_extend(runners["moe"], refs["moe"])
 
 
-def test_adds_for_short_sums_keep_parity_with_transformers(refs, monkeypatch):
-    """``layers.linear.ADDS_FOR_SHORT_SUMS`` (the MoE softmax and combine as adds) on a
-    fresh runner: a switch is read while tracing."""
-    monkeypatch.setattr(linear_layer, "ADDS_FOR_SHORT_SUMS", True)
+def test_reduces_for_short_sums_keep_parity_with_transformers(refs, monkeypatch):
+    """``layers.linear.ADDS_FOR_SHORT_SUMS`` off (the MoE softmax and combine as reduces) on
+    a fresh runner: a switch is read while tracing."""
+    monkeypatch.setattr(linear_layer, "ADDS_FOR_SHORT_SUMS", False)
     parity.check_prefill_then_decode(parity.Runner(load_qwen3_next(FIXTURES / "moe")), refs["moe"])
 
 

@@ -76,16 +76,17 @@ SQUARE_SUMS_IN_LAUNCH = False
 """Whether ``project``'s one launch sums the squares of a folded norm's rows itself
 (``projections(square_sums=True)``) instead of reading sums XLA formed: the input norm's
 reduction after a MoE block's combine is a kernel of its own on the H200 (40 a batch-1 step of
-the 35B-like preset, ``benchmarks/RESULTS_serve.md``). Off until measured there."""
+the 35B-like preset, ``benchmarks/RESULTS_serve.md``). Off: there the launches' added work
+costs more than the reductions it saves (sessions 27 and 28)."""
 
 
-ADDS_FOR_SHORT_SUMS = False
+ADDS_FOR_SHORT_SUMS = True
 """Whether ``short_sum`` writes a sum over a short axis (the partial products' parts of K, a
 MoE token's choices and the softmax over them) as a chain of adds: elementwise ops, which
 XLA may fuse into whatever reads the sum, where a reduce is a fusion that other reductions
-do not take in. Off: on the H200 XLA fuses them as it fused the reduces (the same kernels a
-batch-1 step; the chosen experts' softmax a loop fusion instead of a Triton one,
-``benchmarks/RESULTS_serve.md``)."""
+do not take in. On the H200 the steps keep their kernels, and the residual adds that sum the
+output projections' parts and the MoE combine run shorter (``benchmarks/RESULTS_serve.md``,
+session 28)."""
 
 
 def short_sum(x: jax.Array, axis: int) -> jax.Array:

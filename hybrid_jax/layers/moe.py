@@ -70,7 +70,9 @@ HIDDEN_IN_EXPERT_LAUNCH = False
 SwiGLU hidden rows in one launch (``moe.expert_hidden``: each program multiplies by a gate
 tile and the up tile beside it and stores ``silu(gate) * up``) instead of the experts'
 gate/up products, the shared expert's beside the router's, and an XLA fusion for both SiLU
-products. The router then launches alone. Off until measured on the H200."""
+products. The router then launches alone. Off: on the H200 its programs, each reading a gate
+and an up tile, are half as many as the plain product's, and at batch 1 the launch takes 15
+us where the gate/up launch and the SiLU fusion take 12 (``benchmarks/RESULTS_serve.md``)."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
@@ -83,8 +85,9 @@ fewer per MoE block: ``benchmarks/RESULTS_serve.md``)."""
 ROUTING_IN_KERNEL = False
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
 ``norm_topk_prob``) routes them in one launch (``moe.top_k_routing``: each token's top-k
-and their softmax) instead of the ranking's two XLA reductions. Off until measured on the
-H200."""
+and their softmax) instead of the ranking's two XLA reductions. Off: on the H200 the launch
+takes 4.1 us where the two reductions take 3.0, with the router's split launch too
+(``benchmarks/RESULTS_serve.md``, session 28)."""
 
 
 def top_k(x: jax.Array, k: int, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
