@@ -234,15 +234,13 @@ def tile_product(
     elif square_sums:
         scale_s, plain = extra
 
-    def read_row_scale():
-        if row_scale is not None:
-            plgpu.copy_gmem_to_smem(row_scale, scale_s.at[pl.ds(0, rows)], scale_bar)
-
+    if row_scale is not None:  # in flight with the ring's first blocks
+        plgpu.copy_gmem_to_smem(row_scale, scale_s.at[pl.ds(0, rows)], scale_bar)
     swap = swapped(o_s.dtype, variant)
     ring = (x_s, w_s, bars)
     acc, squares = _tile_sum(
         x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret,
-        plain=plain, before_ring=read_row_scale,
+        plain=plain,
     )  # fmt: skip
     up = None
     if up_cols is not None:
@@ -270,13 +268,12 @@ def tile_product(
 
 
 def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVariant,
-              swap: bool, interpret: bool, plain=None, before_ring=None):  # fmt: skip
+              swap: bool, interpret: bool, plain=None):  # fmt: skip
     """(the float32 sum ``x_rows @ w_cols`` through the ring (WGMMA layout): ``[64,
     BLOCK_N]``, or transposed ``[BLOCK_N, rows]`` with ``swap`` (the rows rounded up to the
     8-row groups that TMA moves); with ``plain``, the ring of unswizzled row blocks, the
     rows' float32 sums of squares ``[held]``, else None). The ring is free again when it
-    returns. ``before_ring`` issues what else the launch reads, ahead of the ring's first
-    blocks."""
+    returns."""
     rows = x_rows.shape[0]
     stages = min(variant.stages, steps)
     held = round_up(rows, ALIGN)
@@ -306,8 +303,6 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
         x = plgpu.load(plain.at[stage, pl.ds(0, held)], layout=block).astype(F32)
         return squares + x * x
 
-    if before_ring is not None:
-        before_ring()
     for j in range(stages):
         fill(j, j)
     no_squares = None

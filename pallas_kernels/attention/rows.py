@@ -249,10 +249,10 @@ def _kernel(q, k, v, consts, page_table, positions, k_pages, v_pages, *, piece, 
             plgpu.copy_gmem_to_smem(q_ref.at[n, :, cols], q_s.at[j, pl.ds(0, heads)], bar)
             plgpu.copy_gmem_to_smem(k_ref.at[n, :, cols], k_s.at[j, pl.ds(0, kv_heads)], bar)
         plgpu.copy_gmem_to_smem(v_ref.at[n], v_s, bar)
-        first = 0
+        row = 0
         for ref in consts_refs:
-            plgpu.copy_gmem_to_smem(ref, c_s.at[pl.ds(first, ref.shape[0])], bar)
-            first += ref.shape[0]
+            plgpu.copy_gmem_to_smem(ref, c_s.at[pl.ds(row, ref.shape[0])], bar)
+            row += ref.shape[0]
         pos = pos_ref[n]
         page = table_ref[n, jnp.minimum(pos // page_size, max_pages - 1)]
         offset = pos % page_size
