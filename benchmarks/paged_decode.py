@@ -110,7 +110,7 @@ def _rows(batch, context, args):
     rows += [(f"kernel, {n} splits", kernel_with(pd.STAGES, n)) for n in args.splits]
     rows += [("jnp", engine_jnp), ("reference", reference)][: 2 if args.peers else 0]
     for name, fn in rows:
-        _time_row(batch, context, name, fn, (q, k, v), want, limit_s)
+        _time_row(batch, context, name, fn, (q, k, v), want, limit_s, args.breakdown)
     if args.flashinfer:
         _flashinfer_row(batch, context, (q, k, v, table, lens), want, limit_s, args)
     if args.tree:  # verify steps: a chain of D drafts, and a random tree of D nodes
@@ -128,7 +128,9 @@ def _rows(batch, context, args):
             )  # fmt: skip
             fn = jax.jit(functools.partial(call, impl="pallas"))
             want_d = functools.partial(call, q_d, k, v, impl="reference")
-            _time_row(batch, context, f"kernel, {name}", fn, (q_d, k, v), want_d, limit_s)
+            _time_row(
+                batch, context, f"kernel, {name}", fn, (q_d, k, v), want_d, limit_s, args.breakdown
+            )
 
 
 def _max_error(out: np.ndarray, want) -> str:
@@ -141,18 +143,22 @@ def _max_error(out: np.ndarray, want) -> str:
     return f"{np.nanmax(np.abs(out - expected)):.1e}" if np.isfinite(out).all() else "nan"
 
 
-def _time_row(batch, context, name, fn, inputs, want, limit_s) -> None:
+def _time_row(batch, context, name, fn, inputs, want, limit_s, top=0) -> None:
     """Prints a row: device time, the KV-byte limit and fraction, max abs error against
-    ``want()`` (the jnp reference; "n/a" where it does not fit the device)."""
+    ``want()`` (the jnp reference; "n/a" where it does not fit the device); then the ``top``
+    longest kernels of the call, if any."""
     try:
         out = np.asarray(fn(*inputs), np.float32)
-        us = device_time(lambda: fn(*inputs), calls=10).us
+        timed = device_time(lambda: fn(*inputs), calls=10)
+        us = timed.us
         err = _max_error(out, want)
         print(
             f"| B={batch} ctx={context} | {name} | {us:.1f} us | {limit_s * 1e6:.1f} us | "
             f"{limit_s * 1e6 / us:.0%} | {err} |",
             flush=True,
         )
+        if top:
+            print(f"|   kernels: {timed.breakdown(top)} | | | | | |", flush=True)
     except Exception as err:  # a failed row is reported, the rest still runs
         print(f"| B={batch} ctx={context} | {name} | failed: {str(err)[:200]} | | | |")
 
@@ -222,6 +228,8 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--stages", default="", help="more kernel rows: rings of N buffers")
     parser.add_argument("--splits", default="", help="more kernel rows: N splits a row")
+    parser.add_argument("--breakdown", type=int, default=0,
+                        help="after each kernel row, its N longest kernels")  # fmt: skip
     parser.add_argument("--tree", type=int, default=0, help="verify rows of D drafts (0: none)")
     parser.add_argument("--flashinfer", action="store_true",
                         help="a FlashInfer row (needs flashinfer-python and torch)")  # fmt: skip

@@ -12,7 +12,7 @@ attends the positions before the D tokens and those of the nodes on its root pat
 included. Nothing past a row's positions is read into the result, whatever the cache holds
 there (stale or NaN entries included).
 
-The Mosaic GPU kernel (sm_90): one program per (split, KV head, row). The (token, query
+The Mosaic GPU kernel (sm_90): one program per (split, row, KV head). The (token, query
 head) pairs of one KV head are the rows of a 64-row wgmma tile (padded with zeros), so one
 program reads each of its row's keys and values once for all of them. A program walks
 64-position blocks (64 / page_size pages, one TMA each) through rings of ``stages`` key and
@@ -266,7 +266,12 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
             )
         else:
             o_ref, lse_ref, q_s, k_s, v_s, lse_s, q_bar, k_bar, v_bar, *p_s = refs
-        split, head, row = lax.axis_index("s"), lax.axis_index("h"), lax.axis_index("b")
+        # Program p takes split p // pairs of pair p % pairs = row * KVH + head. The kernel
+        # on a 1-D grid runs 1-2% faster on the H200 than on a (split, head, row) grid of
+        # the same programs (benchmarks/RESULTS_attention.md).
+        program = lax.axis_index("p")
+        split, pair = program // (batch * kv_heads), program % (batch * kv_heads)
+        row, head = pair // kv_heads, pair % kv_heads
         length = lens_ref[row]
         num_blocks = (length + BLOCK - 1) // BLOCK
         per_split = (num_blocks + num_splits - 1) // num_splits
@@ -392,8 +397,8 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(num_splits, kv_heads, batch),
-        grid_names=("s", "h", "b"),
+        grid=(num_splits * batch * kv_heads,),
+        grid_names=("p",),
         # The row reductions of a WGMMA tile stay within warps: no cross-warp scratch, so
         # the ring may take all of shared memory.
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
