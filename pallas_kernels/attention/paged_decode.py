@@ -250,6 +250,7 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
     each tile row's root-path bits (``root_paths``): it sees the positions before the
     ``tokens`` draft positions and the draft positions whose bit is set."""
     batch, kv_heads, held, head_dim = q_tiles.shape
+    pairs = batch * kv_heads  # (row, KV head) pairs
     page_size = k_pages.shape[1]
     pages_per_block = BLOCK // page_size
     max_pages = page_table.shape[1]
@@ -270,7 +271,7 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         # on a 1-D grid runs 1-2% faster on the H200 than on a (split, head, row) grid of
         # the same programs (benchmarks/RESULTS_attention.md).
         program = lax.axis_index("p")
-        split, pair = program // (batch * kv_heads), program % (batch * kv_heads)
+        split, pair = program // pairs, program % pairs
         row, head = pair // kv_heads, pair % kv_heads
         length = lens_ref[row]
         num_blocks = (length + BLOCK - 1) // BLOCK
@@ -397,7 +398,7 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(num_splits * batch * kv_heads,),
+        grid=(num_splits * pairs,),
         grid_names=("p",),
         # The row reductions of a WGMMA tile stay within warps: no cross-warp scratch, so
         # the ring may take all of shared memory.
