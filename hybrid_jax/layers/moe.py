@@ -31,6 +31,7 @@ __all__ = [
     "HIDDEN_IN_EXPERT_LAUNCH",
     "MLP",
     "RANKED_TOP_K_TOKENS",
+    "ROUTING_IN_EXPERT_LAUNCH",
     "ROUTING_IN_KERNEL",
     "SHARED_DOWN_WITH_EXPERTS",
     "SHARED_HIDDEN_WITH_EXPERTS",
@@ -88,6 +89,13 @@ ROUTING_IN_KERNEL = False
 and their softmax) instead of the ranking's two XLA reductions. Off: on the H200 the launch
 takes 4.1 us where the two reductions take 3.0, with the router's split launch too
 (``benchmarks/RESULTS_serve.md``, session 28)."""
+
+
+ROUTING_IN_EXPERT_LAUNCH = False
+"""Whether a block whose experts run by id routes its tokens in the experts' gate/up launch
+(``moe.routed_expert_matmul``: each program ranks its token's router logits itself and the
+launch stores the experts and weights the down launch and the combine read) instead of the
+ranking's two XLA reductions before the launch."""
 
 
 def top_k(x: jax.Array, k: int, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -330,16 +338,17 @@ class SparseMoE(nnx.Module):
             gate_logit = gate_logit[:, :1]
         else:
             gate_logit = self._shared_gate_logit(x)
-        weights, experts = self.route(logits, real, impl=impl)
         shared_scale = jax.nn.sigmoid(gate_logit)
         if hidden_in_launch:
+            weights, experts = self.route(logits, real, impl=impl)
             hidden, shared_hidden = self._hidden_by_id(x, experts, impl)
             routed, shared = self._down_by_id(hidden, shared_hidden, weights, experts, impl)
             return routed.astype(x.dtype) + shared_scale * shared
         shared_hidden = shared_mlp.hidden(*shared_gate_up)
         if self._runs_by_id(x, impl):
-            routed, shared = self._experts_by_id(x, weights, experts, shared_hidden, impl)
+            routed, shared = self._experts_by_id(x, logits, real, shared_hidden, impl)
             return routed.astype(x.dtype) + shared_scale * shared
+        weights, experts = self.route(logits, real, impl=impl)
         x = formed(x)
         shared = shared_scale * shared_mlp.down(shared_hidden, impl=impl)
         # ``route`` gave padding tokens the out-of-range expert: they sort after the groups.
@@ -432,17 +441,45 @@ class SparseMoE(nnx.Module):
             )  # fmt: skip
         return moe.expert_hidden(x, w, experts, shared=shared, tiles=True, impl=impl)
 
-    def _experts_by_id(self, x, weights, experts, shared_hidden, impl: str):
-        """(float32 ``[T, hidden]``: each token's experts read by id (padding tokens' ids are
-        out of range, from ``route``: they read none and give zeros), weighted and summed;
-        the shared expert's down product of ``shared_hidden``) from the experts' gate/up
-        launch, the SiLU products in XLA and ``_down_by_id``."""
-        tokens, top_k = experts.shape
-        if isinstance(x, NormedRows):  # each token's products times its inverse RMS
-            gate_up = moe.expert_matmul(x.weighted(), self.gate_up_proj[...], experts, impl=impl)
-            gate_up = gate_up.astype(jnp.float32) * x.inverse_rms()[:, None, None]
+    def _routes_in_expert_launch(self, x, logits, impl: str) -> bool:
+        """Whether the experts' gate/up launch routes the tokens itself
+        (``ROUTING_IN_EXPERT_LAUNCH``, renormalised weights, whole logits, a call the kernel
+        takes, and the kernel running here)."""
+        if not (ROUTING_IN_EXPERT_LAUNCH and self.config.norm_topk_prob):
+            return False
+        if isinstance(logits, SplitProduct):
+            return False
+        rows = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        if moe.routed_unsupported_reason(rows, self.gate_up_proj[...], logits) is not None:
+            return False
+        return resolve_impl("routed_expert_matmul", impl, None) != "reference"
+
+    def _gate_up_by_id(self, x, logits, real, impl: str):
+        """(each token's experts' gate/up products ``[T, top_k, 2I]``, of ``NormedRows``
+        times each token's inverse RMS; the weights ``[T, top_k]`` in the logits' dtype; the
+        int32 experts ``[T, top_k]``, out of range for padding tokens): routed in the
+        experts' launch where ``_routes_in_expert_launch``, else by ``route``."""
+        rows = x.weighted() if isinstance(x, NormedRows) else x
+        w = self.gate_up_proj[...]
+        if self._routes_in_expert_launch(x, logits, impl):
+            gate_up, weights, experts = moe.routed_expert_matmul(
+                rows, w, logits, self.config.top_k, real, impl=impl
+            )
+            weights = weights.astype(logits.dtype)
         else:
-            gate_up = moe.expert_matmul(x, self.gate_up_proj[...], experts, impl=impl)
+            weights, experts = self.route(logits, real, impl=impl)
+            gate_up = moe.expert_matmul(rows, w, experts, impl=impl)
+        if isinstance(x, NormedRows):
+            gate_up = gate_up.astype(jnp.float32) * x.inverse_rms()[:, None, None]
+        return gate_up, weights, experts
+
+    def _experts_by_id(self, x, logits, real, shared_hidden, impl: str):
+        """(float32 ``[T, hidden]``: each token's experts read by id (padding tokens' ids are
+        out of range: they read none and give zeros), weighted and summed; the shared
+        expert's down product of ``shared_hidden``) from the experts' gate/up launch
+        (``_gate_up_by_id``), the SiLU products in XLA and ``_down_by_id``."""
+        gate_up, weights, experts = self._gate_up_by_id(x, logits, real, impl)
+        tokens, top_k = experts.shape
         gate, up = jnp.split(gate_up, 2, axis=-1)
         hidden = (jax.nn.silu(gate) * up).astype(x.dtype).reshape(tokens * top_k, -1)
         if SHARED_HIDDEN_WITH_EXPERTS and shared_hidden.shape[1] == hidden.shape[1]:

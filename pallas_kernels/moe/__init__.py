@@ -8,6 +8,8 @@ from pallas_kernels.moe.expert_matmul import (
     expert_hidden_reference,
     expert_matmul,
     expert_matmul_reference,
+    routed_expert_matmul,
+    routed_unsupported_reason,
 )
 from pallas_kernels.moe.expert_matmul import (
     hidden_unsupported_reason as expert_hidden_unsupported_reason,
@@ -27,6 +29,8 @@ __all__ = [
     "expert_matmul_unsupported_reason",
     "grouped_matmul",
     "ranked_top_k",
+    "routed_expert_matmul",
+    "routed_unsupported_reason",
     "routing_unsupported_reason",
     "top_k_routing",
     "top_k_softmax",

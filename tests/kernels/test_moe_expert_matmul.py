@@ -278,3 +278,81 @@ def test_the_down_launch_over_hidden_tiles_lowers_for_cuda_at_the_35b_shapes():
             s((256, 512, 2048), bf16))  # fmt: skip
     text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 2
+
+
+def _routed_oracle(x, w, logits, k, valid):
+    """float64: each valid row's k largest logits (equal ones by the lower index), the
+    softmax over them, and its products with those experts; padding rows expert E, weight
+    0, zero rows."""
+    rows, num_experts = logits.shape
+    lg = np.asarray(logits, np.float64)
+    experts = np.full((rows, k), num_experts, np.int32)
+    weights = np.zeros((rows, k))
+    for r in range(rows):
+        if valid[r]:
+            order = sorted(range(num_experts), key=lambda e, r=r: (-lg[r, e], e))[:k]
+            experts[r] = order
+            exps = np.exp(lg[r, order] - lg[r, order[0]])
+            weights[r] = exps / exps.sum()
+    return _oracle(x, w, experts), weights, experts
+
+
+@pytest.mark.parametrize(
+    ("rows", "num_experts", "top_k", "logits_dtype"),
+    [(8, 256, 8, jnp.bfloat16), (5, 128, 3, jnp.float32)],
+)
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_routing_in_the_launch_matches_the_float64_oracle(
+    rows, num_experts, top_k, logits_dtype, impl, product_variant
+):
+    """Each program ranks its pair's row itself: the experts are the oracle's (ties by the
+    lower index), the weights its softmax, padding rows take no expert."""
+    rng = np.random.default_rng(rows * num_experts + top_k)
+    x = jnp.asarray(rng.standard_normal((rows, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((num_experts, 128, 64)) / np.sqrt(128), jnp.bfloat16)
+    lg = rng.standard_normal((rows, num_experts)).astype(np.float32)
+    lg[0, 7] = lg[0, 3] = lg[0].max() + 1  # a tie for the first place
+    lg[1, 5] = lg[1, 9] = lg[1, 200 % num_experts] = np.sort(lg[1])[-top_k]  # ties at the edge
+    logits = jnp.asarray(lg, logits_dtype)
+    valid = np.arange(rows) != 2
+    got, weights, experts = moe.routed_expert_matmul(
+        x, w, logits, top_k, jnp.asarray(valid), impl=impl
+    )
+    want, want_weights, want_experts = _routed_oracle(x, w, logits, top_k, valid)
+    chex.assert_shape([got, weights, experts], [(rows, top_k, 64), (rows, top_k), (rows, top_k)])
+    assert weights.dtype == jnp.float32 and experts.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(experts), want_experts)
+    np.testing.assert_allclose(np.asarray(weights, np.float64), want_weights, rtol=1e-5, atol=1e-7)
+    got64 = np.asarray(got, np.float64)
+    assert np.linalg.norm(got64 - want) / np.linalg.norm(want) < 1e-2
+    np.testing.assert_array_equal(got64[2], 0)
+
+
+def test_routing_in_the_launch_lowers_for_cuda_at_the_35b_shapes():
+    x = jnp.zeros((8, 2048), jnp.bfloat16)
+    w = jnp.zeros((256, 2048, 1024), jnp.bfloat16)
+    logits, valid = jnp.zeros((8, 256), jnp.bfloat16), jnp.ones((8,), jnp.float32)
+
+    def call(x, w, logits, valid):
+        return em_module._kernel(x, w, None, routing=(logits, valid), variant=current_variant(),
+                                 interpret=False, top_k=8)  # fmt: skip
+
+    text = jax.jit(call).trace(x, w, logits, valid).lower(lowering_platforms=("cuda",)).as_text()
+    assert "routed_expert_matmul" in text
+
+
+def test_routing_in_the_launch_refuses_what_it_cannot_take():
+    x, w = jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((256, 128, 64), jnp.bfloat16)
+    assert moe.routed_unsupported_reason(x, w, jnp.zeros((8, 256), jnp.bfloat16)) is None
+    wide = jnp.zeros((512, 128, 64), jnp.bfloat16)
+    assert "512 experts" in moe.routed_unsupported_reason(x, wide, jnp.zeros((8, 512)))
+    many = jnp.zeros((16, 128), jnp.bfloat16)
+    assert "at most 8" in moe.routed_unsupported_reason(many, w, jnp.zeros((16, 256)))
+    with pytest.raises(ValueError, match=r"logits must be \[R, E\] = \[8, 256\]"):
+        moe.routed_expert_matmul(x, w, jnp.zeros((8, 128)), 8)
+    with pytest.raises(ValueError, match="top_k=0 must be in 1..E=256"):
+        moe.routed_expert_matmul(x, w, jnp.zeros((8, 256)), 0)
+    with pytest.raises(ValueError, match=r"valid must be bool \[R=8\]"):
+        moe.routed_expert_matmul(x, w, jnp.zeros((8, 256)), 8, jnp.ones((8,), jnp.int32))
+    with pytest.raises(NotImplementedError, match="512 experts"):
+        moe.routed_expert_matmul(x, wide, jnp.zeros((8, 512)), 8, impl="interpret")
