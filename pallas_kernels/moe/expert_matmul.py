@@ -37,6 +37,7 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
@@ -198,28 +199,38 @@ def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1, reserved: int
     return max(1, min(pairs, (NUM_SMS * per_sm - reserved) // col_tiles))
 
 
-def _rank_choice(row_s, index_s, choice, top_k: int):
+def _order_keys(bits, index):
+    """int32 keys that order 16-bit floats (their bits ``bits`` as int16) largest first and
+    equal ones by the lower ``index`` (int32, below 256): one integer comparison per pair
+    of entries where the floats and their indices take two and three. Negative floats
+    count down from zero, -0 equal to +0."""
+    bits = bits.astype(jnp.int32)
+    ordered = jnp.where(bits < 0, -32768 - bits, bits)
+    return ordered * 256 + (255 - index)
+
+
+def _rank_choice(row_s, bits_s, index_s, choice, top_k: int):
     """(int32 expert, float32 weight) of ``choice`` among the ``top_k`` largest of one row
-    of logits (``row_s``, SMEM ``[n]``; ``index_s`` float32 ``[n]`` each entry's index):
-    every entry's rank is the count of entries before it (larger, or equal at a lower
-    index), summed over chunks of ``_RANK_CHUNK`` entries at a time; the choice's entry is
-    the one of that rank, and its weight the softmax over the ranks below ``top_k``."""
+    of 16-bit logits (``row_s``, SMEM ``[n]``, and its bits ``bits_s`` as int16; ``index_s``
+    int32 ``[n]`` each entry's index): every entry's rank is the count of entries whose key
+    (``_order_keys``) is larger, summed over chunks of ``_RANK_CHUNK`` entries at a time;
+    the choice's entry is the one of that rank, and its weight the softmax over the ranks
+    below ``top_k``."""
     width = row_s.shape[0]
-    mine = plgpu.load(row_s, layout=ROWS).astype(F32)
     index = plgpu.load(index_s, layout=ROWS)
     shape = (width, _RANK_CHUNK)
-    at_mine, at_index = along_rows(mine, shape), along_rows(index, shape)
+    mine = along_rows(_order_keys(plgpu.load(bits_s, layout=ROWS), index), shape)
     rank = None
     for chunk in range(width // _RANK_CHUNK):
         entries = pl.ds(chunk * _RANK_CHUNK, _RANK_CHUNK)
-        other = along_cols(plgpu.load(row_s.at[entries], layout=COLS).astype(F32), shape)
-        other_index = along_cols(plgpu.load(index_s.at[entries], layout=COLS), shape)
-        before = (other > at_mine) | ((other == at_mine) & (other_index < at_index))
-        count = jnp.sum(jnp.where(before, 1.0, 0.0), axis=1)
+        keys = _order_keys(plgpu.load(bits_s.at[entries], layout=COLS),
+                           plgpu.load(index_s.at[entries], layout=COLS))  # fmt: skip
+        count = jnp.sum(jnp.where(along_cols(keys, shape) > mine, 1, 0), axis=1)
         rank = count if rank is None else rank + count
-    picked = rank == choice.astype(F32)
-    expert = jnp.sum(jnp.where(picked, index, 0.0)).astype(jnp.int32)
-    exps = jnp.exp(mine - jnp.max(mine))
+    picked = rank == choice
+    expert = jnp.sum(jnp.where(picked, index, 0))
+    logits = plgpu.load(row_s, layout=ROWS).astype(F32)
+    exps = jnp.exp(logits - jnp.max(logits))
     total = jnp.sum(jnp.where(rank < top_k, exps, 0.0))
     return expert, jnp.sum(jnp.where(picked, exps, 0.0)) / total
 
@@ -228,11 +239,12 @@ def _routed_ids(places, col, route_in, route_out, route_scratch, *, pairs: int, 
     """Each of a program's pair ``places``' expert, ranked in the launch (``_rank_choice``
     of its row's logits; ``n``, no expert, past the last pair or in a padding row); the
     programs of column tile 0 store their pairs' experts and weights."""
-    logits_ref, valid_ref, index_ref = route_in
+    logits_ref, bits_ref, valid_ref, index_ref = route_in
     weights_ref, experts_ref = route_out
-    logits_s, index_s, bar = route_scratch
+    logits_s, bits_s, index_s, bar = route_scratch
     width = logits_s.shape[1]
     plgpu.copy_gmem_to_smem(logits_ref, logits_s, bar)
+    plgpu.copy_gmem_to_smem(bits_ref, bits_s, bar)
     plgpu.copy_gmem_to_smem(index_ref, index_s, bar)
     # The rows' flags load while the copies are in flight.
     pair_rows = [jnp.minimum(place, pairs - 1) // top_k for place in places]
@@ -246,7 +258,7 @@ def _routed_ids(places, col, route_in, route_out, route_scratch, *, pairs: int, 
         expert, weight = lax.cond(
             ok,
             lambda row=row, place=place: _rank_choice(
-                logits_s.at[row], index_s, lax.rem(place, top_k), top_k
+                logits_s.at[row], bits_s.at[row], index_s, lax.rem(place, top_k), top_k
             ),
             lambda: (jnp.int32(width), jnp.float32(0)),
         )
@@ -296,8 +308,9 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
         width = logits.shape[1]
         scratch_types += [
             plgpu.SMEM((rows, width), logits.dtype),
-            plgpu.SMEM((width,), F32),
-            plgpu.Barrier(num_arrivals=2),
+            plgpu.SMEM((rows, width), jnp.int16),
+            plgpu.SMEM((width,), jnp.int32),
+            plgpu.Barrier(num_arrivals=3),
         ]
     programs = programs_per_tile(
         pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0
@@ -306,8 +319,10 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     xp = x.tiles if tiled else jnp.pad(x, ((0, padded - rows), (0, 0)))
     out_types = [jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype)]
     if routed:
-        # Each entry's index, which the ranking compares (a constant of the program).
-        operands = [logits, valid, jnp.arange(width, dtype=F32), xp, w]
+        # The logits' bits (a bitcast), which the ranking orders, and each entry's index (a
+        # literal of the program: an iota would be a kernel of its own each step).
+        bits = lax.bitcast_convert_type(logits, jnp.int16)
+        operands = [logits, bits, valid, np.arange(width, dtype=np.int32), xp, w]
         out_types += [
             jax.ShapeDtypeStruct((pairs,), F32),
             jax.ShapeDtypeStruct((pairs,), jnp.int32),
@@ -330,7 +345,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     n_dense = 0 if dense is None else len(dense)
 
     def body(*refs):
-        route_in, refs = (refs[:3], refs[3:]) if routed else ((), refs)
+        route_in, refs = (refs[:4], refs[4:]) if routed else ((), refs)
         experts_ref, refs = (None, refs) if routed else (refs[0], refs[1:])
         x_ref, w_ref, refs = refs[0], refs[1], refs[2:]
         dense_in, refs = refs[:n_dense], refs[n_dense:]
@@ -338,7 +353,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
         o_ref, refs = refs[0], refs[1:]
         dense_o_ref, refs = (refs[0], refs[1:]) if dense is not None else (None, refs)
         route_out, refs = (refs[:2], refs[2:]) if routed else ((), refs)
-        scratch_refs, route_scratch = (refs[:-3], refs[-3:]) if routed else (refs, ())
+        scratch_refs, route_scratch = (refs[:-4], refs[-4:]) if routed else (refs, ())
         col, first = lax.axis_index("n"), lax.axis_index("p")
         cols = pl.ds(col * BLOCK_N, BLOCK_N)
         up_cols = pl.ds(n_dim + col * BLOCK_N, BLOCK_N)
@@ -467,8 +482,8 @@ def routed_unsupported_reason(x: jax.Array, w: jax.Array, logits: jax.Array) -> 
         return f"the router's {width} experts are not one of {_ROUTED_EXPERTS}"
     if x.shape[0] > ALIGN:
         return f"x has {x.shape[0]} rows; the launch routes at most {ALIGN}"
-    if logits.dtype not in (*DTYPES, jnp.dtype(F32)):
-        return f"logits are {logits.dtype}; the launch reads 16-bit floats or float32"
+    if logits.dtype not in DTYPES:
+        return f"logits are {logits.dtype}; the launch ranks 16-bit floats by their bits"
     return unsupported_reason(x, w)
 
 

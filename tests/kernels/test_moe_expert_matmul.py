@@ -299,7 +299,7 @@ def _routed_oracle(x, w, logits, k, valid):
 
 @pytest.mark.parametrize(
     ("rows", "num_experts", "top_k", "logits_dtype"),
-    [(8, 256, 8, jnp.bfloat16), (5, 128, 3, jnp.float32)],
+    [(8, 256, 8, jnp.bfloat16), (5, 128, 3, jnp.float16)],
 )
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
 def test_routing_in_the_launch_matches_the_float64_oracle(
@@ -312,6 +312,8 @@ def test_routing_in_the_launch_matches_the_float64_oracle(
     w = jnp.asarray(rng.standard_normal((num_experts, 128, 64)) / np.sqrt(128), jnp.bfloat16)
     lg = rng.standard_normal((rows, num_experts)).astype(np.float32)
     lg[0, 7] = lg[0, 3] = lg[0].max() + 1  # a tie for the first place
+    lg[3, :4] = [0.0, -0.0, 0.0, -0.0]  # zeros of both signs are equal
+    lg[3, 4:] = -np.abs(lg[3, 4:]) - 1  # ... and the largest: ties by the lower index
     lg[1, 5] = lg[1, 9] = lg[1, 200 % num_experts] = np.sort(lg[1])[-top_k]  # ties at the edge
     logits = jnp.asarray(lg, logits_dtype)
     valid = np.arange(rows) != 2
