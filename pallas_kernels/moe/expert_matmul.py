@@ -107,7 +107,8 @@ class PairTiles:
 
     def rows(self) -> jax.Array:
         """``[R, C, N]``: each pair's own row, zeros for ids out of range."""
-        pair = jnp.arange(self.experts.size)
+        # Literal indices: an iota here can become a kernel of its own in a step's loop.
+        pair = np.arange(self.experts.size)
         out = self.tiles[pair, (pair // self.per_line) % ALIGN]
         flat = self.experts.reshape(-1)
         valid = (flat >= 0) & (flat < self.num_experts)
@@ -249,7 +250,7 @@ def _routed_ids(places, col, route_in, route_out, route_scratch, *, pairs: int, 
     # The rows' flags load while the copies are in flight.
     pair_rows = [jnp.minimum(place, pairs - 1) // top_k for place in places]
     real = [
-        (place < pairs) & (valid_ref[row] != 0)
+        (place < pairs) & valid_ref[row]
         for place, row in zip(places, pair_rows, strict=True)
     ]
     plgpu.barrier_wait(bar)
@@ -281,7 +282,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     ``(gate, up)`` weights (its rows are x's), and each product is scaled by ``row_scale``
     (or the inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``. ``x`` may be
     an earlier launch's ``PairTiles``: row r's rows are then its tile r. With ``routing``
-    ``(logits [R, n], valid float32 [R])`` instead of ``experts`` (None), the launch of
+    ``(logits [R, n], valid bool [R])`` instead of ``experts`` (None), the launch of
     ``routed_expert_matmul``: each row's ``top_k`` experts ranked in the launch. Returns the
     launch's ``PairTiles`` (and the dense product's rows; routed, the pairs' float32 weights
     and int32 experts ``[R * top_k]``)."""
@@ -537,7 +538,7 @@ def routed_expert_matmul(
         if valid is not None:
             weights = jnp.where(valid[:, None], weights, 0.0)
         return expert_matmul_reference(x, w, experts), weights, experts
-    flags = jnp.ones(x.shape[:1], F32) if valid is None else valid.astype(F32)
+    flags = jnp.ones(x.shape[:1], jnp.bool_) if valid is None else valid
     out, weights, experts = _kernel(
         x, w, None, routing=(logits, flags), variant=current_variant(),
         interpret=choice == "interpret", top_k=top_k,

@@ -333,7 +333,7 @@ def test_routing_in_the_launch_matches_the_float64_oracle(
 def test_routing_in_the_launch_lowers_for_cuda_at_the_35b_shapes():
     x = jnp.zeros((8, 2048), jnp.bfloat16)
     w = jnp.zeros((256, 2048, 1024), jnp.bfloat16)
-    logits, valid = jnp.zeros((8, 256), jnp.bfloat16), jnp.ones((8,), jnp.float32)
+    logits, valid = jnp.zeros((8, 256), jnp.bfloat16), jnp.ones((8,), jnp.bool_)
 
     def call(x, w, logits, valid):
         return em_module._kernel(x, w, None, routing=(logits, valid), variant=current_variant(),
