@@ -107,8 +107,7 @@ class PairTiles:
 
     def rows(self) -> jax.Array:
         """``[R, C, N]``: each pair's own row, zeros for ids out of range."""
-        # Literal indices: an iota here can become a kernel of its own in a step's loop.
-        pair = np.arange(self.experts.size)
+        pair = jnp.arange(self.experts.size)
         out = self.tiles[pair, (pair // self.per_line) % ALIGN]
         flat = self.experts.reshape(-1)
         valid = (flat >= 0) & (flat < self.num_experts)
@@ -210,22 +209,26 @@ def _order_keys(bits, index):
     return ordered * 256 + (255 - index)
 
 
-def _rank_choice(row_s, bits_s, index_s, choice, top_k: int):
+def _indices(size: int, layout) -> jax.Array:
+    """``0 .. size - 1`` (int32) in registers of ``layout``."""
+    return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (size,), 0), layout)
+
+
+def _rank_choice(row_s, bits_s, choice, top_k: int):
     """(int32 expert, float32 weight) of ``choice`` among the ``top_k`` largest of one row
-    of 16-bit logits (``row_s``, SMEM ``[n]``, and its bits ``bits_s`` as int16; ``index_s``
-    int32 ``[n]`` each entry's index): every entry's rank is the count of entries whose key
-    (``_order_keys``) is larger, summed over chunks of ``_RANK_CHUNK`` entries at a time;
-    the choice's entry is the one of that rank, and its weight the softmax over the ranks
-    below ``top_k``."""
+    of 16-bit logits (``row_s``, SMEM ``[n]``, and its bits ``bits_s`` as int16): every
+    entry's rank is the count of entries whose key (``_order_keys``) is larger, summed over
+    chunks of ``_RANK_CHUNK`` entries at a time; the choice's entry is the one of that rank,
+    and its weight the softmax over the ranks below ``top_k``."""
     width = row_s.shape[0]
-    index = plgpu.load(index_s, layout=ROWS)
+    index = _indices(width, ROWS)
     shape = (width, _RANK_CHUNK)
     mine = along_rows(_order_keys(plgpu.load(bits_s, layout=ROWS), index), shape)
     rank = None
     for chunk in range(width // _RANK_CHUNK):
         entries = pl.ds(chunk * _RANK_CHUNK, _RANK_CHUNK)
-        keys = _order_keys(plgpu.load(bits_s.at[entries], layout=COLS),
-                           plgpu.load(index_s.at[entries], layout=COLS))  # fmt: skip
+        chunk_index = _indices(_RANK_CHUNK, COLS) + chunk * _RANK_CHUNK
+        keys = _order_keys(plgpu.load(bits_s.at[entries], layout=COLS), chunk_index)
         count = jnp.sum(jnp.where(along_cols(keys, shape) > mine, 1, 0), axis=1)
         rank = count if rank is None else rank + count
     picked = rank == choice
@@ -240,26 +243,22 @@ def _routed_ids(places, col, route_in, route_out, route_scratch, *, pairs: int, 
     """Each of a program's pair ``places``' expert, ranked in the launch (``_rank_choice``
     of its row's logits; ``n``, no expert, past the last pair or in a padding row); the
     programs of column tile 0 store their pairs' experts and weights."""
-    logits_ref, bits_ref, valid_ref, index_ref = route_in
+    logits_ref, bits_ref, valid_ref = route_in
     weights_ref, experts_ref = route_out
-    logits_s, bits_s, index_s, bar = route_scratch
+    logits_s, bits_s, bar = route_scratch
     width = logits_s.shape[1]
     plgpu.copy_gmem_to_smem(logits_ref, logits_s, bar)
     plgpu.copy_gmem_to_smem(bits_ref, bits_s, bar)
-    plgpu.copy_gmem_to_smem(index_ref, index_s, bar)
     # The rows' flags load while the copies are in flight.
     pair_rows = [jnp.minimum(place, pairs - 1) // top_k for place in places]
-    real = [
-        (place < pairs) & valid_ref[row]
-        for place, row in zip(places, pair_rows, strict=True)
-    ]
+    real = [(place < pairs) & valid_ref[row] for place, row in zip(places, pair_rows, strict=True)]
     plgpu.barrier_wait(bar)
     ids = []
     for place, row, ok in zip(places, pair_rows, real, strict=True):
         expert, weight = lax.cond(
             ok,
             lambda row=row, place=place: _rank_choice(
-                logits_s.at[row], bits_s.at[row], index_s, lax.rem(place, top_k), top_k
+                logits_s.at[row], bits_s.at[row], lax.rem(place, top_k), top_k
             ),
             lambda: (jnp.int32(width), jnp.float32(0)),
         )
@@ -310,8 +309,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
         scratch_types += [
             plgpu.SMEM((rows, width), logits.dtype),
             plgpu.SMEM((rows, width), jnp.int16),
-            plgpu.SMEM((width,), jnp.int32),
-            plgpu.Barrier(num_arrivals=3),
+            plgpu.Barrier(num_arrivals=2),
         ]
     programs = programs_per_tile(
         pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0
@@ -320,10 +318,9 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     xp = x.tiles if tiled else jnp.pad(x, ((0, padded - rows), (0, 0)))
     out_types = [jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype)]
     if routed:
-        # The logits' bits (a bitcast), which the ranking orders, and each entry's index (a
-        # literal of the program: an iota would be a kernel of its own each step).
+        # The logits' bits (a bitcast), which the ranking orders.
         bits = lax.bitcast_convert_type(logits, jnp.int16)
-        operands = [logits, bits, valid, np.arange(width, dtype=np.int32), xp, w]
+        operands = [logits, bits, valid, xp, w]
         out_types += [
             jax.ShapeDtypeStruct((pairs,), F32),
             jax.ShapeDtypeStruct((pairs,), jnp.int32),
@@ -346,7 +343,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     n_dense = 0 if dense is None else len(dense)
 
     def body(*refs):
-        route_in, refs = (refs[:4], refs[4:]) if routed else ((), refs)
+        route_in, refs = (refs[:3], refs[3:]) if routed else ((), refs)
         experts_ref, refs = (None, refs) if routed else (refs[0], refs[1:])
         x_ref, w_ref, refs = refs[0], refs[1], refs[2:]
         dense_in, refs = refs[:n_dense], refs[n_dense:]
@@ -354,7 +351,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
         o_ref, refs = refs[0], refs[1:]
         dense_o_ref, refs = (refs[0], refs[1:]) if dense is not None else (None, refs)
         route_out, refs = (refs[:2], refs[2:]) if routed else ((), refs)
-        scratch_refs, route_scratch = (refs[:-4], refs[-4:]) if routed else (refs, ())
+        scratch_refs, route_scratch = (refs[:-3], refs[-3:]) if routed else (refs, ())
         col, first = lax.axis_index("n"), lax.axis_index("p")
         cols = pl.ds(col * BLOCK_N, BLOCK_N)
         up_cols = pl.ds(n_dim + col * BLOCK_N, BLOCK_N)
