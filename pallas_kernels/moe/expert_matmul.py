@@ -37,7 +37,6 @@ import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
