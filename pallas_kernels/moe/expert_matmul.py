@@ -485,7 +485,7 @@ def routed_unsupported_reason(x: jax.Array, w: jax.Array, logits: jax.Array) -> 
 
 
 def _check_routed(x, w, logits, top_k, valid) -> None:
-    _check(x, w, jnp.zeros((x.shape[0], 1), jnp.int32))
+    _check(x, w, jax.ShapeDtypeStruct((x.shape[0], top_k), jnp.int32))
     if logits.shape != (x.shape[0], w.shape[0]):
         raise ValueError(
             f"{_ROUTED_OP}: logits must be [R, E] = {[x.shape[0], w.shape[0]]} (a row per "
