@@ -95,9 +95,9 @@ ROUTING_IN_EXPERT_LAUNCH = False
 """Whether a block whose experts run by id routes its tokens in the experts' gate/up launch
 (``moe.routed_expert_matmul``: each program ranks its token's router logits itself and the
 launch stores the experts and weights the down launch and the combine read) instead of the
-ranking's two XLA reductions before the launch. Off: on the H200 the ranking puts ~4 us on
-every program's path before its first weight copy, and at batch 1 the launch takes 14.8 us
-where the plain launch and the two reductions take 13.7 (``benchmarks/RESULTS_serve.md``,
+ranking's two XLA reductions before the launch. Off: on the H200 at batch 1 the launch takes
+14.8 us where the plain launch and the two reductions take 13.7; the ranking itself costs
+~0.1 us of it, the copies and conditionals around it ~2.5 (``benchmarks/RESULTS_serve.md``,
 session 30)."""
 
 
