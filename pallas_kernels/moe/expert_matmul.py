@@ -213,26 +213,27 @@ def _indices(size: int, layout) -> jax.Array:
     return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (size,), 0), layout)
 
 
-def _rank_choice(row_s, bits_s, choice, top_k: int):
+def _rank_choice(row_ref, choice, top_k: int):
     """(int32 expert, float32 weight) of ``choice`` among the ``top_k`` largest of one row
-    of 16-bit logits (``row_s``, SMEM ``[n]``, and its bits ``bits_s`` as int16): every
-    entry's rank is the count of entries whose key (``_order_keys``) is larger, summed over
-    chunks of ``_RANK_CHUNK`` entries at a time; the choice's entry is the one of that rank,
-    and its weight the softmax over the ranks below ``top_k``."""
-    width = row_s.shape[0]
+    of 16-bit logits (``row_ref``, SMEM ``[n]``): every entry's rank is the count of entries
+    whose key (``_order_keys`` of its bits) is larger, summed over chunks of
+    ``_RANK_CHUNK`` entries at a time; the choice's entry is the one of that rank, and its
+    weight the softmax over the ranks below ``top_k``."""
+    width = row_ref.shape[0]
     index = _indices(width, ROWS)
     shape = (width, _RANK_CHUNK)
-    mine = along_rows(_order_keys(plgpu.load(bits_s, layout=ROWS), index), shape)
+    logits = plgpu.load(row_ref, layout=ROWS)
+    mine = along_rows(_order_keys(lax.bitcast_convert_type(logits, jnp.int16), index), shape)
     rank = None
     for chunk in range(width // _RANK_CHUNK):
-        entries = pl.ds(chunk * _RANK_CHUNK, _RANK_CHUNK)
+        entries = plgpu.load(row_ref.at[pl.ds(chunk * _RANK_CHUNK, _RANK_CHUNK)], layout=COLS)
         chunk_index = _indices(_RANK_CHUNK, COLS) + chunk * _RANK_CHUNK
-        keys = _order_keys(plgpu.load(bits_s.at[entries], layout=COLS), chunk_index)
+        keys = _order_keys(lax.bitcast_convert_type(entries, jnp.int16), chunk_index)
         count = jnp.sum(jnp.where(along_cols(keys, shape) > mine, 1, 0), axis=1)
         rank = count if rank is None else rank + count
     picked = rank == choice
     expert = jnp.sum(jnp.where(picked, index, 0))
-    logits = plgpu.load(row_s, layout=ROWS).astype(F32)
+    logits = logits.astype(F32)
     exps = jnp.exp(logits - jnp.max(logits))
     total = jnp.sum(jnp.where(rank < top_k, exps, 0.0))
     return expert, jnp.sum(jnp.where(picked, exps, 0.0)) / total
@@ -241,26 +242,22 @@ def _rank_choice(row_s, bits_s, choice, top_k: int):
 def _routed_ids(places, col, route_in, route_out, route_scratch, *, pairs: int, top_k: int):
     """Each of a program's pair ``places``' expert, ranked in the launch (``_rank_choice``
     of its row's logits; ``n``, no expert, past the last pair or in a padding row); the
-    programs of column tile 0 store their pairs' experts and weights."""
-    logits_ref, bits_ref, valid_ref = route_in
+    programs of column tile 0 store their pairs' experts and weights. Every place is ranked,
+    a padding one too (its row clamped into range), and its result selected: no branch per
+    place."""
+    logits_ref, valid_ref = route_in
     weights_ref, experts_ref = route_out
-    logits_s, bits_s, bar = route_scratch
+    logits_s, bar = route_scratch
     width = logits_s.shape[1]
     plgpu.copy_gmem_to_smem(logits_ref, logits_s, bar)
-    plgpu.copy_gmem_to_smem(bits_ref, bits_s, bar)
-    # The rows' flags load while the copies are in flight.
-    pair_rows = [jnp.minimum(place, pairs - 1) // top_k for place in places]
-    real = [(place < pairs) & valid_ref[row] for place, row in zip(places, pair_rows, strict=True)]
+    # The rows' flags load while the copy is in flight.
+    rows = [jnp.minimum(place, pairs - 1) // top_k for place in places]
+    real = [(place < pairs) & valid_ref[row] for place, row in zip(places, rows, strict=True)]
     plgpu.barrier_wait(bar)
     ids = []
-    for place, row, ok in zip(places, pair_rows, real, strict=True):
-        expert, weight = lax.cond(
-            ok,
-            lambda row=row, place=place: _rank_choice(
-                logits_s.at[row], bits_s.at[row], lax.rem(place, top_k), top_k
-            ),
-            lambda: (jnp.int32(width), jnp.float32(0)),
-        )
+    for place, row, ok in zip(places, rows, real, strict=True):
+        expert, weight = _rank_choice(logits_s.at[row], lax.rem(place, top_k), top_k)
+        expert, weight = jnp.where(ok, expert, width), jnp.where(ok, weight, 0.0)
 
         @pl.when((col == 0) & (place < pairs))
         def _store(place=place, expert=expert, weight=weight):
@@ -303,13 +300,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     ring_steps = max(steps, dense_steps)
     scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled)
     if routed:
-        logits, valid = routing
-        width = logits.shape[1]
-        scratch_types += [
-            plgpu.SMEM((rows, width), logits.dtype),
-            plgpu.SMEM((rows, width), jnp.int16),
-            plgpu.Barrier(num_arrivals=2),
-        ]
+        scratch_types += [plgpu.SMEM(routing[0].shape, routing[0].dtype), plgpu.Barrier()]
     programs = programs_per_tile(
         pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0
     )
@@ -317,9 +308,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     xp = x.tiles if tiled else jnp.pad(x, ((0, padded - rows), (0, 0)))
     out_types = [jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype)]
     if routed:
-        # The logits' bits (a bitcast), which the ranking orders.
-        bits = lax.bitcast_convert_type(logits, jnp.int16)
-        operands = [logits, bits, valid, xp, w]
+        operands = [*routing, xp, w]
         out_types += [
             jax.ShapeDtypeStruct((pairs,), F32),
             jax.ShapeDtypeStruct((pairs,), jnp.int32),
@@ -342,7 +331,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     n_dense = 0 if dense is None else len(dense)
 
     def body(*refs):
-        route_in, refs = (refs[:3], refs[3:]) if routed else ((), refs)
+        route_in, refs = (refs[:2], refs[2:]) if routed else ((), refs)
         experts_ref, refs = (None, refs) if routed else (refs[0], refs[1:])
         x_ref, w_ref, refs = refs[0], refs[1], refs[2:]
         dense_in, refs = refs[:n_dense], refs[n_dense:]
@@ -350,7 +339,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
         o_ref, refs = refs[0], refs[1:]
         dense_o_ref, refs = (refs[0], refs[1:]) if dense is not None else (None, refs)
         route_out, refs = (refs[:2], refs[2:]) if routed else ((), refs)
-        scratch_refs, route_scratch = (refs[:-3], refs[-3:]) if routed else (refs, ())
+        scratch_refs, route_scratch = (refs[:-2], refs[-2:]) if routed else (refs, ())
         col, first = lax.axis_index("n"), lax.axis_index("p")
         cols = pl.ds(col * BLOCK_N, BLOCK_N)
         up_cols = pl.ds(n_dim + col * BLOCK_N, BLOCK_N)
