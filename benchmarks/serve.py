@@ -98,20 +98,10 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id forms its shared expert's SiLU product apart "
         "from its experts' (a fusion each)",
     ),
-    "--routing-in-kernel": (
-        moe_layer, "ROUTING_IN_KERNEL", True,
-        "a MoE block of a few tokens ranks their experts and forms the softmax over the "
-        "chosen ones in one launch (moe.top_k_routing), not in two XLA reductions",
-    ),
     "--routing-in-expert-launch": (
         moe_layer, "ROUTING_IN_EXPERT_LAUNCH", True,
         "a MoE block whose experts run by id routes its tokens in the experts' gate/up "
         "launch (moe.routed_expert_matmul), not in two XLA reductions before it",
-    ),
-    "--square-sums-in-launch": (
-        linear_layer, "SQUARE_SUMS_IN_LAUNCH", True,
-        "a layer's input projections of a folded norm's rows sum the rows' squares in their "
-        "launch (no reduction kernel before it)",
     ),
     "--split-input-projections": (
         linear_layer, "SPLIT_INPUT_PROJECTIONS", True,

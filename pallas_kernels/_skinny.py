@@ -48,7 +48,6 @@ from pallas_kernels._mgpu_chunks import (
     WG,
     along_cols,
     along_rows,
-    columns_over_warps,
     matmul_into,
     scratch_smem_bytes,
     smem,
@@ -61,7 +60,6 @@ __all__ = [
     "OVERLAP_PRODUCTS",
     "ROWS_PER_TILE",
     "STAGES",
-    "SQUARES_SCRATCH",
     "SWAP_OPERANDS",
     "RING_FILLS_SM",
     "ProductVariant",
@@ -85,7 +83,6 @@ OVERLAP_PRODUCTS = True
 """Whether a block's product runs while the next block is awaited (see the module's doc)."""
 SWAP_OPERANDS = True
 """Whether each block's product is taken transposed (see the module's doc)."""
-SQUARES_SCRATCH = 2048  # SMEM bytes of the square sums' reduction across the warps
 RING_FILLS_SM = True
 """Whether a launch of at most one program per SM takes the deepest ring that fits (see the
 module's doc): the 35B-like router and shared gate/up launch ~1.2 us shorter at 8 and 64
@@ -110,30 +107,28 @@ def current_variant() -> ProductVariant:
 
 def filling_ring(
     variant: ProductVariant, programs: int, steps: int, dtype, rows: int = ROWS_PER_TILE,
-    out_dtype=None, *, row_scale: bool = False, square_sums: bool = False,
+    out_dtype=None, *, row_scale: bool = False,
 ) -> ProductVariant:  # fmt: skip
     """The variant a launch of ``programs`` programs of ``steps`` blocks each runs: with
     ``variant.fill_sm`` and at most one program per SM, ``deepest_ring``; otherwise
     ``variant`` itself."""
     if not variant.fill_sm or programs > NUM_SMS:
         return variant
-    return deepest_ring(variant, steps, dtype, rows, out_dtype, row_scale=row_scale,
-                        square_sums=square_sums)  # fmt: skip
+    return deepest_ring(variant, steps, dtype, rows, out_dtype, row_scale=row_scale)
 
 
 def deepest_ring(
     variant: ProductVariant, steps: int, dtype, rows: int = ROWS_PER_TILE, out_dtype=None,
-    *, row_scale: bool = False, square_sums: bool = False,
+    *, row_scale: bool = False,
 ) -> ProductVariant:  # fmt: skip
     """``variant`` with its ring as deep as the ``scratch`` of a block fits in
     ``SMEM_BYTES`` (at most ``steps`` stages, never fewer than ``variant.stages``): for a
     launch of one program per SM."""
-    limit = SMEM_BYTES - (SQUARES_SCRATCH if square_sums else 0)
 
     def fits(stages: int) -> bool:
         refs = scratch(steps, dtype, variant._replace(stages=stages), rows, out_dtype,
-                       row_scale=row_scale, square_sums=square_sums)  # fmt: skip
-        return scratch_smem_bytes(refs) <= limit
+                       row_scale=row_scale)  # fmt: skip
+        return scratch_smem_bytes(refs) <= SMEM_BYTES
 
     stages = variant.stages
     while stages < steps and fits(stages + 1):
@@ -150,38 +145,29 @@ def swapped(out_dtype, variant: ProductVariant) -> bool:
 
 def scratch(
     steps: int, dtype, variant: ProductVariant, rows: int = ROWS_PER_TILE, out_dtype=None,
-    *, row_scale: bool = False, square_sums: bool = False,
+    *, row_scale: bool = False,
 ) -> list:  # fmt: skip
     """The ring (rows and weight tiles), the output tile (``out_dtype``, default ``dtype``)
     and the ring's barriers, for calls of up to ``rows`` rows; with ``row_scale``, a float32
-    vector of the rows' scales and its barrier after them (``tile_product(row_scale=)``);
-    with ``square_sums``, that vector and a ring of the rows' blocks as TMA lays them down,
-    unswizzled, which the launch sums the squares of (``tile_product(square_sums=True)``)."""
+    vector of the rows' scales and its barrier after them (``tile_product(row_scale=)``)."""
     stages = min(variant.stages, steps)
     held = round_up(rows, ALIGN) if swapped(out_dtype or dtype, variant) else ROWS_PER_TILE
     refs = [
         smem((stages, held, BLOCK_K), dtype),
         smem((stages, BLOCK_K, BLOCK_N), dtype),
         smem((held, BLOCK_N), out_dtype or dtype),
-        plgpu.Barrier(num_arrivals=2 + square_sums, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
     if row_scale:
         refs += [plgpu.SMEM((ROWS_PER_TILE,), F32), plgpu.Barrier(num_arrivals=1)]
-    if square_sums:
-        refs += [plgpu.SMEM((ROWS_PER_TILE,), F32), plgpu.SMEM((stages, held, BLOCK_K), dtype)]
     return refs
 
 
-def check_row_scale(op: str, rows: int, row_scale, rms_eps: float | None,
-                    square_sums: bool = False) -> None:  # fmt: skip
-    """A product's ``row_scale`` (``[rows]``) and ``rms_eps`` (which needs a row scale, or
-    ``square_sums``: the launch forms the sums, and then takes no row scale)."""
+def check_row_scale(op: str, rows: int, row_scale, rms_eps: float | None) -> None:
+    """A product's ``row_scale`` (``[rows]``) and ``rms_eps`` (which needs a row scale)."""
     if row_scale is not None and tuple(row_scale.shape) != (rows,):
         raise ValueError(f"{op}: row_scale {tuple(row_scale.shape)} must be [R] = [{rows}]")
-    if square_sums and (rms_eps is None or row_scale is not None):
-        raise ValueError(f"{op}: square_sums forms the rows' RMS statistics: give rms_eps and "
-                         "no row_scale")  # fmt: skip
-    if rms_eps is not None and row_scale is None and not square_sums:
+    if rms_eps is not None and row_scale is None:
         raise ValueError(f"{op}: rms_eps={rms_eps} scales rows by their row_scale; none given")
 
 
@@ -204,7 +190,7 @@ def programs_per_sm(scratch_refs) -> int:
 def tile_product(
     x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *extra, steps: int,
     variant: ProductVariant, interpret: bool, row_scale=None,
-    rms: tuple[float, int] | None = None, up_cols=None, square_sums: bool = False,
+    rms: tuple[float, int] | None = None, up_cols=None,
 ):  # fmt: skip
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype); with
     ``row_scale`` (a GMEM view ``[R]``, float32) each row's sum times its scale before the
@@ -214,45 +200,28 @@ def tile_product(
     beside ``w_cols``, the gate's) it stores ``silu(x @ w_cols) * (x @ up_cols)`` instead,
     each product scaled first: a SwiGLU's hidden tile.
 
-    With ``square_sums`` (and ``rms``, without ``row_scale``) the launch forms each row's
-    sum of squares over K itself, from a second, unswizzled copy of each block of the rows
-    its ring loads: an RMS norm's statistics without a kernel before the launch.
-
     ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64 and at most the rows
     ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;
     ``steps = K // BLOCK_K``; the SMEM buffers and barriers from ``scratch`` (with the same
-    ``variant``, and ``row_scale=True`` for a scaled call, ``square_sums=True`` for one that
-    sums squares: ``extra`` holds what those add). Waits for the previous call's
-    store before reusing ``o_s``; the caller waits for this one's
-    (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
+    ``variant``, and ``row_scale=True`` for a scaled call: ``extra`` holds what that adds).
+    Waits for the previous call's store before reusing ``o_s``; the caller waits for this
+    one's (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
     rows = x_rows.shape[0]
     held = round_up(rows, ALIGN)  # the rows TMA moves: whole 8-row groups
-    # ``scratch``'s additions: the scales and their barrier, or the sums and the plain ring.
-    scale_s = scale_bar = plain = None
-    if row_scale is not None:
-        scale_s, scale_bar = extra
-    elif square_sums:
-        scale_s, plain = extra
-
     if row_scale is not None:  # in flight with the ring's first blocks
+        scale_s, scale_bar = extra
         plgpu.copy_gmem_to_smem(row_scale, scale_s.at[pl.ds(0, rows)], scale_bar)
     swap = swapped(o_s.dtype, variant)
     ring = (x_s, w_s, bars)
-    acc, squares = _tile_sum(
-        x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret,
-        plain=plain,
-    )  # fmt: skip
+    acc = _tile_sum(
+        x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret
+    )
     up = None
     if up_cols is not None:
-        up, _ = _tile_sum(x_rows, up_cols, *ring, steps=steps, variant=variant, swap=swap,
-                          interpret=interpret)  # fmt: skip
-    if square_sums:
-        # The sums leave their layout through SMEM for the one ``_row_scales`` reads.
-        scale_s[pl.ds(0, held)] = squares
-        plgpu.commit_smem()
-    if row_scale is not None or square_sums:
-        if row_scale is not None:
-            plgpu.barrier_wait(scale_bar)
+        up = _tile_sum(x_rows, up_cols, *ring, steps=steps, variant=variant, swap=swap,
+                       interpret=interpret)  # fmt: skip
+    if row_scale is not None:
+        plgpu.barrier_wait(scale_bar)
         scale = _row_scales(scale_s, held, swap, acc.shape, rms)
         acc = acc * scale
         up = None if up is None else up * scale
@@ -268,17 +237,14 @@ def tile_product(
 
 
 def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVariant,
-              swap: bool, interpret: bool, plain=None):  # fmt: skip
-    """(the float32 sum ``x_rows @ w_cols`` through the ring (WGMMA layout): ``[64,
+              swap: bool, interpret: bool):  # fmt: skip
+    """The float32 sum ``x_rows @ w_cols`` through the ring (WGMMA layout): ``[64,
     BLOCK_N]``, or transposed ``[BLOCK_N, rows]`` with ``swap`` (the rows rounded up to the
-    8-row groups that TMA moves); with ``plain``, the ring of unswizzled row blocks, the
-    rows' float32 sums of squares ``[held]``, else None). The ring is free again when it
-    returns."""
+    8-row groups that TMA moves). The ring is free again when it returns."""
     rows = x_rows.shape[0]
     stages = min(variant.stages, steps)
     held = round_up(rows, ALIGN)
     shape = (BLOCK_N, held) if swap else (ROWS_PER_TILE, BLOCK_N)
-    block, _ = columns_over_warps(BLOCK_K)
 
     def operands(stage):
         if swap:
@@ -288,46 +254,23 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
     def fill(j, stage):
         ks = pl.ds(j * BLOCK_K, BLOCK_K)
         plgpu.copy_gmem_to_smem(x_rows.at[:, ks], x_s.at[stage, pl.ds(0, rows)], bars.at[stage])
-        if plain is not None:
-            plgpu.copy_gmem_to_smem(x_rows.at[:, ks], plain.at[stage, pl.ds(0, rows)],
-                                    bars.at[stage])  # fmt: skip
         plgpu.copy_gmem_to_smem(w_cols.at[ks], w_s.at[stage], bars.at[stage])
-
-    def squares_of(stage, squares):
-        """``squares`` (``[held, BLOCK_K]``, each row's squares so far, column by column)
-        plus this stage's block's (the rows past R hold zeros or stale rows: their sums are
-        never read). Each row's are summed once, after the ring: a sum across the warps every
-        block would hold the warpgroup at a barrier beside every product."""
-        if plain is None:
-            return squares
-        x = plgpu.load(plain.at[stage, pl.ds(0, held)], layout=block).astype(F32)
-        return squares + x * x
 
     for j in range(stages):
         fill(j, j)
-    no_squares = None
-    if plain is not None:
-        no_squares = plgpu.layout_cast(jnp.zeros((held, BLOCK_K), F32), block)
 
-    def step(j, carry):
-        acc, squares = carry
+    def step(j, acc):
         stage = lax.rem(j, stages)
         plgpu.barrier_wait(bars.at[stage])
         acc = matmul_into(acc, *operands(stage), interpret=interpret)
-        squares = squares_of(stage, squares)
         # The product has read this stage: it takes block j + stages.
         pl.when(j + stages < steps)(lambda: fill(j + stages, stage))
-        return acc, squares
+        return acc
 
     if variant.overlap:
-        acc, squares = _overlapped_products(
-            operands, bars, fill, shape, steps=steps, stages=stages,
-            squares=(squares_of, no_squares),
-        )  # fmt: skip
-    else:
-        init = plgpu.layout_cast(jnp.zeros(shape, F32), WG)
-        acc, squares = lax.fori_loop(0, steps, step, (init, no_squares))
-    return acc, None if squares is None else jnp.sum(squares, axis=1)
+        return _overlapped_products(operands, bars, fill, shape, steps=steps, stages=stages)
+    init = plgpu.layout_cast(jnp.zeros(shape, F32), WG)
+    return lax.fori_loop(0, steps, step, init)
 
 
 def _row_scales(scale_s, held: int, swap: bool, shape, rms: tuple[float, int] | None):
@@ -344,19 +287,15 @@ def _row_scales(scale_s, held: int, swap: bool, shape, rms: tuple[float, int] | 
     return along_cols(scale, shape) if swap else along_rows(scale, shape)
 
 
-def _overlapped_products(operands, bars, fill, shape, *, steps: int, stages: int, squares):
+def _overlapped_products(operands, bars, fill, shape, *, steps: int, stages: int):
     """The ring's products into one accumulator of ``shape``, each left running while the
-    next block is awaited; returns (the float32 sum (WGMMA layout), the rows' squares
-    column by column or None): ``squares`` is ``_tile_sum``'s ``(squares_of, initial
-    squares)``."""
-    squares_of, no_squares = squares
+    next block is awaited; returns the float32 sum (WGMMA layout)."""
 
     def scope(acc_ref):
         def step(j, carry):
             stage = lax.rem(j, stages)
             plgpu.barrier_wait(bars.at[stage])
             plgpu.wgmma(acc_ref, *operands(stage))
-            carry = squares_of(stage, carry)  # beside the running product
             # At most this product still runs: block j - 1's has read its stage.
             plgpu.wgmma_wait(1)
             previous = j - 1
@@ -365,9 +304,9 @@ def _overlapped_products(operands, bars, fill, shape, *, steps: int, stages: int
             )
             return carry
 
-        sums = lax.fori_loop(0, steps, step, no_squares)
+        lax.fori_loop(0, steps, step, None)
         plgpu.wgmma_wait(0)  # the last product is done before its sum is read
-        return acc_ref[...], sums
+        return acc_ref[...]
 
     # The barrier keeps LLVM from reading the registers before the products' wait.
     return lax.optimization_barrier(pl.run_scoped(scope, plgpu.ACC(shape, F32)))

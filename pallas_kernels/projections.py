@@ -32,7 +32,6 @@ from pallas_kernels._skinny import (
     BLOCK_N,
     DTYPES,
     ROWS_PER_TILE,
-    SQUARES_SCRATCH,
     ProductVariant,
     check_row_scale,
     current_variant,
@@ -73,14 +72,13 @@ def unsupported_reason(x: jax.Array, weights: Sequence[jax.Array]) -> str | None
     return None
 
 
-def _check(x: jax.Array, weights: Sequence[jax.Array], row_scale=None, rms_eps=None,
-           square_sums: bool = False) -> None:  # fmt: skip
+def _check(x: jax.Array, weights: Sequence[jax.Array], row_scale=None, rms_eps=None) -> None:
     if x.ndim != 2 or not weights or any(w.ndim != 2 or w.shape[0] != x.shape[1] for w in weights):
         raise ValueError(
             f"{_OP}: x must be [R, K] and each weight [K, N] with x's K; got x {x.shape} and "
             f"weights {[w.shape for w in weights]}"
         )
-    check_row_scale(_OP, x.shape[0], row_scale, rms_eps, square_sums)
+    check_row_scale(_OP, x.shape[0], row_scale, rms_eps)
 
 
 def projections_reference(
@@ -88,12 +86,8 @@ def projections_reference(
     weights: Sequence[jax.Array],
     row_scale: jax.Array | None = None,
     rms_eps: float | None = None,
-    square_sums: bool = False,
 ) -> tuple[jax.Array, ...]:
     """The same products in XLA, one each."""
-    if square_sums:
-        x32 = x.astype(F32)
-        row_scale = jnp.sum(x32 * x32, axis=1)
     scale = rms_row_scale(row_scale, rms_eps, x.shape[1])
 
     def product(w: jax.Array) -> jax.Array:
@@ -105,17 +99,16 @@ def projections_reference(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("splits", "partial", "variant", "interpret", "rms_eps", "square_sums"),
+    static_argnames=("splits", "partial", "variant", "interpret", "rms_eps"),
 )
 def _kernel(
     x: jax.Array, weights: tuple[jax.Array, ...], row_scale: jax.Array | None = None, *,
     splits: int, partial: bool, variant: ProductVariant, interpret: bool,
-    rms_eps: float | None = None, square_sums: bool = False,
+    rms_eps: float | None = None,
 ):  # fmt: skip
     """Every weight's products over ``splits`` parts of K: ``[splits, R, N_i]`` each, float32
     when ``partial``, else in x's dtype; each row times its ``row_scale`` when given (or
-    ``1 / sqrt(row_scale / K + rms_eps)`` with the whole K, ``tile_product``; with
-    ``square_sums`` the launch forms those sums of squares from x itself)."""
+    ``1 / sqrt(row_scale / K + rms_eps)`` with the whole K, ``tile_product``)."""
     rows, k_dim = x.shape
     steps = k_dim // BLOCK_K // splits
     span = steps * BLOCK_K
@@ -129,9 +122,8 @@ def _kernel(
     tiles = [w.shape[1] // BLOCK_N for w in weights]
     starts = [sum(tiles[:i]) for i in range(len(tiles))]
     variant = filling_ring(
-        variant, sum(tiles) * splits, steps, x.dtype, held, out_dtype, row_scale=scaled,
-        square_sums=square_sums,
-    )  # fmt: skip
+        variant, sum(tiles) * splits, steps, x.dtype, held, out_dtype, row_scale=scaled
+    )
 
     def body(x_ref, *refs):
         w_refs, refs = refs[: len(weights)], refs[len(weights) :]
@@ -145,7 +137,7 @@ def _kernel(
             tile_product(
                 x_ref.at[:, ks], w_ref.at[ks, cols], o_ref.at[split, :, cols], *scratch_refs,
                 steps=steps, variant=variant, interpret=interpret, row_scale=scale_ref,
-                rms=None if rms_eps is None else (rms_eps, k_dim), square_sums=square_sums,
+                rms=None if rms_eps is None else (rms_eps, k_dim),
             )  # fmt: skip
 
         for w_ref, o_ref, start, count in zip(w_refs, o_refs, starts, tiles, strict=True):
@@ -158,14 +150,10 @@ def _kernel(
         out_type=tuple(
             jax.ShapeDtypeStruct((splits, held, w.shape[1]), out_dtype) for w in weights
         ),
-        scratch_types=scratch(
-            steps, x.dtype, variant, held, out_dtype, row_scale=scaled, square_sums=square_sums
-        ),  # fmt: skip
+        scratch_types=scratch(steps, x.dtype, variant, held, out_dtype, row_scale=scaled),
         grid=(sum(tiles), splits),
         grid_names=("t", "s"),
-        compiler_params=plgpu.CompilerParams(
-            reduction_scratch_bytes=SQUARES_SCRATCH if square_sums else 0
-        ),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
         kernel_name="projection_partials" if partial else "projections",
     )(*operands)
@@ -178,7 +166,6 @@ def projections(
     *,
     row_scale: jax.Array | None = None,
     rms_eps: float | None = None,
-    square_sums: bool = False,
     impl: str = "auto",
 ) -> tuple[jax.Array, ...]:
     """``x @ w`` for every ``w`` of ``weights`` (float32 accumulation), each row's sum times
@@ -192,24 +179,20 @@ def projections(
         norm's input) and the rows are scaled by ``1 / sqrt(row_scale / K + rms_eps)``: an
         RMS norm's scale (the norm's weight goes into x, its row scale after the product),
         formed in the launch.
-      square_sums: with ``rms_eps`` and no ``row_scale``, the launch sums each row's squares
-        over K itself (x is then the norm's input, its weight folded into the weights):
-        no kernel before the launch forms them.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
       A tuple of ``[R, N_i]`` in x's dtype.
     """
     weights = tuple(weights)
-    _check(x, weights, row_scale, rms_eps, square_sums)
+    _check(x, weights, row_scale, rms_eps)
     reason = unsupported_reason(x, weights) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
-        return projections_reference(x, weights, row_scale, rms_eps, square_sums)
+        return projections_reference(x, weights, row_scale, rms_eps)
     outs = _kernel(
         x, weights, row_scale, splits=1, partial=False, variant=current_variant(),
         interpret=choice == "interpret", rms_eps=None if rms_eps is None else float(rms_eps),
-        square_sums=square_sums,
     )  # fmt: skip
     return tuple(out[0] for out in outs)
 

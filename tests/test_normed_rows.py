@@ -65,32 +65,6 @@ def test_projections_of_normed_rows_in_one_launch_match_the_float64_oracle(token
         assert _rel(out, want) < 1e-2
 
 
-def test_a_folded_norms_rows_sum_their_squares_in_the_launch_when_switched_on(monkeypatch):
-    """``SQUARE_SUMS_IN_LAUNCH``: the launch of a folded norm's products forms the rows'
-    square sums itself; the products equal the formed norm's, as with XLA's sums (an unfolded
-    norm's rows, weighted, still take XLA's)."""
-    norm, x = _norm(5), _rows(6, 8)
-    layers = [
-        nnx.Linear(HIDDEN, n, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                   rngs=nnx.Rngs(n))
-        for n in (128, 64)
-    ]  # fmt: skip
-    want = [layer(norm(x)) for layer in layers]
-    norm.fold_into([layer.kernel for layer in layers])
-    calls = []
-    real = linear.projections.projections
-    monkeypatch.setattr(linear.projections, "projections",
-                        lambda *a, **k: calls.append(k) or real(*a, **k))  # fmt: skip
-    monkeypatch.setattr(linear, "SQUARE_SUMS_IN_LAUNCH", True)
-    got = project(norm.deferred(x), layers, impl="interpret")
-    assert calls[-1]["square_sums"] and calls[-1].get("row_scale") is None
-    for out, ref in zip(got, want, strict=True):
-        assert _rel(out, ref) < 2e-2
-    monkeypatch.setattr(linear, "SQUARE_SUMS_IN_LAUNCH", False)
-    project(norm.deferred(x), layers, impl="interpret")
-    assert "square_sums" not in calls[-1] and calls[-1]["row_scale"] is not None
-
-
 def test_normed_rows_are_formed_where_no_launch_takes_them():
     """Past FEW_ROWS, and on the reference, the layers read the formed norm: the same bits as
     the norm module's output."""
@@ -169,45 +143,3 @@ def test_a_fold_into_a_weight_of_another_width_is_refused_and_changes_nothing():
     chex.assert_trees_all_equal(
         (norm.weight.get_value(), good.get_value()), (weight, jnp.ones((HIDDEN, 64), jnp.bfloat16))
     )
-
-
-@pytest.mark.parametrize("hidden_in_launch", [False, True])
-def test_a_moe_block_routes_its_split_router_products_in_one_launch(hidden_in_launch, monkeypatch):
-    """``SPLIT_INPUT_PROJECTIONS`` with ``ROUTING_IN_KERNEL``, the norm folded: the router's
-    float32 partial products and the rows' inverse RMS go to ``moe.top_k_routing`` unsummed,
-    and the block gives what it gives with the ranking in XLA; with
-    ``HIDDEN_IN_EXPERT_LAUNCH`` too (the router then launches alone)."""
-    from hybrid_jax.layers import moe as moe_layer
-    from pallas_kernels import moe as moe_kernels
-
-    monkeypatch.setattr(moe_layer, "HIDDEN_IN_EXPERT_LAUNCH", hidden_in_launch)
-    monkeypatch.setattr(linear, "SPLIT_INPUT_PROJECTIONS", True)
-    monkeypatch.setattr(linear, "MIN_SPLITS", 2)
-    config = MoEConfig(hidden_size=HIDDEN, num_experts=128, top_k=4, intermediate_size=128,
-                       shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
-    moe, norm, x = SparseMoE(config, rngs=nnx.Rngs(21)), _norm(22), _rows(23, 5)
-    real = jnp.arange(5) < 4
-    norm.fold_into(moe.input_readers())
-    moe.widen_shared_gate()
-    routed = []
-    top_k_routing = moe_kernels.top_k_routing
-
-    def recorded(logits, k, valid=None, **kwargs):
-        routed.append((logits.shape, logits.dtype, kwargs.get("row_scale") is not None))
-        return top_k_routing(logits, k, valid, **kwargs)
-
-    monkeypatch.setattr(moe_kernels, "top_k_routing", recorded)
-
-    def run():
-        # A function of its own per run: the switch is read while tracing.
-        return jax.jit(lambda m, r, a: m(r, a, impl="interpret"))(moe, norm.deferred(x), real)
-
-    in_xla = run()
-    assert routed == []
-    monkeypatch.setattr(moe_layer, "ROUTING_IN_KERNEL", True)
-    in_kernel = run()
-    (shape, dtype, scaled), *_ = routed
-    assert len(shape) == 3 and shape[1:] == (5, 128) and shape[0] >= 2
-    assert moe._hidden_in_launch(norm.deferred(x), "interpret") == hidden_in_launch
-    assert dtype == jnp.float32 and scaled
-    assert _rel(in_kernel, in_xla) < 2e-2

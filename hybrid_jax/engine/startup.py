@@ -50,7 +50,6 @@ _SWITCHES = {
         "NORMS_IN_LAUNCH",
         "SPLIT_INPUT_PROJECTIONS",
         "SPLIT_OUTPUT_PROJECTIONS",
-        "SQUARE_SUMS_IN_LAUNCH",
     ),
     "hybrid_jax.layers.gdn": ("NORM_IN_DECODE_KERNEL",),
     "hybrid_jax.layers.moe": (
@@ -58,7 +57,6 @@ _SWITCHES = {
         "HIDDEN_IN_EXPERT_LAUNCH",
         "RANKED_TOP_K_TOKENS",
         "ROUTING_IN_EXPERT_LAUNCH",
-        "ROUTING_IN_KERNEL",
         "SHARED_DOWN_WITH_EXPERTS",
         "SHARED_HIDDEN_WITH_EXPERTS",
         "SOFTMAX_IN_RANKING",

@@ -17,13 +17,11 @@ products are summed where the result is used.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import operator
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.layers.norm import NormedRows, formed
@@ -36,8 +34,6 @@ __all__ = [
     "NORMS_IN_LAUNCH",
     "SPLIT_INPUT_PROJECTIONS",
     "SPLIT_OUTPUT_PROJECTIONS",
-    "SQUARE_SUMS_IN_LAUNCH",
-    "SplitProduct",
     "project",
     "project_output",
     "short_sum",
@@ -72,14 +68,6 @@ float32 partial products summed where they are used. Off: not yet shown faster o
 (benchmarks/RESULTS_serve.md, session 20)."""
 
 
-SQUARE_SUMS_IN_LAUNCH = False
-"""Whether ``project``'s one launch sums the squares of a folded norm's rows itself
-(``projections(square_sums=True)``) instead of reading sums XLA formed: the input norm's
-reduction after a MoE block's combine is a kernel of its own on the H200 (40 a batch-1 step of
-the 35B-like preset, ``benchmarks/RESULTS_serve.md``). Off: there the launches' added work
-costs more than the reductions it saves (sessions 27 and 28)."""
-
-
 ADDS_FOR_SHORT_SUMS = True
 """Whether ``short_sum`` writes a sum over a short axis (the partial products' parts of K, a
 MoE token's choices and the softmax over them) as a chain of adds: elementwise ops, which
@@ -98,36 +86,12 @@ def short_sum(x: jax.Array, axis: int) -> jax.Array:
     return functools.reduce(operator.add, parts)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SplitProduct:
-    """A product left as its float32 partial products over parts of K, ``parts`` ``[S, T,
-    N]``, each row of their sum to be multiplied by ``row_scale`` (float32 ``[T]``; None: 1):
-    for a reader that sums them itself (``project(keep_split=...)``)."""
-
-    parts: jax.Array
-    row_scale: jax.Array | None
-    dtype: jnp.dtype = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.parts.shape[1:]
-
-    def value(self) -> jax.Array:
-        """The product, in ``dtype``, as ``project`` gives it unsplit."""
-        total = short_sum(self.parts, 0)
-        if self.row_scale is not None:
-            total = total * self.row_scale[:, None]
-        return total.astype(self.dtype)
-
-
 def project(
     x: jax.Array | NormedRows,
     layers: Sequence[nnx.Linear],
     *,
     impl: str,
-    keep_split: Collection[int] = (),
-) -> tuple[jax.Array | SplitProduct, ...]:
+) -> tuple[jax.Array, ...]:
     """``tuple(layer(x) for layer in layers)``, in one launch at few rows on the GPU.
 
     ``x`` may be a norm's ``NormedRows``: the launch then reads the rows times the norm's
@@ -135,11 +99,7 @@ def project(
     never formed; elsewhere it is formed first. When the kernel takes only some of the weights
     (a width that is not a multiple of its column tile: the 27B-like GDN's 96-wide ``b | a``),
     those share the launch if there are two or more (one weight alone is as fast in cuBLAS)
-    and the rest run as their layers.
-
-    ``keep_split``: the layers whose products, where the launch splits K
-    (``SPLIT_INPUT_PROJECTIONS``), stay ``SplitProduct`` for a reader that sums them itself
-    (a MoE block's router logits, for ``moe.top_k_routing``)."""
+    and the rest run as their layers."""
     if not (0 < x.shape[0] <= FEW_ROWS and resolve_impl("projections", impl, None) != "reference"):
         h = formed(x)
         return tuple(layer(h) for layer in layers)
@@ -156,16 +116,7 @@ def project(
     taken_weights = [weights[i] for i in taken]
     if SPLIT_INPUT_PROJECTIONS and _splits(rows, taken_weights) > 1:
         scale = x.inverse_rms() if isinstance(x, NormedRows) else None
-        splits = _split_products(rows, taken_weights, row_scale=scale, impl=impl)
-        products = [
-            split if i in keep_split else split.value()
-            for i, split in zip(taken, splits, strict=True)
-        ]
-    elif isinstance(x, NormedRows) and SQUARE_SUMS_IN_LAUNCH and x.scale is None:
-        # A folded norm's rows are its input: the launch sums their squares itself.
-        products = projections.projections(
-            rows, taken_weights, rms_eps=x.eps, square_sums=True, impl=impl
-        )
+        products = _split_products(rows, taken_weights, row_scale=scale, impl=impl)
     elif isinstance(x, NormedRows):  # the launch forms each row's inverse RMS
         products = projections.projections(
             rows, taken_weights, row_scale=x.square_sum(), rms_eps=x.eps, impl=impl
@@ -186,12 +137,17 @@ def _splits(x: jax.Array, weights: Sequence[jax.Array]) -> int:
 
 def _split_products(
     x: jax.Array, weights: Sequence[jax.Array], *, row_scale: jax.Array | None, impl: str
-) -> list[SplitProduct]:
-    """``x @ w`` for each weight as float32 partial products over parts of K from one launch
-    (``SplitProduct``: XLA fuses their sum into its use), each row of a sum to be multiplied
-    by ``row_scale``."""
-    partials = projections.projection_partials(x, weights, impl=impl)
-    return [SplitProduct(p, row_scale, x.dtype) for p in partials]
+) -> list[jax.Array]:
+    """``x @ w`` for each weight in x's dtype, summed from float32 partial products over parts
+    of K from one launch (XLA fuses each sum into its use), each row of a sum times
+    ``row_scale`` (float32 ``[T]``; None: 1)."""
+    products = []
+    for partial in projections.projection_partials(x, weights, impl=impl):
+        total = short_sum(partial, 0)
+        if row_scale is not None:
+            total = total * row_scale[:, None]
+        products.append(total.astype(x.dtype))
+    return products
 
 
 def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
@@ -207,5 +163,5 @@ def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
         and resolve_impl("projections", impl, None) != "reference"
     ):
         (product,) = _split_products(x, [w], row_scale=None, impl=impl)
-        return product.value()
+        return product
     return layer(x)

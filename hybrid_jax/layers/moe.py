@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.layers import linear as linear_layer
-from hybrid_jax.layers.linear import SplitProduct, project, project_output, short_sum
+from hybrid_jax.layers.linear import project, project_output, short_sum
 from hybrid_jax.layers.norm import NormedRows, formed
 from pallas_kernels import moe, projections, resolve_impl
 from pallas_kernels.moe import top_k_softmax
@@ -32,7 +32,6 @@ __all__ = [
     "MLP",
     "RANKED_TOP_K_TOKENS",
     "ROUTING_IN_EXPERT_LAUNCH",
-    "ROUTING_IN_KERNEL",
     "SHARED_DOWN_WITH_EXPERTS",
     "SHARED_HIDDEN_WITH_EXPERTS",
     "SOFTMAX_IN_RANKING",
@@ -81,14 +80,6 @@ SOFTMAX_IN_RANKING = True
 (``top_k_softmax``: the row's max beside each entry's rank, the exponentials' picks beside the
 chosen ids) instead of after them, where it is a kernel of its own on the GPU (one kernel
 fewer per MoE block: ``benchmarks/RESULTS_serve.md``)."""
-
-
-ROUTING_IN_KERNEL = False
-"""Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
-``norm_topk_prob``) routes them in one launch (``moe.top_k_routing``: each token's top-k
-and their softmax) instead of the ranking's two XLA reductions. Off: on the H200 the launch
-takes 4.1 us where the two reductions take 3.0, with the router's split launch too
-(``benchmarks/RESULTS_serve.md``, session 28)."""
 
 
 ROUTING_IN_EXPERT_LAUNCH = False
@@ -273,28 +264,12 @@ class SparseMoE(nnx.Module):
         )
 
     def route(
-        self,
-        logits: jax.Array | SplitProduct,
-        real: jax.Array | None = None,
-        *,
-        impl: str = "reference",
+        self, logits: jax.Array, real: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """(weights ``[T, top_k]`` in the logits' dtype, experts int32 ``[T, top_k]``) of each
-        token, from its router logits ``[T, E]`` (or their ``SplitProduct``); a token that
-        ``real`` (bool ``[T]``) marks as padding gets expert ``E`` (none) for every choice.
-        ``impl`` chooses ``moe.top_k_routing``'s kernel where ``ROUTING_IN_KERNEL`` lets it
-        take the call (it sums a ``SplitProduct``'s parts itself)."""
+        token, from its router logits ``[T, E]``; a token that ``real`` (bool ``[T]``) marks
+        as padding gets expert ``E`` (none) for every choice."""
         k = self.config.top_k
-        if self._routes_in_kernel(logits.shape[0], impl):
-            if isinstance(logits, SplitProduct):
-                weights, experts = moe.top_k_routing(
-                    logits.parts, k, real, row_scale=logits.row_scale, impl=impl
-                )
-            else:
-                weights, experts = moe.top_k_routing(logits, k, real, impl=impl)
-            return weights.astype(logits.dtype), experts
-        if isinstance(logits, SplitProduct):
-            logits = logits.value()
         wide = logits.astype(jnp.float32)
         ranked = logits.shape[0] <= RANKED_TOP_K_TOKENS
         if self.config.norm_topk_prob and SOFTMAX_IN_RANKING and ranked:
@@ -308,19 +283,6 @@ class SparseMoE(nnx.Module):
             weights, experts = top_k(jax.nn.softmax(wide, axis=-1), k, real)
         return weights.astype(logits.dtype), experts
 
-    def _routes_in_kernel(self, tokens: int, impl: str) -> bool:
-        """Whether routing ``tokens`` tokens is ``moe.top_k_routing``'s launch:
-        ``ROUTING_IN_KERNEL``, the ranked token counts, renormalised weights, a router the
-        kernel takes, and the kernel running here."""
-        if not (ROUTING_IN_KERNEL and self.config.norm_topk_prob):
-            return False
-        if not 0 < tokens <= RANKED_TOP_K_TOKENS:
-            return False
-        logits = jax.ShapeDtypeStruct((tokens, self.config.num_experts), jnp.float32)
-        if moe.routing_unsupported_reason(logits, self.config.top_k) is not None:
-            return False
-        return resolve_impl("top_k_routing", impl, None) != "reference"
-
     def __call__(
         self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
     ) -> jax.Array:
@@ -333,9 +295,7 @@ class SparseMoE(nnx.Module):
         gate_in_launch = self._shared_gate_in_launch()
         if gate_in_launch:
             inputs.append(self.shared_expert_gate)
-        # The router's partial products, where its launch splits K, go to the routing launch.
-        keep = (0,) if self._routes_in_kernel(x.shape[0], impl) else ()
-        logits, *shared_gate_up = project(x, inputs, impl=impl, keep_split=keep)
+        logits, *shared_gate_up = project(x, inputs, impl=impl)
         if gate_in_launch:
             *shared_gate_up, gate_logit = shared_gate_up
             gate_logit = gate_logit[:, :1]
@@ -343,7 +303,7 @@ class SparseMoE(nnx.Module):
             gate_logit = self._shared_gate_logit(x)
         shared_scale = jax.nn.sigmoid(gate_logit)
         if hidden_in_launch:
-            weights, experts = self.route(logits, real, impl=impl)
+            weights, experts = self.route(logits, real)
             hidden, shared_hidden = self._hidden_by_id(x, experts, impl)
             routed, shared = self._down_by_id(hidden, shared_hidden, weights, experts, impl)
             return routed.astype(x.dtype) + shared_scale * shared
@@ -351,7 +311,7 @@ class SparseMoE(nnx.Module):
         if self._runs_by_id(x, impl):
             routed, shared = self._experts_by_id(x, logits, real, shared_hidden, impl)
             return routed.astype(x.dtype) + shared_scale * shared
-        weights, experts = self.route(logits, real, impl=impl)
+        weights, experts = self.route(logits, real)
         x = formed(x)
         shared = shared_scale * shared_mlp.down(shared_hidden, impl=impl)
         # ``route`` gave padding tokens the out-of-range expert: they sort after the groups.
@@ -446,11 +406,9 @@ class SparseMoE(nnx.Module):
 
     def _routes_in_expert_launch(self, x, logits, impl: str) -> bool:
         """Whether the experts' gate/up launch routes the tokens itself
-        (``ROUTING_IN_EXPERT_LAUNCH``, renormalised weights, whole logits, a call the kernel
-        takes, and the kernel running here)."""
+        (``ROUTING_IN_EXPERT_LAUNCH``, renormalised weights, a call the kernel takes, and the
+        kernel running here)."""
         if not (ROUTING_IN_EXPERT_LAUNCH and self.config.norm_topk_prob):
-            return False
-        if isinstance(logits, SplitProduct):
             return False
         rows = jax.ShapeDtypeStruct(x.shape, x.dtype)
         if moe.routed_unsupported_reason(rows, self.gate_up_proj[...], logits) is not None:
@@ -470,7 +428,7 @@ class SparseMoE(nnx.Module):
             )
             weights = weights.astype(logits.dtype)
         else:
-            weights, experts = self.route(logits, real, impl=impl)
+            weights, experts = self.route(logits, real)
             gate_up = moe.expert_matmul(rows, w, experts, impl=impl)
         if isinstance(x, NormedRows):
             gate_up = gate_up.astype(jnp.float32) * x.inverse_rms()[:, None, None]

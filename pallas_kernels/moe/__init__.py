@@ -16,8 +16,7 @@ from pallas_kernels.moe.expert_matmul import (
 )
 from pallas_kernels.moe.expert_matmul import unsupported_reason as expert_matmul_unsupported_reason
 from pallas_kernels.moe.grouped_matmul import grouped_matmul, unsupported_reason
-from pallas_kernels.moe.routing import ranked_top_k, top_k_routing, top_k_softmax
-from pallas_kernels.moe.routing import unsupported_reason as routing_unsupported_reason
+from pallas_kernels.moe.routing import ranked_top_k, top_k_softmax
 
 __all__ = [
     "PairTiles",
@@ -31,8 +30,6 @@ __all__ = [
     "ranked_top_k",
     "routed_expert_matmul",
     "routed_unsupported_reason",
-    "routing_unsupported_reason",
-    "top_k_routing",
     "top_k_softmax",
     "unsupported_reason",
 ]

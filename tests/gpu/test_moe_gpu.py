@@ -223,27 +223,6 @@ def test_a_down_launch_over_the_hidden_tiles_changes_no_bit_on_the_gpu():
     np.testing.assert_array_equal(in_place[24:].astype(np.float32), 0)
 
 
-@pytest.mark.parametrize(
-    ("shape", "dtype"),
-    [((8, 256), jnp.bfloat16), ((4, 8, 256), jnp.float32), ((64, 128), jnp.float32)],
-)
-def test_routing_kernel_chooses_the_reference_s_experts_on_the_gpu(shape, dtype):
-    """``moe.top_k_routing`` at the 35B-like router (256 experts, top 8; a decode bucket's
-    logits, or float32 partials over 4 parts of K with a row scale) against the XLA ranking:
-    the same experts, padding rows none, weights equal to float32 roundings."""
-    rng = np.random.default_rng(sum(shape))
-    logits = jnp.asarray(rng.standard_normal(shape), dtype)
-    valid = jnp.asarray(np.arange(shape[-2]) % 4 != 3)
-    # Partials come with a folded norm's inverse RMS, as the split router hands them over.
-    scale = jnp.asarray(rng.uniform(0.2, 3.0, shape[-2]), jnp.float32) if len(shape) == 3 else None
-    call = jax.jit(lambda x, v, s: moe.top_k_routing(x, 8, v, row_scale=s, impl="pallas"))
-    weights, ids = call(logits, valid, scale)
-    want_w, want_ids = moe.top_k_routing(logits, 8, valid, row_scale=scale, impl="reference")
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
-    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_w), rtol=1e-5, atol=1e-6)
-    assert (np.asarray(ids)[3::4] == shape[-1]).all()
-
-
 @pytest.mark.parametrize("rows", [8, 5])
 def test_routing_in_the_expert_launch_chooses_the_reference_s_experts_on_the_gpu(rows):
     """``moe.routed_expert_matmul`` at the 35B-like gate/up (256 experts, top 8, K 2048):

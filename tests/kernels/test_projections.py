@@ -67,42 +67,18 @@ def test_row_scaled_products_match_the_float64_oracle(
         assert err < 1e-2
 
 
-@pytest.mark.parametrize(("rows", "k", "widths"), [(5, 256, (128, 64)), (16, 640, (192,))])
-@pytest.mark.parametrize("impl", ["interpret", "reference"])
-def test_square_sums_formed_in_the_launch_match_the_float64_oracle(
-    rows, k, widths, impl, product_variant
-):
-    """The launch sums each row's squares over K itself (the norm's input, its weight folded
-    into the products): each row scaled by its inverse RMS, as with the sums given."""
-    x, ws = _case(rows * k + 1, rows, k, widths)
-    got = projections.projections(x, ws, rms_eps=0.25, square_sums=True, impl=impl)
-    x64 = np.asarray(x, np.float64)
-    inverse_rms = 1 / np.sqrt((x64 * x64).sum(axis=1) / k + 0.25)
-    for out, w in zip(got, ws, strict=True):
-        chex.assert_shape(out, (rows, w.shape[1]))
-        want = (x64 @ np.asarray(w, np.float64)) * inverse_rms[:, None]
-        err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
-        assert err < 1e-2
-
-
 def test_a_row_scale_of_another_length_is_refused():
     x, ws = _case(0, 8, 128, (64,))
     with pytest.raises(ValueError, match=r"row_scale \(5,\) must be \[R\] = \[8\]"):
         projections.projections(x, ws, row_scale=jnp.ones((5,), jnp.float32))
     with pytest.raises(ValueError, match="rms_eps=0.1 scales rows by their row_scale; none"):
         projections.projections(x, ws, rms_eps=0.1)
-    with pytest.raises(ValueError, match="square_sums forms the rows' RMS statistics"):
-        projections.projections(x, ws, square_sums=True)
-    with pytest.raises(ValueError, match="square_sums forms the rows' RMS statistics"):
-        projections.projections(x, ws, row_scale=jnp.ones((8,), jnp.float32), rms_eps=0.1,
-                                square_sums=True)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("widths", "splits", "partial", "scaled"),
     [((8192, 4096, 64), 1, False, None), ((256, 512, 512), 4, True, None),
-     ((8192, 4096, 64), 1, False, "scale"), ((8192, 4096, 64), 1, False, "rms"),
-     ((8192, 4096, 64), 1, False, "squares"), ((256, 512, 512, 64), 1, False, "squares")],
+     ((8192, 4096, 64), 1, False, "scale"), ((8192, 4096, 64), 1, False, "rms")],
 )  # fmt: skip
 def test_the_kernel_lowers_for_cuda(widths, splits, partial, scaled, product_variant):
     x = jnp.zeros((8, 2048), jnp.bfloat16)
@@ -112,8 +88,7 @@ def test_the_kernel_lowers_for_cuda(widths, splits, partial, scaled, product_var
     def call(x, ws, scale):
         return proj_module._kernel(
             x, ws, scale, splits=splits, partial=partial, variant=current_variant(),
-            interpret=False, rms_eps=1e-6 if scaled in ("rms", "squares") else None,
-            square_sums=scaled == "squares",
+            interpret=False, rms_eps=1e-6 if scaled == "rms" else None,
         )  # fmt: skip
 
     text = jax.jit(call).trace(x, ws, scale).lower(lowering_platforms=("cuda",)).as_text()
