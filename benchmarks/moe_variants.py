@@ -16,7 +16,8 @@ in ``moe.expert_matmul`` (each token's experts read by id, ``by id`` rows; each 
 distinct experts), and ``--bucket N`` adds ``by id, T of N`` rows: T real tokens in a decode
 bucket of N rows, the rest padding (ids out of range), as the engine runs batch 1. Each
 fused gate/up row is followed by the same product routed in the launch
-(``moe.routed_expert_matmul``, from random router logits).
+(``moe.routed_expert_matmul``, from random router logits) and by the hidden rows formed in
+the launch from paired weight tiles (``moe.expert_hidden(paired=True)``).
 """
 
 from __future__ import annotations
@@ -79,7 +80,26 @@ def _by_id_rows(tokens: int, bucket: int, rng: np.random.Generator) -> list[str]
             logits = jax.ShapeDtypeStruct((x.shape[0], EXPERTS), jnp.bfloat16)
             if product != "down" and moe.routed_unsupported_reason(x, w, logits) is None:
                 out.append(_routed_row(x, w, real, label, jax.random.fold_in(keys[0], 1)))
+            if product != "down":
+                out.append(_paired_hidden_row(x, w, ids, real, label, limit_us))
     return out
+
+
+def _paired_hidden_row(x, w, ids, real: int, label: str, limit_us: float) -> str:
+    """``moe.expert_hidden(paired=True)``: the same products with the SwiGLU formed in the
+    launch, each program reading one tile of 32 gate and 32 up columns (the weights laid out
+    by ``moe.pair_halves``), against the XLA SiLU of the plain launch's products."""
+    paired = moe.pair_halves(w)
+    f = jax.jit(lambda x, w, e: moe.expert_hidden(x, w, e, paired=True, impl="pallas"))
+    got = np.asarray(f(x, paired, ids), np.float32)
+    want = np.asarray(moe.expert_hidden(x, w, ids, impl="reference"), np.float32)
+    err = float(np.abs(got - want).max())
+    us = device_time(lambda a=(x, paired, ids): f(*a), calls=5).us
+    return (
+        f"| {real} | gate+up fused | hidden rows in the launch (paired tiles), {label} | "
+        f"{us:.1f} | {limit_us:.1f} | {limit_us / us:.0%} |"
+        + (f" err {err:.2g}" if err > 0.05 else "")
+    )
 
 
 def _routed_row(x, w, real: int, label: str, key) -> str:

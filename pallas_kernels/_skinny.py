@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
@@ -67,11 +68,13 @@ __all__ = [
     "check_row_scale",
     "deepest_ring",
     "filling_ring",
+    "pair_halves",
     "rms_row_scale",
     "programs_per_sm",
     "scratch",
     "swapped",
     "tile_product",
+    "unpair_halves",
 ]
 
 BLOCK_K = 128  # K of one ring stage: a 64 x 128 row tile and a 128 x BLOCK_N weight tile
@@ -145,11 +148,13 @@ def swapped(out_dtype, variant: ProductVariant) -> bool:
 
 def scratch(
     steps: int, dtype, variant: ProductVariant, rows: int = ROWS_PER_TILE, out_dtype=None,
-    *, row_scale: bool = False,
+    *, row_scale: bool = False, halves: bool = False,
 ) -> list:  # fmt: skip
     """The ring (rows and weight tiles), the output tile (``out_dtype``, default ``dtype``)
     and the ring's barriers, for calls of up to ``rows`` rows; with ``row_scale``, a float32
-    vector of the rows' scales and its barrier after them (``tile_product(row_scale=)``)."""
+    vector of the rows' scales and its barrier after them (``tile_product(row_scale=)``);
+    with ``halves``, the float32 sum and the hidden tile of a SwiGLU over a tile's halves
+    (``tile_product(halves=True)``, swapped products of exactly ``rows`` rows)."""
     stages = min(variant.stages, steps)
     held = round_up(rows, ALIGN) if swapped(out_dtype or dtype, variant) else ROWS_PER_TILE
     refs = [
@@ -160,6 +165,8 @@ def scratch(
     ]
     if row_scale:
         refs += [plgpu.SMEM((ROWS_PER_TILE,), F32), plgpu.Barrier(num_arrivals=1)]
+    if halves:
+        refs += [plgpu.SMEM((BLOCK_N, held), F32), plgpu.SMEM((held, BLOCK_N // 2), dtype)]
     return refs
 
 
@@ -190,7 +197,7 @@ def programs_per_sm(scratch_refs) -> int:
 def tile_product(
     x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *extra, steps: int,
     variant: ProductVariant, interpret: bool, row_scale=None,
-    rms: tuple[float, int] | None = None, up_cols=None,
+    rms: tuple[float, int] | None = None, up_cols=None, halves: bool = False,
 ):  # fmt: skip
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype); with
     ``row_scale`` (a GMEM view ``[R]``, float32) each row's sum times its scale before the
@@ -198,20 +205,27 @@ def tile_product(
     (``row_scale`` then holds each row's sum of squares over the norm's ``width``: an RMS
     norm's scale, formed here). With ``up_cols`` (``[K, BLOCK_N]``, the up projection's tile
     beside ``w_cols``, the gate's) it stores ``silu(x @ w_cols) * (x @ up_cols)`` instead,
-    each product scaled first: a SwiGLU's hidden tile.
+    each product scaled first: a SwiGLU's hidden tile. With ``halves`` the tile itself holds
+    ``BLOCK_N / 2`` gate columns and then as many up columns (a weight laid out by
+    ``pair_halves``), and ``out_rows`` ``[R, BLOCK_N / 2]`` gets ``silu(gate) * up`` of the
+    scaled sums: the SwiGLU from one tile's read.
 
     ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64 and at most the rows
     ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;
     ``steps = K // BLOCK_K``; the SMEM buffers and barriers from ``scratch`` (with the same
-    ``variant``, and ``row_scale=True`` for a scaled call: ``extra`` holds what that adds).
+    ``variant``, and ``row_scale=True`` for a scaled call, ``halves=True`` for a SwiGLU over
+    the halves: ``extra`` holds what those add).
     Waits for the previous call's store before reusing ``o_s``; the caller waits for this
     one's (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
     rows = x_rows.shape[0]
     held = round_up(rows, ALIGN)  # the rows TMA moves: whole 8-row groups
     if row_scale is not None:  # in flight with the ring's first blocks
-        scale_s, scale_bar = extra
+        scale_s, scale_bar = extra[:2]
         plgpu.copy_gmem_to_smem(row_scale, scale_s.at[pl.ds(0, rows)], scale_bar)
     swap = swapped(o_s.dtype, variant)
+    if halves and not (swap and extra[-2].shape == (BLOCK_N, held)):
+        raise ValueError(f"a SwiGLU over a tile's halves takes swapped products of the "
+                         f"scratch's rows; got {rows} rows, swap={swap}")  # fmt: skip
     ring = (x_s, w_s, bars)
     acc = _tile_sum(
         x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret
@@ -227,6 +241,9 @@ def tile_product(
         up = None if up is None else up * scale
     if up is not None:
         acc = acc / (1.0 + jnp.exp(-acc)) * up
+    if halves:
+        _store_halves_swiglu(acc, out_rows, *extra[-2:])
+        return
     plgpu.wait_smem_to_gmem(0)  # the previous product's store has left o_s
     if swap:
         o_s.at[pl.ds(0, held)].transpose((1, 0))[...] = acc.astype(o_s.dtype)
@@ -234,6 +251,48 @@ def tile_product(
         o_s[...] = acc.astype(o_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_s.at[pl.ds(0, rows)], out_rows)
+
+
+def _store_halves_swiglu(acc, out_rows, sums_s, hidden_s) -> None:
+    """Stores ``silu(gate) * up`` of a swapped float32 sum ``acc`` ``[BLOCK_N, held]`` whose
+    first half of rows are gate columns and second half up columns, as ``out_rows`` ``[R,
+    BLOCK_N / 2]``. The halves meet through SMEM (``sums_s``), each read in a strided layout
+    of one value a lane-step, and the hidden tile goes out through a transposed view of
+    ``hidden_s`` (a transposed store takes no wider vectors)."""
+    half, held = BLOCK_N // 2, acc.shape[1]
+    sums_s[...] = acc
+    strided = plgpu.Layout.WG_STRIDED((half, held), vec_size=1)
+    gate = plgpu.load(sums_s.at[pl.ds(0, half)], layout=strided)
+    up = plgpu.load(sums_s.at[pl.ds(half, half)], layout=strided)
+    hidden = gate / (1.0 + jnp.exp(-gate)) * up
+    plgpu.wait_smem_to_gmem(0)  # the previous product's store has left hidden_s
+    hidden_s.transpose((1, 0))[...] = hidden.astype(hidden_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(hidden_s.at[pl.ds(0, out_rows.shape[0])], out_rows)
+
+
+def pair_halves(w: jax.Array) -> jax.Array:
+    """A SwiGLU's ``[..., 2I]`` weight (the gate's I columns, then the up projection's) laid
+    out for ``tile_product(halves=True)``: each ``BLOCK_N``-column tile holds ``BLOCK_N / 2``
+    gate columns and the up columns of the same hidden units (I a multiple of
+    ``BLOCK_N / 2``)."""
+    half = BLOCK_N // 2
+    gate, up = jnp.split(w, 2, axis=-1)
+    lead = w.shape[:-1]
+    tiles = gate.shape[-1] // half
+    paired = jnp.stack([gate.reshape(*lead, tiles, half), up.reshape(*lead, tiles, half)], axis=-2)
+    return paired.reshape(*lead, 2 * gate.shape[-1])
+
+
+def unpair_halves(w: jax.Array) -> jax.Array:
+    """``pair_halves``' inverse: the gate's columns, then the up projection's."""
+    half = BLOCK_N // 2
+    lead = w.shape[:-1]
+    tiles = w.shape[-1] // BLOCK_N
+    pairs = w.reshape(*lead, tiles, 2, half)
+    gate = pairs[..., 0, :].reshape(*lead, tiles * half)
+    up = pairs[..., 1, :].reshape(*lead, tiles * half)
+    return jnp.concatenate([gate, up], axis=-1)
 
 
 def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVariant,

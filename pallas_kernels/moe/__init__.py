@@ -8,6 +8,7 @@ from pallas_kernels.moe.expert_matmul import (
     expert_hidden_reference,
     expert_matmul,
     expert_matmul_reference,
+    pair_halves,
     routed_expert_matmul,
     routed_unsupported_reason,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "expert_matmul_reference",
     "expert_matmul_unsupported_reason",
     "grouped_matmul",
+    "pair_halves",
     "ranked_top_k",
     "routed_expert_matmul",
     "routed_unsupported_reason",

@@ -49,10 +49,12 @@ from pallas_kernels._skinny import (
     ProductVariant,
     check_row_scale,
     current_variant,
+    pair_halves,
     programs_per_sm,
     rms_row_scale,
     scratch,
     tile_product,
+    unpair_halves,
 )
 from pallas_kernels.moe.routing import top_k_softmax
 
@@ -65,6 +67,7 @@ __all__ = [
     "expert_matmul",
     "expert_matmul_reference",
     "hidden_unsupported_reason",
+    "pair_halves",
     "programs_per_tile",
     "routed_expert_matmul",
     "routed_unsupported_reason",
@@ -268,14 +271,18 @@ def _routed_ids(places, col, route_in, route_out, route_scratch, *, pairs: int, 
     return ids
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps", "top_k"))
+@functools.partial(
+    jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps", "top_k", "paired")
+)
 def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant: ProductVariant,
             interpret: bool, gated: bool = False, rms_eps: float | None = None,
-            top_k: int = 0):  # fmt: skip
+            top_k: int = 0, paired: bool = False):  # fmt: skip
     """The launch of ``expert_matmul`` or, ``gated``, of ``expert_hidden``: then ``w`` holds
     each expert's gate and up columns side by side, ``dense`` is the shared expert's
     ``(gate, up)`` weights (its rows are x's), and each product is scaled by ``row_scale``
-    (or the inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``. ``x`` may be
+    (or the inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``; ``paired``,
+    ``w`` and the one dense weight laid out by ``pair_halves``, each program's one tile
+    holding the gate and up columns of half a tile of hidden units. ``x`` may be
     an earlier launch's ``PairTiles``: row r's rows are then its tile r. With ``routing``
     ``(logits [R, n], valid bool [R])`` instead of ``experts`` (None), the launch of
     ``routed_expert_matmul``: each row's ``top_k`` experts ranked in the launch. Returns the
@@ -289,7 +296,8 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     choices = top_k if routed else experts.shape[1]
     pairs = rows * choices
     steps = k_dim // BLOCK_K
-    col_tiles = n_dim // BLOCK_N
+    col_tiles = (w_cols if paired else n_dim) // BLOCK_N
+    out_n = BLOCK_N // 2 if paired else BLOCK_N  # a program's output columns
     dtype = x.dtype
     padded = round_up(rows, ALIGN)
     dense_steps, dense_rows = 0, ALIGN
@@ -298,7 +306,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
         dense_steps = steps if gated else dense[0].shape[1] // BLOCK_K
     scaled = row_scale is not None
     ring_steps = max(steps, dense_steps)
-    scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled)
+    scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled, halves=paired)
     if routed:
         scratch_types += [plgpu.SMEM(routing[0].shape, routing[0].dtype), plgpu.Barrier()]
     programs = programs_per_tile(
@@ -342,13 +350,15 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
         scratch_refs, route_scratch = (refs[:-2], refs[-2:]) if routed else (refs, ())
         col, first = lax.axis_index("n"), lax.axis_index("p")
         cols = pl.ds(col * BLOCK_N, BLOCK_N)
+        out_cols = pl.ds(col * out_n, out_n) if paired else cols
         up_cols = pl.ds(n_dim + col * BLOCK_N, BLOCK_N)
+        separate_up = gated and not paired  # the up tile beside the gate's, a read of its own
 
         def product(x_rows, w_tile, o_rows, *, scale=None, up=None, k_steps=steps):
             tile_product(
                 x_rows, w_tile, o_rows, *scratch_refs, steps=k_steps, variant=variant,
                 interpret=interpret, row_scale=scale, rms=rms if scale is not None else None,
-                up_cols=up,
+                up_cols=up, halves=paired,
             )  # fmt: skip
 
         def pairs_of_this_program():
@@ -368,9 +378,9 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
                 row = pair // choices
                 group = row if tiled else pl.ds((row // ALIGN) * ALIGN, ALIGN)
                 product(
-                    x_ref.at[group], w_ref.at[expert, :, cols], o_ref.at[pair, :, cols],
+                    x_ref.at[group], w_ref.at[expert, :, cols], o_ref.at[pair, :, out_cols],
                     scale=None if scale_ref is None else scale_ref.at[group],
-                    up=w_ref.at[expert, :, up_cols] if gated else None,
+                    up=w_ref.at[expert, :, up_cols] if separate_up else None,
                 )  # fmt: skip
 
             for place, expert in zip(places, ids, strict=True):
@@ -385,7 +395,11 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
 
             @pl.when(first == programs)
             def _dense():
-                if gated:
+                if paired:
+                    (both_w,) = dense_in
+                    product(x_ref, both_w.at[:, cols], dense_o_ref.at[:, out_cols],
+                            scale=scale_ref)  # fmt: skip
+                elif gated:
                     gate_w, up_w = dense_in
                     product(x_ref, gate_w.at[:, cols], dense_o_ref.at[:, cols],
                             scale=scale_ref, up=up_w.at[:, cols])  # fmt: skip
@@ -533,23 +547,38 @@ def routed_expert_matmul(
 
 
 def hidden_unsupported_reason(
-    x: jax.Array, w: jax.Array, shared: tuple[jax.Array, jax.Array] | None = None
+    x: jax.Array, w: jax.Array, shared=None, *, paired: bool = False
 ) -> str | None:
     """Why the Mosaic GPU kernel cannot take this ``expert_hidden`` call, or None."""
     if w.shape[2] % (2 * BLOCK_N):
         return f"each half of N={w.shape[2]} must be a multiple of {BLOCK_N}"
-    if x.shape[0] > ROWS_PER_TILE and shared is not None:
-        return f"x has {x.shape[0]} rows; the shared expert's program takes {ROWS_PER_TILE}"
-    if shared is not None and any(s.dtype != x.dtype for s in shared):
+    if paired and not current_variant().swap:
+        return "the SwiGLU over a tile's halves takes swapped products (SWAP_OPERANDS)"
+    rows_limit = ALIGN if paired else ROWS_PER_TILE  # paired: the pairs' 8-row groups' rows
+    if x.shape[0] > rows_limit and shared is not None:
+        return f"x has {x.shape[0]} rows; the shared expert's program takes {rows_limit}"
+    shared_weights = (shared,) if paired and shared is not None else shared or ()
+    if any(s.dtype != x.dtype for s in shared_weights):
         return f"the shared expert's weights must be {x.dtype}"
     return unsupported_reason(x, w)
 
 
-def _check_hidden(x, w, experts, shared, row_scale, rms_eps) -> None:
+def _check_hidden(x, w, experts, shared, row_scale, rms_eps, paired) -> None:
     _check(x, w, experts)
     if w.shape[2] % 2:
         raise ValueError(f"{_OP}: w [E, K, 2I] holds the gate and up columns; N={w.shape[2]}")
-    if shared is not None:
+    if paired and w.shape[2] % BLOCK_N:
+        raise ValueError(
+            f"{_OP}: a paired w's 2I={w.shape[2]} must be whole tiles of {BLOCK_N} columns"
+        )
+    if shared is not None and paired:
+        want = (x.shape[1], w.shape[2])
+        if getattr(shared, "shape", None) != want:
+            raise ValueError(
+                f"{_OP}: a paired shared expert is one [K, 2I] = {list(want)} weight; got "
+                f"{getattr(shared, 'shape', type(shared).__name__)}"
+            )
+    elif shared is not None:
         want = (x.shape[1], w.shape[2] // 2)
         if len(shared) != 2 or any(s.shape != want for s in shared):
             raise ValueError(
@@ -564,10 +593,11 @@ def expert_hidden(
     w: jax.Array,
     experts: jax.Array,
     *,
-    shared: tuple[jax.Array, jax.Array] | None = None,
+    shared=None,
     row_scale: jax.Array | None = None,
     rms_eps: float | None = None,
     tiles: bool = False,
+    paired: bool = False,
     impl: str = "auto",
 ):
     """A SwiGLU's hidden rows by expert id: ``silu(g) * u`` with ``g | u = x[r] @
@@ -575,23 +605,30 @@ def expert_hidden(
 
     Args:
       x: ``[R, K]`` rows.
-      w: ``[E, K, 2I]``: each expert's gate columns, then its up columns.
+      w: ``[E, K, 2I]``: each expert's gate columns, then its up columns; with ``paired``,
+        laid out by ``pair_halves`` (each 64-column tile the gate and up columns of 32
+        hidden units: a program reads one tile where it would read two).
       experts: int32 ``[R, C]``; an id outside ``0 .. E - 1`` gives a zero row.
-      shared: optional ``(gate [K, I], up [K, I])``: a shared expert every row takes, its
-        hidden rows formed in the same launch (one more program per column tile).
+      shared: optional ``(gate [K, I], up [K, I])`` (with ``paired``, one ``[K, 2I]`` laid
+        out by ``pair_halves``): a shared expert every row takes, its hidden rows formed in
+        the same launch (one more program per column tile).
       row_scale: ``[R]``; with ``rms_eps`` each row's sum of squares over K, the rows then
         scaled by ``1 / sqrt(row_scale / K + rms_eps)`` (an RMS norm's scale).
       tiles: give the routed rows as the launch stored them (``PairTiles``, which a down
         launch reads in place), or ``[R * C, I]`` where XLA formed them (the reference).
+      paired: the layout of ``w`` and ``shared`` above.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
       ``[R, C, I]`` in x's dtype (see ``tiles``); with ``shared``, ``(that, [R, I])``.
     """
-    _check_hidden(x, w, experts, shared, row_scale, rms_eps)
-    reason = hidden_unsupported_reason(x, w, shared) if impl != "reference" else None
+    _check_hidden(x, w, experts, shared, row_scale, rms_eps, paired)
+    reason = hidden_unsupported_reason(x, w, shared, paired=paired) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference":
+        if paired:
+            w = unpair_halves(w)
+            shared = None if shared is None else tuple(jnp.split(unpair_halves(shared), 2, -1))
         out = expert_hidden_reference(
             x, w, experts, shared=shared, row_scale=row_scale, rms_eps=rms_eps
         )
@@ -599,6 +636,15 @@ def expert_hidden(
         if tiles:
             routed = routed.reshape(-1, routed.shape[-1])
         return routed if shared is None else (routed, out[1])
+    dense = None if shared is None else (shared,) if paired else tuple(shared)
+    out = _kernel(
+        x, w, experts, dense, row_scale,
+        variant=current_variant(), interpret=choice == "interpret", gated=True,
+        rms_eps=None if rms_eps is None else float(rms_eps), paired=paired,
+    )  # fmt: skip
+    routed = out if shared is None else out[0]
+    routed = routed if tiles else routed.rows()
+    return routed if shared is None else (routed, out[1])
     out = _kernel(
         x, w, experts, None if shared is None else tuple(shared), row_scale,
         variant=current_variant(), interpret=choice == "interpret", gated=True,

@@ -144,12 +144,14 @@ def test_the_shared_hidden_formed_with_the_experts_changes_no_bit_on_the_gpu(mon
     np.testing.assert_array_equal(together.view(np.uint16), apart.view(np.uint16))
 
 
+@pytest.mark.parametrize("paired", [False, True], ids=["two-tiles", "paired"])
 @pytest.mark.parametrize(("real", "scaled"), [(1, True), (8, False)])
-def test_the_hidden_rows_formed_in_the_expert_launch_match_the_oracle(real, scaled):
+def test_the_hidden_rows_formed_in_the_expert_launch_match_the_oracle(real, scaled, paired):
     """``moe.expert_hidden`` at the 35B-like shapes (8 rows, top 8 of 256 experts, gate|up
     1024 wide, a shared expert of 512): ``silu(gate) * up`` of each pair and of the shared
     expert, each row scaled by its inverse RMS in the launch; padding rows NaN, their pairs
-    zero."""
+    zero. ``paired``: the weights laid out by ``moe.pair_halves``, a program's one tile
+    holding 32 gate and 32 up columns."""
     rng = np.random.default_rng(real)
     rows, k, width, experts = 8, 2048, 512, 256
     x = rng.standard_normal((rows, k))
@@ -166,11 +168,21 @@ def test_the_hidden_rows_formed_in_the_expert_launch_match_the_oracle(real, scal
     square_sum = jnp.asarray(rng.uniform(0.5, 2.0, rows) * k, jnp.float32) if scaled else None
     run = jax.jit(
         lambda x, w, i, s, q: moe.expert_hidden(
-            x, w, i, shared=s, row_scale=q, rms_eps=1e-6 if scaled else None, impl="pallas"
+            x,
+            w,
+            i,
+            shared=s,
+            row_scale=q,
+            rms_eps=1e-6 if scaled else None,
+            paired=paired,
+            impl="pallas",
         )
     )
+    w_in, shared_in = w, shared
+    if paired:
+        w_in, shared_in = moe.pair_halves(w), moe.pair_halves(jnp.concatenate(shared, 1))
     got, got_shared = (
-        np.asarray(a, np.float64) for a in run(x, w, jnp.asarray(ids), shared, square_sum)
+        np.asarray(a, np.float64) for a in run(x, w_in, jnp.asarray(ids), shared_in, square_sum)
     )
     x64 = np.asarray(x, np.float64)
     if scaled:

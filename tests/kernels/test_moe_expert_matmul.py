@@ -180,6 +180,22 @@ def _hidden_oracle(x64, w64, ids, shared64=None):
     return want, swiglu(x64 @ np.concatenate(shared64, axis=1))
 
 
+def _assert_hidden_rows(got, got_shared, x, w, ids, shared, square_sum) -> None:
+    """The pairs' and the shared expert's (``(gate, up)``) hidden rows against the float64
+    oracle, the rows first scaled by their inverse RMS when ``square_sum`` is given (eps
+    1e-6); row 4 is padding: zeros."""
+    x64 = np.asarray(x, np.float64)
+    if square_sum is not None:
+        k = x.shape[1]
+        x64 = x64 / np.sqrt(np.asarray(square_sum, np.float64) / k + 1e-6)[:, None]
+    shared64 = [np.asarray(s, np.float64) for s in shared]
+    want, want_shared = _hidden_oracle(x64, np.asarray(w, np.float64), ids, shared64)
+    for out, ref in ((got, want), (got_shared, want_shared)):
+        out64 = np.asarray(out, np.float64)
+        assert np.linalg.norm(out64 - ref) / np.linalg.norm(ref) < 1e-2
+    np.testing.assert_array_equal(np.asarray(got[4], np.float64), 0)
+
+
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["rows", "rms-scaled"])
 def test_hidden_rows_match_the_float64_oracle(impl, scaled, product_variant):
@@ -200,15 +216,7 @@ def test_hidden_rows_match_the_float64_oracle(impl, scaled, product_variant):
         rms_eps=1e-6 if scaled else None, impl=impl,
     )  # fmt: skip
     chex.assert_shape((got, got_shared), ((rows, 2, width), (rows, width)))
-    x64 = np.asarray(x, np.float64)
-    if scaled:
-        x64 = x64 / np.sqrt(np.asarray(square_sum, np.float64) / k + 1e-6)[:, None]
-    shared64 = [np.asarray(s, np.float64) for s in shared]
-    want, want_shared = _hidden_oracle(x64, np.asarray(w, np.float64), ids, shared64)
-    for out, ref in ((got, want), (got_shared, want_shared)):
-        out64 = np.asarray(out, np.float64)
-        assert np.linalg.norm(out64 - ref) / np.linalg.norm(ref) < 1e-2
-    np.testing.assert_array_equal(np.asarray(got[4], np.float64), 0)
+    _assert_hidden_rows(got, got_shared, x, w, ids, shared, square_sum)
 
 
 def test_the_hidden_rows_launch_lowers_for_cuda_at_the_35b_shapes():
@@ -358,3 +366,69 @@ def test_routing_in_the_launch_refuses_what_it_cannot_take():
         moe.routed_expert_matmul(x, w, jnp.zeros((8, 256)), 8, jnp.ones((8,), jnp.int32))
     with pytest.raises(NotImplementedError, match="512 experts"):
         moe.routed_expert_matmul(x, wide, jnp.zeros((8, 512)), 8, impl="interpret")
+
+
+def test_pair_halves_puts_each_tiles_gate_and_up_columns_side_by_side():
+    """Tile t of a paired weight: gate columns 32t .. 32t + 31, then the same up columns;
+    ``unpair_halves`` gives the weight back."""
+    from pallas_kernels._skinny import unpair_halves
+
+    w = jnp.arange(2 * 256, dtype=jnp.int32).reshape(2, 256)  # gate 0..127, up 128..255
+    paired = moe.pair_halves(w)
+    np.testing.assert_array_equal(paired[0, :32], np.arange(32))
+    np.testing.assert_array_equal(paired[0, 32:64], 128 + np.arange(32))
+    np.testing.assert_array_equal(paired[1, 64:96], 256 + 32 + np.arange(32))
+    chex.assert_trees_all_equal(unpair_halves(paired), w)
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["rows", "rms-scaled"])
+def test_paired_hidden_rows_match_the_float64_oracle(impl, scaled):
+    """``expert_hidden(paired=True)``: each program reads one tile of 32 gate and 32 up
+    columns and stores the 32 hidden columns; the pairs' and the shared expert's rows are
+    the oracle's SwiGLU of the unpaired weights, padding ids zero rows."""
+    rng = np.random.default_rng(31 + scaled)
+    rows, k, width, experts = 5, 256, 128, 4
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((experts, k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
+    shared = jnp.asarray(rng.standard_normal((k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
+    ids = rng.integers(0, experts, (rows, 2)).astype(np.int32)
+    ids[4] = experts  # a padding row
+    square_sum = jnp.asarray(rng.uniform(0.5, 2.0, rows) * k, jnp.float32) if scaled else None
+    got, got_shared = moe.expert_hidden(
+        x, moe.pair_halves(w), jnp.asarray(ids), shared=moe.pair_halves(shared),
+        row_scale=square_sum, rms_eps=1e-6 if scaled else None, paired=True, impl=impl,
+    )  # fmt: skip
+    chex.assert_shape((got, got_shared), ((rows, 2, width), (rows, width)))
+    _assert_hidden_rows(got, got_shared, x, w, ids, jnp.split(shared, 2, axis=1), square_sum)
+
+
+def test_the_paired_hidden_rows_launch_lowers_for_cuda_at_the_35b_shapes():
+    s = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    args = (s((8, 2048), bf16), s((256, 2048, 1024), bf16), s((8, 8), jnp.int32),
+            s((2048, 1024), bf16), s((8,), jnp.float32))  # fmt: skip
+
+    def call(x, w, ids, shared, square_sum):
+        return moe.expert_hidden(x, w, ids, shared=shared, row_scale=square_sum, rms_eps=1e-6,
+                                 paired=True, impl="pallas")  # fmt: skip
+
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_paired_hidden_calls_refuse_what_they_cannot_take(monkeypatch):
+    x = jnp.zeros((4, 256), jnp.bfloat16)
+    w = jnp.zeros((3, 256, 256), jnp.bfloat16)
+    ids = jnp.zeros((4, 2), jnp.int32)
+    with pytest.raises(ValueError, match=r"a paired shared expert is one \[K, 2I\] = \[256, 256\]"):
+        moe.expert_hidden(x, w, ids, shared=(jnp.zeros((256, 128), jnp.bfloat16),) * 2,
+                          paired=True)  # fmt: skip
+    with pytest.raises(ValueError, match="2I=160 must be whole tiles of 64 columns"):
+        moe.expert_hidden(x, jnp.zeros((3, 256, 160), jnp.bfloat16), ids, paired=True)
+    many = jnp.zeros((16, 256), jnp.bfloat16)
+    assert "the shared expert's program takes 8" in moe.expert_hidden_unsupported_reason(
+        many, w, jnp.zeros((256, 256), jnp.bfloat16), paired=True
+    )
+    monkeypatch.setattr(importlib.import_module("pallas_kernels._skinny"), "SWAP_OPERANDS", False)
+    assert "swapped products" in moe.expert_hidden_unsupported_reason(x, w, paired=True)
