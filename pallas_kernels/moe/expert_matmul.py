@@ -287,7 +287,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     ``(logits [R, n], valid bool [R])`` instead of ``experts`` (None), the launch of
     ``routed_expert_matmul``: each row's ``top_k`` experts ranked in the launch. Returns the
     launch's ``PairTiles`` (and the dense product's rows; routed, the pairs' float32 weights
-    and int32 experts ``[R * top_k]``)."""
+    ``[R * top_k]``, their experts those of the ``PairTiles``)."""
     tiled = isinstance(x, PairTiles)
     rows, k_dim = x.shape
     num_experts, _, w_cols = w.shape
@@ -427,8 +427,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     per_line = choices * (x.per_line if tiled else 1)
     if routed:
         weights, chosen = outs[1:]
-        out = PairTiles(outs[0], chosen.reshape(rows, choices), num_experts, per_line)
-        return out, weights, chosen
+        return PairTiles(outs[0], chosen.reshape(rows, choices), num_experts, per_line), weights
     out = PairTiles(outs[0], experts, num_experts, per_line)
     if dense is None:
         return out
@@ -538,12 +537,11 @@ def routed_expert_matmul(
             weights = jnp.where(valid[:, None], weights, 0.0)
         return expert_matmul_reference(x, w, experts), weights, experts
     flags = jnp.ones(x.shape[:1], jnp.bool_) if valid is None else valid
-    out, weights, experts = _kernel(
+    out, weights = _kernel(
         x, w, None, routing=(logits, flags), variant=current_variant(),
         interpret=choice == "interpret", top_k=top_k,
     )  # fmt: skip
-    shape = (x.shape[0], top_k)
-    return out.rows(), weights.reshape(shape), experts.reshape(shape)
+    return out.rows(), weights.reshape(out.experts.shape), out.experts
 
 
 def hidden_unsupported_reason(
