@@ -73,7 +73,11 @@ from hybrid_jax.layers import gdn as gdn_layer  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
 from hybrid_jax.layers import moe as moe_layer  # noqa: E402
 from hybrid_jax.metadata import MIN_BATCH_BUCKET  # noqa: E402
-from hybrid_jax.models.layer_scan import fold_scanned_norms, scan_layers  # noqa: E402
+from hybrid_jax.models.layer_scan import (  # noqa: E402
+    fold_scanned_norms,
+    pair_scanned_swiglu,
+    scan_layers,
+)
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
 from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig  # noqa: E402
 from pallas_kernels import _skinny  # noqa: E402
@@ -122,10 +126,11 @@ TRIAL_SWITCHES = {
         "a small-batch product launch of at most one program per SM (a MoE block's router "
         "and shared gate/up) keeps the default ring depth",
     ),
-    "--hidden-in-expert-launch": (
-        moe_layer, "HIDDEN_IN_EXPERT_LAUNCH", True,
-        "a MoE block whose experts run by id forms its experts' and shared expert's SwiGLU "
-        "hidden rows in one launch (the router launched alone)",
+    "--no-hidden-in-expert-launch": (
+        moe_layer, "HIDDEN_IN_EXPERT_LAUNCH", False,
+        "a MoE block whose experts run by id takes gate/up products and forms the SwiGLU in "
+        "XLA; the gate/up weights are not paired by moe.pair_halves unless an earlier row of "
+        "the run paired them (those rows split the paired products in XLA)",
     ),
     "--no-softmax-in-ranking": (
         moe_layer, "SOFTMAX_IN_RANKING", False,
@@ -740,6 +745,11 @@ def main(argv: list[str] | None = None) -> int:
             if trial is not None:
                 module, name, value, _ = TRIAL_SWITCHES[trial]
                 trial_settings[module, name] = value
+            pairs = (moe_layer, "HIDDEN_IN_EXPERT_LAUNCH")
+            if not args.unrolled and trial_settings.get(pairs, getattr(*pairs)):
+                # As an engine does with the layers it stacks; the layout stays for any
+                # later rows, which split the paired products in XLA.
+                pair_scanned_swiglu(model)
             with switches_set(trial_settings):
                 rows += variant_rows(model, c, args, rng, f"{label}, {trial}" if trial else label)
         if not getattr(c, "num_experts", 0):

@@ -59,6 +59,7 @@ __all__ = [
     "BLOCK_N",
     "DTYPES",
     "OVERLAP_PRODUCTS",
+    "PAIRED_UNITS",
     "ROWS_PER_TILE",
     "STAGES",
     "SWAP_OPERANDS",
@@ -79,6 +80,7 @@ __all__ = [
 
 BLOCK_K = 128  # K of one ring stage: a 64 x 128 row tile and a 128 x BLOCK_N weight tile
 BLOCK_N = 64  # columns of a program's tile: N / 64 programs per product keep the SMs busy
+PAIRED_UNITS = BLOCK_N // 2  # hidden units per tile of a weight laid out by ``pair_halves``
 STAGES = 4
 ROWS_PER_TILE = 64  # the wgmma tile's rows; only a program's own rows are loaded and stored
 DTYPES = (jnp.bfloat16, jnp.float16)  # the operands' dtypes the tensor-core product takes
@@ -110,19 +112,19 @@ def current_variant() -> ProductVariant:
 
 def filling_ring(
     variant: ProductVariant, programs: int, steps: int, dtype, rows: int = ROWS_PER_TILE,
-    out_dtype=None, *, row_scale: bool = False,
+    out_dtype=None, *, row_scale: bool = False, halves: bool = False,
 ) -> ProductVariant:  # fmt: skip
     """The variant a launch of ``programs`` programs of ``steps`` blocks each runs: with
     ``variant.fill_sm`` and at most one program per SM, ``deepest_ring``; otherwise
     ``variant`` itself."""
     if not variant.fill_sm or programs > NUM_SMS:
         return variant
-    return deepest_ring(variant, steps, dtype, rows, out_dtype, row_scale=row_scale)
+    return deepest_ring(variant, steps, dtype, rows, out_dtype, row_scale=row_scale, halves=halves)
 
 
 def deepest_ring(
     variant: ProductVariant, steps: int, dtype, rows: int = ROWS_PER_TILE, out_dtype=None,
-    *, row_scale: bool = False,
+    *, row_scale: bool = False, halves: bool = False,
 ) -> ProductVariant:  # fmt: skip
     """``variant`` with its ring as deep as the ``scratch`` of a block fits in
     ``SMEM_BYTES`` (at most ``steps`` stages, never fewer than ``variant.stages``): for a
@@ -130,7 +132,7 @@ def deepest_ring(
 
     def fits(stages: int) -> bool:
         refs = scratch(steps, dtype, variant._replace(stages=stages), rows, out_dtype,
-                       row_scale=row_scale)  # fmt: skip
+                       row_scale=row_scale, halves=halves)  # fmt: skip
         return scratch_smem_bytes(refs) <= SMEM_BYTES
 
     stages = variant.stages
@@ -275,8 +277,10 @@ def pair_halves(w: jax.Array) -> jax.Array:
     """A SwiGLU's ``[..., 2I]`` weight (the gate's I columns, then the up projection's) laid
     out for ``tile_product(halves=True)``: each ``BLOCK_N``-column tile holds ``BLOCK_N / 2``
     gate columns and the up columns of the same hidden units (I a multiple of
-    ``BLOCK_N / 2``)."""
-    half = BLOCK_N // 2
+    ``PAIRED_UNITS``)."""
+    half = PAIRED_UNITS
+    if w.shape[-1] % (2 * half):
+        raise ValueError(f"pair_halves: 2I={w.shape[-1]} must be a multiple of {2 * half}")
     gate, up = jnp.split(w, 2, axis=-1)
     lead = w.shape[:-1]
     tiles = gate.shape[-1] // half
@@ -286,7 +290,7 @@ def pair_halves(w: jax.Array) -> jax.Array:
 
 def unpair_halves(w: jax.Array) -> jax.Array:
     """``pair_halves``' inverse: the gate's columns, then the up projection's."""
-    half = BLOCK_N // 2
+    half = PAIRED_UNITS
     lead = w.shape[:-1]
     tiles = w.shape[-1] // BLOCK_N
     pairs = w.reshape(*lead, tiles, 2, half)

@@ -6,6 +6,10 @@ router and shared expert). At decode a step has few rows, so each product is a r
 weight, and a launch per weight costs more than its bytes (~5 us for a 1 MB router); one
 launch reads every weight in place, no concatenation.
 
+A weight laid out by ``pair_halves`` (a SwiGLU's gate and up columns, 32 of each per tile) may
+give its hidden rows ``silu(gate) * up`` instead of its product (``paired``): a shared expert's
+SwiGLU formed in the router's launch.
+
 ``projection_partials`` splits K too, for products of few column tiles: float32 partial
 products over parts of K, summed by the caller where it uses them.
 
@@ -38,7 +42,9 @@ from pallas_kernels._skinny import (
     filling_ring,
     rms_row_scale,
     scratch,
+    swapped,
     tile_product,
+    unpair_halves,
 )
 
 __all__ = [
@@ -57,8 +63,12 @@ MAX_ROWS = ROWS_PER_TILE
 COLUMN_TILE = BLOCK_N  # every weight's N is a multiple of it
 
 
-def unsupported_reason(x: jax.Array, weights: Sequence[jax.Array]) -> str | None:
+def unsupported_reason(
+    x: jax.Array, weights: Sequence[jax.Array], paired: Sequence[bool] = ()
+) -> str | None:
     """Why the Mosaic GPU kernel cannot take this call, or None when it can."""
+    if any(paired) and not swapped(x.dtype, current_variant()):
+        return "a SwiGLU over a tile's halves takes swapped products (SWAP_OPERANDS)"
     if x.shape[0] > MAX_ROWS:
         return f"x has {x.shape[0]} rows; the kernel takes at most {MAX_ROWS}"
     if x.dtype not in DTYPES or any(w.dtype != x.dtype for w in weights):
@@ -72,12 +82,19 @@ def unsupported_reason(x: jax.Array, weights: Sequence[jax.Array]) -> str | None
     return None
 
 
-def _check(x: jax.Array, weights: Sequence[jax.Array], row_scale=None, rms_eps=None) -> None:
+def _check(x: jax.Array, weights: Sequence[jax.Array], row_scale=None, rms_eps=None,
+           paired: Sequence[bool] = ()) -> None:  # fmt: skip
     if x.ndim != 2 or not weights or any(w.ndim != 2 or w.shape[0] != x.shape[1] for w in weights):
         raise ValueError(
             f"{_OP}: x must be [R, K] and each weight [K, N] with x's K; got x {x.shape} and "
             f"weights {[w.shape for w in weights]}"
         )
+    if paired and len(paired) != len(weights):
+        raise ValueError(f"{_OP}: paired has {len(paired)} flags for {len(weights)} weights")
+    flags = paired or (False,) * len(weights)
+    odd = [w.shape[1] for w, p in zip(weights, flags, strict=True) if p and w.shape[1] % BLOCK_N]
+    if odd:
+        raise ValueError(f"{_OP}: a paired weight's N must be whole tiles of {BLOCK_N}; got {odd}")
     check_row_scale(_OP, x.shape[0], row_scale, rms_eps)
 
 
@@ -86,29 +103,36 @@ def projections_reference(
     weights: Sequence[jax.Array],
     row_scale: jax.Array | None = None,
     rms_eps: float | None = None,
+    paired: Sequence[bool] = (),
 ) -> tuple[jax.Array, ...]:
-    """The same products in XLA, one each."""
+    """The same products in XLA, one each (a paired weight's SwiGLU from float32 sums)."""
     scale = rms_row_scale(row_scale, rms_eps, x.shape[1])
 
-    def product(w: jax.Array) -> jax.Array:
+    def product(w: jax.Array, swiglu: bool) -> jax.Array:
         y = jnp.dot(x, w, preferred_element_type=F32)
-        return (y if scale is None else y * scale[:, None]).astype(x.dtype)
+        y = y if scale is None else y * scale[:, None]
+        if swiglu:
+            gate, up = jnp.split(unpair_halves(y), 2, axis=-1)
+            y = jax.nn.silu(gate) * up
+        return y.astype(x.dtype)
 
-    return tuple(product(w) for w in weights)
+    flags = paired or (False,) * len(weights)
+    return tuple(product(w, p) for w, p in zip(weights, flags, strict=True))
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("splits", "partial", "variant", "interpret", "rms_eps"),
+    static_argnames=("splits", "partial", "variant", "interpret", "rms_eps", "paired"),
 )
 def _kernel(
     x: jax.Array, weights: tuple[jax.Array, ...], row_scale: jax.Array | None = None, *,
     splits: int, partial: bool, variant: ProductVariant, interpret: bool,
-    rms_eps: float | None = None,
+    rms_eps: float | None = None, paired: tuple[bool, ...] = (),
 ):  # fmt: skip
     """Every weight's products over ``splits`` parts of K: ``[splits, R, N_i]`` each, float32
     when ``partial``, else in x's dtype; each row times its ``row_scale`` when given (or
-    ``1 / sqrt(row_scale / K + rms_eps)`` with the whole K, ``tile_product``)."""
+    ``1 / sqrt(row_scale / K + rms_eps)`` with the whole K, ``tile_product``); a ``paired``
+    weight's ``[1, R, N_i / 2]`` SwiGLU hidden rows (``tile_product(halves=True)``)."""
     rows, k_dim = x.shape
     steps = k_dim // BLOCK_K // splits
     span = steps * BLOCK_K
@@ -119,11 +143,14 @@ def _kernel(
     if scaled:
         operands.append(jnp.pad(row_scale.astype(F32), (0, held - rows), constant_values=1))
     out_dtype = F32 if partial else x.dtype
+    paired = paired or (False,) * len(weights)
+    halves = any(paired)
     tiles = [w.shape[1] // BLOCK_N for w in weights]
     starts = [sum(tiles[:i]) for i in range(len(tiles))]
     variant = filling_ring(
-        variant, sum(tiles) * splits, steps, x.dtype, held, out_dtype, row_scale=scaled
-    )
+        variant, sum(tiles) * splits, steps, x.dtype, held, out_dtype, row_scale=scaled,
+        halves=halves,
+    )  # fmt: skip
 
     def body(x_ref, *refs):
         w_refs, refs = refs[: len(weights)], refs[len(weights) :]
@@ -132,25 +159,31 @@ def _kernel(
         tile, split = lax.axis_index("t"), lax.axis_index("s")
         ks = pl.ds(split * span, span)
 
-        def product(w_ref, o_ref, start):
+        def product(w_ref, o_ref, start, swiglu):
             cols = pl.ds((tile - start) * BLOCK_N, BLOCK_N)
+            out_n = BLOCK_N // 2 if swiglu else BLOCK_N
             tile_product(
-                x_ref.at[:, ks], w_ref.at[ks, cols], o_ref.at[split, :, cols], *scratch_refs,
+                x_ref.at[:, ks], w_ref.at[ks, cols],
+                o_ref.at[split, :, pl.ds((tile - start) * out_n, out_n)], *scratch_refs,
                 steps=steps, variant=variant, interpret=interpret, row_scale=scale_ref,
-                rms=None if rms_eps is None else (rms_eps, k_dim),
+                rms=None if rms_eps is None else (rms_eps, k_dim), halves=swiglu,
             )  # fmt: skip
 
-        for w_ref, o_ref, start, count in zip(w_refs, o_refs, starts, tiles, strict=True):
-            mine = (tile >= start) & (tile < start + count)
-            pl.when(mine)(functools.partial(product, w_ref, o_ref, start))
+        mine = zip(w_refs, o_refs, starts, tiles, paired, strict=True)
+        for w_ref, o_ref, start, count, swiglu in mine:
+            ours = (tile >= start) & (tile < start + count)
+            pl.when(ours)(functools.partial(product, w_ref, o_ref, start, swiglu))
         plgpu.wait_smem_to_gmem(0)
 
     outs = plgpu.kernel(
         body,
         out_type=tuple(
-            jax.ShapeDtypeStruct((splits, held, w.shape[1]), out_dtype) for w in weights
+            jax.ShapeDtypeStruct((splits, held, w.shape[1] // (1 + p)), out_dtype)
+            for w, p in zip(weights, paired, strict=True)
         ),
-        scratch_types=scratch(steps, x.dtype, variant, held, out_dtype, row_scale=scaled),
+        scratch_types=scratch(
+            steps, x.dtype, variant, held, out_dtype, row_scale=scaled, halves=halves
+        ),
         grid=(sum(tiles), splits),
         grid_names=("t", "s"),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
@@ -166,10 +199,11 @@ def projections(
     *,
     row_scale: jax.Array | None = None,
     rms_eps: float | None = None,
+    paired: Sequence[bool] = (),
     impl: str = "auto",
 ) -> tuple[jax.Array, ...]:
     """``x @ w`` for every ``w`` of ``weights`` (float32 accumulation), each row's sum times
-    its ``row_scale`` when given.
+    its ``row_scale`` when given; for a ``paired`` weight, the SwiGLU of its product.
 
     Args:
       x: ``[R, K]`` rows (the kernel takes up to ``MAX_ROWS``).
@@ -179,20 +213,24 @@ def projections(
         norm's input) and the rows are scaled by ``1 / sqrt(row_scale / K + rms_eps)``: an
         RMS norm's scale (the norm's weight goes into x, its row scale after the product),
         formed in the launch.
+      paired: one flag per weight (default none): a flagged weight holds a SwiGLU's gate
+        and up columns laid out by ``pair_halves``, and its entry is ``silu(gate) * up``
+        ``[R, N_i / 2]`` of the scaled float32 sums, formed in the launch's epilogue.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
-      A tuple of ``[R, N_i]`` in x's dtype.
+      A tuple of ``[R, N_i]`` (``[R, N_i / 2]`` where paired) in x's dtype.
     """
-    weights = tuple(weights)
-    _check(x, weights, row_scale, rms_eps)
-    reason = unsupported_reason(x, weights) if impl != "reference" else None
+    weights, paired = tuple(weights), tuple(bool(p) for p in paired)
+    _check(x, weights, row_scale, rms_eps, paired)
+    reason = unsupported_reason(x, weights, paired) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
-        return projections_reference(x, weights, row_scale, rms_eps)
+        return projections_reference(x, weights, row_scale, rms_eps, paired)
     outs = _kernel(
         x, weights, row_scale, splits=1, partial=False, variant=current_variant(),
         interpret=choice == "interpret", rms_eps=None if rms_eps is None else float(rms_eps),
+        paired=paired,
     )  # fmt: skip
     return tuple(out[0] for out in outs)
 

@@ -18,12 +18,14 @@ from flax import nnx
 
 from hybrid_jax import Engine, EngineConfig, SamplingParams
 from hybrid_jax.backend.commit import commit_verified
+from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.metadata import RowSpec, build_metadata
 from hybrid_jax.models.layer_scan import (
     LayerRun,
     ScannedRun,
     fold_scanned_norms,
     layer_runs,
+    pair_scanned_swiglu,
     scan_layers,
 )
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig
@@ -34,6 +36,7 @@ from hybrid_jax.models.qwen3_next import (
     tiny_qwen3_next_config,
 )
 from hybrid_jax.models.tokenizer import ByteTokenizer
+from pallas_kernels import moe as moe_kernels
 
 M = parity.M
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -164,14 +167,17 @@ def test_scanned_qwen3_next_steps_equal_the_layer_by_layer_model():
     _check_same_steps(qwen3_next(2))
 
 
-def test_scanned_layers_with_their_norms_folded_step_as_the_layer_by_layer_model():
+@pytest.mark.parametrize("paired", [False, True], ids=["folded", "folded-and-paired"])
+def test_scanned_layers_with_their_norms_folded_step_as_the_layer_by_layer_model(paired):
     """Each scanned layer's norm weights folded into the products that read them (a MoE
-    block's experts, router, shared expert and its gate too): the same steps as the unfolded
-    layers, whose norms weight their rows, and the model the run was stacked from keeps its
-    own weights."""
+    block's experts, router, shared expert and its gate too), and with ``paired`` its MoE
+    blocks' gate/up weights then laid out by ``pair_scanned_swiglu``, as an engine does with
+    ``HIDDEN_IN_EXPERT_LAUNCH``: the same steps as the unfolded layers, whose norms weight
+    their rows, and the model the run was stacked from keeps its own weights."""
     config = dataclasses.replace(
         tiny_qwen3_next_config(), num_hidden_layers=6, layer_types=(G, G, A) * 2,
-        mlp_only_layers=(), num_nextn_predict_layers=0,
+        mlp_only_layers=(), num_nextn_predict_layers=0, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
     )  # fmt: skip
     model = _seeded(lambda: Qwen3Next(config, rngs=nnx.Rngs(0)))
     norm = model.layers[0].post_attention_layernorm
@@ -183,6 +189,11 @@ def test_scanned_layers_with_their_norms_folded_step_as_the_layer_by_layer_model
     assert block.input_layernorm.folded and block.post_attention_layernorm.folded
     assert not np.asarray(block.post_attention_layernorm.weight.get_value()).any()
     assert block.mlp.shared_expert_gate.kernel.get_value().shape[-1] == 64
+    if paired:
+        pair_scanned_swiglu(folded)
+        assert block.mlp.paired and block.mlp.gate_up_proj.get_value().shape[1:] == experts.shape
+        unpaired = moe_kernels.unpair_halves(block.mlp.gate_up_proj.get_value())
+        assert not np.array_equal(block.mlp.gate_up_proj.get_value(), unpaired)
     # The folded weights round differently: float32 round-off, carried through the states.
     _check_same_steps(model, folded, verify_tol=1e-4)
     assert not norm.folded
@@ -263,6 +274,34 @@ def test_an_engine_folds_the_layers_it_stacks_and_leaves_a_scanned_model_alone()
     Engine(scanned, ByteTokenizer(), config, progress=False)
     block = scanned.layers[0].blocks[0]
     assert not block.input_layernorm.folded and not block.post_attention_layernorm.folded
+
+
+def test_an_engine_with_hidden_in_expert_launch_pairs_the_moe_blocks_it_stacks(monkeypatch):
+    """``HIDDEN_IN_EXPERT_LAUNCH``: an engine lays out its stacked MoE blocks' gate/up
+    weights by ``moe.pair_halves`` and serves the greedy tokens of the engine without it."""
+    model_config = dataclasses.replace(
+        tiny_qwen3_next_config(), num_hidden_layers=6, layer_types=(G, G, A) * 2,
+        mlp_only_layers=(), num_nextn_predict_layers=0, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    )  # fmt: skip
+    config = EngineConfig(
+        max_batch=1, max_tokens=16, max_context=24, page_size=parity.PAGE, cache_dir=None,
+        impl="reference", overlap=False,
+    )  # fmt: skip
+    prompt, params = list(b"hybrid"), SamplingParams(max_new_tokens=4)
+
+    def serve():
+        model = _seeded(lambda: Qwen3Next(model_config, rngs=nnx.Rngs(0)))
+        engine = Engine(model, ByteTokenizer(), config, progress=False, donate_weights=True)
+        (result,) = engine.generate([prompt], params)
+        return engine.model.layers[0].blocks[0].mlp, result.token_ids
+
+    assert moe_layer.HIDDEN_IN_EXPERT_LAUNCH is True  # the default
+    paired, got = serve()
+    monkeypatch.setattr(moe_layer, "HIDDEN_IN_EXPERT_LAUNCH", False)
+    plain, want = serve()
+    assert not plain.paired and paired.paired and paired.shared_expert.paired
+    assert got == want
 
 
 def test_the_scan_body_reads_each_layer_s_slots_and_pages_shifted_before_the_loop():

@@ -155,14 +155,19 @@ def test_the_shared_hidden_formed_with_the_experts_changes_no_bit(shared_width, 
 
 @pytest.mark.parametrize("normed", [False, True], ids=["rows", "normed-rows"])
 @pytest.mark.parametrize("shared_width", [128, 64])
-def test_hidden_rows_formed_in_the_expert_launch_match_the_silu_after_it(
+def test_paired_weights_form_the_hidden_rows_in_the_expert_launch(
     shared_width, normed, monkeypatch
 ):
-    """``HIDDEN_IN_EXPERT_LAUNCH``: the experts' and the shared expert's hidden rows from one
-    ``expert_hidden`` launch (the norm's inverse RMS formed in it), the router alone in its
-    projections launch and no SiLU product in XLA; a shared expert narrower than the experts
-    (64) keeps the products apart."""
-    moe = _bf16_moe(7, shared_width)
+    """``SparseMoE.pair_halves`` with ``HIDDEN_IN_EXPERT_LAUNCH``: the experts' hidden rows
+    from an ``expert_hidden(paired=True)`` launch and the shared expert's from the router's
+    (the norm's inverse RMS formed in both), no SiLU product in XLA, for a shared expert as
+    wide as the experts (128) or narrower (64); with the switch off, and on the sorted path
+    (``reference``), the paired products split in XLA. The block's output moves by rounding
+    only."""
+    # 64 experts: a router of a whole column tile, which the projections' launch takes.
+    config = MoEConfig(hidden_size=128, num_experts=64, top_k=2, intermediate_size=128,
+                       shared_intermediate_size=shared_width, dtype="bfloat16")  # fmt: skip
+    moe = SparseMoE(config, rngs=nnx.Rngs(7))
     rng = np.random.default_rng(5)
     x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
     if normed:
@@ -170,19 +175,37 @@ def test_hidden_rows_formed_in_the_expert_launch_match_the_silu_after_it(
         x = NormedRows(x, norm_weight, 1e-6)
     real = jnp.arange(5) < 4
 
-    def run():
-        step = jax.jit(lambda m, a, r: m(a, r, impl="interpret"))
-        return np.asarray(step(moe, x, real), np.float64), str(jax.make_jaxpr(step)(moe, x, real))
+    def run(impl="interpret"):
+        step = jax.jit(lambda m, a, r: m(a, r, impl=impl))
+        out = np.asarray(step(moe, x, real), np.float64)
+        return out, str(jax.make_jaxpr(step)(moe, x, real))
 
+    monkeypatch.setattr(moe_layer, "HIDDEN_IN_EXPERT_LAUNCH", False)
     apart, apart_program = run()
+    sorted_apart, _ = run("reference")
+    gate_up = np.asarray(moe.gate_up_proj[...])
+    moe.pair_halves()
+    assert moe.paired and moe.shared_expert.paired
+    assert not hasattr(moe.shared_expert, "up_proj")
+    assert not moe._hidden_in_launch(x, "interpret")  # the switch is off
+    split, _ = run()  # paired products split in XLA
+    assert np.linalg.norm(split - apart) / np.linalg.norm(apart) < 1e-2
     monkeypatch.setattr(moe_layer, "HIDDEN_IN_EXPERT_LAUNCH", True)
-    assert moe._hidden_in_launch(x, "interpret") is (shared_width == 128)
+    assert moe._hidden_in_launch(x, "interpret")
     assert not moe._hidden_in_launch(x, "reference")
+    # The same columns, each 64-column tile 32 gate and the same 32 up ones.
+    paired = np.asarray(moe.gate_up_proj[...])
+    np.testing.assert_array_equal(paired[..., 32:64], gate_up[..., 128:160])
+    np.testing.assert_array_equal(np.sort(paired, -1), np.sort(gate_up, -1))
     together, together_program = run()
-    assert np.linalg.norm(together - apart) / np.linalg.norm(apart) < 1e-2
+    sorted_together, _ = run("reference")
+    for got, want in ((together, apart), (sorted_together, sorted_apart)):
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
     # The shared expert's gate is the one sigmoid left where the launch forms the hidden rows.
     sigmoids = [p.count("logistic") for p in (apart_program, together_program)]
-    assert sigmoids == [3, 1 if shared_width == 128 else 3]
+    assert sigmoids == [3, 1]
+    moe.pair_halves()  # paired once: a second call changes nothing
+    np.testing.assert_array_equal(np.asarray(moe.gate_up_proj[...]), paired)
 
 
 @pytest.mark.parametrize("normed", [False, True], ids=["rows", "normed-rows"])

@@ -80,12 +80,13 @@ from hybrid_jax.engine.speculative_serving import SpeculativeServing
 from hybrid_jax.engine.startup import use_compilation_cache
 from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.kv_cache import PageAllocator, init_kv_cache
+from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.layers import norm as norm_layer
 from hybrid_jax.metadata import ForwardMetadata, build_metadata, example_metadata
 from hybrid_jax.models.auto import load_checkpoint
 from hybrid_jax.models.checkpoint import resolve_checkpoint
 from hybrid_jax.models.hf_config import ConfigError, check_eos_in_vocabulary, read_generation_config
-from hybrid_jax.models.layer_scan import fold_scanned_norms, scan_layers
+from hybrid_jax.models.layer_scan import fold_scanned_norms, pair_scanned_swiglu, scan_layers
 from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
 from hybrid_jax.models.tokenizer import ByteTokenizer, TextStream, Tokenizer, load_tokenizer
 from hybrid_jax.modes import EngineRole, ForwardMode, modes_for
@@ -182,10 +183,13 @@ class Engine(SpeculativeServing):
             # A copy made here for the mesh is the engine's own to donate.
             own = donate_weights or step_model is not model
             scanned = scan_layers(step_model, donate=own)
-            if norm_layer.FOLD_NORM_WEIGHTS and scanned is not step_model:
-                # Only layers stacked here are the engine's to fold: a model scanned before
-                # it came keeps its weights.
-                fold_scanned_norms(scanned)
+            if scanned is not step_model:
+                # Only layers stacked here are the engine's to fold or lay out: a model
+                # scanned before it came keeps its weights.
+                if norm_layer.FOLD_NORM_WEIGHTS:
+                    fold_scanned_norms(scanned)
+                if moe_layer.HIDDEN_IN_EXPERT_LAUNCH and self.mesh is None:
+                    pair_scanned_swiglu(scanned)
             step_model = scanned
         self.model = step_model if donate_weights else model
         self.tokenizer = tokenizer

@@ -22,10 +22,11 @@ import operator
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.layers.norm import NormedRows, formed
-from pallas_kernels import projections, resolve_impl
+from pallas_kernels import moe, projections, resolve_impl
 
 __all__ = [
     "ADDS_FOR_SHORT_SUMS",
@@ -37,6 +38,7 @@ __all__ = [
     "project",
     "project_output",
     "short_sum",
+    "swiglu",
 ]
 
 FEW_ROWS = 64
@@ -86,11 +88,21 @@ def short_sum(x: jax.Array, axis: int) -> jax.Array:
     return functools.reduce(operator.add, parts)
 
 
+def swiglu(product: jax.Array, *, paired: bool) -> jax.Array:
+    """``silu(gate) * up`` of a fused ``[..., 2I]`` product whose columns are the gate's then
+    the up projection's, or (``paired``) laid out by ``moe.pair_halves``."""
+    if paired:
+        product = moe.unpair_halves(product)
+    gate, up = jnp.split(product, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
 def project(
     x: jax.Array | NormedRows,
     layers: Sequence[nnx.Linear],
     *,
     impl: str,
+    paired: Sequence[bool] = (),
 ) -> tuple[jax.Array, ...]:
     """``tuple(layer(x) for layer in layers)``, in one launch at few rows on the GPU.
 
@@ -99,33 +111,46 @@ def project(
     never formed; elsewhere it is formed first. When the kernel takes only some of the weights
     (a width that is not a multiple of its column tile: the 27B-like GDN's 96-wide ``b | a``),
     those share the launch if there are two or more (one weight alone is as fast in cuBLAS)
-    and the rest run as their layers."""
+    and the rest run as their layers. ``paired`` (one flag per layer): a flagged layer's
+    weight holds a SwiGLU's gate and up columns laid out by ``moe.pair_halves``, and its
+    entry is the hidden rows ``silu(gate) * up``, formed in the launch's epilogue where the
+    launch takes it and in XLA otherwise."""
+    flags = tuple(paired) or (False,) * len(layers)
+
+    def in_xla(h: jax.Array, i: int) -> jax.Array:
+        y = layers[i](h)
+        return swiglu(y, paired=True) if flags[i] else y
+
     if not (0 < x.shape[0] <= FEW_ROWS and resolve_impl("projections", impl, None) != "reference"):
         h = formed(x)
-        return tuple(layer(h) for layer in layers)
+        return tuple(in_xla(h, i) for i in range(len(layers)))
     weights = [layer.kernel[...] for layer in layers]
     rows = x.weighted() if isinstance(x, NormedRows) else x
     taken = [
         i
         for i, (layer, w) in enumerate(zip(layers, weights, strict=True))
-        if not layer.use_bias and projections.unsupported_reason(rows, [w]) is None
+        if not layer.use_bias and projections.unsupported_reason(rows, [w], [flags[i]]) is None
     ]
     if len(taken) < min(len(layers), 2):
         h = formed(x)
-        return tuple(layer(h) for layer in layers)
+        return tuple(in_xla(h, i) for i in range(len(layers)))
     taken_weights = [weights[i] for i in taken]
+    taken_flags = [flags[i] for i in taken]
     if SPLIT_INPUT_PROJECTIONS and _splits(rows, taken_weights) > 1:
         scale = x.inverse_rms() if isinstance(x, NormedRows) else None
         products = _split_products(rows, taken_weights, row_scale=scale, impl=impl)
+        paired_products = zip(products, taken_flags, strict=True)
+        products = [swiglu(y, paired=True) if f else y for y, f in paired_products]
     elif isinstance(x, NormedRows):  # the launch forms each row's inverse RMS
         products = projections.projections(
-            rows, taken_weights, row_scale=x.square_sum(), rms_eps=x.eps, impl=impl
-        )
+            rows, taken_weights, row_scale=x.square_sum(), rms_eps=x.eps, paired=taken_flags,
+            impl=impl,
+        )  # fmt: skip
     else:
-        products = projections.projections(rows, taken_weights, impl=impl)
+        products = projections.projections(rows, taken_weights, paired=taken_flags, impl=impl)
     launched = dict(zip(taken, products, strict=True))
     h = formed(x) if len(launched) < len(layers) else None  # for the layers not launched
-    return tuple(launched[i] if i in launched else layer(h) for i, layer in enumerate(layers))
+    return tuple(launched[i] if i in launched else in_xla(h, i) for i in range(len(layers)))
 
 
 def _splits(x: jax.Array, weights: Sequence[jax.Array]) -> int:

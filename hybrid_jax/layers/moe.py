@@ -15,13 +15,14 @@ per-expert ``[out, in]`` matrices (or its fused ``gate_up_proj``) into them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.layers import linear as linear_layer
-from hybrid_jax.layers.linear import project, project_output, short_sum
+from hybrid_jax.layers.linear import project, project_output, short_sum, swiglu
 from hybrid_jax.layers.norm import NormedRows, formed
 from pallas_kernels import moe, projections, resolve_impl
 from pallas_kernels.moe import top_k_softmax
@@ -65,14 +66,15 @@ instead of one each (one kernel fewer per MoE block on the H200:
 ``benchmarks/RESULTS_serve.md``)."""
 
 
-HIDDEN_IN_EXPERT_LAUNCH = False
-"""Whether a block whose experts run by id forms its experts' and its shared expert's
-SwiGLU hidden rows in one launch (``moe.expert_hidden``: each program multiplies by a gate
-tile and the up tile beside it and stores ``silu(gate) * up``) instead of the experts'
-gate/up products, the shared expert's beside the router's, and an XLA fusion for both SiLU
-products. The router then launches alone. Off: on the H200 its programs, each reading a gate
-and an up tile, are half as many as the plain product's, and at batch 1 the launch takes 15
-us where the gate/up launch and the SiLU fusion take 12 (``benchmarks/RESULTS_serve.md``)."""
+HIDDEN_IN_EXPERT_LAUNCH = True
+"""Whether an engine lays out its stacked MoE blocks' gate/up weights by ``moe.pair_halves``
+(``SparseMoE.pair_halves``: each 64-column tile 32 gate and the same 32 up columns), so that
+a block whose experts run by id forms its SwiGLU hidden rows in the launches' epilogues: the
+routed pairs' in the experts' launch (``moe.expert_hidden(paired=True)``) and the shared
+expert's in the router's (``project(paired=)``), instead of gate/up products and an XLA
+fusion for both SiLU products. Other steps split the paired products in XLA. On the H200 the
+35B-like batch-1 step drops a kernel per MoE block and ~80 us
+(``benchmarks/RESULTS_serve.md``, session 31)."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
@@ -133,25 +135,49 @@ class MLP(nnx.Module):
         self.gate_proj = nnx.Linear(hidden_size, intermediate_size, **linear)
         self.up_proj = nnx.Linear(hidden_size, intermediate_size, **linear)
         self.down_proj = nnx.Linear(intermediate_size, hidden_size, **linear)
+        self.paired = False  # whether ``pair_halves`` made gate and up one weight
 
     def __call__(
         self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
     ) -> jax.Array:
         del real
-        gate, up = project(x, [self.gate_proj, self.up_proj], impl=impl)
-        return self.down(self.hidden(gate, up), impl=impl)
+        return self.down(self.hidden(project(x, self.inputs(), impl=impl)), impl=impl)
+
+    def inputs(self) -> list[nnx.Linear]:
+        """The products of the block's input: the gate and up projections, or the one
+        weight of both after ``pair_halves``."""
+        return [self.gate_up_proj] if self.paired else [self.gate_proj, self.up_proj]
 
     def input_readers(self) -> list[nnx.Param]:
         """The weights of the products that read the block's input (all of its readers)."""
-        return [self.gate_proj.kernel, self.up_proj.kernel]
+        return [layer.kernel for layer in self.inputs()]
+
+    def pair_halves(self) -> None:
+        """Make the gate and up projections one weight ``gate_up_proj`` ``[hidden, 2I]`` laid
+        out by ``moe.pair_halves`` (each 64-column tile the gate and up columns of 32 hidden
+        units), in place: the layout a launch forming ``silu(gate) * up`` in its epilogue
+        reads (``moe.expert_hidden(paired=True)``'s shared expert). The block's outputs are
+        unchanged; for a copy the caller owns (an engine's stacked layers)."""
+        if self.paired:
+            return
+        both = jnp.concatenate([self.gate_proj.kernel[...], self.up_proj.kernel[...]], -1)
+        self.gate_up_proj = self.gate_proj  # the same Linear, twice as wide
+        self.gate_up_proj.kernel.set_value(moe.pair_halves(both))
+        self.gate_up_proj.out_features = both.shape[-1]
+        del self.gate_proj, self.up_proj
+        self.paired = True
 
     def down(self, hidden: jax.Array, *, impl: str) -> jax.Array:
         """The down projection of ``hidden`` (``project_output``)."""
         return project_output(hidden, self.down_proj, impl=impl)
 
-    @staticmethod
-    def hidden(gate: jax.Array, up: jax.Array) -> jax.Array:
-        """The input of the down projection: ``silu(gate) * up``."""
+    def hidden(self, products: Sequence[jax.Array]) -> jax.Array:
+        """The input of the down projection, ``silu(gate) * up``, of the products of
+        ``inputs()`` (the gate's and the up projection's, or their one paired product)."""
+        if self.paired:
+            (both,) = products
+            return swiglu(both, paired=True)
+        gate, up = products
         return jax.nn.silu(gate) * up
 
 
@@ -262,6 +288,7 @@ class SparseMoE(nnx.Module):
         self.shared_expert_gate = nnx.Linear(
             c.hidden_size, 1, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
+        self.paired = False  # whether ``pair_halves`` laid out the gate/up weights
 
     def route(
         self, logits: jax.Array, real: jax.Array | None = None
@@ -290,24 +317,29 @@ class SparseMoE(nnx.Module):
         rows, whose experts alone are computed (padding tokens get the shared expert only)."""
         shared_mlp = self.shared_expert
         hidden_in_launch = self._hidden_in_launch(x, impl)
-        # With the hidden rows in the experts' launch the router launches alone.
-        inputs = [self.gate] if hidden_in_launch else [self.gate, *self._shared_inputs()]
+        shared_inputs = self._shared_inputs()
+        inputs = [self.gate, *shared_inputs]
+        # With the hidden rows formed in the launches, the router's forms the shared
+        # expert's (its one paired weight) and the experts' launch the routed pairs'.
+        paired = [False, *[hidden_in_launch] * len(shared_inputs)]
         gate_in_launch = self._shared_gate_in_launch()
         if gate_in_launch:
             inputs.append(self.shared_expert_gate)
-        logits, *shared_gate_up = project(x, inputs, impl=impl)
+            paired.append(False)
+        logits, *shared_products = project(x, inputs, impl=impl, paired=paired)
         if gate_in_launch:
-            *shared_gate_up, gate_logit = shared_gate_up
+            *shared_products, gate_logit = shared_products
             gate_logit = gate_logit[:, :1]
         else:
             gate_logit = self._shared_gate_logit(x)
         shared_scale = jax.nn.sigmoid(gate_logit)
         if hidden_in_launch:
+            (shared_hidden,) = shared_products
             weights, experts = self.route(logits, real)
-            hidden, shared_hidden = self._hidden_by_id(x, experts, impl)
+            hidden = self._hidden_by_id(x, experts, impl)
             routed, shared = self._down_by_id(hidden, shared_hidden, weights, experts, impl)
             return routed.astype(x.dtype) + shared_scale * shared
-        shared_hidden = shared_mlp.hidden(*shared_gate_up)
+        shared_hidden = shared_mlp.hidden(shared_products)
         if self._runs_by_id(x, impl):
             routed, shared = self._experts_by_id(x, logits, real, shared_hidden, impl)
             return routed.astype(x.dtype) + shared_scale * shared
@@ -321,8 +353,7 @@ class SparseMoE(nnx.Module):
         def experts_matmul(rows: jax.Array, w: nnx.Param) -> jax.Array:
             return moe.grouped_matmul(rows, w[...], dispatch.group_sizes, impl=impl)
 
-        gate, up = jnp.split(experts_matmul(xs, self.gate_up_proj), 2, axis=-1)
-        hidden = jax.nn.silu(gate) * up
+        hidden = swiglu(experts_matmul(xs, self.gate_up_proj), paired=self.paired)
         routed = dispatch.combine(experts_matmul(hidden, self.down_proj), weights)
         return routed.astype(x.dtype) + shared
 
@@ -370,39 +401,44 @@ class SparseMoE(nnx.Module):
                 return False
         return resolve_impl("expert_matmul", impl, None) != "reference"
 
-    def _shared_inputs(self) -> tuple[nnx.Linear, nnx.Linear]:
-        """The shared expert's gate and up projections."""
-        return self.shared_expert.gate_proj, self.shared_expert.up_proj
+    def _shared_inputs(self) -> list[nnx.Linear]:
+        """The shared expert's products of the block's input (``MLP.inputs``)."""
+        return self.shared_expert.inputs()
 
-    def _shared_weights(self) -> tuple[jax.Array, jax.Array]:
-        return tuple(layer.kernel[...] for layer in self._shared_inputs())
+    def pair_halves(self) -> None:
+        """Lay out the experts' and the shared expert's gate/up weights by ``moe.pair_halves``
+        (each 64-column tile the gate and up columns of 32 hidden units), in place: the
+        layout ``moe.expert_hidden(paired=True)`` reads, one tile per program, to form the
+        hidden rows in its epilogue; widths that are not whole tiles of ``moe.PAIRED_UNITS``
+        stay as they are. The block's outputs are unchanged; for a copy the caller owns (an
+        engine's stacked layers)."""
+        widths = (self.config.intermediate_size, self.config.shared_intermediate_size)
+        if self.paired or any(width % moe.PAIRED_UNITS for width in widths):
+            return  # the layout holds whole tiles of hidden units
+        self.gate_up_proj.set_value(moe.pair_halves(self.gate_up_proj.get_value()))
+        self.shared_expert.pair_halves()
+        self.paired = True
 
     def _hidden_in_launch(self, x: jax.Array | NormedRows, impl: str) -> bool:
-        """Whether this call's hidden rows come from ``moe.expert_hidden``
-        (``HIDDEN_IN_EXPERT_LAUNCH``, experts by id, a shared expert of the experts' width,
-        shapes the kernel takes)."""
-        if not (HIDDEN_IN_EXPERT_LAUNCH and self._runs_by_id(x, impl)):
-            return False
-        if self.config.shared_intermediate_size != self.config.intermediate_size:
+        """Whether this call's routed hidden rows come from ``moe.expert_hidden`` and its
+        shared expert's from the router's launch (``HIDDEN_IN_EXPERT_LAUNCH``, weights laid
+        out by ``pair_halves``, experts by id, shapes the kernel takes)."""
+        if not (HIDDEN_IN_EXPERT_LAUNCH and self.paired and self._runs_by_id(x, impl)):
             return False
         rows = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        reason = moe.expert_hidden_unsupported_reason(
-            rows, self.gate_up_proj[...], self._shared_weights()
-        )
+        reason = moe.expert_hidden_unsupported_reason(rows, self.gate_up_proj[...], paired=True)
         return reason is None
 
-    def _hidden_by_id(self, x, experts, impl: str):
-        """(the routed pairs' hidden rows as the launch stored them, ``moe.PairTiles``, which
-        the down launch reads in place; the shared expert's ``[T, I]``) from one
-        ``moe.expert_hidden`` launch; of ``NormedRows``, the weighted rows with each row's
-        inverse RMS formed in the launch."""
-        w, shared = self.gate_up_proj[...], self._shared_weights()
+    def _hidden_by_id(self, x, experts, impl: str) -> moe.PairTiles:
+        """The routed pairs' hidden rows as the ``moe.expert_hidden`` launch over the paired
+        weights stored them (``moe.PairTiles``, which the down launch reads in place); of
+        ``NormedRows``, the weighted rows with each row's inverse RMS formed in the launch."""
+        w, kw = self.gate_up_proj[...], dict(tiles=True, paired=True, impl=impl)
         if isinstance(x, NormedRows):
             return moe.expert_hidden(
-                x.weighted(), w, experts, shared=shared, row_scale=x.square_sum(),
-                rms_eps=x.eps, tiles=True, impl=impl,
-            )  # fmt: skip
-        return moe.expert_hidden(x, w, experts, shared=shared, tiles=True, impl=impl)
+                x.weighted(), w, experts, row_scale=x.square_sum(), rms_eps=x.eps, **kw
+            )
+        return moe.expert_hidden(x, w, experts, **kw)
 
     def _routes_in_expert_launch(self, x, logits, impl: str) -> bool:
         """Whether the experts' gate/up launch routes the tokens itself
@@ -441,8 +477,7 @@ class SparseMoE(nnx.Module):
         (``_gate_up_by_id``), the SiLU products in XLA and ``_down_by_id``."""
         gate_up, weights, experts = self._gate_up_by_id(x, logits, real, impl)
         tokens, top_k = experts.shape
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        hidden = (jax.nn.silu(gate) * up).astype(x.dtype).reshape(tokens * top_k, -1)
+        hidden = swiglu(gate_up, paired=self.paired).astype(x.dtype).reshape(tokens * top_k, -1)
         if SHARED_HIDDEN_WITH_EXPERTS and shared_hidden.shape[1] == hidden.shape[1]:
             # The barrier keeps the slices from being folded back into the two products
             # (which would leave the concatenation a copy of its own).

@@ -29,6 +29,7 @@ __all__ = [
     "fold_scanned_norms",
     "layer_runs",
     "layer_signature",
+    "pair_scanned_swiglu",
     "scan_layers",
 ]
 
@@ -162,9 +163,20 @@ def fold_scanned_norms(model: nnx.Module) -> None:
     (each layer's ``fold_norm_weights``, where its kind has one): the stacked weights are a
     scanned model's own copy, never the checkpoint's. Layers outside the runs (shared with
     the model ``scan_layers`` was given) are left as they are."""
+    _call_scanned_blocks(model, "fold_norm_weights")
+
+
+def pair_scanned_swiglu(model: nnx.Module) -> None:
+    """Lay out the SwiGLU gate/up weights of every scanned run's layers for a launch that
+    forms the hidden rows in its epilogue, in place (each layer's ``pair_swiglu_halves``,
+    where its kind has one); like ``fold_scanned_norms``, on a scanned model's own copy."""
+    _call_scanned_blocks(model, "pair_swiglu_halves")
+
+
+def _call_scanned_blocks(model: nnx.Module, method: str) -> None:
     for layer in model.layers:
         if isinstance(layer, ScannedRun):
             for block in layer.blocks:
-                fold = getattr(block, "fold_norm_weights", None)
-                if fold is not None:
-                    fold()
+                call = getattr(block, method, None)
+                if call is not None:
+                    call()

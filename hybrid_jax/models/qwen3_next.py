@@ -349,6 +349,13 @@ class DecoderLayer(nnx.Module):
         if isinstance(self.mlp, SparseMoE):
             self.mlp.widen_shared_gate()
 
+    def pair_swiglu_halves(self) -> None:
+        """A MoE block's gate/up weights laid out for the launch that forms its hidden rows
+        (``SparseMoE.pair_halves``), in place; like ``fold_norm_weights``, for a copy the
+        caller owns."""
+        if isinstance(self.mlp, SparseMoE):
+            self.mlp.pair_halves()
+
 
 class MTPHead(nnx.Module):
     """Qwen3-Next's multi-token-prediction layer (see the module docstring); the embedding and

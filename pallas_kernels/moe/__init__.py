@@ -3,6 +3,7 @@ each row with its own experts read by id (a few tokens a step), and a few tokens
 (their top-k experts and the softmax over them)."""
 
 from pallas_kernels.moe.expert_matmul import (
+    PAIRED_UNITS,
     PairTiles,
     expert_hidden,
     expert_hidden_reference,
@@ -11,6 +12,7 @@ from pallas_kernels.moe.expert_matmul import (
     pair_halves,
     routed_expert_matmul,
     routed_unsupported_reason,
+    unpair_halves,
 )
 from pallas_kernels.moe.expert_matmul import (
     hidden_unsupported_reason as expert_hidden_unsupported_reason,
@@ -20,6 +22,7 @@ from pallas_kernels.moe.grouped_matmul import grouped_matmul, unsupported_reason
 from pallas_kernels.moe.routing import ranked_top_k, top_k_softmax
 
 __all__ = [
+    "PAIRED_UNITS",
     "PairTiles",
     "expert_hidden",
     "expert_hidden_reference",
@@ -33,5 +36,6 @@ __all__ = [
     "routed_expert_matmul",
     "routed_unsupported_reason",
     "top_k_softmax",
+    "unpair_halves",
     "unsupported_reason",
 ]

@@ -45,6 +45,7 @@ from pallas_kernels._skinny import (
     BLOCK_K,
     BLOCK_N,
     DTYPES,
+    PAIRED_UNITS,
     ROWS_PER_TILE,
     ProductVariant,
     check_row_scale,
@@ -61,6 +62,7 @@ from pallas_kernels.moe.routing import top_k_softmax
 __all__ = [
     "BLOCK_K",
     "BLOCK_N",
+    "PAIRED_UNITS",
     "PairTiles",
     "expert_hidden",
     "expert_hidden_reference",
@@ -71,6 +73,7 @@ __all__ = [
     "programs_per_tile",
     "routed_expert_matmul",
     "routed_unsupported_reason",
+    "unpair_halves",
     "unsupported_reason",
 ]
 
@@ -639,14 +642,6 @@ def expert_hidden(
         x, w, experts, dense, row_scale,
         variant=current_variant(), interpret=choice == "interpret", gated=True,
         rms_eps=None if rms_eps is None else float(rms_eps), paired=paired,
-    )  # fmt: skip
-    routed = out if shared is None else out[0]
-    routed = routed if tiles else routed.rows()
-    return routed if shared is None else (routed, out[1])
-    out = _kernel(
-        x, w, experts, None if shared is None else tuple(shared), row_scale,
-        variant=current_variant(), interpret=choice == "interpret", gated=True,
-        rms_eps=None if rms_eps is None else float(rms_eps),
     )  # fmt: skip
     routed = out if shared is None else out[0]
     routed = routed if tiles else routed.rows()

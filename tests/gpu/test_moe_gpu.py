@@ -106,14 +106,17 @@ def test_the_shared_expert_s_down_product_in_the_experts_launch_matches_the_orac
 def test_a_decode_bucket_s_experts_by_id_match_the_reference_layer(
     hidden_in_launch, routing_in_launch, monkeypatch
 ):
-    """With ``HIDDEN_IN_EXPERT_LAUNCH`` the hidden rows come from ``expert_hidden``'s tiles,
-    which the down launch reads in place; with ``ROUTING_IN_EXPERT_LAUNCH`` the gate/up
-    launch ranks the router logits itself."""
+    """With ``HIDDEN_IN_EXPERT_LAUNCH`` and the weights paired the routed hidden rows come
+    from ``expert_hidden``'s tiles, which the down launch reads in place, and the shared
+    expert's from the router's launch; with ``ROUTING_IN_EXPERT_LAUNCH`` the gate/up launch
+    ranks the router logits itself."""
     monkeypatch.setattr(moe_layer, "HIDDEN_IN_EXPERT_LAUNCH", hidden_in_launch)
     monkeypatch.setattr(moe_layer, "ROUTING_IN_EXPERT_LAUNCH", routing_in_launch)
     config = MoEConfig(hidden_size=2048, num_experts=256, top_k=8, intermediate_size=512,
                        shared_intermediate_size=512, dtype="bfloat16")  # fmt: skip
     layer = SparseMoE(config, rngs=nnx.Rngs(0))
+    if hidden_in_launch:
+        layer.pair_halves()
     x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 2048)), jnp.bfloat16)
     real = jnp.arange(8) < 3
     assert layer._hidden_in_launch(x, "auto") is hidden_in_launch

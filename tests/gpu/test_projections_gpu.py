@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import projections
+from pallas_kernels import moe, projections
 from pallas_kernels._common import on_hopper_gpu
 
 pytestmark = [
@@ -36,6 +36,36 @@ def test_projections_match_the_oracle(rows, k, widths, product_variant):
     got = jax.jit(lambda x, ws: projections.projections(x, ws, impl="pallas"))(x, ws)
     for out, w in zip(got, ws, strict=True):
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        out64 = np.asarray(out, np.float64)
+        assert out64.shape == want.shape and np.isfinite(out64).all()
+        assert np.linalg.norm(out64 - want) / np.linalg.norm(want) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_a_paired_shared_expert_gives_its_swiglu_in_the_router_s_launch(rows):
+    """The 35B-like router (256), its shared expert's gate/up laid out by ``pair_halves``
+    (1024) and the widened shared gate (64), rows scaled by their inverse RMS: the paired
+    weight's entry is ``silu(gate) * up`` of the scaled sums."""
+    rng = np.random.default_rng(rows + 11)
+    k = 2048
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+          for n in (256, 1024, 64)]  # fmt: skip
+    ws[1] = moe.pair_halves(ws[1])
+    square_sum = jnp.asarray(rng.uniform(0.05, 4.0, rows) * k, jnp.float32)
+
+    def call(x, ws, s):
+        return projections.projections(
+            x, ws, row_scale=s, rms_eps=1e-6, paired=(False, True, False), impl="pallas"
+        )
+
+    got = jax.jit(call)(x, ws, square_sum)
+    scale = 1 / np.sqrt(np.asarray(square_sum, np.float64) / k + 1e-6)
+    x64 = np.asarray(x, np.float64)
+    sums = [(x64 @ np.asarray(w, np.float64)) * scale[:, None] for w in ws]
+    gate, up = np.split(np.asarray(moe.unpair_halves(jnp.asarray(sums[1])), np.float64), 2, -1)
+    sums[1] = gate / (1 + np.exp(-gate)) * up
+    for out, want in zip(got, sums, strict=True):
         out64 = np.asarray(out, np.float64)
         assert out64.shape == want.shape and np.isfinite(out64).all()
         assert np.linalg.norm(out64 - want) / np.linalg.norm(want) < 1e-2

@@ -17,7 +17,7 @@ from hybrid_jax.layers import linear
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.layers.linear import FEW_ROWS, project, project_output
 from hybrid_jax.layers.moe import MLP
-from pallas_kernels import projections
+from pallas_kernels import moe, projections
 from pallas_kernels._skinny import ProductVariant, current_variant, programs_per_sm, scratch
 
 # The module, not the function of the same name that it exports.
@@ -67,6 +67,59 @@ def test_row_scaled_products_match_the_float64_oracle(
         assert err < 1e-2
 
 
+def _swiglu64(x, w_paired, scale64=None):
+    """The float64 SwiGLU of a weight laid out by ``pair_halves``: silu(x @ gate) * (x @ up)."""
+    gate, up = np.split(np.asarray(moe.unpair_halves(w_paired), np.float64), 2, axis=-1)
+    x64 = np.asarray(x, np.float64)
+    g, u = x64 @ gate, x64 @ up
+    if scale64 is not None:
+        g, u = g * scale64[:, None], u * scale64[:, None]
+    return g / (1 + np.exp(-g)) * u
+
+
+@pytest.mark.parametrize(("rows", "k"), [(5, 256), (8, 128), (13, 384)])
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+@pytest.mark.parametrize("rms_eps", [None, 0.25], ids=["plain", "normed"])
+def test_a_paired_weight_gives_its_swiglu_beside_the_other_products(rows, k, impl, rms_eps):
+    """``paired``: a weight laid out by ``pair_halves`` gives ``silu(gate) * up`` (formed in
+    the launch's epilogue), the others their products, in one call; with ``rms_eps`` each
+    row's inverse RMS scales both halves first."""
+    x, (router, gate_up, gate) = _case(rows * 7 + k, rows, k, (128, 256, 64))
+    paired_w = moe.pair_halves(gate_up)
+    rng = np.random.default_rng(rows)
+    scale = None if rms_eps is None else jnp.asarray(rng.uniform(1, 30, rows), jnp.float32)
+    got = projections.projections(
+        x, [router, paired_w, gate], row_scale=scale, rms_eps=rms_eps,
+        paired=(False, True, False), impl=impl,
+    )  # fmt: skip
+    scale64 = None if scale is None else 1 / np.sqrt(np.asarray(scale, np.float64) / k + rms_eps)
+    chex.assert_shape(got, ((rows, 128), (rows, 128), (rows, 64)))
+    x64 = np.asarray(x, np.float64)
+    wants = [x64 @ np.asarray(w, np.float64) for w in (router, gate)]
+    if scale64 is not None:
+        wants = [want * scale64[:, None] for want in wants]
+    wants.insert(1, _swiglu64(x, paired_w, scale64))
+    for out, want in zip(got, wants, strict=True):
+        err = np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want)
+        assert err < 1e-2
+
+
+def test_a_paired_weight_needs_swapped_products_and_whole_tiles(monkeypatch):
+    from pallas_kernels import _skinny
+
+    x, (w,) = _case(1, 8, 128, (192,))
+    with pytest.raises(
+        ValueError, match=r"paired weight's N must be whole tiles of 64; got \[96\]"
+    ):
+        projections.projections(x, [w[:, :96]], paired=(True,))
+    with pytest.raises(ValueError, match="paired has 2 flags for 1 weights"):
+        projections.projections(x, [w], paired=(True, False))
+    monkeypatch.setattr(_skinny, "SWAP_OPERANDS", False)
+    reason = projections.unsupported_reason(x, [w], paired=(True,))
+    assert "swapped products" in reason
+    assert projections.unsupported_reason(x, [w]) is None
+
+
 def test_a_row_scale_of_another_length_is_refused():
     x, ws = _case(0, 8, 128, (64,))
     with pytest.raises(ValueError, match=r"row_scale \(5,\) must be \[R\] = \[8\]"):
@@ -78,17 +131,22 @@ def test_a_row_scale_of_another_length_is_refused():
 @pytest.mark.parametrize(
     ("widths", "splits", "partial", "scaled"),
     [((8192, 4096, 64), 1, False, None), ((256, 512, 512), 4, True, None),
-     ((8192, 4096, 64), 1, False, "scale"), ((8192, 4096, 64), 1, False, "rms")],
+     ((8192, 4096, 64), 1, False, "scale"), ((8192, 4096, 64), 1, False, "rms"),
+     ((256, 1024, 64), 1, False, "rms-paired")],
 )  # fmt: skip
 def test_the_kernel_lowers_for_cuda(widths, splits, partial, scaled, product_variant):
+    """The last case: the 35B-like router, its shared expert paired and the shared gate."""
     x = jnp.zeros((8, 2048), jnp.bfloat16)
     ws = tuple(jnp.zeros((2048, n), jnp.bfloat16) for n in widths)
-    scale = jnp.ones((8,), jnp.float32) if scaled in ("scale", "rms") else None
+    scale = jnp.ones((8,), jnp.float32) if scaled else None
+    paired = (False, True, False) if scaled == "rms-paired" else ()
+    if paired and not current_variant().swap:
+        pytest.skip("a SwiGLU over a tile's halves takes swapped products")
 
     def call(x, ws, scale):
         return proj_module._kernel(
             x, ws, scale, splits=splits, partial=partial, variant=current_variant(),
-            interpret=False, rms_eps=1e-6 if scaled == "rms" else None,
+            interpret=False, rms_eps=1e-6 if scaled and "rms" in scaled else None, paired=paired,
         )  # fmt: skip
 
     text = jax.jit(call).trace(x, ws, scale).lower(lowering_platforms=("cuda",)).as_text()
