@@ -15,9 +15,10 @@ At up to 64 routed rows (``BY_ID_MAX_PAIRS``) the fused gate/up and down product
 in ``moe.expert_matmul`` (each token's experts read by id, ``by id`` rows; each token takes 8
 distinct experts), and ``--bucket N`` adds ``by id, T of N`` rows: T real tokens in a decode
 bucket of N rows, the rest padding (ids out of range), as the engine runs batch 1. Each
-fused gate/up row is followed by the same product routed in the launch
-(``moe.routed_expert_matmul``, from random router logits) and by the hidden rows formed in
-the launch from paired weight tiles (``moe.expert_hidden(paired=True)``).
+fused gate/up row is followed by the hidden rows formed in the launch from paired weight
+tiles (``moe.expert_hidden(paired=True)``). The by-id rows re-read the same few experts
+every call, which fit in the H200's 50 MB L2: they are warm-cache times, below what a step
+whose layers each read new experts takes (``benchmarks/RESULTS_serve.md``, session 31).
 """
 
 from __future__ import annotations
@@ -77,9 +78,6 @@ def _by_id_rows(tokens: int, bucket: int, rng: np.random.Generator) -> list[str]
                 f"| {real} | {product} | {label} | {us:.1f} | {limit_us:.1f} | "
                 f"{limit_us / us:.0%} |" + (f" err {err:.2g}" if err > 0.05 else "")
             )
-            logits = jax.ShapeDtypeStruct((x.shape[0], EXPERTS), jnp.bfloat16)
-            if product != "down" and moe.routed_unsupported_reason(x, w, logits) is None:
-                out.append(_routed_row(x, w, real, label, jax.random.fold_in(keys[0], 1)))
             if product != "down":
                 out.append(_paired_hidden_row(x, w, ids, real, label, limit_us))
     return out
@@ -99,26 +97,6 @@ def _paired_hidden_row(x, w, ids, real: int, label: str, limit_us: float) -> str
         f"| {real} | gate+up fused | hidden rows in the launch (paired tiles), {label} | "
         f"{us:.1f} | {limit_us:.1f} | {limit_us / us:.0%} |"
         + (f" err {err:.2g}" if err > 0.05 else "")
-    )
-
-
-def _routed_row(x, w, real: int, label: str, key) -> str:
-    """``moe.routed_expert_matmul``: the same product with the tokens' routing formed in the
-    launch from random router logits (its experts checked against the XLA ranking's)."""
-    rows = x.shape[0]
-    logits = jax.random.normal(key, (rows, EXPERTS), jnp.bfloat16)
-    valid = jnp.arange(rows) < real
-    f = jax.jit(lambda x, w, lg, v: moe.routed_expert_matmul(x, w, lg, TOP_K, v, impl="pallas"))
-    _, _, ids = f(x, w, logits, valid)
-    _, _, want = moe.routed_expert_matmul(x, w, logits, TOP_K, valid, impl="reference")
-    same = bool((np.asarray(ids) == np.asarray(want)).all())
-    touched = len(np.unique(np.asarray(ids)[:real]))
-    us = device_time(lambda a=(x, w, logits, valid): f(*a), calls=5).us
-    k, n = w.shape[1:]
-    limit_us = (touched * k * n * 2 + real * TOP_K * (k + n) * 2) / 4.3e12 * 1e6
-    return (
-        f"| {real} | gate+up fused | routed in the launch, {label} | {us:.1f} | {limit_us:.1f} "
-        f"| {limit_us / us:.0%} |" + ("" if same else " experts differ from the ranking's")
     )
 
 

@@ -102,11 +102,6 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id forms its shared expert's SiLU product apart "
         "from its experts' (a fusion each)",
     ),
-    "--routing-in-expert-launch": (
-        moe_layer, "ROUTING_IN_EXPERT_LAUNCH", True,
-        "a MoE block whose experts run by id routes its tokens in the experts' gate/up "
-        "launch (moe.routed_expert_matmul), not in two XLA reductions before it",
-    ),
     "--split-input-projections": (
         linear_layer, "SPLIT_INPUT_PROJECTIONS", True,
         "a layer's input projections with few column tiles together (a MoE block's router "

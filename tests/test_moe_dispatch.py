@@ -208,38 +208,6 @@ def test_paired_weights_form_the_hidden_rows_in_the_expert_launch(
     np.testing.assert_array_equal(np.asarray(moe.gate_up_proj[...]), paired)
 
 
-@pytest.mark.parametrize("normed", [False, True], ids=["rows", "normed-rows"])
-def test_routing_in_the_expert_launch_gives_the_block_the_ranking_s_output(normed, monkeypatch):
-    """``ROUTING_IN_EXPERT_LAUNCH``: the experts' gate/up launch ranks the router logits
-    itself (``route`` is never called) and the block's output is the one the XLA ranking
-    gives, to the weights' rounding; padding tokens still take the shared expert alone."""
-    config = MoEConfig(hidden_size=128, num_experts=128, top_k=4, intermediate_size=128,
-                       shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
-    moe = SparseMoE(config, rngs=nnx.Rngs(8))
-    rng = np.random.default_rng(9)
-    x = jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16)
-    if normed:
-        x = NormedRows(x, jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32), 1e-6)
-    real = jnp.arange(8) < 3
-
-    def run():
-        return np.asarray(jax.jit(lambda m, a, r: m(a, r, impl="interpret"))(moe, x, real))
-
-    ranked = run().astype(np.float64)
-    monkeypatch.setattr(moe_layer, "ROUTING_IN_EXPERT_LAUNCH", True)
-    logits = jnp.zeros((8, 128), jnp.bfloat16)
-    assert moe._routes_in_expert_launch(x, logits, "interpret")
-    assert not moe._routes_in_expert_launch(x, logits, "reference")
-
-    def no_route(*args, **kwargs):
-        raise AssertionError("routed outside the experts' launch")
-
-    monkeypatch.setattr(SparseMoE, "route", no_route)
-    in_launch = run().astype(np.float64)
-    assert np.linalg.norm(in_launch - ranked) / np.linalg.norm(ranked) < 1e-2
-    np.testing.assert_array_equal(in_launch[3:], ranked[3:])  # the shared expert alone
-
-
 @pytest.mark.parametrize("axis", [0, 1])
 def test_short_sum_adds_the_parts_where_the_switch_says(axis, monkeypatch):
     x = jnp.asarray(np.random.default_rng(axis).standard_normal((4, 3, 5)), jnp.float32)

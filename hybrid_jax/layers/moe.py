@@ -32,7 +32,6 @@ __all__ = [
     "HIDDEN_IN_EXPERT_LAUNCH",
     "MLP",
     "RANKED_TOP_K_TOKENS",
-    "ROUTING_IN_EXPERT_LAUNCH",
     "SHARED_DOWN_WITH_EXPERTS",
     "SHARED_HIDDEN_WITH_EXPERTS",
     "SOFTMAX_IN_RANKING",
@@ -82,16 +81,6 @@ SOFTMAX_IN_RANKING = True
 (``top_k_softmax``: the row's max beside each entry's rank, the exponentials' picks beside the
 chosen ids) instead of after them, where it is a kernel of its own on the GPU (one kernel
 fewer per MoE block: ``benchmarks/RESULTS_serve.md``)."""
-
-
-ROUTING_IN_EXPERT_LAUNCH = False
-"""Whether a block whose experts run by id routes its tokens in the experts' gate/up launch
-(``moe.routed_expert_matmul``: each program ranks its token's router logits itself and the
-launch stores the experts and weights the down launch and the combine read) instead of the
-ranking's two XLA reductions before the launch. Off: on the H200 at batch 1 the launch takes
-14.8 us where the plain launch and the two reductions take 13.7; the ranking itself costs
-~0.1 us of it, the copies and conditionals around it ~2.5 (``benchmarks/RESULTS_serve.md``,
-session 30)."""
 
 
 def top_k(x: jax.Array, k: int, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -440,32 +429,13 @@ class SparseMoE(nnx.Module):
             )
         return moe.expert_hidden(x, w, experts, **kw)
 
-    def _routes_in_expert_launch(self, x, logits, impl: str) -> bool:
-        """Whether the experts' gate/up launch routes the tokens itself
-        (``ROUTING_IN_EXPERT_LAUNCH``, renormalised weights, a call the kernel takes, and the
-        kernel running here)."""
-        if not (ROUTING_IN_EXPERT_LAUNCH and self.config.norm_topk_prob):
-            return False
-        rows = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        if moe.routed_unsupported_reason(rows, self.gate_up_proj[...], logits) is not None:
-            return False
-        return resolve_impl("routed_expert_matmul", impl, None) != "reference"
-
     def _gate_up_by_id(self, x, logits, real, impl: str):
         """(each token's experts' gate/up products ``[T, top_k, 2I]``, of ``NormedRows``
         times each token's inverse RMS; the weights ``[T, top_k]`` in the logits' dtype; the
-        int32 experts ``[T, top_k]``, out of range for padding tokens): routed in the
-        experts' launch where ``_routes_in_expert_launch``, else by ``route``."""
+        int32 experts ``[T, top_k]``, out of range for padding tokens, from ``route``)."""
         rows = x.weighted() if isinstance(x, NormedRows) else x
-        w = self.gate_up_proj[...]
-        if self._routes_in_expert_launch(x, logits, impl):
-            gate_up, weights, experts = moe.routed_expert_matmul(
-                rows, w, logits, self.config.top_k, real, impl=impl
-            )
-            weights = weights.astype(logits.dtype)
-        else:
-            weights, experts = self.route(logits, real)
-            gate_up = moe.expert_matmul(rows, w, experts, impl=impl)
+        weights, experts = self.route(logits, real)
+        gate_up = moe.expert_matmul(rows, self.gate_up_proj[...], experts, impl=impl)
         if isinstance(x, NormedRows):
             gate_up = gate_up.astype(jnp.float32) * x.inverse_rms()[:, None, None]
         return gate_up, weights, experts

@@ -10,8 +10,6 @@ from pallas_kernels.moe.expert_matmul import (
     expert_matmul,
     expert_matmul_reference,
     pair_halves,
-    routed_expert_matmul,
-    routed_unsupported_reason,
     unpair_halves,
 )
 from pallas_kernels.moe.expert_matmul import (
@@ -33,8 +31,6 @@ __all__ = [
     "grouped_matmul",
     "pair_halves",
     "ranked_top_k",
-    "routed_expert_matmul",
-    "routed_unsupported_reason",
     "top_k_softmax",
     "unpair_halves",
     "unsupported_reason",

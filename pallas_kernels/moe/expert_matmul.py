@@ -15,12 +15,6 @@ pairs share an expert; the sort-based ``grouped_matmul`` is for many rows per ex
 ``dense`` product of the same width (a MoE block's shared expert down projection) takes one
 more program per column tile of the same launch.
 
-``routed_expert_matmul`` is the same launch given the tokens' router logits instead of their
-experts: each program ranks its pair's row of logits itself (every entry's rank by counting
-the entries before it, as ``moe.top_k_softmax`` ranks) and reads the expert of its choice's
-rank, and the programs of column tile 0 store each pair's expert and softmax weight, so no
-kernel routes the tokens between the router's launch and this one.
-
 ``expert_hidden`` is the same launch for a SwiGLU's first half: each program multiplies its
 pair's rows by the gate's tile and the up projection's tile beside it and stores
 ``silu(gate) * up``, the hidden rows the down projection reads (and, with ``shared``, the
@@ -40,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
-from pallas_kernels._mgpu_chunks import ALIGN, COLS, F32, ROWS, along_cols, along_rows
+from pallas_kernels._mgpu_chunks import ALIGN, F32
 from pallas_kernels._skinny import (
     BLOCK_K,
     BLOCK_N,
@@ -57,7 +51,6 @@ from pallas_kernels._skinny import (
     tile_product,
     unpair_halves,
 )
-from pallas_kernels.moe.routing import top_k_softmax
 
 __all__ = [
     "BLOCK_K",
@@ -71,17 +64,11 @@ __all__ = [
     "hidden_unsupported_reason",
     "pair_halves",
     "programs_per_tile",
-    "routed_expert_matmul",
-    "routed_unsupported_reason",
     "unpair_halves",
     "unsupported_reason",
 ]
 
 _OP = "expert_matmul"
-_ROUTED_OP = "routed_expert_matmul"
-_ROUTED_EXPERTS = (128, 256)  # router widths: one TMA box holds at most 256 along a dimension
-_RANK_CHUNK = 32  # the entries each rank pass compares every entry with (64 registers a thread)
-_ROUTING_SCRATCH = 1024  # SMEM bytes of the ranking's reductions across the warps
 
 
 @jax.tree_util.register_dataclass
@@ -204,99 +191,23 @@ def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1, reserved: int
     return max(1, min(pairs, (NUM_SMS * per_sm - reserved) // col_tiles))
 
 
-def _order_keys(bits, index):
-    """int32 keys that order 16-bit floats (their bits ``bits`` as int16) largest first and
-    equal ones by the lower ``index`` (int32, below 256): one integer comparison per pair
-    of entries where the floats and their indices take two and three. Negative floats
-    count down from zero, -0 equal to +0."""
-    bits = bits.astype(jnp.int32)
-    ordered = jnp.where(bits < 0, -32768 - bits, bits)
-    return ordered * 256 + (255 - index)
-
-
-def _indices(size: int, layout) -> jax.Array:
-    """``0 .. size - 1`` (int32) in registers of ``layout``."""
-    return plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (size,), 0), layout)
-
-
-def _rank_choice(row_ref, choice, top_k: int):
-    """(int32 expert, float32 weight) of ``choice`` among the ``top_k`` largest of one row
-    of 16-bit logits (``row_ref``, SMEM ``[n]``): every entry's rank is the count of entries
-    whose key (``_order_keys`` of its bits) is larger, summed over chunks of
-    ``_RANK_CHUNK`` entries at a time; the choice's entry is the one of that rank, and its
-    weight the softmax over the ranks below ``top_k``."""
-    width = row_ref.shape[0]
-    index = _indices(width, ROWS)
-    shape = (width, _RANK_CHUNK)
-    logits = plgpu.load(row_ref, layout=ROWS)
-    mine = along_rows(_order_keys(lax.bitcast_convert_type(logits, jnp.int16), index), shape)
-    rank = None
-    for chunk in range(width // _RANK_CHUNK):
-        entries = plgpu.load(row_ref.at[pl.ds(chunk * _RANK_CHUNK, _RANK_CHUNK)], layout=COLS)
-        chunk_index = _indices(_RANK_CHUNK, COLS) + chunk * _RANK_CHUNK
-        keys = _order_keys(lax.bitcast_convert_type(entries, jnp.int16), chunk_index)
-        count = jnp.sum(jnp.where(along_cols(keys, shape) > mine, 1, 0), axis=1)
-        rank = count if rank is None else rank + count
-    picked = rank == choice
-    expert = jnp.sum(jnp.where(picked, index, 0))
-    logits = logits.astype(F32)
-    exps = jnp.exp(logits - jnp.max(logits))
-    total = jnp.sum(jnp.where(rank < top_k, exps, 0.0))
-    return expert, jnp.sum(jnp.where(picked, exps, 0.0)) / total
-
-
-def _routed_ids(places, col, route_in, route_out, route_scratch, *, pairs: int, top_k: int):
-    """Each of a program's pair ``places``' expert, ranked in the launch (``_rank_choice``
-    of its row's logits; ``n``, no expert, past the last pair or in a padding row); the
-    programs of column tile 0 store their pairs' experts and weights. Every place is ranked,
-    a padding one too (its row clamped into range), and its result selected: no branch per
-    place."""
-    logits_ref, valid_ref = route_in
-    weights_ref, experts_ref = route_out
-    logits_s, bar = route_scratch
-    width = logits_s.shape[1]
-    plgpu.copy_gmem_to_smem(logits_ref, logits_s, bar)
-    # The rows' flags load while the copy is in flight.
-    rows = [jnp.minimum(place, pairs - 1) // top_k for place in places]
-    real = [(place < pairs) & valid_ref[row] for place, row in zip(places, rows, strict=True)]
-    plgpu.barrier_wait(bar)
-    ids = []
-    for place, row, ok in zip(places, rows, real, strict=True):
-        expert, weight = _rank_choice(logits_s.at[row], lax.rem(place, top_k), top_k)
-        expert, weight = jnp.where(ok, expert, width), jnp.where(ok, weight, 0.0)
-
-        @pl.when((col == 0) & (place < pairs))
-        def _store(place=place, expert=expert, weight=weight):
-            experts_ref[place] = expert
-            weights_ref[place] = weight
-
-        ids.append(expert)
-    return ids
-
-
-@functools.partial(
-    jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps", "top_k", "paired")
-)
-def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant: ProductVariant,
+@functools.partial(jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps", "paired"))
+def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVariant,
             interpret: bool, gated: bool = False, rms_eps: float | None = None,
-            top_k: int = 0, paired: bool = False):  # fmt: skip
+            paired: bool = False):  # fmt: skip
     """The launch of ``expert_matmul`` or, ``gated``, of ``expert_hidden``: then ``w`` holds
     each expert's gate and up columns side by side, ``dense`` is the shared expert's
     ``(gate, up)`` weights (its rows are x's), and each product is scaled by ``row_scale``
     (or the inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``; ``paired``,
     ``w`` and the one dense weight laid out by ``pair_halves``, each program's one tile
     holding the gate and up columns of half a tile of hidden units. ``x`` may be
-    an earlier launch's ``PairTiles``: row r's rows are then its tile r. With ``routing``
-    ``(logits [R, n], valid bool [R])`` instead of ``experts`` (None), the launch of
-    ``routed_expert_matmul``: each row's ``top_k`` experts ranked in the launch. Returns the
-    launch's ``PairTiles`` (and the dense product's rows; routed, the pairs' float32 weights
-    ``[R * top_k]``, their experts those of the ``PairTiles``)."""
+    an earlier launch's ``PairTiles``: row r's rows are then its tile r. Returns the
+    launch's ``PairTiles`` (and the dense product's rows)."""
     tiled = isinstance(x, PairTiles)
     rows, k_dim = x.shape
     num_experts, _, w_cols = w.shape
     n_dim = w_cols // 2 if gated else w_cols
-    routed = routing is not None
-    choices = top_k if routed else experts.shape[1]
+    choices = experts.shape[1]
     pairs = rows * choices
     steps = k_dim // BLOCK_K
     col_tiles = (w_cols if paired else n_dim) // BLOCK_N
@@ -310,24 +221,14 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     scaled = row_scale is not None
     ring_steps = max(steps, dense_steps)
     scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled, halves=paired)
-    if routed:
-        scratch_types += [plgpu.SMEM(routing[0].shape, routing[0].dtype), plgpu.Barrier()]
     programs = programs_per_tile(
         pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0
     )
     per_program = -(-pairs // programs)
     xp = x.tiles if tiled else jnp.pad(x, ((0, padded - rows), (0, 0)))
     out_types = [jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype)]
-    if routed:
-        operands = [*routing, xp, w]
-        out_types += [
-            jax.ShapeDtypeStruct((pairs,), F32),
-            jax.ShapeDtypeStruct((pairs,), jnp.int32),
-        ]
-    else:
-        # Unpadded: a program reads past the last pair as no pair (no pad op ahead of the
-        # launch).
-        operands = [experts.reshape(-1), xp, w]
+    # Unpadded: a program reads past the last pair as no pair (no pad op ahead of the launch).
+    operands = [experts.reshape(-1), xp, w]
     if dense is not None:
         if gated:
             operands += list(dense)
@@ -342,15 +243,12 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
     n_dense = 0 if dense is None else len(dense)
 
     def body(*refs):
-        route_in, refs = (refs[:2], refs[2:]) if routed else ((), refs)
-        experts_ref, refs = (None, refs) if routed else (refs[0], refs[1:])
-        x_ref, w_ref, refs = refs[0], refs[1], refs[2:]
+        experts_ref, x_ref, w_ref, refs = refs[0], refs[1], refs[2], refs[3:]
         dense_in, refs = refs[:n_dense], refs[n_dense:]
         scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
         o_ref, refs = refs[0], refs[1:]
         dense_o_ref, refs = (refs[0], refs[1:]) if dense is not None else (None, refs)
-        route_out, refs = (refs[:2], refs[2:]) if routed else ((), refs)
-        scratch_refs, route_scratch = (refs[:-2], refs[-2:]) if routed else (refs, ())
+        scratch_refs = refs
         col, first = lax.axis_index("n"), lax.axis_index("p")
         cols = pl.ds(col * BLOCK_N, BLOCK_N)
         out_cols = pl.ds(col * out_n, out_n) if paired else cols
@@ -369,11 +267,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
             # (a bucket's padding last), the real pairs spread over all programs. Their ids
             # load together, before any waits on them.
             places = [first + i * programs for i in range(per_program)]
-            if routed:
-                ids = _routed_ids(places, col, route_in, route_out, route_scratch,
-                                  pairs=pairs, top_k=top_k)  # fmt: skip
-            else:
-                ids = [experts_ref[jnp.minimum(place, pairs - 1)] for place in places]
+            ids = [experts_ref[jnp.minimum(place, pairs - 1)] for place in places]
 
             def pair_product(pair, expert):
                 """Pair ``pair``'s column tile: its row's 8-row group (or tile) times
@@ -418,19 +312,13 @@ def _kernel(x, w, experts, dense=None, row_scale=None, routing=None, *, variant:
         scratch_types=scratch_types,
         grid=(col_tiles, programs + (dense is not None)),
         grid_names=("n", "p"),
-        compiler_params=plgpu.CompilerParams(
-            reduction_scratch_bytes=_ROUTING_SCRATCH if routed else 0
-        ),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
-        kernel_name="expert_hidden" if gated else "routed_expert_matmul" if routed else
-        "expert_matmul",
-    )(*operands)  # fmt: skip
+        kernel_name="expert_hidden" if gated else "expert_matmul",
+    )(*operands)
     # Pair p's program stored the 8-row group of its row r = p // C: r is at the line the
     # group's input held it (r % 8, or the input tiles' line of r).
     per_line = choices * (x.per_line if tiled else 1)
-    if routed:
-        weights, chosen = outs[1:]
-        return PairTiles(outs[0], chosen.reshape(rows, choices), num_experts, per_line), weights
     out = PairTiles(outs[0], experts, num_experts, per_line)
     if dense is None:
         return out
@@ -475,76 +363,6 @@ def expert_matmul(
         x, w, experts, dense, variant=current_variant(), interpret=choice == "interpret",
     )  # fmt: skip
     return out.rows() if dense is None else (out[0].rows(), out[1])
-
-
-def routed_unsupported_reason(x: jax.Array, w: jax.Array, logits: jax.Array) -> str | None:
-    """Why the Mosaic GPU kernel cannot take this ``routed_expert_matmul`` call, or None."""
-    width = logits.shape[1]
-    if width not in _ROUTED_EXPERTS:
-        return f"the router's {width} experts are not one of {_ROUTED_EXPERTS}"
-    if x.shape[0] > ALIGN:
-        return f"x has {x.shape[0]} rows; the launch routes at most {ALIGN}"
-    if logits.dtype not in DTYPES:
-        return f"logits are {logits.dtype}; the launch ranks 16-bit floats by their bits"
-    return unsupported_reason(x, w)
-
-
-def _check_routed(x, w, logits, top_k, valid) -> None:
-    _check(x, w, jax.ShapeDtypeStruct((x.shape[0], top_k), jnp.int32))
-    if logits.shape != (x.shape[0], w.shape[0]):
-        raise ValueError(
-            f"{_ROUTED_OP}: logits must be [R, E] = {[x.shape[0], w.shape[0]]} (a row per "
-            f"token, a column per expert); got {list(logits.shape)}"
-        )
-    if not 1 <= top_k <= w.shape[0]:
-        raise ValueError(f"{_ROUTED_OP}: top_k={top_k} must be in 1..E={w.shape[0]}")
-    if valid is not None and (valid.shape != (x.shape[0],) or valid.dtype != jnp.bool_):
-        raise ValueError(
-            f"{_ROUTED_OP}: valid must be bool [R={x.shape[0]}]; got {valid.dtype} "
-            f"{list(valid.shape)}"
-        )
-
-
-def routed_expert_matmul(
-    x: jax.Array,
-    w: jax.Array,
-    logits: jax.Array,
-    top_k: int,
-    valid: jax.Array | None = None,
-    *,
-    impl: str = "auto",
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each row of ``x`` times its ``top_k`` experts of largest router logit, the routing
-    formed in the launch.
-
-    Args:
-      x: ``[R, K]`` rows (at most 8 in the kernel).
-      w: ``[E, K, N]`` one matrix per expert.
-      logits: ``[R, E]`` each row's router logits.
-      top_k: experts a row takes.
-      valid: optional bool ``[R]``; a row where it is False (a bucket's padding) takes no
-        expert: id ``E``, weight 0, a zero row.
-      impl: ``"auto" | "pallas" | "interpret" | "reference"``.
-
-    Returns:
-      (``[R, top_k, N]`` in x's dtype; the softmax over each row's chosen logits, float32
-      ``[R, top_k]``; their int32 experts ``[R, top_k]``, largest first, equal logits by the
-      lower index: ``moe.top_k_softmax``'s order).
-    """
-    _check_routed(x, w, logits, top_k, valid)
-    reason = routed_unsupported_reason(x, w, logits) if impl != "reference" else None
-    choice = resolve_impl(_ROUTED_OP, impl, reason)
-    if choice == "reference":
-        weights, experts = top_k_softmax(logits.astype(F32), top_k, valid)
-        if valid is not None:
-            weights = jnp.where(valid[:, None], weights, 0.0)
-        return expert_matmul_reference(x, w, experts), weights, experts
-    flags = jnp.ones(x.shape[:1], jnp.bool_) if valid is None else valid
-    out, weights = _kernel(
-        x, w, None, routing=(logits, flags), variant=current_variant(),
-        interpret=choice == "interpret", top_k=top_k,
-    )  # fmt: skip
-    return out.rows(), weights.reshape(out.experts.shape), out.experts
 
 
 def hidden_unsupported_reason(
