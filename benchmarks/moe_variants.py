@@ -16,7 +16,7 @@ in ``moe.expert_matmul`` (each token's experts read by id, ``by id`` rows; each 
 distinct experts), and ``--bucket N`` adds ``by id, T of N`` rows: T real tokens in a decode
 bucket of N rows, the rest padding (ids out of range), as the engine runs batch 1. Each
 fused gate/up row is followed by the hidden rows formed in the launch from paired weight
-tiles (``moe.expert_hidden(paired=True)``). The by-id rows re-read the same few experts
+tiles (``moe.expert_hidden``). The by-id rows re-read the same few experts
 every call, which fit in the H200's 50 MB L2: they are warm-cache times, below what a step
 whose layers each read new experts takes (``benchmarks/RESULTS_serve.md``, session 31).
 """
@@ -84,13 +84,13 @@ def _by_id_rows(tokens: int, bucket: int, rng: np.random.Generator) -> list[str]
 
 
 def _paired_hidden_row(x, w, ids, real: int, label: str, limit_us: float) -> str:
-    """``moe.expert_hidden(paired=True)``: the same products with the SwiGLU formed in the
-    launch, each program reading one tile of 32 gate and 32 up columns (the weights laid out
-    by ``moe.pair_halves``), against the XLA SiLU of the plain launch's products."""
+    """``moe.expert_hidden``: the same products with the SwiGLU formed in the launch, each
+    program reading one tile of 32 gate and 32 up columns (the weights laid out by
+    ``moe.pair_halves``), against the reference's SwiGLU."""
     paired = moe.pair_halves(w)
-    f = jax.jit(lambda x, w, e: moe.expert_hidden(x, w, e, paired=True, impl="pallas"))
+    f = jax.jit(lambda x, w, e: moe.expert_hidden(x, w, e, impl="pallas"))
     got = np.asarray(f(x, paired, ids), np.float32)
-    want = np.asarray(moe.expert_hidden(x, w, ids, impl="reference"), np.float32)
+    want = np.asarray(moe.expert_hidden(x, paired, ids, impl="reference"), np.float32)
     err = float(np.abs(got - want).max())
     us = device_time(lambda a=(x, paired, ids): f(*a), calls=5).us
     return (

@@ -199,15 +199,13 @@ def programs_per_sm(scratch_refs) -> int:
 def tile_product(
     x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *extra, steps: int,
     variant: ProductVariant, interpret: bool, row_scale=None,
-    rms: tuple[float, int] | None = None, up_cols=None, halves: bool = False,
+    rms: tuple[float, int] | None = None, halves: bool = False,
 ):  # fmt: skip
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype); with
     ``row_scale`` (a GMEM view ``[R]``, float32) each row's sum times its scale before the
     store, or with ``rms = (eps, width)`` too times ``1 / sqrt(row_scale / width + eps)``
     (``row_scale`` then holds each row's sum of squares over the norm's ``width``: an RMS
-    norm's scale, formed here). With ``up_cols`` (``[K, BLOCK_N]``, the up projection's tile
-    beside ``w_cols``, the gate's) it stores ``silu(x @ w_cols) * (x @ up_cols)`` instead,
-    each product scaled first: a SwiGLU's hidden tile. With ``halves`` the tile itself holds
+    norm's scale, formed here). With ``halves`` the tile holds
     ``BLOCK_N / 2`` gate columns and then as many up columns (a weight laid out by
     ``pair_halves``), and ``out_rows`` ``[R, BLOCK_N / 2]`` gets ``silu(gate) * up`` of the
     scaled sums: the SwiGLU from one tile's read.
@@ -232,17 +230,10 @@ def tile_product(
     acc = _tile_sum(
         x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret
     )
-    up = None
-    if up_cols is not None:
-        up = _tile_sum(x_rows, up_cols, *ring, steps=steps, variant=variant, swap=swap,
-                       interpret=interpret)  # fmt: skip
     if row_scale is not None:
         plgpu.barrier_wait(scale_bar)
         scale = _row_scales(scale_s, held, swap, acc.shape, rms)
         acc = acc * scale
-        up = None if up is None else up * scale
-    if up is not None:
-        acc = acc / (1.0 + jnp.exp(-acc)) * up
     if halves:
         _store_halves_swiglu(acc, out_rows, *extra[-2:])
         return

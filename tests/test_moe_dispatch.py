@@ -159,7 +159,7 @@ def test_paired_weights_form_the_hidden_rows_in_the_expert_launch(
     shared_width, normed, monkeypatch
 ):
     """``SparseMoE.pair_halves`` with ``HIDDEN_IN_EXPERT_LAUNCH``: the experts' hidden rows
-    from an ``expert_hidden(paired=True)`` launch and the shared expert's from the router's
+    from an ``expert_hidden`` launch and the shared expert's from the router's
     (the norm's inverse RMS formed in both), no SiLU product in XLA, for a shared expert as
     wide as the experts (128) or narrower (64); with the switch off, and on the sorted path
     (``reference``), the paired products split in XLA. The block's output moves by rounding

@@ -69,7 +69,7 @@ HIDDEN_IN_EXPERT_LAUNCH = True
 """Whether an engine lays out its stacked MoE blocks' gate/up weights by ``moe.pair_halves``
 (``SparseMoE.pair_halves``: each 64-column tile 32 gate and the same 32 up columns), so that
 a block whose experts run by id forms its SwiGLU hidden rows in the launches' epilogues: the
-routed pairs' in the experts' launch (``moe.expert_hidden(paired=True)``) and the shared
+routed pairs' in the experts' launch (``moe.expert_hidden``) and the shared
 expert's in the router's (``project(paired=)``), instead of gate/up products and an XLA
 fusion for both SiLU products. Other steps split the paired products in XLA. On the H200 the
 35B-like batch-1 step drops a kernel per MoE block and ~80 us
@@ -145,7 +145,7 @@ class MLP(nnx.Module):
         """Make the gate and up projections one weight ``gate_up_proj`` ``[hidden, 2I]`` laid
         out by ``moe.pair_halves`` (each 64-column tile the gate and up columns of 32 hidden
         units), in place: the layout a launch forming ``silu(gate) * up`` in its epilogue
-        reads (``moe.expert_hidden(paired=True)``'s shared expert). The block's outputs are
+        reads (``moe.expert_hidden``'s shared expert). The block's outputs are
         unchanged; for a copy the caller owns (an engine's stacked layers)."""
         if self.paired:
             return
@@ -397,7 +397,7 @@ class SparseMoE(nnx.Module):
     def pair_halves(self) -> None:
         """Lay out the experts' and the shared expert's gate/up weights by ``moe.pair_halves``
         (each 64-column tile the gate and up columns of 32 hidden units), in place: the
-        layout ``moe.expert_hidden(paired=True)`` reads, one tile per program, to form the
+        layout ``moe.expert_hidden`` reads, one tile per program, to form the
         hidden rows in its epilogue; widths that are not whole tiles of ``moe.PAIRED_UNITS``
         stay as they are. The block's outputs are unchanged; for a copy the caller owns (an
         engine's stacked layers)."""
@@ -415,14 +415,14 @@ class SparseMoE(nnx.Module):
         if not (HIDDEN_IN_EXPERT_LAUNCH and self.paired and self._runs_by_id(x, impl)):
             return False
         rows = jax.ShapeDtypeStruct(x.shape, x.dtype)
-        reason = moe.expert_hidden_unsupported_reason(rows, self.gate_up_proj[...], paired=True)
+        reason = moe.expert_hidden_unsupported_reason(rows, self.gate_up_proj[...])
         return reason is None
 
     def _hidden_by_id(self, x, experts, impl: str) -> moe.PairTiles:
         """The routed pairs' hidden rows as the ``moe.expert_hidden`` launch over the paired
         weights stored them (``moe.PairTiles``, which the down launch reads in place); of
         ``NormedRows``, the weighted rows with each row's inverse RMS formed in the launch."""
-        w, kw = self.gate_up_proj[...], dict(tiles=True, paired=True, impl=impl)
+        w, kw = self.gate_up_proj[...], dict(tiles=True, impl=impl)
         if isinstance(x, NormedRows):
             return moe.expert_hidden(
                 x.weighted(), w, experts, row_scale=x.square_sum(), rms_eps=x.eps, **kw

@@ -15,11 +15,10 @@ pairs share an expert; the sort-based ``grouped_matmul`` is for many rows per ex
 ``dense`` product of the same width (a MoE block's shared expert down projection) takes one
 more program per column tile of the same launch.
 
-``expert_hidden`` is the same launch for a SwiGLU's first half: each program multiplies its
-pair's rows by the gate's tile and the up projection's tile beside it and stores
-``silu(gate) * up``, the hidden rows the down projection reads (and, with ``shared``, the
-shared expert's hidden rows from one more program per column tile), so no XLA kernel forms
-them between the two launches.
+``expert_hidden`` is the same launch for a SwiGLU's first half over weights laid out by
+``pair_halves`` (each 64-column tile the gate and up columns of 32 hidden units): each
+program multiplies its pair's rows by one tile and stores ``silu(gate) * up``, the hidden
+rows the down projection reads, so no XLA kernel forms them between the two launches.
 """
 
 from __future__ import annotations
@@ -166,21 +165,16 @@ def _swiglu(gate_up: jax.Array) -> jax.Array:
 
 
 def expert_hidden_reference(
-    x: jax.Array, w: jax.Array, experts: jax.Array, *, shared=None, row_scale=None,
+    x: jax.Array, w: jax.Array, experts: jax.Array, *, row_scale=None,
     rms_eps: float | None = None,
-):  # fmt: skip
-    """The same hidden rows in XLA (float32 products, scaled, then ``silu(gate) * up``)."""
+) -> jax.Array:  # fmt: skip
+    """The same hidden rows in XLA (float32 products, scaled, then ``silu(gate) * up``) of
+    ``w`` ``[E, K, 2I]`` laid out by ``pair_halves``."""
     scale = rms_row_scale(row_scale, rms_eps, x.shape[1])
-    sums = _sums_reference(x, w, experts)
+    sums = unpair_halves(_sums_reference(x, w, experts))
     if scale is not None:
         sums = sums * scale[:, None, None]
-    hidden = _swiglu(sums).astype(x.dtype)
-    if shared is None:
-        return hidden
-    shared_sums = jnp.dot(x, jnp.concatenate(shared, axis=1), preferred_element_type=F32)
-    if scale is not None:
-        shared_sums = shared_sums * scale[:, None]
-    return hidden, _swiglu(shared_sums).astype(x.dtype)
+    return _swiglu(sums).astype(x.dtype)
 
 
 def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1, reserved: int = 0) -> int:
@@ -191,18 +185,15 @@ def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1, reserved: int
     return max(1, min(pairs, (NUM_SMS * per_sm - reserved) // col_tiles))
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps", "paired"))
+@functools.partial(jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps"))
 def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVariant,
-            interpret: bool, gated: bool = False, rms_eps: float | None = None,
-            paired: bool = False):  # fmt: skip
-    """The launch of ``expert_matmul`` or, ``gated``, of ``expert_hidden``: then ``w`` holds
-    each expert's gate and up columns side by side, ``dense`` is the shared expert's
-    ``(gate, up)`` weights (its rows are x's), and each product is scaled by ``row_scale``
-    (or the inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``; ``paired``,
-    ``w`` and the one dense weight laid out by ``pair_halves``, each program's one tile
-    holding the gate and up columns of half a tile of hidden units. ``x`` may be
-    an earlier launch's ``PairTiles``: row r's rows are then its tile r. Returns the
-    launch's ``PairTiles`` (and the dense product's rows)."""
+            interpret: bool, gated: bool = False, rms_eps: float | None = None):  # fmt: skip
+    """The launch of ``expert_matmul`` or, ``gated``, of ``expert_hidden``: then ``w`` is
+    laid out by ``pair_halves`` (each program's one tile holds the gate and up columns of
+    half a tile of hidden units) and each product is scaled by ``row_scale`` (or the
+    inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``. ``x`` may be an
+    earlier launch's ``PairTiles``: row r's rows are then its tile r. Returns the launch's
+    ``PairTiles`` (and the ``dense`` product's rows)."""
     tiled = isinstance(x, PairTiles)
     rows, k_dim = x.shape
     num_experts, _, w_cols = w.shape
@@ -210,17 +201,17 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
     choices = experts.shape[1]
     pairs = rows * choices
     steps = k_dim // BLOCK_K
-    col_tiles = (w_cols if paired else n_dim) // BLOCK_N
-    out_n = BLOCK_N // 2 if paired else BLOCK_N  # a program's output columns
+    col_tiles = w_cols // BLOCK_N
+    out_n = BLOCK_N // 2 if gated else BLOCK_N  # a program's output columns
     dtype = x.dtype
     padded = round_up(rows, ALIGN)
     dense_steps, dense_rows = 0, ALIGN
     if dense is not None:
-        dense_rows = padded if gated else round_up(dense[0].shape[0], ALIGN)
-        dense_steps = steps if gated else dense[0].shape[1] // BLOCK_K
+        dense_rows = round_up(dense[0].shape[0], ALIGN)
+        dense_steps = dense[0].shape[1] // BLOCK_K
     scaled = row_scale is not None
     ring_steps = max(steps, dense_steps)
-    scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled, halves=paired)
+    scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled, halves=gated)
     programs = programs_per_tile(
         pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0
     )
@@ -230,13 +221,9 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
     # Unpadded: a program reads past the last pair as no pair (no pad op ahead of the launch).
     operands = [experts.reshape(-1), xp, w]
     if dense is not None:
-        if gated:
-            operands += list(dense)
-            out_types.append(jax.ShapeDtypeStruct((padded, n_dim), dtype))
-        else:
-            dense_x, dense_w = dense
-            operands += [jnp.pad(dense_x, ((0, dense_rows - dense_x.shape[0]), (0, 0))), dense_w]
-            out_types.append(jax.ShapeDtypeStruct((dense_rows, n_dim), dtype))
+        dense_x, dense_w = dense
+        operands += [jnp.pad(dense_x, ((0, dense_rows - dense_x.shape[0]), (0, 0))), dense_w]
+        out_types.append(jax.ShapeDtypeStruct((dense_rows, n_dim), dtype))
     if scaled:
         operands.append(jnp.pad(row_scale.astype(F32), (0, padded - rows), constant_values=1))
     rms = None if rms_eps is None else (rms_eps, k_dim)
@@ -251,15 +238,13 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
         scratch_refs = refs
         col, first = lax.axis_index("n"), lax.axis_index("p")
         cols = pl.ds(col * BLOCK_N, BLOCK_N)
-        out_cols = pl.ds(col * out_n, out_n) if paired else cols
-        up_cols = pl.ds(n_dim + col * BLOCK_N, BLOCK_N)
-        separate_up = gated and not paired  # the up tile beside the gate's, a read of its own
+        out_cols = pl.ds(col * out_n, out_n)
 
-        def product(x_rows, w_tile, o_rows, *, scale=None, up=None, k_steps=steps):
+        def product(x_rows, w_tile, o_rows, *, scale=None, k_steps=steps):
             tile_product(
                 x_rows, w_tile, o_rows, *scratch_refs, steps=k_steps, variant=variant,
                 interpret=interpret, row_scale=scale, rms=rms if scale is not None else None,
-                up_cols=up, halves=paired,
+                halves=gated,
             )  # fmt: skip
 
         def pairs_of_this_program():
@@ -277,7 +262,6 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
                 product(
                     x_ref.at[group], w_ref.at[expert, :, cols], o_ref.at[pair, :, out_cols],
                     scale=None if scale_ref is None else scale_ref.at[group],
-                    up=w_ref.at[expert, :, up_cols] if separate_up else None,
                 )  # fmt: skip
 
             for place, expert in zip(places, ids, strict=True):
@@ -292,17 +276,8 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
 
             @pl.when(first == programs)
             def _dense():
-                if paired:
-                    (both_w,) = dense_in
-                    product(x_ref, both_w.at[:, cols], dense_o_ref.at[:, out_cols],
-                            scale=scale_ref)  # fmt: skip
-                elif gated:
-                    gate_w, up_w = dense_in
-                    product(x_ref, gate_w.at[:, cols], dense_o_ref.at[:, cols],
-                            scale=scale_ref, up=up_w.at[:, cols])  # fmt: skip
-                else:
-                    d_x, d_w = dense_in
-                    product(d_x, d_w.at[:, cols], dense_o_ref.at[:, cols], k_steps=dense_steps)
+                d_x, d_w = dense_in
+                product(d_x, d_w.at[:, cols], dense_o_ref.at[:, cols], k_steps=dense_steps)
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -322,7 +297,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
     out = PairTiles(outs[0], experts, num_experts, per_line)
     if dense is None:
         return out
-    return out, outs[1][: rows if gated else dense[0].shape[0]]
+    return out, outs[1][: dense[0].shape[0]]
 
 
 def expert_matmul(
@@ -365,45 +340,19 @@ def expert_matmul(
     return out.rows() if dense is None else (out[0].rows(), out[1])
 
 
-def hidden_unsupported_reason(
-    x: jax.Array, w: jax.Array, shared=None, *, paired: bool = False
-) -> str | None:
+def hidden_unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
     """Why the Mosaic GPU kernel cannot take this ``expert_hidden`` call, or None."""
-    if w.shape[2] % (2 * BLOCK_N):
-        return f"each half of N={w.shape[2]} must be a multiple of {BLOCK_N}"
-    if paired and not current_variant().swap:
+    if not current_variant().swap:
         return "the SwiGLU over a tile's halves takes swapped products (SWAP_OPERANDS)"
-    rows_limit = ALIGN if paired else ROWS_PER_TILE  # paired: the pairs' 8-row groups' rows
-    if x.shape[0] > rows_limit and shared is not None:
-        return f"x has {x.shape[0]} rows; the shared expert's program takes {rows_limit}"
-    shared_weights = (shared,) if paired and shared is not None else shared or ()
-    if any(s.dtype != x.dtype for s in shared_weights):
-        return f"the shared expert's weights must be {x.dtype}"
     return unsupported_reason(x, w)
 
 
-def _check_hidden(x, w, experts, shared, row_scale, rms_eps, paired) -> None:
+def _check_hidden(x, w, experts, row_scale, rms_eps) -> None:
     _check(x, w, experts)
-    if w.shape[2] % 2:
-        raise ValueError(f"{_OP}: w [E, K, 2I] holds the gate and up columns; N={w.shape[2]}")
-    if paired and w.shape[2] % BLOCK_N:
+    if w.shape[2] % BLOCK_N:
         raise ValueError(
             f"{_OP}: a paired w's 2I={w.shape[2]} must be whole tiles of {BLOCK_N} columns"
         )
-    if shared is not None and paired:
-        want = (x.shape[1], w.shape[2])
-        if getattr(shared, "shape", None) != want:
-            raise ValueError(
-                f"{_OP}: a paired shared expert is one [K, 2I] = {list(want)} weight; got "
-                f"{getattr(shared, 'shape', type(shared).__name__)}"
-            )
-    elif shared is not None:
-        want = (x.shape[1], w.shape[2] // 2)
-        if len(shared) != 2 or any(s.shape != want for s in shared):
-            raise ValueError(
-                f"{_OP}: shared must be (gate, up) weights of {want} each; got "
-                f"{[s.shape for s in shared]}"
-            )
     check_row_scale(_OP, x.shape[0], row_scale, rms_eps)
 
 
@@ -412,11 +361,9 @@ def expert_hidden(
     w: jax.Array,
     experts: jax.Array,
     *,
-    shared=None,
     row_scale: jax.Array | None = None,
     rms_eps: float | None = None,
     tiles: bool = False,
-    paired: bool = False,
     impl: str = "auto",
 ):
     """A SwiGLU's hidden rows by expert id: ``silu(g) * u`` with ``g | u = x[r] @
@@ -424,43 +371,28 @@ def expert_hidden(
 
     Args:
       x: ``[R, K]`` rows.
-      w: ``[E, K, 2I]``: each expert's gate columns, then its up columns; with ``paired``,
-        laid out by ``pair_halves`` (each 64-column tile the gate and up columns of 32
-        hidden units: a program reads one tile where it would read two).
+      w: ``[E, K, 2I]``, each expert's gate and up columns laid out by ``pair_halves``
+        (each 64-column tile the gate and up columns of 32 hidden units: a program reads
+        one tile).
       experts: int32 ``[R, C]``; an id outside ``0 .. E - 1`` gives a zero row.
-      shared: optional ``(gate [K, I], up [K, I])`` (with ``paired``, one ``[K, 2I]`` laid
-        out by ``pair_halves``): a shared expert every row takes, its hidden rows formed in
-        the same launch (one more program per column tile).
       row_scale: ``[R]``; with ``rms_eps`` each row's sum of squares over K, the rows then
         scaled by ``1 / sqrt(row_scale / K + rms_eps)`` (an RMS norm's scale).
-      tiles: give the routed rows as the launch stored them (``PairTiles``, which a down
-        launch reads in place), or ``[R * C, I]`` where XLA formed them (the reference).
-      paired: the layout of ``w`` and ``shared`` above.
+      tiles: give the rows as the launch stored them (``PairTiles``, which a down launch
+        reads in place), or ``[R * C, I]`` where XLA formed them (the reference).
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
-      ``[R, C, I]`` in x's dtype (see ``tiles``); with ``shared``, ``(that, [R, I])``.
+      ``[R, C, I]`` in x's dtype (see ``tiles``).
     """
-    _check_hidden(x, w, experts, shared, row_scale, rms_eps, paired)
-    reason = hidden_unsupported_reason(x, w, shared, paired=paired) if impl != "reference" else None
+    _check_hidden(x, w, experts, row_scale, rms_eps)
+    reason = hidden_unsupported_reason(x, w) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference":
-        if paired:
-            w = unpair_halves(w)
-            shared = None if shared is None else tuple(jnp.split(unpair_halves(shared), 2, -1))
-        out = expert_hidden_reference(
-            x, w, experts, shared=shared, row_scale=row_scale, rms_eps=rms_eps
-        )
-        routed = out if shared is None else out[0]
-        if tiles:
-            routed = routed.reshape(-1, routed.shape[-1])
-        return routed if shared is None else (routed, out[1])
-    dense = None if shared is None else (shared,) if paired else tuple(shared)
+        out = expert_hidden_reference(x, w, experts, row_scale=row_scale, rms_eps=rms_eps)
+        return out.reshape(-1, out.shape[-1]) if tiles else out
     out = _kernel(
-        x, w, experts, dense, row_scale,
-        variant=current_variant(), interpret=choice == "interpret", gated=True,
-        rms_eps=None if rms_eps is None else float(rms_eps), paired=paired,
+        x, w, experts, None, row_scale, variant=current_variant(),
+        interpret=choice == "interpret", gated=True,
+        rms_eps=None if rms_eps is None else float(rms_eps),
     )  # fmt: skip
-    routed = out if shared is None else out[0]
-    routed = routed if tiles else routed.rows()
-    return routed if shared is None else (routed, out[1])
+    return out if tiles else out.rows()

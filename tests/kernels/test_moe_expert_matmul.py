@@ -163,90 +163,71 @@ def test_a_dense_product_of_another_width_is_refused():
         moe.expert_matmul(x, w, jnp.zeros((8, 2), jnp.int32), dense=dense)
 
 
-def _hidden_oracle(x64, w64, ids, shared64=None):
-    """float64 ``silu(gate) * up`` of each (row, choice) and of the shared weights."""
+def _hidden_oracle(x64, w64, ids):
+    """float64 ``silu(gate) * up`` of each (row, choice), the gate's columns then the up
+    projection's in ``w64``."""
     width = w64.shape[2] // 2
-
-    def swiglu(sums):
-        gate, up = sums[..., :width], sums[..., width:]
-        return gate / (1 + np.exp(-gate)) * up
-
     want = np.zeros(ids.shape + (width,))
     for r, c in np.ndindex(ids.shape):
         if 0 <= ids[r, c] < w64.shape[0]:
-            want[r, c] = swiglu(x64[r] @ w64[ids[r, c]])
-    if shared64 is None:
-        return want
-    return want, swiglu(x64 @ np.concatenate(shared64, axis=1))
-
-
-def _assert_hidden_rows(got, got_shared, x, w, ids, shared, square_sum) -> None:
-    """The pairs' and the shared expert's (``(gate, up)``) hidden rows against the float64
-    oracle, the rows first scaled by their inverse RMS when ``square_sum`` is given (eps
-    1e-6); row 4 is padding: zeros."""
-    x64 = np.asarray(x, np.float64)
-    if square_sum is not None:
-        k = x.shape[1]
-        x64 = x64 / np.sqrt(np.asarray(square_sum, np.float64) / k + 1e-6)[:, None]
-    shared64 = [np.asarray(s, np.float64) for s in shared]
-    want, want_shared = _hidden_oracle(x64, np.asarray(w, np.float64), ids, shared64)
-    for out, ref in ((got, want), (got_shared, want_shared)):
-        out64 = np.asarray(out, np.float64)
-        assert np.linalg.norm(out64 - ref) / np.linalg.norm(ref) < 1e-2
-    np.testing.assert_array_equal(np.asarray(got[4], np.float64), 0)
+            sums = x64[r] @ w64[ids[r, c]]
+            gate, up = sums[:width], sums[width:]
+            want[r, c] = gate / (1 + np.exp(-gate)) * up
+    return want
 
 
 @pytest.mark.parametrize("impl", ["interpret", "reference"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["rows", "rms-scaled"])
-def test_hidden_rows_match_the_float64_oracle(impl, scaled, product_variant):
-    """``expert_hidden``: each pair's and the shared expert's ``silu(gate) * up`` (each row
-    times its inverse RMS first, with ``rms_eps``); out-of-range ids give zero rows."""
-    rng = np.random.default_rng(21 + scaled)
+def test_hidden_rows_match_the_float64_oracle(impl, scaled):
+    """``expert_hidden`` over weights laid out by ``pair_halves``: each program reads one tile
+    of 32 gate and 32 up columns and stores the 32 hidden columns, the oracle's SwiGLU of the
+    unpaired weights (each row times its inverse RMS first, with ``rms_eps``); padding ids
+    give zero rows."""
+    rng = np.random.default_rng(31 + scaled)
     rows, k, width, experts = 5, 256, 128, 4
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((experts, k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
-    shared = tuple(
-        jnp.asarray(rng.standard_normal((k, width)) / np.sqrt(k), jnp.bfloat16) for _ in "gu"
-    )
     ids = rng.integers(0, experts, (rows, 2)).astype(np.int32)
     ids[4] = experts  # a padding row
     square_sum = jnp.asarray(rng.uniform(0.5, 2.0, rows) * k, jnp.float32) if scaled else None
-    got, got_shared = moe.expert_hidden(
-        x, w, jnp.asarray(ids), shared=shared, row_scale=square_sum,
+    got = moe.expert_hidden(
+        x, moe.pair_halves(w), jnp.asarray(ids), row_scale=square_sum,
         rms_eps=1e-6 if scaled else None, impl=impl,
     )  # fmt: skip
-    chex.assert_shape((got, got_shared), ((rows, 2, width), (rows, width)))
-    _assert_hidden_rows(got, got_shared, x, w, ids, shared, square_sum)
+    chex.assert_shape(got, (rows, 2, width))
+    x64 = np.asarray(x, np.float64)
+    if scaled:
+        x64 = x64 / np.sqrt(np.asarray(square_sum, np.float64) / k + 1e-6)[:, None]
+    want = _hidden_oracle(x64, np.asarray(w, np.float64), ids)
+    got64 = np.asarray(got, np.float64)
+    assert np.linalg.norm(got64 - want) / np.linalg.norm(want) < 1e-2
+    np.testing.assert_array_equal(got64[4], 0)
 
 
 def test_the_hidden_rows_launch_lowers_for_cuda_at_the_35b_shapes():
     s = jax.ShapeDtypeStruct
     bf16 = jnp.bfloat16
     args = (s((8, 2048), bf16), s((256, 2048, 1024), bf16), s((8, 8), jnp.int32),
-            (s((2048, 512), bf16), s((2048, 512), bf16)), s((8,), jnp.float32))  # fmt: skip
+            s((8,), jnp.float32))  # fmt: skip
 
-    def call(x, w, ids, shared, square_sum):
-        return moe.expert_hidden(
-            x, w, ids, shared=shared, row_scale=square_sum, rms_eps=1e-6, impl="pallas"
-        )
+    def call(x, w, ids, square_sum):
+        return moe.expert_hidden(x, w, ids, row_scale=square_sum, rms_eps=1e-6, impl="pallas")
 
     text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
 
-def test_misshapen_hidden_calls_raise_naming_the_rule():
+def test_hidden_calls_refuse_what_they_cannot_take(monkeypatch):
     x = jnp.zeros((4, 256), jnp.bfloat16)
     w = jnp.zeros((3, 256, 256), jnp.bfloat16)
     ids = jnp.zeros((4, 2), jnp.int32)
-    with pytest.raises(ValueError, match=r"shared must be \(gate, up\) weights of \(256, 128\)"):
-        moe.expert_hidden(x, w, ids, shared=(jnp.zeros((256, 64), jnp.bfloat16),) * 2)
     with pytest.raises(ValueError, match="rms_eps=0.1 scales rows by their row_scale; none"):
         moe.expert_hidden(x, w, ids, rms_eps=0.1)
-    with pytest.raises(ValueError, match=r"w \[E, K, 2I\] holds the gate and up columns; N=255"):
-        moe.expert_hidden(x, jnp.zeros((3, 256, 255), jnp.bfloat16), ids)
-    assert "each half of N=192" in moe.expert_hidden_unsupported_reason(
-        x, jnp.zeros((3, 256, 192), jnp.bfloat16)
-    )
+    with pytest.raises(ValueError, match="2I=160 must be whole tiles of 64 columns"):
+        moe.expert_hidden(x, jnp.zeros((3, 256, 160), jnp.bfloat16), ids)
+    assert moe.expert_hidden_unsupported_reason(x, w) is None
+    monkeypatch.setattr(importlib.import_module("pallas_kernels._skinny"), "SWAP_OPERANDS", False)
+    assert "swapped products" in moe.expert_hidden_unsupported_reason(x, w)
 
 
 def test_a_down_launch_reads_the_hidden_tiles_in_place_as_it_reads_their_rows():
@@ -299,56 +280,3 @@ def test_pair_halves_puts_each_tiles_gate_and_up_columns_side_by_side():
     np.testing.assert_array_equal(paired[0, 32:64], 128 + np.arange(32))
     np.testing.assert_array_equal(paired[1, 64:96], 256 + 32 + np.arange(32))
     chex.assert_trees_all_equal(unpair_halves(paired), w)
-
-
-@pytest.mark.parametrize("impl", ["interpret", "reference"])
-@pytest.mark.parametrize("scaled", [False, True], ids=["rows", "rms-scaled"])
-def test_paired_hidden_rows_match_the_float64_oracle(impl, scaled):
-    """``expert_hidden(paired=True)``: each program reads one tile of 32 gate and 32 up
-    columns and stores the 32 hidden columns; the pairs' and the shared expert's rows are
-    the oracle's SwiGLU of the unpaired weights, padding ids zero rows."""
-    rng = np.random.default_rng(31 + scaled)
-    rows, k, width, experts = 5, 256, 128, 4
-    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((experts, k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
-    shared = jnp.asarray(rng.standard_normal((k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
-    ids = rng.integers(0, experts, (rows, 2)).astype(np.int32)
-    ids[4] = experts  # a padding row
-    square_sum = jnp.asarray(rng.uniform(0.5, 2.0, rows) * k, jnp.float32) if scaled else None
-    got, got_shared = moe.expert_hidden(
-        x, moe.pair_halves(w), jnp.asarray(ids), shared=moe.pair_halves(shared),
-        row_scale=square_sum, rms_eps=1e-6 if scaled else None, paired=True, impl=impl,
-    )  # fmt: skip
-    chex.assert_shape((got, got_shared), ((rows, 2, width), (rows, width)))
-    _assert_hidden_rows(got, got_shared, x, w, ids, jnp.split(shared, 2, axis=1), square_sum)
-
-
-def test_the_paired_hidden_rows_launch_lowers_for_cuda_at_the_35b_shapes():
-    s = jax.ShapeDtypeStruct
-    bf16 = jnp.bfloat16
-    args = (s((8, 2048), bf16), s((256, 2048, 1024), bf16), s((8, 8), jnp.int32),
-            s((2048, 1024), bf16), s((8,), jnp.float32))  # fmt: skip
-
-    def call(x, w, ids, shared, square_sum):
-        return moe.expert_hidden(x, w, ids, shared=shared, row_scale=square_sum, rms_eps=1e-6,
-                                 paired=True, impl="pallas")  # fmt: skip
-
-    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-
-
-def test_paired_hidden_calls_refuse_what_they_cannot_take(monkeypatch):
-    x = jnp.zeros((4, 256), jnp.bfloat16)
-    w = jnp.zeros((3, 256, 256), jnp.bfloat16)
-    ids = jnp.zeros((4, 2), jnp.int32)
-    with pytest.raises(ValueError, match=r"a paired shared expert is one \[K, 2I\] = \[256, 256\]"):
-        moe.expert_hidden(x, w, ids, shared=(jnp.zeros((256, 128), jnp.bfloat16),) * 2,
-                          paired=True)  # fmt: skip
-    with pytest.raises(ValueError, match="2I=160 must be whole tiles of 64 columns"):
-        moe.expert_hidden(x, jnp.zeros((3, 256, 160), jnp.bfloat16), ids, paired=True)
-    many = jnp.zeros((16, 256), jnp.bfloat16)
-    assert "the shared expert's program takes 8" in moe.expert_hidden_unsupported_reason(
-        many, w, jnp.zeros((256, 256), jnp.bfloat16), paired=True
-    )
-    monkeypatch.setattr(importlib.import_module("pallas_kernels._skinny"), "SWAP_OPERANDS", False)
-    assert "swapped products" in moe.expert_hidden_unsupported_reason(x, w, paired=True)
