@@ -205,10 +205,10 @@ def tile_product(
     ``row_scale`` (a GMEM view ``[R]``, float32) each row's sum times its scale before the
     store, or with ``rms = (eps, width)`` too times ``1 / sqrt(row_scale / width + eps)``
     (``row_scale`` then holds each row's sum of squares over the norm's ``width``: an RMS
-    norm's scale, formed here). With ``halves`` the tile holds
-    ``BLOCK_N / 2`` gate columns and then as many up columns (a weight laid out by
-    ``pair_halves``), and ``out_rows`` ``[R, BLOCK_N / 2]`` gets ``silu(gate) * up`` of the
-    scaled sums: the SwiGLU from one tile's read.
+    norm's scale, formed here). With ``halves`` the tile holds ``BLOCK_N / 2`` gate columns
+    and then as many up columns (a weight laid out by ``pair_halves``), and ``out_rows``
+    ``[R, BLOCK_N / 2]`` gets ``silu(gate) * up`` of the scaled sums: the SwiGLU from one
+    tile's read.
 
     ``x_rows``: a GMEM view ``[R, K]`` (R a multiple of 8, at most 64 and at most the rows
     ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;

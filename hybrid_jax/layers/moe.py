@@ -9,7 +9,9 @@ on the GPU runs its experts by id instead (``moe.expert_matmul``: no sort, gathe
 Expert weights are stacked in ``[E, in, out]`` order, the layout the grouped matmul reads:
 ``gate_up_proj`` ``[E, hidden, 2I]`` (the gate's I columns, then the up projection's: one
 product for both), ``down_proj`` ``[E, I, hidden]``; the loader transposes Hugging Face's
-per-expert ``[out, in]`` matrices (or its fused ``gate_up_proj``) into them.
+per-expert ``[out, in]`` matrices (or its fused ``gate_up_proj``) into them. An engine may
+lay out its own stacked copy's gate/up columns by ``moe.pair_halves`` (``pair_halves``,
+``HIDDEN_IN_EXPERT_LAUNCH``), for launches that form the SwiGLU in their epilogue.
 """
 
 from __future__ import annotations
