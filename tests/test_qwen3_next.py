@@ -22,8 +22,10 @@ from flax import nnx
 from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers.attention import Attention, AttentionConfig
 from hybrid_jax.models.checkpoint import CheckpointError
+from hybrid_jax.models.layer_scan import scan_layers
 from hybrid_jax.models.qwen3_next import (
     ConfigError,
+    Qwen3Next,
     Qwen3NextConfig,
     _seeded_value,
     tiny_qwen3_next,
@@ -190,6 +192,20 @@ def test_save_then_load_round_trips_every_parameter(tmp_path):
     assert want.keys() == got.keys()
     for path in want:
         np.testing.assert_array_equal(got[path], want[path], err_msg=str(path))
+
+
+def test_a_model_with_stacked_layers_is_refused_before_anything_is_written(tmp_path):
+    """A scanned model (an engine's, with donated weights: folded and paired) is not a
+    checkpoint's layout; saving it says so instead of failing on a missing attribute."""
+    config = dataclasses.replace(
+        tiny_qwen3_next_config(), num_hidden_layers=6,
+        layer_types=("linear_attention", "linear_attention", "full_attention") * 2,
+        mlp_only_layers=(), num_nextn_predict_layers=0,
+    )  # fmt: skip
+    scanned = scan_layers(Qwen3Next(config, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="layers are stacked for running"):
+        save_checkpoint(scanned, tmp_path)
+    assert not list(tmp_path.iterdir())
 
 
 def test_fused_expert_layout_loads_like_per_expert(tmp_path):

@@ -35,6 +35,7 @@ from hybrid_jax.models.checkpoint import (
     write_checkpoint,
 )
 from hybrid_jax.models.checkpoint import weight_map as checkpoint_files
+from hybrid_jax.models.layer_scan import ScannedRun
 from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig
 from hybrid_jax.modes import LayerKind
 from pallas_kernels import gdn as gdn_kernels
@@ -280,7 +281,17 @@ def save_checkpoint(
     model: Qwen3Next, folder: str | os.PathLike, *, max_shard_bytes: int | None = None
 ) -> None:
     """Writes ``model`` as a Hugging Face checkpoint folder (config.json and safetensors,
-    per-expert layout); with ``max_shard_bytes``, sharded with an index."""
+    per-expert layout); with ``max_shard_bytes``, sharded with an index. ``model`` is a
+    layer-by-layer model: one whose layers ``scan_layers`` stacked (an engine's
+    ``engine.model`` after ``donate_weights``, its norms folded and its SwiGLU weights
+    paired) is refused."""
+    if any(isinstance(layer, ScannedRun) for layer in model.layers):
+        raise ValueError(
+            "save_checkpoint: the model's layers are stacked for running (layer_scan."
+            "scan_layers; an engine's model with donate_weights=True, whose norm weights are "
+            "folded and SwiGLU weights paired); save the layer-by-layer model before an "
+            "engine takes it"
+        )
     rules = model_rules(model.config, lambda p: False)
     config = model.config.to_hf_dict()
     write_checkpoint(pathlib.Path(folder), config, model, rules, max_shard_bytes)
