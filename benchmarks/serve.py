@@ -116,6 +116,11 @@ TRIAL_SWITCHES = {
         "sums over a short axis (partial products, a MoE token's choices and their softmax) "
         "as reduces instead of chains of adds",
     ),
+    "--experts-fill-sm": (
+        _skinny, "EXPERTS_FILL_SM", True,
+        "an experts' by-id launch takes the deepest ring that fits, one program an SM (each "
+        "walking more pair places)",
+    ),
     "--no-ring-fills-sm": (
         _skinny, "RING_FILLS_SM", False,
         "a small-batch product launch of at most one program per SM (a MoE block's router "

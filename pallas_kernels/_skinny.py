@@ -27,6 +27,8 @@ static argument, so a changed switch is a new trace:
   gate/up: 20 column tiles) gives each program the deepest ring a block's shared memory
   holds (``filling_ring``). Such a program reads its tile at the rate its loads in flight
   allow (bytes in flight over the memory's latency), not at an SM's share of the bandwidth.
+  ``EXPERTS_FILL_SM`` makes the experts' by-id launches such launches: the deepest ring, so
+  one program an SM.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ __all__ = [
     "BLOCK_K",
     "BLOCK_N",
     "DTYPES",
+    "EXPERTS_FILL_SM",
     "OVERLAP_PRODUCTS",
     "PAIRED_UNITS",
     "ROWS_PER_TILE",
@@ -94,6 +97,13 @@ module's doc): the 35B-like router and shared gate/up launch ~1.2 us shorter at 
 rows (benchmarks/RESULTS_serve.md)."""
 
 
+EXPERTS_FILL_SM = False
+"""Whether an experts' by-id launch (``moe.expert_matmul``, ``moe.expert_hidden``) takes the
+deepest ring that fits, so that one program runs on an SM and each walks more pair places
+(its programs per column tile fewer), as ``RING_FILLS_SM`` gives a launch of at most one
+program per SM. Off: not yet measured on the H200."""
+
+
 class ProductVariant(NamedTuple):
     """A launch's static product choices: the ring's depth and the variants.
     ``ProductVariant()`` is the plain product; ``current_variant()`` gives the switches'."""
@@ -102,12 +112,13 @@ class ProductVariant(NamedTuple):
     overlap: bool = False
     swap: bool = False
     fill_sm: bool = False
+    fill_experts: bool = False
 
 
 def current_variant() -> ProductVariant:
     """The switches' values now (``STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``,
-    ``RING_FILLS_SM``)."""
-    return ProductVariant(STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS, RING_FILLS_SM)
+    ``RING_FILLS_SM``, ``EXPERTS_FILL_SM``)."""
+    return ProductVariant(STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS, RING_FILLS_SM, EXPERTS_FILL_SM)
 
 
 def filling_ring(

@@ -61,7 +61,13 @@ _SWITCHES = {
         "SOFTMAX_IN_RANKING",
     ),
     "hybrid_jax.backend.attention": ("ROWS_IN_KERNEL", "TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
-    "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS", "RING_FILLS_SM"),
+    "pallas_kernels._skinny": (
+        "STAGES",
+        "OVERLAP_PRODUCTS",
+        "SWAP_OPERANDS",
+        "RING_FILLS_SM",
+        "EXPERTS_FILL_SM",
+    ),
 }
 
 

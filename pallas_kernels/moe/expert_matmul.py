@@ -43,6 +43,7 @@ from pallas_kernels._skinny import (
     ProductVariant,
     check_row_scale,
     current_variant,
+    deepest_ring,
     pair_halves,
     programs_per_sm,
     rms_row_scale,
@@ -211,6 +212,10 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
         dense_steps = dense[0].shape[1] // BLOCK_K
     scaled = row_scale is not None
     ring_steps = max(steps, dense_steps)
+    if variant.fill_experts:  # one program an SM, each with the deepest ring that fits
+        variant = deepest_ring(
+            variant, ring_steps, dtype, dense_rows, row_scale=scaled, halves=gated
+        )
     scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled, halves=gated)
     programs = programs_per_tile(
         pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0

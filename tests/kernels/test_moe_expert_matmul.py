@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import moe
+from pallas_kernels._common import NUM_SMS
 from pallas_kernels._skinny import current_variant
 
 # The module, not the function of the same name that the package re-exports.
@@ -255,7 +256,9 @@ def test_a_down_launch_reads_the_hidden_tiles_in_place_as_it_reads_their_rows():
     np.testing.assert_array_equal(np.asarray(in_place[8:], np.float32), 0)  # row 4's pairs
 
 
-def test_the_down_launch_over_hidden_tiles_lowers_for_cuda_at_the_35b_shapes():
+def _lowered_hidden_then_down() -> str:
+    """The 35B-like hidden-rows launch and the down launch over its tiles, lowered for
+    ``cuda``."""
     s = jax.ShapeDtypeStruct
     bf16 = jnp.bfloat16
 
@@ -265,8 +268,11 @@ def test_the_down_launch_over_hidden_tiles_lowers_for_cuda_at_the_35b_shapes():
 
     args = (s((8, 2048), bf16), s((256, 2048, 1024), bf16), s((8, 8), jnp.int32),
             s((256, 512, 2048), bf16))  # fmt: skip
-    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu") >= 2
+    return jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_down_launch_over_hidden_tiles_lowers_for_cuda_at_the_35b_shapes():
+    assert _lowered_hidden_then_down().count("mosaic_gpu") >= 2
 
 
 def test_pair_halves_puts_each_tiles_gate_and_up_columns_side_by_side():
@@ -280,3 +286,45 @@ def test_pair_halves_puts_each_tiles_gate_and_up_columns_side_by_side():
     np.testing.assert_array_equal(paired[0, 32:64], 128 + np.arange(32))
     np.testing.assert_array_equal(paired[1, 64:96], 256 + 32 + np.arange(32))
     chex.assert_trees_all_equal(unpair_halves(paired), w)
+
+
+def test_experts_filling_the_sm_change_no_bit(monkeypatch):
+    """``EXPERTS_FILL_SM``: the gate/up (paired hidden rows) and down launches with the
+    deepest ring, one program an SM, give the default launches' bits (the ring's depth and
+    the programs' share of the pairs do not change a sum's order)."""
+    from pallas_kernels import _skinny
+
+    rng = np.random.default_rng(51)
+    rows, k, width, experts = 5, 1024, 128, 6
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = moe.pair_halves(
+        jnp.asarray(rng.standard_normal((experts, k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
+    )
+    down = jnp.asarray(rng.standard_normal((experts, width, k)) / np.sqrt(width), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, experts, (rows, 3)), jnp.int32).at[4].set(experts)
+
+    def run():
+        hidden = moe.expert_hidden(x, w, ids, tiles=True, impl="interpret")
+        out = moe.expert_matmul(hidden, down, ids.reshape(-1, 1), impl="interpret")
+        return np.asarray(hidden.rows()), np.asarray(out)
+
+    plain = run()
+    monkeypatch.setattr(_skinny, "EXPERTS_FILL_SM", True)
+    filled = run()
+    for a, b in zip(plain, filled, strict=True):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    assert np.abs(plain[1][:12].astype(np.float32)).max() > 0
+
+
+def test_experts_filling_the_sm_lower_for_cuda_one_program_an_sm(monkeypatch):
+    """At the 35B-like gate/up (K 2048, 8 rows) the deepest ring leaves room for one program
+    an SM, so the launch's grid is at most the SMs; both launches lower for ``cuda``."""
+    from pallas_kernels import _skinny
+
+    monkeypatch.setattr(_skinny, "EXPERTS_FILL_SM", True)
+    variant = _skinny.deepest_ring(_skinny.current_variant(), 16, jnp.bfloat16, 8, halves=True)
+    assert variant.stages > _skinny.STAGES
+    refs = _skinny.scratch(16, jnp.bfloat16, variant, 8, halves=True)
+    assert _skinny.programs_per_sm(refs) == 1
+    assert em_module.programs_per_tile(64, 16, 1) * 16 <= NUM_SMS
+    assert _lowered_hidden_then_down().count("mosaic_gpu") >= 2
