@@ -745,8 +745,8 @@ def main(argv: list[str] | None = None) -> int:
             if trial is not None:
                 module, name, value, _ = TRIAL_SWITCHES[trial]
                 trial_settings[module, name] = value
-            pairs = (moe_layer, "HIDDEN_IN_EXPERT_LAUNCH")
-            if not args.unrolled and trial_settings.get(pairs, getattr(*pairs)):
+            hidden_switch = (moe_layer, "HIDDEN_IN_EXPERT_LAUNCH")
+            if not args.unrolled and trial_settings.get(hidden_switch, getattr(*hidden_switch)):
                 # As an engine does with the layers it stacks; the layout stays for any
                 # later rows, which split the paired products in XLA.
                 pair_scanned_swiglu(model)

@@ -72,7 +72,9 @@ __all__ = [
     "check_row_scale",
     "deepest_ring",
     "filling_ring",
+    "halves_unsupported_reason",
     "pair_halves",
+    "paired_swiglu",
     "rms_row_scale",
     "programs_per_sm",
     "scratch",
@@ -288,6 +290,21 @@ def pair_halves(w: jax.Array) -> jax.Array:
     tiles = gate.shape[-1] // half
     paired = jnp.stack([gate.reshape(*lead, tiles, half), up.reshape(*lead, tiles, half)], axis=-2)
     return paired.reshape(*lead, 2 * gate.shape[-1])
+
+
+def paired_swiglu(y: jax.Array) -> jax.Array:
+    """``silu(gate) * up`` in XLA of a product ``[..., 2I]`` whose weight ``pair_halves``
+    laid out (the references of the launches that form it in their epilogue)."""
+    gate, up = jnp.split(unpair_halves(y), 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def halves_unsupported_reason(dtype) -> str | None:
+    """Why a launch of this output dtype cannot form a SwiGLU over a tile's halves
+    (``tile_product(halves=True)`` takes swapped products), or None."""
+    if not swapped(dtype, current_variant()):
+        return "a SwiGLU over a tile's halves takes swapped products (SWAP_OPERANDS)"
+    return None
 
 
 def unpair_halves(w: jax.Array) -> jax.Array:

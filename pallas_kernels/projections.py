@@ -40,11 +40,11 @@ from pallas_kernels._skinny import (
     check_row_scale,
     current_variant,
     filling_ring,
+    halves_unsupported_reason,
+    paired_swiglu,
     rms_row_scale,
     scratch,
-    swapped,
     tile_product,
-    unpair_halves,
 )
 
 __all__ = [
@@ -67,8 +67,6 @@ def unsupported_reason(
     x: jax.Array, weights: Sequence[jax.Array], paired: Sequence[bool] = ()
 ) -> str | None:
     """Why the Mosaic GPU kernel cannot take this call, or None when it can."""
-    if any(paired) and not swapped(x.dtype, current_variant()):
-        return "a SwiGLU over a tile's halves takes swapped products (SWAP_OPERANDS)"
     if x.shape[0] > MAX_ROWS:
         return f"x has {x.shape[0]} rows; the kernel takes at most {MAX_ROWS}"
     if x.dtype not in DTYPES or any(w.dtype != x.dtype for w in weights):
@@ -79,7 +77,7 @@ def unsupported_reason(
     widths = [w.shape[1] for w in weights if w.shape[1] % BLOCK_N]
     if widths:
         return f"every weight's N must be a multiple of {BLOCK_N} (got {widths})"
-    return None
+    return halves_unsupported_reason(x.dtype) if any(paired) else None
 
 
 def _check(x: jax.Array, weights: Sequence[jax.Array], row_scale=None, rms_eps=None,
@@ -111,10 +109,7 @@ def projections_reference(
     def product(w: jax.Array, swiglu: bool) -> jax.Array:
         y = jnp.dot(x, w, preferred_element_type=F32)
         y = y if scale is None else y * scale[:, None]
-        if swiglu:
-            gate, up = jnp.split(unpair_halves(y), 2, axis=-1)
-            y = jax.nn.silu(gate) * up
-        return y.astype(x.dtype)
+        return (paired_swiglu(y) if swiglu else y).astype(x.dtype)
 
     flags = paired or (False,) * len(weights)
     return tuple(product(w, p) for w, p in zip(weights, flags, strict=True))

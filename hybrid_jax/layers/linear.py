@@ -92,7 +92,7 @@ def swiglu(product: jax.Array, *, paired: bool) -> jax.Array:
     """``silu(gate) * up`` of a fused ``[..., 2I]`` product whose columns are the gate's then
     the up projection's, or (``paired``) laid out by ``moe.pair_halves``."""
     if paired:
-        product = moe.unpair_halves(product)
+        return moe.paired_swiglu(product)
     gate, up = jnp.split(product, 2, axis=-1)
     return jax.nn.silu(gate) * up
 

@@ -147,8 +147,9 @@ class MLP(nnx.Module):
         """Make the gate and up projections one weight ``gate_up_proj`` ``[hidden, 2I]`` laid
         out by ``moe.pair_halves`` (each 64-column tile the gate and up columns of 32 hidden
         units), in place: the layout a launch forming ``silu(gate) * up`` in its epilogue
-        reads (``moe.expert_hidden``'s shared expert). The block's outputs are
-        unchanged; for a copy the caller owns (an engine's stacked layers)."""
+        reads (a MoE block's shared expert in the router's launch, ``project(paired=)``).
+        The block's outputs are unchanged; for a copy the caller owns (an engine's stacked
+        layers)."""
         if self.paired:
             return
         both = jnp.concatenate([self.gate_proj.kernel[...], self.up_proj.kernel[...]], -1)

@@ -10,6 +10,7 @@ from pallas_kernels.moe.expert_matmul import (
     expert_matmul,
     expert_matmul_reference,
     pair_halves,
+    paired_swiglu,
     unpair_halves,
 )
 from pallas_kernels.moe.expert_matmul import (
@@ -30,6 +31,7 @@ __all__ = [
     "expert_matmul_unsupported_reason",
     "grouped_matmul",
     "pair_halves",
+    "paired_swiglu",
     "ranked_top_k",
     "top_k_softmax",
     "unpair_halves",

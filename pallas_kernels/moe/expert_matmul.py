@@ -44,7 +44,9 @@ from pallas_kernels._skinny import (
     check_row_scale,
     current_variant,
     deepest_ring,
+    halves_unsupported_reason,
     pair_halves,
+    paired_swiglu,
     programs_per_sm,
     rms_row_scale,
     scratch,
@@ -63,6 +65,7 @@ __all__ = [
     "expert_matmul_reference",
     "hidden_unsupported_reason",
     "pair_halves",
+    "paired_swiglu",
     "programs_per_tile",
     "unpair_halves",
     "unsupported_reason",
@@ -160,11 +163,6 @@ def _sums_reference(x: jax.Array, w: jax.Array, experts: jax.Array) -> jax.Array
     return jnp.where(valid[..., None], out, 0)
 
 
-def _swiglu(gate_up: jax.Array) -> jax.Array:
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    return gate / (1.0 + jnp.exp(-gate)) * up
-
-
 def expert_hidden_reference(
     x: jax.Array, w: jax.Array, experts: jax.Array, *, row_scale=None,
     rms_eps: float | None = None,
@@ -172,10 +170,10 @@ def expert_hidden_reference(
     """The same hidden rows in XLA (float32 products, scaled, then ``silu(gate) * up``) of
     ``w`` ``[E, K, 2I]`` laid out by ``pair_halves``."""
     scale = rms_row_scale(row_scale, rms_eps, x.shape[1])
-    sums = unpair_halves(_sums_reference(x, w, experts))
+    sums = _sums_reference(x, w, experts)
     if scale is not None:
         sums = sums * scale[:, None, None]
-    return _swiglu(sums).astype(x.dtype)
+    return paired_swiglu(sums).astype(x.dtype)
 
 
 def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1, reserved: int = 0) -> int:
@@ -347,9 +345,7 @@ def expert_matmul(
 
 def hidden_unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
     """Why the Mosaic GPU kernel cannot take this ``expert_hidden`` call, or None."""
-    if not current_variant().swap:
-        return "the SwiGLU over a tile's halves takes swapped products (SWAP_OPERANDS)"
-    return unsupported_reason(x, w)
+    return unsupported_reason(x, w) or halves_unsupported_reason(x.dtype)
 
 
 def _check_hidden(x, w, experts, row_scale, rms_eps) -> None:
