@@ -121,6 +121,11 @@ TRIAL_SWITCHES = {
         "an experts' by-id launch takes the deepest ring that fits, one program an SM (each "
         "walking more pair places)",
     ),
+    "--prefetch-output-weights": (
+        linear_layer, "PREFETCH_OUTPUT_WEIGHTS", True,
+        "a GDN or attention layer's decode kernel brings the output projection's weight into "
+        "L2 from spare programs, for the product right after it",
+    ),
     "--no-ring-fills-sm": (
         _skinny, "RING_FILLS_SM", False,
         "a small-batch product launch of at most one program per SM (a MoE block's router "

@@ -19,6 +19,7 @@ from flax import nnx
 
 from hybrid_jax.backend import GDNDims, gdn_mix
 from hybrid_jax.layers import gdn as gdn_layer
+from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.modes import ForwardMode
@@ -207,3 +208,38 @@ def test_decode_step_lowers_for_cuda_with_the_pools_aliased():
     assert "stablehlo.logistic" not in text, "the gating's sigmoid ran outside the kernel"
     # The decode kernel reads q, k, v and b, a where the conv and the projection put them.
     assert "stablehlo.slice" not in text
+
+
+def _kernel_operand_shapes(jaxpr) -> list[set[tuple[int, ...]]]:
+    """The operand shapes of each kernel call in ``jaxpr`` and its sub-jaxprs."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == KERNEL_CALL:
+            found.append({tuple(v.aval.shape) for v in eqn.invars})
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _kernel_operand_shapes(sub)
+    return found
+
+
+def test_prefetch_switch_hands_the_out_proj_weight_to_the_decode_kernel_only(layer, monkeypatch):
+    """With ``PREFETCH_OUTPUT_WEIGHTS`` the decode kernel takes ``out_proj``'s weight to bring
+    into L2 (its spare programs, the interpreter's no-ops): the step's bits do not change."""
+    x, conv, ssm, meta = _inputs(3)
+    weight = tuple(layer.out_proj.kernel[...].shape)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(linear_layer, "PREFETCH_OUTPUT_WEIGHTS", on)
+        step = functools.partial(_fused_decode, layer, impl="interpret")
+        operands = _kernel_operand_shapes(jax.make_jaxpr(step)(x, conv, ssm, meta).jaxpr)
+        assert len(operands) == 2, "the conv update and the decode kernel"
+        assert [weight in shapes for shapes in operands] == [False, on]
+        runs[on] = jax.jit(step)(x, conv, ssm, meta)
+    for got, want in zip(runs[True], runs[False], strict=True):
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+    # Past the few rows of a latency-bound decode kernel: nothing to prefetch.
+    assert linear_layer.output_prefetch(layer.out_proj, linear_layer.FEW_ROWS + 1) == ()
+    assert len(linear_layer.output_prefetch(layer.out_proj, 1)) == 1

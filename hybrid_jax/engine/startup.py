@@ -48,6 +48,7 @@ _SWITCHES = {
         "FEW_ROWS",
         "MIN_SPLITS",
         "NORMS_IN_LAUNCH",
+        "PREFETCH_OUTPUT_WEIGHTS",
         "SPLIT_INPUT_PROJECTIONS",
         "SPLIT_OUTPUT_PROJECTIONS",
     ),

@@ -21,7 +21,7 @@ from flax import nnx
 
 from hybrid_jax.backend.attention import decode_rows, paged_attention
 from hybrid_jax.kv_cache import KVCacheSpec
-from hybrid_jax.layers.linear import project, project_output
+from hybrid_jax.layers.linear import output_prefetch, project, project_output
 from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 from pallas_kernels.attention.rows import apply_rotary
@@ -150,7 +150,7 @@ class Attention(nnx.Module):
             q, k_pages, v_pages = rows
         out, k_pages, v_pages = paged_attention(
             q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5, impl=impl,
-            written=rows is not None,
+            written=rows is not None, prefetch=output_prefetch(self.o_proj, t),
         )  # fmt: skip
         if c.gated:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)

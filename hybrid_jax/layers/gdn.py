@@ -20,7 +20,7 @@ from flax import nnx
 
 from hybrid_jax.backend import GDNDims, gdn_mix
 from hybrid_jax.backend.linear import LinearLayerOutput
-from hybrid_jax.layers.linear import project, project_output
+from hybrid_jax.layers.linear import output_prefetch, project, project_output
 from hybrid_jax.layers.norm import GatedRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.state_pool import LinearStateSpec
@@ -188,7 +188,8 @@ class GatedDeltaNet(nnx.Module):
             norm = gdn_kernels.OutputNorm(flat, self.norm.weight[...], self.norm.eps)
         mix = gdn_mix(
             mixed, self.conv_weight[...], self.gate_params[...], ba, conv_state, ssm_state,
-            meta, self.config.dims, output_norm=norm, impl=impl,
+            meta, self.config.dims, output_norm=norm,
+            prefetch=output_prefetch(self.out_proj, x.shape[0]), impl=impl,
         )  # fmt: skip
         out = mix.out if norm is not None else self.norm(mix.out, z)
         out = out.reshape(x.shape[0], self.config.dims.value_dim)

@@ -26,17 +26,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.layers.norm import NormedRows, formed
-from pallas_kernels import moe, projections, resolve_impl
+from pallas_kernels import moe, prefetch_unsupported_reason, projections, resolve_impl
 
 __all__ = [
     "ADDS_FOR_SHORT_SUMS",
     "FEW_ROWS",
     "MIN_SPLITS",
     "NORMS_IN_LAUNCH",
+    "PREFETCH_OUTPUT_WEIGHTS",
     "SPLIT_INPUT_PROJECTIONS",
     "SPLIT_OUTPUT_PROJECTIONS",
     "project",
     "project_output",
+    "output_prefetch",
     "short_sum",
     "swiglu",
 ]
@@ -68,6 +70,13 @@ SPLIT_INPUT_PROJECTIONS = False
 together (a MoE block's router and shared expert gate/up: 20 tiles of 64 columns), its
 float32 partial products summed where they are used. Off: not yet shown faster on the H200
 (benchmarks/RESULTS_serve.md, session 20)."""
+
+
+PREFETCH_OUTPUT_WEIGHTS = False
+"""Whether a layer whose mixer runs a decode kernel at few rows hands that kernel its output
+projection's weight to bring into L2 (``output_prefetch``): the kernel (GDN decode, paged
+attention decode) leaves most SMs and HBM idle, and the output projection right after it then
+reads its weight from L2. Off: not yet measured on the H200."""
 
 
 ADDS_FOR_SHORT_SUMS = True
@@ -173,6 +182,16 @@ def _split_products(
             total = total * row_scale[:, None]
         products.append(total.astype(x.dtype))
     return products
+
+
+def output_prefetch(layer: nnx.Linear, rows: int) -> tuple[jax.Array, ...]:
+    """What a mixer's decode kernel at ``rows`` rows prefetches for the output projection
+    ``layer`` that follows it: the layer's weight with ``PREFETCH_OUTPUT_WEIGHTS`` at few rows
+    (where the kernel leaves HBM idle), else nothing."""
+    w = layer.kernel[...]
+    if not (PREFETCH_OUTPUT_WEIGHTS and 0 < rows <= FEW_ROWS):
+        return ()
+    return () if prefetch_unsupported_reason(w) else (w,)
 
 
 def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:

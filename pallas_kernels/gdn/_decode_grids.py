@@ -38,6 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params
 from pallas_kernels._mgpu_chunks import SMEM_PER_SM, columns_over_warps
+from pallas_kernels._prefetch import issue_prefetches, prefetch_programs
 
 __all__ = [
     "VEC",
@@ -340,11 +341,12 @@ def _stage_rows(n_tokens: int, bv: int, dtype) -> int:
 
 
 def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, scale, l2,
-               interpret, out_norm=None):  # fmt: skip
+               interpret, out_norm=None, prefetch=()):  # fmt: skip
     """Persistent grid; each program walks items ``c, c + P, c + 2P, ...`` (``P`` programs)
     through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead. With
     ``out_norm`` ``(z, weight, eps)`` (z ``[N, D, HV V]``, weight float32 ``[V]``; items of
-    whole heads, ``bv == V``) the output is gated-normed (``_update``)."""
+    whole heads, ``bv == V``) the output is gated-normed (``_update``). ``prefetch``: ``[R,
+    C]`` arrays that programs after the ``P`` bring into L2 (``_prefetch``)."""
     n_rows, n_tokens = q.shape[:2]
     h, k_dim, hv, v_dim = heads
     v_rows = _stage_rows(n_tokens, bv, v.dtype)
@@ -352,6 +354,7 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
     n_blocks = v_dim // bv
     n_items = n_rows * hv * n_blocks
     n_progs = min(n_items, variant.programs)
+    n_prefetch = prefetch_programs(prefetch, n_progs)
     stages = variant.stages
     layouts = _layouts(variant, bv)
 
@@ -364,9 +367,15 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
         gate_refs, refs = refs[:n_gates], refs[n_gates:]
         z_ref, weight_ref = refs[:2] if normed else (None, None)
         refs = refs[len(norm_in) :]
+        prefetch_refs, refs = refs[: len(prefetch)], refs[len(prefetch) :]
         pool, o_ref, state_smem, q_smem, k_smem, v_smem, o_smem, bars, *norm_smem = refs
         prog = lax.axis_index("c")
         count = (n_items - prog + n_progs - 1) // n_progs  # this program's items
+        if prefetch:  # the programs after the P prefetch and walk no item
+            pl.when(prog >= n_progs)(
+                lambda: issue_prefetches(prefetch_refs, prog - n_progs, n_prefetch)
+            )
+            count = jnp.where(prog < n_progs, count, 0)
 
         def coords(i):
             """(row, head, columns) of this program's item i (clamped into range)."""
@@ -459,7 +468,7 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((n_rows, n_tokens, hv, v_dim), v.dtype),
-        grid=(n_progs,),
+        grid=(n_progs + n_prefetch,),
         grid_names=("c",),
         scratch_types=[
             plgpu.SMEM((stages, k_dim, bv), jnp.float32),
@@ -482,4 +491,4 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
         interpret=interpret_params(interpret),
         kernel_name="gdn_decode_ring",
     )
-    return kernel(idx, q, k, v, *gates_in, *norm_in, pool_ref)
+    return kernel(idx, q, k, v, *gates_in, *norm_in, *prefetch, pool_ref)

@@ -21,10 +21,13 @@ conv and the projection wrote them) and their ``unsupported_reason`` /
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import NUM_SMS
+from pallas_kernels._prefetch import check_prefetch
 from pallas_kernels.gdn._checks import check_gated_rows, check_packed_rows, packed_stand_ins
 from pallas_kernels.gdn._decode_grids import (
     VEC,
@@ -252,6 +255,7 @@ def packed_gating_recurrent_gated_delta_rule(
     interpret: bool = False,
     variant: DecodeVariant | str = DEFAULT,
     output_norm: tuple[jax.Array, jax.Array, float] | None = None,
+    prefetch: Sequence[jax.Array] = (),
 ) -> tuple[jax.Array, jax.Array]:
     """``fused_gating_recurrent_gated_delta_rule`` reading q, k, v from the conv's output
     ``qkv`` ``[N, D, H K + H K + HV V]`` (``[Q | K | V]``) and b, a from ``ba``
@@ -260,8 +264,10 @@ def packed_gating_recurrent_gated_delta_rule(
     ``(z [N, D, HV V], weight float32 [V], eps)`` the output is
     ``reference.gated_output_norm(o, z, weight, eps)``, formed in the kernel (its items are
     then whole heads, in the pipelined grid); the caller checks it
-    (``_checks.check_output_norm``)."""
+    (``_checks.check_output_norm``). ``prefetch``: ``[R, C]`` arrays that the launch's spare
+    programs bring into L2 for the launch after it (``_prefetch``; the pipelined grid)."""
     check_packed_rows(_PACKED_OP, qkv, ba, gate_params, ssm_pool, state_indices)
+    check_prefetch(_PACKED_OP, prefetch)
     reason = packed_gating_unsupported_reason(qkv, ba, gate_params, ssm_pool, state_indices)
     if reason is not None:
         raise ValueError(reason)
@@ -272,7 +278,7 @@ def packed_gating_recurrent_gated_delta_rule(
     return _launch(
         qkv, qkv, qkv, (gate_params, ba, ba), ssm_pool, state_indices, heads=heads,
         cols=cols, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
-        variant=variant, out_norm=output_norm,
+        variant=variant, out_norm=output_norm, prefetch=tuple(prefetch),
     )  # fmt: skip
 
 
@@ -285,7 +291,7 @@ def _launch_separate(q, k, v, gates_in, ssm_pool, state_indices, **options):
 
 
 def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, use_qk_l2norm,
-            interpret, variant, out_norm=None):  # fmt: skip
+            interpret, variant, out_norm=None, prefetch=()):  # fmt: skip
     """The entries' launch, after their checks: variant, block and scale, then the kernel.
     q, k, v ``[N, D, width]`` with their heads at ``cols``."""
     if isinstance(variant, str):
@@ -295,6 +301,10 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
     n_rows = q.shape[0]
     bv = variant.block_v or pick_block_v(n_rows, heads.hv, heads.v_dim)
     options = {}
+    if prefetch:
+        if not variant.stages:
+            raise ValueError("prefetch runs in the pipelined grid (variant.stages >= 2)")
+        options["prefetch"] = prefetch
     if out_norm is not None:
         if not variant.stages:
             raise ValueError("the output norm runs in the pipelined grid (variant.stages >= 2)")
