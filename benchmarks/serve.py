@@ -126,6 +126,11 @@ TRIAL_SWITCHES = {
         "a GDN or attention layer's decode kernel brings the output projection's weight into "
         "L2 from spare programs, for the product right after it",
     ),
+    "--prefetch-experts-down": (
+        moe_layer, "PREFETCH_EXPERTS_DOWN", True,
+        "a MoE block's experts' hidden-rows launch brings its pairs' down weights into L2 for "
+        "the down launch after it",
+    ),
     "--no-ring-fills-sm": (
         _skinny, "RING_FILLS_SM", False,
         "a small-batch product launch of at most one program per SM (a MoE block's router "

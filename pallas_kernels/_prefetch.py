@@ -93,9 +93,9 @@ def prefetch_programs(arrays: Sequence[jax.Array], busy: int) -> int:
 
 
 def issue_prefetches(refs: Sequence, program, programs: int) -> None:
-    """In a kernel: prefetching program ``program`` of ``programs`` (a traced index) issues
-    boxes ``program, program + programs, ...`` of the boxes of ``refs`` (GMEM refs, each
-    ``[R, C]``) numbered one array after another."""
+    """In a kernel: prefetching program ``program`` of ``programs`` (a traced index, or 0
+    of 1 for all of them) issues boxes ``program, program + programs, ...`` of the boxes of
+    ``refs`` (GMEM refs, each ``[R, C]``) numbered one array after another."""
     counts = [boxes(tuple(ref.shape)) for ref in refs]
     starts = [sum(counts[:i]) for i in range(len(counts))]
     total = sum(counts)
@@ -105,6 +105,9 @@ def issue_prefetches(refs: Sequence, program, programs: int) -> None:
             shape = tuple(ref.shape)
             local = index - start
             mine = (local >= 0) & (local < count)
+            if mine is False:  # a static index past this array's boxes
+                continue
             r, c = box_origin(jnp.clip(local, 0, count - 1), shape)
             rows, cols = _box(shape)
-            plgpu.async_prefetch(ref.at[pl.ds(r, rows), pl.ds(c, cols)], predicate=mine)
+            box = ref.at[pl.ds(r, rows), pl.ds(c, cols)]
+            plgpu.async_prefetch(box, predicate=None if mine is True else mine)

@@ -212,7 +212,7 @@ def programs_per_sm(scratch_refs) -> int:
 def tile_product(
     x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *extra, steps: int,
     variant: ProductVariant, interpret: bool, row_scale=None,
-    rms: tuple[float, int] | None = None, halves: bool = False,
+    rms: tuple[float, int] | None = None, halves: bool = False, after_fill=None,
 ):  # fmt: skip
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype); with
     ``row_scale`` (a GMEM view ``[R]``, float32) each row's sum times its scale before the
@@ -228,6 +228,8 @@ def tile_product(
     ``steps = K // BLOCK_K``; the SMEM buffers and barriers from ``scratch`` (with the same
     ``variant``, and ``row_scale=True`` for a scaled call, ``halves=True`` for a SwiGLU over
     the halves: ``extra`` holds what those add).
+    ``after_fill``: a function the program calls once the ring's first blocks are in
+    flight (work that should not delay them, such as prefetches for a later launch).
     Waits for the previous call's store before reusing ``o_s``; the caller waits for this
     one's (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
     rows = x_rows.shape[0]
@@ -241,8 +243,9 @@ def tile_product(
                          f"scratch's rows; got {rows} rows, swap={swap}")  # fmt: skip
     ring = (x_s, w_s, bars)
     acc = _tile_sum(
-        x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret
-    )
+        x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret,
+        after_fill=after_fill,
+    )  # fmt: skip
     if row_scale is not None:
         plgpu.barrier_wait(scale_bar)
         scale = _row_scales(scale_s, held, swap, acc.shape, rms)
@@ -319,10 +322,11 @@ def unpair_halves(w: jax.Array) -> jax.Array:
 
 
 def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVariant,
-              swap: bool, interpret: bool):  # fmt: skip
+              swap: bool, interpret: bool, after_fill=None):  # fmt: skip
     """The float32 sum ``x_rows @ w_cols`` through the ring (WGMMA layout): ``[64,
     BLOCK_N]``, or transposed ``[BLOCK_N, rows]`` with ``swap`` (the rows rounded up to the
-    8-row groups that TMA moves). The ring is free again when it returns."""
+    8-row groups that TMA moves); ``after_fill`` called once the first blocks are in flight.
+    The ring is free again when it returns."""
     rows = x_rows.shape[0]
     stages = min(variant.stages, steps)
     held = round_up(rows, ALIGN)
@@ -340,6 +344,8 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
 
     for j in range(stages):
         fill(j, j)
+    if after_fill is not None:
+        after_fill()
 
     def step(j, acc):
         stage = lax.rem(j, stages)

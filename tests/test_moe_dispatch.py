@@ -208,6 +208,32 @@ def test_paired_weights_form_the_hidden_rows_in_the_expert_launch(
     np.testing.assert_array_equal(np.asarray(moe.gate_up_proj[...]), paired)
 
 
+def test_the_hidden_launch_prefetching_the_down_weights_changes_no_bit(monkeypatch):
+    """``PREFETCH_EXPERTS_DOWN``: the block hands its down weights to the experts' hidden
+    launch (prefetches, no-ops in the interpreter) only with the switch on: the same output
+    bits either way."""
+    config = MoEConfig(hidden_size=128, num_experts=64, top_k=2, intermediate_size=128,
+                       shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
+    moe = SparseMoE(config, rngs=nnx.Rngs(8))
+    moe.pair_halves()
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((5, 128)), jnp.bfloat16)
+    real = jnp.arange(5) < 4
+    launched, launch = [], moe_kernels.expert_hidden
+
+    def expert_hidden(*args, **kwargs):
+        launched.append(kwargs.get("prefetch_down"))
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(moe_kernels, "expert_hidden", expert_hidden)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(moe_layer, "PREFETCH_EXPERTS_DOWN", on)
+        step = jax.jit(lambda m, a, r: m(a, r, impl="interpret"))  # a trace per setting
+        runs[on] = np.asarray(step(moe, x, real))
+    assert launched[0] is None and launched[1].shape == moe.down_proj[...].shape
+    np.testing.assert_array_equal(runs[True].view(np.uint16), runs[False].view(np.uint16))
+
+
 @pytest.mark.parametrize("axis", [0, 1])
 def test_short_sum_adds_the_parts_where_the_switch_says(axis, monkeypatch):
     x = jnp.asarray(np.random.default_rng(axis).standard_normal((4, 3, 5)), jnp.float32)

@@ -56,6 +56,7 @@ _SWITCHES = {
     "hybrid_jax.layers.moe": (
         "BY_ID_MAX_PAIRS",
         "HIDDEN_IN_EXPERT_LAUNCH",
+        "PREFETCH_EXPERTS_DOWN",
         "RANKED_TOP_K_TOKENS",
         "SHARED_DOWN_WITH_EXPERTS",
         "SHARED_HIDDEN_WITH_EXPERTS",

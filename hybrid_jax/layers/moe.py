@@ -33,6 +33,7 @@ __all__ = [
     "BY_ID_MAX_PAIRS",
     "HIDDEN_IN_EXPERT_LAUNCH",
     "MLP",
+    "PREFETCH_EXPERTS_DOWN",
     "RANKED_TOP_K_TOKENS",
     "SHARED_DOWN_WITH_EXPERTS",
     "SHARED_HIDDEN_WITH_EXPERTS",
@@ -76,6 +77,12 @@ expert's in the router's (``project(paired=)``), instead of gate/up products and
 fusion for both SiLU products. Other steps split the paired products in XLA. On the H200 the
 35B-like batch-1 step drops a kernel per MoE block and ~80 us
 (``benchmarks/RESULTS_serve.md``, session 31)."""
+
+PREFETCH_EXPERTS_DOWN = False
+"""Whether a block whose routed hidden rows come from ``moe.expert_hidden`` has that launch
+bring its pairs' down weights into L2 (each program the rows its hidden units meet, once its
+own loads are in flight), so that the experts' down launch after it reads them from L2
+instead of HBM. Off: not yet measured on the H200."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
@@ -424,8 +431,11 @@ class SparseMoE(nnx.Module):
     def _hidden_by_id(self, x, experts, impl: str) -> moe.PairTiles:
         """The routed pairs' hidden rows as the ``moe.expert_hidden`` launch over the paired
         weights stored them (``moe.PairTiles``, which the down launch reads in place); of
-        ``NormedRows``, the weighted rows with each row's inverse RMS formed in the launch."""
+        ``NormedRows``, the weighted rows with each row's inverse RMS formed in the launch;
+        with ``PREFETCH_EXPERTS_DOWN`` the launch brings the pairs' down weights into L2."""
         w, kw = self.gate_up_proj[...], dict(tiles=True, impl=impl)
+        if PREFETCH_EXPERTS_DOWN:
+            kw["prefetch_down"] = self.down_proj[...]
         if isinstance(x, NormedRows):
             return moe.expert_hidden(
                 x.weighted(), w, experts, row_scale=x.square_sum(), rms_eps=x.eps, **kw

@@ -4,6 +4,7 @@ float64 oracle, padding ids, the ``cuda`` lowering, and the errors for misshapen
 from __future__ import annotations
 
 import importlib
+import re
 
 import chex
 import jax
@@ -328,3 +329,49 @@ def test_experts_filling_the_sm_lower_for_cuda_one_program_an_sm(monkeypatch):
     assert _skinny.programs_per_sm(refs) == 1
     assert em_module.programs_per_tile(64, 16, 1) * 16 <= NUM_SMS
     assert _lowered_hidden_then_down().count("mosaic_gpu") >= 2
+
+
+def test_hidden_rows_prefetching_their_down_weights_change_no_bit():
+    """``expert_hidden(prefetch_down=)``: each pair's program also brings its expert's down
+    rows into L2 (no-ops in the interpreter): the same hidden rows, bit for bit."""
+    rng = np.random.default_rng(61)
+    rows, k, width, experts = 5, 256, 128, 4
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = moe.pair_halves(
+        jnp.asarray(rng.standard_normal((experts, k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
+    )
+    down = jnp.asarray(rng.standard_normal((experts, width, 320)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, experts, (rows, 2)), jnp.int32).at[4].set(experts)
+    plain = moe.expert_hidden(x, w, ids, impl="interpret")
+    fetched = moe.expert_hidden(x, w, ids, prefetch_down=down, impl="interpret")
+    np.testing.assert_array_equal(
+        np.asarray(fetched).view(np.uint16), np.asarray(plain).view(np.uint16)
+    )
+    assert np.abs(np.asarray(plain[:4], np.float32)).max() > 0
+
+
+def test_hidden_rows_launch_prefetching_the_down_weights_lowers_for_cuda_at_the_35b_shapes():
+    s = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    args = (s((8, 2048), bf16), s((256, 2048, 1024), bf16), s((8, 8), jnp.int32),
+            s((256, 512, 2048), bf16))  # fmt: skip
+
+    def call(x, w, ids, down):
+        return moe.expert_hidden(x, w, ids, prefetch_down=down, tiles=True, impl="pallas").tiles
+
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "cp.async.bulk.prefetch" in text
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 128, 64), (4, 64, 64), (4, 128), (4, 128, 4)],
+    ids=["experts", "hidden-units", "rank", "8-byte-rows"],
+)
+def test_hidden_rows_refuse_down_weights_that_are_not_their_experts(shape):
+    x = jnp.zeros((4, 256), jnp.bfloat16)
+    w = jnp.zeros((4, 256, 256), jnp.bfloat16)
+    down = jnp.zeros(shape, jnp.bfloat16)
+    message = f"prefetch_down bfloat16{list(shape)} must be the down weights [E, I, N] = [4, 128"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        moe.expert_hidden(x, w, jnp.zeros((4, 2), jnp.int32), prefetch_down=down)
