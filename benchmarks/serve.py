@@ -69,6 +69,7 @@ from switches import switches_set  # noqa: E402
 
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa: E402
 from hybrid_jax.backend import attention as attention_backend  # noqa: E402
+from hybrid_jax.backend import gdn as gdn_backend  # noqa: E402
 from hybrid_jax.layers import gdn as gdn_layer  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
 from hybrid_jax.layers import moe as moe_layer  # noqa: E402
@@ -124,7 +125,13 @@ TRIAL_SWITCHES = {
     "--prefetch-output-weights": (
         linear_layer, "PREFETCH_OUTPUT_WEIGHTS", True,
         "a GDN or attention layer's decode kernel brings the output projection's weight into "
-        "L2 from spare programs, for the product right after it",
+        "L2 from spare programs, for the product right after it (a MoE block's router launch "
+        "its shared expert's down weight)",
+    ),
+    "--prefetch-states-in-conv": (
+        gdn_backend, "PREFETCH_STATES_IN_CONV", True,
+        "a GDN layer's decode-step conv update brings its rows' delta-rule states into L2 "
+        "for the decode kernel after it",
     ),
     "--prefetch-experts-down": (
         moe_layer, "PREFETCH_EXPERTS_DOWN", True,

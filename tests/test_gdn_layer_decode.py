@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 from hybrid_jax.backend import GDNDims, gdn_mix
+from hybrid_jax.backend import gdn as gdn_backend
 from hybrid_jax.layers import gdn as gdn_layer
 from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
@@ -243,3 +244,22 @@ def test_prefetch_switch_hands_the_out_proj_weight_to_the_decode_kernel_only(lay
     # Past the few rows of a latency-bound decode kernel: nothing to prefetch.
     assert linear_layer.output_prefetch(layer.out_proj, linear_layer.FEW_ROWS + 1) == ()
     assert len(linear_layer.output_prefetch(layer.out_proj, 1)) == 1
+
+
+def test_prefetching_the_states_in_the_conv_hands_the_pool_to_the_conv_kernel_only(
+    layer, monkeypatch
+):
+    """With ``PREFETCH_STATES_IN_CONV`` the conv update takes the delta-rule pool to bring its
+    rows' slots into L2 for the decode kernel (no-ops in the interpreter): the same bits."""
+    x, conv, ssm, meta = _inputs(4)
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(gdn_backend, "PREFETCH_STATES_IN_CONV", on)
+        step = functools.partial(_fused_decode, layer, impl="interpret")
+        operands = _kernel_operand_shapes(jax.make_jaxpr(step)(x, conv, ssm, meta).jaxpr)
+        # The conv kernel takes the pool as [S, HV*K, V], the decode kernel as it is.
+        slot_rows = (SLOTS, CONFIG.num_value_heads * CONFIG.head_k_dim, CONFIG.head_v_dim)
+        assert [slot_rows in shapes for shapes in operands] == [on, False]
+        runs[on] = jax.jit(step)(x, conv, ssm, meta)
+    for got, want in zip(runs[True], runs[False], strict=True):
+        np.testing.assert_array_equal(_bits(got), _bits(want))

@@ -26,7 +26,13 @@ from hybrid_jax.modes import LayerKind, TokenLayout
 from pallas_kernels import conv1d, gdn
 from pallas_kernels.gdn import reference as gdn_reference
 
-__all__ = ["GDNDims", "gdn_mix"]
+__all__ = ["PREFETCH_STATES_IN_CONV", "GDNDims", "gdn_mix"]
+
+PREFETCH_STATES_IN_CONV = False
+"""Whether a DECODE step's conv update brings its rows' delta-rule states into L2
+(``causal_conv1d_update(prefetch_slots=)``) for the decode kernel right after it, which then
+reads them from L2 (at a few rows the kernel's time is mostly its loads' latency). Off: not
+yet measured on the H200."""
 
 
 class GDNDims(NamedTuple):
@@ -112,8 +118,9 @@ def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl,
 def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm, prefetch):
     slots = meta.state_indices
     mixed, conv_state = conv1d.causal_conv1d_update(
-        rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl
-    )
+        rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl,
+        prefetch_slots=(ssm_state,) if PREFETCH_STATES_IN_CONV else (),
+    )  # fmt: skip
     # The kernel reads q, k, v and b, a where the conv and the projection put them, and forms
     # the output norm when it is given one.
     if norm is not None:

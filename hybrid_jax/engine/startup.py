@@ -53,6 +53,7 @@ _SWITCHES = {
         "SPLIT_OUTPUT_PROJECTIONS",
     ),
     "hybrid_jax.layers.gdn": ("NORM_IN_DECODE_KERNEL",),
+    "hybrid_jax.backend.gdn": ("PREFETCH_STATES_IN_CONV",),
     "hybrid_jax.layers.moe": (
         "BY_ID_MAX_PAIRS",
         "HIDDEN_IN_EXPERT_LAUNCH",

@@ -76,7 +76,8 @@ PREFETCH_OUTPUT_WEIGHTS = False
 """Whether a layer whose mixer runs a decode kernel at few rows hands that kernel its output
 projection's weight to bring into L2 (``output_prefetch``): the kernel (GDN decode, paged
 attention decode) leaves most SMs and HBM idle, and the output projection right after it then
-reads its weight from L2. Off: not yet measured on the H200."""
+reads its weight from L2. A MoE block's router launch (a few column tiles) does the same for
+its shared expert's down weight. Off: not yet measured on the H200."""
 
 
 ADDS_FOR_SHORT_SUMS = True
@@ -112,6 +113,7 @@ def project(
     *,
     impl: str,
     paired: Sequence[bool] = (),
+    prefetch: Sequence[jax.Array] = (),
 ) -> tuple[jax.Array, ...]:
     """``tuple(layer(x) for layer in layers)``, in one launch at few rows on the GPU.
 
@@ -123,7 +125,8 @@ def project(
     and the rest run as their layers. ``paired`` (one flag per layer): a flagged layer's
     weight holds a SwiGLU's gate and up columns laid out by ``moe.pair_halves``, and its
     entry is the hidden rows ``silu(gate) * up``, formed in the launch's epilogue where the
-    launch takes it and in XLA otherwise."""
+    launch takes it and in XLA otherwise. ``prefetch``: arrays a later launch reads, which
+    the one launch's spare programs bring into L2 (``output_prefetch``; ignored elsewhere)."""
     flags = tuple(paired) or (False,) * len(layers)
 
     def in_xla(h: jax.Array, i: int) -> jax.Array:
@@ -153,10 +156,12 @@ def project(
     elif isinstance(x, NormedRows):  # the launch forms each row's inverse RMS
         products = projections.projections(
             rows, taken_weights, row_scale=x.square_sum(), rms_eps=x.eps, paired=taken_flags,
-            impl=impl,
+            prefetch=prefetch, impl=impl,
         )  # fmt: skip
     else:
-        products = projections.projections(rows, taken_weights, paired=taken_flags, impl=impl)
+        products = projections.projections(
+            rows, taken_weights, paired=taken_flags, prefetch=prefetch, impl=impl
+        )
     launched = dict(zip(taken, products, strict=True))
     h = formed(x) if len(launched) < len(layers) else None  # for the layers not launched
     return tuple(launched[i] if i in launched else in_xla(h, i) for i in range(len(layers)))

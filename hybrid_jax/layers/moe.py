@@ -325,7 +325,9 @@ class SparseMoE(nnx.Module):
         if gate_in_launch:
             inputs.append(self.shared_expert_gate)
             paired.append(False)
-        logits, *shared_products = project(x, inputs, impl=impl, paired=paired)
+        # The shared expert's down weight, for the launch that reads it after the experts'.
+        prefetch = linear_layer.output_prefetch(shared_mlp.down_proj, x.shape[0])
+        logits, *shared_products = project(x, inputs, impl=impl, paired=paired, prefetch=prefetch)
         if gate_in_launch:
             *shared_products, gate_logit = shared_products
             gate_logit = gate_logit[:, :1]

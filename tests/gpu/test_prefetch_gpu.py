@@ -1,7 +1,8 @@
-"""Kernels that prefetch a later launch's weights into L2, on an sm_90 GPU at the
+"""Kernels that prefetch a later launch's weights or states into L2, on an sm_90 GPU at the
 Qwen3.5-35B-A3B-like shapes of a batch-1 decode bucket: a prefetch changes no value, so each
 launch must give the bits it gives without one (the GDN decode kernel with its output norm,
-the paged decode kernel, the experts' hidden rows)."""
+the paged decode kernel, the experts' hidden rows, the router's projections, the conv
+update)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gdn, moe
+from pallas_kernels import conv1d, gdn, moe, projections
 from pallas_kernels._common import on_hopper_gpu
 from pallas_kernels.attention import paged_decode as pd
 
@@ -93,4 +94,39 @@ def test_expert_hidden_prefetching_the_down_weights_gives_the_same_bits():
     want = op(x, w, jnp.asarray(ids))
     got = op(x, w, jnp.asarray(ids), prefetch_down=down)
     assert np.abs(np.asarray(got[0], np.float32)).max() > 0
+    _same_bits(got, want)
+
+
+def test_router_launch_prefetching_the_shared_down_gives_the_same_bits():
+    rng = np.random.default_rng(4)
+    k = 2048
+    x = jnp.asarray(rng.standard_normal((ROWS, k)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+          for n in (256, 1024, 64)]  # fmt: skip
+    ws[1] = moe.pair_halves(ws[1])
+    down = jnp.asarray(rng.standard_normal((512, k)) * 0.02, jnp.bfloat16)
+    op = jax.jit(
+        functools.partial(projections.projections, paired=(False, True, False), impl="pallas")
+    )
+    want = op(x, ws)
+    got = op(x, ws, prefetch=(down,))
+    _same_bits(got, want)
+
+
+def test_conv_update_prefetching_the_states_gives_the_same_bits():
+    rng = np.random.default_rng(5)
+    channels, slots = 8192, 16
+    idx = np.zeros(ROWS, np.int32)
+    idx[0] = 7
+    args = dict(
+        x=jnp.asarray(rng.standard_normal((ROWS, 1, channels)), jnp.bfloat16),
+        weight=jnp.asarray(rng.standard_normal((channels, 4)), jnp.bfloat16),
+        bias=None,
+        conv_pool=jnp.asarray(rng.standard_normal((slots, channels, 3)), jnp.bfloat16),
+        state_indices=jnp.asarray(idx),
+    )
+    states = jnp.asarray(rng.standard_normal((slots, 32, 128, 128)), jnp.float32)
+    op = jax.jit(functools.partial(conv1d.causal_conv1d_update, impl="pallas"))
+    want = op(**args)
+    got = op(**args, prefetch_slots=(states,))
     _same_bits(got, want)

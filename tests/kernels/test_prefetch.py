@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from _compare import bits
 
-from pallas_kernels import _prefetch, gdn
+from pallas_kernels import _prefetch, conv1d, gdn, projections
 from pallas_kernels.attention import paged_decode as pd
 
 PREFETCH_OP = "cp.async.bulk.prefetch"  # the PTX a prefetch lowers to
@@ -216,4 +216,98 @@ def test_paged_decode_with_prefetch_lowers_for_cuda_at_the_35b_shapes():
         return traced.lower(lowering_platforms=("cuda",)).as_text()
 
     assert PREFETCH_OP in lowered(spec((4096, 2048), jnp.bfloat16))
+    assert PREFETCH_OP not in lowered()
+
+
+# ------------------------------------------------------------------ the projections' launch
+
+
+@pytest.mark.parametrize("paired", [False, True], ids=["plain", "paired-swiglu"])
+def test_projections_with_prefetch_give_the_bits_they_give_without(few_sms, paired):
+    """A router and a shared gate/up in one launch (the shared down weight prefetched by
+    the programs after theirs): the products' bits do not change."""
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    ws = [jnp.asarray(rng.standard_normal((256, n)) / 16, jnp.bfloat16) for n in (64, 128)]
+    flags = (False, paired)
+    op = jax.jit(functools.partial(projections.projections, paired=flags, impl="interpret"))
+    want = op(x, ws)
+    got = op(x, ws, prefetch=_weights(11))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(bits(g), bits(w))
+
+
+def test_projections_with_prefetch_lower_for_cuda_at_the_35b_router_shapes():
+    spec = jax.ShapeDtypeStruct
+    x = spec((8, 2048), jnp.bfloat16)
+    ws = [spec((2048, n), jnp.bfloat16) for n in (256, 1024, 64)]
+    fn = functools.partial(projections.projections, paired=(False, True, False), impl="pallas")
+
+    def lowered(*prefetch):
+        traced = jax.jit(fn).trace(x, ws, prefetch=prefetch)
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+    assert PREFETCH_OP in lowered(spec((512, 2048), jnp.bfloat16))
+    assert PREFETCH_OP not in lowered()
+    rows, w = jnp.zeros((8, 256), jnp.bfloat16), jnp.zeros((256, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=re.escape("projections: prefetch[0] bfloat16[512]")):
+        projections.projections(rows, [w], prefetch=(jnp.zeros(512, jnp.bfloat16),))
+
+
+# --------------------------------------------------------------------- the conv update
+
+
+def _conv_case(seed):
+    """4 rows (the third padded) of 256 channels, width 4, and a delta-rule pool."""
+    rng = np.random.default_rng(seed)
+    slots, channels = 6, 256
+    return dict(
+        x=jnp.asarray(rng.standard_normal((4, 1, channels)), jnp.bfloat16),
+        weight=jnp.asarray(rng.standard_normal((channels, 4)), jnp.bfloat16),
+        bias=None,
+        conv_pool=jnp.asarray(rng.standard_normal((slots, channels, 3)), jnp.bfloat16),
+        state_indices=jnp.asarray([3, 1, 0, 5], jnp.int32),
+    ), jnp.asarray(rng.standard_normal((slots, HV, KD, KD)), jnp.float32)
+
+
+def test_conv_update_prefetching_the_states_gives_the_bits_it_gives_without():
+    args, states = _conv_case(12)
+    op = jax.jit(functools.partial(conv1d.causal_conv1d_update, impl="interpret"))
+    want = op(**args)
+    got = op(**args, prefetch_slots=(states,))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(bits(g), bits(w))
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, message",
+    [((7, 2, 64, 64), jnp.float32, "its slots are not the pool's 6"),
+     ((6,), jnp.float32, "it has no axis after the slots"),
+     ((6, 4, 2), jnp.float32, "must be a non-empty [R, C] array whose rows")],
+    ids=["slots", "rank", "narrow-rows"],
+)  # fmt: skip
+def test_conv_update_names_an_array_whose_slots_it_cannot_prefetch(shape, dtype, message):
+    args, _ = _conv_case(13)
+    bad = jnp.zeros(shape, dtype)
+    want = f"causal_conv1d_update: prefetch_slots[0] {jnp.dtype(dtype)}{list(shape)}: "
+    for impl in ("reference", "interpret"):
+        with pytest.raises(ValueError, match=re.escape(want) + ".*" + re.escape(message)):
+            conv1d.causal_conv1d_update(**args, prefetch_slots=(bad,), impl=impl)
+
+
+def test_conv_update_prefetching_the_states_lowers_for_cuda_at_the_35b_shapes():
+    spec = jax.ShapeDtypeStruct
+    channels, slots = 8192, 64
+    args = dict(
+        x=spec((8, 1, channels), jnp.bfloat16), weight=spec((channels, 4), jnp.bfloat16),
+        bias=None, conv_pool=spec((slots, channels, 3), jnp.bfloat16),
+        state_indices=spec((8,), jnp.int32),
+    )  # fmt: skip
+    fn = functools.partial(conv1d.causal_conv1d_update, impl="pallas")
+
+    def lowered(*prefetch):
+        traced = jax.jit(fn).trace(**args, prefetch_slots=prefetch)
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+    assert PREFETCH_OP in lowered(spec((slots, 32, 128, 128), jnp.float32))
     assert PREFETCH_OP not in lowered()
