@@ -65,7 +65,7 @@ class Dims:
 
 SMOKE = Dims(hidden=256, key_heads=1, value_heads=2, head=64, q_heads=2, kv_heads=1,
              attention_head=64, experts=64, top_k=2, expert_width=128, shared_width=128,
-             positions=20, cycle=2)  # fmt: skip
+             positions=20, cycle=1)  # fmt: skip
 
 
 def _normal(rng, shape, dtype=BF16, scale=1.0):

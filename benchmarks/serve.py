@@ -82,6 +82,7 @@ from hybrid_jax.models.layer_scan import (  # noqa: E402
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
 from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig  # noqa: E402
 from pallas_kernels import _skinny  # noqa: E402
+from pallas_kernels.gdn import decode_mgpu  # noqa: E402
 
 _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
 # Switches a run can flip, each a module attribute read while tracing: flag -> (module,
@@ -132,6 +133,11 @@ TRIAL_SWITCHES = {
         gdn_backend, "PREFETCH_STATES_IN_CONV", True,
         "a GDN layer's decode-step conv update brings its rows' delta-rule states into L2 "
         "for the decode kernel after it",
+    ),
+    "--normed-heads-over-warpgroups": (
+        decode_mgpu, "NORMED_HEADS_OVER_WARPGROUPS", True,
+        "a GDN decode step of a few rows forms the output norm in a program per (head, row) "
+        "with the head's columns over two warpgroups, not in whole-head items",
     ),
     "--prefetch-experts-down": (
         moe_layer, "PREFETCH_EXPERTS_DOWN", True,

@@ -25,6 +25,7 @@ from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.modes import ForwardMode
 from pallas_kernels import conv1d, gdn
+from pallas_kernels.gdn import decode_mgpu
 
 CONFIG = GDNConfig(hidden_size=32, num_key_heads=1, num_value_heads=2, head_k_dim=64, head_v_dim=64)
 SLOTS = 7
@@ -263,3 +264,17 @@ def test_prefetching_the_states_in_the_conv_hands_the_pool_to_the_conv_kernel_on
         runs[on] = jax.jit(step)(x, conv, ssm, meta)
     for got, want in zip(runs[True], runs[False], strict=True):
         np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_a_decode_step_with_heads_over_warpgroups_equals_the_unfused_path(layer, monkeypatch):
+    """``NORMED_HEADS_OVER_WARPGROUPS`` (here one 64-column slice a head): the layer's step
+    as the unfused path gives it, within float32 rounding."""
+    monkeypatch.setattr(decode_mgpu, "NORMED_HEADS_OVER_WARPGROUPS", True)
+    x, conv, ssm, meta = _inputs(5)
+    step = lambda fn: jax.jit(functools.partial(fn, layer, impl="interpret"))  # noqa: E731
+    y, _, ssm_out = step(_fused_decode)(x, conv, ssm, meta)
+    y_ref, _, ssm_ref = step(_unfused_decode)(x, conv, ssm, meta)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ssm_out, ssm_ref, rtol=1e-5, atol=1e-6)
+    text = str(jax.make_jaxpr(step(_fused_decode))(x, conv, ssm, meta))
+    assert "gdn_decode_heads" in text

@@ -64,6 +64,7 @@ _SWITCHES = {
         "SOFTMAX_IN_RANKING",
     ),
     "hybrid_jax.backend.attention": ("ROWS_IN_KERNEL", "TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
+    "pallas_kernels.gdn.decode_mgpu": ("NORMED_HEADS_OVER_WARPGROUPS",),
     "pallas_kernels._skinny": (
         "STAGES",
         "OVERLAP_PRODUCTS",

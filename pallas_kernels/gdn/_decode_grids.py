@@ -28,6 +28,7 @@ says which pays:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -129,8 +130,10 @@ def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use
 
     ``gates``: per token ``(decay, beta)`` float32 scalars. With ``out_norm`` ``(z_smem,
     weight, eps)`` (the item is a whole head: ``weight`` float32 ``[V]`` in the column
-    layout) each token's ``o`` is written gated-normed (``gated_output_norm``). Returns the
-    final state.
+    layout) each token's ``o`` is written gated-normed (``gated_output_norm``); with ``(z_smem,
+    weight, eps, across)`` the item is a slice of a head's columns and ``across(t, partial)``
+    gives token t's ``(sum of squares, width)`` over the whole head from the slice's partial
+    sum. Returns the final state.
     """
     _, row, col = layouts
     for t, (decay, beta_t) in enumerate(gates):
@@ -153,18 +156,24 @@ def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use
             o_t = jnp.sum(lax.broadcast_in_dim(q_t, state.shape, [0]) * state, axis=0)
         o_t = o_t * q_scale
         if out_norm is not None:
-            z_smem, weight, eps = out_norm
+            z_smem, weight, eps, *across = out_norm
             z_t = plgpu.load(z_smem.at[t], layout=col).astype(jnp.float32)
-            o_t = _gated_norm(o_t, z_t, weight, eps, o_smem.dtype)
+            whole = functools.partial(across[0], t) if across else None
+            o_t = _gated_norm(o_t, z_t, weight, eps, o_smem.dtype, whole)
         o_smem[t] = o_t.astype(o_smem.dtype)
     return state
 
 
-def _gated_norm(o, z, weight, eps: float, dtype):
+def _gated_norm(o, z, weight, eps: float, dtype, whole=None):
     """``gated_output_norm`` of one token's head ``o`` (float32 ``[V]``, rounded to ``dtype``
-    first, as the op stores it) with its gate ``z``: the same roundings in the same order."""
+    first, as the op stores it) with its gate ``z``: the same roundings in the same order.
+    ``whole(partial)``: ``o`` is a slice of the head, and this gives the head's ``(sum of
+    squares, width)`` from the slice's sum."""
     o = o.astype(dtype).astype(jnp.float32)
-    normed = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / o.shape[0]) + eps)
+    square_sum, width = jnp.sum(o * o), o.shape[0]
+    if whole is not None:
+        square_sum, width = whole(square_sum)
+    normed = o * lax.rsqrt(square_sum * (1.0 / width) + eps)
     normed = normed.astype(dtype).astype(jnp.float32)
     return weight * normed * (z / (1.0 + jnp.exp(-z)))
 

@@ -38,15 +38,18 @@ from pallas_kernels.gdn._decode_grids import (
     one_item_per_program,
     pipelined,
 )
+from pallas_kernels.gdn._decode_heads import SLICE, one_head_per_program
 
 __all__ = [
     "DEFAULT",
+    "NORMED_HEADS_OVER_WARPGROUPS",
     "MAX_TOKENS",
     "VARIANTS",
     "DecodeVariant",
     "fused_gating_recurrent_gated_delta_rule",
     "fused_gating_unsupported_reason",
     "fused_recurrent_gated_delta_rule",
+    "heads_over_warpgroups",
     "packed_gating_recurrent_gated_delta_rule",
     "packed_gating_unsupported_reason",
     "pick_block_v",
@@ -63,6 +66,12 @@ _GATING_OP = "decode_mgpu.fused_gating_recurrent_gated_delta_rule"
 _PACKED_OP = "decode_mgpu.packed_gating_recurrent_gated_delta_rule"
 
 
+NORMED_HEADS_OVER_WARPGROUPS = False
+"""Whether a call with the output norm at a few rows (a decode bucket whose (head, row)
+programs fit two an SM) splits each head's columns over warpgroups of one program
+(``_decode_heads.one_head_per_program``) instead of running whole-head items on one
+warpgroup in the pipelined grid. Off: not yet measured on the H200."""
+
 DEFAULT = "pipe3-cols"
 VARIANTS = {
     "wgmma": DecodeVariant("wgmma", one_pass=False),
@@ -70,6 +79,17 @@ VARIANTS = {
     "cols-bv32": DecodeVariant("cols", block_v=32),
     "pipe3-cols": DecodeVariant("cols", stages=3),
 }
+
+
+def heads_over_warpgroups(n_rows: int, heads: Heads) -> bool:
+    """Whether a call with the output norm runs one program per (head, row) with the head's
+    columns over warpgroups (``_decode_heads``): with ``NORMED_HEADS_OVER_WARPGROUPS``, when
+    its programs fit two an SM and the head splits into whole slices."""
+    return (
+        NORMED_HEADS_OVER_WARPGROUPS
+        and n_rows * heads.hv <= 2 * NUM_SMS
+        and heads.v_dim % SLICE == 0
+    )
 
 
 def pick_block_v(n_rows: int, hv: int, v_dim: int) -> int:
@@ -315,11 +335,17 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
     if heads.v_dim % bv or bv < 4 * VEC:
         raise ValueError(f"block_v={bv} must divide V={heads.v_dim} and be at least {4 * VEC}")
     scale = heads.k_dim**-0.5 if scale is None else float(scale)
+    pool_ref = jax.new_ref(ssm_pool)
+    if out_norm is not None and heads_over_warpgroups(n_rows, heads):
+        o = one_head_per_program(
+            q, k, v, gates_in, pool_ref, state_indices, heads=heads, cols=cols, scale=scale,
+            l2=use_qk_l2norm, out_norm=out_norm, interpret=interpret, prefetch=prefetch,
+        )  # fmt: skip
+        return o, jax.freeze(pool_ref)
     if variant.stages:
         run = pipelined
     else:
         run = one_item_per_program
-    pool_ref = jax.new_ref(ssm_pool)
     o = run(
         q, k, v, gates_in, pool_ref, state_indices, heads=heads, cols=cols,
         bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret, **options,

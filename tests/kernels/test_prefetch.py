@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _compare import bits
+from _compare import bits, packed_decode_specs
 
 from pallas_kernels import _prefetch, conv1d, gdn, projections
 from pallas_kernels.attention import paged_decode as pd
@@ -133,23 +133,15 @@ def test_gdn_decode_names_an_array_it_cannot_prefetch_on_every_impl():
 def test_gdn_decode_with_prefetch_lowers_for_cuda_at_the_35b_shapes():
     """Qwen3.5-35B's GDN heads at a bucket of 8 rows, the output norm in the kernel, the
     output projection's ``[4096, 2048]`` weight prefetched."""
-    n, h, hv, kd = 8, 16, 32, 128
+    args, norm = packed_decode_specs(8)
     spec = jax.ShapeDtypeStruct
-    args = dict(
-        qkv=spec((n, 1, 2 * h * kd + hv * kd), jnp.bfloat16),
-        ba=spec((n, 1, 2 * hv), jnp.bfloat16),
-        gate_params=spec((2, hv), jnp.float32),
-        ssm_pool=spec((64, hv, kd, kd), jnp.float32),
-        state_indices=spec((n,), jnp.int32),
-    )
-    norm = gdn.OutputNorm(spec((n, 1, hv * kd), jnp.bfloat16), spec((kd,), jnp.float32), 1e-6)
     fn = functools.partial(gdn.packed_gating_recurrent_gated_delta_rule, impl="pallas")
 
     def lowered(*prefetch):
         traced = jax.jit(fn).trace(**args, output_norm=norm, prefetch=prefetch)
         return traced.lower(lowering_platforms=("cuda",)).as_text()
 
-    assert PREFETCH_OP in lowered(spec((hv * kd, 2048), jnp.bfloat16))
+    assert PREFETCH_OP in lowered(spec((4096, 2048), jnp.bfloat16))
     assert PREFETCH_OP not in lowered()
 
 
