@@ -129,6 +129,11 @@ TRIAL_SWITCHES = {
         "L2 from spare programs, for the product right after it (a MoE block's router launch "
         "its shared expert's down weight)",
     ),
+    "--prefetch-block-inputs": (
+        linear_layer, "PREFETCH_BLOCK_INPUTS", True,
+        "a layer's mixer decode kernel also brings its MoE block's router-launch weights "
+        "(router, shared gate/up) into L2",
+    ),
     "--prefetch-states-in-conv": (
         gdn_backend, "PREFETCH_STATES_IN_CONV", True,
         "a GDN layer's decode-step conv update brings its rows' delta-rule states into L2 "

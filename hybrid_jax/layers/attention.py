@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -118,9 +119,11 @@ class Attention(nnx.Module):
         meta: ForwardMetadata,
         *,
         impl: str = "auto",
+        prefetch: Sequence[jax.Array] = (),
     ) -> AttentionOutput:
         """x: ``[T, hidden]`` packed tokens of ``meta``; k_pages, v_pages:
-        ``[P, page_size, KVH, head_dim]``."""
+        ``[P, page_size, KVH, head_dim]``; ``prefetch``: arrays the launches after the layer
+        read, which its decode kernel brings into L2 beside ``o_proj``'s weight."""
         c = self.config
         t = x.shape[0]  # explicit sizes: t == 0 when IDLE
         q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], impl=impl)
@@ -150,7 +153,7 @@ class Attention(nnx.Module):
             q, k_pages, v_pages = rows
         out, k_pages, v_pages = paged_attention(
             q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5, impl=impl,
-            written=rows is not None, prefetch=output_prefetch(self.o_proj, t),
+            written=rows is not None, prefetch=(*output_prefetch(self.o_proj, t), *prefetch),
         )  # fmt: skip
         if c.gated:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)

@@ -33,11 +33,14 @@ __all__ = [
     "FEW_ROWS",
     "MIN_SPLITS",
     "NORMS_IN_LAUNCH",
+    "PREFETCH_BLOCK_INPUTS",
+    "PREFETCH_MAX_BYTES",
     "PREFETCH_OUTPUT_WEIGHTS",
     "SPLIT_INPUT_PROJECTIONS",
     "SPLIT_OUTPUT_PROJECTIONS",
     "project",
     "project_output",
+    "input_prefetch",
     "output_prefetch",
     "short_sum",
     "swiglu",
@@ -78,6 +81,18 @@ projection's weight to bring into L2 (``output_prefetch``): the kernel (GDN deco
 attention decode) leaves most SMs and HBM idle, and the output projection right after it then
 reads its weight from L2. A MoE block's router launch (a few column tiles) does the same for
 its shared expert's down weight. Off: not yet measured on the H200."""
+
+
+PREFETCH_BLOCK_INPUTS = False
+"""Whether a decoder layer whose mixer runs a decode kernel at few rows also hands that
+kernel the weights its feed-forward block's first launch reads (a MoE block's router and
+shared gate/up, ``input_prefetch``), when they are few enough bytes to stay in L2 beside the
+output projection's (``PREFETCH_MAX_BYTES``). Off: not yet measured on the H200."""
+
+PREFETCH_MAX_BYTES = 16 << 20
+"""The most bytes of a block's input weights ``input_prefetch`` hands over: a MoE block's
+router launch (5.5 MB at the 35B-like shapes) fits in L2 beside an output projection's
+weight; a dense MLP's gate/up (100 MB at the 9B-like shapes) does not."""
 
 
 ADDS_FOR_SHORT_SUMS = True
@@ -197,6 +212,19 @@ def output_prefetch(layer: nnx.Linear, rows: int) -> tuple[jax.Array, ...]:
     if not (PREFETCH_OUTPUT_WEIGHTS and 0 < rows <= FEW_ROWS):
         return ()
     return () if prefetch_unsupported_reason(w) else (w,)
+
+
+def input_prefetch(layers: Sequence[nnx.Linear], rows: int) -> tuple[jax.Array, ...]:
+    """What a mixer's decode kernel at ``rows`` rows prefetches for the launch of ``layers``
+    (a feed-forward block's first products) that follows its layer's output projection: their
+    weights with ``PREFETCH_BLOCK_INPUTS`` at few rows, when all can be prefetched and they
+    weigh at most ``PREFETCH_MAX_BYTES``, else nothing."""
+    if not (PREFETCH_BLOCK_INPUTS and 0 < rows <= FEW_ROWS):
+        return ()
+    weights = tuple(layer.kernel[...] for layer in layers)
+    if any(prefetch_unsupported_reason(w) for w in weights):
+        return ()
+    return weights if sum(w.size * w.dtype.itemsize for w in weights) <= PREFETCH_MAX_BYTES else ()
 
 
 def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:

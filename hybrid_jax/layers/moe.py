@@ -317,13 +317,12 @@ class SparseMoE(nnx.Module):
         shared_mlp = self.shared_expert
         hidden_in_launch = self._hidden_in_launch(x, impl)
         shared_inputs = self._shared_inputs()
-        inputs = [self.gate, *shared_inputs]
+        inputs = self.router_launch()
         # With the hidden rows formed in the launches, the router's forms the shared
         # expert's (its one paired weight) and the experts' launch the routed pairs'.
         paired = [False, *[hidden_in_launch] * len(shared_inputs)]
         gate_in_launch = self._shared_gate_in_launch()
         if gate_in_launch:
-            inputs.append(self.shared_expert_gate)
             paired.append(False)
         # The shared expert's down weight, for the launch that reads it after the experts'.
         prefetch = linear_layer.output_prefetch(shared_mlp.down_proj, x.shape[0])
@@ -357,6 +356,12 @@ class SparseMoE(nnx.Module):
         hidden = swiglu(experts_matmul(xs, self.gate_up_proj), paired=self.paired)
         routed = dispatch.combine(experts_matmul(hidden, self.down_proj), weights)
         return routed.astype(x.dtype) + shared
+
+    def router_launch(self) -> list[nnx.Linear]:
+        """The products of the block's first launch: the router, the shared expert's
+        gate/up, and its gate where widened to a column tile (``widen_shared_gate``)."""
+        gate = [self.shared_expert_gate] if self._shared_gate_in_launch() else []
+        return [self.gate, *self._shared_inputs(), *gate]
 
     def _shared_gate_logit(self, x: jax.Array | NormedRows) -> jax.Array:
         """``shared_expert_gate(x)`` ``[T, 1]``; of ``NormedRows``, the product of the
