@@ -242,9 +242,12 @@ def test_prefetch_switch_hands_the_out_proj_weight_to_the_decode_kernel_only(lay
         runs[on] = jax.jit(step)(x, conv, ssm, meta)
     for got, want in zip(runs[True], runs[False], strict=True):
         np.testing.assert_array_equal(_bits(got), _bits(want))
-    # Past the few rows of a latency-bound decode kernel: nothing to prefetch.
+    # Past the few rows of a latency-bound decode kernel, or more bytes than L2 would keep
+    # until the product: nothing to prefetch.
     assert linear_layer.output_prefetch(layer.out_proj, linear_layer.FEW_ROWS + 1) == ()
     assert len(linear_layer.output_prefetch(layer.out_proj, 1)) == 1
+    monkeypatch.setattr(linear_layer, "PREFETCH_MAX_BYTES", layer.out_proj.kernel[...].nbytes - 1)
+    assert linear_layer.output_prefetch(layer.out_proj, 1) == ()
 
 
 def test_prefetching_the_states_in_the_conv_hands_the_pool_to_the_conv_kernel_only(

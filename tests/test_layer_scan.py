@@ -248,7 +248,8 @@ def test_mixers_take_their_moe_blocks_router_launch_weights_to_prefetch(monkeypa
     gdn_out = (c.linear_num_value_heads * c.linear_value_head_dim, c.hidden_size)
     attention_out = (c.num_attention_heads * c.head_dim, c.hidden_size)
     assert handed == [[gdn_out, *router], [gdn_out, *router], [attention_out, *router]]
-    monkeypatch.setattr(linear_layer, "PREFETCH_MAX_BYTES", 1024)
+    # Room for an output weight (16 KiB), not for the router launch's four (33 KiB).
+    monkeypatch.setattr(linear_layer, "PREFETCH_MAX_BYTES", 20 << 10)
     handed.clear()
     decode()
     assert handed == [[gdn_out], [gdn_out], [attention_out]]

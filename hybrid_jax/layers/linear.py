@@ -90,9 +90,10 @@ shared gate/up, ``input_prefetch``), when they are few enough bytes to stay in L
 output projection's (``PREFETCH_MAX_BYTES``). Off: not yet measured on the H200."""
 
 PREFETCH_MAX_BYTES = 16 << 20
-"""The most bytes of a block's input weights ``input_prefetch`` hands over: a MoE block's
-router launch (5.5 MB at the 35B-like shapes) fits in L2 beside an output projection's
-weight; a dense MLP's gate/up (100 MB at the 9B-like shapes) does not."""
+"""The most bytes of weights ``output_prefetch`` or ``input_prefetch`` hands over, each: the
+35B-like ``out_proj`` (16 MiB) and MoE router launch (5.5 MB) stay in the 50 MB L2 together
+until their launches; a 27B-like ``out_proj`` (60 MiB) or a dense MLP's gate/up (100 MB at
+the 9B-like shapes) would not."""
 
 
 ADDS_FOR_SHORT_SUMS = True
@@ -207,20 +208,24 @@ def _split_products(
 def output_prefetch(layer: nnx.Linear, rows: int) -> tuple[jax.Array, ...]:
     """What a mixer's decode kernel at ``rows`` rows prefetches for the output projection
     ``layer`` that follows it: the layer's weight with ``PREFETCH_OUTPUT_WEIGHTS`` at few rows
-    (where the kernel leaves HBM idle), else nothing."""
-    w = layer.kernel[...]
+    (where the kernel leaves HBM idle), else nothing (``_prefetchable``)."""
     if not (PREFETCH_OUTPUT_WEIGHTS and 0 < rows <= FEW_ROWS):
         return ()
-    return () if prefetch_unsupported_reason(w) else (w,)
+    return _prefetchable([layer])
 
 
 def input_prefetch(layers: Sequence[nnx.Linear], rows: int) -> tuple[jax.Array, ...]:
     """What a mixer's decode kernel at ``rows`` rows prefetches for the launch of ``layers``
     (a feed-forward block's first products) that follows its layer's output projection: their
-    weights with ``PREFETCH_BLOCK_INPUTS`` at few rows, when all can be prefetched and they
-    weigh at most ``PREFETCH_MAX_BYTES``, else nothing."""
+    weights with ``PREFETCH_BLOCK_INPUTS`` at few rows, else nothing (``_prefetchable``)."""
     if not (PREFETCH_BLOCK_INPUTS and 0 < rows <= FEW_ROWS):
         return ()
+    return _prefetchable(layers)
+
+
+def _prefetchable(layers: Sequence[nnx.Linear]) -> tuple[jax.Array, ...]:
+    """The layers' weights when the kernels can prefetch each and together they weigh at most
+    ``PREFETCH_MAX_BYTES`` (what L2 holds until the launch that reads them), else none."""
     weights = tuple(layer.kernel[...] for layer in layers)
     if any(prefetch_unsupported_reason(w) for w in weights):
         return ()
