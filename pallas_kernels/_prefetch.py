@@ -32,6 +32,7 @@ __all__ = [
     "check_prefetch",
     "issue_prefetches",
     "prefetch_programs",
+    "spare_rows",
     "unsupported_reason",
 ]
 
@@ -90,6 +91,12 @@ def prefetch_programs(arrays: Sequence[jax.Array], busy: int) -> int:
     if not total:
         return 0
     return min(total, max(MIN_PROGRAMS, NUM_SMS - busy))
+
+
+def spare_rows(arrays: Sequence[jax.Array], busy: int, width: int = 1) -> int:
+    """Rows of ``width`` programs that a launch of ``busy`` programs appends to its grid to
+    prefetch ``arrays``: ``prefetch_programs``, rounded up to whole rows (0 without arrays)."""
+    return -(-prefetch_programs(arrays, busy) // width)
 
 
 def issue_prefetches(refs: Sequence, program, programs: int) -> None:

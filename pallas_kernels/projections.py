@@ -31,7 +31,7 @@ from jax import lax
 
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
 from pallas_kernels._mgpu_chunks import ALIGN, F32
-from pallas_kernels._prefetch import check_prefetch, issue_prefetches, prefetch_programs
+from pallas_kernels._prefetch import check_prefetch, issue_prefetches, spare_rows
 from pallas_kernels._skinny import (
     BLOCK_K,
     BLOCK_N,
@@ -151,7 +151,7 @@ def _kernel(
         halves=halves,
     )  # fmt: skip
     # Prefetching programs take whole rows of the grid after the products' tiles.
-    spare_tiles = -(-prefetch_programs(prefetch, sum(tiles) * splits) // splits)
+    spare_tiles = spare_rows(prefetch, sum(tiles) * splits, splits)
     operands += prefetch
 
     def body(x_ref, *refs):

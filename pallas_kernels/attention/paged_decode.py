@@ -49,7 +49,7 @@ from pallas_kernels._common import (
     round_up,
 )
 from pallas_kernels._mgpu_chunks import F32, ROWS, WG, along_rows, matmul, matmul_into, smem
-from pallas_kernels._prefetch import check_prefetch, issue_prefetches, prefetch_programs
+from pallas_kernels._prefetch import check_prefetch, issue_prefetches, spare_rows
 from pallas_kernels._tree import check_parents
 
 __all__ = [
@@ -263,7 +263,7 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
 
     tree = paths is not None
     programs = num_splits * pairs
-    n_prefetch = prefetch_programs(prefetch, programs)
+    n_prefetch = spare_rows(prefetch, programs)
 
     def body(table_ref, lens_ref, q_ref, k_ref, v_ref, *refs):
         prefetch_refs, refs = refs[: len(prefetch)], refs[len(prefetch) :]

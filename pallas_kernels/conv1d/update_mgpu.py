@@ -272,11 +272,13 @@ def slot_prefetch_unsupported_reason(
     have the pool's slots first and at least one more axis, its last a multiple of 16 bytes
     (``_prefetch``'s rule for a slot's ``[A, B]`` rows)."""
     for i, p in enumerate(prefetch_slots):
-        row = jax.ShapeDtypeStruct((math.prod(p.shape[1:-1]), p.shape[-1]), p.dtype)
-        reason = None if p.ndim >= 2 else "it has no axis after the slots"
-        if p.ndim >= 2 and p.shape[0] != conv_pool.shape[0]:
+        if p.ndim < 2:
+            reason = "it has no axis after the slots"
+        elif p.shape[0] != conv_pool.shape[0]:
             reason = f"its slots are not the pool's {conv_pool.shape[0]}"
-        reason = reason or prefetch_unsupported_reason(row)
+        else:
+            row = jax.ShapeDtypeStruct((math.prod(p.shape[1:-1]), p.shape[-1]), p.dtype)
+            reason = prefetch_unsupported_reason(row)
         if reason is not None:
             return f"prefetch_slots[{i}] {p.dtype}{list(p.shape)}: {reason}"
     return None

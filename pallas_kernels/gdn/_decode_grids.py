@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params
 from pallas_kernels._mgpu_chunks import SMEM_PER_SM, columns_over_warps
-from pallas_kernels._prefetch import issue_prefetches, prefetch_programs
+from pallas_kernels._prefetch import issue_prefetches, spare_rows
 
 __all__ = [
     "VEC",
@@ -363,7 +363,7 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
     n_blocks = v_dim // bv
     n_items = n_rows * hv * n_blocks
     n_progs = min(n_items, variant.programs)
-    n_prefetch = prefetch_programs(prefetch, n_progs)
+    n_prefetch = spare_rows(prefetch, n_progs)
     stages = variant.stages
     layouts = _layouts(variant, bv)
 

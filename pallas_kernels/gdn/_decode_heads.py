@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import interpret_params
-from pallas_kernels._prefetch import issue_prefetches, prefetch_programs
+from pallas_kernels._prefetch import issue_prefetches, spare_rows
 from pallas_kernels.gdn._decode_grids import (
     DecodeVariant,
     _decays,
@@ -51,7 +51,7 @@ def one_head_per_program(q, k, v, gates_in, pool_ref, idx, *, heads, cols, scale
     n_gates = len(gates_in)
     raw = n_gates > 2
     # Prefetching programs take whole rows of the grid after the N rows.
-    spare_rows = -(-prefetch_programs(prefetch, hv * n_rows) // hv)
+    spare = spare_rows(prefetch, hv * n_rows, hv)
 
     def body(idx_ref, q_ref, k_ref, v_ref, *refs):
         gate_refs, refs = refs[:n_gates], refs[n_gates:]
@@ -113,16 +113,16 @@ def one_head_per_program(q, k, v, gates_in, pool_ref, idx, *, heads, cols, scale
         if not prefetch:
             head_slice()
             return
-        spare = (n - n_rows) * hv + head
+        program = (n - n_rows) * hv + head
         pl.when((n >= n_rows) & (part == 0))(
-            lambda: issue_prefetches(prefetch_refs, spare, spare_rows * hv)
+            lambda: issue_prefetches(prefetch_refs, program, spare * hv)
         )
         pl.when(n < n_rows)(head_slice)
 
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((n_rows, n_tokens, hv, v_dim), v.dtype),
-        grid=(hv, n_rows + spare_rows),
+        grid=(hv, n_rows + spare),
         grid_names=("h", "n"),
         num_threads=slices,
         thread_name="wg",

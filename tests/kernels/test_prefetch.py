@@ -59,6 +59,10 @@ def test_a_launch_adds_the_sms_it_leaves_free_and_no_more_programs_than_boxes():
     assert _prefetch.prefetch_programs((weight,), 264) == _prefetch.MIN_PROGRAMS
     small = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
     assert _prefetch.prefetch_programs((small,), 1) == 1
+    # A 2-D grid appends whole rows: 100 programs in rows of 32 are 4 rows.
+    assert _prefetch.spare_rows((weight,), 32, 32) == 4
+    assert _prefetch.spare_rows((weight,), 32) == _prefetch.NUM_SMS - 32
+    assert _prefetch.spare_rows((), 32, 32) == 0
 
 
 @pytest.mark.parametrize(
