@@ -13,9 +13,8 @@ On the H200 (see benchmarks/README.md; about a minute)::
     python3 benchmarks/decode_bucket.py [--rows 8:1,8:8,16:1,16:16] [--blocks 16,32,64]
         [--output-norm]
 
-``--output-norm`` adds two rows per ``(N, R)``: the op forming the gated output norm
-(``output_norm=``: whole-head items, then with ``NORMED_HEADS_OVER_WARPGROUPS`` where it
-applies), each checked against the norm formed after the default op.
+``--output-norm`` adds a row per ``(N, R)``: the op forming the gated output norm
+(``output_norm=``: whole-head items), checked against the norm formed after the default op.
 
 Prints one table (device us per call, state bytes of the real rows per second) and checks each
 configuration's output against the default block's first.
@@ -121,14 +120,10 @@ def main() -> None:
             print(f"| {n} | {real} | {block_v} | {mark} | {us:.1f} | {rate:.2f} | {err:.2e} |",
                   flush=True)  # fmt: skip
         if args.output_norm:
-            for over in (False, True):  # whole-head items, or a head over warpgroups
-                decode_mgpu.NORMED_HEADS_OVER_WARPGROUPS = over
-                us, err = measure(n, real, V, rng, output_norm=True)
-                rate = _state_rate(real, us)
-                how = "output norm" + (", head over warpgroups" if over else "")
-                print(f"| {n} | {real} | {V}, {how} | | {us:.1f} | {rate:.2f} | {err:.2e} |",
-                      flush=True)  # fmt: skip
-            decode_mgpu.NORMED_HEADS_OVER_WARPGROUPS = False
+            us, err = measure(n, real, V, rng, output_norm=True)
+            rate = _state_rate(real, us)
+            print(f"| {n} | {real} | {V}, output norm | | {us:.1f} | {rate:.2f} | {err:.2e} |",
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

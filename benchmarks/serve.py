@@ -69,7 +69,6 @@ from switches import switches_set  # noqa: E402
 
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa: E402
 from hybrid_jax.backend import attention as attention_backend  # noqa: E402
-from hybrid_jax.backend import gdn as gdn_backend  # noqa: E402
 from hybrid_jax.layers import gdn as gdn_layer  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
 from hybrid_jax.layers import moe as moe_layer  # noqa: E402
@@ -82,7 +81,6 @@ from hybrid_jax.models.layer_scan import (  # noqa: E402
 from hybrid_jax.models.nemotron_h import NemotronH, NemotronHConfig  # noqa: E402
 from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig  # noqa: E402
 from pallas_kernels import _skinny  # noqa: E402
-from pallas_kernels.gdn import decode_mgpu  # noqa: E402
 
 _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
 # Switches a run can flip, each a module attribute read while tracing: flag -> (module,
@@ -117,37 +115,6 @@ TRIAL_SWITCHES = {
         linear_layer, "ADDS_FOR_SHORT_SUMS", False,
         "sums over a short axis (partial products, a MoE token's choices and their softmax) "
         "as reduces instead of chains of adds",
-    ),
-    "--experts-fill-sm": (
-        _skinny, "EXPERTS_FILL_SM", True,
-        "an experts' by-id launch takes the deepest ring that fits, one program an SM (each "
-        "walking more pair places)",
-    ),
-    "--prefetch-output-weights": (
-        linear_layer, "PREFETCH_OUTPUT_WEIGHTS", True,
-        "a GDN or attention layer's decode kernel brings the output projection's weight into "
-        "L2 from spare programs, for the product right after it (a MoE block's router launch "
-        "its shared expert's down weight)",
-    ),
-    "--prefetch-block-inputs": (
-        linear_layer, "PREFETCH_BLOCK_INPUTS", True,
-        "a layer's mixer decode kernel also brings its MoE block's router-launch weights "
-        "(router, shared gate/up) into L2",
-    ),
-    "--prefetch-states-in-conv": (
-        gdn_backend, "PREFETCH_STATES_IN_CONV", True,
-        "a GDN layer's decode-step conv update brings its rows' delta-rule states into L2 "
-        "for the decode kernel after it",
-    ),
-    "--normed-heads-over-warpgroups": (
-        decode_mgpu, "NORMED_HEADS_OVER_WARPGROUPS", True,
-        "a GDN decode step of a few rows forms the output norm in a program per (head, row) "
-        "with the head's columns over two warpgroups, not in whole-head items",
-    ),
-    "--prefetch-experts-down": (
-        moe_layer, "PREFETCH_EXPERTS_DOWN", True,
-        "a MoE block's experts' hidden-rows launch brings its pairs' down weights into L2 for "
-        "the down launch after it",
     ),
     "--no-ring-fills-sm": (
         _skinny, "RING_FILLS_SM", False,

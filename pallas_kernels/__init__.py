@@ -2,7 +2,6 @@
 
 from pallas_kernels import attention, conv1d, gdn, mamba2, moe, projections
 from pallas_kernels._common import IMPLS, on_hopper_gpu, resolve_impl
-from pallas_kernels._prefetch import unsupported_reason as prefetch_unsupported_reason
 from pallas_kernels.commit import commit_states
 
 __all__ = [
@@ -14,7 +13,6 @@ __all__ = [
     "mamba2",
     "moe",
     "on_hopper_gpu",
-    "prefetch_unsupported_reason",
     "projections",
     "resolve_impl",
 ]

@@ -27,8 +27,6 @@ static argument, so a changed switch is a new trace:
   gate/up: 20 column tiles) gives each program the deepest ring a block's shared memory
   holds (``filling_ring``). Such a program reads its tile at the rate its loads in flight
   allow (bytes in flight over the memory's latency), not at an SM's share of the bandwidth.
-  ``EXPERTS_FILL_SM`` makes the experts' by-id launches such launches: the deepest ring, so
-  one program an SM.
 """
 
 from __future__ import annotations
@@ -60,7 +58,6 @@ __all__ = [
     "BLOCK_K",
     "BLOCK_N",
     "DTYPES",
-    "EXPERTS_FILL_SM",
     "OVERLAP_PRODUCTS",
     "PAIRED_UNITS",
     "ROWS_PER_TILE",
@@ -99,13 +96,6 @@ module's doc): the 35B-like router and shared gate/up launch ~1.2 us shorter at 
 rows (benchmarks/RESULTS_serve.md)."""
 
 
-EXPERTS_FILL_SM = False
-"""Whether an experts' by-id launch (``moe.expert_matmul``, ``moe.expert_hidden``) takes the
-deepest ring that fits, so that one program runs on an SM and each walks more pair places
-(its programs per column tile fewer), as ``RING_FILLS_SM`` gives a launch of at most one
-program per SM. Off: not yet measured on the H200."""
-
-
 class ProductVariant(NamedTuple):
     """A launch's static product choices: the ring's depth and the variants.
     ``ProductVariant()`` is the plain product; ``current_variant()`` gives the switches'."""
@@ -114,13 +104,12 @@ class ProductVariant(NamedTuple):
     overlap: bool = False
     swap: bool = False
     fill_sm: bool = False
-    fill_experts: bool = False
 
 
 def current_variant() -> ProductVariant:
     """The switches' values now (``STAGES``, ``OVERLAP_PRODUCTS``, ``SWAP_OPERANDS``,
-    ``RING_FILLS_SM``, ``EXPERTS_FILL_SM``)."""
-    return ProductVariant(STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS, RING_FILLS_SM, EXPERTS_FILL_SM)
+    ``RING_FILLS_SM``)."""
+    return ProductVariant(STAGES, OVERLAP_PRODUCTS, SWAP_OPERANDS, RING_FILLS_SM)
 
 
 def filling_ring(
@@ -212,7 +201,7 @@ def programs_per_sm(scratch_refs) -> int:
 def tile_product(
     x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *extra, steps: int,
     variant: ProductVariant, interpret: bool, row_scale=None,
-    rms: tuple[float, int] | None = None, halves: bool = False, after_fill=None,
+    rms: tuple[float, int] | None = None, halves: bool = False,
 ):  # fmt: skip
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype); with
     ``row_scale`` (a GMEM view ``[R]``, float32) each row's sum times its scale before the
@@ -228,8 +217,6 @@ def tile_product(
     ``steps = K // BLOCK_K``; the SMEM buffers and barriers from ``scratch`` (with the same
     ``variant``, and ``row_scale=True`` for a scaled call, ``halves=True`` for a SwiGLU over
     the halves: ``extra`` holds what those add).
-    ``after_fill``: a function the program calls once the ring's first blocks are in
-    flight (work that should not delay them, such as prefetches for a later launch).
     Waits for the previous call's store before reusing ``o_s``; the caller waits for this
     one's (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
     rows = x_rows.shape[0]
@@ -243,9 +230,8 @@ def tile_product(
                          f"scratch's rows; got {rows} rows, swap={swap}")  # fmt: skip
     ring = (x_s, w_s, bars)
     acc = _tile_sum(
-        x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret,
-        after_fill=after_fill,
-    )  # fmt: skip
+        x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret
+    )
     if row_scale is not None:
         plgpu.barrier_wait(scale_bar)
         scale = _row_scales(scale_s, held, swap, acc.shape, rms)
@@ -322,11 +308,10 @@ def unpair_halves(w: jax.Array) -> jax.Array:
 
 
 def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVariant,
-              swap: bool, interpret: bool, after_fill=None):  # fmt: skip
+              swap: bool, interpret: bool):  # fmt: skip
     """The float32 sum ``x_rows @ w_cols`` through the ring (WGMMA layout): ``[64,
     BLOCK_N]``, or transposed ``[BLOCK_N, rows]`` with ``swap`` (the rows rounded up to the
-    8-row groups that TMA moves); ``after_fill`` called once the first blocks are in flight.
-    The ring is free again when it returns."""
+    8-row groups that TMA moves). The ring is free again when it returns."""
     rows = x_rows.shape[0]
     stages = min(variant.stages, steps)
     held = round_up(rows, ALIGN)
@@ -344,8 +329,6 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
 
     for j in range(stages):
         fill(j, j)
-    if after_fill is not None:
-        after_fill()
 
     def step(j, acc):
         stage = lax.rem(j, stages)

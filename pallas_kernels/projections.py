@@ -31,7 +31,6 @@ from jax import lax
 
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
 from pallas_kernels._mgpu_chunks import ALIGN, F32
-from pallas_kernels._prefetch import check_prefetch, issue_prefetches, spare_rows
 from pallas_kernels._skinny import (
     BLOCK_K,
     BLOCK_N,
@@ -121,17 +120,14 @@ def projections_reference(
     static_argnames=("splits", "partial", "variant", "interpret", "rms_eps", "paired"),
 )
 def _kernel(
-    x: jax.Array, weights: tuple[jax.Array, ...], row_scale: jax.Array | None = None,
-    prefetch: tuple[jax.Array, ...] = (), *, splits: int, partial: bool,
-    variant: ProductVariant, interpret: bool, rms_eps: float | None = None,
-    paired: tuple[bool, ...] = (),
+    x: jax.Array, weights: tuple[jax.Array, ...], row_scale: jax.Array | None = None, *,
+    splits: int, partial: bool, variant: ProductVariant, interpret: bool,
+    rms_eps: float | None = None, paired: tuple[bool, ...] = (),
 ):  # fmt: skip
     """Every weight's products over ``splits`` parts of K: ``[splits, R, N_i]`` each, float32
     when ``partial``, else in x's dtype; each row times its ``row_scale`` when given (or
     ``1 / sqrt(row_scale / K + rms_eps)`` with the whole K, ``tile_product``); a ``paired``
-    weight's ``[1, R, N_i / 2]`` SwiGLU hidden rows (``tile_product(halves=True)``).
-    ``prefetch``: ``[R, C]`` arrays that programs after the products' bring into L2
-    (``_prefetch``)."""
+    weight's ``[1, R, N_i / 2]`` SwiGLU hidden rows (``tile_product(halves=True)``)."""
     rows, k_dim = x.shape
     steps = k_dim // BLOCK_K // splits
     span = steps * BLOCK_K
@@ -150,21 +146,12 @@ def _kernel(
         variant, sum(tiles) * splits, steps, x.dtype, held, out_dtype, row_scale=scaled,
         halves=halves,
     )  # fmt: skip
-    # Prefetching programs take whole rows of the grid after the products' tiles.
-    spare_tiles = spare_rows(prefetch, sum(tiles) * splits, splits)
-    operands += prefetch
 
     def body(x_ref, *refs):
         w_refs, refs = refs[: len(weights)], refs[len(weights) :]
         scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
-        prefetch_refs, refs = refs[: len(prefetch)], refs[len(prefetch) :]
         o_refs, scratch_refs = refs[: len(weights)], refs[len(weights) :]
         tile, split = lax.axis_index("t"), lax.axis_index("s")
-        if prefetch:
-            spare = (tile - sum(tiles)) * splits + split
-            pl.when(tile >= sum(tiles))(
-                lambda: issue_prefetches(prefetch_refs, spare, spare_tiles * splits)
-            )
         ks = pl.ds(split * span, span)
 
         def product(w_ref, o_ref, start, swiglu):
@@ -192,7 +179,7 @@ def _kernel(
         scratch_types=scratch(
             steps, x.dtype, variant, held, out_dtype, row_scale=scaled, halves=halves
         ),
-        grid=(sum(tiles) + spare_tiles, splits),
+        grid=(sum(tiles), splits),
         grid_names=("t", "s"),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
@@ -208,7 +195,6 @@ def projections(
     row_scale: jax.Array | None = None,
     rms_eps: float | None = None,
     paired: Sequence[bool] = (),
-    prefetch: Sequence[jax.Array] = (),
     impl: str = "auto",
 ) -> tuple[jax.Array, ...]:
     """``x @ w`` for every ``w`` of ``weights`` (float32 accumulation), each row's sum times
@@ -225,9 +211,6 @@ def projections(
       paired: one flag per weight (default none): a flagged weight holds a SwiGLU's gate
         and up columns laid out by ``pair_halves``, and its entry is ``silu(gate) * up``
         ``[R, N_i / 2]`` of the scaled float32 sums, formed in the launch's epilogue.
-      prefetch: ``[R, C]`` arrays a later launch reads (a shared expert's down weight):
-        programs of this launch that no product takes bring them into L2. No value
-        changes; the reference ignores them.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
@@ -235,15 +218,14 @@ def projections(
     """
     weights, paired = tuple(weights), tuple(bool(p) for p in paired)
     _check(x, weights, row_scale, rms_eps, paired)
-    check_prefetch(_OP, prefetch)
     reason = unsupported_reason(x, weights, paired) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
         return projections_reference(x, weights, row_scale, rms_eps, paired)
     outs = _kernel(
-        x, weights, row_scale, tuple(prefetch), splits=1, partial=False,
-        variant=current_variant(), interpret=choice == "interpret",
-        rms_eps=None if rms_eps is None else float(rms_eps), paired=paired,
+        x, weights, row_scale, splits=1, partial=False, variant=current_variant(),
+        interpret=choice == "interpret", rms_eps=None if rms_eps is None else float(rms_eps),
+        paired=paired,
     )  # fmt: skip
     return tuple(out[0] for out in outs)
 

@@ -11,14 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import pytest
 
-__all__ = [
-    "bits",
-    "check_impl_refusals",
-    "packed_decode_specs",
-    "query_start_loc",
-    "rel",
-    "replace",
-]
+__all__ = ["bits", "check_impl_refusals", "query_start_loc", "rel", "replace"]
 
 
 def rel(x, ref) -> float:
@@ -50,25 +43,3 @@ def check_impl_refusals(calls: Mapping[str, Callable[[], object]], impl: str) ->
             NotImplementedError, match=f"{op}: impl='{impl}' cannot take this call: "
         ):
             call()
-
-
-def packed_decode_specs(rows: int):
-    """Shapes of a Qwen3.5-35B-like GDN layer's packed decode call at a bucket of ``rows``
-    (16 key / 32 value heads of 128, bf16 activations, a 64-slot pool): the op's arguments
-    and an ``OutputNorm`` of shapes, for lowering tests."""
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels import gdn
-
-    h, hv, kd = 16, 32, 128
-    spec = jax.ShapeDtypeStruct
-    args = dict(
-        qkv=spec((rows, 1, 2 * h * kd + hv * kd), jnp.bfloat16),
-        ba=spec((rows, 1, 2 * hv), jnp.bfloat16),
-        gate_params=spec((2, hv), jnp.float32),
-        ssm_pool=spec((64, hv, kd, kd), jnp.float32),
-        state_indices=spec((rows,), jnp.int32),
-    )
-    norm = gdn.OutputNorm(spec((rows, 1, hv * kd), jnp.bfloat16), spec((kd,), jnp.float32), 1e-6)
-    return args, norm

@@ -18,14 +18,11 @@ import pytest
 from flax import nnx
 
 from hybrid_jax.backend import GDNDims, gdn_mix
-from hybrid_jax.backend import gdn as gdn_backend
 from hybrid_jax.layers import gdn as gdn_layer
-from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.modes import ForwardMode
 from pallas_kernels import conv1d, gdn
-from pallas_kernels.gdn import decode_mgpu
 
 CONFIG = GDNConfig(hidden_size=32, num_key_heads=1, num_value_heads=2, head_k_dim=64, head_v_dim=64)
 SLOTS = 7
@@ -210,74 +207,3 @@ def test_decode_step_lowers_for_cuda_with_the_pools_aliased():
     assert "stablehlo.logistic" not in text, "the gating's sigmoid ran outside the kernel"
     # The decode kernel reads q, k, v and b, a where the conv and the projection put them.
     assert "stablehlo.slice" not in text
-
-
-def _kernel_operand_shapes(jaxpr) -> list[set[tuple[int, ...]]]:
-    """The operand shapes of each kernel call in ``jaxpr`` and its sub-jaxprs."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == KERNEL_CALL:
-            found.append({tuple(v.aval.shape) for v in eqn.invars})
-            continue
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple | list) else (param,):
-                sub = getattr(sub, "jaxpr", sub)
-                if hasattr(sub, "eqns"):
-                    found += _kernel_operand_shapes(sub)
-    return found
-
-
-def test_prefetch_switch_hands_the_out_proj_weight_to_the_decode_kernel_only(layer, monkeypatch):
-    """With ``PREFETCH_OUTPUT_WEIGHTS`` the decode kernel takes ``out_proj``'s weight to bring
-    into L2 (its spare programs, the interpreter's no-ops): the step's bits do not change."""
-    x, conv, ssm, meta = _inputs(3)
-    weight = tuple(layer.out_proj.kernel[...].shape)
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(linear_layer, "PREFETCH_OUTPUT_WEIGHTS", on)
-        step = functools.partial(_fused_decode, layer, impl="interpret")
-        operands = _kernel_operand_shapes(jax.make_jaxpr(step)(x, conv, ssm, meta).jaxpr)
-        assert len(operands) == 2, "the conv update and the decode kernel"
-        assert [weight in shapes for shapes in operands] == [False, on]
-        runs[on] = jax.jit(step)(x, conv, ssm, meta)
-    for got, want in zip(runs[True], runs[False], strict=True):
-        np.testing.assert_array_equal(_bits(got), _bits(want))
-    # Past the few rows of a latency-bound decode kernel, or more bytes than L2 would keep
-    # until the product: nothing to prefetch.
-    assert linear_layer.output_prefetch(layer.out_proj, linear_layer.FEW_ROWS + 1) == ()
-    assert len(linear_layer.output_prefetch(layer.out_proj, 1)) == 1
-    monkeypatch.setattr(linear_layer, "PREFETCH_MAX_BYTES", layer.out_proj.kernel[...].nbytes - 1)
-    assert linear_layer.output_prefetch(layer.out_proj, 1) == ()
-
-
-def test_prefetching_the_states_in_the_conv_hands_the_pool_to_the_conv_kernel_only(
-    layer, monkeypatch
-):
-    """With ``PREFETCH_STATES_IN_CONV`` the conv update takes the delta-rule pool to bring its
-    rows' slots into L2 for the decode kernel (no-ops in the interpreter): the same bits."""
-    x, conv, ssm, meta = _inputs(4)
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(gdn_backend, "PREFETCH_STATES_IN_CONV", on)
-        step = functools.partial(_fused_decode, layer, impl="interpret")
-        operands = _kernel_operand_shapes(jax.make_jaxpr(step)(x, conv, ssm, meta).jaxpr)
-        # The conv kernel takes the pool as [S, HV*K, V], the decode kernel as it is.
-        slot_rows = (SLOTS, CONFIG.num_value_heads * CONFIG.head_k_dim, CONFIG.head_v_dim)
-        assert [slot_rows in shapes for shapes in operands] == [on, False]
-        runs[on] = jax.jit(step)(x, conv, ssm, meta)
-    for got, want in zip(runs[True], runs[False], strict=True):
-        np.testing.assert_array_equal(_bits(got), _bits(want))
-
-
-def test_a_decode_step_with_heads_over_warpgroups_equals_the_unfused_path(layer, monkeypatch):
-    """``NORMED_HEADS_OVER_WARPGROUPS`` (here one 64-column slice a head): the layer's step
-    as the unfused path gives it, within float32 rounding."""
-    monkeypatch.setattr(decode_mgpu, "NORMED_HEADS_OVER_WARPGROUPS", True)
-    x, conv, ssm, meta = _inputs(5)
-    step = lambda fn: jax.jit(functools.partial(fn, layer, impl="interpret"))  # noqa: E731
-    y, _, ssm_out = step(_fused_decode)(x, conv, ssm, meta)
-    y_ref, _, ssm_ref = step(_unfused_decode)(x, conv, ssm, meta)
-    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(ssm_out, ssm_ref, rtol=1e-5, atol=1e-6)
-    text = str(jax.make_jaxpr(step(_fused_decode))(x, conv, ssm, meta))
-    assert "gdn_decode_heads" in text

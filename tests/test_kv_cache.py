@@ -4,7 +4,6 @@ block against float64 oracles."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import chex
 import jax
@@ -319,24 +318,6 @@ def test_decode_and_verify_steps_take_the_paged_decode_kernel_when_asked(mode):
     got, want = _interpret_against_reference(meta, q, k, v, k_pages, v_pages)
     assert np.isfinite(got).all() and not got[3 * d :].any()  # the padded row: zeros
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
-
-
-def test_a_decode_step_hands_its_prefetch_to_the_paged_decode_kernel_and_keeps_its_bits():
-    """``prefetch`` goes to the paged decode kernel as operands its spare programs bring into
-    L2 (no-ops in the interpreter): the step's outputs and pages are the same bits."""
-    policy = BucketPolicy(batch_buckets=(4,), token_buckets=(4,), page_size=16, max_context=64)
-    rows = [RowSpec(1, 40, 1, (3, 7, 1)), RowSpec(2, 12, 1, (9,))]
-    meta, q, k, v, k_pages, v_pages = _bf16_step(M.DECODE, rows, policy, num_pages=12)
-    weight = jnp.asarray(np.random.default_rng(3).standard_normal((512, 96)), jnp.bfloat16)
-    run = jax.jit(paged_attention, static_argnames=("scale", "impl"))
-    args = (q, k, v, k_pages, v_pages, meta)
-    want = run(*args, scale=0.125, impl="interpret")
-    got = run(*args, scale=0.125, impl="interpret", prefetch=(weight,))
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16))
-    step = functools.partial(paged_attention, scale=0.125, impl="interpret")
-    text = str(jax.make_jaxpr(step)(*args, prefetch=(weight,)))
-    assert "bf16[512,96]" in text.split("custom_vmap_call", 1)[1], "no kernel took the array"
 
 
 def test_tree_verify_steps_take_the_paged_decode_kernel_when_asked():

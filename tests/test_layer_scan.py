@@ -18,9 +18,6 @@ from flax import nnx
 
 from hybrid_jax import Engine, EngineConfig, SamplingParams
 from hybrid_jax.backend.commit import commit_verified
-from hybrid_jax.layers import attention as attention_layer_module
-from hybrid_jax.layers import gdn as gdn_layer_module
-from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.metadata import RowSpec, build_metadata
 from hybrid_jax.models.layer_scan import (
@@ -204,55 +201,6 @@ def test_scanned_layers_with_their_norms_folded_step_as_the_layer_by_layer_model
         (norm.weight.get_value(), model.layers[0].mlp.gate_up_proj.get_value()),
         (weight, experts),
     )
-
-
-def test_mixers_take_their_moe_blocks_router_launch_weights_to_prefetch(monkeypatch):
-    """``PREFETCH_BLOCK_INPUTS`` (with ``PREFETCH_OUTPUT_WEIGHTS``): each scanned layer's
-    mixer gets its output projection's weight and its MoE block's router-launch weights
-    (router, shared gate and up, the widened shared gate) to prefetch, a DECODE step gives
-    the same bits (the reference ignores prefetches), and past the byte limit none of the
-    block's weights are handed over."""
-    config = dataclasses.replace(
-        tiny_qwen3_next_config(), num_hidden_layers=6, layer_types=(G, G, A) * 2,
-        mlp_only_layers=(), num_nextn_predict_layers=0,
-    )  # fmt: skip
-    folded = scan_layers(_seeded(lambda: Qwen3Next(config, rngs=nnx.Rngs(0))))
-    fold_scanned_norms(folded)  # widens the shared gate to a column tile
-    handed: list[list[tuple[int, ...]]] = []  # what each mixer hands its backend op
-    for module, name in (
-        (gdn_layer_module, "gdn_mix"),
-        (attention_layer_module, "paged_attention"),
-    ):
-        call = getattr(module, name)
-
-        def record(*args, _call=call, **kwargs):
-            handed.append([tuple(w.shape) for w in kwargs.get("prefetch", ())])
-            return _call(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, record)
-    rows = [RowSpec(1, 5, 1, (3, 7)), RowSpec(3, 7, 1, (1, 12))]
-
-    def decode():
-        run = parity.Runner(folded)
-        return run.step(M.DECODE, rows, [4, 9], *run.fresh(seed=2))[0]
-
-    plain = decode()
-    assert handed and all(shapes == [] for shapes in handed)
-    monkeypatch.setattr(linear_layer, "PREFETCH_OUTPUT_WEIGHTS", True)
-    monkeypatch.setattr(linear_layer, "PREFETCH_BLOCK_INPUTS", True)
-    handed.clear()
-    np.testing.assert_array_equal(decode().view(np.uint32), plain.view(np.uint32))
-    c = config
-    shared = (c.hidden_size, c.shared_expert_intermediate_size)
-    router = [(c.hidden_size, c.num_experts), shared, shared, (c.hidden_size, 64)]
-    gdn_out = (c.linear_num_value_heads * c.linear_value_head_dim, c.hidden_size)
-    attention_out = (c.num_attention_heads * c.head_dim, c.hidden_size)
-    assert handed == [[gdn_out, *router], [gdn_out, *router], [attention_out, *router]]
-    # Room for an output weight (16 KiB), not for the router launch's four (33 KiB).
-    monkeypatch.setattr(linear_layer, "PREFETCH_MAX_BYTES", 20 << 10)
-    handed.clear()
-    decode()
-    assert handed == [[gdn_out], [gdn_out], [attention_out]]
 
 
 def test_scanned_nemotron_h_steps_equal_the_layer_by_layer_model():

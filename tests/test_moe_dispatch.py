@@ -208,43 +208,6 @@ def test_paired_weights_form_the_hidden_rows_in_the_expert_launch(
     np.testing.assert_array_equal(np.asarray(moe.gate_up_proj[...]), paired)
 
 
-def test_the_moe_launches_prefetching_the_down_weights_change_no_bit(monkeypatch):
-    """``PREFETCH_EXPERTS_DOWN``: the block hands its down weights to the experts' hidden
-    launch, ``PREFETCH_OUTPUT_WEIGHTS`` its shared expert's to the router's (prefetches,
-    no-ops in the interpreter), only with the switches on: the same output bits either way."""
-    config = MoEConfig(hidden_size=128, num_experts=64, top_k=2, intermediate_size=128,
-                       shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
-    moe = SparseMoE(config, rngs=nnx.Rngs(8))
-    moe.pair_halves()
-    x = jnp.asarray(np.random.default_rng(6).standard_normal((5, 128)), jnp.bfloat16)
-    real = jnp.arange(5) < 4
-    launched, launch = [], moe_kernels.expert_hidden
-
-    def expert_hidden(*args, **kwargs):
-        launched.append(kwargs.get("prefetch_down"))
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(moe_kernels, "expert_hidden", expert_hidden)
-    projected, project = [], moe_layer.project
-
-    def project_and_record(*args, **kwargs):
-        projected.append(kwargs.get("prefetch", ()))
-        return project(*args, **kwargs)
-
-    monkeypatch.setattr(moe_layer, "project", project_and_record)
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(moe_layer, "PREFETCH_EXPERTS_DOWN", on)
-        monkeypatch.setattr(linear_layer, "PREFETCH_OUTPUT_WEIGHTS", on)
-        step = jax.jit(lambda m, a, r: m(a, r, impl="interpret"))  # a trace per setting
-        runs[on] = np.asarray(step(moe, x, real))
-    assert launched[0] is None and launched[1].shape == moe.down_proj[...].shape
-    # The router's launch takes the shared expert's down weight with PREFETCH_OUTPUT_WEIGHTS.
-    shared_down = moe.shared_expert.down_proj.kernel[...].shape
-    assert projected[0] == () and [w.shape for w in projected[1]] == [shared_down]
-    np.testing.assert_array_equal(runs[True].view(np.uint16), runs[False].view(np.uint16))
-
-
 @pytest.mark.parametrize("axis", [0, 1])
 def test_short_sum_adds_the_parts_where_the_switch_says(axis, monkeypatch):
     x = jnp.asarray(np.random.default_rng(axis).standard_normal((4, 3, 5)), jnp.float32)

@@ -37,7 +37,6 @@ entries move to ``prefix_len .. prefix_len + depth`` (``kv_cache.commit_tree_kv`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -450,12 +449,9 @@ def paged_attention(
     scale: float,
     impl: str = "auto",
     written: bool = False,
-    prefetch: Sequence[jax.Array] = (),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Writes this step's keys and values (unless ``written``: ``decode_rows`` did), then
-    causal grouped-query attention per row. ``prefetch``: arrays the layer's next launch
-    reads, which the paged decode kernel's spare programs bring into L2 (no value changes;
-    the other paths ignore them).
+    causal grouped-query attention per row.
 
     q: ``[T, H, hd]``; k, v: ``[T, KVH, hd]`` with ``H % KVH == 0`` (query head h reads key
     head ``h // (H // KVH)``); k_pages, v_pages: ``[P, page_size, KVH, hd]``. Returns
@@ -504,7 +500,7 @@ def paged_attention(
         out = paged_decode.paged_decode_attention(
             rows_q.astype(dtype), k_pages, v_pages, jnp.asarray(meta.pages.table),
             jnp.asarray(meta.context_lens).astype(jnp.int32), scale=scale,
-            parents=meta.parents if meta.tree else None, prefetch=prefetch, impl=decode,
+            parents=meta.parents if meta.tree else None, impl=decode,
         ).reshape(q.shape)  # fmt: skip
     elif tree is not None:
         out = _tree_tokens_attention(q, k_flat, v_flat, token_pages, meta, tree, scale, acc)

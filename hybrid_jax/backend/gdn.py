@@ -14,7 +14,7 @@ beta arrays, no separate op), the other paths call ``gdn_gating`` before their o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -26,13 +26,7 @@ from hybrid_jax.modes import LayerKind, TokenLayout
 from pallas_kernels import conv1d, gdn
 from pallas_kernels.gdn import reference as gdn_reference
 
-__all__ = ["PREFETCH_STATES_IN_CONV", "GDNDims", "gdn_mix"]
-
-PREFETCH_STATES_IN_CONV = False
-"""Whether a DECODE step's conv update brings its rows' delta-rule states into L2
-(``causal_conv1d_update(prefetch_slots=)``) for the decode kernel right after it, which then
-reads them from L2 (at a few rows the kernel's time is mostly its loads' latency). Off: not
-yet measured on the H200."""
+__all__ = ["GDNDims", "gdn_mix"]
 
 
 class GDNDims(NamedTuple):
@@ -98,8 +92,7 @@ def _normed(mix: LinearMixResult, norm: gdn.OutputNorm | None) -> LinearMixResul
     return mix._replace(out=gdn_reference.gated_output_norm(mix.out, z, norm.weight, norm.eps))
 
 
-def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm, prefetch):
-    del prefetch  # a hint for the decode kernel's launch only
+def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
     g, beta = gating.gates()
     qsl, slots, has_init = meta.query_start_loc, meta.state_indices, meta.has_initial_state
     mixed, conv_state = conv1d.causal_conv1d(
@@ -115,26 +108,24 @@ def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl,
     return _normed(LinearMixResult(out, conv_state, ssm_state, ()), norm)
 
 
-def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm, prefetch):
+def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
     slots = meta.state_indices
     mixed, conv_state = conv1d.causal_conv1d_update(
-        rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl,
-        prefetch_slots=(ssm_state,) if PREFETCH_STATES_IN_CONV else (),
-    )  # fmt: skip
+        rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl
+    )
     # The kernel reads q, k, v and b, a where the conv and the projection put them, and forms
     # the output norm when it is given one.
     if norm is not None:
         norm = dataclasses.replace(norm, z=rows(norm.z, meta))
     out, ssm_state = gdn.packed_gating_recurrent_gated_delta_rule(
         mixed, rows(gating.ba, meta), gating.params, ssm_state, slots, output_norm=norm,
-        prefetch=prefetch, impl=impl,
+        impl=impl,
     )  # fmt: skip
     ssm_state = _stored_slots(ssm_state, slots, dims)
     return LinearMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, ())
 
 
-def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm, prefetch):
-    del prefetch  # a hint for the decode kernel's launch only
+def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
     g, beta = gating.gates()
     slots = meta.state_indices
     mixed, windows = conv1d.causal_conv1d_verify(
@@ -149,8 +140,8 @@ def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl,
     return _normed(LinearMixResult(out, conv_state, ssm_state, verify), norm)
 
 
-def _idle(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm, prefetch):
-    del norm, prefetch  # no tokens: zeros either way
+def _idle(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
+    del norm  # no tokens: zeros either way
     out = jnp.zeros((mixed.shape[0], dims.num_value_heads, dims.head_v_dim), mixed.dtype)
     return LinearMixResult(out, conv_state, ssm_state, ())
 
@@ -174,7 +165,6 @@ def gdn_mix(
     dims: GDNDims,
     *,
     output_norm: gdn.OutputNorm | None = None,
-    prefetch: Sequence[jax.Array] = (),
     impl: str = "auto",
 ) -> LinearMixResult:
     """Causal conv1d + SiLU, the gating, then the gated delta rule, for one GDN layer in
@@ -185,15 +175,12 @@ def gdn_mix(
     ``[C, W]``; gate_params ``[2, HV]`` (``[A_log; dt_bias]``) and ba ``[T, 2*HV]``
     (``[b | a]`` per token): the inputs of ``gdn_gating`` (gated inside the decode kernel in
     DECODE, by ``gdn_gating`` otherwise); conv_state ``[S, C, W-1]``; ssm_state float32
-    ``[S, HV, K, V]`` (states written at ``dims.state_dtype``'s precision); ``prefetch``:
-    arrays the layer's next launch reads, which the decode kernel's spare programs bring
-    into L2 (no value changes; the other paths ignore them). Returns the
+    ``[S, HV, K, V]`` (states written at ``dims.state_dtype``'s precision). Returns the
     delta rule's output ``[T, HV, V]`` and the pools (see ``LinearMixResult``). Raises
     ``UnsupportedForwardModeError`` while tracing when GDN layers have no path for the mode.
     """
     path = mix_path(LayerKind.GDN, _PATHS, meta)
     gating = _Gating(gate_params, ba)
     return path(
-        mixed_qkv, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, output_norm,
-        tuple(prefetch),
-    )  # fmt: skip
+        mixed_qkv, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, output_norm
+    )

@@ -48,32 +48,20 @@ _SWITCHES = {
         "FEW_ROWS",
         "MIN_SPLITS",
         "NORMS_IN_LAUNCH",
-        "PREFETCH_BLOCK_INPUTS",
-        "PREFETCH_MAX_BYTES",
-        "PREFETCH_OUTPUT_WEIGHTS",
         "SPLIT_INPUT_PROJECTIONS",
         "SPLIT_OUTPUT_PROJECTIONS",
     ),
     "hybrid_jax.layers.gdn": ("NORM_IN_DECODE_KERNEL",),
-    "hybrid_jax.backend.gdn": ("PREFETCH_STATES_IN_CONV",),
     "hybrid_jax.layers.moe": (
         "BY_ID_MAX_PAIRS",
         "HIDDEN_IN_EXPERT_LAUNCH",
-        "PREFETCH_EXPERTS_DOWN",
         "RANKED_TOP_K_TOKENS",
         "SHARED_DOWN_WITH_EXPERTS",
         "SHARED_HIDDEN_WITH_EXPERTS",
         "SOFTMAX_IN_RANKING",
     ),
     "hybrid_jax.backend.attention": ("ROWS_IN_KERNEL", "TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
-    "pallas_kernels.gdn.decode_mgpu": ("NORMED_HEADS_OVER_WARPGROUPS",),
-    "pallas_kernels._skinny": (
-        "STAGES",
-        "OVERLAP_PRODUCTS",
-        "SWAP_OPERANDS",
-        "RING_FILLS_SM",
-        "EXPERTS_FILL_SM",
-    ),
+    "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS", "RING_FILLS_SM"),
 }
 
 

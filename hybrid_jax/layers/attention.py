@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -22,7 +21,7 @@ from flax import nnx
 
 from hybrid_jax.backend.attention import decode_rows, paged_attention
 from hybrid_jax.kv_cache import KVCacheSpec
-from hybrid_jax.layers.linear import output_prefetch, project, project_output
+from hybrid_jax.layers.linear import project, project_output
 from hybrid_jax.layers.norm import ZeroCenteredRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 from pallas_kernels.attention.rows import apply_rotary
@@ -119,11 +118,9 @@ class Attention(nnx.Module):
         meta: ForwardMetadata,
         *,
         impl: str = "auto",
-        prefetch: Sequence[jax.Array] = (),
     ) -> AttentionOutput:
         """x: ``[T, hidden]`` packed tokens of ``meta``; k_pages, v_pages:
-        ``[P, page_size, KVH, head_dim]``; ``prefetch``: arrays the launches after the layer
-        read, which its decode kernel brings into L2 beside ``o_proj``'s weight."""
+        ``[P, page_size, KVH, head_dim]``."""
         c = self.config
         t = x.shape[0]  # explicit sizes: t == 0 when IDLE
         q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], impl=impl)
@@ -153,7 +150,7 @@ class Attention(nnx.Module):
             q, k_pages, v_pages = rows
         out, k_pages, v_pages = paged_attention(
             q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5, impl=impl,
-            written=rows is not None, prefetch=(*output_prefetch(self.o_proj, t), *prefetch),
+            written=rows is not None,
         )  # fmt: skip
         if c.gated:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)

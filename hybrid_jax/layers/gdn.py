@@ -12,7 +12,6 @@ our columns sits there, and the loader reorders once, so no step regroups activa
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ from flax import nnx
 
 from hybrid_jax.backend import GDNDims, gdn_mix
 from hybrid_jax.backend.linear import LinearLayerOutput
-from hybrid_jax.layers.linear import output_prefetch, project, project_output
+from hybrid_jax.layers.linear import project, project_output
 from hybrid_jax.layers.norm import GatedRMSNorm
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.state_pool import LinearStateSpec
@@ -179,12 +178,9 @@ class GatedDeltaNet(nnx.Module):
         meta: ForwardMetadata,
         *,
         impl: str = "auto",
-        prefetch: Sequence[jax.Array] = (),
     ) -> LinearLayerOutput:
         """x: ``[T, hidden]`` packed tokens of ``meta``; conv_state ``[S, C, W-1]``;
-        ssm_state float32 ``[S, HV, K, V]``; ``prefetch``: arrays the launches after the
-        layer read, which its decode kernel brings into L2 beside the output projection's
-        weight (``layers.linear.output_prefetch``)."""
+        ssm_state float32 ``[S, HV, K, V]``."""
         mixed, z, ba = self._project(x, impl=impl)
         norm = None
         if NORM_IN_DECODE_KERNEL:
@@ -192,8 +188,7 @@ class GatedDeltaNet(nnx.Module):
             norm = gdn_kernels.OutputNorm(flat, self.norm.weight[...], self.norm.eps)
         mix = gdn_mix(
             mixed, self.conv_weight[...], self.gate_params[...], ba, conv_state, ssm_state,
-            meta, self.config.dims, output_norm=norm,
-            prefetch=(*output_prefetch(self.out_proj, x.shape[0]), *prefetch), impl=impl,
+            meta, self.config.dims, output_norm=norm, impl=impl,
         )  # fmt: skip
         out = mix.out if norm is not None else self.norm(mix.out, z)
         out = out.reshape(x.shape[0], self.config.dims.value_dim)

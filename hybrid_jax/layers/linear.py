@@ -26,22 +26,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.layers.norm import NormedRows, formed
-from pallas_kernels import moe, prefetch_unsupported_reason, projections, resolve_impl
+from pallas_kernels import moe, projections, resolve_impl
 
 __all__ = [
     "ADDS_FOR_SHORT_SUMS",
     "FEW_ROWS",
     "MIN_SPLITS",
     "NORMS_IN_LAUNCH",
-    "PREFETCH_BLOCK_INPUTS",
-    "PREFETCH_MAX_BYTES",
-    "PREFETCH_OUTPUT_WEIGHTS",
     "SPLIT_INPUT_PROJECTIONS",
     "SPLIT_OUTPUT_PROJECTIONS",
     "project",
     "project_output",
-    "input_prefetch",
-    "output_prefetch",
     "short_sum",
     "swiglu",
 ]
@@ -73,27 +68,6 @@ SPLIT_INPUT_PROJECTIONS = False
 together (a MoE block's router and shared expert gate/up: 20 tiles of 64 columns), its
 float32 partial products summed where they are used. Off: not yet shown faster on the H200
 (benchmarks/RESULTS_serve.md, session 20)."""
-
-
-PREFETCH_OUTPUT_WEIGHTS = False
-"""Whether a layer whose mixer runs a decode kernel at few rows hands that kernel its output
-projection's weight to bring into L2 (``output_prefetch``): the kernel (GDN decode, paged
-attention decode) leaves most SMs and HBM idle, and the output projection right after it then
-reads its weight from L2. A MoE block's router launch (a few column tiles) does the same for
-its shared expert's down weight. Off: not yet measured on the H200."""
-
-
-PREFETCH_BLOCK_INPUTS = False
-"""Whether a decoder layer whose mixer runs a decode kernel at few rows also hands that
-kernel the weights its feed-forward block's first launch reads (a MoE block's router and
-shared gate/up, ``input_prefetch``), when they are few enough bytes to stay in L2 beside the
-output projection's (``PREFETCH_MAX_BYTES``). Off: not yet measured on the H200."""
-
-PREFETCH_MAX_BYTES = 16 << 20
-"""The most bytes of weights ``output_prefetch`` or ``input_prefetch`` hands over, each: the
-35B-like ``out_proj`` (16 MiB) and MoE router launch (5.5 MB) stay in the 50 MB L2 together
-until their launches; a 27B-like ``out_proj`` (60 MiB) or a dense MLP's gate/up (100 MB at
-the 9B-like shapes) would not."""
 
 
 ADDS_FOR_SHORT_SUMS = True
@@ -129,7 +103,6 @@ def project(
     *,
     impl: str,
     paired: Sequence[bool] = (),
-    prefetch: Sequence[jax.Array] = (),
 ) -> tuple[jax.Array, ...]:
     """``tuple(layer(x) for layer in layers)``, in one launch at few rows on the GPU.
 
@@ -141,8 +114,7 @@ def project(
     and the rest run as their layers. ``paired`` (one flag per layer): a flagged layer's
     weight holds a SwiGLU's gate and up columns laid out by ``moe.pair_halves``, and its
     entry is the hidden rows ``silu(gate) * up``, formed in the launch's epilogue where the
-    launch takes it and in XLA otherwise. ``prefetch``: arrays a later launch reads, which
-    the one launch's spare programs bring into L2 (``output_prefetch``; ignored elsewhere)."""
+    launch takes it and in XLA otherwise."""
     flags = tuple(paired) or (False,) * len(layers)
 
     def in_xla(h: jax.Array, i: int) -> jax.Array:
@@ -172,12 +144,10 @@ def project(
     elif isinstance(x, NormedRows):  # the launch forms each row's inverse RMS
         products = projections.projections(
             rows, taken_weights, row_scale=x.square_sum(), rms_eps=x.eps, paired=taken_flags,
-            prefetch=prefetch, impl=impl,
+            impl=impl,
         )  # fmt: skip
     else:
-        products = projections.projections(
-            rows, taken_weights, paired=taken_flags, prefetch=prefetch, impl=impl
-        )
+        products = projections.projections(rows, taken_weights, paired=taken_flags, impl=impl)
     launched = dict(zip(taken, products, strict=True))
     h = formed(x) if len(launched) < len(layers) else None  # for the layers not launched
     return tuple(launched[i] if i in launched else in_xla(h, i) for i in range(len(layers)))
@@ -203,33 +173,6 @@ def _split_products(
             total = total * row_scale[:, None]
         products.append(total.astype(x.dtype))
     return products
-
-
-def output_prefetch(layer: nnx.Linear, rows: int) -> tuple[jax.Array, ...]:
-    """What a mixer's decode kernel at ``rows`` rows prefetches for the output projection
-    ``layer`` that follows it: the layer's weight with ``PREFETCH_OUTPUT_WEIGHTS`` at few rows
-    (where the kernel leaves HBM idle), else nothing (``_prefetchable``)."""
-    if not (PREFETCH_OUTPUT_WEIGHTS and 0 < rows <= FEW_ROWS):
-        return ()
-    return _prefetchable([layer])
-
-
-def input_prefetch(layers: Sequence[nnx.Linear], rows: int) -> tuple[jax.Array, ...]:
-    """What a mixer's decode kernel at ``rows`` rows prefetches for the launch of ``layers``
-    (a feed-forward block's first products) that follows its layer's output projection: their
-    weights with ``PREFETCH_BLOCK_INPUTS`` at few rows, else nothing (``_prefetchable``)."""
-    if not (PREFETCH_BLOCK_INPUTS and 0 < rows <= FEW_ROWS):
-        return ()
-    return _prefetchable(layers)
-
-
-def _prefetchable(layers: Sequence[nnx.Linear]) -> tuple[jax.Array, ...]:
-    """The layers' weights when the kernels can prefetch each and together they weigh at most
-    ``PREFETCH_MAX_BYTES`` (what L2 holds until the launch that reads them), else none."""
-    weights = tuple(layer.kernel[...] for layer in layers)
-    if any(prefetch_unsupported_reason(w) for w in weights):
-        return ()
-    return weights if sum(w.size * w.dtype.itemsize for w in weights) <= PREFETCH_MAX_BYTES else ()
 
 
 def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:

@@ -33,7 +33,6 @@ __all__ = [
     "BY_ID_MAX_PAIRS",
     "HIDDEN_IN_EXPERT_LAUNCH",
     "MLP",
-    "PREFETCH_EXPERTS_DOWN",
     "RANKED_TOP_K_TOKENS",
     "SHARED_DOWN_WITH_EXPERTS",
     "SHARED_HIDDEN_WITH_EXPERTS",
@@ -77,12 +76,6 @@ expert's in the router's (``project(paired=)``), instead of gate/up products and
 fusion for both SiLU products. Other steps split the paired products in XLA. On the H200 the
 35B-like batch-1 step drops a kernel per MoE block and ~80 us
 (``benchmarks/RESULTS_serve.md``, session 31)."""
-
-PREFETCH_EXPERTS_DOWN = False
-"""Whether a block whose routed hidden rows come from ``moe.expert_hidden`` has that launch
-bring its pairs' down weights into L2 (each program the rows its hidden units meet, once its
-own loads are in flight), so that the experts' down launch after it reads them from L2
-instead of HBM. Off: not yet measured on the H200."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
@@ -317,16 +310,15 @@ class SparseMoE(nnx.Module):
         shared_mlp = self.shared_expert
         hidden_in_launch = self._hidden_in_launch(x, impl)
         shared_inputs = self._shared_inputs()
-        inputs = self.router_launch()
+        inputs = [self.gate, *shared_inputs]
         # With the hidden rows formed in the launches, the router's forms the shared
         # expert's (its one paired weight) and the experts' launch the routed pairs'.
         paired = [False, *[hidden_in_launch] * len(shared_inputs)]
         gate_in_launch = self._shared_gate_in_launch()
         if gate_in_launch:
+            inputs.append(self.shared_expert_gate)
             paired.append(False)
-        # The shared expert's down weight, for the launch that reads it after the experts'.
-        prefetch = linear_layer.output_prefetch(shared_mlp.down_proj, x.shape[0])
-        logits, *shared_products = project(x, inputs, impl=impl, paired=paired, prefetch=prefetch)
+        logits, *shared_products = project(x, inputs, impl=impl, paired=paired)
         if gate_in_launch:
             *shared_products, gate_logit = shared_products
             gate_logit = gate_logit[:, :1]
@@ -356,12 +348,6 @@ class SparseMoE(nnx.Module):
         hidden = swiglu(experts_matmul(xs, self.gate_up_proj), paired=self.paired)
         routed = dispatch.combine(experts_matmul(hidden, self.down_proj), weights)
         return routed.astype(x.dtype) + shared
-
-    def router_launch(self) -> list[nnx.Linear]:
-        """The products of the block's first launch: the router, the shared expert's
-        gate/up, and its gate where widened to a column tile (``widen_shared_gate``)."""
-        gate = [self.shared_expert_gate] if self._shared_gate_in_launch() else []
-        return [self.gate, *self._shared_inputs(), *gate]
 
     def _shared_gate_logit(self, x: jax.Array | NormedRows) -> jax.Array:
         """``shared_expert_gate(x)`` ``[T, 1]``; of ``NormedRows``, the product of the
@@ -438,11 +424,8 @@ class SparseMoE(nnx.Module):
     def _hidden_by_id(self, x, experts, impl: str) -> moe.PairTiles:
         """The routed pairs' hidden rows as the ``moe.expert_hidden`` launch over the paired
         weights stored them (``moe.PairTiles``, which the down launch reads in place); of
-        ``NormedRows``, the weighted rows with each row's inverse RMS formed in the launch;
-        with ``PREFETCH_EXPERTS_DOWN`` the launch brings the pairs' down weights into L2."""
+        ``NormedRows``, the weighted rows with each row's inverse RMS formed in the launch."""
         w, kw = self.gate_up_proj[...], dict(tiles=True, impl=impl)
-        if PREFETCH_EXPERTS_DOWN:
-            kw["prefetch_down"] = self.down_proj[...]
         if isinstance(x, NormedRows):
             return moe.expert_hidden(
                 x.weighted(), w, experts, row_scale=x.square_sum(), rms_eps=x.eps, **kw

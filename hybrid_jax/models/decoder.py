@@ -10,7 +10,7 @@ layer loop only says which mixer a layer has.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -79,12 +79,6 @@ def _every_repeat(
     return out.reshape(repeats, per_repeat, *out.shape[1:])
 
 
-def _prefetch_kwargs(prefetch: Sequence[jax.Array]) -> dict[str, tuple[jax.Array, ...]]:
-    """A mixer call's ``prefetch`` keyword: only when there is something to prefetch, so the
-    mixers that take none (Mamba2's) are called as before."""
-    return {"prefetch": tuple(prefetch)} if prefetch else {}
-
-
 class LayerStates:
     """The slot pool and KV cache of one forward, handed to the layers in order.
 
@@ -131,19 +125,16 @@ class LayerStates:
         meta: ForwardMetadata,
         *,
         impl: str,
-        prefetch: Sequence[jax.Array] = (),
     ) -> jax.Array:
         """The next linear layer's mixer on normed ``h`` ``[T, hidden]`` and its pool rows;
-        returns its output ``[T, hidden]`` and keeps its new states (and verify states).
-        ``prefetch``: arrays the launches after the mixer read, for its decode kernel to
-        bring into L2 (a mixer that takes them)."""
+        returns its output ``[T, hidden]`` and keeps its new states (and verify states)."""
         i, self._linear = self._linear, self._linear + 1
         conv, ssm, *pages = self._arrays
         if self._repeat is None:
             meta = meta.at_linear_layer(i, self._pool.num_slots)
         else:  # in a scan: this repeat's slots, shifted before the scan
             meta = dataclasses.replace(meta, state_indices=self._repeat.next_slots())
-        out = run_block(mixer, h, conv, ssm, meta, impl=impl, **_prefetch_kwargs(prefetch))
+        out = run_block(mixer, h, conv, ssm, meta, impl=impl)
         self._arrays = (out.conv_state, out.ssm_state, *pages)
         if out.verify:
             self._verify.append((i, out.verify))
@@ -156,11 +147,9 @@ class LayerStates:
         meta: ForwardMetadata,
         *,
         impl: str,
-        prefetch: Sequence[jax.Array] = (),
     ) -> jax.Array:
         """The next full-attention layer's mixer on normed ``h`` ``[T, hidden]`` and its cache
-        pages; returns its output ``[T, hidden]`` and keeps its new pages. ``prefetch`` as
-        for ``linear``."""
+        pages; returns its output ``[T, hidden]`` and keeps its new pages."""
         i, self._attention = self._attention, self._attention + 1
         conv, ssm, k, v = self._arrays
         if self._repeat is None:
@@ -168,7 +157,7 @@ class LayerStates:
         else:  # in a scan: this repeat's page table, shifted before the scan
             table = self._repeat.next_table()
             meta = dataclasses.replace(meta, pages=dataclasses.replace(meta.pages, table=table))
-        out = run_block(mixer, h, k, v, meta, impl=impl, **_prefetch_kwargs(prefetch))
+        out = run_block(mixer, h, k, v, meta, impl=impl)
         self._arrays = (conv, ssm, out.k_pages, out.v_pages)
         return out.y
 

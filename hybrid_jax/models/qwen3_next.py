@@ -53,7 +53,7 @@ from hybrid_jax.models.hf_config import (
     require_fields,
 )
 from hybrid_jax.modes import LayerKind
-from hybrid_jax.parallel import run_block, tp_size
+from hybrid_jax.parallel import run_block
 from hybrid_jax.state_pool import LinearStateSpec
 
 __all__ = [
@@ -326,21 +326,12 @@ class DecoderLayer(nnx.Module):
         # The norms' outputs are read by products only: with ``NORMS_IN_LAUNCH`` each is
         # left to its products' launch to form (``NormedRows``).
         h = self._normed(self.input_layernorm, x)
-        prefetch = self._block_prefetch(x.shape[0])
         if self.kind is LayerKind.GDN:
-            x = x + states.linear(self.linear_attn, h, meta, impl=impl, prefetch=prefetch)
+            x = x + states.linear(self.linear_attn, h, meta, impl=impl)
         else:
-            x = x + states.attention(self.self_attn, h, meta, impl=impl, prefetch=prefetch)
+            x = x + states.attention(self.self_attn, h, meta, impl=impl)
         h = self._normed(self.post_attention_layernorm, x)
         return x + run_block(self.mlp, h, meta.real_tokens, impl=impl)
-
-    def _block_prefetch(self, rows: int) -> tuple[jax.Array, ...]:
-        """The weights of the feed-forward block's first launch, for the mixer's decode
-        kernel to bring into L2 (``layers.linear.input_prefetch``: a MoE block's router
-        launch); none across devices, where each holds its own slice of them."""
-        if not isinstance(self.mlp, SparseMoE) or tp_size() > 1:
-            return ()
-        return linear_layer.input_prefetch(self.mlp.router_launch(), rows)
 
     @staticmethod
     def _normed(norm: ZeroCenteredRMSNorm, x: jax.Array) -> jax.Array | NormedRows:

@@ -32,7 +32,6 @@ of thousands of tokens is many programs, each reading its row's prefix once for 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -49,7 +48,6 @@ from pallas_kernels._common import (
     round_up,
 )
 from pallas_kernels._mgpu_chunks import F32, ROWS, WG, along_rows, matmul, matmul_into, smem
-from pallas_kernels._prefetch import check_prefetch, issue_prefetches, spare_rows
 from pallas_kernels._tree import check_parents
 
 __all__ = [
@@ -240,7 +238,7 @@ def pick_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
 
 
 def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, scale,
-                 num_splits, tokens, groups, causal, stages, interpret, prefetch=()):  # fmt: skip
+                 num_splits, tokens, groups, causal, stages, interpret):  # fmt: skip
     """The kernel over query tiles ``[B, KVH, R, hd]`` (tile row ``r``: token ``r // groups``,
     query head ``r % groups`` of the KV head; ``R`` a multiple of 8 up to 64, the rows past
     ``tokens * groups`` zero): per split, its output rows (q's dtype) and float32
@@ -250,8 +248,7 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
     ``causal``: token t sees positions below ``length - tokens + 1 + t``; else every token
     sees all ``length`` positions. ``paths`` (tree drafts, with ``causal``): int32 ``[B, 64]``,
     each tile row's root-path bits (``root_paths``): it sees the positions before the
-    ``tokens`` draft positions and the draft positions whose bit is set. ``prefetch``:
-    ``[R, C]`` arrays that programs after the attention's bring into L2 (``_prefetch``)."""
+    ``tokens`` draft positions and the draft positions whose bit is set."""
     batch, kv_heads, held, head_dim = q_tiles.shape
     pairs = batch * kv_heads  # (row, KV head) pairs
     page_size = k_pages.shape[1]
@@ -262,22 +259,8 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
     dtype = q_tiles.dtype
 
     tree = paths is not None
-    programs = num_splits * pairs
-    n_prefetch = spare_rows(prefetch, programs)
 
     def body(table_ref, lens_ref, q_ref, k_ref, v_ref, *refs):
-        prefetch_refs, refs = refs[: len(prefetch)], refs[len(prefetch) :]
-        args = (table_ref, lens_ref, q_ref, k_ref, v_ref, *refs)
-        if not prefetch:
-            attend(*args)
-            return
-        program = lax.axis_index("p")
-        pl.when(program >= programs)(
-            lambda: issue_prefetches(prefetch_refs, program - programs, n_prefetch)
-        )
-        pl.when(program < programs)(lambda: attend(*args))
-
-    def attend(table_ref, lens_ref, q_ref, k_ref, v_ref, *refs):
         if tree:
             paths_ref, o_ref, lse_ref, q_s, k_s, v_s, lse_s, paths_s, q_bar, k_bar, v_bar, *p_s = (
                 refs
@@ -415,14 +398,14 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(programs + n_prefetch,),
+        grid=(num_splits * pairs,),
         grid_names=("p",),
         # The row reductions of a WGMMA tile stay within warps: no cross-warp scratch, so
         # the ring may take all of shared memory.
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
         kernel_name="paged_decode_attention",
-    )(page_table, context_lens, q_tiles, k_pages, v_pages, *prefetch, *trees)
+    )(page_table, context_lens, q_tiles, k_pages, v_pages, *trees)
 
 
 def _merge(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -441,10 +424,10 @@ def _merge(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
 @functools.partial(
     jax.jit, static_argnames=("scale", "num_splits", "causal", "stages", "interpret")
 )
-def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, prefetch=(), *, scale,
-            num_splits, causal, interpret, stages=STAGES):  # fmt: skip
+def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, *, scale, num_splits,
+            causal, interpret, stages=STAGES):  # fmt: skip
     """float32 ``(out, lse)``: out ``[B, D, H, hd]``, lse ``[B, D, H]``; ``parents``: tree
-    drafts (with ``causal``); ``prefetch``: arrays brought into L2 (``_kernel_call``)."""
+    drafts (with ``causal``)."""
     batch, tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     groups = heads // kv_heads
@@ -460,7 +443,7 @@ def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, prefetc
     out, lse = _kernel_call(
         tiles, k_pages, v_pages, page_table, context_lens, paths, scale=scale,
         num_splits=num_splits, tokens=tokens, groups=groups, causal=causal, stages=stages,
-        interpret=interpret, prefetch=tuple(prefetch),
+        interpret=interpret,
     )  # fmt: skip
     out, lse = out[:, :, :, :rows], lse[:, :, :, :rows]
     out, lse = (out[0].astype(F32), lse[0]) if num_splits == 1 else _merge(out, lse)
@@ -495,7 +478,6 @@ def paged_decode_attention(
     num_splits: int | None = None,
     parents: jax.Array | None = None,
     stages: int = STAGES,
-    prefetch: Sequence[jax.Array] = (),
     impl: str = "auto",
 ) -> jax.Array:
     """Attention of each row's last query tokens over its first ``context_lens[b]`` cached
@@ -512,16 +494,12 @@ def paged_decode_attention(
         among the D, ``-1`` at the root, topological; token t sees the positions before the
         D and those of its root path.
       stages: the kernel's ring of key and value buffers.
-      prefetch: ``[R, C]`` arrays the launch after this one reads (an output projection's
-        weight): the kernel's spare programs bring them into L2 while it runs. No value
-        changes; the reference ignores them.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
       q's shape and dtype.
     """
     _check(_OP, q, k_pages, v_pages, page_table, context_lens, "context_lens")
-    check_prefetch(_OP, prefetch)
     tokens = q.shape[1] if q.ndim == 4 else 1
     check_parents(_OP, parents, q.shape[0], tokens)
     tree_reason = None if parents is None else tree_unsupported_reason(tokens)
@@ -536,9 +514,9 @@ def paged_decode_attention(
     q4 = q if q.ndim == 4 else q[:, None]
     stages = _stages(_OP, q, stages)
     out, _ = _kernel(
-        q4, k_pages, v_pages, page_table, context_lens, parents, tuple(prefetch),
-        scale=float(scale), num_splits=_splits(q, k_pages, page_table, num_splits),
-        causal=True, stages=stages, interpret=choice == "interpret",
+        q4, k_pages, v_pages, page_table, context_lens, parents, scale=float(scale),
+        num_splits=_splits(q, k_pages, page_table, num_splits), causal=True,
+        stages=stages, interpret=choice == "interpret",
     )  # fmt: skip
     return out.reshape(q.shape).astype(q.dtype)
 

@@ -8,8 +8,6 @@ The Mosaic GPU kernels live in ``update_mgpu.py`` (same arguments plus ``interpr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 
 from pallas_kernels._common import resolve_impl
@@ -33,7 +31,6 @@ def causal_conv1d_update(
     state_indices: jax.Array,
     *,
     activation: str | None = "silu",
-    prefetch_slots: Sequence[jax.Array] = (),
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """D tokens per row after the row's saved window; the window moves on by D tokens.
@@ -46,9 +43,6 @@ def causal_conv1d_update(
       state_indices: int32 ``[N]`` slots, distinct among real rows. A row at the pad slot 0
         is a padded row: its outputs are zeros and it writes nothing.
       activation: ``"silu"`` or None.
-      prefetch_slots: arrays ``[S, ...]`` the launch after this one reads at the same slots
-        (a decode kernel's states): the kernel brings its real rows' slots of them into L2.
-        No value changes; the reference ignores them.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
@@ -57,16 +51,12 @@ def causal_conv1d_update(
     op = "causal_conv1d_update"
     args = (x, weight, bias, conv_pool, state_indices)
     check_rows(op, *args, activation)
-    reason = update_mgpu.slot_prefetch_unsupported_reason(prefetch_slots, conv_pool)
-    if reason is not None:
-        raise ValueError(f"{op}: {reason}")
     which = _resolve(op, impl, args, activation)
     if which == "reference":
         return reference.causal_conv1d_update(*args, activation=activation)
     return update_mgpu.causal_conv1d_update(
-        *args, activation=activation, interpret=which == "interpret",
-        prefetch_slots=prefetch_slots,
-    )  # fmt: skip
+        *args, activation=activation, interpret=which == "interpret"
+    )
 
 
 def causal_conv1d_verify(

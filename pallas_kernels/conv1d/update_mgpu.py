@@ -22,9 +22,6 @@ windows) are zeros, as the reference does.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -32,15 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import interpret_params
-from pallas_kernels._prefetch import issue_prefetches
-from pallas_kernels._prefetch import unsupported_reason as prefetch_unsupported_reason
 
-__all__ = [
-    "causal_conv1d_update",
-    "causal_conv1d_verify",
-    "slot_prefetch_unsupported_reason",
-    "unsupported_reason",
-]
+__all__ = ["causal_conv1d_update", "causal_conv1d_verify", "unsupported_reason"]
 
 BLOCK_C = 128  # one channel per thread of the warpgroup
 MAX_TOKENS = 16
@@ -115,17 +105,14 @@ def _rows(
     write_pool: bool,
     interpret: bool,
     parents: jax.Array | None = None,
-    prefetch_slots: tuple[jax.Array, ...] = (),
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The kernel call: ``y`` (update; the pool is a mutable ref written in place) or
     ``(y, windows)`` (verify; the pool is only read; ``parents`` int32 ``[N, D]`` for tree
-    drafts). ``prefetch_slots``: ``[S, A, B]`` arrays whose real rows' slots the programs
-    of each row bring into L2, a share each."""
+    drafts)."""
     n_rows, n_tokens, channels = x.shape
     width = weight.shape[1]
     has_bias = bias is not None
     tree = parents is not None
-    n_prefetch = len(prefetch_slots)
 
     def load(ref) -> jax.Array:
         return plgpu.load(ref, layout=_LANE).astype(jnp.float32)
@@ -147,21 +134,12 @@ def _rows(
         refs = refs[3:]
         b_ref = refs[0] if has_bias else None
         refs = refs[1:] if has_bias else refs
-        prefetch_refs, refs = refs[:n_prefetch], refs[n_prefetch:]
         pool_ref, y_ref = refs[:2]
         win_ref = None if write_pool else refs[2]
 
         n = lax.axis_index("n")
         chans = pl.ds(lax.axis_index("c") * BLOCK_C, BLOCK_C)
         slot = idx_ref[n]
-        if prefetch_refs:  # the row's channel blocks share its slot's rows of each array
-            pl.when(slot != 0)(
-                lambda: issue_prefetches(
-                    [ref.at[slot] for ref in prefetch_refs],
-                    lax.axis_index("c"),
-                    channels // BLOCK_C,
-                )  # fmt: skip
-            )
 
         def store_windows(ext):
             """ext: the W-1+D inputs of the row, oldest first (the window, then x)."""
@@ -230,7 +208,7 @@ def _rows(
     # parents flat [N*D]: a scalar load from a 1-D GMEM ref, as for state_indices.
     tree_args = (parents.reshape(-1),) if tree else ()
     operands = (state_indices, *tree_args, x, weight) + ((bias,) if has_bias else ())
-    return kernel(*operands, *prefetch_slots, conv_pool)
+    return kernel(*operands, conv_pool)
 
 
 def causal_conv1d_update(
@@ -242,46 +220,21 @@ def causal_conv1d_update(
     *,
     activation: str | None = "silu",
     interpret: bool = False,
-    prefetch_slots: Sequence[jax.Array] = (),
 ) -> tuple[jax.Array, jax.Array]:
     """D tokens per row after the row's saved window; the window moves on by D tokens.
 
     x ``[N, D, C]``; weight ``[C, W]``; bias ``[C]`` or None; conv_pool ``[S, C, W-1]`` in x's
     dtype; state_indices int32 ``[N]`` (0 = padded row). Returns (y ``[N, D, C]`` in x's
     dtype, zeros on padded rows; conv_pool). Under ``jit`` with the pool donated the update is
-    in place; slot 0 is never touched. ``prefetch_slots``: arrays ``[S, ...]`` the launch
-    after this one reads at the same slots (a decode kernel's states), their real rows'
-    slots brought into L2 by the programs (``slot_prefetch_unsupported_reason``).
+    in place; slot 0 is never touched.
     """
     _check(unsupported_reason(x, weight, bias, conv_pool, state_indices, activation=activation))
-    _check(slot_prefetch_unsupported_reason(prefetch_slots, conv_pool))
     pool_ref = jax.new_ref(conv_pool)
-    # Each slot's row as an [A, B] array: its last axis kept, the others flattened.
-    slot_rows = tuple(p.reshape(p.shape[0], -1, p.shape[-1]) for p in prefetch_slots)
     y = _rows(
         x, weight, bias, pool_ref, state_indices, activation=activation, write_pool=True,
-        interpret=interpret, prefetch_slots=slot_rows,
+        interpret=interpret,
     )  # fmt: skip
     return y, jax.freeze(pool_ref)
-
-
-def slot_prefetch_unsupported_reason(
-    prefetch_slots: Sequence[jax.Array], conv_pool: jax.Array
-) -> str | None:
-    """Why ``causal_conv1d_update`` cannot prefetch these arrays' slots, or None: each must
-    have the pool's slots first and at least one more axis, its last a multiple of 16 bytes
-    (``_prefetch``'s rule for a slot's ``[A, B]`` rows)."""
-    for i, p in enumerate(prefetch_slots):
-        if p.ndim < 2:
-            reason = "it has no axis after the slots"
-        elif p.shape[0] != conv_pool.shape[0]:
-            reason = f"its slots are not the pool's {conv_pool.shape[0]}"
-        else:
-            row = jax.ShapeDtypeStruct((math.prod(p.shape[1:-1]), p.shape[-1]), p.dtype)
-            reason = prefetch_unsupported_reason(row)
-        if reason is not None:
-            return f"prefetch_slots[{i}] {p.dtype}{list(p.shape)}: {reason}"
-    return None
 
 
 def causal_conv1d_verify(

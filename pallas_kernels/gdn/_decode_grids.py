@@ -28,7 +28,6 @@ says which pays:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -39,7 +38,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params
 from pallas_kernels._mgpu_chunks import SMEM_PER_SM, columns_over_warps
-from pallas_kernels._prefetch import issue_prefetches, spare_rows
 
 __all__ = [
     "VEC",
@@ -130,10 +128,8 @@ def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use
 
     ``gates``: per token ``(decay, beta)`` float32 scalars. With ``out_norm`` ``(z_smem,
     weight, eps)`` (the item is a whole head: ``weight`` float32 ``[V]`` in the column
-    layout) each token's ``o`` is written gated-normed (``gated_output_norm``); with ``(z_smem,
-    weight, eps, across)`` the item is a slice of a head's columns and ``across(t, partial)``
-    gives token t's ``(sum of squares, width)`` over the whole head from the slice's partial
-    sum. Returns the final state.
+    layout) each token's ``o`` is written gated-normed (``gated_output_norm``). Returns the
+    final state.
     """
     _, row, col = layouts
     for t, (decay, beta_t) in enumerate(gates):
@@ -156,24 +152,18 @@ def _update(state, q_smem, k_smem, v_smem, o_smem, gates, *, layouts, scale, use
             o_t = jnp.sum(lax.broadcast_in_dim(q_t, state.shape, [0]) * state, axis=0)
         o_t = o_t * q_scale
         if out_norm is not None:
-            z_smem, weight, eps, *across = out_norm
+            z_smem, weight, eps = out_norm
             z_t = plgpu.load(z_smem.at[t], layout=col).astype(jnp.float32)
-            whole = functools.partial(across[0], t) if across else None
-            o_t = _gated_norm(o_t, z_t, weight, eps, o_smem.dtype, whole)
+            o_t = _gated_norm(o_t, z_t, weight, eps, o_smem.dtype)
         o_smem[t] = o_t.astype(o_smem.dtype)
     return state
 
 
-def _gated_norm(o, z, weight, eps: float, dtype, whole=None):
+def _gated_norm(o, z, weight, eps: float, dtype):
     """``gated_output_norm`` of one token's head ``o`` (float32 ``[V]``, rounded to ``dtype``
-    first, as the op stores it) with its gate ``z``: the same roundings in the same order.
-    ``whole(partial)``: ``o`` is a slice of the head, and this gives the head's ``(sum of
-    squares, width)`` from the slice's sum."""
+    first, as the op stores it) with its gate ``z``: the same roundings in the same order."""
     o = o.astype(dtype).astype(jnp.float32)
-    square_sum, width = jnp.sum(o * o), o.shape[0]
-    if whole is not None:
-        square_sum, width = whole(square_sum)
-    normed = o * lax.rsqrt(square_sum * (1.0 / width) + eps)
+    normed = o * lax.rsqrt(jnp.sum(o * o) * (1.0 / o.shape[0]) + eps)
     normed = normed.astype(dtype).astype(jnp.float32)
     return weight * normed * (z / (1.0 + jnp.exp(-z)))
 
@@ -350,12 +340,11 @@ def _stage_rows(n_tokens: int, bv: int, dtype) -> int:
 
 
 def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, scale, l2,
-               interpret, out_norm=None, prefetch=()):  # fmt: skip
+               interpret, out_norm=None):  # fmt: skip
     """Persistent grid; each program walks items ``c, c + P, c + 2P, ...`` (``P`` programs)
     through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead. With
     ``out_norm`` ``(z, weight, eps)`` (z ``[N, D, HV V]``, weight float32 ``[V]``; items of
-    whole heads, ``bv == V``) the output is gated-normed (``_update``). ``prefetch``: ``[R,
-    C]`` arrays that programs after the ``P`` bring into L2 (``_prefetch``)."""
+    whole heads, ``bv == V``) the output is gated-normed (``_update``)."""
     n_rows, n_tokens = q.shape[:2]
     h, k_dim, hv, v_dim = heads
     v_rows = _stage_rows(n_tokens, bv, v.dtype)
@@ -363,7 +352,6 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
     n_blocks = v_dim // bv
     n_items = n_rows * hv * n_blocks
     n_progs = min(n_items, variant.programs)
-    n_prefetch = spare_rows(prefetch, n_progs)
     stages = variant.stages
     layouts = _layouts(variant, bv)
 
@@ -376,15 +364,9 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
         gate_refs, refs = refs[:n_gates], refs[n_gates:]
         z_ref, weight_ref = refs[:2] if normed else (None, None)
         refs = refs[len(norm_in) :]
-        prefetch_refs, refs = refs[: len(prefetch)], refs[len(prefetch) :]
         pool, o_ref, state_smem, q_smem, k_smem, v_smem, o_smem, bars, *norm_smem = refs
         prog = lax.axis_index("c")
         count = (n_items - prog + n_progs - 1) // n_progs  # this program's items
-        if prefetch:  # the programs after the P prefetch and walk no item
-            pl.when(prog >= n_progs)(
-                lambda: issue_prefetches(prefetch_refs, prog - n_progs, n_prefetch)
-            )
-            count = jnp.where(prog < n_progs, count, 0)
 
         def coords(i):
             """(row, head, columns) of this program's item i (clamped into range)."""
@@ -477,7 +459,7 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((n_rows, n_tokens, hv, v_dim), v.dtype),
-        grid=(n_progs + n_prefetch,),
+        grid=(n_progs,),
         grid_names=("c",),
         scratch_types=[
             plgpu.SMEM((stages, k_dim, bv), jnp.float32),
@@ -500,4 +482,4 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
         interpret=interpret_params(interpret),
         kernel_name="gdn_decode_ring",
     )
-    return kernel(idx, q, k, v, *gates_in, *norm_in, *prefetch, pool_ref)
+    return kernel(idx, q, k, v, *gates_in, *norm_in, pool_ref)

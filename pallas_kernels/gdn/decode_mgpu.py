@@ -21,13 +21,10 @@ conv and the projection wrote them) and their ``unsupported_reason`` /
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import NUM_SMS
-from pallas_kernels._prefetch import check_prefetch
 from pallas_kernels.gdn._checks import check_gated_rows, check_packed_rows, packed_stand_ins
 from pallas_kernels.gdn._decode_grids import (
     VEC,
@@ -38,18 +35,15 @@ from pallas_kernels.gdn._decode_grids import (
     one_item_per_program,
     pipelined,
 )
-from pallas_kernels.gdn._decode_heads import SLICE, one_head_per_program
 
 __all__ = [
     "DEFAULT",
-    "NORMED_HEADS_OVER_WARPGROUPS",
     "MAX_TOKENS",
     "VARIANTS",
     "DecodeVariant",
     "fused_gating_recurrent_gated_delta_rule",
     "fused_gating_unsupported_reason",
     "fused_recurrent_gated_delta_rule",
-    "heads_over_warpgroups",
     "packed_gating_recurrent_gated_delta_rule",
     "packed_gating_unsupported_reason",
     "pick_block_v",
@@ -66,12 +60,6 @@ _GATING_OP = "decode_mgpu.fused_gating_recurrent_gated_delta_rule"
 _PACKED_OP = "decode_mgpu.packed_gating_recurrent_gated_delta_rule"
 
 
-NORMED_HEADS_OVER_WARPGROUPS = False
-"""Whether a call with the output norm at a few rows (a decode bucket whose (head, row)
-programs fit two an SM) splits each head's columns over warpgroups of one program
-(``_decode_heads.one_head_per_program``) instead of running whole-head items on one
-warpgroup in the pipelined grid. Off: not yet measured on the H200."""
-
 DEFAULT = "pipe3-cols"
 VARIANTS = {
     "wgmma": DecodeVariant("wgmma", one_pass=False),
@@ -79,17 +67,6 @@ VARIANTS = {
     "cols-bv32": DecodeVariant("cols", block_v=32),
     "pipe3-cols": DecodeVariant("cols", stages=3),
 }
-
-
-def heads_over_warpgroups(n_rows: int, heads: Heads) -> bool:
-    """Whether a call with the output norm runs one program per (head, row) with the head's
-    columns over warpgroups (``_decode_heads``): with ``NORMED_HEADS_OVER_WARPGROUPS``, when
-    its programs fit two an SM and the head splits into whole slices."""
-    return (
-        NORMED_HEADS_OVER_WARPGROUPS
-        and n_rows * heads.hv <= 2 * NUM_SMS
-        and heads.v_dim % SLICE == 0
-    )
 
 
 def pick_block_v(n_rows: int, hv: int, v_dim: int) -> int:
@@ -275,7 +252,6 @@ def packed_gating_recurrent_gated_delta_rule(
     interpret: bool = False,
     variant: DecodeVariant | str = DEFAULT,
     output_norm: tuple[jax.Array, jax.Array, float] | None = None,
-    prefetch: Sequence[jax.Array] = (),
 ) -> tuple[jax.Array, jax.Array]:
     """``fused_gating_recurrent_gated_delta_rule`` reading q, k, v from the conv's output
     ``qkv`` ``[N, D, H K + H K + HV V]`` (``[Q | K | V]``) and b, a from ``ba``
@@ -284,10 +260,8 @@ def packed_gating_recurrent_gated_delta_rule(
     ``(z [N, D, HV V], weight float32 [V], eps)`` the output is
     ``reference.gated_output_norm(o, z, weight, eps)``, formed in the kernel (its items are
     then whole heads, in the pipelined grid); the caller checks it
-    (``_checks.check_output_norm``). ``prefetch``: ``[R, C]`` arrays that the launch's spare
-    programs bring into L2 for the launch after it (``_prefetch``; the pipelined grid)."""
+    (``_checks.check_output_norm``)."""
     check_packed_rows(_PACKED_OP, qkv, ba, gate_params, ssm_pool, state_indices)
-    check_prefetch(_PACKED_OP, prefetch)
     reason = packed_gating_unsupported_reason(qkv, ba, gate_params, ssm_pool, state_indices)
     if reason is not None:
         raise ValueError(reason)
@@ -298,7 +272,7 @@ def packed_gating_recurrent_gated_delta_rule(
     return _launch(
         qkv, qkv, qkv, (gate_params, ba, ba), ssm_pool, state_indices, heads=heads,
         cols=cols, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
-        variant=variant, out_norm=output_norm, prefetch=tuple(prefetch),
+        variant=variant, out_norm=output_norm,
     )  # fmt: skip
 
 
@@ -311,7 +285,7 @@ def _launch_separate(q, k, v, gates_in, ssm_pool, state_indices, **options):
 
 
 def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, use_qk_l2norm,
-            interpret, variant, out_norm=None, prefetch=()):  # fmt: skip
+            interpret, variant, out_norm=None):  # fmt: skip
     """The entries' launch, after their checks: variant, block and scale, then the kernel.
     q, k, v ``[N, D, width]`` with their heads at ``cols``."""
     if isinstance(variant, str):
@@ -321,10 +295,6 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
     n_rows = q.shape[0]
     bv = variant.block_v or pick_block_v(n_rows, heads.hv, heads.v_dim)
     options = {}
-    if prefetch:
-        if not variant.stages:
-            raise ValueError("prefetch runs in the pipelined grid (variant.stages >= 2)")
-        options["prefetch"] = prefetch
     if out_norm is not None:
         if not variant.stages:
             raise ValueError("the output norm runs in the pipelined grid (variant.stages >= 2)")
@@ -335,17 +305,11 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
     if heads.v_dim % bv or bv < 4 * VEC:
         raise ValueError(f"block_v={bv} must divide V={heads.v_dim} and be at least {4 * VEC}")
     scale = heads.k_dim**-0.5 if scale is None else float(scale)
-    pool_ref = jax.new_ref(ssm_pool)
-    if out_norm is not None and heads_over_warpgroups(n_rows, heads):
-        o = one_head_per_program(
-            q, k, v, gates_in, pool_ref, state_indices, heads=heads, cols=cols, scale=scale,
-            l2=use_qk_l2norm, out_norm=out_norm, interpret=interpret, prefetch=prefetch,
-        )  # fmt: skip
-        return o, jax.freeze(pool_ref)
     if variant.stages:
         run = pipelined
     else:
         run = one_item_per_program
+    pool_ref = jax.new_ref(ssm_pool)
     o = run(
         q, k, v, gates_in, pool_ref, state_indices, heads=heads, cols=cols,
         bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret, **options,

@@ -13,13 +13,11 @@ arguments plus ``interpret``; each entry's ``unsupported_reason`` decides whethe
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import resolve_impl
-from pallas_kernels._prefetch import check_prefetch
 from pallas_kernels._tree import check_parents
 from pallas_kernels.gdn import decode_mgpu, recurrent_mgpu, reference
 from pallas_kernels.gdn._checks import (
@@ -181,7 +179,6 @@ def packed_gating_recurrent_gated_delta_rule(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     output_norm: OutputNorm | None = None,
-    prefetch: Sequence[jax.Array] = (),
     impl: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """``fused_gating_recurrent_gated_delta_rule`` on the inputs as a GDN layer keeps them:
@@ -200,16 +197,12 @@ def packed_gating_recurrent_gated_delta_rule(
       output_norm: optional ``OutputNorm``: o comes out gated-normed
         (``reference.gated_output_norm`` of each head), formed in the kernel, where the
         layer's norm would be a kernel (or two) of its own after it.
-      prefetch: ``[R, C]`` arrays the launch after this one reads (an output projection's
-        weight): the kernel's spare programs bring them into L2 while it runs. No value
-        changes; the reference ignores them.
 
     Returns:
       o ``[N, D, HV, V]`` in qkv's dtype, and the pool with each row's final state in its slot.
     """
     op = "packed_gating_recurrent_gated_delta_rule"
     check_packed_rows(op, qkv, ba, gate_params, ssm_pool, state_indices)
-    check_prefetch(op, prefetch)
     if output_norm is not None:
         check_output_norm(op, qkv, ssm_pool, output_norm.z, output_norm.weight)
     _, kd, vd = ssm_pool.shape[1:]
@@ -220,7 +213,6 @@ def packed_gating_recurrent_gated_delta_rule(
         return decode_mgpu.packed_gating_recurrent_gated_delta_rule(
             *args, **options, interpret=which == "interpret",
             output_norm=None if output_norm is None else dataclasses.astuple(output_norm),
-            prefetch=prefetch,
         )  # fmt: skip
     h = packed_stand_ins(qkv, ba, ssm_pool)[0].shape[2]
     q, k, v = split_qkv(qkv, h, kd, vd)

@@ -34,8 +34,6 @@ from jax import lax
 
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
 from pallas_kernels._mgpu_chunks import ALIGN, F32
-from pallas_kernels._prefetch import issue_prefetches
-from pallas_kernels._prefetch import unsupported_reason as prefetch_unsupported_reason
 from pallas_kernels._skinny import (
     BLOCK_K,
     BLOCK_N,
@@ -45,7 +43,6 @@ from pallas_kernels._skinny import (
     ProductVariant,
     check_row_scale,
     current_variant,
-    deepest_ring,
     halves_unsupported_reason,
     pair_halves,
     paired_swiglu,
@@ -187,16 +184,14 @@ def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1, reserved: int
 
 
 @functools.partial(jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps"))
-def _kernel(x, w, experts, dense=None, row_scale=None, down=None, *, variant: ProductVariant,
+def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVariant,
             interpret: bool, gated: bool = False, rms_eps: float | None = None):  # fmt: skip
     """The launch of ``expert_matmul`` or, ``gated``, of ``expert_hidden``: then ``w`` is
     laid out by ``pair_halves`` (each program's one tile holds the gate and up columns of
     half a tile of hidden units) and each product is scaled by ``row_scale`` (or the
-    inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``; with ``down`` ``[E,
-    I, N]`` each pair's program brings into L2 the rows of its expert's ``down`` that its
-    hidden units meet (the down launch's tile of them), once its ring's first blocks are in
-    flight. ``x`` may be an earlier launch's ``PairTiles``: row r's rows are then its tile r.
-    Returns the launch's ``PairTiles`` (and the ``dense`` product's rows)."""
+    inverse RMS it gives with ``rms_eps``) before ``silu(gate) * up``. ``x`` may be an
+    earlier launch's ``PairTiles``: row r's rows are then its tile r. Returns the launch's
+    ``PairTiles`` (and the ``dense`` product's rows)."""
     tiled = isinstance(x, PairTiles)
     rows, k_dim = x.shape
     num_experts, _, w_cols = w.shape
@@ -214,10 +209,6 @@ def _kernel(x, w, experts, dense=None, row_scale=None, down=None, *, variant: Pr
         dense_steps = dense[0].shape[1] // BLOCK_K
     scaled = row_scale is not None
     ring_steps = max(steps, dense_steps)
-    if variant.fill_experts:  # one program an SM, each with the deepest ring that fits
-        variant = deepest_ring(
-            variant, ring_steps, dtype, dense_rows, row_scale=scaled, halves=gated
-        )
     scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled, halves=gated)
     programs = programs_per_tile(
         pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0
@@ -233,8 +224,6 @@ def _kernel(x, w, experts, dense=None, row_scale=None, down=None, *, variant: Pr
         out_types.append(jax.ShapeDtypeStruct((dense_rows, n_dim), dtype))
     if scaled:
         operands.append(jnp.pad(row_scale.astype(F32), (0, padded - rows), constant_values=1))
-    if down is not None:
-        operands.append(down)
     rms = None if rms_eps is None else (rms_eps, k_dim)
     n_dense = 0 if dense is None else len(dense)
 
@@ -242,7 +231,6 @@ def _kernel(x, w, experts, dense=None, row_scale=None, down=None, *, variant: Pr
         experts_ref, x_ref, w_ref, refs = refs[0], refs[1], refs[2], refs[3:]
         dense_in, refs = refs[:n_dense], refs[n_dense:]
         scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
-        down_ref, refs = (refs[0], refs[1:]) if down is not None else (None, refs)
         o_ref, refs = refs[0], refs[1:]
         dense_o_ref, refs = (refs[0], refs[1:]) if dense is not None else (None, refs)
         scratch_refs = refs
@@ -250,11 +238,11 @@ def _kernel(x, w, experts, dense=None, row_scale=None, down=None, *, variant: Pr
         cols = pl.ds(col * BLOCK_N, BLOCK_N)
         out_cols = pl.ds(col * out_n, out_n)
 
-        def product(x_rows, w_tile, o_rows, *, scale=None, k_steps=steps, after_fill=None):
+        def product(x_rows, w_tile, o_rows, *, scale=None, k_steps=steps):
             tile_product(
                 x_rows, w_tile, o_rows, *scratch_refs, steps=k_steps, variant=variant,
                 interpret=interpret, row_scale=scale, rms=rms if scale is not None else None,
-                halves=gated, after_fill=after_fill,
+                halves=gated,
             )  # fmt: skip
 
         def pairs_of_this_program():
@@ -269,15 +257,9 @@ def _kernel(x, w, experts, dense=None, row_scale=None, down=None, *, variant: Pr
                 ``w[expert]``."""
                 row = pair // choices
                 group = row if tiled else pl.ds((row // ALIGN) * ALIGN, ALIGN)
-                after_fill = None
-                if down_ref is not None:  # the down weight's rows of this tile's hidden units
-                    after_fill = functools.partial(
-                        issue_prefetches, [down_ref.at[expert, out_cols]], 0, 1
-                    )
                 product(
                     x_ref.at[group], w_ref.at[expert, :, cols], o_ref.at[pair, :, out_cols],
                     scale=None if scale_ref is None else scale_ref.at[group],
-                    after_fill=after_fill,
                 )  # fmt: skip
 
             for place, expert in zip(places, ids, strict=True):
@@ -361,24 +343,13 @@ def hidden_unsupported_reason(x: jax.Array, w: jax.Array) -> str | None:
     return unsupported_reason(x, w) or halves_unsupported_reason(x.dtype)
 
 
-def _check_hidden(x, w, experts, row_scale, rms_eps, prefetch_down) -> None:
+def _check_hidden(x, w, experts, row_scale, rms_eps) -> None:
     _check(x, w, experts)
     if w.shape[2] % BLOCK_N:
         raise ValueError(
             f"{_OP}: a paired w's 2I={w.shape[2]} must be whole tiles of {BLOCK_N} columns"
         )
     check_row_scale(_OP, x.shape[0], row_scale, rms_eps)
-    if prefetch_down is None:
-        return
-    want = (w.shape[0], w.shape[2] // 2)
-    rows = jax.ShapeDtypeStruct(prefetch_down.shape[1:], prefetch_down.dtype)
-    reason = prefetch_unsupported_reason(rows) if prefetch_down.ndim == 3 else ""
-    if prefetch_down.ndim != 3 or prefetch_down.shape[:2] != want or reason:
-        raise ValueError(
-            f"{_OP}: prefetch_down {prefetch_down.dtype}{list(prefetch_down.shape)} must be "
-            f"the down weights [E, I, N] = [{want[0]}, {want[1]}, N] of w's experts and "
-            f"hidden units, rows of a multiple of 16 bytes"
-        )
 
 
 def expert_hidden(
@@ -389,7 +360,6 @@ def expert_hidden(
     row_scale: jax.Array | None = None,
     rms_eps: float | None = None,
     tiles: bool = False,
-    prefetch_down: jax.Array | None = None,
     impl: str = "auto",
 ):
     """A SwiGLU's hidden rows by expert id: ``silu(g) * u`` with ``g | u = x[r] @
@@ -405,22 +375,19 @@ def expert_hidden(
         scaled by ``1 / sqrt(row_scale / K + rms_eps)`` (an RMS norm's scale).
       tiles: give the rows as the launch stored them (``PairTiles``, which a down launch
         reads in place), or ``[R * C, I]`` where XLA formed them (the reference).
-      prefetch_down: ``[E, I, N]``, the down projection's weights: each program brings into
-        L2 the rows of its pair's expert that its hidden units meet, for the down launch
-        after this one. No value changes; the reference ignores it.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
       ``[R, C, I]`` in x's dtype (see ``tiles``).
     """
-    _check_hidden(x, w, experts, row_scale, rms_eps, prefetch_down)
+    _check_hidden(x, w, experts, row_scale, rms_eps)
     reason = hidden_unsupported_reason(x, w) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference":
         out = expert_hidden_reference(x, w, experts, row_scale=row_scale, rms_eps=rms_eps)
         return out.reshape(-1, out.shape[-1]) if tiles else out
     out = _kernel(
-        x, w, experts, None, row_scale, prefetch_down, variant=current_variant(),
+        x, w, experts, None, row_scale, variant=current_variant(),
         interpret=choice == "interpret", gated=True,
         rms_eps=None if rms_eps is None else float(rms_eps),
     )  # fmt: skip

@@ -209,17 +209,12 @@ def test_gdn_fused_gating_decode_on_gpu_matches_oracle(entry, n, n_padded, hv):
 
 
 # A decode bucket of 8 rows with one real (the batch-1 step), 64 rows, and 48 value heads.
-@pytest.mark.parametrize("over_warpgroups", [False, True], ids=["items", "heads-over-wgs"])
 @pytest.mark.parametrize(
     "n, n_padded, hv", [(8, 7, HV), (64, 4, HV), (8, 5, 48)], ids=["b8-1", "b64", "b8-ratio3"]
 )
-def test_gdn_packed_decode_with_the_output_norm_on_gpu_matches_oracle(
-    n, n_padded, hv, over_warpgroups, monkeypatch
-):
-    """The packed op forming the gated output norm (whole-head items, a cross-warp sum; or,
-    ``NORMED_HEADS_OVER_WARPGROUPS`` at a few rows, a head's columns over two warpgroups):
+def test_gdn_packed_decode_with_the_output_norm_on_gpu_matches_oracle(n, n_padded, hv):
+    """The packed op forming the gated output norm (whole-head items, a cross-warp sum):
     ``weight * o / rms(o) * silu(z)`` of the float64 oracle's o; the pool as without it."""
-    monkeypatch.setattr(decode_mgpu, "NORMED_HEADS_OVER_WARPGROUPS", over_warpgroups)
     args, idx = _gdn_case(4, n, 1, n_padded, hv=hv)
     before = np.asarray(args["ssm_pool"])
     rng = np.random.default_rng(5)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _compare import bits, packed_decode_specs, rel
+from _compare import bits, rel
 
 from pallas_kernels import _common, gdn
 from pallas_kernels.gdn import decode_mgpu
@@ -256,7 +256,16 @@ def test_the_output_norm_asks_for_the_pipelined_grid():
 def test_packed_op_with_the_output_norm_lowers_for_cuda():
     """Qwen3.5's heads (16 key / 32 value heads of 128) at a 64-row bucket: the whole-head
     items, the cross-warp sum of the norm and the z loads lower for Mosaic GPU."""
-    args, norm = packed_decode_specs(64)
+    n, h, hv, kd = 64, 16, 32, 128
+    spec = jax.ShapeDtypeStruct
+    args = dict(
+        qkv=spec((n, 1, 2 * h * kd + hv * kd), jnp.bfloat16),
+        ba=spec((n, 1, 2 * hv), jnp.bfloat16),
+        gate_params=spec((2, hv), jnp.float32),
+        ssm_pool=spec((n + 1, hv, kd, kd), jnp.float32),
+        state_indices=spec((n,), jnp.int32),
+    )
+    norm = gdn.OutputNorm(spec((n, 1, hv * kd), jnp.bfloat16), spec((kd,), jnp.float32), 1e-6)
     fn = functools.partial(gdn.packed_gating_recurrent_gated_delta_rule, impl="pallas")
     traced = jax.jit(fn).trace(**args, output_norm=norm)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -299,48 +308,3 @@ def test_packed_bad_input_is_named_before_any_work(impl, name, make, message):
     args[name] = make(args[name])
     with pytest.raises(ValueError, match=re.escape(f"{_PACKED_OP}: {message}")):
         gdn.packed_gating_recurrent_gated_delta_rule(**args, impl=impl)
-
-
-@pytest.mark.parametrize("h", [1, 2], ids=["two-value-heads-a-key", "one-each"])
-def test_heads_over_warpgroups_form_the_output_norm_as_whole_head_items_do(h, monkeypatch):
-    """``NORMED_HEADS_OVER_WARPGROUPS``: a program per (head, row), the head's columns over
-    two warpgroups whose norm sums meet in SMEM: the oracle's outputs and states, and the
-    pipelined whole-head items' within float32 rounding; padded rows zeros, other slots
-    untouched."""
-    args, idx = _case(14, kd=128, h=h, padded=(1, 4))
-    norm = _output_norm(args, 15)
-    items_o, items_pool = _packed_op("interpret")(**_packed(args), output_norm=norm)
-    monkeypatch.setattr(decode_mgpu, "NORMED_HEADS_OVER_WARPGROUPS", True)
-    assert decode_mgpu.heads_over_warpgroups(5, decode_mgpu.Heads(h, 128, HV, 128))
-    o, pool = _packed_op("interpret")(**_packed(args), output_norm=norm)  # a trace of its own
-    o_ref, pool_ref = _oracle(args)
-    real = idx != 0
-    assert rel(o[real], _gated_norm_oracle(o_ref, norm)[real]) < 2e-2
-    assert not np.asarray(o, np.float32)[~real].any(), "padded rows must give zeros"
-    named = idx[real]
-    assert rel(pool[named], pool_ref[named]) < 1e-5
-    others = np.setdiff1d(np.arange(SLOTS), named)
-    np.testing.assert_array_equal(bits(pool[others]), bits(args["ssm_pool"][others]))
-    assert rel(o, items_o) < 1e-2 and rel(pool[named], items_pool[named]) < 1e-6
-
-
-def test_heads_over_warpgroups_take_few_rows_only(monkeypatch):
-    heads = decode_mgpu.Heads(16, 128, 32, 128)
-    assert not decode_mgpu.heads_over_warpgroups(8, heads)  # the switch is off
-    monkeypatch.setattr(decode_mgpu, "NORMED_HEADS_OVER_WARPGROUPS", True)
-    assert decode_mgpu.heads_over_warpgroups(8, heads)
-    assert not decode_mgpu.heads_over_warpgroups(16, heads)  # 512 programs: the pipelined grid
-    assert not decode_mgpu.heads_over_warpgroups(8, heads._replace(v_dim=96))
-
-
-def test_heads_over_warpgroups_lower_for_cuda_with_a_prefetch(monkeypatch):
-    """Qwen3.5-35B's GDN heads at a bucket of 8 rows: two warpgroups a program, the norm's
-    sums through SMEM, and the spare rows' prefetch of the out projection, lowered for
-    Mosaic GPU."""
-    monkeypatch.setattr(decode_mgpu, "NORMED_HEADS_OVER_WARPGROUPS", True)
-    args, norm = packed_decode_specs(8)
-    fn = functools.partial(gdn.packed_gating_recurrent_gated_delta_rule, impl="pallas")
-    prefetch = (jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16),)
-    traced = jax.jit(fn).trace(**args, output_norm=norm, prefetch=prefetch)
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert "gdn_decode_heads" in text and "cp.async.bulk.prefetch" in text

@@ -4,7 +4,6 @@ float64 oracle, padding ids, the ``cuda`` lowering, and the errors for misshapen
 from __future__ import annotations
 
 import importlib
-import re
 
 import chex
 import jax
@@ -13,7 +12,6 @@ import numpy as np
 import pytest
 
 from pallas_kernels import moe
-from pallas_kernels._common import NUM_SMS
 from pallas_kernels._skinny import current_variant
 
 # The module, not the function of the same name that the package re-exports.
@@ -287,91 +285,3 @@ def test_pair_halves_puts_each_tiles_gate_and_up_columns_side_by_side():
     np.testing.assert_array_equal(paired[0, 32:64], 128 + np.arange(32))
     np.testing.assert_array_equal(paired[1, 64:96], 256 + 32 + np.arange(32))
     chex.assert_trees_all_equal(unpair_halves(paired), w)
-
-
-def test_experts_filling_the_sm_change_no_bit(monkeypatch):
-    """``EXPERTS_FILL_SM``: the gate/up (paired hidden rows) and down launches with the
-    deepest ring, one program an SM, give the default launches' bits (the ring's depth and
-    the programs' share of the pairs do not change a sum's order)."""
-    from pallas_kernels import _skinny
-
-    rng = np.random.default_rng(51)
-    rows, k, width, experts = 5, 1024, 128, 6
-    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    w = moe.pair_halves(
-        jnp.asarray(rng.standard_normal((experts, k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
-    )
-    down = jnp.asarray(rng.standard_normal((experts, width, k)) / np.sqrt(width), jnp.bfloat16)
-    ids = jnp.asarray(rng.integers(0, experts, (rows, 3)), jnp.int32).at[4].set(experts)
-
-    def run():
-        hidden = moe.expert_hidden(x, w, ids, tiles=True, impl="interpret")
-        out = moe.expert_matmul(hidden, down, ids.reshape(-1, 1), impl="interpret")
-        return np.asarray(hidden.rows()), np.asarray(out)
-
-    plain = run()
-    monkeypatch.setattr(_skinny, "EXPERTS_FILL_SM", True)
-    filled = run()
-    for a, b in zip(plain, filled, strict=True):
-        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
-    assert np.abs(plain[1][:12].astype(np.float32)).max() > 0
-
-
-def test_experts_filling_the_sm_lower_for_cuda_one_program_an_sm(monkeypatch):
-    """At the 35B-like gate/up (K 2048, 8 rows) the deepest ring leaves room for one program
-    an SM, so the launch's grid is at most the SMs; both launches lower for ``cuda``."""
-    from pallas_kernels import _skinny
-
-    monkeypatch.setattr(_skinny, "EXPERTS_FILL_SM", True)
-    variant = _skinny.deepest_ring(_skinny.current_variant(), 16, jnp.bfloat16, 8, halves=True)
-    assert variant.stages > _skinny.STAGES
-    refs = _skinny.scratch(16, jnp.bfloat16, variant, 8, halves=True)
-    assert _skinny.programs_per_sm(refs) == 1
-    assert em_module.programs_per_tile(64, 16, 1) * 16 <= NUM_SMS
-    assert _lowered_hidden_then_down().count("mosaic_gpu") >= 2
-
-
-def test_hidden_rows_prefetching_their_down_weights_change_no_bit():
-    """``expert_hidden(prefetch_down=)``: each pair's program also brings its expert's down
-    rows into L2 (no-ops in the interpreter): the same hidden rows, bit for bit."""
-    rng = np.random.default_rng(61)
-    rows, k, width, experts = 5, 256, 128, 4
-    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
-    w = moe.pair_halves(
-        jnp.asarray(rng.standard_normal((experts, k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
-    )
-    down = jnp.asarray(rng.standard_normal((experts, width, 320)), jnp.bfloat16)
-    ids = jnp.asarray(rng.integers(0, experts, (rows, 2)), jnp.int32).at[4].set(experts)
-    plain = moe.expert_hidden(x, w, ids, impl="interpret")
-    fetched = moe.expert_hidden(x, w, ids, prefetch_down=down, impl="interpret")
-    np.testing.assert_array_equal(
-        np.asarray(fetched).view(np.uint16), np.asarray(plain).view(np.uint16)
-    )
-    assert np.abs(np.asarray(plain[:4], np.float32)).max() > 0
-
-
-def test_hidden_rows_launch_prefetching_the_down_weights_lowers_for_cuda_at_the_35b_shapes():
-    s = jax.ShapeDtypeStruct
-    bf16 = jnp.bfloat16
-    args = (s((8, 2048), bf16), s((256, 2048, 1024), bf16), s((8, 8), jnp.int32),
-            s((256, 512, 2048), bf16))  # fmt: skip
-
-    def call(x, w, ids, down):
-        return moe.expert_hidden(x, w, ids, prefetch_down=down, tiles=True, impl="pallas").tiles
-
-    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "cp.async.bulk.prefetch" in text
-
-
-@pytest.mark.parametrize(
-    "shape",
-    [(3, 128, 64), (4, 64, 64), (4, 128), (4, 128, 4)],
-    ids=["experts", "hidden-units", "rank", "8-byte-rows"],
-)
-def test_hidden_rows_refuse_down_weights_that_are_not_their_experts(shape):
-    x = jnp.zeros((4, 256), jnp.bfloat16)
-    w = jnp.zeros((4, 256, 256), jnp.bfloat16)
-    down = jnp.zeros(shape, jnp.bfloat16)
-    message = f"prefetch_down bfloat16{list(shape)} must be the down weights [E, I, N] = [4, 128"
-    with pytest.raises(ValueError, match=re.escape(message)):
-        moe.expert_hidden(x, w, jnp.zeros((4, 2), jnp.int32), prefetch_down=down)
