@@ -92,20 +92,15 @@ TRIAL_SWITCHES = {
         "a decode step's attention rows (q/k norms, rotary, page writes) formed by XLA's "
         "fusions and scatters, not in one launch",
     ),
-    "--shared-down-with-experts": (
-        moe_layer, "SHARED_DOWN_WITH_EXPERTS", True,
-        "a MoE block whose experts run by id takes the shared expert's down product in the "
-        "experts' down launch",
+    "--no-shared-down-with-experts": (
+        moe_layer, "SHARED_DOWN_WITH_EXPERTS", False,
+        "a MoE block whose experts run by id takes the shared expert's down product in a "
+        "launch of its own, not in the experts' down launch",
     ),
     "--no-shared-hidden-with-experts": (
         moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", False,
         "a MoE block whose experts run by id forms its shared expert's SiLU product apart "
         "from its experts' (a fusion each)",
-    ),
-    "--split-input-projections": (
-        linear_layer, "SPLIT_INPUT_PROJECTIONS", True,
-        "a layer's input projections with few column tiles together (a MoE block's router "
-        "and shared expert) as float32 partial products over parts of K",
     ),
     "--no-norm-in-decode-kernel": (
         gdn_layer, "NORM_IN_DECODE_KERNEL", False,

@@ -303,7 +303,7 @@ def test_second_start_reads_every_step_program_back_without_tracing(engine, alon
         (linear, "FEW_ROWS", 0),
         (linear, "SPLIT_OUTPUT_PROJECTIONS", False),
         (linear, "MIN_SPLITS", 2),
-        (moe, "SHARED_DOWN_WITH_EXPERTS", True),
+        (moe, "SHARED_DOWN_WITH_EXPERTS", False),
         (_skinny, "SWAP_OPERANDS", False),
     ],
 )

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hybrid_jax.layers import linear
 from hybrid_jax.layers.linear import FEW_ROWS, project
 from hybrid_jax.layers.moe import MoEConfig, SparseMoE
 from hybrid_jax.layers.norm import NormedRows, ZeroCenteredRMSNorm, formed
@@ -75,21 +74,6 @@ def test_normed_rows_are_formed_where_no_launch_takes_them():
         x = _rows(tokens, tokens)
         (got,) = project(norm.deferred(x), [layer], impl=impl)
         chex.assert_trees_all_equal(got, layer(norm(x)))
-
-
-def test_split_input_projections_scale_the_summed_partials(monkeypatch):
-    monkeypatch.setattr(linear, "SPLIT_INPUT_PROJECTIONS", True)
-    monkeypatch.setattr(linear, "MIN_SPLITS", 2)
-    norm, x = _norm(5), _rows(6, 8)
-    layers = [
-        nnx.Linear(HIDDEN, 64, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                   rngs=nnx.Rngs(i))
-        for i in range(2)
-    ]  # fmt: skip
-    assert linear._splits(x, [layer.kernel[...] for layer in layers]) == 2
-    got = project(norm.deferred(x), layers, impl="interpret")
-    for out, layer in zip(got, layers, strict=True):
-        assert _rel(out, layer(norm(x))) < 1e-2
 
 
 def _moe_case(seed: int):

@@ -48,7 +48,6 @@ _SWITCHES = {
         "FEW_ROWS",
         "MIN_SPLITS",
         "NORMS_IN_LAUNCH",
-        "SPLIT_INPUT_PROJECTIONS",
         "SPLIT_OUTPUT_PROJECTIONS",
     ),
     "hybrid_jax.layers.gdn": ("NORM_IN_DECODE_KERNEL",),

@@ -33,7 +33,6 @@ __all__ = [
     "FEW_ROWS",
     "MIN_SPLITS",
     "NORMS_IN_LAUNCH",
-    "SPLIT_INPUT_PROJECTIONS",
     "SPLIT_OUTPUT_PROJECTIONS",
     "project",
     "project_output",
@@ -62,13 +61,6 @@ NORMS_IN_LAUNCH = True
 projections' launch reads the rows times the norm's weight and scales each row of its sums
 by the row's inverse RMS, so no norm kernel (and no copy of its weight out of the layers'
 stack) runs between the residual add and the launch."""
-
-SPLIT_INPUT_PROJECTIONS = False
-"""Whether ``project``'s one launch splits K too when its weights have few column tiles
-together (a MoE block's router and shared expert gate/up: 20 tiles of 64 columns), its
-float32 partial products summed where they are used. Off: not yet shown faster on the H200
-(benchmarks/RESULTS_serve.md, session 20)."""
-
 
 ADDS_FOR_SHORT_SUMS = True
 """Whether ``short_sum`` writes a sum over a short axis (the partial products' parts of K, a
@@ -136,12 +128,7 @@ def project(
         return tuple(in_xla(h, i) for i in range(len(layers)))
     taken_weights = [weights[i] for i in taken]
     taken_flags = [flags[i] for i in taken]
-    if SPLIT_INPUT_PROJECTIONS and _splits(rows, taken_weights) > 1:
-        scale = x.inverse_rms() if isinstance(x, NormedRows) else None
-        products = _split_products(rows, taken_weights, row_scale=scale, impl=impl)
-        paired_products = zip(products, taken_flags, strict=True)
-        products = [swiglu(y, paired=True) if f else y for y, f in paired_products]
-    elif isinstance(x, NormedRows):  # the launch forms each row's inverse RMS
+    if isinstance(x, NormedRows):  # the launch forms each row's inverse RMS
         products = projections.projections(
             rows, taken_weights, row_scale=x.square_sum(), rms_eps=x.eps, paired=taken_flags,
             impl=impl,
@@ -160,19 +147,11 @@ def _splits(x: jax.Array, weights: Sequence[jax.Array]) -> int:
     return splits if splits >= MIN_SPLITS else 1
 
 
-def _split_products(
-    x: jax.Array, weights: Sequence[jax.Array], *, row_scale: jax.Array | None, impl: str
-) -> list[jax.Array]:
-    """``x @ w`` for each weight in x's dtype, summed from float32 partial products over parts
-    of K from one launch (XLA fuses each sum into its use), each row of a sum times
-    ``row_scale`` (float32 ``[T]``; None: 1)."""
-    products = []
-    for partial in projections.projection_partials(x, weights, impl=impl):
-        total = short_sum(partial, 0)
-        if row_scale is not None:
-            total = total * row_scale[:, None]
-        products.append(total.astype(x.dtype))
-    return products
+def _split_product(x: jax.Array, w: jax.Array, *, impl: str) -> jax.Array:
+    """``x @ w`` in x's dtype, summed from float32 partial products over parts of K from one
+    launch (XLA fuses the sum into its use)."""
+    (partial,) = projections.projection_partials(x, [w], impl=impl)
+    return short_sum(partial, 0).astype(x.dtype)
 
 
 def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
@@ -187,6 +166,5 @@ def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
         and _splits(x, [w]) > 1
         and resolve_impl("projections", impl, None) != "reference"
     ):
-        (product,) = _split_products(x, [w], row_scale=None, impl=impl)
-        return product
+        return _split_product(x, w, impl=impl)
     return layer(x)

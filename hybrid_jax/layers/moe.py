@@ -52,11 +52,11 @@ own expert, which costs about what the grouped matmul reads while few pairs shar
 RANKED_TOP_K_TOKENS = 64
 """Tokens up to which ``top_k`` ranks instead of sorting."""
 
-SHARED_DOWN_WITH_EXPERTS = False
+SHARED_DOWN_WITH_EXPERTS = True
 """Whether a block whose experts run by id takes the shared expert's down product in the
 experts' down launch (``moe.expert_matmul(dense=)``: one launch fewer per block) instead of a
-product of its own. Off: on the H200 the launch's added programs take as long as the separate
-product (``benchmarks/RESULTS_serve.md``)."""
+product of its own: the 35B-like batch-1 step's launches ~130 us shorter on the H200
+(``benchmarks/RESULTS_serve.md``, session 33)."""
 
 
 SHARED_HIDDEN_WITH_EXPERTS = True

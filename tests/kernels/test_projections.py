@@ -292,22 +292,6 @@ def _count_partials(monkeypatch) -> list:
     return calls
 
 
-def test_input_projections_of_few_column_tiles_split_k_when_switched_on(monkeypatch):
-    # A MoE block's router, shared gate and up at small width: 5 column tiles, 4 parts of K.
-    layers = _linears(512, (64, 128, 128))
-    x = jnp.asarray(np.random.default_rng(6).standard_normal((5, 512)), jnp.bfloat16)
-    calls = _count_partials(monkeypatch)
-    assert linear.SPLIT_INPUT_PROJECTIONS is False
-    one_launch = project(x, layers, impl="interpret")
-    assert calls == []  # off by default
-    monkeypatch.setattr(linear, "SPLIT_INPUT_PROJECTIONS", True)
-    split = project(x, layers, impl="interpret")
-    assert calls == [[(512, 64), (512, 128), (512, 128)]]
-    for got, same, layer in zip(split, one_launch, layers, strict=True):
-        assert got.dtype == same.dtype == jnp.bfloat16
-        chex.assert_trees_all_close(got, layer(x), rtol=2e-2, atol=2e-2)
-
-
 def test_swapped_operands_fit_three_programs_on_an_sm_at_eight_rows():
     plain, swapped = ProductVariant(), ProductVariant(swap=True)
     assert programs_per_sm(scratch(16, jnp.bfloat16, plain, 8)) == 1
