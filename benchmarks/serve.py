@@ -92,6 +92,11 @@ TRIAL_SWITCHES = {
         "a decode step's attention rows (q/k norms, rotary, page writes) formed by XLA's "
         "fusions and scatters, not in one launch",
     ),
+    "--gate-in-decode-kernel": (
+        attention_backend, "GATE_IN_DECODE_KERNEL", True,
+        "a decode step's attention output gate formed in the paged decode kernel's epilogue, "
+        "not in an XLA fusion before the output projection",
+    ),
     "--no-shared-down-with-experts": (
         moe_layer, "SHARED_DOWN_WITH_EXPERTS", False,
         "a MoE block whose experts run by id takes the shared expert's down product in a "

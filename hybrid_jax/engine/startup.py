@@ -59,7 +59,13 @@ _SWITCHES = {
         "SHARED_HIDDEN_WITH_EXPERTS",
         "SOFTMAX_IN_RANKING",
     ),
-    "hybrid_jax.backend.attention": ("ROWS_IN_KERNEL", "TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
+    "hybrid_jax.backend.attention": (
+        "ROWS_IN_KERNEL",
+        "GATE_IN_DECODE_KERNEL",
+        "TOKEN_BLOCK",
+        "QUERY_BLOCK",
+        "KEY_CHUNK",
+    ),
     "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS", "RING_FILLS_SM"),
 }
 
