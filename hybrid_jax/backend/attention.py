@@ -491,7 +491,7 @@ def paged_attention(
         )
     if num_tokens == 0:
         return jnp.zeros_like(q), k_pages, v_pages
-    gated_in_kernel = False
+    gated_in_kernel, masked = False, True
     token_pages = _token_pages(meta)
     tree = _tree_tokens(meta) if meta.tree else None
     store = None if tree is None else tree.store
@@ -522,9 +522,9 @@ def paged_attention(
             gate=gate.reshape(rows_q.shape).astype(dtype) if gated_in_kernel else None,
             impl=decode,
         ).reshape(q.shape)  # fmt: skip
-        if gated_in_kernel and meta.token_layout is TokenLayout.ONE_PER_ROW:
-            # A padded row has no context and the kernel gives it zeros: no mask to apply.
-            return out.astype(q.dtype), k_pages, v_pages
+        # A padded row has no context and the kernel gives it zeros: with the gate in the
+        # kernel too, its rows go on as stored.
+        masked = not (gated_in_kernel and meta.token_layout is TokenLayout.ONE_PER_ROW)
     elif tree is not None:
         out = _tree_tokens_attention(q, k_flat, v_flat, token_pages, meta, tree, scale, acc)
     elif kernel is None:
@@ -558,8 +558,9 @@ def paged_attention(
             ),
         )
         out = _merge([fresh, cached])
-    real = meta.real_tokens[:, None, None]
-    out = jnp.where(real, out, 0).astype(q.dtype)
+    if masked:
+        out = jnp.where(meta.real_tokens[:, None, None], out, 0)
+    out = out.astype(q.dtype)
     if gate is not None and not gated_in_kernel:
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
     return out, k_pages, v_pages

@@ -532,6 +532,11 @@ def paged_decode_attention(
       q's shape and dtype.
     """
     _check(_OP, q, k_pages, v_pages, page_table, context_lens, "context_lens")
+    if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype):
+        raise ValueError(
+            f"{_OP}: gate {gate.dtype}{list(gate.shape)} must have q's shape and dtype "
+            f"({q.dtype}{list(q.shape)})"
+        )
     tokens = q.shape[1] if q.ndim == 4 else 1
     check_parents(_OP, parents, q.shape[0], tokens)
     tree_reason = None if parents is None else tree_unsupported_reason(tokens)
@@ -539,11 +544,6 @@ def paged_decode_attention(
         raise ValueError(f"{_OP}: {tree_reason}")
     reason = unsupported_reason(q, k_pages) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
-    if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype):
-        raise ValueError(
-            f"{_OP}: gate {gate.dtype}{list(gate.shape)} must have q's shape and dtype "
-            f"({q.dtype}{list(q.shape)})"
-        )
     if choice == "reference":
         return paged_decode_attention_reference(
             q, k_pages, v_pages, page_table, context_lens, scale=scale, parents=parents,
