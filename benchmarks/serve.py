@@ -83,6 +83,7 @@ from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig  # noqa: E40
 from pallas_kernels import _skinny  # noqa: E402
 
 _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
+_EXPERT_MATMUL = importlib.import_module("pallas_kernels.moe.expert_matmul")
 # Switches a run can flip, each a module attribute read while tracing: flag -> (module,
 # attribute, the value the flag sets, what that does). A run sets those it is given and
 # restores them at the end.
@@ -92,15 +93,15 @@ TRIAL_SWITCHES = {
         "a decode step's attention rows (q/k norms, rotary, page writes) formed by XLA's "
         "fusions and scatters, not in one launch",
     ),
-    "--gate-in-decode-kernel": (
-        attention_backend, "GATE_IN_DECODE_KERNEL", True,
-        "a decode step's attention output gate formed in the paged decode kernel's epilogue, "
-        "not in an XLA fusion before the output projection",
-    ),
     "--no-shared-down-with-experts": (
         moe_layer, "SHARED_DOWN_WITH_EXPERTS", False,
         "a MoE block whose experts run by id takes the shared expert's down product in a "
         "launch of its own, not in the experts' down launch",
+    ),
+    "--pair-rows-by-slices": (
+        _EXPERT_MATMUL, "PAIR_ROWS_BY_SLICES", True,
+        "a MoE block whose experts run by id reads each pair's row of the down launch's "
+        "tiles by strided slices, not a gather, in its combine",
     ),
     "--no-shared-hidden-with-experts": (
         moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", False,

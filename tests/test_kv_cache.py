@@ -519,37 +519,6 @@ def test_sparse_moe_computes_the_experts_of_real_tokens_only():
     assert np.abs(np.asarray(got[3:] - moe(x)[3:])).max() > 1e-3  # the routed part is gone
 
 
-def test_the_output_gate_in_the_decode_kernel_gives_the_gated_layer_s_output(monkeypatch):
-    """``GATE_IN_DECODE_KERNEL``: a gated attention layer's DECODE step under
-    ``impl="interpret"`` forms ``sigmoid(gate)`` in the paged decode kernel (no sigmoid left
-    in XLA) and agrees with ``reference``, which gates in XLA; the padded row is zeros."""
-    from hybrid_jax.layers.attention import Attention, AttentionConfig
-
-    config = AttentionConfig(64, 8, 2, 64, partial_rotary_factor=0.5, dtype="bfloat16")
-    layer = Attention(config, rngs=nnx.Rngs(5))
-    policy = BucketPolicy(batch_buckets=(4,), token_buckets=(4,), page_size=16, max_context=64)
-    rows = [RowSpec(1, 40, 1, (3, 7, 1)), RowSpec(2, 12, 1, (9,)), RowSpec(3, 0, 1, (5,))]
-    meta, _, _, _, k_pages, v_pages = _bf16_step(M.DECODE, rows, policy, num_pages=12)
-    x = jnp.asarray(np.random.default_rng(6).standard_normal((4, 64)), jnp.bfloat16)
-
-    def step(impl):
-        return jax.jit(lambda *a: layer(*a, impl=impl))(x, k_pages, v_pages, meta)
-
-    def sigmoids(impl):
-        text = str(jax.make_jaxpr(lambda *a: layer(*a, impl=impl))(x, k_pages, v_pages, meta))
-        return text.count("logistic")
-
-    want = np.asarray(step("reference").y, np.float32)
-    assert sigmoids("interpret") == 1  # off: the gate in XLA
-    monkeypatch.setattr(attention_backend, "GATE_IN_DECODE_KERNEL", True)
-    assert sigmoids("interpret") == 0 and sigmoids("reference") == 1
-    got = np.asarray(step("interpret").y, np.float32)
-    assert np.isfinite(got).all()
-    assert np.linalg.norm(got - want) < 2e-2 * np.linalg.norm(want)
-    # The padded row's attention is zeros, so its output projection is too.
-    np.testing.assert_array_equal(got[3], 0)
-
-
 def test_decode_rows_kernel_writes_what_the_layer_writes_in_jnp():
     """A gated attention layer with q/k norms and a half-turned head (bf16, 8 query / 2 KV
     heads of 64): its DECODE step under ``impl="interpret"`` forms the norms, the rotary and

@@ -49,26 +49,13 @@ from pallas_kernels import resolve_impl
 from pallas_kernels.attention import paged_decode
 from pallas_kernels.attention import rows as attention_rows
 
-__all__ = [
-    "GATE_IN_DECODE_KERNEL",
-    "ROWS_IN_KERNEL",
-    "decode_rows",
-    "paged_attention",
-    "tree_ancestors",
-    "write_pages",
-]
+__all__ = ["ROWS_IN_KERNEL", "decode_rows", "paged_attention", "tree_ancestors", "write_pages"]
 
 ROWS_IN_KERNEL = True
 """Whether a DECODE step forms its attention rows in one launch (``decode_rows``: the q/k
 norms, the rotary and both page writes) where the kernel takes the step, instead of XLA's
 fusions, scatters and copies of the norm weights (nine kernels a layer on the H200, ~13 us
 against the launch's ~4: ``benchmarks/RESULTS_serve.md``)."""
-
-GATE_IN_DECODE_KERNEL = False
-"""Whether a DECODE step's attention output gate (``sigmoid(gate)``, Qwen3-Next's) is formed
-in the paged decode kernel's epilogue, where the kernel takes the step, and the kernel's
-rows go to the output projection as it stores them (its padded rows are zeros already),
-instead of an XLA fusion between the two launches. Off: not yet measured on the H200."""
 
 # Tree-draft tokens attended per vectorised batch: bounds their gathered keys to
 # TOKEN_BLOCK x (max_pages * page_size) x KVH x head_dim.
@@ -462,12 +449,9 @@ def paged_attention(
     scale: float,
     impl: str = "auto",
     written: bool = False,
-    gate: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Writes this step's keys and values (unless ``written``: ``decode_rows`` did), then
-    causal grouped-query attention per row, times ``sigmoid(gate)`` with a ``gate``
-    ``[T, H, hd]`` (an output gate: in XLA after the attention, or in the decode kernel's
-    epilogue with ``GATE_IN_DECODE_KERNEL``).
+    causal grouped-query attention per row.
 
     q: ``[T, H, hd]``; k, v: ``[T, KVH, hd]`` with ``H % KVH == 0`` (query head h reads key
     head ``h // (H // KVH)``); k_pages, v_pages: ``[P, page_size, KVH, hd]``. Returns
@@ -491,7 +475,6 @@ def paged_attention(
         )
     if num_tokens == 0:
         return jnp.zeros_like(q), k_pages, v_pages
-    gated_in_kernel, masked = False, True
     token_pages = _token_pages(meta)
     tree = _tree_tokens(meta) if meta.tree else None
     store = None if tree is None else tree.store
@@ -514,17 +497,11 @@ def paged_attention(
         # A row's tokens are the last of its context, causal among themselves or along the
         # row's tree (padded rows have no context: zeros).
         dtype = k_pages.dtype
-        gated_in_kernel = GATE_IN_DECODE_KERNEL and gate is not None
         out = paged_decode.paged_decode_attention(
             rows_q.astype(dtype), k_pages, v_pages, jnp.asarray(meta.pages.table),
             jnp.asarray(meta.context_lens).astype(jnp.int32), scale=scale,
-            parents=meta.parents if meta.tree else None,
-            gate=gate.reshape(rows_q.shape).astype(dtype) if gated_in_kernel else None,
-            impl=decode,
+            parents=meta.parents if meta.tree else None, impl=decode,
         ).reshape(q.shape)  # fmt: skip
-        # A padded row has no context and the kernel gives it zeros: with the gate in the
-        # kernel too, its rows go on as stored.
-        masked = not (gated_in_kernel and meta.token_layout is TokenLayout.ONE_PER_ROW)
     elif tree is not None:
         out = _tree_tokens_attention(q, k_flat, v_flat, token_pages, meta, tree, scale, acc)
     elif kernel is None:
@@ -558,9 +535,5 @@ def paged_attention(
             ),
         )
         out = _merge([fresh, cached])
-    if masked:
-        out = jnp.where(meta.real_tokens[:, None, None], out, 0)
-    out = out.astype(q.dtype)
-    if gate is not None and not gated_in_kernel:
-        out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
-    return out, k_pages, v_pages
+    real = meta.real_tokens[:, None, None]
+    return jnp.where(real, out, 0).astype(q.dtype), k_pages, v_pages

@@ -59,14 +59,9 @@ _SWITCHES = {
         "SHARED_HIDDEN_WITH_EXPERTS",
         "SOFTMAX_IN_RANKING",
     ),
-    "hybrid_jax.backend.attention": (
-        "ROWS_IN_KERNEL",
-        "GATE_IN_DECODE_KERNEL",
-        "TOKEN_BLOCK",
-        "QUERY_BLOCK",
-        "KEY_CHUNK",
-    ),
+    "hybrid_jax.backend.attention": ("ROWS_IN_KERNEL", "TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
     "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS", "RING_FILLS_SM"),
+    "pallas_kernels.moe.expert_matmul": ("PAIR_ROWS_BY_SLICES",),
 }
 
 

@@ -150,7 +150,9 @@ class Attention(nnx.Module):
             q, k_pages, v_pages = rows
         out, k_pages, v_pages = paged_attention(
             q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5, impl=impl,
-            written=rows is not None, gate=gate if c.gated else None,
+            written=rows is not None,
         )  # fmt: skip
+        if c.gated:
+            out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         out = out.reshape(t, c.num_heads * c.head_dim)
         return AttentionOutput(project_output(out, self.o_proj, impl=impl), k_pages, v_pages)

@@ -77,27 +77,22 @@ _PAGE_SIZES = (16, 32, 64)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _smem_bytes(stages: int, head_dim: int, itemsize: int, gated: bool = False) -> int:
-    """Shared memory of one program: the query tile (reused for the output), the output
-    gate's tile when ``gated``, the ring of keys and values, the log-sum-exps and tree
-    paths, the barriers."""
+def _smem_bytes(stages: int, head_dim: int, itemsize: int) -> int:
+    """Shared memory of one program: the query tile (reused for the output), the ring of
+    keys and values, the log-sum-exps and tree paths, the barriers."""
     tile = ROWS_PER_TILE * head_dim * itemsize
     ring = 2 * stages * BLOCK * head_dim * itemsize
-    return (1 + gated) * tile + ring + 2 * ROWS_PER_TILE * 4 + 8 * (2 * stages + 1)
+    return tile + ring + 2 * ROWS_PER_TILE * 4 + 8 * (2 * stages + 1)
 
 
-def stages_unsupported_reason(
-    stages: int, head_dim: int, itemsize: int, gated: bool = False
-) -> str | None:
-    """Why the kernel cannot run a ring of ``stages`` buffers (with an output gate's tile
-    when ``gated``), or None when it can."""
+def stages_unsupported_reason(stages: int, head_dim: int, itemsize: int) -> str | None:
+    """Why the kernel cannot run a ring of ``stages`` buffers, or None when it can."""
     if stages < 1:
         return f"stages={stages} must be at least 1"
-    need = _smem_bytes(stages, head_dim, itemsize, gated)
+    need = _smem_bytes(stages, head_dim, itemsize)
     if need > SMEM_BYTES:
         return (
-            f"stages={stages} at head_dim={head_dim}{' with a gate' if gated else ''} needs "
-            f"{need} bytes of shared memory "
+            f"stages={stages} at head_dim={head_dim} needs {need} bytes of shared memory "
             f"(at most {SMEM_BYTES})"
         )
     return None
@@ -209,19 +204,15 @@ def _reference(q, k_pages, v_pages, page_table, lengths, *, scale: float, causal
 
 
 def paged_decode_attention_reference(
-    q, k_pages, v_pages, page_table, context_lens, *, scale: float, parents=None, gate=None
+    q, k_pages, v_pages, page_table, context_lens, *, scale: float, parents=None
 ) -> jax.Array:
-    """jnp ``paged_decode_attention`` (``_reference``, causal or a tree; times
-    ``sigmoid(gate)`` with a gate). Float32 at least."""
+    """jnp ``paged_decode_attention`` (``_reference``, causal or a tree). Float32 at least."""
     q4 = q if q.ndim == 4 else q[:, None]
     out, _ = _reference(
         q4, k_pages, v_pages, page_table, context_lens, scale=scale, causal=True,
         parents=parents,
     )  # fmt: skip
-    out = out.reshape(q.shape)
-    if gate is not None:
-        out = out * jax.nn.sigmoid(gate.astype(out.dtype))
-    return out.astype(q.dtype)
+    return out.reshape(q.shape).astype(q.dtype)
 
 
 # A program's start (its query tile, the first loads of its ring, the output store) costs
@@ -246,8 +237,8 @@ def pick_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
     return min(options, key=cost)
 
 
-def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, gate_tiles=None,
-                 *, scale, num_splits, tokens, groups, causal, stages, interpret):  # fmt: skip
+def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, scale,
+                 num_splits, tokens, groups, causal, stages, interpret):  # fmt: skip
     """The kernel over query tiles ``[B, KVH, R, hd]`` (tile row ``r``: token ``r // groups``,
     query head ``r % groups`` of the KV head; ``R`` a multiple of 8 up to 64, the rows past
     ``tokens * groups`` zero): per split, its output rows (q's dtype) and float32
@@ -257,9 +248,7 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, gat
     ``causal``: token t sees positions below ``length - tokens + 1 + t``; else every token
     sees all ``length`` positions. ``paths`` (tree drafts, with ``causal``): int32 ``[B, 64]``,
     each tile row's root-path bits (``root_paths``): it sees the positions before the
-    ``tokens`` draft positions and the draft positions whose bit is set. ``gate_tiles``
-    (q_tiles' shape): each output row times ``sigmoid`` of its gate row, in float32 before
-    the store."""
+    ``tokens`` draft positions and the draft positions whose bit is set."""
     batch, kv_heads, held, head_dim = q_tiles.shape
     pairs = batch * kv_heads  # (row, KV head) pairs
     page_size = k_pages.shape[1]
@@ -270,17 +259,14 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, gat
     dtype = q_tiles.dtype
 
     tree = paths is not None
-    gated = gate_tiles is not None
 
     def body(table_ref, lens_ref, q_ref, k_ref, v_ref, *refs):
-        refs = list(refs)
-        paths_ref = refs.pop(0) if tree else None
-        gate_ref = refs.pop(0) if gated else None
-        o_ref, lse_ref, q_s, k_s, v_s, lse_s = refs[:6]
-        refs = refs[6:]
-        paths_s = refs.pop(0) if tree else None
-        gate_s = refs.pop(0) if gated else None
-        q_bar, k_bar, v_bar, *p_s = refs
+        if tree:
+            paths_ref, o_ref, lse_ref, q_s, k_s, v_s, lse_s, paths_s, q_bar, k_bar, v_bar, *p_s = (
+                refs
+            )
+        else:
+            o_ref, lse_ref, q_s, k_s, v_s, lse_s, q_bar, k_bar, v_bar, *p_s = refs
         # Program p takes split p // pairs of pair p % pairs = row * KVH + head. The kernel
         # on a 1-D grid runs 1-2% faster on the H200 than on a (split, head, row) grid of
         # the same programs (benchmarks/RESULTS_attention.md).
@@ -296,8 +282,6 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, gat
         plgpu.copy_gmem_to_smem(q_ref.at[row, head], q_s.at[pl.ds(0, held)], q_bar)
         if tree:
             plgpu.copy_gmem_to_smem(paths_ref.at[row], paths_s, q_bar)
-        if gated:
-            plgpu.copy_gmem_to_smem(gate_ref.at[row, head], gate_s.at[pl.ds(0, held)], q_bar)
 
         def pages_of(j):
             """Block j's page ids (clamped into the table past the row's last block)."""
@@ -382,12 +366,8 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, gat
         peak, total, acc = lax.fori_loop(0, num, step, init)
         seen = total > 0
         safe = jnp.where(seen, total, 1.0)
-        out = acc / along_rows(safe, tile)
-        if gated:  # the rows past ``held`` hold whatever SMEM held; they are not stored
-            gate = plgpu.load(gate_s, layout=WG).astype(F32)
-            out = out / (1.0 + jnp.exp(-gate))
         # The query tile is read by no later product: it takes the output.
-        q_s[...] = out.astype(dtype)
+        q_s[...] = (acc / along_rows(safe, tile)).astype(dtype)
         lse_s[...] = jnp.where(seen, peak + jnp.log(safe), -jnp.inf)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s.at[pl.ds(0, held)], o_ref.at[split, row, head])
@@ -405,13 +385,10 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, gat
         plgpu.SMEM((ROWS_PER_TILE,), F32),
     ]
     trees = (paths,) if tree else ()
-    gates = (gate_tiles,) if gated else ()
     if tree:
         scratch.append(plgpu.SMEM((ROWS_PER_TILE,), jnp.int32))
-    if gated:
-        scratch.append(smem(tile, dtype))
     scratch += [
-        plgpu.Barrier(num_arrivals=1 + tree + gated),
+        plgpu.Barrier(num_arrivals=1 + tree),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
     ]
@@ -428,7 +405,7 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, gat
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
         kernel_name="paged_decode_attention",
-    )(page_table, context_lens, q_tiles, k_pages, v_pages, *trees, *gates)
+    )(page_table, context_lens, q_tiles, k_pages, v_pages, *trees)
 
 
 def _merge(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -447,29 +424,24 @@ def _merge(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
 @functools.partial(
     jax.jit, static_argnames=("scale", "num_splits", "causal", "stages", "interpret")
 )
-def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, gate=None, *, scale,
-            num_splits, causal, interpret, stages=STAGES):  # fmt: skip
-    """float32 ``(out, lse)``: out ``[B, D, H, hd]`` (times ``sigmoid(gate)`` with a
-    ``gate`` of q's shape), lse ``[B, D, H]``; ``parents``: tree drafts (with ``causal``)."""
+def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, *, scale, num_splits,
+            causal, interpret, stages=STAGES):  # fmt: skip
+    """float32 ``(out, lse)``: out ``[B, D, H, hd]``, lse ``[B, D, H]``; ``parents``: tree
+    drafts (with ``causal``)."""
     batch, tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     groups = heads // kv_heads
     rows = tokens * groups
     held = round_up(rows, 8)  # TMA moves whole 8-row groups of the swizzled tile
-
-    def as_tiles(x):  # [B, D, H, hd] -> [B, KVH, held, hd], tile row r: token r // groups
-        x = x.reshape(batch, tokens, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
-        x = x.reshape(batch, kv_heads, rows, head_dim)
-        return jnp.pad(x, ((0, 0), (0, 0), (0, held - rows), (0, 0)))
-
-    tiles = as_tiles(q)
+    tiles = q.reshape(batch, tokens, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    tiles = tiles.reshape(batch, kv_heads, rows, head_dim)
+    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, held - rows), (0, 0)))
     paths = None
     if parents is not None:  # tile row r is token r // groups; padding rows see no draft
         paths = jnp.repeat(root_paths(parents), groups, axis=1)
         paths = jnp.pad(paths, ((0, 0), (0, ROWS_PER_TILE - rows)))
     out, lse = _kernel_call(
-        tiles, k_pages, v_pages, page_table, context_lens, paths,
-        None if gate is None else as_tiles(gate), scale=scale,
+        tiles, k_pages, v_pages, page_table, context_lens, paths, scale=scale,
         num_splits=num_splits, tokens=tokens, groups=groups, causal=causal, stages=stages,
         interpret=interpret,
     )  # fmt: skip
@@ -480,9 +452,9 @@ def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, gate=No
     return out.reshape(q.shape), lse.reshape(batch, tokens, heads)
 
 
-def _stages(op: str, q: jax.Array, stages: int, gated: bool = False) -> int:
-    """``stages``, checked for q's head_dim and dtype (and an output gate's tile)."""
-    reason = stages_unsupported_reason(int(stages), q.shape[-1], q.dtype.itemsize, gated)
+def _stages(op: str, q: jax.Array, stages: int) -> int:
+    """``stages``, checked for q's head_dim and dtype."""
+    reason = stages_unsupported_reason(int(stages), q.shape[-1], q.dtype.itemsize)
     if reason is not None:
         raise ValueError(f"{op}: {reason}")
     return int(stages)
@@ -505,13 +477,11 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     parents: jax.Array | None = None,
-    gate: jax.Array | None = None,
     stages: int = STAGES,
     impl: str = "auto",
 ) -> jax.Array:
     """Attention of each row's last query tokens over its first ``context_lens[b]`` cached
-    positions, causal among them, or along their tree (see the module docstring); with
-    ``gate``, times ``sigmoid(gate)`` (an attention output gate), in the kernel's epilogue.
+    positions, causal among them, or along their tree (see the module docstring).
 
     Args:
       q: ``[B, H, hd]`` (one token per row) or ``[B, D, H, hd]``; k_pages, v_pages:
@@ -523,8 +493,6 @@ def paged_decode_attention(
       parents: None (a chain) or int32 ``[B, D]`` tree drafts (D <= 31): token t's parent
         among the D, ``-1`` at the root, topological; token t sees the positions before the
         D and those of its root path.
-      gate: None or q's shape and dtype: each output row times ``sigmoid`` of its gate row
-        (float32, before the cast to q's dtype).
       stages: the kernel's ring of key and value buffers.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
@@ -532,11 +500,6 @@ def paged_decode_attention(
       q's shape and dtype.
     """
     _check(_OP, q, k_pages, v_pages, page_table, context_lens, "context_lens")
-    if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype):
-        raise ValueError(
-            f"{_OP}: gate {gate.dtype}{list(gate.shape)} must have q's shape and dtype "
-            f"({q.dtype}{list(q.shape)})"
-        )
     tokens = q.shape[1] if q.ndim == 4 else 1
     check_parents(_OP, parents, q.shape[0], tokens)
     tree_reason = None if parents is None else tree_unsupported_reason(tokens)
@@ -546,14 +509,12 @@ def paged_decode_attention(
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference":
         return paged_decode_attention_reference(
-            q, k_pages, v_pages, page_table, context_lens, scale=scale, parents=parents,
-            gate=gate,
-        )  # fmt: skip
+            q, k_pages, v_pages, page_table, context_lens, scale=scale, parents=parents
+        )
     q4 = q if q.ndim == 4 else q[:, None]
-    stages = _stages(_OP, q, stages, gate is not None)
+    stages = _stages(_OP, q, stages)
     out, _ = _kernel(
-        q4, k_pages, v_pages, page_table, context_lens, parents,
-        None if gate is None else gate.reshape(q4.shape), scale=float(scale),
+        q4, k_pages, v_pages, page_table, context_lens, parents, scale=float(scale),
         num_splits=_splits(q, k_pages, page_table, num_splits), causal=True,
         stages=stages, interpret=choice == "interpret",
     )  # fmt: skip

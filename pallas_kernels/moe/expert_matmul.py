@@ -57,6 +57,7 @@ __all__ = [
     "BLOCK_K",
     "BLOCK_N",
     "PAIRED_UNITS",
+    "PAIR_ROWS_BY_SLICES",
     "PairTiles",
     "expert_hidden",
     "expert_hidden_reference",
@@ -71,6 +72,11 @@ __all__ = [
 ]
 
 _OP = "expert_matmul"
+
+PAIR_ROWS_BY_SLICES = False
+"""Whether ``PairTiles.rows`` picks each pair's row by strided slices of the tiles' lines
+instead of a gather: the same values, and no gather in the XLA fusion that reads them (a MoE
+block's combine, which XLA on the GPU keeps apart from the next norm's square sums)."""
 
 
 @jax.tree_util.register_dataclass
@@ -101,11 +107,33 @@ class PairTiles:
 
     def rows(self) -> jax.Array:
         """``[R, C, N]``: each pair's own row, zeros for ids out of range."""
-        pair = jnp.arange(self.experts.size)
-        out = self.tiles[pair, (pair // self.per_line) % ALIGN]
+        if PAIR_ROWS_BY_SLICES:
+            out = self._rows_by_slices()
+        else:
+            pair = jnp.arange(self.experts.size)
+            out = self.tiles[pair, (pair // self.per_line) % ALIGN]
         flat = self.experts.reshape(-1)
         valid = (flat >= 0) & (flat < self.num_experts)
         return jnp.where(valid[:, None], out, 0).reshape(*self.experts.shape, -1)
+
+    def _rows_by_slices(self) -> jax.Array:
+        """``[pairs, N]``: each pair's own row as strided slices of the tiles' lines. Pair
+        ``p = q * per_line + r`` sits at line ``q % 8`` of its tile, flat line ``8 p + q % 8``:
+        over 8 consecutive q (one r) that line steps by ``8 per_line + 1``. (``pairs`` is a
+        multiple of ``per_line``: each row's choices, or each earlier pair's, are whole.)"""
+        pairs, width = self.experts.size, self.tiles.shape[2]
+        lines = self.tiles.reshape(-1, width)
+        groups, stride = pairs // self.per_line, ALIGN * self.per_line + 1
+        blocks = []
+        for first in range(0, groups, ALIGN):
+            count = min(ALIGN, groups - first)
+            starts = [first * ALIGN * self.per_line + ALIGN * r for r in range(self.per_line)]
+            picked = [
+                lax.slice(lines, (s, 0), (s + (count - 1) * stride + 1, width), (stride, 1))
+                for s in starts
+            ]
+            blocks.append(jnp.stack(picked, axis=1))  # [count, per_line, N]
+        return jnp.concatenate(blocks).reshape(pairs, width)
 
 
 def unsupported_reason(
@@ -247,10 +275,19 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
 
         def pairs_of_this_program():
             # This program's pairs are first, first + programs, ...: with the real rows first
-            # (a bucket's padding last), the real pairs spread over all programs. Their ids
-            # load together, before any waits on them.
-            places = [first + i * programs for i in range(per_program)]
-            ids = [experts_ref[jnp.minimum(place, pairs - 1)] for place in places]
+            # (a bucket's padding last), the real pairs spread over all programs. A loop, not
+            # unrolled places: each unrolled product is a copy of the ring for Mosaic GPU's
+            # layout inference and ptxas, which took most of a step's compile. The ids load
+            # together before the loop, and each pass selects its own (a load inside the loop
+            # would wait on memory every pass).
+            ids = [experts_ref[jnp.minimum(first + i * programs, pairs - 1)]
+                   for i in range(per_program)]  # fmt: skip
+
+            def expert_of(i):
+                return functools.reduce(
+                    lambda chosen, j: jnp.where(i == j, ids[j], chosen), range(1, per_program),
+                    ids[0],
+                )  # fmt: skip
 
             def pair_product(pair, expert):
                 """Pair ``pair``'s column tile: its row's 8-row group (or tile) times
@@ -262,9 +299,14 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
                     scale=None if scale_ref is None else scale_ref.at[group],
                 )  # fmt: skip
 
-            for place, expert in zip(places, ids, strict=True):
+            def place_product(i, carry):
+                place = first + i * programs
+                expert = expert_of(i)
                 valid = (place < pairs) & (expert >= 0) & (expert < num_experts)
                 pl.when(valid)(functools.partial(pair_product, place, expert))
+                return carry
+
+            lax.fori_loop(0, per_program, place_product, None)
 
         if dense is None:
             pairs_of_this_program()

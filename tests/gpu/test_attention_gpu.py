@@ -141,26 +141,6 @@ def test_paged_decode_kernel_matches_its_reference_with_poisoned_pages(
 
 
 @SHAPES
-def test_paged_decode_kernel_with_an_output_gate_matches_its_reference(
-    batch, heads, kv_heads, dim, page_size
-):
-    """The gate's tile beside the default ring, each output row times ``sigmoid`` of its
-    gate row in the epilogue, rows of length 0 still zeros."""
-    from pallas_kernels.attention import paged_decode as pd
-
-    k, v, table, lens = _poisoned_cache(batch, kv_heads, dim, page_size, dim + batch + 1)
-    q, gate = (jax.random.normal(jax.random.key(i), (batch, heads, dim), jnp.bfloat16)
-               for i in (5, 6))  # fmt: skip
-    args = (q, k, v, table, jnp.asarray(lens))
-    gated = dict(scale=dim**-0.5, gate=gate)
-    got = np.asarray(pd.paged_decode_attention(*args, **gated, impl="pallas"), np.float32)
-    want = np.asarray(pd.paged_decode_attention(*args, **gated, impl="reference"), np.float32)
-    assert np.isfinite(got).all(), "an entry no row holds reached the output"
-    assert not got[lens == 0].any()
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
-
-
-@SHAPES
 def test_paged_decode_kernel_takes_tree_drafts(batch, heads, kv_heads, dim, page_size):
     """Random topological trees of as many nodes as a tile holds (up to 31), rows of at
     least that many positions."""

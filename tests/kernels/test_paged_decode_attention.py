@@ -150,40 +150,6 @@ def test_kernel_lowers_for_the_gpu_at_production_shapes(
         assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("name", ["gqa8-d128-p16", "verify4-gqa4"])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_an_output_gate_in_the_kernel_matches_the_gated_oracle(name, num_splits):
-    """With ``gate`` each output row is times ``sigmoid`` of its gate row, in the kernel's
-    epilogue (before the splits merge: the merge is a weighted mean, so it commutes)."""
-    args = _case(3, **CASES[name])
-    gate = jnp.asarray(np.random.default_rng(4).standard_normal(args["q"].shape), jnp.bfloat16)
-    want = _oracle(**args) / (1 + np.exp(-np.asarray(gate, np.float64)))
-    for impl in ("interpret", "reference"):
-        got = pd.paged_decode_attention(
-            **args, scale=SCALE, num_splits=num_splits, gate=gate, impl=impl
-        )
-        assert got.shape == args["q"].shape and got.dtype == jnp.bfloat16
-        assert rel(np.asarray(got, np.float64), want) < 1e-2, impl
-    with pytest.raises(ValueError, match=r"gate float32\[.*\] must have q's shape and dtype"):
-        pd.paged_decode_attention(**args, scale=SCALE, gate=gate.astype(jnp.float32))
-
-
-def test_an_output_gate_lowers_for_the_gpu_at_the_qwen_decode_shape():
-    """The 35B-like attention at a bucket of 8 rows: 16 query heads of 256 over 2 KV heads;
-    the gate's tile fits beside the default ring (and 3 stages do not)."""
-    spec = jax.ShapeDtypeStruct
-    pages = spec((4096, 16, 2, 256), jnp.bfloat16)
-    q = spec((8, 1, 16, 256), jnp.bfloat16)
-    args = (q, pages, pages, spec((8, 512), jnp.int32), spec((8,), jnp.int32), None, q)
-    call = functools.partial(
-        pd._kernel, scale=0.0625, num_splits=1, causal=True, interpret=False, stages=pd.STAGES
-    )
-    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
-    assert pd.stages_unsupported_reason(pd.STAGES, 256, 2, gated=True) is None
-    assert "with a gate needs" in pd.stages_unsupported_reason(3, 256, 2, gated=True)
-
-
 def test_the_ring_fits_shared_memory_and_a_bad_one_says_why():
     for head_dim in (64, 128, 256):  # a buffer of 64 positions at 256 is 64 KiB
         assert pd.stages_unsupported_reason(pd.STAGES, head_dim, 2) is None
