@@ -275,6 +275,7 @@ class Row:
     fraction: float
     compile_s: float  # the engine's whole start-up compile
     slowest_s: float = 0.0  # its slowest step executable
+    slowest_lower_s: float = 0.0  # of that, tracing and lowering (before XLA's compile)
     note: str = ""
 
 
@@ -353,9 +354,11 @@ def _memory(engine: Engine) -> str:
     )
 
 
-def _slowest(engine: Engine) -> float:
-    """Seconds of the engine's slowest step executable to compile."""
-    return max((r.compile_ms for r in engine.compile_records), default=0.0) / 1e3
+def _slowest(engine: Engine) -> tuple[float, float]:
+    """Seconds of the engine's slowest step executable to compile, and of those its tracing
+    and lowering (the rest is XLA's compile)."""
+    slowest = max(engine.compile_records, key=lambda r: r.compile_ms, default=None)
+    return (0.0, 0.0) if slowest is None else (slowest.compile_ms / 1e3, slowest.lower_ms / 1e3)
 
 
 def _prompts(rng: np.random.Generator, n: int, length: int) -> list[list[int]]:
@@ -378,7 +381,7 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     if args.compile_only:
         _write_hlo(engine, args, file_row)
         note = _decode_census(engine)
-        return Row(name, "compiled", "", 0.0, engine.compile_s, _slowest(engine), note)
+        return Row(name, "compiled", "", 0.0, engine.compile_s, *_slowest(engine), note)
     params = SamplingParams(max_new_tokens=budget)
     ids = [engine.add_request(p, params) for p in _prompts(rng, batch, prompt)]
     while len(engine.step_times[ForwardMode.DECODE]) < steps:
@@ -406,7 +409,7 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
         )
     return Row(
         name, f"{step_s * 1e3:.3f} ms", f"{limit_s * 1e3:.3f} ms", limit_s / step_s,
-        engine.compile_s, _slowest(engine), note,
+        engine.compile_s, *_slowest(engine), note,
     )  # fmt: skip
 
 
@@ -426,7 +429,7 @@ def prefill_row(model, c, prompts, length, args, rng, label) -> Row:
     per_step = f", {rows} prompts a step" if rows > 1 else ""
     return Row(
         f"prefill {prompts}x{length}{per_step} ({label})", f"{rate / 1e3:.1f}k tok/s",
-        f"{limit / 1e3:.0f}k tok/s", rate / limit, engine.compile_s, _slowest(engine), note,
+        f"{limit / 1e3:.0f}k tok/s", rate / limit, engine.compile_s, *_slowest(engine), note,
     )  # fmt: skip
 
 
@@ -460,7 +463,7 @@ def stream_row(model, c, requests, rate, args, rng, label) -> Row:
     return Row(
         f"stream {requests} req at {rate:g}/s, B<={batch} ({label})",
         f"ITL p50/p90/p99 {pct(itl)} ms", f"{limit_s * 1e3:.3f} ms/token at B={batch}",
-        float(limit_s / (np.median(itl) / 1e3)), engine.compile_s, _slowest(engine),
+        float(limit_s / (np.median(itl) / 1e3)), engine.compile_s, *_slowest(engine),
         f"TTFT p50/p90/p99 {pct(ttft)} ms; {requests * output / (time.perf_counter() - start):.0f}"
         " output tok/s",
     )  # fmt: skip
@@ -490,13 +493,14 @@ def write_results(path: pathlib.Path, title: str, rows: list[Row]) -> None:
     lines = [
         f"## {title}", "",
         f"{datetime.date.today()}, {_device()}, {_versions()}.", "",
-        "| row | measured | limit | fraction | compile: start-up (s) | slowest step (s) |",
+        "| row | measured | limit | fraction | compile: start-up (s) "
+        "| slowest step (s; lowering) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]  # fmt: skip
     for r in rows:
         lines.append(
             f"| {r.name} | {r.value} | {r.limit} | {r.fraction:.0%} | {r.compile_s:.0f} "
-            f"| {r.slowest_s:.0f} |"
+            f"| {r.slowest_s:.0f}; {r.slowest_lower_s:.0f} |"
         )
     notes = [f"* {r.name}: {r.note}" for r in rows if r.note]
     text = "\n".join(lines + [""] + notes) + "\n"

@@ -285,6 +285,10 @@ def test_second_start_reads_every_step_program_back_without_tracing(engine, alon
     again = Engine.from_preset("tiny", engine.config, progress=False)
     assert again._steps.total_traces == 0
     assert sorted(programs.glob("*.program")) == stored
+    # Reading a program back and lowering its call is part of each record's time.
+    shared = [r for r in again.compile_records if r.lower_ms == 0]
+    assert all(program_mode(r.mode) is not r.mode for r in shared)  # MIXED, on EXTEND's
+    assert all(r.lower_ms <= r.compile_ms for r in again.compile_records)
     prompts, want = alone
     assert [r.token_ids for r in again.generate(prompts, GREEDY)] == want
     # A damaged program is exported again, with a warning naming it.

@@ -5,7 +5,6 @@ depth, and weights moved (not copied) when donated."""
 from __future__ import annotations
 
 import collections
-
 import dataclasses
 import json
 import pathlib

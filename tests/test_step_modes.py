@@ -153,6 +153,10 @@ def test_mixed_runs_the_extend_executable_and_keeps_its_own_capability(monkeypat
         (m, bs, t) for m in (M.EXTEND, M.MIXED) for bs, t in POLICY.buckets(m)
     }
     assert steps.trace_count == {M.EXTEND: len(POLICY.buckets(M.EXTEND))}
+    # Each record splits its time: the lowering before XLA's compile, none where MIXED took
+    # EXTEND's executable.
+    assert all(0 < r.lower_ms < r.compile_ms for r in records if r.mode is M.EXTEND)
+    assert all(r.lower_ms == 0 for r in records if r.mode is M.MIXED)
     pool = fresh_pool(model)
     rows = [RowSpec(1, 0, 5), RowSpec(2, 4, 1)]
     x = tokens(6, hidden, 4)

@@ -18,6 +18,7 @@ import pathlib
 import pickle
 import re
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -122,9 +123,12 @@ class StoredProgram:
     """A compiled program over flat arguments: call it with the pytree arguments it was
     exported for; it returns the pytree the traced function returned."""
 
-    def __init__(self, compiled: jax.stages.Compiled, out_tree: Any):
+    def __init__(self, compiled: jax.stages.Compiled, out_tree: Any, lower_s: float = 0.0):
+        """``lower_s``: the seconds before XLA's compile (exporting the program, or reading
+        it, and lowering the exported call)."""
         self._compiled = compiled
         self._out_tree = out_tree
+        self.lower_s = lower_s
 
     def __call__(self, *args: Any) -> Any:
         return jax.tree.unflatten(self._out_tree, self._compiled(*jax.tree.leaves(args)))
@@ -170,6 +174,7 @@ class ProgramStore:
         first when there is none (``args``: pytrees of arrays or ShapeDtypeStructs).
         Returns None, with a log line, when the program cannot be exported; errors raised
         while tracing ``fn`` propagate."""
+        start = time.perf_counter()
         leaves, in_tree = jax.tree.flatten(tuple(args))
         avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
         key = self.key(*key_parts, in_tree, [(a.shape, a.dtype) for a in avals])
@@ -196,8 +201,9 @@ class ProgramStore:
             self._write(path, (bytes(exported.serialize()), out_trees[0]))
         exported, out_tree = stored
         donated = _leaf_indices(args, donate_argnums)
-        compiled = jax.jit(exported.call, donate_argnums=donated).lower(*avals).compile()
-        return StoredProgram(compiled, out_tree)
+        lowered = jax.jit(exported.call, donate_argnums=donated).lower(*avals)
+        lower_s = time.perf_counter() - start
+        return StoredProgram(lowered.compile(), out_tree, lower_s)
 
     def _read(self, path: pathlib.Path) -> tuple[Any, Any] | None:
         try:

@@ -35,10 +35,15 @@ __all__ = ["CompileRecord", "StepFunctions"]
 
 
 class CompileRecord(NamedTuple):
+    """One (mode, bucket)'s executable: ``compile_ms`` in all, of which ``lower_ms`` before
+    XLA's compile (tracing and lowering, where Mosaic GPU lowers the kernels, or reading a
+    stored program); both 0-ish for a bucket whose program another bucket compiled."""
+
     mode: ForwardMode
     batch_size: int
     num_tokens: int
     compile_ms: float
+    lower_ms: float = 0.0
 
 
 class StepFunctions:
@@ -136,26 +141,29 @@ class StepFunctions:
                 start = time.perf_counter()
                 program, meta = self._as_program(mode, meta)
                 key = (program, batch_size, num_tokens)
+                lower_s = 0.0
                 if key not in self._compiled:
                     if inputs is None:
                         x = jax.ShapeDtypeStruct((num_tokens, *token_shape), dtype)
                     else:
                         x = inputs(num_tokens)
                     pool_shape = jax.tree.map(spec_of, pool)
-                    self._compiled[key] = self._compile(program, pool_shape, x, meta)
+                    self._compiled[key], lower_s = self._compile(program, pool_shape, x, meta)
                     self._compiled_shapes[key] = _shapes((pool_shape, x))
                 self._compiled_buckets.add((mode, batch_size, num_tokens))
                 record = CompileRecord(
-                    mode, batch_size, num_tokens, 1e3 * (time.perf_counter() - start)
-                )
+                    mode, batch_size, num_tokens, 1e3 * (time.perf_counter() - start),
+                    1e3 * lower_s,
+                )  # fmt: skip
                 records.append(record)
                 if progress is not None:
                     progress(record)
         return records
 
-    def _compile(self, program: ForwardMode, pool, x, meta: ForwardMetadata):
-        """The executable of ``program`` for these argument shapes: through the program store
-        when there is one (a stored program is neither traced nor lowered again)."""
+    def _compile(self, program: ForwardMode, pool, x, meta: ForwardMetadata) -> tuple[Any, float]:
+        """The executable of ``program`` for these argument shapes, and the seconds before
+        XLA's compile (``CompileRecord.lower_ms``): through the program store when there is
+        one (a stored program is neither traced nor lowered again)."""
         if self.store is not None:
             params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in self.params]
             stored = self.store.compile(
@@ -165,9 +173,12 @@ class StepFunctions:
                 donate_argnums=(1,),
             )
             if stored is not None:
-                return stored
+                return stored, stored.lower_s
         with on_mesh(self.mesh):
-            return self._jitted.lower(program, self.params, pool, x, meta).compile()
+            start = time.perf_counter()
+            lowered = self._jitted.lower(program, self.params, pool, x, meta)
+            lower_s = time.perf_counter() - start
+            return lowered.compile(), lower_s
 
     def executables(self) -> dict[tuple[ForwardMode, int, int], Any]:
         """The step executables compiled so far by (program, batch size, tokens)."""
