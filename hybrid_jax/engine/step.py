@@ -37,7 +37,7 @@ __all__ = ["CompileRecord", "StepFunctions"]
 class CompileRecord(NamedTuple):
     """One (mode, bucket)'s executable: ``compile_ms`` in all, of which ``lower_ms`` before
     XLA's compile (tracing and lowering, where Mosaic GPU lowers the kernels, or reading a
-    stored program); both 0-ish for a bucket whose program another bucket compiled."""
+    stored program); ``lower_ms`` is 0 for a bucket whose program another bucket compiled."""
 
     mode: ForwardMode
     batch_size: int
