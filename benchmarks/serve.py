@@ -98,11 +98,6 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id takes the shared expert's down product in a "
         "launch of its own, not in the experts' down launch",
     ),
-    "--pair-rows-by-slices": (
-        _EXPERT_MATMUL, "PAIR_ROWS_BY_SLICES", True,
-        "a MoE block whose experts run by id reads each pair's row of the down launch's "
-        "tiles by strided slices, not a gather, in its combine",
-    ),
     "--no-shared-hidden-with-experts": (
         moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", False,
         "a MoE block whose experts run by id forms its shared expert's SiLU product apart "

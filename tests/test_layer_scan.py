@@ -4,7 +4,6 @@ depth, and weights moved (not copied) when donated."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import pathlib
@@ -329,10 +328,7 @@ def test_the_scan_body_reads_each_layer_s_slots_and_pages_shifted_before_the_loo
     scan = next(e for e in closed.jaxpr.eqns if e.primitive.name == "scan")
     assert var_of(meta.state_indices) not in scan.invars
     assert var_of(meta.pages.table) not in scan.invars
-    shapes = collections.Counter(
-        tuple(v.aval.shape) for v in scan.invars if v.aval.dtype == jnp.int32
-    )
+    shapes = {tuple(v.aval.shape) for v in scan.invars if v.aval.dtype == jnp.int32}
     bs, max_pages = meta.pages.table.shape
-    # Each layer's rows are an input of their own (the repeat's slice of one is what a
-    # kernel reads): 3 repeats of 2 GDN layers, and of 1 attention layer.
-    assert shapes[(3, bs)] == 2 and shapes[(3, bs, max_pages)] == 1
+    assert (3, 2, bs) in shapes  # 3 repeats of 2 GDN layers
+    assert (3, 1, bs, max_pages) in shapes  # and of 1 attention layer

@@ -62,7 +62,6 @@ _SWITCHES = {
     ),
     "hybrid_jax.backend.attention": ("ROWS_IN_KERNEL", "TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
     "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS", "RING_FILLS_SM"),
-    "pallas_kernels.moe.expert_matmul": ("PAIR_ROWS_BY_SLICES",),
 }
 
 

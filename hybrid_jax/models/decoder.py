@@ -10,7 +10,7 @@ layer loop only says which mixer a layer has.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -32,18 +32,14 @@ __all__ = ["DecoderOutput", "HybridCausalLM", "LayerStates"]
 
 @jax.tree_util.register_pytree_node_class
 class _RepeatMetadata:
-    """One repeat's linear layers' pool slots (``[bs]`` each) and attention layers' page
-    tables (``[bs, max_pages]`` each), each shifted to its layer's rows of the flat pool and
-    cache (``ForwardMetadata.at_linear_layer`` / ``at_attention_layer``); stacked on a
+    """One repeat's linear layers' pool slots ``[n_linear, bs]`` and attention layers' page
+    tables ``[n_attention, bs, max_pages]``, each shifted to its layer's rows of the flat
+    pool and cache (``ForwardMetadata.at_linear_layer`` / ``at_attention_layer``); stacked on a
     leading ``repeats`` axis before a scan (``_every_repeat``), one repeat's inside it, handed
-    out in layer order.
+    out in layer order."""
 
-    Each layer's rows are a leaf of their own: the scan's slice of a leaf by the repeat is
-    then what a kernel reads, and XLA folds it into the kernel's operand, where a repeat's
-    layers stacked in one array took a kernel a repeat to slice apart."""
-
-    def __init__(self, slots: Sequence[jax.Array], tables: Sequence[jax.Array]):
-        self.slots, self.tables = tuple(slots), tuple(tables)
+    def __init__(self, slots: jax.Array | None, tables: jax.Array | None):
+        self.slots, self.tables = slots, tables
         self._linear = self._attention = 0
 
     def tree_flatten(self):
@@ -73,16 +69,14 @@ class _RepeatMetadata:
 
 def _every_repeat(
     repeats: int, first: jax.Array | int, per_repeat: int, shifted: Callable[[jax.Array], jax.Array]
-) -> tuple[jax.Array, ...]:
+) -> jax.Array | None:
     """``shifted(i)`` for each of ``repeats * per_repeat`` layers of one kind from layer
-    ``first`` on: one array ``[repeats, ...]`` per layer of a repeat (none when a repeat has
-    none)."""
+    ``first`` on, stacked ``[repeats, per_repeat, ...]``; None when a repeat has none."""
     if not per_repeat:
-        return ()
+        return None
     layers = first + jnp.arange(repeats * per_repeat, dtype=jnp.int32)
     out = jax.vmap(shifted)(layers)
-    out = out.reshape(repeats, per_repeat, *out.shape[1:])
-    return tuple(out[:, j] for j in range(per_repeat))
+    return out.reshape(repeats, per_repeat, *out.shape[1:])
 
 
 class LayerStates:

@@ -57,7 +57,6 @@ __all__ = [
     "BLOCK_K",
     "BLOCK_N",
     "PAIRED_UNITS",
-    "PAIR_ROWS_BY_SLICES",
     "PairTiles",
     "expert_hidden",
     "expert_hidden_reference",
@@ -72,11 +71,6 @@ __all__ = [
 ]
 
 _OP = "expert_matmul"
-
-PAIR_ROWS_BY_SLICES = False
-"""Whether ``PairTiles.rows`` picks each pair's row by strided slices of the tiles' lines
-instead of a gather: the same values, and no gather in the XLA fusion that reads them (a MoE
-block's combine, which XLA on the GPU keeps apart from the next norm's square sums)."""
 
 
 @jax.tree_util.register_dataclass
@@ -107,33 +101,11 @@ class PairTiles:
 
     def rows(self) -> jax.Array:
         """``[R, C, N]``: each pair's own row, zeros for ids out of range."""
-        if PAIR_ROWS_BY_SLICES:
-            out = self._rows_by_slices()
-        else:
-            pair = jnp.arange(self.experts.size)
-            out = self.tiles[pair, (pair // self.per_line) % ALIGN]
+        pair = jnp.arange(self.experts.size)
+        out = self.tiles[pair, (pair // self.per_line) % ALIGN]
         flat = self.experts.reshape(-1)
         valid = (flat >= 0) & (flat < self.num_experts)
         return jnp.where(valid[:, None], out, 0).reshape(*self.experts.shape, -1)
-
-    def _rows_by_slices(self) -> jax.Array:
-        """``[pairs, N]``: each pair's own row as strided slices of the tiles' lines. Pair
-        ``p = q * per_line + r`` sits at line ``q % 8`` of its tile, flat line ``8 p + q % 8``:
-        over 8 consecutive q (one r) that line steps by ``8 per_line + 1``. (``pairs`` is a
-        multiple of ``per_line``: each row's choices, or each earlier pair's, are whole.)"""
-        pairs, width = self.experts.size, self.tiles.shape[2]
-        lines = self.tiles.reshape(-1, width)
-        groups, stride = pairs // self.per_line, ALIGN * self.per_line + 1
-        blocks = []
-        for first in range(0, groups, ALIGN):
-            count = min(ALIGN, groups - first)
-            starts = [first * ALIGN * self.per_line + ALIGN * r for r in range(self.per_line)]
-            picked = [
-                lax.slice(lines, (s, 0), (s + (count - 1) * stride + 1, width), (stride, 1))
-                for s in starts
-            ]
-            blocks.append(jnp.stack(picked, axis=1))  # [count, per_line, N]
-        return jnp.concatenate(blocks).reshape(pairs, width)
 
 
 def unsupported_reason(

@@ -255,35 +255,6 @@ def test_a_down_launch_reads_the_hidden_tiles_in_place_as_it_reads_their_rows():
     np.testing.assert_array_equal(np.asarray(in_place[8:], np.float32), 0)  # row 4's pairs
 
 
-@pytest.mark.parametrize(
-    "rows, choices, earlier_per_line",
-    [(8, 8, 1), (5, 2, 1), (16, 4, 1), (20, 3, 1), (64, 1, 8), (48, 1, 6)],
-)
-def test_pair_rows_by_slices_are_the_gathered_rows(monkeypatch, rows, choices, earlier_per_line):
-    """``PairTiles.rows`` by strided slices (``PAIR_ROWS_BY_SLICES``) gives the gather's rows,
-    bit for bit, with zeros for ids out of range, and no gather in its program; tiles of a
-    launch over an earlier launch's tiles (``per_line`` a multiple of the choices) too."""
-    rng = np.random.default_rng(rows * 31 + choices)
-    pairs, width, experts = rows * choices, 64, 5
-    spare = 3  # a launch stores whole programs' tiles: more than the pairs
-    tiles = jnp.asarray(rng.standard_normal((pairs + spare, 8, width)), jnp.bfloat16)
-    ids = rng.integers(0, experts, (rows, choices)).astype(np.int32)
-    ids[-1, -1], ids[0, 0] = experts, -1
-    out = moe.PairTiles(tiles, jnp.asarray(ids), experts, choices * earlier_per_line)
-    monkeypatch.setattr(em_module, "PAIR_ROWS_BY_SLICES", False)
-    gathered = out.rows()
-    monkeypatch.setattr(em_module, "PAIR_ROWS_BY_SLICES", True)
-    sliced = out.rows()
-    chex.assert_shape(sliced, (rows, choices, width))
-    chex.assert_trees_all_equal(sliced, gathered)
-    assert not np.asarray(sliced[-1, -1], np.float32).any() and not np.asarray(sliced[0, 0]).any()
-    line = lambda p: (p // out.per_line) % 8  # noqa: E731
-    p = pairs - 2  # an in-range pair, read straight from its tile
-    np.testing.assert_array_equal(sliced.reshape(pairs, width)[p], tiles[p, line(p)])
-    primitives = {e.primitive.name for e in jax.make_jaxpr(out.rows)().jaxpr.eqns}
-    assert "gather" not in primitives and "slice" in primitives
-
-
 def _lowered_hidden_then_down() -> str:
     """The 35B-like hidden-rows launch and the down launch over its tiles, lowered for
     ``cuda``."""
