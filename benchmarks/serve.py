@@ -98,6 +98,11 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id takes the shared expert's down product in a "
         "launch of its own, not in the experts' down launch",
     ),
+    "--combine-in-launch": (
+        moe_layer, "COMBINE_IN_LAUNCH", True,
+        "a MoE block whose hidden rows come from the experts' launches adds its output to the "
+        "residual stream in one launch that also sums the rows' squares for the next norm",
+    ),
     "--no-shared-hidden-with-experts": (
         moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", False,
         "a MoE block whose experts run by id forms its shared expert's SiLU product apart "

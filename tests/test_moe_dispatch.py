@@ -20,7 +20,7 @@ from hybrid_jax.layers.moe import (
     top_k,
     top_k_softmax,
 )
-from hybrid_jax.layers.norm import NormedRows
+from hybrid_jax.layers.norm import NormedRows, SummedRows
 from pallas_kernels import moe as moe_kernels
 
 
@@ -343,3 +343,44 @@ def test_softmax_in_ranking_routes_as_the_softmax_after_it_with_no_reduce_of_its
     np.testing.assert_allclose(np.asarray(in_ranking, np.float32),
                                np.asarray(weights, np.float32), rtol=1e-2)  # fmt: skip
     assert 2 in ranks_after and set(ranks_in) == {3}
+
+
+@pytest.mark.parametrize("normed", [False, True])
+def test_add_to_combines_into_the_residual_in_one_launch_with_the_rows_square_sums(
+    normed, monkeypatch
+):
+    """``SparseMoE.add_to`` with ``COMBINE_IN_LAUNCH``: the residual plus the block's output
+    from one ``combine_pairs`` launch (the routing's softmax divided there), within bf16
+    rounding of ``residual + block(x)``, as ``SummedRows`` whose sums are the new rows'
+    squares; with the switch off, or on the sorted path, ``residual + block(x)`` itself."""
+    config = MoEConfig(hidden_size=128, num_experts=64, top_k=2, intermediate_size=128,
+                       shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
+    moe = SparseMoE(config, rngs=nnx.Rngs(3))
+    moe.widen_shared_gate()
+    moe.pair_halves()
+    rng = np.random.default_rng(9)
+    residual = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    if normed:
+        x = NormedRows(x, jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32), 1e-6)
+    real = jnp.arange(5) < 4
+
+    def run(impl="interpret"):
+        step = jax.jit(lambda m, res, a, r: m.add_to(res, a, r, impl=impl))
+        return step(moe, residual, x, real), str(jax.make_jaxpr(step)(moe, residual, x, real))
+
+    plain = np.asarray(jax.jit(lambda m, a, r: m(a, r, impl="interpret"))(moe, x, real))
+    want = np.asarray(residual, np.float64) + np.asarray(plain, np.float64)
+    monkeypatch.setattr(moe_layer, "COMBINE_IN_LAUNCH", False)
+    apart, apart_program = run()
+    assert isinstance(apart, jax.Array) and "combine_pairs" not in apart_program
+    np.testing.assert_allclose(np.asarray(apart, np.float64), want, rtol=1e-2, atol=1e-2)
+    monkeypatch.setattr(moe_layer, "COMBINE_IN_LAUNCH", True)
+    fused, fused_program = run()
+    assert isinstance(fused, SummedRows) and "combine_pairs" in fused_program
+    rows = np.asarray(fused.x, np.float64)
+    assert np.linalg.norm(rows - want) / np.linalg.norm(want) < 1e-2
+    np.testing.assert_allclose(np.asarray(fused.square_sums), (rows * rows).sum(1), rtol=2e-3)
+    # The sorted path (the reference) has no tiles to combine: the plain sum.
+    sorted_sum, sorted_program = run("reference")
+    assert isinstance(sorted_sum, jax.Array) and "combine_pairs" not in sorted_program

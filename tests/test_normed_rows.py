@@ -14,7 +14,7 @@ from flax import nnx
 
 from hybrid_jax.layers.linear import FEW_ROWS, project
 from hybrid_jax.layers.moe import MoEConfig, SparseMoE
-from hybrid_jax.layers.norm import NormedRows, ZeroCenteredRMSNorm, formed
+from hybrid_jax.layers.norm import NormedRows, SummedRows, ZeroCenteredRMSNorm, formed, rows_of
 
 HIDDEN = 256
 
@@ -44,6 +44,24 @@ def test_the_deferred_norm_formed_is_the_norm_bit_for_bit():
     chex.assert_shape(deferred.inverse_rms(), (5,))
     assert deferred.shape == x.shape and deferred.dtype == x.dtype
     assert formed(x) is x
+
+
+def test_rows_that_come_with_their_square_sums_give_the_norm_those_sums():
+    """``SummedRows`` (a launch that formed the rows summed their squares): the deferred
+    norm reads the given sums, reducing nothing; the formed norm is the rows' own."""
+    norm, x = _norm(4), _rows(5, 3)
+    x64 = np.asarray(x, np.float64)
+    sums = jnp.asarray((x64 * x64).sum(-1), jnp.float32)
+    summed = SummedRows(x, sums)
+    deferred = norm.deferred(summed)
+    assert deferred.square_sum() is sums and deferred.x is x
+    program = str(jax.make_jaxpr(lambda s: norm.deferred(s).inverse_rms())(summed))
+    assert "reduce_sum" not in program
+    np.testing.assert_allclose(
+        np.asarray(deferred.inverse_rms()), np.asarray(norm.deferred(x).inverse_rms()), rtol=1e-5
+    )
+    chex.assert_trees_all_equal(norm(summed), norm(x))
+    assert rows_of(summed) is x and rows_of(x) is x
 
 
 @pytest.mark.parametrize("tokens", [3, 8])

@@ -54,6 +54,7 @@ _SWITCHES = {
     "hybrid_jax.layers.gdn": ("NORM_IN_DECODE_KERNEL",),
     "hybrid_jax.layers.moe": (
         "BY_ID_MAX_PAIRS",
+        "COMBINE_IN_LAUNCH",
         "HIDDEN_IN_EXPERT_LAUNCH",
         "RANKED_TOP_K_TOKENS",
         "SHARED_DOWN_WITH_EXPERTS",

@@ -25,12 +25,13 @@ from flax import nnx
 
 from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers.linear import project, project_output, short_sum, swiglu
-from hybrid_jax.layers.norm import NormedRows, formed
+from hybrid_jax.layers.norm import NormedRows, SummedRows, formed
 from pallas_kernels import moe, projections, resolve_impl
-from pallas_kernels.moe import top_k_softmax
+from pallas_kernels.moe import top_k_exps, top_k_softmax
 
 __all__ = [
     "BY_ID_MAX_PAIRS",
+    "COMBINE_IN_LAUNCH",
     "HIDDEN_IN_EXPERT_LAUNCH",
     "MLP",
     "RANKED_TOP_K_TOKENS",
@@ -76,6 +77,12 @@ expert's in the router's (``project(paired=)``), instead of gate/up products and
 fusion for both SiLU products. Other steps split the paired products in XLA. On the H200 the
 35B-like batch-1 step drops a kernel per MoE block and ~80 us
 (``benchmarks/RESULTS_serve.md``, session 31)."""
+
+COMBINE_IN_LAUNCH = False
+"""Whether a block whose hidden rows come from the experts' launches
+(``HIDDEN_IN_EXPERT_LAUNCH``) adds its output to the residual stream in one launch that also
+sums each new row's squares for the next norm (``SparseMoE.add_to``, ``moe.combine_pairs``),
+where XLA forms the combine and the next norm's square sums as two kernels."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
@@ -309,22 +316,8 @@ class SparseMoE(nnx.Module):
         rows, whose experts alone are computed (padding tokens get the shared expert only)."""
         shared_mlp = self.shared_expert
         hidden_in_launch = self._hidden_in_launch(x, impl)
-        shared_inputs = self._shared_inputs()
-        inputs = [self.gate, *shared_inputs]
-        # With the hidden rows formed in the launches, the router's forms the shared
-        # expert's (its one paired weight) and the experts' launch the routed pairs'.
-        paired = [False, *[hidden_in_launch] * len(shared_inputs)]
-        gate_in_launch = self._shared_gate_in_launch()
-        if gate_in_launch:
-            inputs.append(self.shared_expert_gate)
-            paired.append(False)
-        logits, *shared_products = project(x, inputs, impl=impl, paired=paired)
-        if gate_in_launch:
-            *shared_products, gate_logit = shared_products
-            gate_logit = gate_logit[:, :1]
-        else:
-            gate_logit = self._shared_gate_logit(x)
-        shared_scale = jax.nn.sigmoid(gate_logit)
+        logits, shared_products, gate_logits = self._router_launch(x, hidden_in_launch, impl)
+        shared_scale = jax.nn.sigmoid(gate_logits[:, :1])
         if hidden_in_launch:
             (shared_hidden,) = shared_products
             weights, experts = self.route(logits, real)
@@ -348,6 +341,63 @@ class SparseMoE(nnx.Module):
         hidden = swiglu(experts_matmul(xs, self.gate_up_proj), paired=self.paired)
         routed = dispatch.combine(experts_matmul(hidden, self.down_proj), weights)
         return routed.astype(x.dtype) + shared
+
+    def add_to(
+        self, residual: jax.Array, x: jax.Array | NormedRows, real: jax.Array | None = None,
+        *, impl: str = "auto",
+    ) -> jax.Array | SummedRows:  # fmt: skip
+        """``residual + self(x, real)``. Where the hidden rows come from the experts'
+        launches and ``COMBINE_IN_LAUNCH``, one ``moe.combine_pairs`` launch forms the sum
+        from the down launch's tiles and gives each new row's sum of squares with it
+        (``SummedRows``, which the next norm reads instead of reducing the rows again)."""
+        if not (COMBINE_IN_LAUNCH and self._hidden_in_launch(x, impl)):
+            return residual + self(x, real, impl=impl)
+        logits, (shared_hidden,), gate_logits = self._router_launch(x, True, impl)
+        k = self.config.top_k
+        if SOFTMAX_IN_RANKING and logits.shape[0] <= RANKED_TOP_K_TOKENS:
+            # The softmax's division happens in the combine: no kernel of its own for it.
+            weights, experts = top_k_exps(logits.astype(jnp.float32), k, real)
+            normalize = True
+        else:
+            (weights, experts), normalize = self.route(logits, real), False
+        hidden = self._hidden_by_id(x, experts, impl)
+        down, ids = self.down_proj[...], experts.reshape(-1, 1)
+        dense = (shared_hidden, self.shared_expert.down_proj.kernel[...])
+        if (
+            SHARED_DOWN_WITH_EXPERTS
+            and moe.expert_matmul_unsupported_reason(hidden, down, dense) is None
+        ):
+            tiles, shared = moe.expert_matmul(hidden, down, ids, dense=dense, tiles=True, impl=impl)
+        else:
+            tiles = moe.expert_matmul(hidden, down, ids, tiles=True, impl=impl)
+            shared = self.shared_expert.down(shared_hidden, impl=impl)
+        # The down launch's pairs are the (token, choice) pairs in order: the same tiles
+        # read as each token's choices.
+        pairs = moe.PairTiles(tiles.tiles, experts, tiles.num_experts, tiles.per_line)
+        out, sums = moe.combine_pairs(
+            pairs, weights, shared, gate_logits, residual, normalize=normalize, impl=impl
+        )
+        return SummedRows(out, sums)
+
+    def _router_launch(self, x: jax.Array | NormedRows, hidden_in_launch: bool, impl: str):
+        """(the router's logits ``[T, E]``; the shared expert's input products, its hidden
+        rows alone with ``hidden_in_launch``; its gate logits ``[T, G]``, the logit in column
+        0) from the launch of the products that read the block's input."""
+        shared_inputs = self._shared_inputs()
+        inputs = [self.gate, *shared_inputs]
+        # With the hidden rows formed in the launches, the router's forms the shared
+        # expert's (its one paired weight) and the experts' launch the routed pairs'.
+        paired = [False, *[hidden_in_launch] * len(shared_inputs)]
+        gate_in_launch = self._shared_gate_in_launch()
+        if gate_in_launch:
+            inputs.append(self.shared_expert_gate)
+            paired.append(False)
+        logits, *shared_products = project(x, inputs, impl=impl, paired=paired)
+        if gate_in_launch:
+            *shared_products, gate_logits = shared_products
+        else:
+            gate_logits = self._shared_gate_logit(x)
+        return logits, shared_products, gate_logits
 
     def _shared_gate_logit(self, x: jax.Array | NormedRows) -> jax.Array:
         """``shared_expert_gate(x)`` ``[T, 1]``; of ``NormedRows``, the product of the

@@ -11,7 +11,9 @@ A norm whose readers are all products can also hand its weight to them
 Its launch then reads the residual stream itself, and the square sums are all that is left of
 the norm: a reduction XLA can form in the kernel of the residual add before it (it does after
 a decoder layer's mixer), where the weighted rows, an output of the same shape as its input,
-kept the add out of it.
+kept the add out of it. Where the launch that forms the residual rows sums their squares too
+(a MoE block's combine, ``SparseMoE.add_to``), it hands the next norm ``SummedRows`` and the
+norm reduces nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ from flax import nnx
 
 from pallas_kernels.gdn import reference as gdn_reference
 
-__all__ = ["FOLD_NORM_WEIGHTS", "GatedRMSNorm", "NormedRows", "ZeroCenteredRMSNorm", "formed"]
+__all__ = [
+    "FOLD_NORM_WEIGHTS",
+    "GatedRMSNorm",
+    "NormedRows",
+    "SummedRows",
+    "ZeroCenteredRMSNorm",
+    "formed",
+    "rows_of",
+]
 
 FOLD_NORM_WEIGHTS = True
 """Whether an engine folds each decoder layer's norm weights into the products that read the
@@ -43,14 +53,32 @@ def _normalize(x: jax.Array, eps: float) -> jax.Array:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SummedRows:
+    """Rows ``x`` ``[T, dim]`` of the residual stream with each row's float32 sum of squares
+    ``square_sums`` ``[T]``, summed by the launch that formed the rows, for the next norm to
+    read instead of reducing the rows again."""
+
+    x: jax.Array
+    square_sums: jax.Array
+
+
+def rows_of(x: jax.Array | SummedRows) -> jax.Array:
+    """The rows themselves: ``SummedRows``' rows, an array as it is."""
+    return x.x if isinstance(x, SummedRows) else x
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class NormedRows:
     """``x / rms(x) * scale`` over ``x`` ``[T, dim]``'s rows, not yet formed: ``scale``
     float32 ``[dim]`` (a zero-centred norm's ``1 + weight``), or None where the norm's
-    weight is folded into its readers (``ZeroCenteredRMSNorm.fold_into``)."""
+    weight is folded into its readers (``ZeroCenteredRMSNorm.fold_into``); ``sums``, each
+    row's sum of squares where the rows came with it (``SummedRows``)."""
 
     x: jax.Array
     scale: jax.Array | None
     eps: float = dataclasses.field(metadata=dict(static=True))
+    sums: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -78,6 +106,8 @@ class NormedRows:
         """float32 ``[T]``: each row's sum of squares (``inverse_rms`` is
         ``1 / sqrt(square_sum / dim + eps)``). A launch takes the sum, not the mean: the
         reduction that gives it is then the last op of its kernel."""
+        if self.sums is not None:
+            return self.sums
         x32 = self.x.astype(jnp.float32)
         return jnp.sum(x32 * x32, axis=-1)
 
@@ -115,7 +145,7 @@ class ZeroCenteredRMSNorm(nnx.Module):
         self.eps = eps
         self.folded = False  # whether ``fold_into`` gave the weight to the norm's readers
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array | SummedRows) -> jax.Array:
         return self.deferred(x).value()
 
     def scale(self) -> jax.Array | None:
@@ -123,8 +153,11 @@ class ZeroCenteredRMSNorm(nnx.Module):
         None once the weight is folded into the norm's readers."""
         return None if self.folded else self.OFFSET + self.weight[...]
 
-    def deferred(self, x: jax.Array) -> NormedRows:
-        """The norm of ``x`` ``[T, dim]``, left for its products to form (``NormedRows``)."""
+    def deferred(self, x: jax.Array | SummedRows) -> NormedRows:
+        """The norm of ``x`` ``[T, dim]``, left for its products to form (``NormedRows``;
+        of ``SummedRows``, with their square sums)."""
+        if isinstance(x, SummedRows):
+            return NormedRows(x.x, self.scale(), self.eps, x.square_sums)
         return NormedRows(x, self.scale(), self.eps)
 
     def fold_into(self, readers: Sequence[nnx.Param]) -> None:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hybrid_jax.layers.norm import rows_of
 from hybrid_jax.modes import LayerKind
 
 __all__ = [
@@ -123,7 +124,7 @@ class ScannedRun(nnx.Module):
         def block(x: jax.Array, w: tuple) -> jax.Array:
             for graphdef, wj in zip(graphdefs, w, strict=True):
                 x = nnx.merge(graphdef, wj)(x, states, meta, impl=impl)
-            return x
+            return rows_of(x)  # the scan carries the rows alone
 
         return states.scan(
             block, x, tuple(weights), meta, repeats=self.repeats,

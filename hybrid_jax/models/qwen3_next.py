@@ -38,7 +38,7 @@ from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers.attention import Attention, AttentionConfig
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.layers.moe import MLP, MoEConfig, SparseMoE
-from hybrid_jax.layers.norm import NormedRows, ZeroCenteredRMSNorm
+from hybrid_jax.layers.norm import NormedRows, SummedRows, ZeroCenteredRMSNorm, rows_of
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates
 from hybrid_jax.models.hf_config import (
@@ -53,7 +53,7 @@ from hybrid_jax.models.hf_config import (
     require_fields,
 )
 from hybrid_jax.modes import LayerKind
-from hybrid_jax.parallel import run_block
+from hybrid_jax.parallel import run_block, tp_size
 from hybrid_jax.state_pool import LinearStateSpec
 
 __all__ = [
@@ -319,22 +319,26 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(c.hidden_size, c.intermediate_size, dtype=c.dtype, rngs=rngs)
 
     def __call__(
-        self, x: jax.Array, states: LayerStates, meta: ForwardMetadata, *, impl: str
-    ) -> jax.Array:
+        self, x: jax.Array | SummedRows, states: LayerStates, meta: ForwardMetadata, *, impl: str
+    ) -> jax.Array | SummedRows:
         """x: ``[T, hidden]`` -> the same after both residual branches; the mixer takes its
-        turn of ``states``."""
+        turn of ``states``. A MoE block may give the rows with their square sums
+        (``SparseMoE.add_to``), which the next layer's input norm then reads."""
         # The norms' outputs are read by products only: with ``NORMS_IN_LAUNCH`` each is
         # left to its products' launch to form (``NormedRows``).
         h = self._normed(self.input_layernorm, x)
+        x = rows_of(x)
         if self.kind is LayerKind.GDN:
             x = x + states.linear(self.linear_attn, h, meta, impl=impl)
         else:
             x = x + states.attention(self.self_attn, h, meta, impl=impl)
         h = self._normed(self.post_attention_layernorm, x)
+        if isinstance(self.mlp, SparseMoE) and tp_size() == 1:
+            return self.mlp.add_to(x, h, meta.real_tokens, impl=impl)
         return x + run_block(self.mlp, h, meta.real_tokens, impl=impl)
 
     @staticmethod
-    def _normed(norm: ZeroCenteredRMSNorm, x: jax.Array) -> jax.Array | NormedRows:
+    def _normed(norm: ZeroCenteredRMSNorm, x: jax.Array | SummedRows) -> jax.Array | NormedRows:
         return norm.deferred(x) if linear_layer.NORMS_IN_LAUNCH else norm(x)
 
     def fold_norm_weights(self) -> None:

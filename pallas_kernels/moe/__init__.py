@@ -1,7 +1,10 @@
 """Mixture-of-experts ops: the grouped matmul over tokens sorted by expert, the product of
-each row with its own experts read by id (a few tokens a step), and a few tokens' routing
-(their top-k experts and the softmax over them)."""
+each row with its own experts read by id (a few tokens a step), a few tokens' routing
+(their top-k experts and the softmax over them), and the combine of a by-id block's output
+into the residual stream with the next norm's square sums."""
 
+from pallas_kernels.moe.combine import combine_pairs, combine_pairs_reference
+from pallas_kernels.moe.combine import unsupported_reason as combine_pairs_unsupported_reason
 from pallas_kernels.moe.expert_matmul import (
     PAIRED_UNITS,
     PairTiles,
@@ -18,11 +21,14 @@ from pallas_kernels.moe.expert_matmul import (
 )
 from pallas_kernels.moe.expert_matmul import unsupported_reason as expert_matmul_unsupported_reason
 from pallas_kernels.moe.grouped_matmul import grouped_matmul, unsupported_reason
-from pallas_kernels.moe.routing import ranked_top_k, top_k_softmax
+from pallas_kernels.moe.routing import ranked_top_k, top_k_exps, top_k_softmax
 
 __all__ = [
     "PAIRED_UNITS",
     "PairTiles",
+    "combine_pairs",
+    "combine_pairs_reference",
+    "combine_pairs_unsupported_reason",
     "expert_hidden",
     "expert_hidden_reference",
     "expert_hidden_unsupported_reason",
@@ -33,6 +39,7 @@ __all__ = [
     "pair_halves",
     "paired_swiglu",
     "ranked_top_k",
+    "top_k_exps",
     "top_k_softmax",
     "unpair_halves",
     "unsupported_reason",

@@ -318,6 +318,7 @@ def expert_matmul(
     experts: jax.Array,
     *,
     dense: tuple[jax.Array, jax.Array] | None = None,
+    tiles: bool = False,
     impl: str = "auto",
 ):
     """``out[r, c] = x[r] @ w[experts[r, c]]`` (float32 accumulation).
@@ -331,14 +332,18 @@ def expert_matmul(
       dense: optional ``(xd [Rd, Kd], wd [Kd, N])``, a plain product with the experts' N
         (a MoE block's shared expert) run in the same launch: one more program per column
         tile instead of a launch of its own.
+      tiles: give the products as the launch stored them (``PairTiles``, which
+        ``combine_pairs`` reads in place); only where the kernel runs.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
-      ``[R, C, N]`` in x's dtype; with ``dense``, ``(that, xd @ wd)``.
+      ``[R, C, N]`` in x's dtype (see ``tiles``); with ``dense``, ``(that, xd @ wd)``.
     """
     _check(x, w, experts, dense)
     reason = unsupported_reason(x, w, dense) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
+    if choice == "reference" and tiles:
+        raise ValueError(f"{_OP}: tiles=True needs the kernel; this call resolved to the reference")
     if choice == "reference":
         rows = x.rows().reshape(x.shape) if isinstance(x, PairTiles) else x
         out = expert_matmul_reference(rows, w, experts)
@@ -349,6 +354,8 @@ def expert_matmul(
     out = _kernel(
         x, w, experts, dense, variant=current_variant(), interpret=choice == "interpret",
     )  # fmt: skip
+    if tiles:
+        return out
     return out.rows() if dense is None else (out[0].rows(), out[1])
 
 

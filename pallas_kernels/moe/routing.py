@@ -17,7 +17,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ranked_top_k", "top_k_softmax"]
+__all__ = ["ranked_top_k", "top_k_exps", "top_k_softmax"]
 
 
 def _ranking(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -52,22 +52,31 @@ def ranked_top_k(
     return values.astype(x.dtype), _chosen_indices(chosen, index, valid)
 
 
-def top_k_softmax(
-    x: jax.Array, k: int, valid: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """(the softmax over each row's ``k`` largest entries, float32 ``[T, k]``; their int32
-    indices ``[T, k]``) of float32 ``x`` ``[T, n]``, largest first, ranked as ``ranked_top_k``
-    ranks (rows where ``valid`` is False get index ``n``): the kernel's reference.
+def top_k_exps(x: jax.Array, k: int, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(each row's ``k`` largest entries as ``exp(value - max)``, float32 ``[T, k]``; their
+    int32 indices ``[T, k]``) of float32 ``x`` ``[T, n]``, largest first, ranked as
+    ``ranked_top_k`` ranks (rows where ``valid`` is False get index ``n``): the softmax over
+    them is each divided by their sum (``top_k_softmax``), left to whoever reads them.
 
     Two reductions, each over the ``[T, n, n]`` or ``[T, k, n]`` comparisons the ranking
     makes anyway: every entry's rank beside the largest of its own value and those ranked
     before it (the row's max, whatever the entry), then each choice's index beside its
-    ``exp(value - max)``. What remains is the sum of ``k`` of those and a division, written as
-    adds, which XLA may fuse into the weights' reader."""
+    ``exp(value - max)``."""
     index, before, chosen = _ranking(x, k)
     at_or_before = before | (index[None, :] == index[:, None])
     top = jnp.where(at_or_before, x[..., None, :], -jnp.inf).max(axis=-1)  # the row's max
     exps = jnp.exp(x - top)  # at most 1: the largest entry's is 1
     picked = jnp.where(chosen, exps[..., None, :], 0).sum(axis=-1)  # [T, k]
+    return picked, _chosen_indices(chosen, index, valid)
+
+
+def top_k_softmax(
+    x: jax.Array, k: int, valid: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(the softmax over each row's ``k`` largest entries, float32 ``[T, k]``; their int32
+    indices ``[T, k]``) of float32 ``x`` ``[T, n]``, largest first, ranked as ``ranked_top_k``
+    ranks (rows where ``valid`` is False get index ``n``): ``top_k_exps`` divided by their
+    sum, written as adds, which XLA may fuse into the weights' reader."""
+    picked, ids = top_k_exps(x, k, valid)
     total = functools.reduce(operator.add, (picked[:, j] for j in range(k)))  # at least 1
-    return picked / total[:, None], _chosen_indices(chosen, index, valid)
+    return picked / total[:, None], ids

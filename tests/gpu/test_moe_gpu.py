@@ -13,6 +13,7 @@ from flax import nnx
 
 from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.layers.moe import MoEConfig, SparseMoE
+from hybrid_jax.layers.norm import SummedRows
 from pallas_kernels import moe
 from pallas_kernels._common import on_hopper_gpu
 from pallas_kernels.moe.reference import grouped_matmul_oracle
@@ -204,3 +205,59 @@ def test_a_down_launch_over_the_hidden_tiles_changes_no_bit_on_the_gpu():
     np.testing.assert_array_equal(in_place.view(np.uint16), gathered.view(np.uint16))
     assert np.abs(in_place[:24].astype(np.float32)).max() > 0
     np.testing.assert_array_equal(in_place[24:].astype(np.float32), 0)
+
+
+@pytest.mark.parametrize("real", [1, 8])
+def test_the_combine_launch_matches_the_oracle_at_the_35b_shapes(real):
+    """``moe.combine_pairs`` over a down launch's tiles (8 rows of top 8, 2048 columns), the
+    never-written tiles of padding pairs NaN: rows within bf16 rounding of the float64 sum,
+    square sums those of the rows as stored."""
+    rng = np.random.default_rng(real + 40)
+    rows, choices, width, experts = 8, 8, 2048, 256
+    tiles = rng.standard_normal((66, 8, width)).astype(np.float32)
+    ids = rng.integers(0, experts, (rows, choices)).astype(np.int32)
+    ids[real:] = experts
+    tiles[real * choices :] = np.nan
+    pairs = moe.PairTiles(jnp.asarray(tiles, jnp.bfloat16), jnp.asarray(ids), experts, choices)
+    weights = jnp.asarray(rng.random((rows, choices)) + 0.05, jnp.float32)
+    shared = jnp.asarray(rng.standard_normal((rows, width)), jnp.bfloat16)
+    gate = jnp.asarray(rng.standard_normal((rows, 64)), jnp.bfloat16)
+    residual = jnp.asarray(rng.standard_normal((rows, width)), jnp.bfloat16)
+    run = jax.jit(lambda *a: moe.combine_pairs(*a, normalize=True, impl="pallas"))
+    out, sums = run(pairs, weights, shared, gate, residual)
+    got = np.asarray(out.astype(jnp.float32), np.float64)
+    t = np.asarray(pairs.tiles.astype(jnp.float32), np.float64)
+    w = np.asarray(weights, np.float64)
+    w = w / w.sum(1, keepdims=True)
+    scale = 1 / (1 + np.exp(-np.asarray(gate[:, 0].astype(jnp.float32), np.float64)))
+    want = np.asarray(residual.astype(jnp.float32), np.float64)
+    want = want + scale[:, None] * np.asarray(shared.astype(jnp.float32), np.float64)
+    for r, c in np.ndindex(rows, choices):
+        if r < real:
+            want[r] += w[r, c] * t[r * choices + c, r % 8]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=3e-2)
+    np.testing.assert_allclose(np.asarray(sums), (got * got).sum(1), rtol=1e-5)
+
+
+def test_a_decode_bucket_combined_in_one_launch_matches_the_reference_layer(monkeypatch):
+    """``SparseMoE.add_to`` with ``COMBINE_IN_LAUNCH`` at the 35B-like shapes: the residual
+    plus the block's output from the combine launch, against the reference layer's sum."""
+    monkeypatch.setattr(moe_layer, "COMBINE_IN_LAUNCH", True)
+    config = MoEConfig(hidden_size=2048, num_experts=256, top_k=8, intermediate_size=512,
+                       shared_intermediate_size=512, dtype="bfloat16")  # fmt: skip
+    layer = SparseMoE(config, rngs=nnx.Rngs(4))
+    layer.widen_shared_gate()
+    layer.pair_halves()
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
+    residual = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
+    real = jnp.arange(8) < 3
+    fused = jax.jit(lambda m, res, a, r: m.add_to(res, a, r, impl="auto"))(layer, residual, x, real)
+    assert isinstance(fused, SummedRows)
+    want = np.asarray(residual, np.float64) + np.asarray(
+        jax.jit(lambda m, a, r: m(a, r, impl="reference"))(layer, x, real), np.float64
+    )
+    got = np.asarray(fused.x, np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    np.testing.assert_allclose(np.asarray(fused.square_sums), (got * got).sum(1), rtol=1e-5)
