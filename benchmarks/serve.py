@@ -98,10 +98,11 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id takes the shared expert's down product in a "
         "launch of its own, not in the experts' down launch",
     ),
-    "--combine-in-launch": (
-        moe_layer, "COMBINE_IN_LAUNCH", True,
+    "--no-combine-in-launch": (
+        moe_layer, "COMBINE_IN_LAUNCH", False,
         "a MoE block whose hidden rows come from the experts' launches adds its output to the "
-        "residual stream in one launch that also sums the rows' squares for the next norm",
+        "residual stream in XLA, the next norm's square sums a reduction of their own, not in "
+        "one launch",
     ),
     "--no-shared-hidden-with-experts": (
         moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", False,

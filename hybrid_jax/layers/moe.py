@@ -78,11 +78,12 @@ fusion for both SiLU products. Other steps split the paired products in XLA. On 
 35B-like batch-1 step drops a kernel per MoE block and ~80 us
 (``benchmarks/RESULTS_serve.md``, session 31)."""
 
-COMBINE_IN_LAUNCH = False
+COMBINE_IN_LAUNCH = True
 """Whether a block whose hidden rows come from the experts' launches
 (``HIDDEN_IN_EXPERT_LAUNCH``) adds its output to the residual stream in one launch that also
 sums each new row's squares for the next norm (``SparseMoE.add_to``, ``moe.combine_pairs``),
-where XLA forms the combine and the next norm's square sums as two kernels."""
+where XLA forms the combine and the next norm's square sums as two kernels (a kernel fewer
+per MoE block but a scan repeat's last: ``benchmarks/RESULTS_serve.md``, session 35)."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
