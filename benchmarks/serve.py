@@ -83,7 +83,6 @@ from hybrid_jax.models.qwen3_next import Qwen3Next, Qwen3NextConfig  # noqa: E40
 from pallas_kernels import _skinny  # noqa: E402
 
 _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
-_EXPERT_MATMUL = importlib.import_module("pallas_kernels.moe.expert_matmul")
 # Switches a run can flip, each a module attribute read while tracing: flag -> (module,
 # attribute, the value the flag sets, what that does). A run sets those it is given and
 # restores them at the end.

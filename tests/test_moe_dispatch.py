@@ -345,16 +345,18 @@ def test_softmax_in_ranking_routes_as_the_softmax_after_it_with_no_reduce_of_its
     assert 2 in ranks_after and set(ranks_in) == {3}
 
 
-@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("normed,norm_topk_prob", [(False, True), (True, True), (False, False)])
 def test_add_to_combines_into_the_residual_in_one_launch_with_the_rows_square_sums(
-    normed, monkeypatch
+    normed, norm_topk_prob, monkeypatch
 ):
     """``SparseMoE.add_to`` with ``COMBINE_IN_LAUNCH``: the residual plus the block's output
-    from one ``combine_pairs`` launch (the routing's softmax divided there), within bf16
-    rounding of ``residual + block(x)``, as ``SummedRows`` whose sums are the new rows'
-    squares; with the switch off, or on the sorted path, ``residual + block(x)`` itself."""
+    from one ``combine_pairs`` launch (the routing's softmax divided there, or, without
+    ``norm_topk_prob``, the weights as ``route`` gives them), within bf16 rounding of
+    ``residual + block(x)``, as ``SummedRows`` whose sums are the new rows' squares; with the
+    switch off, or on the sorted path, ``residual + block(x)`` itself."""
     config = MoEConfig(hidden_size=128, num_experts=64, top_k=2, intermediate_size=128,
-                       shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
+                       shared_intermediate_size=128, dtype="bfloat16",
+                       norm_topk_prob=norm_topk_prob)  # fmt: skip
     moe = SparseMoE(config, rngs=nnx.Rngs(3))
     moe.widen_shared_gate()
     moe.pair_halves()
@@ -384,3 +386,17 @@ def test_add_to_combines_into_the_residual_in_one_launch_with_the_rows_square_su
     # The sorted path (the reference) has no tiles to combine: the plain sum.
     sorted_sum, sorted_program = run("reference")
     assert isinstance(sorted_sum, jax.Array) and "combine_pairs" not in sorted_program
+
+
+def test_softmax_of_exps_divides_each_row_by_its_sum_and_top_k_softmax_uses_it():
+    rng = np.random.default_rng(17)
+    exps = jnp.asarray(rng.random((5, 8)) + 0.01, jnp.float32)
+    want = np.asarray(exps, np.float64) / np.asarray(exps, np.float64).sum(1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(moe_kernels.softmax_of_exps(exps)), want, rtol=1e-6)
+    logits = jnp.asarray(rng.standard_normal((5, 32)), jnp.float32)
+    picked, ids = moe_kernels.top_k_exps(logits, 8)
+    weights, same_ids = top_k_softmax(logits, 8)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(same_ids))
+    np.testing.assert_array_equal(
+        np.asarray(weights), np.asarray(moe_kernels.softmax_of_exps(picked))
+    )

@@ -27,7 +27,7 @@ from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers.linear import project, project_output, short_sum, swiglu
 from hybrid_jax.layers.norm import NormedRows, SummedRows, formed
 from pallas_kernels import moe, projections, resolve_impl
-from pallas_kernels.moe import top_k_exps, top_k_softmax
+from pallas_kernels.moe import softmax_of_exps, top_k_exps, top_k_softmax
 
 __all__ = [
     "BY_ID_MAX_PAIRS",
@@ -296,19 +296,28 @@ class SparseMoE(nnx.Module):
         """(weights ``[T, top_k]`` in the logits' dtype, experts int32 ``[T, top_k]``) of each
         token, from its router logits ``[T, E]``; a token that ``real`` (bool ``[T]``) marks
         as padding gets expert ``E`` (none) for every choice."""
+        weights, experts, exps = self._route(logits, real)
+        if exps:
+            weights = softmax_of_exps(weights)
+        return weights.astype(logits.dtype), experts
+
+    def _route(
+        self, logits: jax.Array, real: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array, bool]:
+        """``route``'s (float32 weights, experts), and whether the weights are still the
+        chosen experts' softmax exponentials, to be divided by their sum (``SOFTMAX_IN_RANKING``:
+        the ranking gives them, and whoever reads the weights divides)."""
         k = self.config.top_k
         wide = logits.astype(jnp.float32)
         ranked = logits.shape[0] <= RANKED_TOP_K_TOKENS
         if self.config.norm_topk_prob and SOFTMAX_IN_RANKING and ranked:
-            weights, experts = top_k_softmax(wide, k, real)
-        elif self.config.norm_topk_prob:
+            return (*top_k_exps(wide, k, real), True)
+        if self.config.norm_topk_prob:
             # The softmax renormalised over the chosen experts is the softmax of their logits
             # (the softmax keeps the logits' order): no softmax over every expert.
             chosen, experts = top_k(wide, k, real)
-            weights = _softmax_of_ordered(chosen)
-        else:
-            weights, experts = top_k(jax.nn.softmax(wide, axis=-1), k, real)
-        return weights.astype(logits.dtype), experts
+            return _softmax_of_ordered(chosen), experts, False
+        return (*top_k(jax.nn.softmax(wide, axis=-1), k, real), False)
 
     def __call__(
         self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
@@ -354,29 +363,16 @@ class SparseMoE(nnx.Module):
         if not (COMBINE_IN_LAUNCH and self._hidden_in_launch(x, impl)):
             return residual + self(x, real, impl=impl)
         logits, (shared_hidden,), gate_logits = self._router_launch(x, True, impl)
-        k = self.config.top_k
-        if SOFTMAX_IN_RANKING and logits.shape[0] <= RANKED_TOP_K_TOKENS:
-            # The softmax's division happens in the combine: no kernel of its own for it.
-            weights, experts = top_k_exps(logits.astype(jnp.float32), k, real)
-            normalize = True
-        else:
-            (weights, experts), normalize = self.route(logits, real), False
+        weights, experts, exps = self._route(logits, real)
+        if not exps:  # as ``route`` gives them (the combine divides exponentials itself)
+            weights = weights.astype(logits.dtype)
         hidden = self._hidden_by_id(x, experts, impl)
-        down, ids = self.down_proj[...], experts.reshape(-1, 1)
-        dense = (shared_hidden, self.shared_expert.down_proj.kernel[...])
-        if (
-            SHARED_DOWN_WITH_EXPERTS
-            and moe.expert_matmul_unsupported_reason(hidden, down, dense) is None
-        ):
-            tiles, shared = moe.expert_matmul(hidden, down, ids, dense=dense, tiles=True, impl=impl)
-        else:
-            tiles = moe.expert_matmul(hidden, down, ids, tiles=True, impl=impl)
-            shared = self.shared_expert.down(shared_hidden, impl=impl)
+        tiles, shared = self._down_launch(hidden, shared_hidden, experts, impl, tiles=True)
         # The down launch's pairs are the (token, choice) pairs in order: the same tiles
         # read as each token's choices.
         pairs = moe.PairTiles(tiles.tiles, experts, tiles.num_experts, tiles.per_line)
         out, sums = moe.combine_pairs(
-            pairs, weights, shared, gate_logits, residual, normalize=normalize, impl=impl
+            pairs, weights, shared, gate_logits, residual, normalize=exps, impl=impl
         )
         return SummedRows(out, sums)
 
@@ -516,15 +512,21 @@ class SparseMoE(nnx.Module):
         down product of ``shared_hidden``, in the experts' down launch with
         ``SHARED_DOWN_WITH_EXPERTS`` where the kernel takes it)."""
         tokens, top_k = experts.shape
+        ys, shared = self._down_launch(hidden, shared_hidden, experts, impl)
+        ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
+        return short_sum(ys * weights.astype(jnp.float32)[..., None], 1), shared
+
+    def _down_launch(self, hidden, shared_hidden, experts, impl: str, *, tiles: bool = False):
+        """(the pairs' down products of ``hidden`` read by id, as rows ``[T * top_k, 1, N]``
+        or, with ``tiles``, as the launch stored them; the shared expert's down product of
+        ``shared_hidden``, in the same launch with ``SHARED_DOWN_WITH_EXPERTS`` where the
+        kernel takes it)."""
         down, ids = self.down_proj[...], experts.reshape(-1, 1)
         dense = (shared_hidden, self.shared_expert.down_proj.kernel[...])
         if (
             SHARED_DOWN_WITH_EXPERTS
             and moe.expert_matmul_unsupported_reason(hidden, down, dense) is None
         ):
-            ys, shared = moe.expert_matmul(hidden, down, ids, dense=dense, impl=impl)
-        else:
-            ys = moe.expert_matmul(hidden, down, ids, impl=impl)
-            shared = self.shared_expert.down(shared_hidden, impl=impl)
-        ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
-        return short_sum(ys * weights.astype(jnp.float32)[..., None], 1), shared
+            return moe.expert_matmul(hidden, down, ids, dense=dense, tiles=tiles, impl=impl)
+        ys = moe.expert_matmul(hidden, down, ids, tiles=tiles, impl=impl)
+        return ys, self.shared_expert.down(shared_hidden, impl=impl)

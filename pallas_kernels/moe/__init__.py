@@ -21,7 +21,7 @@ from pallas_kernels.moe.expert_matmul import (
 )
 from pallas_kernels.moe.expert_matmul import unsupported_reason as expert_matmul_unsupported_reason
 from pallas_kernels.moe.grouped_matmul import grouped_matmul, unsupported_reason
-from pallas_kernels.moe.routing import ranked_top_k, top_k_exps, top_k_softmax
+from pallas_kernels.moe.routing import ranked_top_k, softmax_of_exps, top_k_exps, top_k_softmax
 
 __all__ = [
     "PAIRED_UNITS",
@@ -39,6 +39,7 @@ __all__ = [
     "pair_halves",
     "paired_swiglu",
     "ranked_top_k",
+    "softmax_of_exps",
     "top_k_exps",
     "top_k_softmax",
     "unpair_halves",

@@ -22,6 +22,7 @@ own: this is one launch where XLA makes two.
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -31,6 +32,7 @@ from jax import lax
 from pallas_kernels._common import interpret_params, resolve_impl
 from pallas_kernels._mgpu_chunks import ALIGN, F32
 from pallas_kernels.moe.expert_matmul import PairTiles
+from pallas_kernels.moe.routing import softmax_of_exps
 
 __all__ = ["combine_pairs", "combine_pairs_reference", "unsupported_reason"]
 
@@ -64,24 +66,14 @@ def _check(tiles, weights, shared, shared_gate, residual) -> None:
         raise ValueError(f"{_OP}: residual is {residual.dtype}, shared {shared.dtype}")
 
 
-def _normalized(weights: jax.Array, normalize: bool) -> jax.Array:
-    w = weights.astype(F32)
-    if not normalize:
-        return w
-    total = functools.reduce(lambda a, b: a + b, (w[:, c] for c in range(w.shape[1])))
-    return w / total[:, None]
-
-
 def combine_pairs_reference(
     tiles: PairTiles, weights: jax.Array, shared: jax.Array, shared_gate: jax.Array,
     residual: jax.Array, *, normalize: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """The same in XLA: ``(out [R, N]``, float32 ``square_sums [R])``."""
-    w = _normalized(weights, normalize)
+    w = softmax_of_exps(weights.astype(F32)) if normalize else weights.astype(F32)
     ys = tiles.rows().astype(F32)  # [R, C, N], zeros for ids out of range
-    routed = functools.reduce(
-        lambda a, b: a + b, (ys[:, c] * w[:, c, None] for c in range(ys.shape[1]))
-    )
+    routed = functools.reduce(operator.add, (ys[:, c] * w[:, c, None] for c in range(ys.shape[1])))
     scale = jax.nn.sigmoid(shared_gate[:, :1].astype(F32)).astype(shared.dtype)
     out = residual + (routed.astype(shared.dtype) + scale * shared)
     out32 = out.astype(F32)
@@ -104,7 +96,7 @@ def _kernel(tiles: PairTiles, weights, shared, shared_gate, residual, *, normali
         r = lax.axis_index("r")
         w = [weights_ref[r, c].astype(F32) for c in range(choices)]
         if normalize:
-            total = functools.reduce(lambda a, b: a + b, w)
+            total = functools.reduce(operator.add, w)
             w = [wc / total for wc in w]
         routed = None
         for c in range(choices):

@@ -17,7 +17,7 @@ import operator
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ranked_top_k", "top_k_exps", "top_k_softmax"]
+__all__ = ["ranked_top_k", "softmax_of_exps", "top_k_exps", "top_k_softmax"]
 
 
 def _ranking(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -78,5 +78,11 @@ def top_k_softmax(
     ranks (rows where ``valid`` is False get index ``n``): ``top_k_exps`` divided by their
     sum, written as adds, which XLA may fuse into the weights' reader."""
     picked, ids = top_k_exps(x, k, valid)
-    total = functools.reduce(operator.add, (picked[:, j] for j in range(k)))  # at least 1
-    return picked / total[:, None], ids
+    return softmax_of_exps(picked), ids
+
+
+def softmax_of_exps(exps: jax.Array) -> jax.Array:
+    """Each row of ``exps`` ``[T, k]`` (a softmax's exponentials, ``top_k_exps``) divided by
+    its sum, the sum taken in column order as adds."""
+    total = functools.reduce(operator.add, (exps[:, j] for j in range(exps.shape[1])))
+    return exps / total[:, None]
