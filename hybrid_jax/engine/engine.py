@@ -100,9 +100,34 @@ from hybrid_jax.parallel import (
 from hybrid_jax.progress import Progress
 from hybrid_jax.state_pool import SlotAllocator, bytes_per_slot, init_state_pool
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "model_for_steps"]
 
 PRESETS = {"tiny": tiny_qwen3_next_config}
+
+
+def model_for_steps(
+    model: HybridLM, config: EngineConfig, mesh: Mesh | None, *, donate_weights: bool = False
+) -> HybridLM:
+    """The model an engine's steps run: ``model``'s weights placed on ``mesh``, and under
+    ``config.scan_layers`` its repeated layers stacked (``donate_weights``: moved, not copied)
+    with the norms' weights folded and the experts' gate/up halves paired, as the switches
+    say. ``model`` itself is returned where nothing applies."""
+    step_model = model
+    if mesh is not None:
+        step_model = shard_model(model, mesh, donate=donate_weights)
+    if not config.scan_layers:
+        return step_model
+    # A copy made here for the mesh is ours to donate.
+    own = donate_weights or step_model is not model
+    scanned = scan_layers(step_model, donate=own)
+    if scanned is not step_model:
+        # Only layers stacked here are ours to fold or lay out: a model scanned before it
+        # came keeps its weights.
+        if norm_layer.FOLD_NORM_WEIGHTS:
+            fold_scanned_norms(scanned)
+        if moe_layer.HIDDEN_IN_EXPERT_LAUNCH and mesh is None:
+            pair_scanned_swiglu(scanned)
+    return scanned
 
 
 def _device_memory(device: jax.Device) -> tuple[int, int] | None:
@@ -176,21 +201,7 @@ class Engine(SpeculativeServing):
         for one model, not two, and ``model``'s repeated layers are deleted (``engine.model``
         is then the scanned model). The built-in constructors donate the model they build."""
         self.mesh = config.mesh()
-        step_model = model
-        if self.mesh is not None:
-            step_model = shard_model(model, self.mesh, donate=donate_weights)
-        if config.scan_layers:
-            # A copy made here for the mesh is the engine's own to donate.
-            own = donate_weights or step_model is not model
-            scanned = scan_layers(step_model, donate=own)
-            if scanned is not step_model:
-                # Only layers stacked here are the engine's to fold or lay out: a model
-                # scanned before it came keeps its weights.
-                if norm_layer.FOLD_NORM_WEIGHTS:
-                    fold_scanned_norms(scanned)
-                if moe_layer.HIDDEN_IN_EXPERT_LAUNCH and self.mesh is None:
-                    pair_scanned_swiglu(scanned)
-            step_model = scanned
+        step_model = model_for_steps(model, config, self.mesh, donate_weights=donate_weights)
         self.model = step_model if donate_weights else model
         self.tokenizer = tokenizer
         self.config = config

@@ -94,12 +94,17 @@ class StepFunctions:
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_tree, params))
         return model(x, pool, meta, impl=self.impl)
 
-    def lower(self, mode: ForwardMode, pool: StatePool, x: jax.Array, meta: ForwardMetadata):
-        """Traces and lowers the step of ``mode`` (raises UnsupportedForwardModeError here)."""
+    def lower(
+        self, mode: ForwardMode, pool: StatePool, x: jax.Array, meta: ForwardMetadata,
+        *, platforms: tuple[str, ...] | None = None,
+    ):  # fmt: skip
+        """Traces and lowers the step of ``mode`` (raises UnsupportedForwardModeError here);
+        for ``platforms`` (such as ``("cuda",)`` on a machine without a GPU) where given."""
         mode = ForwardMode(mode)
         program, meta = self._as_program(mode, meta)
         with on_mesh(self.mesh):
-            return self._jitted.lower(program, self.params, pool, x, meta)
+            traced = self._jitted.trace(program, self.params, pool, x, meta)
+            return traced.lower(lowering_platforms=platforms)
 
     def _as_program(
         self, mode: ForwardMode, meta: ForwardMetadata

@@ -238,7 +238,10 @@ def _kernel(q, k, v, consts, page_table, positions, k_pages, v_pages, *, piece, 
     max_pages = page_table.shape[1]
     pieces = head_dim // piece
     tile, _, col_vec, row_lanes = _layouts(piece)
-    held = {name: round_up(count, row_lanes) for name, count in (("q", heads), ("k", kv_heads))}
+    # Each buffer holds at least 8 rows: Mosaic GPU's layout inference finds no layout for a
+    # [4, 64] tile of this layout (a half-turned head of 256, 2 or 4 KV heads).
+    rows_held = max(row_lanes, 8)
+    held = {name: round_up(count, rows_held) for name, count in (("q", heads), ("k", kv_heads))}
 
     def body(q_ref, k_ref, v_ref, *refs):
         consts_refs, refs = refs[:n_consts], refs[n_consts:]

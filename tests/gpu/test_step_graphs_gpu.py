@@ -33,7 +33,7 @@ _GENERATE = """
 import dataclasses, json, sys
 import numpy as np
 from flax import nnx
-sys.path.insert(0, "tests/gpu")
+sys.path.insert(0, "tests")
 from _kernel_sized import kernel_sized_qwen3_next_config
 from hybrid_jax import Engine, EngineConfig
 from hybrid_jax.engine.sampling import SamplingParams

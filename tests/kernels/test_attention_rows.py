@@ -18,8 +18,10 @@ from pallas_kernels.attention import rows as ar
 
 SHAPES = [
     # (rows, heads, kv_heads, head_dim, rotary_dim, gated, normed): Qwen3-Next's attention,
-    # a GQA ratio of 4 at head_dim 128 with a quarter turned, and Nemotron-H's plain rows.
+    # the same half turned (pieces of 64), a GQA ratio of 4 at head_dim 128 with a quarter
+    # turned, and Nemotron-H's plain rows.
     (4, 16, 2, 256, 64, True, True),
+    (2, 16, 2, 256, 128, True, True),
     (3, 8, 2, 128, 32, False, True),
     (3, 8, 8, 128, 0, False, False),
 ]
@@ -69,9 +71,10 @@ def test_kernel_writes_the_pages_in_place_under_jit():
            theta=1e4, tol=8e-3)  # fmt: skip
 
 
-@pytest.mark.parametrize("rows", [8, 64])
-@pytest.mark.parametrize("scale_offset", [0.0, 1.0])
-def test_kernel_lowers_for_the_gpu_at_the_qwen_shape(rows, scale_offset):
+@pytest.mark.parametrize(
+    ("rows", "scale_offset", "rotary_dim"), [(8, 0.0, 64), (64, 1.0, 64), (8, 1.0, 128)]
+)
+def test_kernel_lowers_for_the_gpu_at_the_qwen_shape(rows, scale_offset, rotary_dim):
     spec = jax.ShapeDtypeStruct
     bf16 = jnp.bfloat16
     pages = spec((10 * 650, 16, 2, 256), bf16)
@@ -81,8 +84,8 @@ def test_kernel_lowers_for_the_gpu_at_the_qwen_shape(rows, scale_offset):
         positions=spec((rows,), jnp.int32), q_scale=spec((256,), jnp.float32),
         k_scale=spec((256,), jnp.float32),
     )  # fmt: skip
-    assert ar.unsupported_reason(args["q"], args["k"], pages, 64) is None
-    call = functools.partial(ar.attention_rows, eps=EPS, rotary_dim=64, theta=1e7,
+    assert ar.unsupported_reason(args["q"], args["k"], pages, rotary_dim) is None
+    call = functools.partial(ar.attention_rows, eps=EPS, rotary_dim=rotary_dim, theta=1e7,
                              scale_offset=scale_offset, impl="pallas")  # fmt: skip
     with jax.default_device(jax.devices("cpu")[0]):
         text = jax.jit(call).trace(**args).lower(lowering_platforms=("cuda",)).as_text()

@@ -1,6 +1,6 @@
 """The built-in Qwen3-Next model at dimensions the GPU kernels take, for the engine-level GPU
-tests (a plain module: pytest puts ``tests/gpu`` on ``sys.path`` before importing a test
-module there, which imports this one by its bare name)."""
+tests and the check that their steps lower for the GPU (a plain module: the tests import it
+by its bare name, ``tests`` being on ``sys.path``)."""
 
 from __future__ import annotations
 
