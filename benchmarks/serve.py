@@ -73,6 +73,7 @@ from hybrid_jax.layers import gdn as gdn_layer  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
 from hybrid_jax.layers import moe as moe_layer  # noqa: E402
 from hybrid_jax.metadata import MIN_BATCH_BUCKET  # noqa: E402
+from hybrid_jax.models import layer_scan  # noqa: E402
 from hybrid_jax.models.layer_scan import (  # noqa: E402
     fold_scanned_norms,
     pair_scanned_swiglu,
@@ -102,6 +103,11 @@ TRIAL_SWITCHES = {
         "a MoE block whose hidden rows come from the experts' launches adds its output to the "
         "residual stream in XLA, the next norm's square sums a reduction of their own, not in "
         "one launch",
+    ),
+    "--no-carry-square-sums": (
+        layer_scan, "CARRY_SQUARE_SUMS", False,
+        "a scan of Qwen3-Next blocks carries the rows alone: each repeat's first norm reduces "
+        "its rows again (a kernel of its own)",
     ),
     "--no-shared-hidden-with-experts": (
         moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", False,

@@ -18,8 +18,10 @@ from flax import nnx
 
 from hybrid_jax import Engine, EngineConfig, SamplingParams
 from hybrid_jax.backend.commit import commit_verified
+from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.metadata import RowSpec, build_metadata
+from hybrid_jax.models import layer_scan
 from hybrid_jax.models.layer_scan import (
     LayerRun,
     ScannedRun,
@@ -214,7 +216,9 @@ def test_scanned_nemotron_h_steps_equal_the_layer_by_layer_model():
 # ---------------------------------------------------------------- compile size
 
 
-def _decode_equations(model) -> int:
+def _decode_jaxpr(model) -> tuple[jax.extend.core.ClosedJaxpr, int]:
+    """The traced decode step of one row (the function itself, not its one jit equation),
+    and its token count."""
     run = parity.Runner(model)
     pool, kv = run.fresh()
     meta = build_metadata(
@@ -222,15 +226,45 @@ def _decode_equations(model) -> int:
         num_pages=parity.NUM_PAGES,
     )  # fmt: skip
     tokens = jnp.zeros(meta.num_tokens, jnp.int32)
-    forward = run.forward.__wrapped__  # the traced function itself, not its one jit equation
-    jaxpr = jax.make_jaxpr(forward)(run.params, tokens, pool, kv, meta)
-    return len(jaxpr.eqns)
+    forward = run.forward.__wrapped__
+    return jax.make_jaxpr(forward)(run.params, tokens, pool, kv, meta), meta.num_tokens
+
+
+def _decode_equations(model) -> int:
+    return len(_decode_jaxpr(model)[0].eqns)
 
 
 def test_the_scanned_step_traces_one_block_whatever_the_depth():
     shallow, deep = qwen3_next(2), qwen3_next(3)
     assert _decode_equations(scan_layers(shallow)) == _decode_equations(scan_layers(deep))
     assert _decode_equations(deep) > _decode_equations(shallow)  # unrolled: grows with depth
+
+
+@pytest.mark.parametrize(
+    ("name", "norms_in_launch", "carry", "with_sums"),
+    [
+        ("qwen3-next", True, True, True),
+        ("qwen3-next", True, False, False),
+        ("qwen3-next", False, True, False),
+        ("nemotron-h", True, True, False),
+    ],
+)
+def test_the_scan_carries_the_rows_square_sums_where_the_next_norm_reads_them(
+    name, norms_in_launch, carry, with_sums, monkeypatch
+):
+    """With the norms left to their products' launches (and ``CARRY_SQUARE_SUMS``), a
+    Qwen3-Next scan carries each repeat's rows with their float32 square sums
+    (``SummedRows``): a repeat's first norm reads them instead of reducing the rows again.
+    Formed norms, or layers whose norm reads no sums (Nemotron-H's), carry the rows alone."""
+    monkeypatch.setattr(linear_layer, "NORMS_IN_LAUNCH", norms_in_launch)
+    monkeypatch.setattr(layer_scan, "CARRY_SQUARE_SUMS", carry)
+    model = scan_layers(qwen3_next(2) if name == "qwen3-next" else nemotron_h())
+    jaxpr, tokens = _decode_jaxpr(model)
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    # The scan's outputs: its carry, then the stacked per-repeat outputs (a leading axis).
+    outs = [v.aval for v in scan.outvars]
+    sums = [a for a in outs if a.shape == (tokens,) and a.dtype == jnp.float32]
+    assert len(sums) == with_sums, outs
 
 
 # ---------------------------------------------------------------- weights

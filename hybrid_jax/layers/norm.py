@@ -36,6 +36,7 @@ __all__ = [
     "ZeroCenteredRMSNorm",
     "formed",
     "rows_of",
+    "summed",
 ]
 
 FOLD_NORM_WEIGHTS = True
@@ -67,6 +68,15 @@ def rows_of(x: jax.Array | SummedRows) -> jax.Array:
     return x.x if isinstance(x, SummedRows) else x
 
 
+def summed(x: jax.Array | SummedRows) -> SummedRows:
+    """``x`` with its rows' float32 square sums: ``SummedRows`` as they are, an array's
+    summed here (the reduction a norm of it would make)."""
+    if isinstance(x, SummedRows):
+        return x
+    x32 = x.astype(jnp.float32)
+    return SummedRows(x, jnp.sum(x32 * x32, axis=-1))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NormedRows:
@@ -89,8 +99,12 @@ class NormedRows:
         return self.x.dtype
 
     def value(self) -> jax.Array:
-        """The norm's output, in x's dtype."""
-        normalized = _normalize(self.x, self.eps)
+        """The norm's output, in x's dtype (of the square sums where the rows came with
+        them)."""
+        if self.sums is None:
+            normalized = _normalize(self.x, self.eps)
+        else:
+            normalized = self.x.astype(jnp.float32) * self.inverse_rms()[:, None]
         if self.scale is not None:
             normalized = normalized * self.scale
         return normalized.astype(self.x.dtype)

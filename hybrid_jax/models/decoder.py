@@ -169,21 +169,21 @@ class LayerStates:
 
     def scan(
         self,
-        block: Callable[[jax.Array, Any], jax.Array],
-        x: jax.Array,
+        block: Callable[[Any, Any], Any],
+        x: Any,
         weights: Any,
         meta: ForwardMetadata,
         *,
         repeats: int,
         linear_per_repeat: int,
         attention_per_repeat: int,
-    ) -> jax.Array:
+    ) -> Any:
         """``x = block(x, weights[r])`` for r in ``range(repeats)`` under ``lax.scan``, the
-        pool and cache carried; ``weights``: a pytree of arrays stacked on a leading
-        ``repeats`` axis. Each repeat runs ``linear_per_repeat`` linear and
-        ``attention_per_repeat`` attention layers (in that count, any order), on ``meta``
-        shifted to their pool rows and cache pages before the scan (``_RepeatMetadata``): the
-        loop body holds no index arithmetic of its own."""
+        pool and cache carried (``x`` the rows, or a pytree of arrays such as ``SummedRows``);
+        ``weights``: a pytree of arrays stacked on a leading ``repeats`` axis. Each repeat
+        runs ``linear_per_repeat`` linear and ``attention_per_repeat`` attention layers (in
+        that count, any order), on ``meta`` shifted to their pool rows and cache pages before
+        the scan (``_RepeatMetadata``): the loop body holds no index arithmetic of its own."""
         self._stack_verify()
         linear0, attention0 = self._linear, self._attention
         shifted = _RepeatMetadata(

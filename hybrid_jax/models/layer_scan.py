@@ -21,10 +21,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_jax.layers.norm import rows_of
+from hybrid_jax.layers import linear as linear_layer
+from hybrid_jax.layers.norm import rows_of, summed
 from hybrid_jax.modes import LayerKind
 
 __all__ = [
+    "CARRY_SQUARE_SUMS",
     "LayerRun",
     "ScannedRun",
     "fold_scanned_norms",
@@ -33,6 +35,12 @@ __all__ = [
     "pair_scanned_swiglu",
     "scan_layers",
 ]
+
+
+CARRY_SQUARE_SUMS = True
+"""Whether a scan whose layers' norms read square sums (``reads_square_sums``, with the norms
+left to their products' launches) carries the rows with their sums (``ScannedRun``). Read
+while tracing a step."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,15 +125,26 @@ class ScannedRun(nnx.Module):
         self.linear_per_repeat = sum(kind is not None for kind in block) - self.attention_per_repeat
         self.blocks = nnx.List([_stack(layers[j::period], donate) for j in range(period)])
 
-    def __call__(self, x: jax.Array, states: Any, meta: Any, *, impl: str) -> jax.Array:
-        """x ``[T, hidden]`` through every repeat; ``states``: the forward's ``LayerStates``."""
+    def __call__(self, x: Any, states: Any, meta: Any, *, impl: str) -> Any:
+        """x ``[T, hidden]`` through every repeat; ``states``: the forward's ``LayerStates``.
+        Where the block's layers read square sums (``reads_square_sums``) and the norms are
+        left to their products' launches, the scan carries the rows with their sums
+        (``SummedRows``; the block's last launch may give them, or XLA sums the rows in the
+        kernel of the last residual add), so no repeat's first norm reduces its rows again."""
         graphdefs, weights = zip(*(nnx.split(block) for block in self.blocks), strict=True)
+        with_sums = (
+            CARRY_SQUARE_SUMS
+            and linear_layer.NORMS_IN_LAUNCH
+            and getattr(self.blocks[0], "reads_square_sums", False)
+        )
+        carried = summed if with_sums else rows_of
 
-        def block(x: jax.Array, w: tuple) -> jax.Array:
+        def block(x: Any, w: tuple) -> Any:
             for graphdef, wj in zip(graphdefs, w, strict=True):
                 x = nnx.merge(graphdef, wj)(x, states, meta, impl=impl)
-            return rows_of(x)  # the scan carries the rows alone
+            return carried(x)
 
+        x = carried(x)
         return states.scan(
             block, x, tuple(weights), meta, repeats=self.repeats,
             linear_per_repeat=self.linear_per_repeat,

@@ -304,6 +304,9 @@ class DecoderLayer(nnx.Module):
     """``x + mixer(input_layernorm(x))``, then ``x + mlp(post_attention_layernorm(x))``; the
     mixer is GDN or gated attention (``kind``), the MLP sparse (``moe``) or dense."""
 
+    reads_square_sums = True
+    """Its input norm reads the square sums of ``SummedRows`` given for ``x``."""
+
     def __init__(self, config: Qwen3NextConfig, kind: LayerKind, moe: bool, *, rngs: nnx.Rngs):
         c = config
         self.kind = kind
