@@ -254,17 +254,26 @@ def test_the_scan_carries_the_rows_square_sums_where_the_next_norm_reads_them(
 ):
     """With the norms left to their products' launches (and ``CARRY_SQUARE_SUMS``), a
     Qwen3-Next scan carries each repeat's rows with their float32 square sums
-    (``SummedRows``): a repeat's first norm reads them instead of reducing the rows again.
-    Formed norms, or layers whose norm reads no sums (Nemotron-H's), carry the rows alone."""
+    (``SummedRows``): a repeat's first norm, and the final norm after the scan, read them
+    instead of reducing the rows again. Formed norms, or layers whose norm reads no sums
+    (Nemotron-H's), carry the rows alone."""
     monkeypatch.setattr(linear_layer, "NORMS_IN_LAUNCH", norms_in_launch)
     monkeypatch.setattr(layer_scan, "CARRY_SQUARE_SUMS", carry)
     model = scan_layers(qwen3_next(2) if name == "qwen3-next" else nemotron_h())
     jaxpr, tokens = _decode_jaxpr(model)
-    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    (at,) = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"]
     # The scan's outputs: its carry, then the stacked per-repeat outputs (a leading axis).
-    outs = [v.aval for v in scan.outvars]
+    outs = [v.aval for v in jaxpr.eqns[at].outvars]
     sums = [a for a in outs if a.shape == (tokens,) and a.dtype == jnp.float32]
     assert len(sums) == with_sums, outs
+    before, after = (
+        [e.primitive.name for e in eqns if e.primitive.name.startswith("reduce")]
+        for eqns in (jaxpr.eqns[:at], jaxpr.eqns[at + 1 :])
+    )
+    # Carried, the rows are summed once before the scan and the final norm reads the sums.
+    assert before == ["reduce_sum"] * with_sums
+    if name == "qwen3-next":  # its scan ends the layers: the final norm alone comes after
+        assert after == ([] if with_sums else ["reduce_sum"])
 
 
 # ---------------------------------------------------------------- weights

@@ -15,6 +15,7 @@ from flax import nnx
 from hybrid_jax.layers.linear import FEW_ROWS, project
 from hybrid_jax.layers.moe import MoEConfig, SparseMoE
 from hybrid_jax.layers.norm import NormedRows, SummedRows, ZeroCenteredRMSNorm, formed, rows_of
+from hybrid_jax.layers.norm import summed as summed_rows
 
 HIDDEN = 256
 
@@ -48,7 +49,8 @@ def test_the_deferred_norm_formed_is_the_norm_bit_for_bit():
 
 def test_rows_that_come_with_their_square_sums_give_the_norm_those_sums():
     """``SummedRows`` (a launch that formed the rows summed their squares): the deferred
-    norm reads the given sums, reducing nothing; the formed norm is the rows' own."""
+    and the formed norm read the given sums, reducing nothing, and the formed norm is the
+    rows' own; ``summed`` sums an array's rows and leaves ``SummedRows`` as they are."""
     norm, x = _norm(4), _rows(5, 3)
     x64 = np.asarray(x, np.float64)
     sums = jnp.asarray((x64 * x64).sum(-1), jnp.float32)
@@ -61,7 +63,10 @@ def test_rows_that_come_with_their_square_sums_give_the_norm_those_sums():
         np.asarray(deferred.inverse_rms()), np.asarray(norm.deferred(x).inverse_rms()), rtol=1e-5
     )
     chex.assert_trees_all_equal(norm(summed), norm(x))
+    assert "reduce_sum" not in str(jax.make_jaxpr(norm)(summed))
     assert rows_of(summed) is x and rows_of(x) is x
+    assert summed_rows(summed) is summed
+    np.testing.assert_allclose(np.asarray(summed_rows(x).square_sums), sums, rtol=1e-6)
 
 
 @pytest.mark.parametrize("tokens", [3, 8])

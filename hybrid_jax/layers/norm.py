@@ -68,13 +68,18 @@ def rows_of(x: jax.Array | SummedRows) -> jax.Array:
     return x.x if isinstance(x, SummedRows) else x
 
 
+def _square_sums(x: jax.Array) -> jax.Array:
+    """float32 ``[T]``: each row's sum of squares of ``x`` ``[T, dim]``."""
+    x32 = x.astype(jnp.float32)
+    return jnp.sum(x32 * x32, axis=-1)
+
+
 def summed(x: jax.Array | SummedRows) -> SummedRows:
     """``x`` with its rows' float32 square sums: ``SummedRows`` as they are, an array's
     summed here (the reduction a norm of it would make)."""
     if isinstance(x, SummedRows):
         return x
-    x32 = x.astype(jnp.float32)
-    return SummedRows(x, jnp.sum(x32 * x32, axis=-1))
+    return SummedRows(x, _square_sums(x))
 
 
 @jax.tree_util.register_dataclass
@@ -120,10 +125,7 @@ class NormedRows:
         """float32 ``[T]``: each row's sum of squares (``inverse_rms`` is
         ``1 / sqrt(square_sum / dim + eps)``). A launch takes the sum, not the mean: the
         reduction that gives it is then the last op of its kernel."""
-        if self.sums is not None:
-            return self.sums
-        x32 = self.x.astype(jnp.float32)
-        return jnp.sum(x32 * x32, axis=-1)
+        return _square_sums(self.x) if self.sums is None else self.sums
 
     def inverse_rms(self) -> jax.Array:
         """float32 ``[T]``: what each row of ``weighted() @ w`` is multiplied by."""

@@ -22,7 +22,6 @@ from hybrid_jax.kv_cache import KVCache, KVCacheSpec
 from hybrid_jax.layers.attention import Attention
 from hybrid_jax.layers.gdn import GatedDeltaNet
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
-from hybrid_jax.layers.norm import rows_of
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.modes import LayerKind
 from hybrid_jax.parallel import run_block
@@ -253,8 +252,8 @@ class HybridCausalLM(nnx.Module):
     (each called as ``layer(x, states, meta, impl=impl) -> x``: the layer says which mixer
     it runs and which residual branches follow; ``x`` may come as ``SummedRows``, the rows
     with their square sums, from the layer before) and gives ``state_specs``, ``logits``,
-    ``embed``, ``final_norm``, ``linear_name`` (its linear layers in errors) and
-    ``output_type``.
+    ``embed``, ``final_norm`` (of what the last layer gives), ``linear_name`` (its linear
+    layers in errors) and ``output_type``.
     """
 
     linear_name: str = "linear"
@@ -294,7 +293,7 @@ class HybridCausalLM(nnx.Module):
         for layer in self.layers:
             x = layer(x, states, meta, impl=impl)
         pool, kv, verify = states.updated()
-        return self.final_norm(rows_of(x)), pool, kv, verify
+        return self.final_norm(x), pool, kv, verify
 
     def __call__(
         self,

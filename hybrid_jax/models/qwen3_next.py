@@ -471,8 +471,9 @@ class Qwen3Next(HybridCausalLM):
         """int32 ``[T]`` -> ``[T, hidden]``."""
         return self.embed_tokens(tokens)
 
-    def final_norm(self, x: jax.Array) -> jax.Array:
-        """``[T, hidden]`` -> the same; the module keeps its checkpoint name (``model.norm``)."""
+    def final_norm(self, x: jax.Array | SummedRows) -> jax.Array:
+        """``[T, hidden]`` -> the same (of ``SummedRows``, their square sums read, not
+        reduced again); the module keeps its checkpoint name (``model.norm``)."""
         return self.norm(x)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
