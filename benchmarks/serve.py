@@ -47,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 # A full-depth preset holds ~65 GB of weights and stacks each repeated parameter once more while
 # it builds; JAX's default 75% of the card leaves too little beside them.
@@ -185,10 +186,41 @@ def _category(name: str) -> str:
 _Events = list[tuple[str, float, float]]  # (name, start or offset, duration)
 
 
-def profile_steps(engine: Engine, steps: int) -> tuple[dict[str, float], _Events, float, _Events]:
-    """Runs ``steps`` engine steps under the profiler; per-step device us by category, every
-    kernel (name, calls per step, us per step; longest first), the wall us per step and the
-    last step's launches in order (name, us since that step's first start, duration us)."""
+HOST_PLANE = "/host:CPU"
+
+
+def host_table(profile, steps: int) -> list[tuple[str, str, float, float]]:
+    """Where the host's threads spend ``steps`` profiled steps: (thread, event name, calls per
+    step, us per step) of every event on the host plane, longest first. Events nest (a
+    dispatch holds its argument handling), so these are inclusive times, not a partition;
+    threads of one pool are one row (their numeric suffix dropped)."""
+    plane = profile.find_plane_with_name(HOST_PLANE)
+    totals: dict[tuple[str, str], list[float]] = {}
+    for line in [] if plane is None else plane.lines:
+        thread = re.sub(r"[/:_-]?\d+$", "", line.name)
+        for event in line.events:
+            calls_us = totals.setdefault((thread, event.name), [0.0, 0.0])
+            calls_us[0] += 1 / steps
+            calls_us[1] += event.duration_ns / 1e3 / steps
+    rows = [(thread, name, calls, us) for (thread, name), (calls, us) in totals.items()]
+    return sorted(rows, key=lambda row: -row[3])
+
+
+class StepProfile(NamedTuple):
+    """What ``profile_steps`` saw of a few steps, per step: device us by category, every
+    kernel (name, calls, us; longest first), the wall us, the last step's launches in order
+    (name, us since that step's first start, duration us) and the host's events
+    (``host_table``)."""
+
+    categories: dict[str, float]
+    kernels: list[tuple[str, float, float]]
+    wall_us: float
+    sequence: _Events
+    host: list[tuple[str, str, float, float]]
+
+
+def profile_steps(engine: Engine, steps: int) -> StepProfile:
+    """Runs ``steps`` engine steps under the profiler (``StepProfile``)."""
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     with tempfile.TemporaryDirectory() as log_dir:
@@ -201,6 +233,7 @@ def profile_steps(engine: Engine, steps: int) -> tuple[dict[str, float], _Events
         files = sorted(pathlib.Path(log_dir).rglob("*.xplane.pb"))
         profile = jax.profiler.ProfileData.from_file(str(files[0]))
         events = call_events(profile)
+        host = host_table(profile, steps)
     by_category: dict[str, float] = {}
     by_kernel: dict[str, list[float]] = {}
     for name, _, duration_ns in events:
@@ -210,7 +243,7 @@ def profile_steps(engine: Engine, steps: int) -> tuple[dict[str, float], _Events
         calls_us[0] += 1 / steps
         calls_us[1] += us
     kernels = sorted(((n, c, us) for n, (c, us) in by_kernel.items()), key=lambda k: -k[2])
-    return by_category, kernels, wall, _last_step(events, steps)
+    return StepProfile(by_category, kernels, wall, _last_step(events, steps), host)
 
 
 def _last_step(events: _Events, steps: int) -> _Events:
@@ -242,32 +275,51 @@ def device_bound_us(sequence: _Events) -> tuple[float, float]:
     return busy + short, sum(gaps) - short
 
 
+def write_tables(profile: StepProfile, table: pathlib.Path) -> None:
+    """A profile's kernels (``table``), its last step's launches (``*.sequence.tsv``) and the
+    host's events (``*.host.tsv``), tab-separated."""
+    lines = [f"{us:.1f}\t{calls:g}\t{name}" for name, calls, us in profile.kernels]
+    table.write_text("us_per_step\tcalls_per_step\tkernel\n" + "\n".join(lines) + "\n")
+    lines = [f"{at:.2f}\t{us:.2f}\t{name}" for name, at, us in profile.sequence]
+    table.with_suffix(".sequence.tsv").write_text(
+        "start_us\tus\tkernel\n" + "\n".join(lines) + "\n"
+    )
+    lines = [f"{us:.1f}\t{calls:g}\t{thread}\t{name}" for thread, name, calls, us in profile.host]
+    table.with_suffix(".host.tsv").write_text(
+        "us_per_step\tcalls_per_step\tthread\tevent\n" + "\n".join(lines) + "\n"
+    )
+
+
+def breakdown_note(profile: StepProfile) -> str:
+    """A profile as a row's note: kernels a step, launches back to back beside the host's
+    stalls, device time by category, idle share, the longest kernels and host events."""
+    top = [(name, us) for name, _, us in profile.kernels[:12]]
+    busy = sum(profile.categories.values())
+    ranked = sorted(profile.categories.items(), key=lambda kv: -kv[1])
+    launches = sum(calls for _, calls, _ in profile.kernels)
+    bound, stalls = device_bound_us(profile.sequence)
+    host = profile.host[:6]
+    return (
+        f"{launches:.0f} kernels/step; its launches back to back {bound:.0f} us (host "
+        f"stalls {stalls:.0f} us in the last profiled step); device us/step: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in ranked)
+        + f"; idle {max(0.0, 1 - busy / profile.wall_us):.0%} of {profile.wall_us:.0f} us; "
+        + "top: " + "; ".join(f"{n[:60]} {us:.0f}" for n, us in top)
+        + "; host us/step (inclusive): "
+        + "; ".join(f"{thread} {name[:50]} {us:.0f}" for thread, name, _, us in host)
+    )  # fmt: skip
+
+
 def _breakdown(engine: Engine, steps: int, table: pathlib.Path | None = None) -> str:
-    """The device breakdown of the engine's next ``steps`` steps, as a row's note (GPU only);
-    every kernel's calls and time per step go to ``table`` (tab-separated) when given.
+    """The device breakdown of the engine's next ``steps`` steps, as a row's note (GPU only;
+    ``breakdown_note``); the tables go next to ``table`` when given (``write_tables``).
     ``steps == 0``: no breakdown (no profiled steps)."""
     if jax.default_backend() != "gpu" or steps == 0:
         return ""
-    categories, kernels, wall_us, sequence = profile_steps(engine, steps)
+    profile = profile_steps(engine, steps)
     if table is not None:
-        lines = [f"{us:.1f}\t{calls:g}\t{name}" for name, calls, us in kernels]
-        table.write_text("us_per_step\tcalls_per_step\tkernel\n" + "\n".join(lines) + "\n")
-        lines = [f"{at:.2f}\t{us:.2f}\t{name}" for name, at, us in sequence]
-        table.with_suffix(".sequence.tsv").write_text(
-            "start_us\tus\tkernel\n" + "\n".join(lines) + "\n"
-        )
-    top = [(name, us) for name, _, us in kernels[:12]]
-    busy = sum(categories.values())
-    ranked = sorted(categories.items(), key=lambda kv: -kv[1])
-    launches = sum(calls for _, calls, _ in kernels)
-    bound, host = device_bound_us(sequence)
-    return (
-        f"{launches:.0f} kernels/step; its launches back to back {bound:.0f} us (host "
-        f"stalls {host:.0f} us in the last profiled step); device us/step: "
-        + ", ".join(f"{k} {v:.0f}" for k, v in ranked)
-        + f"; idle {max(0.0, 1 - busy / wall_us):.0%} of {wall_us:.0f} us; top: "
-        + "; ".join(f"{n[:60]} {us:.0f}" for n, us in top)
-    )  # fmt: skip
+        write_tables(profile, table)
+    return breakdown_note(profile)
 
 
 # -------------------------------------------------------------------------------- rows
@@ -609,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kernel-tables", action="store_true",
         help="write each row's kernels (calls and us per step) to --out as kernels_*.tsv, and "
-        "its last profiled step's launches in order as kernels_*.sequence.tsv",
+        "its last profiled step's launches in order as kernels_*.sequence.tsv, and the "
+        "host threads' events (inclusive us per step) as kernels_*.host.tsv",
     )  # fmt: skip
     parser.add_argument(
         "--hlo", action="store_true",

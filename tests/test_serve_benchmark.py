@@ -7,6 +7,8 @@ import importlib.util
 import pathlib
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -194,3 +196,57 @@ def test_launches_back_to_back_keep_the_short_gaps_and_set_the_host_s_apart(serv
     assert bound == pytest.approx(2.0 + 1.0 + 3.0 + 1.0 + 0.5)
     assert host == pytest.approx(8.0)
     assert serve.device_bound_us([("a", 0.0, 2.0)]) == (2.0, 0.0)
+
+
+def test_the_host_table_sums_each_threads_events_per_step_longest_first(serve, tmp_path):
+    """A jitted call profiled 4 times on this machine's CPU: the host plane's dispatch events
+    (nested, so a whole number of them a call) come back per call, on the python thread,
+    longest first; a profile without a host plane gives an empty table."""
+    f = jax.jit(lambda x: jnp.sin(x) @ x)
+    x = jnp.ones((32, 32))
+    f(x).block_until_ready()
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(str(tmp_path), profiler_options=options):
+        for _ in range(4):
+            y = f(x)
+        y.block_until_ready()
+    profile = jax.profiler.ProfileData.from_file(str(next(tmp_path.rglob("*.xplane.pb"))))
+    table = serve.host_table(profile, 4)
+    us = [row[3] for row in table]
+    assert us == sorted(us, reverse=True) and us[0] > 0
+    dispatch = [row for row in table if row[1] == "PjitFunction(<lambda>)"]
+    assert len(dispatch) == 1
+    thread, _, calls, _ = dispatch[0]
+    assert thread == "python" and calls >= 1 and calls == pytest.approx(round(calls))
+
+    class NoHost:
+        def find_plane_with_name(self, name):
+            return None
+
+    assert serve.host_table(NoHost(), 4) == []
+
+
+def test_a_profile_gives_its_note_and_three_tables(serve, tmp_path):
+    """A made-up profile of two kernels, a host stall and two host events (us; back to back
+    3 + 1 + 3 and the 0.5 gap): the note counts
+    the launches, sets the stall apart and names the longest of each; the tables hold every
+    kernel, launch and host event."""
+    profile = serve.StepProfile(
+        categories={"matmuls (XLA/cuBLAS)": 6.0, "other fusions": 1.0},
+        kernels=[("gemm", 2.0, 6.0), ("fusion", 1.0, 1.0)],
+        wall_us=20.0,
+        sequence=[("gemm", 0.0, 3.0), ("fusion", 3.5, 1.0), ("gemm", 12.5, 3.0)],
+        host=[("python", "PjitFunction(step)", 1.0, 15.0), ("python", "DevicePut", 3.0, 4.5)],
+    )
+    note = serve.breakdown_note(profile)
+    assert note.startswith("3 kernels/step; its launches back to back 8 us (host stalls 8 us")
+    assert "idle 65% of 20 us" in note and "top: gemm 6; fusion 1" in note
+    host_part = "host us/step (inclusive): python PjitFunction(step) 15; python DevicePut 4"
+    assert note.endswith(host_part)
+    table = tmp_path / "kernels_row.tsv"
+    serve.write_tables(profile, table)
+    assert table.read_text().splitlines()[1:] == ["6.0\t2\tgemm", "1.0\t1\tfusion"]
+    assert len(table.with_suffix(".sequence.tsv").read_text().splitlines()) == 4
+    host = table.with_suffix(".host.tsv").read_text().splitlines()
+    assert host[2] == "4.5\t3\tpython\tDevicePut"

@@ -38,7 +38,7 @@ pytestmark = [
 ]
 
 PARAMS = SamplingParams(max_new_tokens=4, logprobs=5)
-PROMPT_LENGTHS = (9, 12, 4, 7, 5, 11, 3, 6)
+PROMPT_LENGTHS = (9, 12, 4, 7, 5, 11, 3, 6, 10, 8, 5, 12, 4, 9, 6, 7)
 
 
 BLOCK = ("linear_attention",) * 3 + ("full_attention",)
@@ -92,7 +92,9 @@ def test_decode_with_the_norms_in_the_launch_is_as_close_to_float32_as_the_forme
     launch = _generate("bfloat16", norms_in_launch=True, fold=True)  # the defaults
     formed = _generate("bfloat16", norms_in_launch=False, fold=False)
     distances = _teacher_forced_distances([launch, formed], oracle)
-    # The prompt's step and at least one decode step per request on average.
-    assert len(distances) >= 2 * len(PROMPT_LENGTHS)
+    # The prompt's step and a decode step for at least half the requests: a random model's
+    # flat distributions part the runs' greedy tokens early (benchmarks/RESULTS_serve.md,
+    # session 37: 14 steps of 8 requests), so the requests are many rather than long.
+    assert len(distances) >= 1.5 * len(PROMPT_LENGTHS)
     total_launch, total_formed = distances.sum(axis=0)
     assert total_launch <= 1.25 * total_formed, distances
