@@ -50,6 +50,7 @@ __all__ = [
     "ForwardMetadata",
     "MAX_DRAFT_TOKENS",
     "MetadataError",
+    "MetadataLayout",
     "PageIds",
     "PageTable",
     "RowSpec",
@@ -57,6 +58,7 @@ __all__ = [
     "chain_parents",
     "describe",
     "example_metadata",
+    "pack_metadata",
     "tree_depths",
 ]
 
@@ -342,7 +344,7 @@ class ForwardMetadata:
     ``BucketPolicy.batch_invariant``.
 
     Arrays (always present, never None; ``build_metadata`` leaves them on the host, and the
-    step that takes them copies them to the device):
+    step that takes them copies them to the device as one vector, ``pack_metadata``):
       query_start_loc   int32 [bs+1]  row r owns tokens [qsl[r], qsl[r+1]); padded rows repeat
       state_indices     int32 [bs]    pool slot of each row; 0 (pad slot) for padded rows
       has_initial_state bool  [bs]    the row continues a state (prefix_len > 0)
@@ -706,8 +708,8 @@ def build_metadata(
     page_table = np.zeros((bs, policy.max_pages), np.int32)
     for r, ids in enumerate(page_ids):
         page_table[r, : ids.size] = ids
-    # Host arrays: the step's executable copies them to the device in its own (C++) call
-    # path, which costs less per step than a device_put of each one first.
+    # Host arrays: the step joins them into one vector (``pack_metadata``), which its
+    # executable's call copies to the device at once.
     arrays = {
         "query_start_loc": qsl,
         "state_indices": slots,
@@ -731,6 +733,48 @@ def build_metadata(
         pages=pages,
         **arrays,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class MetadataLayout:
+    """Where ``pack_metadata`` put a metadata's arrays in one int32 vector: the metadata's
+    structure (its static fields with it) and each array's shape and dtype, in leaf order.
+    Static: a step takes it as the key of its executable, the vector as its operand."""
+
+    treedef: jax.tree_util.PyTreeDef
+    leaves: tuple[tuple[tuple[int, ...], str], ...]
+
+    @property
+    def size(self) -> int:
+        return sum(int(np.prod(shape)) for shape, _ in self.leaves)
+
+    def unpack(self, packed: jax.Array) -> ForwardMetadata:
+        """The metadata back from its vector (traced: slices of the step's one operand)."""
+        arrays, start = [], 0
+        for shape, dtype in self.leaves:
+            size = int(np.prod(shape))
+            array = packed[start : start + size].reshape(shape)
+            arrays.append(array != 0 if dtype == "bool" else array)
+            start += size
+        return jax.tree.unflatten(self.treedef, arrays)
+
+
+def pack_metadata(meta: ForwardMetadata) -> tuple[MetadataLayout, np.ndarray | jax.Array]:
+    """``meta``'s arrays (int32 and bool, ``build_metadata``'s host arrays) as one int32
+    vector, and where each lies in it: a step's metadata goes to the device as one copy,
+    where each array would cost the host a copy of its own (benchmarks/RESULTS_serve.md).
+    Arrays already on the device are joined there."""
+    leaves, treedef = jax.tree.flatten(meta)
+    kinds = []
+    for leaf in leaves:
+        dtype = jnp.dtype(leaf.dtype)
+        if dtype not in (jnp.dtype(jnp.int32), jnp.dtype(jnp.bool_)):
+            raise MetadataError(f"metadata arrays are int32 or bool; got {dtype.name}")
+        kinds.append((tuple(leaf.shape), dtype.name))
+    layout = MetadataLayout(treedef, tuple(kinds))
+    if all(isinstance(leaf, np.ndarray | np.generic) for leaf in leaves):
+        return layout, np.concatenate([np.asarray(x).astype(np.int32).ravel() for x in leaves])
+    return layout, jnp.concatenate([jnp.asarray(x).astype(jnp.int32).ravel() for x in leaves])
 
 
 def example_metadata(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 import threading
 
 import jax
@@ -17,6 +18,7 @@ from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import FinishReason, RequestError
 from hybrid_jax.engine.startup import ProgramStore, tracing_switches
 from hybrid_jax.layers import linear, moe
+from hybrid_jax.metadata import example_metadata, pack_metadata
 from hybrid_jax.models.checkpoint import CheckpointError
 from hybrid_jax.models.qwen3_next_loading import save_checkpoint
 from hybrid_jax.models.safetensors_io import read_header
@@ -116,6 +118,23 @@ def test_no_retrace_after_warm_up(engine, alone):
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=2, temperature=0.8, top_k=9))
     assert all(engine.step_times[m] for m in (M.EXTEND, M.DECODE, M.MIXED))
     assert engine.retraces == 0
+
+
+def test_each_step_executable_takes_its_metadata_as_one_vector(engine):
+    """Beside the serving state's integer arrays, a step executable's integer operands are
+    the tokens and one int32 vector of the metadata's arrays (``pack_metadata``): a step
+    copies its metadata to the device once, not an array at a time."""
+    state = jax.tree.leaves(engine.state)
+    state_ints = sum(not np.issubdtype(np.dtype(a.dtype), np.floating) for a in state)
+    for (program, batch, tokens), executable in engine.executables.items():
+        layout, _ = pack_metadata(example_metadata(program, batch, tokens, engine.policy))
+        text = executable.as_text()
+        entry = text[text.index("ENTRY") :]
+        entry = entry[: entry.index("\n}")]
+        operands = re.findall(r"= (\w+)\[([\d,]*)\]\S* parameter\(", entry)
+        ints = [(kind, dims) for kind, dims in operands if kind in ("s32", "pred", "u32")]
+        assert len(ints) == state_ints + 2, (program, ints)
+        assert ("s32", str(tokens)) in ints and ("s32", str(layout.size)) in ints, ints
 
 
 def test_slots_and_pages_all_returned_after_a_run_with_aborts(engine):

@@ -1,6 +1,10 @@
 """Bucket policy and forward metadata: shapes per (mode, bucket), padding, and every bad input."""
 
+import dataclasses
+
+import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,6 +18,7 @@ from hybrid_jax.metadata import (
     chain_parents,
     describe,
     example_metadata,
+    pack_metadata,
     tree_depths,
 )
 from hybrid_jax.modes import CAPABILITIES, ForwardMode, UnsupportedForwardModeError
@@ -450,3 +455,40 @@ def test_parents_on_a_non_verify_row_raise():
 def test_tree_drafts_must_be_a_bool():
     with pytest.raises(MetadataError, match="tree_drafts=1 must be a bool"):
         BucketPolicy(tree_drafts=1)
+
+
+# ---------------------------------------------------------------- one copy to the device
+
+
+@pytest.mark.parametrize("mode", BUILT, ids=lambda m: m.name)
+def test_packed_metadata_unpacks_to_the_same_arrays_and_statics(mode):
+    """Random rows of every buildable mode (paged: with a page table): one int32 vector on
+    the host, and back (in a jitted function, as a step unpacks it) the same arrays, dtypes
+    and static fields."""
+    rng = np.random.default_rng(7)
+    policy = BucketPolicy(
+        (1, 2, 4, 8), (16, 32, 64), num_draft_tokens=D, page_size=4, max_context=64
+    )
+    rows, first = [], 1
+    for row in [] if mode is M.IDLE else random_rows(rng, mode, 3):
+        count = -(-(row.prefix_len + row.num_tokens) // 4)
+        rows.append(dataclasses.replace(row, pages=tuple(range(first, first + count))))
+        first += count
+    meta = build_metadata(mode, rows, policy, num_slots=S, num_pages=64)
+    assert meta.pages.table.shape == (meta.batch_size, 16)
+    layout, packed = pack_metadata(meta)
+    assert isinstance(packed, np.ndarray) and packed.dtype == np.int32
+    assert packed.shape == (layout.size,)
+    back = jax.jit(layout.unpack)(packed)
+    chex.assert_trees_all_equal(back, jax.tree.map(jnp.asarray, meta))
+    assert (back.mode, back.batch_size, back.num_tokens) == (mode, meta.batch_size, meta.num_tokens)
+    # Arrays already on the device are joined there, to the same vector.
+    _, on_device = pack_metadata(jax.tree.map(jnp.asarray, meta))
+    np.testing.assert_array_equal(np.asarray(on_device), packed)
+
+
+def test_packing_names_an_array_it_cannot_carry():
+    meta = example_metadata(M.DECODE, 2, 2, POLICY)
+    wide = dataclasses.replace(meta, seq_lens=np.zeros(2, np.float32))
+    with pytest.raises(MetadataError, match="int32 or bool; got float32"):
+        pack_metadata(wide)

@@ -7,7 +7,9 @@ capability table while tracing, so an unsupported mode fails at ``.lower()`` and
 runs. ``compile_all`` compiles every (mode, bucket) of a ``BucketPolicy`` ahead of time from
 the same metadata builder the real calls use; after that, ``__call__`` only looks executables
 up, and ``trace_count`` tells whether anything was traced again. Modes that share a program
-(``modes.program_mode``: MIXED runs EXTEND's) share one executable per bucket.
+(``modes.program_mode``: MIXED runs EXTEND's) share one executable per bucket. An executable
+takes a step's metadata as one int32 vector (``metadata.pack_metadata``) and unpacks it
+where it is traced: one copy to the device a step.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from jax.sharding import Mesh
 
 from hybrid_jax.backend.commit import commit_tree_verified, commit_verified
 from hybrid_jax.engine.startup import ProgramStore
-from hybrid_jax.metadata import BucketPolicy, ForwardMetadata, example_metadata
+from hybrid_jax.metadata import (
+    BucketPolicy,
+    ForwardMetadata,
+    MetadataLayout,
+    example_metadata,
+    pack_metadata,
+)
 from hybrid_jax.modes import ForwardMode, check_supported, program_mode
 from hybrid_jax.parallel import on_mesh, spec_of
 from hybrid_jax.state_pool import StatePool
@@ -75,7 +83,8 @@ class StepFunctions:
         self._compiled: dict[tuple[ForwardMode, int, int], Any] = {}
         self._compiled_buckets: set[tuple[ForwardMode, int, int]] = set()
         self._compiled_shapes: dict[tuple[ForwardMode, int, int], tuple] = {}
-        self._jitted = jax.jit(self._forward, static_argnums=0, donate_argnums=2)
+        # The metadata travels as one int32 vector (``pack_metadata``), its layout static.
+        self._jitted = jax.jit(self._forward_packed, static_argnums=(0, 1), donate_argnums=3)
         self.commit = jax.jit(commit_verified, donate_argnums=0)
         self.commit_tree = jax.jit(commit_tree_verified, donate_argnums=(0, 1))
 
@@ -94,6 +103,11 @@ class StepFunctions:
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._params_tree, params))
         return model(x, pool, meta, impl=self.impl)
 
+    def _forward_packed(
+        self, mode: ForwardMode, layout: MetadataLayout, params, pool: StatePool, x, packed
+    ):
+        return self._forward(mode, params, pool, x, layout.unpack(packed))
+
     def lower(
         self, mode: ForwardMode, pool: StatePool, x: jax.Array, meta: ForwardMetadata,
         *, platforms: tuple[str, ...] | None = None,
@@ -102,8 +116,9 @@ class StepFunctions:
         for ``platforms`` (such as ``("cuda",)`` on a machine without a GPU) where given."""
         mode = ForwardMode(mode)
         program, meta = self._as_program(mode, meta)
+        layout, packed = pack_metadata(meta)
         with on_mesh(self.mesh):
-            traced = self._jitted.trace(program, self.params, pool, x, meta)
+            traced = self._jitted.trace(program, layout, self.params, pool, x, packed)
             return traced.lower(lowering_platforms=platforms)
 
     def _as_program(
@@ -169,19 +184,22 @@ class StepFunctions:
         """The executable of ``program`` for these argument shapes, and the seconds before
         XLA's compile (``CompileRecord.lower_ms``): through the program store when there is
         one (a stored program is neither traced nor lowered again)."""
+        layout, packed = pack_metadata(meta)
+        packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype)
         if self.store is not None:
             params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in self.params]
+            key = ("step", program.value, self.impl, self.graphdef, self._params_tree, layout)
             stored = self.store.compile(
-                functools.partial(self._forward, program),
-                (params, pool, x, meta),
-                key_parts=("step", program.value, self.impl, self.graphdef, self._params_tree),
+                functools.partial(self._forward_packed, program, layout),
+                (params, pool, x, packed),
+                key_parts=key,
                 donate_argnums=(1,),
             )
             if stored is not None:
                 return stored, stored.lower_s
         with on_mesh(self.mesh):
             start = time.perf_counter()
-            lowered = self._jitted.lower(program, self.params, pool, x, meta)
+            lowered = self._jitted.lower(program, layout, self.params, pool, x, packed)
             lower_s = time.perf_counter() - start
             return lowered.compile(), lower_s
 
@@ -194,12 +212,13 @@ class StepFunctions:
         compiled ahead of time for (mode, bucket) when there is one, else jit (a trace)."""
         program, meta = self._as_program(meta.mode, meta)
         key = (program, meta.batch_size, meta.num_tokens)
+        layout, packed = pack_metadata(meta)
         compiled = self._compiled.get(key)
         if compiled is not None:
             self._check_shapes(key, pool, x)
-            return compiled(self.params, pool, x, meta)
+            return compiled(self.params, pool, x, packed)
         with on_mesh(self.mesh):
-            return self._jitted(program, self.params, pool, x, meta)
+            return self._jitted(program, layout, self.params, pool, x, packed)
 
     def _check_shapes(self, key, pool, x) -> None:
         """Raises ``ValueError`` naming the first array of ``pool`` or ``x`` whose shape or
