@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -254,3 +255,28 @@ def test_a_row_gets_the_same_token_whichever_stages_its_batch_runs():
     b, _, _ = sampler(jnp.asarray(x), beside, jnp.zeros(4, jnp.int32), slots)
     assert int(a[0]) == int(b[0])
     assert sampler.trace_count == traces  # every variant was compiled ahead of time
+
+
+def test_the_sampler_takes_host_and_device_slots_alike_and_keeps_every_bit():
+    """The rows' inputs travel as the int32 words of one array: with host slots (joined on
+    the host) and with device slots (joined there) the sampler draws what ``sample`` draws
+    from the arrays themselves, seeds above 2**31 and fractional temperatures included, and
+    records each real row's token in its slot."""
+    x = jnp.asarray(logits(4, seed=3))
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.9),
+    ]
+    batch = SamplingBatch.pack(params, [0, 2**32 - 5, 2**31 + 7], [0, 3, 1], 4)
+    sampler = Sampler()
+    sampler.compile(4, V, 8)
+    slots = np.array([1, 2, 3, 0], np.int32)
+    from_host = sampler(x, batch, jnp.zeros(8, jnp.int32), slots)
+    from_device = sampler(x, batch, jnp.zeros(8, jnp.int32), jnp.asarray(slots))
+    chex.assert_trees_all_equal(from_host, from_device)
+    fields = (batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
+    expected = sample(x, *map(jnp.asarray, fields), batch.filters)
+    tokens, _, buffer = from_host
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))
+    np.testing.assert_array_equal(np.asarray(buffer)[1:4], np.asarray(tokens)[:3])

@@ -322,6 +322,30 @@ class SamplingBatch:
         )
 
 
+_ROW_DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.uint32, jnp.int32, jnp.int32)
+"""The dtypes of a step's per-row sampler inputs: temperature, top_k, top_p, seeds, steps and
+the rows' slots, which travel as the int32 words of one ``[6, B]`` array (``_pack_rows``)."""
+
+
+def _pack_rows(batch: SamplingBatch, slots: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
+    """The rows' sampling inputs and slots as one int32 ``[6, B]`` array, each float or seed
+    by its bits: a step copies it to the device once, not six arrays one by one. Host arrays
+    are joined on the host; where one is already on the device, there."""
+    parts = (batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps, slots)
+    if all(isinstance(part, np.ndarray) for part in parts):
+        words = [np.asarray(p, d).view(np.int32) for p, d in zip(parts, _ROW_DTYPES, strict=True)]
+        return np.stack(words)
+    words = [jnp.asarray(p, d) for p, d in zip(parts, _ROW_DTYPES, strict=True)]
+    return jnp.stack([jax.lax.bitcast_convert_type(w, jnp.int32) for w in words])
+
+
+def _unpack_rows(rows: jax.Array) -> tuple[jax.Array, ...]:
+    """``_pack_rows``' arrays back from their words (traced)."""
+    return tuple(
+        jax.lax.bitcast_convert_type(rows[i], dtype) for i, dtype in enumerate(_ROW_DTYPES)
+    )
+
+
 class Sampler:
     """``sample`` compiled ahead of time for each batch size and each of its ``VARIANTS``,
     recording every row's token in a per-slot buffer; counts its traces.
@@ -340,13 +364,14 @@ class Sampler:
 
     def __init__(self) -> None:
         self.trace_count = 0
-        self._jitted = jax.jit(self._traced, donate_argnums=6, static_argnums=8)
+        self._jitted = jax.jit(self._traced, donate_argnums=2, static_argnums=3)
         self._compiled: dict[tuple[int, int, int, Filters], Any] = {}
         self._top_jitted = jax.jit(self._traced_top)
         self._top_compiled: dict[tuple[int, int], Any] = {}
 
-    def _traced(self, logits, temperature, top_k, top_p, seeds, steps, last_tokens, slots, filters):
+    def _traced(self, logits, rows, last_tokens, filters):
         self.trace_count += 1
+        temperature, top_k, top_p, seeds, steps, slots = _unpack_rows(rows)
         tokens = sample(logits, temperature, top_k, top_p, seeds, steps, filters)
         finite = jnp.isfinite(logits).all(axis=-1)
         # The buffer keeps a valid id: a step dispatched before this one is read back may
@@ -371,13 +396,8 @@ class Sampler:
         b, spec = batch_size, jax.ShapeDtypeStruct
         args = (
             spec((b, vocab_size), jnp.float32),
-            spec((b,), jnp.float32),
-            spec((b,), jnp.int32),
-            spec((b,), jnp.float32),
-            spec((b,), jnp.uint32),
-            spec((b,), jnp.int32),
+            spec((len(_ROW_DTYPES), b), jnp.int32),
             spec((num_slots,), jnp.int32),
-            spec((b,), jnp.int32),
         )
         start = time.perf_counter()
         for filters in VARIANTS:
@@ -392,12 +412,12 @@ class Sampler:
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """int32 ``[B]`` tokens for ``logits`` ``[B, V]``, their float32 log-probabilities and
         the updated buffer (dispatched, not waited for; ``last_tokens`` is donated)."""
-        args = (batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps)
+        rows = _pack_rows(batch, slots)
         filters = batch.filters
         compiled = self._compiled.get((*logits.shape, last_tokens.shape[0], filters))
         if compiled is not None:
-            return compiled(logits, *args, last_tokens, slots)
-        return self._jitted(logits, *args, last_tokens, slots, filters)
+            return compiled(logits, rows, last_tokens)
+        return self._jitted(logits, rows, last_tokens, filters)
 
     def top_logprobs(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         """float32 ``[B, N]`` log-probabilities, descending, and int32 ``[B, N]`` token ids of
