@@ -93,8 +93,8 @@ def test_decode_with_the_norms_in_the_launch_is_as_close_to_float32_as_the_forme
     formed = _generate("bfloat16", norms_in_launch=False, fold=False)
     distances = _teacher_forced_distances([launch, formed], oracle)
     # The prompt's step and a decode step for at least half the requests: a random model's
-    # flat distributions part the runs' greedy tokens early (benchmarks/RESULTS_serve.md,
-    # session 37: 14 steps of 8 requests), so the requests are many rather than long.
+    # flat distributions part the runs' greedy tokens early (benchmarks/RESULTS_serve.md),
+    # so the requests are many rather than long.
     assert len(distances) >= 1.5 * len(PROMPT_LENGTHS)
     total_launch, total_formed = distances.sum(axis=0)
     assert total_launch <= 1.25 * total_formed, distances
