@@ -14,7 +14,7 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from hybrid_jax import Engine, EngineConfig
-from hybrid_jax.engine.sampling import SamplingParams, SamplingParamsError
+from hybrid_jax.engine.sampling import Sampler, SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import FinishReason, RequestError
 from hybrid_jax.engine.startup import ProgramStore, tracing_switches
 from hybrid_jax.layers import linear, moe
@@ -220,6 +220,28 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(engine, alone):
     assert mixed[1].token_ids == solo.token_ids
     (other,) = engine.generate([prompts[1]], dataclasses.replace(params, seed=99))
     assert other.token_ids != solo.token_ids
+
+
+def test_a_greedy_batch_runs_no_sampler_and_a_sampling_row_brings_it_back(
+    engine, alone, monkeypatch
+):
+    """Greedy rows take the tokens their step drew; a batch with a sampling row runs the
+    sampler's executable, and its greedy rows keep their tokens."""
+    calls = []
+    sampler_call = Sampler.__call__
+
+    def counted(self, logits, batch, *args):
+        calls.append(batch.filters)
+        return sampler_call(self, logits, batch, *args)
+
+    monkeypatch.setattr(Sampler, "__call__", counted)
+    prompts, want = alone
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY)] == want
+    assert calls == []
+    sampling = SamplingParams(max_new_tokens=4, temperature=1.0, seed=5)
+    mixed = engine.generate(prompts[:2], [GREEDY, sampling])
+    assert mixed[0].token_ids == want[0]
+    assert len(calls) >= 4 and all(filters.draws for filters in calls)
 
 
 def test_stream_yields_every_token_in_order(engine, alone):

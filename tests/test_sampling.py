@@ -17,6 +17,7 @@ from hybrid_jax.engine.sampling import (
     SamplingBatch,
     SamplingParams,
     SamplingParamsError,
+    greedy_tokens,
     sample,
     top_k_mask,
     top_p_mask,
@@ -177,6 +178,22 @@ def test_sampler_records_tokens_per_slot_and_does_not_retrace_once_compiled():
     batch = SamplingBatch.pack([], [], [], 3)
     sampler(jnp.asarray(logits(3)), batch, jnp.zeros(5, jnp.int32), jnp.zeros(3, jnp.int32))
     assert sampler.trace_count == traces + 1
+
+
+def test_greedy_tokens_are_what_the_sampler_returns_for_a_greedy_batch():
+    """The step's own greedy draw (``greedy_tokens``) against the sampler's greedy variant:
+    the same tokens, log-probabilities and buffer, a non-finite row included."""
+    x = logits(4, seed=3)
+    x[2, 5] = np.nan
+    slots = jnp.asarray([3, 0, 6, 1])
+    start = jnp.asarray(np.random.default_rng(4).integers(0, V, 8), jnp.int32)
+    sampler = Sampler()
+    batch = SamplingBatch.pack([SamplingParams()] * 3, [0, 0, 0], [0, 0, 0], 4)
+    want = sampler(jnp.asarray(x), batch, jnp.array(start), slots)
+    got = jax.jit(greedy_tokens)(jnp.asarray(x), start, slots)
+    chex.assert_trees_all_equal(got, want)
+    assert int(got[0][2]) == NON_FINITE_TOKEN and int(got[2][6]) == 0
+    np.testing.assert_array_equal(np.asarray(got[0])[[0, 1, 3]], x[[0, 1, 3]].argmax(-1))
 
 
 def _primitives(jaxpr) -> set[str]:

@@ -9,11 +9,12 @@ once on padding. After that warm-up nothing is traced
 again (``retraces`` counts it; a retrace also warns).
 
 A step: the scheduler picks the rows, ``build_metadata`` pads them to their bucket, the step
-executable returns the logits of each row's last token, the sampler draws one token per row
-and records it in a per-slot buffer on the device. The next step is scheduled and dispatched
-before this one's tokens are read back: its DECODE rows read their input token from that
-buffer (``scheduler.PENDING``), so reading back step n (the one host synchronisation per
-step) overlaps the device's work on step n+1.
+executable returns the logits of each row's last token and records each row's argmax in a
+per-slot buffer on the device; when a row of the batch samples, the sampler's executable
+draws one token per row from those logits and records them instead. The next step is
+scheduled and dispatched before this one's tokens are read back: its DECODE rows read their
+input token from that buffer (``scheduler.PENDING``), so reading back step n (the one host
+synchronisation per step) overlaps the device's work on step n+1.
 
 Requests are checked before anything is queued (``RequestError``, ``SamplingParamsError``),
 so a bad one never disturbs the requests already being served.
@@ -578,11 +579,15 @@ class Engine(SpeculativeServing):
         log-probabilities, each row's most likely tokens when ``top_logprobs`` (else ``()``)
         and the step's kept hidden states (see ``StepOutput``)."""
         out = self._steps(self._state, tokens, meta)
-        sampled, logprobs, last_tokens = self._sampler(
-            out.logits, batch, out.state.last_tokens, meta.state_indices
-        )
+        self._state = out.state
+        if batch.filters.draws:
+            sampled, logprobs, last_tokens = self._sampler(
+                out.logits, batch, out.state.last_tokens, meta.state_indices
+            )
+            self._state = dataclasses.replace(out.state, last_tokens=last_tokens)
+        else:
+            sampled, logprobs = out.greedy  # the step drew them
         top = self._sampler.top_logprobs(out.logits) if top_logprobs else ()
-        self._state = dataclasses.replace(out.state, last_tokens=last_tokens)
         return sampled, logprobs, top, out.hidden
 
     def _metadata_and_sampling(self, step: ScheduledStep) -> tuple[ForwardMetadata, SamplingBatch]:

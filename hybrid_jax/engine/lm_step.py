@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from hybrid_jax.backend.linear import VerifyStates
+from hybrid_jax.engine.sampling import greedy_tokens
 from hybrid_jax.engine.scheduler import PENDING
 from hybrid_jax.kv_cache import KVCache, KVCacheSpec
 from hybrid_jax.metadata import ForwardMetadata
@@ -71,12 +72,16 @@ class StepOutput(NamedTuple):
     """logits: float32 ``[bs, vocab]`` at each row's last token, or ``[bs, D, vocab]`` at
     every token for TARGET_VERIFY (padded rows: garbage); verify: the per-layer verify
     states of TARGET_VERIFY (else empty); hidden: the final-normed hidden states ``[T,
-    hidden]`` of every token when the step keeps them (for the MTP head), else empty."""
+    hidden]`` of every token when the step keeps them (for the MTP head), else empty;
+    greedy: what ``Sampler`` returns for these logits when every row is greedy (tokens and
+    log-probabilities ``[bs]``, ``sampling.greedy_tokens``), those tokens already in
+    ``state.last_tokens`` (empty for TARGET_VERIFY, whose acceptance draws its tokens)."""
 
     logits: jax.Array
     state: ServingState
     verify: tuple = ()
     hidden: jax.Array | tuple = ()
+    greedy: tuple = ()
 
 
 class LastTokenLogits(nnx.Module):
@@ -114,4 +119,8 @@ class LastTokenLogits(nnx.Module):
         # A padded row repeats the previous boundary; clipping keeps its index in range.
         last = jnp.clip(meta.query_start_loc[1:] - 1, 0, hidden.shape[0] - 1)
         logits = replicated(self.model.logits(hidden[last]))
-        return StepOutput(logits, ServingState(pool, kv, last_tokens), hidden=kept)
+        # Every row's argmax costs one pass over the logits here, and saves a batch of
+        # greedy rows the sampler's own executable and its launch.
+        tokens, logprobs, last_tokens = greedy_tokens(logits, last_tokens, meta.state_indices)
+        state = ServingState(pool, kv, last_tokens)
+        return StepOutput(logits, state, hidden=kept, greedy=(tokens, logprobs))

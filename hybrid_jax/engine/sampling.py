@@ -7,7 +7,9 @@ every row is computed from its own logits and parameters only, and its random ke
 request gets the same tokens whatever else shares its batch and however its prompt was
 chunked. ``temperature == 0`` is greedy (argmax, no randomness). Which stages run (argmax
 only, the draw, the top-k and top-p masks) is chosen on the host from the batch's parameters,
-among executables compiled for each choice: nothing sorts the vocabulary.
+among executables compiled for each choice: nothing sorts the vocabulary. ``greedy_tokens`` is
+the sampler's whole work for a batch of greedy rows, traceable, so that a serving step draws
+those tokens itself and no second executable runs.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ __all__ = [
     "SamplingBatch",
     "SamplingParams",
     "SamplingParamsError",
+    "greedy_tokens",
+    "record_tokens",
     "sample",
     "top_k_mask",
     "top_p_mask",
@@ -230,6 +234,11 @@ VARIANTS: tuple[Filters, ...] = (
 EVERY_STAGE = Filters(True, True, True)
 
 
+def _argmax(logits: jax.Array) -> jax.Array:
+    """Each row's most likely token, int32 ``[B]``: a greedy row's token."""
+    return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
+
+
 def sample(
     logits: jax.Array,
     temperature: jax.Array,
@@ -252,7 +261,7 @@ def sample(
     the next step.
     """
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = _argmax(logits)
     if not filters.draws:
         return greedy
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
@@ -267,6 +276,31 @@ def sample(
 
     drawn = jax.vmap(one)(scaled, seeds, steps).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, greedy)
+
+
+def record_tokens(
+    logits: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What a step reports of the tokens drawn from ``logits`` ``[B, V]`` (traceable): the
+    tokens ``[B]`` (``NON_FINITE_TOKEN`` for a row whose logits hold inf or NaN), their
+    float32 log-probabilities under the model, and ``last_tokens`` with each row's token at
+    its slot (0 for a non-finite row)."""
+    finite = jnp.isfinite(logits).all(axis=-1)
+    # The buffer keeps a valid id: a step dispatched before this one is read back may feed
+    # it, and that row's output is dropped when the request ends.
+    kept = last_tokens.at[slots].set(jnp.where(finite, tokens, 0))
+    logits = logits.astype(jnp.float32)
+    chosen = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
+    logprobs = chosen - jax.nn.logsumexp(logits, axis=-1)
+    return jnp.where(finite, tokens, NON_FINITE_TOKEN), logprobs, kept
+
+
+def greedy_tokens(
+    logits: jax.Array, last_tokens: jax.Array, slots: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``record_tokens`` of each row's argmax: what ``Sampler`` returns for a batch whose rows
+    are all greedy (traceable, so a step can draw its own greedy tokens)."""
+    return record_tokens(logits, _argmax(logits), last_tokens, slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,14 +407,7 @@ class Sampler:
         self.trace_count += 1
         temperature, top_k, top_p, seeds, steps, slots = _unpack_rows(rows)
         tokens = sample(logits, temperature, top_k, top_p, seeds, steps, filters)
-        finite = jnp.isfinite(logits).all(axis=-1)
-        # The buffer keeps a valid id: a step dispatched before this one is read back may
-        # feed it, and that row's output is dropped when the request ends.
-        kept = last_tokens.at[slots].set(jnp.where(finite, tokens, 0))
-        logits = logits.astype(jnp.float32)
-        chosen = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
-        logprobs = chosen - jax.nn.logsumexp(logits, axis=-1)
-        return jnp.where(finite, tokens, NON_FINITE_TOKEN), logprobs, kept
+        return record_tokens(logits, tokens, last_tokens, slots)
 
     def _traced_top(self, logits):
         self.trace_count += 1
