@@ -35,10 +35,13 @@ __all__ = [
     "SamplingParams",
     "SamplingParamsError",
     "greedy_tokens",
+    "pack_rows",
     "record_tokens",
+    "rows_spec",
     "sample",
     "top_k_mask",
     "top_p_mask",
+    "unpack_rows",
 ]
 
 _MAX_SEED = 2**32
@@ -358,10 +361,10 @@ class SamplingBatch:
 
 _ROW_DTYPES = (jnp.float32, jnp.int32, jnp.float32, jnp.uint32, jnp.int32, jnp.int32)
 """The dtypes of a step's per-row sampler inputs: temperature, top_k, top_p, seeds, steps and
-the rows' slots, which travel as the int32 words of one ``[6, B]`` array (``_pack_rows``)."""
+the rows' slots, which travel as the int32 words of one ``[6, B]`` array (``pack_rows``)."""
 
 
-def _pack_rows(batch: SamplingBatch, slots: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
+def pack_rows(batch: SamplingBatch, slots: np.ndarray | jax.Array) -> np.ndarray | jax.Array:
     """The rows' sampling inputs and slots as one int32 ``[6, B]`` array, each float or seed
     by its bits: a step copies it to the device once, not six arrays one by one. Host arrays
     are joined on the host; where one is already on the device, there."""
@@ -373,8 +376,13 @@ def _pack_rows(batch: SamplingBatch, slots: np.ndarray | jax.Array) -> np.ndarra
     return jnp.stack([jax.lax.bitcast_convert_type(w, jnp.int32) for w in words])
 
 
-def _unpack_rows(rows: jax.Array) -> tuple[jax.Array, ...]:
-    """``_pack_rows``' arrays back from their words (traced)."""
+def rows_spec(batch_size: int) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of ``pack_rows``' array for ``batch_size`` rows."""
+    return jax.ShapeDtypeStruct((len(_ROW_DTYPES), batch_size), jnp.int32)
+
+
+def unpack_rows(rows: jax.Array) -> tuple[jax.Array, ...]:
+    """``pack_rows``' arrays back from their words (traced)."""
     return tuple(
         jax.lax.bitcast_convert_type(rows[i], dtype) for i, dtype in enumerate(_ROW_DTYPES)
     )
@@ -405,7 +413,7 @@ class Sampler:
 
     def _traced(self, logits, rows, last_tokens, filters):
         self.trace_count += 1
-        temperature, top_k, top_p, seeds, steps, slots = _unpack_rows(rows)
+        temperature, top_k, top_p, seeds, steps, slots = unpack_rows(rows)
         tokens = sample(logits, temperature, top_k, top_p, seeds, steps, filters)
         return record_tokens(logits, tokens, last_tokens, slots)
 
@@ -423,7 +431,7 @@ class Sampler:
         b, spec = batch_size, jax.ShapeDtypeStruct
         args = (
             spec((b, vocab_size), jnp.float32),
-            spec((len(_ROW_DTYPES), b), jnp.int32),
+            rows_spec(b),
             spec((num_slots,), jnp.int32),
         )
         start = time.perf_counter()
@@ -439,7 +447,7 @@ class Sampler:
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """int32 ``[B]`` tokens for ``logits`` ``[B, V]``, their float32 log-probabilities and
         the updated buffer (dispatched, not waited for; ``last_tokens`` is donated)."""
-        rows = _pack_rows(batch, slots)
+        rows = pack_rows(batch, slots)
         filters = batch.filters
         compiled = self._compiled.get((*logits.shape, last_tokens.shape[0], filters))
         if compiled is not None:

@@ -74,8 +74,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybrid_jax.engine.sampling import SamplingBatch, top_k_mask, top_p_mask
-from hybrid_jax.metadata import MAX_DRAFT_TOKENS, chain_parents, tree_depths
+from hybrid_jax.engine.sampling import (
+    SamplingBatch,
+    pack_rows,
+    rows_spec,
+    top_k_mask,
+    top_p_mask,
+    unpack_rows,
+)
+from hybrid_jax.metadata import MAX_DRAFT_TOKENS, chain_parents, pack_metadata, tree_depths
 from hybrid_jax.parallel import spec_of
 
 __all__ = [
@@ -101,11 +108,11 @@ __all__ = [
 ]
 
 DRAFT_SOURCES = ("ngram", "mtp")
+"""The draft sources that are built."""
 
 NON_FINITE_MARK = -2
 """In a verify row's emitted tokens: the logits that would decide this token held inf or NaN
 (the row keeps the tokens before it, and its request ends with ``FinishReason.NON_FINITE``)."""
-"""The draft sources that are built."""
 
 
 class SpeculativeConfigError(ValueError):
@@ -506,8 +513,9 @@ class Verifier:
         self._accepts: dict[tuple[int, ...], Any] = {}
         self._commits: dict[int, Any] = {}
 
-    def _traced_accept(self, logits, tokens, temperature, top_k, top_p, seeds, steps, slots):
+    def _traced_accept(self, logits, tokens, rows):
         self.trace_count += 1
+        temperature, top_k, top_p, seeds, steps, slots = unpack_rows(rows)
         acc = accept(logits, tokens, temperature, top_k, top_p, seeds, steps)
         # A chain's j-th emitted token is decided by the logits after its j-th token.
         deciders = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -523,10 +531,8 @@ class Verifier:
         start = time.perf_counter()
         if logits.shape not in self._accepts:
             self._accepts[logits.shape] = self._accept_jit.lower(
-                spec((b, d, v), jnp.float32), spec((b, d), jnp.int32), spec((b,), jnp.float32),
-                spec((b,), jnp.int32), spec((b,), jnp.float32), spec((b,), jnp.uint32),
-                spec((b,), jnp.int32), spec((b,), jnp.int32),
-            ).compile()  # fmt: skip
+                spec((b, d, v), jnp.float32), spec((b, d), jnp.int32), rows_spec(b)
+            ).compile()
         if b not in self._commits:
             shapes = jax.tree.map(spec_of, (pool, verify))
             self._commits[b] = self._commit_jit.lower(
@@ -539,11 +545,11 @@ class Verifier:
     ) -> tuple[Acceptance, jax.Array]:
         """Dispatches ``accept`` for one verify step (not waited for); also returns the
         commit's ``accepted_steps`` int32 ``[B]`` (-1 for padded rows, slot 0)."""
-        args = (batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps, slots)
+        rows = pack_rows(batch, slots)
         compiled = self._accepts.get(logits.shape)
         if compiled is not None:
-            return compiled(logits, tokens, *args)
-        return self._accept_jit(logits, tokens, *args)
+            return compiled(logits, tokens, rows)
+        return self._accept_jit(logits, tokens, rows)
 
     def commit(
         self, pool: Any, verify: Any, state_indices: jax.Array, accepted_steps: jax.Array
@@ -561,7 +567,7 @@ class TreeVerifier:
     compiled ahead of time for each batch bucket, as ``Verifier`` for chains.
 
     ``commit`` is ``StepFunctions.commit_tree`` (a jitted ``commit_tree_verified`` that
-    donates the pool and the KV cache). Calls for shapes that were not compiled go through
+    takes the step's metadata packed and donates the pool and the KV cache). Calls for shapes that were not compiled go through
     jit and count in ``trace_count``.
     """
 
@@ -572,10 +578,9 @@ class TreeVerifier:
         self._accepts: dict[tuple[int, ...], Any] = {}
         self._commits: dict[int, Any] = {}
 
-    def _traced_accept(
-        self, logits, tokens, parents, temperature, top_k, top_p, seeds, steps, slots
-    ):
+    def _traced_accept(self, logits, tokens, parents, rows):
         self.trace_count += 1
+        temperature, top_k, top_p, seeds, steps, slots = unpack_rows(rows)
         acc = accept_tree(logits, tokens, parents, temperature, top_k, top_p, seeds, steps)
         acc = acc._replace(emitted=mark_non_finite(acc.emitted, logits, acc.deciders))
         # Padded rows (the pad slot) keep their slot and cache: the commit skips them.
@@ -590,12 +595,14 @@ class TreeVerifier:
         if logits.shape not in self._accepts:
             self._accepts[logits.shape] = self._accept_jit.lower(
                 spec((b, d, v), jnp.float32), spec((b, d), jnp.int32), spec((b, d), jnp.int32),
-                spec((b,), jnp.float32), spec((b,), jnp.int32), spec((b,), jnp.float32),
-                spec((b,), jnp.uint32), spec((b,), jnp.int32), spec((b,), jnp.int32),
+                rows_spec(b),
             ).compile()  # fmt: skip
         if b not in self._commits:
-            shapes = jax.tree.map(spec_of, (pool, kv, verify, meta))
-            self._commits[b] = self._commit_jit.lower(*shapes, spec((b,), jnp.int32)).compile()
+            layout, packed = pack_metadata(meta)
+            shapes = jax.tree.map(spec_of, (pool, kv, verify))
+            self._commits[b] = self._commit_jit.lower(
+                *shapes, layout, spec_of(packed), spec((b,), jnp.int32)
+            ).compile()
         return 1e3 * (time.perf_counter() - start)
 
     def accept(
@@ -608,22 +615,23 @@ class TreeVerifier:
     ) -> tuple[TreeAcceptance, jax.Array]:
         """Dispatches ``accept_tree`` for one verify step (not waited for); also returns the
         commit's accepted nodes int32 ``[B]`` (-1 for padded rows, slot 0)."""
-        args = (batch.temperature, batch.top_k, batch.top_p, batch.seeds, batch.steps, slots)
+        rows = pack_rows(batch, slots)
         compiled = self._accepts.get(logits.shape)
         if compiled is not None:
-            return compiled(logits, tokens, parents, *args)
-        return self._accept_jit(logits, tokens, parents, *args)
+            return compiled(logits, tokens, parents, rows)
+        return self._accept_jit(logits, tokens, parents, rows)
 
     def commit(
         self, pool: Any, kv: Any, verify: Any, meta: Any, nodes: jax.Array
     ) -> tuple[Any, Any]:
         """Keeps each row's state after its accepted node and moves that node's root path to
         contiguous cache positions (``pool`` and ``kv`` are donated)."""
+        layout, packed = pack_metadata(meta)
         compiled = self._commits.get(meta.batch_size)
         if compiled is not None:
-            return compiled(pool, kv, verify, meta, nodes)
+            return compiled(pool, kv, verify, packed, nodes)
         self.trace_count += 1
-        return self._commit_jit(pool, kv, verify, meta, nodes)
+        return self._commit_jit(pool, kv, verify, layout, packed, nodes)
 
 
 @dataclasses.dataclass

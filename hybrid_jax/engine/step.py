@@ -56,8 +56,8 @@ class CompileRecord(NamedTuple):
 
 class StepFunctions:
     """The jitted forward step of ``model`` for every mode, and the commits after a verify
-    (``commit``: a chain's, ``commit_tree``: a tree's; both donate the pool, the tree's also
-    the KV cache)."""
+    (``commit``: a chain's, ``commit_tree``: a tree's, which takes the step's metadata
+    packed, its layout static; both donate the pool, the tree's also the KV cache)."""
 
     def __init__(
         self,
@@ -86,7 +86,7 @@ class StepFunctions:
         # The metadata travels as one int32 vector (``pack_metadata``), its layout static.
         self._jitted = jax.jit(self._forward_packed, static_argnums=(0, 1), donate_argnums=3)
         self.commit = jax.jit(commit_verified, donate_argnums=0)
-        self.commit_tree = jax.jit(commit_tree_verified, donate_argnums=(0, 1))
+        self.commit_tree = jax.jit(_commit_tree_packed, static_argnums=3, donate_argnums=(0, 1))
 
     def _forward(self, mode: ForwardMode, params, pool: StatePool, x, meta: ForwardMetadata):
         self.trace_count[mode] += 1
@@ -247,6 +247,11 @@ class StepFunctions:
     @property
     def total_traces(self) -> int:
         return sum(self.trace_count.values())
+
+
+def _commit_tree_packed(pool, kv, verify, layout: MetadataLayout, packed, accepted_nodes):
+    """``commit_tree_verified`` with the step's metadata as one vector (``pack_metadata``)."""
+    return commit_tree_verified(pool, kv, verify, layout.unpack(packed), accepted_nodes)
 
 
 def _shapes(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:
