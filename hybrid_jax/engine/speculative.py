@@ -567,8 +567,8 @@ class TreeVerifier:
     compiled ahead of time for each batch bucket, as ``Verifier`` for chains.
 
     ``commit`` is ``StepFunctions.commit_tree`` (a jitted ``commit_tree_verified`` that
-    takes the step's metadata packed and donates the pool and the KV cache). Calls for shapes that were not compiled go through
-    jit and count in ``trace_count``.
+    takes the step's metadata packed and donates the pool and the KV cache). Calls for
+    shapes that were not compiled go through jit and count in ``trace_count``.
     """
 
     def __init__(self, commit: Any):
