@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -737,9 +738,10 @@ def build_metadata(
 
 @dataclasses.dataclass(frozen=True)
 class MetadataLayout:
-    """Where ``pack_metadata`` put a metadata's arrays in one int32 vector: the metadata's
-    structure (its static fields with it) and each array's shape and dtype, in leaf order.
-    Static: a step takes it as the key of its executable, the vector as its operand."""
+    """Where ``pack_metadata`` put a metadata's arrays in one int32 vector: the structure
+    packed (the metadata's, its static fields with it; or a step's token ids and metadata)
+    and each array's shape and dtype, in leaf order. Static: a step takes it as the key of
+    its executable, the vector as its operand."""
 
     treedef: jax.tree_util.PyTreeDef
     leaves: tuple[tuple[tuple[int, ...], str], ...]
@@ -748,8 +750,8 @@ class MetadataLayout:
     def size(self) -> int:
         return sum(int(np.prod(shape)) for shape, _ in self.leaves)
 
-    def unpack(self, packed: jax.Array) -> ForwardMetadata:
-        """The metadata back from its vector (traced: slices of the step's one operand)."""
+    def unpack(self, packed: jax.Array) -> Any:
+        """What was packed, back from its vector (traced: slices of the step's operand)."""
         arrays, start = [], 0
         for shape, dtype in self.leaves:
             size = int(np.prod(shape))
@@ -762,11 +764,12 @@ class MetadataLayout:
 _PACKED_DTYPES = {np.dtype(np.int32): "int32", np.dtype(np.bool_): "bool"}
 
 
-def pack_metadata(meta: ForwardMetadata) -> tuple[MetadataLayout, np.ndarray | jax.Array]:
+def pack_metadata(meta: Any) -> tuple[MetadataLayout, np.ndarray | jax.Array]:
     """``meta``'s arrays (int32 and bool, ``build_metadata``'s host arrays) as one int32
     vector, and where each lies in it: a step's metadata goes to the device as one copy,
     where each array would cost the host a copy of its own (benchmarks/RESULTS_serve.md).
-    Arrays already on the device are joined there."""
+    ``meta`` may be any pytree of such arrays: a step packs its token ids with it. Arrays
+    already on the device are joined there."""
     leaves, treedef = jax.tree.flatten(meta)
     kinds = []
     for leaf in leaves:

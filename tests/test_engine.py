@@ -120,21 +120,22 @@ def test_no_retrace_after_warm_up(engine, alone):
     assert engine.retraces == 0
 
 
-def test_each_step_executable_takes_its_metadata_as_one_vector(engine):
-    """Beside the serving state's integer arrays, a step executable's integer operands are
-    the tokens and one int32 vector of the metadata's arrays (``pack_metadata``): a step
-    copies its metadata to the device once, not an array at a time."""
+def test_each_step_executable_takes_its_tokens_and_metadata_as_one_vector(engine):
+    """Beside the serving state's integer arrays, a step executable's one integer operand is
+    an int32 vector of its token ids and the metadata's arrays (``pack_metadata``): a step
+    copies its inputs to the device once, not an array at a time."""
     state = jax.tree.leaves(engine.state)
     state_ints = sum(not np.issubdtype(np.dtype(a.dtype), np.floating) for a in state)
     for (program, batch, tokens), executable in engine.executables.items():
-        layout, _ = pack_metadata(example_metadata(program, batch, tokens, engine.policy))
+        meta = example_metadata(program, batch, tokens, engine.policy)
+        layout, _ = pack_metadata((np.zeros(tokens, np.int32), meta))
         text = executable.as_text()
         entry = text[text.index("ENTRY") :]
         entry = entry[: entry.index("\n}")]
         operands = re.findall(r"= (\w+)\[([\d,]*)\]\S* parameter\(", entry)
         ints = [(kind, dims) for kind, dims in operands if kind in ("s32", "pred", "u32")]
-        assert len(ints) == state_ints + 2, (program, ints)
-        assert ("s32", str(tokens)) in ints and ("s32", str(layout.size)) in ints, ints
+        assert len(ints) == state_ints + 1, (program, ints)
+        assert ("s32", str(layout.size)) in ints, ints
 
 
 def test_slots_and_pages_all_returned_after_a_run_with_aborts(engine):

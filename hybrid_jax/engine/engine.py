@@ -405,7 +405,7 @@ class Engine(SpeculativeServing):
                 self._dispatch_verify(meta, tokens, batch, compile_first=True)
                 bar(f"verify commit {record.batch_size}")
             else:
-                tokens = jnp.zeros((record.num_tokens,), jnp.int32)
+                tokens = np.zeros((record.num_tokens,), np.int32)
                 self._dispatch(meta, tokens, batch, top_logprobs=True)
         jax.block_until_ready(self._state)
         if self.mtp is not None:
@@ -617,7 +617,8 @@ class Engine(SpeculativeServing):
         tokens[: step.num_tokens] = step.token_ids
         start = time.perf_counter()
         asked = [self._tracked[row.request.request_id].params.logprobs for row in step.rows]
-        # The host array goes as it is: the step's call copies it with the metadata.
+        # The host array goes as it is: the step copies it to the device in the metadata's
+        # vector.
         sampled, logprobs, top, hidden = self._dispatch(meta, tokens, batch, any(asked))
         self.scheduler.advance(step)
         # Read back only when a row of the step reports them.

@@ -42,7 +42,7 @@ class SpeculativeServing:
         int32 ``[bs, D]`` (root then drafts, or the nodes of a tree). Returns the emitted
         tokens ``[bs, D]``, the last accepted node of each row ``[bs]`` (a chain's accepted
         count) and the step's kept hidden states."""
-        out = self._steps(self._state, jnp.asarray(tokens.reshape(-1)), meta)
+        out = self._steps(self._state, tokens.reshape(-1), meta)
         state, verifier = out.state, self._verifier
         if isinstance(verifier, TreeVerifier):
             if compile_first:

@@ -8,8 +8,9 @@ runs. ``compile_all`` compiles every (mode, bucket) of a ``BucketPolicy`` ahead 
 the same metadata builder the real calls use; after that, ``__call__`` only looks executables
 up, and ``trace_count`` tells whether anything was traced again. Modes that share a program
 (``modes.program_mode``: MIXED runs EXTEND's) share one executable per bucket. An executable
-takes a step's metadata as one int32 vector (``metadata.pack_metadata``) and unpacks it
-where it is traced: one copy to the device a step.
+takes a step's metadata as one int32 vector (``metadata.pack_metadata``), its token ids with
+it when ``x`` is one int32 array, and unpacks it where it is traced: a step of token ids
+copies one array to the device.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -83,7 +85,7 @@ class StepFunctions:
         self._compiled: dict[tuple[ForwardMode, int, int], Any] = {}
         self._compiled_buckets: set[tuple[ForwardMode, int, int]] = set()
         self._compiled_shapes: dict[tuple[ForwardMode, int, int], tuple] = {}
-        # The metadata travels as one int32 vector (``pack_metadata``), its layout static.
+        # The metadata travels as one int32 vector (``_pack``), its layout static.
         self._jitted = jax.jit(self._forward_packed, static_argnums=(0, 1), donate_argnums=3)
         self.commit = jax.jit(commit_verified, donate_argnums=0)
         self.commit_tree = jax.jit(_commit_tree_packed, static_argnums=3, donate_argnums=(0, 1))
@@ -106,7 +108,8 @@ class StepFunctions:
     def _forward_packed(
         self, mode: ForwardMode, layout: MetadataLayout, params, pool: StatePool, x, packed
     ):
-        return self._forward(mode, params, pool, x, layout.unpack(packed))
+        x, meta = layout.unpack(packed) if x is None else (x, layout.unpack(packed))
+        return self._forward(mode, params, pool, x, meta)
 
     def lower(
         self, mode: ForwardMode, pool: StatePool, x: jax.Array, meta: ForwardMetadata,
@@ -116,7 +119,7 @@ class StepFunctions:
         for ``platforms`` (such as ``("cuda",)`` on a machine without a GPU) where given."""
         mode = ForwardMode(mode)
         program, meta = self._as_program(mode, meta)
-        layout, packed = pack_metadata(meta)
+        layout, x, packed = _pack(x, meta)
         with on_mesh(self.mesh):
             traced = self._jitted.trace(program, layout, self.params, pool, x, packed)
             return traced.lower(lowering_platforms=platforms)
@@ -184,7 +187,7 @@ class StepFunctions:
         """The executable of ``program`` for these argument shapes, and the seconds before
         XLA's compile (``CompileRecord.lower_ms``): through the program store when there is
         one (a stored program is neither traced nor lowered again)."""
-        layout, packed = pack_metadata(meta)
+        layout, x, packed = _pack(x, meta)
         packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype)
         if self.store is not None:
             params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in self.params]
@@ -212,10 +215,11 @@ class StepFunctions:
         compiled ahead of time for (mode, bucket) when there is one, else jit (a trace)."""
         program, meta = self._as_program(meta.mode, meta)
         key = (program, meta.batch_size, meta.num_tokens)
-        layout, packed = pack_metadata(meta)
         compiled = self._compiled.get(key)
         if compiled is not None:
             self._check_shapes(key, pool, x)
+        layout, x, packed = _pack(x, meta)
+        if compiled is not None:
             return compiled(self.params, pool, x, packed)
         with on_mesh(self.mesh):
             return self._jitted(program, layout, self.params, pool, x, packed)
@@ -247,6 +251,19 @@ class StepFunctions:
     @property
     def total_traces(self) -> int:
         return sum(self.trace_count.values())
+
+
+def _pack(x: Any, meta: ForwardMetadata) -> tuple[MetadataLayout, Any, Any]:
+    """(layout, x, vector) of a step's inputs: token ids (``x`` one int32 array, or its
+    ShapeDtypeStruct) go into the metadata's vector, and ``x`` becomes None; any other ``x``
+    (hidden states, a pytree) stays an operand of its own."""
+    if getattr(x, "dtype", None) != jnp.int32:
+        layout, packed = pack_metadata(meta)
+        return layout, x, packed
+    if isinstance(x, jax.ShapeDtypeStruct):
+        x = np.zeros(x.shape, np.int32)  # a stand-in of its shape: only the layout is kept
+    layout, packed = pack_metadata((x, meta))
+    return layout, None, packed
 
 
 def _commit_tree_packed(pool, kv, verify, layout: MetadataLayout, packed, accepted_nodes):
