@@ -8,7 +8,7 @@ import os
 import pytest
 from jax._src import xla_bridge
 
-from hybrid_jax.xla_flags import SERVING_XLA_FLAGS, add_serving_flags
+from hybrid_jax.xla_flags import SERVING_XLA_FLAGS, STEP_GRAPH_XLA_FLAGS, add_serving_flags
 
 
 @pytest.fixture
@@ -27,6 +27,19 @@ def test_absent_flags_are_added_and_a_users_value_is_kept(monkeypatch, fresh_bac
     monkeypatch.delenv("XLA_FLAGS")
     add_serving_flags()
     assert os.environ["XLA_FLAGS"].split() == list(SERVING_XLA_FLAGS)
+
+
+def test_step_graphs_are_added_only_when_asked_for(monkeypatch, fresh_backend):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("HYBRID_JAX_STEP_GRAPHS", raising=False)
+    add_serving_flags()
+    assert not any("command_buffer" in f for f in os.environ["XLA_FLAGS"].split())
+    monkeypatch.setenv("HYBRID_JAX_STEP_GRAPHS", "1")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_graph_min_graph_size=4")
+    add_serving_flags()
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags[0] == "--xla_gpu_graph_min_graph_size=4"  # the user's value is kept
+    assert flags[1:] == [*SERVING_XLA_FLAGS, STEP_GRAPH_XLA_FLAGS[0]]
 
 
 def test_opt_out_leaves_the_flags_alone(monkeypatch, fresh_backend):
