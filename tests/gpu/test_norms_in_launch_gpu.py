@@ -25,7 +25,7 @@ from flax import nnx
 
 from benchmarks.switches import switches_set
 from hybrid_jax import Engine, EngineConfig
-from hybrid_jax.engine.sampling import SamplingParams
+from hybrid_jax.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from hybrid_jax.layers import linear
 from hybrid_jax.layers import norm as norm_layer
 from hybrid_jax.models.qwen3_next import Qwen3Next
@@ -37,7 +37,7 @@ pytestmark = [
     pytest.mark.skipif(not on_hopper_gpu(), reason="needs an sm_90 GPU"),
 ]
 
-PARAMS = SamplingParams(max_new_tokens=4, logprobs=5)
+PARAMS = SamplingParams(max_new_tokens=4, logprobs=MAX_TOP_LOGPROBS)
 PROMPT_LENGTHS = (9, 12, 4, 7, 5, 11, 3, 6, 10, 8, 5, 12, 4, 9, 6, 7)
 
 
@@ -70,9 +70,20 @@ def _generate(dtype: str, norms_in_launch: bool, fold: bool) -> list:
 
 
 def _distance(run, oracle, step: int) -> float:
-    """The largest |log-probability difference| over the top tokens both report at ``step``."""
+    """The largest |log-probability difference| at ``step`` over the tokens either reports
+    among its most likely: exact where both report a token; where one does not, it puts that
+    token at or below its own least likely reported one, so the difference is at least how
+    far the other's value lies above that (flat distributions may share no reported token)."""
     ours, theirs = dict(run.top_logprobs[step]), dict(oracle.top_logprobs[step])
-    return max(abs(ours[token] - theirs[token]) for token in ours.keys() & theirs.keys())
+
+    def gap(token: int) -> float:
+        if token in ours and token in theirs:
+            return abs(ours[token] - theirs[token])
+        if token in ours:
+            return max(0.0, ours[token] - min(theirs.values()))
+        return max(0.0, theirs[token] - min(ours.values()))
+
+    return max(gap(token) for token in ours.keys() | theirs.keys())
 
 
 def _teacher_forced_distances(runs: list[list], oracle: list) -> np.ndarray:
@@ -80,7 +91,8 @@ def _teacher_forced_distances(runs: list[list], oracle: list) -> np.ndarray:
     before which all runs and the oracle produced the same tokens."""
     rows = []
     for results in zip(*runs, oracle, strict=True):
-        for step in range(PARAMS.max_new_tokens):
+        # A request that met a stop token early reports fewer steps.
+        for step in range(min(len(r.top_logprobs) for r in results)):
             rows.append([_distance(r, results[-1], step) for r in results[:-1]])
             if len({tuple(r.token_ids[: step + 1]) for r in results}) > 1:
                 break
