@@ -1,15 +1,17 @@
-"""The steps of the engine-level GPU tests lower for the GPU here, without one: with
-``impl="auto"`` deciding as it does on an H200, every Pallas kernel of a DECODE and an
-EXTEND step goes through Mosaic GPU's lowering (its register layout inference included) at
-the model's own shapes, which the kernels' tests at their fixed shapes may not reach (a
-half-turned attention head of 256 with 2 KV heads once found no layout there)."""
+"""The steps of the engine-level GPU tests, and a Nemotron-H model's, lower for the GPU here,
+without one: with ``impl="auto"`` deciding as it does on an H200, every Pallas kernel of a
+DECODE and an EXTEND step goes through Mosaic GPU's lowering (its register layout inference
+included) at the model's own shapes, which the kernels' tests at their fixed shapes may not
+reach (a half-turned attention head of 256 with 2 KV heads once found no layout there)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
-from _kernel_sized import kernel_sized_qwen3_next_config
+from _kernel_sized import kernel_sized_nemotron_h_config, kernel_sized_qwen3_next_config
 from flax import nnx
 
 from hybrid_jax import EngineConfig
@@ -18,6 +20,7 @@ from hybrid_jax.engine.lm_step import LastTokenLogits, ServingState
 from hybrid_jax.engine.step import StepFunctions
 from hybrid_jax.kv_cache import init_kv_cache
 from hybrid_jax.metadata import example_metadata
+from hybrid_jax.models.nemotron_h import NemotronH
 from hybrid_jax.models.qwen3_next import Qwen3Next
 from hybrid_jax.modes import ForwardMode
 from hybrid_jax.state_pool import init_state_pool
@@ -28,22 +31,35 @@ DECODE_KERNELS = (
     "attention_rows", "paged_decode_attention", "gdn_decode", "projections", "expert_hidden",
     "combine_pairs",
 )  # fmt: skip
+NEMOTRON_DECODE_KERNELS = (
+    "attention_rows", "paged_decode_attention", "conv1d_update", "mamba2_state_update",
+    "projections",
+)  # fmt: skip
 ENGINE = EngineConfig(max_batch=8, max_tokens=64, max_context=256, cache_dir=None)
 
 
-@pytest.fixture(scope="module")
-def steps_and_state():
-    """The model of ``tests/gpu/test_norms_in_launch_gpu.py`` (two scanned repeats of a
-    block, 64 experts top 8) as an engine prepares it, and its serving state's shapes."""
+def _qwen3_next() -> Qwen3Next:
+    """The model of ``tests/gpu/test_norms_in_launch_gpu.py``: two scanned repeats of a
+    block, 64 experts top 8."""
     config = kernel_sized_qwen3_next_config(
         num_experts=64, num_experts_per_tok=8, num_hidden_layers=8, mlp_only_layers=(),
         layer_types=BLOCK * 2,
     )  # fmt: skip
+    return Qwen3Next(config, rngs=nnx.Rngs(0))
+
+
+def _nemotron_h() -> NemotronH:
+    return NemotronH(kernel_sized_nemotron_h_config(), rngs=nnx.Rngs(0))
+
+
+@functools.cache
+def _steps_and_state(build):
+    """The model ``build`` makes, as an engine prepares it, and its serving state's shapes."""
     # Lowering reads shapes only: zero weights spare the random initialisation's time.
-    graphdef, shapes = nnx.split(nnx.eval_shape(lambda: Qwen3Next(config, rngs=nnx.Rngs(0))))
+    graphdef, shapes = nnx.split(nnx.eval_shape(build))
     zeros = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
     model = model_for_steps(zeros, ENGINE, None, donate_weights=True)
-    policy = ENGINE.policy(config.max_position_embeddings)
+    policy = ENGINE.policy(model.config.max_position_embeddings)
     state = jax.eval_shape(
         lambda: ServingState(
             init_state_pool(model.state_specs(), 9),
@@ -55,17 +71,20 @@ def steps_and_state():
 
 
 @pytest.mark.parametrize(
-    ("mode", "tokens", "kernels"),
+    ("build", "mode", "tokens", "kernels"),
     [
-        (ForwardMode.DECODE, 8, DECODE_KERNELS),
+        (_qwen3_next, ForwardMode.DECODE, 8, DECODE_KERNELS),
         # 8 x 64 pairs are the grouped product's (tokamax's, not installed here).
-        (ForwardMode.EXTEND, 64, ("projections", "conv1d_prefill", "gdn_chunk_intra")),
+        (_qwen3_next, ForwardMode.EXTEND, 64, ("projections", "conv1d_prefill", "gdn_chunk_intra")),
+        (_nemotron_h, ForwardMode.DECODE, 8, NEMOTRON_DECODE_KERNELS),
+        (_nemotron_h, ForwardMode.EXTEND, 64, ("conv1d_prefill", "mamba2_ssd_chunk_scan")),
     ],
+    ids=["qwen3-next-decode", "qwen3-next-extend", "nemotron-h-decode", "nemotron-h-extend"],
 )
 def test_the_gpu_tests_steps_lower_for_the_gpu_with_their_kernels(
-    steps_and_state, mode, tokens, kernels, monkeypatch
+    build, mode, tokens, kernels, monkeypatch
 ):
-    steps, state, policy = steps_and_state
+    steps, state, policy = _steps_and_state(build)
     monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)  # "auto" decides as on a GPU
     meta = example_metadata(mode, 8, tokens, policy)
     x = jax.ShapeDtypeStruct((tokens,), jnp.int32)
