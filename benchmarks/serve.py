@@ -550,7 +550,8 @@ def _device() -> str:
 def write_results(path: pathlib.Path, title: str, rows: list[Row]) -> None:
     lines = [
         f"## {title}", "",
-        f"{datetime.date.today()}, {_device()}, {_versions()}.", "",
+        f"{datetime.date.today()}, {_device()}, {_versions()}; "
+        f"XLA_FLAGS `{os.environ.get('XLA_FLAGS', '')}`.", "",
         "| row | measured | limit | fraction | compile: start-up (s) "
         "| slowest step (s; lowering) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
