@@ -22,12 +22,12 @@ so a bad one never disturbs the requests already being served.
 With ``EngineConfig(speculative=SpeculativeConfig(...))`` decoding requests run in
 TARGET_VERIFY steps of D tokens per row instead of DECODE (``engine/speculative.py``): the
 forward step returns the logits of all D tokens, ``Verifier`` accepts drafts and commits
-every linear layer's state after the last accepted token, and the scheduler advances each
-request by the accepted drafts plus one. TARGET_VERIFY, the acceptance and the commit are
-compiled at start for every batch bucket like the other steps (DECODE and MIXED are not
-compiled: speculative serving never runs them). A verify row's tokens depend on the
-previous step's, so this path reads every step back before scheduling the next (no
-overlap). ``speculative_stats`` counts acceptance.
+every linear layer's state after the last accepted token (one executable), and the scheduler
+advances each request by the accepted drafts plus one. TARGET_VERIFY and the acceptance
+with its commit are compiled at start for every batch bucket like the other steps (DECODE
+and MIXED are not compiled: speculative serving never runs them). A verify row's tokens
+depend on the previous step's, so this path reads every step back before scheduling the
+next (no overlap). ``speculative_stats`` counts acceptance.
 
 With ``source="mtp"`` the target's steps also return their hidden states, and after every
 EXTEND or TARGET_VERIFY step is read back the model's multi-token-prediction head drafts for
@@ -262,9 +262,7 @@ class Engine(SpeculativeServing):
         )
         self._sampler = Sampler()
         self.tree = self.speculative is not None and self.speculative.tree
-        self._verifier: Verifier | TreeVerifier = Verifier(self._steps.commit)
-        if self.tree:
-            self._verifier = TreeVerifier(self._steps.commit_tree)
+        self._verifier: Verifier | TreeVerifier = TreeVerifier() if self.tree else Verifier()
         # Speculative serving never runs DECODE or MIXED: decoding rows verify, prefill extends.
         role = EngineRole.SERVING if self.speculative is None else EngineRole.VERIFYING
         self._modes = modes_for(role)

@@ -74,6 +74,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybrid_jax.backend.commit import commit_tree_verified, commit_verified
 from hybrid_jax.engine.sampling import (
     SamplingBatch,
     pack_rows,
@@ -498,22 +499,21 @@ def accept_tree(
 
 
 class Verifier:
-    """``accept`` and the pool commit, compiled ahead of time for each batch bucket.
+    """``accept`` and the pool commit of a chain verify step as one executable, compiled
+    ahead of time for each batch bucket (``compile``).
 
-    ``commit`` is ``StepFunctions.commit`` (a jitted ``commit_verified``); ``compile`` lowers
-    it for the pool and the verify states of one batch bucket. A call for a shape that was
-    not compiled goes through jit and counts in ``trace_count``, which a serving loop treats
-    as a retrace.
+    A call dispatches both (not waited for; ``pool`` donated) and returns the acceptance and
+    the pool with each row's state after its last accepted token. A call for a shape that
+    was not compiled goes through jit and counts in ``trace_count``, which a serving loop
+    treats as a retrace.
     """
 
-    def __init__(self, commit: Any):
+    def __init__(self) -> None:
         self.trace_count = 0
-        self._commit_jit = commit
-        self._accept_jit = jax.jit(self._traced_accept)
-        self._accepts: dict[tuple[int, ...], Any] = {}
-        self._commits: dict[int, Any] = {}
+        self._jit = jax.jit(self._traced, donate_argnums=3)
+        self._compiled: dict[tuple[int, ...], Any] = {}
 
-    def _traced_accept(self, logits, tokens, rows):
+    def _traced(self, logits, tokens, rows, pool, verify):
         self.trace_count += 1
         temperature, top_k, top_p, seeds, steps, slots = unpack_rows(rows)
         acc = accept(logits, tokens, temperature, top_k, top_p, seeds, steps)
@@ -521,117 +521,94 @@ class Verifier:
         deciders = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         acc = acc._replace(emitted=mark_non_finite(acc.emitted, logits, deciders))
         # Padded rows (the pad slot) keep their slot: the commit skips negative steps.
-        return acc, jnp.where(slots > 0, acc.num_accepted, -1)
+        accepted = jnp.where(slots > 0, acc.num_accepted, -1)
+        return acc, commit_verified(pool, verify, slots, accepted)
 
     def compile(self, logits: Any, pool: Any, verify: Any) -> float:
         """Compiles for logits ``[B, D, V]`` and the pool/verify shapes (ShapeDtypeStructs or
         arrays) of one batch bucket; returns the milliseconds it took."""
         b, d, v = logits.shape
-        spec = jax.ShapeDtypeStruct
         start = time.perf_counter()
-        if logits.shape not in self._accepts:
-            self._accepts[logits.shape] = self._accept_jit.lower(
-                spec((b, d, v), jnp.float32), spec((b, d), jnp.int32), rows_spec(b)
-            ).compile()
-        if b not in self._commits:
+        if logits.shape not in self._compiled:
+            spec = jax.ShapeDtypeStruct
             shapes = jax.tree.map(spec_of, (pool, verify))
-            self._commits[b] = self._commit_jit.lower(
-                *shapes, spec((b,), jnp.int32), spec((b,), jnp.int32)
+            self._compiled[logits.shape] = self._jit.lower(
+                spec((b, d, v), jnp.float32), spec((b, d), jnp.int32), rows_spec(b), *shapes
             ).compile()
         return 1e3 * (time.perf_counter() - start)
 
-    def accept(
-        self, logits: jax.Array, tokens: jax.Array, batch: SamplingBatch, slots: jax.Array
-    ) -> tuple[Acceptance, jax.Array]:
-        """Dispatches ``accept`` for one verify step (not waited for); also returns the
-        commit's ``accepted_steps`` int32 ``[B]`` (-1 for padded rows, slot 0)."""
-        rows = pack_rows(batch, slots)
-        compiled = self._accepts.get(logits.shape)
-        if compiled is not None:
-            return compiled(logits, tokens, rows)
-        return self._accept_jit(logits, tokens, rows)
-
-    def commit(
-        self, pool: Any, verify: Any, state_indices: jax.Array, accepted_steps: jax.Array
-    ) -> Any:
-        """Writes each row's state after its last accepted token (``pool`` is donated)."""
-        compiled = self._commits.get(state_indices.shape[0])
-        if compiled is not None:
-            return compiled(pool, verify, state_indices, accepted_steps)
-        self.trace_count += 1
-        return self._commit_jit(pool, verify, state_indices, accepted_steps)
+    def __call__(
+        self,
+        logits: jax.Array,
+        tokens: jax.Array | np.ndarray,
+        batch: SamplingBatch,
+        slots: jax.Array | np.ndarray,
+        pool: Any,
+        verify: Any,
+    ) -> tuple[Acceptance, Any]:
+        """The acceptance of one verify step (``slots``: each row's pool slot, 0 for padded
+        rows) and the committed pool."""
+        args = (logits, tokens, pack_rows(batch, slots), pool, verify)
+        compiled = self._compiled.get(logits.shape)
+        return compiled(*args) if compiled is not None else self._jit(*args)
 
 
 class TreeVerifier:
-    """``accept_tree`` and ``commit_tree_verified`` (pool states and windows, KV compaction),
-    compiled ahead of time for each batch bucket, as ``Verifier`` for chains.
+    """``accept_tree`` and ``commit_tree_verified`` (pool states and windows, KV compaction)
+    of a tree verify step as one executable, compiled ahead of time for each batch bucket,
+    as ``Verifier`` for chains; it takes the step's metadata packed (``pack_metadata``) and
+    donates the pool and the KV cache."""
 
-    ``commit`` is ``StepFunctions.commit_tree`` (a jitted ``commit_tree_verified`` that
-    takes the step's metadata packed and donates the pool and the KV cache). Calls for
-    shapes that were not compiled go through jit and count in ``trace_count``.
-    """
-
-    def __init__(self, commit: Any):
+    def __init__(self) -> None:
         self.trace_count = 0
-        self._commit_jit = commit
-        self._accept_jit = jax.jit(self._traced_accept)
-        self._accepts: dict[tuple[int, ...], Any] = {}
-        self._commits: dict[int, Any] = {}
+        self._jit = jax.jit(self._traced, static_argnums=5, donate_argnums=(3, 4))
+        self._compiled: dict[tuple[int, ...], Any] = {}
 
-    def _traced_accept(self, logits, tokens, parents, rows):
+    def _traced(self, logits, tokens, rows, pool, kv, layout, packed, verify):
         self.trace_count += 1
+        meta = layout.unpack(packed)
         temperature, top_k, top_p, seeds, steps, slots = unpack_rows(rows)
-        acc = accept_tree(logits, tokens, parents, temperature, top_k, top_p, seeds, steps)
+        acc = accept_tree(logits, tokens, meta.parents, temperature, top_k, top_p, seeds, steps)
         acc = acc._replace(emitted=mark_non_finite(acc.emitted, logits, acc.deciders))
         # Padded rows (the pad slot) keep their slot and cache: the commit skips them.
-        return acc, jnp.where(slots > 0, acc.nodes, -1)
+        nodes = jnp.where(slots > 0, acc.nodes, -1)
+        pool, kv = commit_tree_verified(pool, kv, verify, meta, nodes)
+        return acc, pool, kv
 
     def compile(self, logits: Any, pool: Any, kv: Any, verify: Any, meta: Any) -> float:
         """Compiles for logits ``[B, D, V]``, the pool, cache and verify states, and the
         metadata of one batch bucket; returns the milliseconds it took."""
         b, d, v = logits.shape
-        spec = jax.ShapeDtypeStruct
         start = time.perf_counter()
-        if logits.shape not in self._accepts:
-            self._accepts[logits.shape] = self._accept_jit.lower(
-                spec((b, d, v), jnp.float32), spec((b, d), jnp.int32), spec((b, d), jnp.int32),
-                rows_spec(b),
-            ).compile()  # fmt: skip
-        if b not in self._commits:
+        if logits.shape not in self._compiled:
+            spec = jax.ShapeDtypeStruct
             layout, packed = pack_metadata(meta)
-            shapes = jax.tree.map(spec_of, (pool, kv, verify))
-            self._commits[b] = self._commit_jit.lower(
-                *shapes, layout, spec_of(packed), spec((b,), jnp.int32)
-            ).compile()
+            pool, kv, verify = jax.tree.map(spec_of, (pool, kv, verify))
+            self._compiled[logits.shape] = self._jit.lower(
+                spec((b, d, v), jnp.float32), spec((b, d), jnp.int32), rows_spec(b), pool, kv,
+                layout, spec_of(packed), verify,
+            ).compile()  # fmt: skip
         return 1e3 * (time.perf_counter() - start)
 
-    def accept(
+    def __call__(
         self,
         logits: jax.Array,
-        tokens: jax.Array,
-        parents: jax.Array,
+        tokens: jax.Array | np.ndarray,
         batch: SamplingBatch,
-        slots: jax.Array,
-    ) -> tuple[TreeAcceptance, jax.Array]:
-        """Dispatches ``accept_tree`` for one verify step (not waited for); also returns the
-        commit's accepted nodes int32 ``[B]`` (-1 for padded rows, slot 0)."""
-        rows = pack_rows(batch, slots)
-        compiled = self._accepts.get(logits.shape)
-        if compiled is not None:
-            return compiled(logits, tokens, parents, rows)
-        return self._accept_jit(logits, tokens, parents, rows)
-
-    def commit(
-        self, pool: Any, kv: Any, verify: Any, meta: Any, nodes: jax.Array
-    ) -> tuple[Any, Any]:
-        """Keeps each row's state after its accepted node and moves that node's root path to
-        contiguous cache positions (``pool`` and ``kv`` are donated)."""
+        meta: Any,
+        pool: Any,
+        kv: Any,
+        verify: Any,
+    ) -> tuple[TreeAcceptance, Any, Any]:
+        """The acceptance of one tree verify step of metadata ``meta``, and the committed pool
+        and cache: each row keeps the state after its accepted node, whose root path moves to
+        contiguous cache positions."""
         layout, packed = pack_metadata(meta)
-        compiled = self._commits.get(meta.batch_size)
+        rows = pack_rows(batch, meta.state_indices)
+        compiled = self._compiled.get(logits.shape)
         if compiled is not None:
-            return compiled(pool, kv, verify, packed, nodes)
-        self.trace_count += 1
-        return self._commit_jit(pool, kv, verify, layout, packed, nodes)
+            return compiled(logits, tokens, rows, pool, kv, packed, verify)
+        return self._jit(logits, tokens, rows, pool, kv, layout, packed, verify)
 
 
 @dataclasses.dataclass

@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hybrid_jax.engine.requests import StepEvent
@@ -38,8 +37,9 @@ class SpeculativeServing:
         *,
         compile_first: bool = False,
     ) -> tuple[jax.Array, jax.Array, jax.Array | tuple]:
-        """Dispatches a TARGET_VERIFY step, its acceptance and its commit (no wait); tokens:
-        int32 ``[bs, D]`` (root then drafts, or the nodes of a tree). Returns the emitted
+        """Dispatches a TARGET_VERIFY step, then its acceptance and commit (one executable);
+        no wait. tokens: int32 ``[bs, D]`` (root then drafts, or the nodes of a tree). Returns
+        the emitted
         tokens ``[bs, D]``, the last accepted node of each row ``[bs]`` (a chain's accepted
         count) and the step's kept hidden states."""
         out = self._steps(self._state, tokens.reshape(-1), meta)
@@ -47,16 +47,14 @@ class SpeculativeServing:
         if isinstance(verifier, TreeVerifier):
             if compile_first:
                 verifier.compile(out.logits, state.pool, state.kv, out.verify, meta)
-            acc, nodes = verifier.accept(
-                out.logits, jnp.asarray(tokens), meta.parents, batch, meta.state_indices
+            acc, pool, kv = verifier(
+                out.logits, tokens, batch, meta, state.pool, state.kv, out.verify
             )
-            pool, kv = verifier.commit(state.pool, state.kv, out.verify, meta, nodes)
             self._state = dataclasses.replace(state, pool=pool, kv=kv)
             return acc.emitted, acc.nodes, out.hidden
         if compile_first:
             verifier.compile(out.logits, state.pool, out.verify)
-        acc, steps = verifier.accept(out.logits, jnp.asarray(tokens), batch, meta.state_indices)
-        pool = verifier.commit(state.pool, out.verify, meta.state_indices, steps)
+        acc, pool = verifier(out.logits, tokens, batch, meta.state_indices, state.pool, out.verify)
         self._state = dataclasses.replace(state, pool=pool)
         return acc.emitted, acc.num_accepted, out.hidden
 

@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from hybrid_jax.backend.commit import commit_tree_verified, commit_verified
+from hybrid_jax.backend.commit import commit_verified
 from hybrid_jax.engine.startup import ProgramStore
 from hybrid_jax.metadata import (
     BucketPolicy,
@@ -57,9 +57,8 @@ class CompileRecord(NamedTuple):
 
 
 class StepFunctions:
-    """The jitted forward step of ``model`` for every mode, and the commits after a verify
-    (``commit``: a chain's, ``commit_tree``: a tree's, which takes the step's metadata
-    packed, its layout static; both donate the pool, the tree's also the KV cache)."""
+    """The jitted forward step of ``model`` for every mode, and ``commit``, a chain verify's
+    commit on its own (it donates the pool; a serving loop commits in ``Verifier``)."""
 
     def __init__(
         self,
@@ -88,7 +87,6 @@ class StepFunctions:
         # The metadata travels as one int32 vector (``_pack``), its layout static.
         self._jitted = jax.jit(self._forward_packed, static_argnums=(0, 1), donate_argnums=3)
         self.commit = jax.jit(commit_verified, donate_argnums=0)
-        self.commit_tree = jax.jit(_commit_tree_packed, static_argnums=3, donate_argnums=(0, 1))
 
     def _forward(self, mode: ForwardMode, params, pool: StatePool, x, meta: ForwardMetadata):
         self.trace_count[mode] += 1
@@ -264,11 +262,6 @@ def _pack(x: Any, meta: ForwardMetadata) -> tuple[MetadataLayout, Any, Any]:
         x = np.zeros(x.shape, np.int32)  # a stand-in of its shape: only the layout is kept
     layout, packed = pack_metadata((x, meta))
     return layout, None, packed
-
-
-def _commit_tree_packed(pool, kv, verify, layout: MetadataLayout, packed, accepted_nodes):
-    """``commit_tree_verified`` with the step's metadata as one vector (``pack_metadata``)."""
-    return commit_tree_verified(pool, kv, verify, layout.unpack(packed), accepted_nodes)
 
 
 def _shapes(tree: Any) -> tuple[Any, tuple[tuple[tuple[int, ...], Any], ...]]:
