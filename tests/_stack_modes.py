@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from hybrid_jax.backend import VerifyStack
+from hybrid_jax.backend.commit import commit_verified
 from hybrid_jax.engine.step import StepFunctions
 from hybrid_jax.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata
@@ -23,6 +24,9 @@ from hybrid_jax.models.decoder import LayerStates
 from hybrid_jax.models.gdn_stack import GDNStack, tiny_gdn_stack_config
 from hybrid_jax.modes import ForwardMode, LayerKind
 from hybrid_jax.state_pool import StatePool, init_state_pool
+
+# A verify's commit on its own, the pool donated (a serving loop runs it with its acceptance).
+commit = jax.jit(commit_verified, donate_argnums=0)
 
 M = ForwardMode
 D = 3
@@ -157,7 +161,7 @@ def check_modes_compute_one_extend(setup):
         np.testing.assert_array_equal(got, ref)  # verify leaves the pool untouched
     meta = build_metadata(M.TARGET_VERIFY, [RowSpec(slot, prefix, D)], POLICY, num_slots=NUM_SLOTS)
     accepted = jnp.full((meta.batch_size,), -1, jnp.int32).at[0].set(D - 1)
-    pool = steps.commit(verified.pool, verified.verify, meta.state_indices, accepted)
+    pool = commit(verified.pool, verified.verify, meta.state_indices, accepted)
     check(np.concatenate([a, b]), pool)
 
     # MIXED: this sequence's last token as a decode row beside another request's prefill.
@@ -200,7 +204,7 @@ def check_commit_keeps_the_accepted_prefix(setup):
     meta = build_metadata(M.TARGET_VERIFY, rows, POLICY, num_slots=NUM_SLOTS)
     untouched = {s: slot_states(out.pool, s) for s in (2, 3, 4)}
     accepted = jnp.asarray([1, -1], jnp.int32)
-    pool = steps.commit(out.pool, out.verify, meta.state_indices, accepted)
+    pool = commit(out.pool, out.verify, meta.state_indices, accepted)
     _, ref = run(steps, fresh_pool(model, 9), M.EXTEND, [RowSpec(1, 0, prefix + 2)],
                  seq[: prefix + 2])  # fmt: skip
     for got, want in zip(slot_states(pool, 1), slot_states(ref.pool, 1), strict=True):

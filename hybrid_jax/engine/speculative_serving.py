@@ -39,9 +39,8 @@ class SpeculativeServing:
     ) -> tuple[jax.Array, jax.Array, jax.Array | tuple]:
         """Dispatches a TARGET_VERIFY step, then its acceptance and commit (one executable);
         no wait. tokens: int32 ``[bs, D]`` (root then drafts, or the nodes of a tree). Returns
-        the emitted
-        tokens ``[bs, D]``, the last accepted node of each row ``[bs]`` (a chain's accepted
-        count) and the step's kept hidden states."""
+        the emitted tokens ``[bs, D]``, the last accepted node of each row ``[bs]`` (a chain's
+        accepted count) and the step's kept hidden states."""
         out = self._steps(self._state, tokens.reshape(-1), meta)
         state, verifier = out.state, self._verifier
         if isinstance(verifier, TreeVerifier):

@@ -28,7 +28,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from hybrid_jax.backend.commit import commit_verified
 from hybrid_jax.engine.startup import ProgramStore
 from hybrid_jax.metadata import (
     BucketPolicy,
@@ -57,8 +56,8 @@ class CompileRecord(NamedTuple):
 
 
 class StepFunctions:
-    """The jitted forward step of ``model`` for every mode, and ``commit``, a chain verify's
-    commit on its own (it donates the pool; a serving loop commits in ``Verifier``)."""
+    """The jitted forward step of ``model`` for every mode (a verify step's commit runs in
+    ``speculative.Verifier``, with its acceptance)."""
 
     def __init__(
         self,
@@ -86,7 +85,6 @@ class StepFunctions:
         self._compiled_shapes: dict[tuple[ForwardMode, int, int], tuple] = {}
         # The metadata travels as one int32 vector (``_pack``), its layout static.
         self._jitted = jax.jit(self._forward_packed, static_argnums=(0, 1), donate_argnums=3)
-        self.commit = jax.jit(commit_verified, donate_argnums=0)
 
     def _forward(self, mode: ForwardMode, params, pool: StatePool, x, meta: ForwardMetadata):
         self.trace_count[mode] += 1
