@@ -68,7 +68,7 @@ from serve_presets import (  # noqa: E402
 )
 from switches import switches_set  # noqa: E402
 
-from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams  # noqa: E402
+from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams, xla_flags  # noqa: E402
 from hybrid_jax.backend import attention as attention_backend  # noqa: E402
 from hybrid_jax.layers import gdn as gdn_layer  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
@@ -89,6 +89,11 @@ _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
 # attribute, the value the flag sets, what that does). A run sets those it is given and
 # restores them at the end.
 TRIAL_SWITCHES = {
+    "--no-step-graphs": (
+        xla_flags, "STEP_GRAPHS", False,
+        "decode steps compile as XLA chooses (its default command buffers), not whole as CUDA "
+        "graphs",
+    ),
     "--no-rows-in-kernel": (
         attention_backend, "ROWS_IN_KERNEL", False,
         "a decode step's attention rows (q/k norms, rotary, page writes) formed by XLA's "
@@ -551,7 +556,9 @@ def write_results(path: pathlib.Path, title: str, rows: list[Row]) -> None:
     lines = [
         f"## {title}", "",
         f"{datetime.date.today()}, {_device()}, {_versions()}; "
-        f"XLA_FLAGS `{os.environ.get('XLA_FLAGS', '')}`.", "",
+        f"XLA_FLAGS `{os.environ.get('XLA_FLAGS', '')}`; decode steps as whole CUDA graphs: "
+        f"{'yes' if xla_flags.step_compiler_options(True) else 'no'} (unless a row says "
+        "otherwise).", "",
         "| row | measured | limit | fraction | compile: start-up (s) "
         "| slowest step (s; lowering) |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",

@@ -14,11 +14,14 @@ its value. ``HYBRID_JAX_KEEP_XLA_FLAGS=1`` leaves ``XLA_FLAGS`` untouched.
   The weights are arguments of the step, not constants, so the merged weight would be
   concatenated again every step.
 
-``HYBRID_JAX_STEP_GRAPHS=1`` adds ``STEP_GRAPH_XLA_FLAGS`` too: the whole step, the layer
-loop included, as CUDA graphs (XLA's command buffers over every kind of thunk, ``WHILE`` and
-``CONDITIONAL`` among them, at any size). The host then launches a step's graphs instead of
-updating the loop body's graphs at every repeat, whose weights lie at other addresses. It is
-opt-in while it is measured on the batch-1 decode row only (benchmarks/RESULTS_serve.md).
+A decode step's executable also runs whole as CUDA graphs (``STEP_GRAPH_OPTIONS``, given to
+its compile alone by ``step_compiler_options``: XLA's command buffers over every kind of thunk,
+``WHILE`` and ``CONDITIONAL`` among them, at any size). The host then launches a step's graphs
+instead of updating the layer loop's graphs at every repeat, whose weights lie at other
+addresses; at a few rows a step is hundreds of short kernels, and their launches are what it
+saves (benchmarks/RESULTS_serve.md). Prefill steps, whose kernels are long, compile as XLA
+chooses. ``HYBRID_JAX_STEP_GRAPHS=0`` turns them off; command-buffer flags in ``XLA_FLAGS``
+take their place (a user's choice wins).
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["SERVING_XLA_FLAGS", "STEP_GRAPH_XLA_FLAGS", "add_serving_flags"]
+__all__ = [
+    "SERVING_XLA_FLAGS",
+    "STEP_GRAPHS",
+    "STEP_GRAPH_OPTIONS",
+    "add_serving_flags",
+    "step_compiler_options",
+]
 
 SERVING_XLA_FLAGS = (
     "--xla_gpu_enable_triton_gemm=false",
@@ -34,25 +43,27 @@ SERVING_XLA_FLAGS = (
     "--xla_gpu_dot_merger_threshold_mb=0",
 )
 
-STEP_GRAPH_XLA_FLAGS = (
-    "--xla_gpu_enable_command_buffer="
-    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
-    "--xla_gpu_graph_min_graph_size=1",
-)
+STEP_GRAPH_OPTIONS = {
+    "xla_gpu_enable_command_buffer": (
+        "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+    ),
+    "xla_gpu_graph_min_graph_size": 1,
+}
+"""XLA's options for a step that runs whole as CUDA graphs (``step_compiler_options``)."""
+
+STEP_GRAPHS = os.environ.get("HYBRID_JAX_STEP_GRAPHS", "1") != "0"
+"""Whether decode steps compile with ``STEP_GRAPH_OPTIONS`` (``HYBRID_JAX_STEP_GRAPHS=0``:
+no). Read when a step compiles."""
 
 log = logging.getLogger(__name__)
 
 
 def add_serving_flags() -> None:
-    """Adds each of ``SERVING_XLA_FLAGS`` (and ``STEP_GRAPH_XLA_FLAGS`` under
-    ``HYBRID_JAX_STEP_GRAPHS=1``) that ``XLA_FLAGS`` does not name yet."""
+    """Adds each of ``SERVING_XLA_FLAGS`` that ``XLA_FLAGS`` does not name yet."""
     if os.environ.get("HYBRID_JAX_KEEP_XLA_FLAGS") == "1":
         return
-    wanted = SERVING_XLA_FLAGS
-    if os.environ.get("HYBRID_JAX_STEP_GRAPHS") == "1":
-        wanted += STEP_GRAPH_XLA_FLAGS
     current = os.environ.get("XLA_FLAGS", "")
-    missing = [f for f in wanted if f.split("=")[0] not in current]
+    missing = [f for f in SERVING_XLA_FLAGS if f.split("=")[0] not in current]
     if not missing:
         return
     from jax._src import xla_bridge
@@ -65,3 +76,15 @@ def add_serving_flags() -> None:
         )
         return
     os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
+
+
+def step_compiler_options(graphs: bool) -> dict[str, str | int]:
+    """The options a step executable compiles with: ``STEP_GRAPH_OPTIONS`` for a step that
+    asks for ``graphs`` (a decode step's program) while ``STEP_GRAPHS`` is on, unless
+    ``XLA_FLAGS`` names those options itself; else none (XLA's defaults)."""
+    if not (graphs and STEP_GRAPHS):
+        return {}
+    current = os.environ.get("XLA_FLAGS", "")
+    if any(f"--{name}" in current for name in STEP_GRAPH_OPTIONS):
+        return {}
+    return dict(STEP_GRAPH_OPTIONS)

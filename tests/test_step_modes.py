@@ -192,3 +192,44 @@ def test_a_compiled_step_checks_x_and_the_pool_before_running():
     assert steps.total_traces == len(POLICY.buckets(M.DECODE))  # nothing traced again
     out = steps(pool, jnp.ones((meta.num_tokens, hidden)), meta)
     assert np.isfinite(np.asarray(out.hidden)).all()
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["jit", "program-store"])
+def test_decode_and_verify_steps_compile_as_whole_graphs_and_prefill_as_xla_chooses(
+    monkeypatch, tmp_path, stored
+):
+    from hybrid_jax import xla_flags
+    from hybrid_jax.engine.startup import ProgramStore
+
+    given = []
+    compile_lowered = jax.stages.Lowered.compile
+
+    def recording(self, compiler_options=None):
+        given.append(compiler_options)
+        return compile_lowered(self, compiler_options=compiler_options)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", recording)
+    monkeypatch.setattr(xla_flags, "STEP_GRAPHS", True)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    model = GDNStack(tiny_gdn_stack_config(), rngs=nnx.Rngs(6))
+    store = ProgramStore(tmp_path) if stored else None
+    steps = StepFunctions(model, impl="reference", store=store)
+    hidden = tiny_gdn_stack_config().layer.hidden_size
+    modes = [M.EXTEND, M.DECODE, M.TARGET_VERIFY]
+    records = steps.compile_all(POLICY, fresh_pool(model), modes, token_shape=(hidden,))
+    assert len(given) == len(records)
+    for record, options in zip(records, given, strict=True):
+        graphed = record.mode is not M.EXTEND
+        assert options == (xla_flags.STEP_GRAPH_OPTIONS if graphed else {}), record
+    # Turned off, or named by the user's XLA_FLAGS, the options stay XLA's.
+    given.clear()
+    monkeypatch.setattr(xla_flags, "STEP_GRAPHS", False)
+    StepFunctions(model, impl="reference").compile_all(
+        POLICY, fresh_pool(model), [M.DECODE], token_shape=(hidden,)
+    )
+    monkeypatch.setattr(xla_flags, "STEP_GRAPHS", True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    StepFunctions(model, impl="reference").compile_all(
+        POLICY, fresh_pool(model), [M.DECODE], token_shape=(hidden,)
+    )
+    assert given and all(options == {} for options in given), given

@@ -8,7 +8,13 @@ import os
 import pytest
 from jax._src import xla_bridge
 
-from hybrid_jax.xla_flags import SERVING_XLA_FLAGS, STEP_GRAPH_XLA_FLAGS, add_serving_flags
+from hybrid_jax import xla_flags
+from hybrid_jax.xla_flags import (
+    SERVING_XLA_FLAGS,
+    STEP_GRAPH_OPTIONS,
+    add_serving_flags,
+    step_compiler_options,
+)
 
 
 @pytest.fixture
@@ -29,17 +35,24 @@ def test_absent_flags_are_added_and_a_users_value_is_kept(monkeypatch, fresh_bac
     assert os.environ["XLA_FLAGS"].split() == list(SERVING_XLA_FLAGS)
 
 
-def test_step_graphs_are_added_only_when_asked_for(monkeypatch, fresh_backend):
+def test_command_buffer_flags_are_never_added_to_the_process(monkeypatch, fresh_backend):
+    # Whole-step graphs are a decode step's compile option (step_compiler_options), so a
+    # prefill step in the same process keeps XLA's defaults.
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    monkeypatch.delenv("HYBRID_JAX_STEP_GRAPHS", raising=False)
     add_serving_flags()
-    assert not any("command_buffer" in f for f in os.environ["XLA_FLAGS"].split())
-    monkeypatch.setenv("HYBRID_JAX_STEP_GRAPHS", "1")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_graph_min_graph_size=4")
-    add_serving_flags()
-    flags = os.environ["XLA_FLAGS"].split()
-    assert flags[0] == "--xla_gpu_graph_min_graph_size=4"  # the user's value is kept
-    assert flags[1:] == [*SERVING_XLA_FLAGS, STEP_GRAPH_XLA_FLAGS[0]]
+    assert not any("command_buffer" in f or "graph" in f for f in os.environ["XLA_FLAGS"].split())
+
+
+def test_step_graph_options_are_given_when_asked_for_and_a_users_flags_win(monkeypatch):
+    monkeypatch.setattr(xla_flags, "STEP_GRAPHS", True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
+    assert step_compiler_options(True) == STEP_GRAPH_OPTIONS
+    assert step_compiler_options(False) == {}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1 --xla_gpu_graph_min_graph_size=4")
+    assert step_compiler_options(True) == {}  # the user chose the graphs' size
+    monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
+    monkeypatch.setattr(xla_flags, "STEP_GRAPHS", False)  # HYBRID_JAX_STEP_GRAPHS=0
+    assert step_compiler_options(True) == {}
 
 
 def test_opt_out_leaves_the_flags_alone(monkeypatch, fresh_backend):

@@ -170,9 +170,11 @@ class ProgramStore:
         *,
         key_parts: Sequence[Any],
         donate_argnums: Sequence[int] = (),
+        compiler_options: dict[str, Any] | None = None,
     ) -> StoredProgram | None:
         """``fn(*args)`` compiled from the stored program of its key, exported and stored
-        first when there is none (``args``: pytrees of arrays or ShapeDtypeStructs).
+        first when there is none (``args``: pytrees of arrays or ShapeDtypeStructs), with XLA's
+        ``compiler_options`` (not part of the key: they do not change the program).
         Returns None, with a log line, when the program cannot be exported; errors raised
         while tracing ``fn`` propagate."""
         start = time.perf_counter()
@@ -204,7 +206,7 @@ class ProgramStore:
         donated = _leaf_indices(args, donate_argnums)
         lowered = jax.jit(exported.call, donate_argnums=donated).lower(*avals)
         lower_s = time.perf_counter() - start
-        return StoredProgram(lowered.compile(), out_tree, lower_s)
+        return StoredProgram(lowered.compile(compiler_options=compiler_options), out_tree, lower_s)
 
     def _read(self, path: pathlib.Path) -> tuple[Any, Any] | None:
         try:

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from hybrid_jax import xla_flags
 from hybrid_jax.engine.startup import ProgramStore
 from hybrid_jax.metadata import (
     BucketPolicy,
@@ -40,7 +41,11 @@ from hybrid_jax.modes import ForwardMode, check_supported, program_mode
 from hybrid_jax.parallel import on_mesh, spec_of
 from hybrid_jax.state_pool import StatePool
 
-__all__ = ["CompileRecord", "StepFunctions"]
+__all__ = ["GRAPHED_PROGRAMS", "CompileRecord", "StepFunctions"]
+
+GRAPHED_PROGRAMS = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY})
+"""The programs whose executables run whole as CUDA graphs (``xla_flags.step_compiler_options``):
+a few rows a token, so a step is hundreds of short kernels whose launches the graphs save."""
 
 
 class CompileRecord(NamedTuple):
@@ -185,6 +190,7 @@ class StepFunctions:
         one (a stored program is neither traced nor lowered again)."""
         layout, x, packed = _pack(x, meta)
         packed = jax.ShapeDtypeStruct(packed.shape, packed.dtype)
+        options = xla_flags.step_compiler_options(program in GRAPHED_PROGRAMS)
         if self.store is not None:
             params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in self.params]
             key = ("step", program.value, self.impl, self.graphdef, self._params_tree, layout)
@@ -193,6 +199,7 @@ class StepFunctions:
                 (params, pool, x, packed),
                 key_parts=key,
                 donate_argnums=(1,),
+                compiler_options=options,
             )
             if stored is not None:
                 return stored, stored.lower_s
@@ -200,7 +207,7 @@ class StepFunctions:
             start = time.perf_counter()
             lowered = self._jitted.lower(program, layout, self.params, pool, x, packed)
             lower_s = time.perf_counter() - start
-            return lowered.compile(), lower_s
+            return lowered.compile(compiler_options=options), lower_s
 
     def executables(self) -> dict[tuple[ForwardMode, int, int], Any]:
         """The step executables compiled so far by (program, batch size, tokens)."""
