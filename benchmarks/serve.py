@@ -89,10 +89,10 @@ _GROUPED_MATMUL = importlib.import_module("pallas_kernels.moe.grouped_matmul")
 # attribute, the value the flag sets, what that does). A run sets those it is given and
 # restores them at the end.
 TRIAL_SWITCHES = {
-    "--no-step-graphs": (
-        xla_flags, "STEP_GRAPHS", False,
-        "decode steps compile as XLA chooses (its default command buffers), not whole as CUDA "
-        "graphs",
+    "--step-graphs": (
+        xla_flags, "STEP_GRAPHS", True,
+        "decode steps compile to run whole as CUDA graphs (xla_flags.STEP_GRAPH_OPTIONS), not "
+        "as XLA chooses",
     ),
     "--no-rows-in-kernel": (
         attention_backend, "ROWS_IN_KERNEL", False,

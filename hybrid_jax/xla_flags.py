@@ -14,14 +14,13 @@ its value. ``HYBRID_JAX_KEEP_XLA_FLAGS=1`` leaves ``XLA_FLAGS`` untouched.
   The weights are arguments of the step, not constants, so the merged weight would be
   concatenated again every step.
 
-A decode step's executable also runs whole as CUDA graphs (``STEP_GRAPH_OPTIONS``, given to
-its compile alone by ``step_compiler_options``: XLA's command buffers over every kind of thunk,
-``WHILE`` and ``CONDITIONAL`` among them, at any size). The host then launches a step's graphs
-instead of updating the layer loop's graphs at every repeat, whose weights lie at other
-addresses; at a few rows a step is hundreds of short kernels, and their launches are what it
-saves (benchmarks/RESULTS_serve.md). Prefill steps, whose kernels are long, compile as XLA
-chooses. ``HYBRID_JAX_STEP_GRAPHS=0`` turns them off; command-buffer flags in ``XLA_FLAGS``
-take their place (a user's choice wins).
+``HYBRID_JAX_STEP_GRAPHS=1`` compiles decode steps to run whole as CUDA graphs
+(``STEP_GRAPH_OPTIONS``, given to a decode step's compile alone by ``step_compiler_options``:
+XLA's command buffers over every kind of thunk, ``WHILE`` and ``CONDITIONAL`` among them, at
+any size); prefill steps compile as XLA chooses either way. They are opt-in: on the H100 they
+took 6% off a batch-1 step, on the H200, whose batch-1 step is the device's, nothing
+(benchmarks/RESULTS_serve.md, sessions 38-39). Command-buffer options in ``XLA_FLAGS`` take
+their place (a user's choice wins).
 """
 
 from __future__ import annotations
@@ -51,9 +50,9 @@ STEP_GRAPH_OPTIONS = {
 }
 """XLA's options for a step that runs whole as CUDA graphs (``step_compiler_options``)."""
 
-STEP_GRAPHS = os.environ.get("HYBRID_JAX_STEP_GRAPHS", "1") != "0"
-"""Whether decode steps compile with ``STEP_GRAPH_OPTIONS`` (``HYBRID_JAX_STEP_GRAPHS=0``:
-no). Read when a step compiles."""
+STEP_GRAPHS = os.environ.get("HYBRID_JAX_STEP_GRAPHS") == "1"
+"""Whether decode steps compile with ``STEP_GRAPH_OPTIONS`` (``HYBRID_JAX_STEP_GRAPHS=1``).
+Read when a step compiles."""
 
 log = logging.getLogger(__name__)
 

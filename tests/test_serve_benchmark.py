@@ -48,7 +48,7 @@ def test_smoke_rows_all_measure_and_write_results(serve, tmp_path):
     assert "2 steps, 10th-90th percentile" in text and "; ;" not in text, text
     # The flags XLA ran with head the results (the serving flags hybrid_jax adds among them).
     assert "XLA_FLAGS `" in text and "--xla_gpu_dot_merger_threshold_mb=0" in text, text
-    assert "decode steps as whole CUDA graphs: yes" in text, text
+    assert "decode steps as whole CUDA graphs: no" in text, text
     # --hlo: the decode row's executable as XLA optimised it.
     (hlo,) = tmp_path.glob("hlo_smoke_decode_*.txt")
     assert hlo.read_text().startswith("HloModule")

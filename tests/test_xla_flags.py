@@ -51,7 +51,7 @@ def test_step_graph_options_are_given_when_asked_for_and_a_users_flags_win(monke
     monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1 --xla_gpu_graph_min_graph_size=4")
     assert step_compiler_options(True) == {}  # the user chose the graphs' size
     monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
-    monkeypatch.setattr(xla_flags, "STEP_GRAPHS", False)  # HYBRID_JAX_STEP_GRAPHS=0
+    monkeypatch.setattr(xla_flags, "STEP_GRAPHS", False)  # without HYBRID_JAX_STEP_GRAPHS=1
     assert step_compiler_options(True) == {}
 
 

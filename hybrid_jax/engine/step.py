@@ -44,8 +44,9 @@ from hybrid_jax.state_pool import StatePool
 __all__ = ["GRAPHED_PROGRAMS", "CompileRecord", "StepFunctions"]
 
 GRAPHED_PROGRAMS = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY})
-"""The programs whose executables run whole as CUDA graphs (``xla_flags.step_compiler_options``):
-a few rows a token, so a step is hundreds of short kernels whose launches the graphs save."""
+"""The programs whose executables may run whole as CUDA graphs (``xla_flags.STEP_GRAPHS``,
+``step_compiler_options``): a few rows a token, so a step is hundreds of short kernels whose
+launches the graphs would take over."""
 
 
 class CompileRecord(NamedTuple):
