@@ -453,6 +453,8 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     step_s = statistics.median(times)
     p10, p90 = np.percentile(times, [10, 90]) * 1e3
     spread = f"{len(times)} steps, 10th-90th percentile {p10:.3f}-{p90:.3f} ms"
+    launches = engine.launch_times[ForwardMode.DECODE][2:]
+    spread += f"; the host launched a step in {statistics.median(launches) * 1e3:.3f} ms (median)"
     if args.host_profile:
         _host_profile(engine, args.profile_steps, f"decode B={batch}")
     table = _kernel_table(args, file_row)

@@ -120,6 +120,18 @@ def test_no_retrace_after_warm_up(engine, alone):
     assert engine.retraces == 0
 
 
+def test_each_step_records_how_long_the_host_took_to_launch_it(engine, alone):
+    prompts, _ = alone
+    before = {m: (len(t), len(engine.launch_times[m])) for m, t in engine.step_times.items()}
+    engine.generate(prompts, GREEDY)
+    for mode in (M.EXTEND, M.DECODE):
+        steps = engine.step_times[mode][before[mode][0] :]
+        launches = engine.launch_times[mode][before[mode][1] :]
+        assert steps and len(launches) == len(steps), mode
+        assert all(0 < t < 60 for t in launches), launches
+    assert not engine.launch_times.get(M.IDLE)  # an idle step launches nothing
+
+
 def test_each_step_executable_takes_its_tokens_and_metadata_as_one_vector(engine):
     """Beside the serving state's integer arrays, a step executable's one integer operand is
     an int32 vector of its token ids and the metadata's arrays (``pack_metadata``): a step

@@ -177,9 +177,11 @@ class Engine(SpeculativeServing):
     sampling defaults a checkpoint's ``generation_config.json`` sets (``SamplingParams``
     fields; empty for a preset); ``default_params``, the sampling of calls that give none, is
     ``SamplingParams`` with them. ``compile_records`` (one per step executable),
-    ``sampler_compile_ms``, ``compile_s`` and ``step_times`` (seconds per step, by mode;
-    under MTP drafts, DRAFT_EXTEND holds the head's whole drafting chain after each step)
-    describe where time went;
+    ``sampler_compile_ms``, ``compile_s``, ``step_times`` (seconds per step, by mode;
+    under MTP drafts, DRAFT_EXTEND holds the head's whole drafting chain after each step) and
+    ``launch_times`` (the host's seconds to launch each step, by mode: its metadata and its
+    executables' dispatch, no wait for the device; a step is the host's when they come near
+    its ``step_times``) describe where time went;
     ``speculative_stats`` counts draft acceptance under speculative decoding; ``drafter``
     proposes the drafts (any object with ``propose(token_ids) -> D-1 token ids`` may
     replace it: acceptance never trusts a draft, so tokens stay those of the target; under
@@ -289,6 +291,7 @@ class Engine(SpeculativeServing):
         self.step_times: dict[ForwardMode, list[float]] = {
             m: [] for m in dict.fromkeys((*modes_for(EngineRole.SERVING), *self._modes, *drafting))
         }
+        self.launch_times: dict[ForwardMode, list[float]] = {m: [] for m in self.step_times}
         if config.cache_dir is not None:
             use_compilation_cache(config.cache_dir)
         start = time.perf_counter()
@@ -610,6 +613,7 @@ class Engine(SpeculativeServing):
         return meta, batch
 
     def _launch(self, step: ScheduledStep) -> InFlight:
+        begun = time.perf_counter()
         meta, batch = self._metadata_and_sampling(step)
         tokens = np.zeros((meta.num_tokens,), np.int32)
         tokens[: step.num_tokens] = step.token_ids
@@ -619,6 +623,7 @@ class Engine(SpeculativeServing):
         # vector.
         sampled, logprobs, top, hidden = self._dispatch(meta, tokens, batch, any(asked))
         self.scheduler.advance(step)
+        self.launch_times[step.mode].append(time.perf_counter() - begun)
         # Read back only when a row of the step reports them.
         reported = logprobs if any(a is not None for a in asked) else None
         return InFlight(step, sampled, start, meta, hidden, reported, top)
