@@ -16,6 +16,8 @@ row's shapes so that start-up compiles only what the row runs) and serves reques
 * ``prefill N x L``: N prompts of L tokens, one output token each; tokens/s over the wall time
   of ``generate`` (prefill chunks of L tokens; ``--prefill-rows R`` prompts per step, one by
   default).
+* ``verify B x D`` (``--verify``): B requests decoding by speculation, every step verifying D
+  tokens a row (n-gram drafts, padded to D): the median verify step and the tokens kept.
 
 Each row prints its limit and the fraction reached. Decode: the bytes a step must move (every
 weight it touches once: attention, GDN and dense projections, the router and shared expert,
@@ -38,6 +40,7 @@ import dataclasses
 import datetime
 import importlib
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -65,11 +68,13 @@ from serve_presets import (  # noqa: E402
     decode_roofline_s,
     limit_bytes,
     limit_flops,
+    row_bytes,
 )
 from switches import switches_set  # noqa: E402
 
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams, xla_flags  # noqa: E402
 from hybrid_jax.backend import attention as attention_backend  # noqa: E402
+from hybrid_jax.engine.speculative import SpeculativeConfig  # noqa: E402
 from hybrid_jax.layers import gdn as gdn_layer  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
 from hybrid_jax.layers import moe as moe_layer  # noqa: E402
@@ -368,14 +373,17 @@ class _IdsOnly:
         return ""
 
 
-def _engine(model, args, *, batch: int, tokens: int, context: int) -> Engine:
+def _engine(
+    model, args, *, batch: int, tokens: int, context: int,
+    speculative: SpeculativeConfig | None = None,
+) -> Engine:  # fmt: skip
     """An engine of one batch and one token bucket; ``args.program_store`` is off while the
     reference rows hide tokamax by patching the grouped matmul (the program store's key sees
     the source, not a patch)."""
     config = EngineConfig(
         max_batch=batch, max_tokens=tokens, max_context=context, batch_buckets=(batch,),
         token_buckets=(tokens,), cache_dir=args.cache_dir, program_store=args.program_store,
-        scan_layers=not args.unrolled,
+        scan_layers=not args.unrolled, speculative=speculative,
     )  # fmt: skip
     return Engine(model, _IdsOnly(model.config.vocab_size), config, progress=False)
 
@@ -472,6 +480,64 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
             f"roofline (each product's bytes or FLOPs, the longer) {roof_s * 1e3:.3f} ms: "
             f"{roof_s / step_s:.0%}; {note}"
         )
+    return Row(
+        name, f"{step_s * 1e3:.3f} ms", f"{limit_s * 1e3:.3f} ms", limit_s / step_s,
+        engine.compile_s, *_slowest(engine), note,
+    )  # fmt: skip
+
+
+def verify_row(model, c, batch, draft, args, rng, label) -> Row:
+    """``batch`` requests decoding by speculation, every step a TARGET_VERIFY of ``draft``
+    tokens a row: n-gram drafts, padded by repeating the last token where the lookup finds
+    nothing (random prompts rarely repeat), so each step verifies ``draft`` tokens whatever
+    it accepts. The row's time is the median verify step (dispatch, acceptance and read back:
+    a verify step waits for its tokens); its limit, that step's bytes (the weights its
+    ``batch * draft`` tokens touch, the rows' states and KV entries). The note gives the
+    tokens a row kept a step and the time per kept token."""
+    steps = args.decode_steps
+    budget = draft * (steps + 2 * args.profile_steps + 4)
+    context = -(-(args.prompt_len + budget + draft + 4) // 16) * 16
+    bucket = max(batch, args.decode_bucket)
+    speculative = SpeculativeConfig("ngram", num_draft_tokens=draft)
+    engine = _engine(
+        model, args, batch=bucket, tokens=bucket * args.prompt_len, context=context,
+        speculative=speculative,
+    )  # fmt: skip
+    name = f"verify B={batch} D={draft}" + (f" in a bucket of {bucket}" if bucket > batch else "")
+    name += f" ({label})"
+    params = SamplingParams(max_new_tokens=budget)
+    ids = [engine.add_request(p, params) for p in _prompts(rng, batch, args.prompt_len)]
+    verify = engine.step_times[ForwardMode.TARGET_VERIFY]
+    while len(verify) < steps + 2:
+        before = engine.speculative_stats.steps
+        engine.step()
+        if before == engine.speculative_stats.steps and not engine.has_work:
+            raise RuntimeError(f"{name}: the requests ended after {len(verify)} verify steps")
+    times = verify[2:]
+    stats = engine.speculative_stats
+    kept = stats.emitted / max(stats.rows, 1)
+    step_s = statistics.median(times)
+    p10, p90 = np.percentile(times, [10, 90]) * 1e3
+    file_row = f"verify_b{batch}_d{draft}_{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}"
+    table = _kernel_table(args, file_row)
+    parts = (
+        f"{len(times)} steps, 10th-90th percentile {p10:.3f}-{p90:.3f} ms; {kept:.2f} tokens "
+        f"kept a row a step ({step_s / kept * 1e3:.3f} ms a kept token)",
+        _breakdown(engine, args.profile_steps, table),
+        _memory(engine),
+    )
+    for rid in ids:
+        engine.abort(rid)
+    positions = args.prompt_len + steps * draft
+    if isinstance(c, Qwen3NextConfig):
+        # The weights as ``batch * draft`` tokens touch them; states and KV once per row.
+        bw = args.bandwidth
+        tokens_s = decode_roofline_s(c, batch * draft, positions, bw, math.inf)
+        limit_s = tokens_s - row_bytes(c, batch * draft, positions) / bw
+        limit_s += row_bytes(c, batch, positions) / bw
+    else:
+        limit_s = limit_bytes(model, c, batch, positions) / args.bandwidth
+    note = "; ".join(part for part in parts if part)
     return Row(
         name, f"{step_s * 1e3:.3f} ms", f"{limit_s * 1e3:.3f} ms", limit_s / step_s,
         engine.compile_s, *_slowest(engine), note,
@@ -619,6 +685,12 @@ def variant_rows(model, c, args, rng, label: str) -> list[Row]:
         )
     if args.compile_only:  # a census of the decode executables only
         return rows
+    for spec in (s for s in args.verify.split(",") if s):
+        batch, draft = (int(v) for v in spec.split("x"))
+        measure(
+            f"verify {spec}",
+            lambda b=batch, d=draft: verify_row(model, c, b, d, args, rng, label),
+        )
     for spec in (s for s in args.prefill.split(",") if s):
         n, length = (int(v) for v in spec.split("x"))
         measure(
@@ -643,6 +715,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--stream", default="", help="request-stream rows as NxRATE (requests x per second)"
     )
+    parser.add_argument(
+        "--verify", default="", help="speculative rows as BxD: B requests verifying D tokens "
+        "a row every step (n-gram drafts), comma-separated (e.g. 1x4)",
+    )  # fmt: skip
     parser.add_argument("--stream-batch", type=int, default=16, help="rows of the stream engine")
     parser.add_argument("--output-len", type=int, default=64, help="tokens per stream request")
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -737,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("absl").setLevel(logging.ERROR)
     if args.smoke:
         args.preset = args.preset if args.preset.endswith("smoke") else "smoke"
-        args.decode, args.prefill = "2", "2x64"
+        args.decode, args.prefill, args.verify = "2", "2x64", "2x3"
         args.prompt_len, args.decode_steps, args.profile_steps = 8, 4, 2
         args.stream, args.stream_batch, args.output_len = "3x200", 2, 3
     for flag, value in (("--profile-steps", args.profile_steps),

@@ -42,6 +42,9 @@ def test_smoke_rows_all_measure_and_write_results(serve, tmp_path):
         line for line in text.splitlines() if line.startswith(("| decode", "| prefill", "| stream"))
     ]
     assert len(rows) == 3 and not any("failed" in row for row in rows), text
+    # --verify: a speculative row of every step verifying its drafts, with the tokens kept.
+    (verify,) = [line for line in text.splitlines() if line.startswith("| verify B=2 D=3")]
+    assert "failed" not in verify and "tokens kept a row a step" in text, text
     stream = rows[2]
     assert "ITL p50/p90/p99" in stream and "TTFT p50/p90/p99" in text, text
     # The decode row's note gives the spread of the steps whose median it reports.
