@@ -286,6 +286,8 @@ def test_greedy_with_ngram_drafts_gives_the_tokens_without_speculation(engines, 
     assert generate_tokens(spec, PROMPTS, GREEDY) == plain_tokens
     assert spec.speculative_stats.steps > before
     assert spec.step_times[M.TARGET_VERIFY] and not spec.step_times[M.DECODE]
+    # Every verify step read back was launched once (launch_times: the host's part of it).
+    assert len(spec.launch_times[M.TARGET_VERIFY]) == len(spec.step_times[M.TARGET_VERIFY])
 
 
 def test_greedy_with_accepted_drafts_gives_the_tokens_without_speculation(oracle, plain_tokens):

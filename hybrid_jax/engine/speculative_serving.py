@@ -60,11 +60,13 @@ class SpeculativeServing:
     def _verify(self, step: ScheduledStep) -> list[StepEvent]:
         """Runs a TARGET_VERIFY step, reads it back and turns it into events (one per token
         kept; the row's new text comes with its last one)."""
+        begun = time.perf_counter()
         meta, batch = self._metadata_and_sampling(step)
         tokens = np.zeros((meta.batch_size, meta.num_draft_tokens), np.int32)
         tokens[: len(step.rows)] = [row.token_ids for row in step.rows]
         start = time.perf_counter()
         emitted_device, nodes, hidden = self._dispatch_verify(meta, tokens, batch)
+        self.launch_times[step.mode].append(time.perf_counter() - begun)
         emitted, nodes = (a[: len(step.rows)] for a in jax.device_get((emitted_device, nodes)))
         now = time.perf_counter()
         self.step_times[step.mode].append(now - start)
