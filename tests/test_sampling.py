@@ -297,3 +297,20 @@ def test_the_sampler_takes_host_and_device_slots_alike_and_keeps_every_bit():
     tokens, _, buffer = from_host
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))
     np.testing.assert_array_equal(np.asarray(buffer)[1:4], np.asarray(tokens)[:3])
+
+
+def test_a_sampler_compiled_without_greedy_leaves_only_greedy_batches_to_trace():
+    # A serving engine draws a greedy batch's tokens in its step, so it compiles the rest.
+    sampler = Sampler()
+    sampler.compile(2, V, 4, greedy=False)
+    traces = sampler.trace_count
+    drawn = SamplingBatch.pack([SamplingParams(temperature=0.7, top_k=3)] * 2, [1, 2], [0, 0], 2)
+    greedy = SamplingBatch.pack([SamplingParams()] * 2, [0, 0], [0, 0], 2)
+    x, slots = jnp.asarray(logits(2)), jnp.asarray([1, 2])
+    sampler(x, drawn, jnp.zeros(4, jnp.int32), slots)
+    assert sampler.trace_count == traces
+    sampler.compile(2, V, 4)  # the greedy variant alone is left to compile
+    assert sampler.trace_count == traces + 1
+    tokens, _, _ = sampler(x, greedy, jnp.zeros(4, jnp.int32), slots)
+    assert sampler.trace_count == traces + 1
+    np.testing.assert_array_equal(np.asarray(tokens), logits(2).argmax(-1))

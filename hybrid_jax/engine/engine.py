@@ -391,8 +391,9 @@ class Engine(SpeculativeServing):
             progress=on_step,
         )
         for bs in batch_sizes:
+            # A greedy batch's tokens come from its step: no greedy sampler variant.
             self.sampler_compile_ms[bs] = self._sampler.compile(
-                bs, self.vocab_size, self.slots.num_slots
+                bs, self.vocab_size, self.slots.num_slots, greedy=False
             )
             bar(f"sampler {bs}")
         # Run every executable once on all-padding metadata (it writes only the pad slot and

@@ -423,11 +423,12 @@ class Sampler:
         values, ids = jax.lax.top_k(logits, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
         return values - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
 
-    def compile(self, batch_size: int, vocab_size: int, num_slots: int) -> float:
+    def compile(
+        self, batch_size: int, vocab_size: int, num_slots: int, *, greedy: bool = True
+    ) -> float:
         """Compiles every variant for ``[batch_size, vocab_size]`` float32 logits and a buffer
-        of ``num_slots``; returns the milliseconds it took."""
-        if (batch_size, vocab_size, num_slots, VARIANTS[0]) in self._compiled:
-            return 0.0
+        of ``num_slots`` (without ``greedy``, only those whose rows draw: a serving step draws
+        a greedy batch's tokens itself, ``greedy_tokens``); returns the milliseconds it took."""
         b, spec = batch_size, jax.ShapeDtypeStruct
         args = (
             spec((b, vocab_size), jnp.float32),
@@ -435,9 +436,10 @@ class Sampler:
             spec((num_slots,), jnp.int32),
         )
         start = time.perf_counter()
-        for filters in VARIANTS:
+        for filters in (f for f in VARIANTS if greedy or f.draws):
             key = (batch_size, vocab_size, num_slots, filters)
-            self._compiled[key] = self._jitted.lower(*args, filters).compile()
+            if key not in self._compiled:
+                self._compiled[key] = self._jitted.lower(*args, filters).compile()
         if (batch_size, vocab_size) not in self._top_compiled:
             self._top_compiled[batch_size, vocab_size] = self._top_jitted.lower(args[0]).compile()
         return 1e3 * (time.perf_counter() - start)
