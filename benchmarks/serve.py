@@ -486,6 +486,22 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     )  # fmt: skip
 
 
+def verify_specs(text: str) -> list[tuple[int, int]]:
+    """``--verify``'s rows, ``(B, D)`` each, from ``BxD`` comma-separated; raises
+    ``ValueError`` naming a spec that is not B >= 1 requests of a D the engine verifies."""
+    specs = []
+    for spec in (s.strip() for s in text.split(",") if s.strip()):
+        parts = spec.split("x")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts) or int(parts[0]) < 1:
+            raise ValueError(f"{spec!r} is not BxD with B >= 1 requests (e.g. 1x4)")
+        try:
+            SpeculativeConfig("ngram", num_draft_tokens=int(parts[1]))
+        except ValueError as err:
+            raise ValueError(f"{spec!r}: {err}") from None
+        specs.append((int(parts[0]), int(parts[1])))
+    return specs
+
+
 def verify_row(model, c, batch, draft, args, rng, label) -> Row:
     """``batch`` requests decoding by speculation, every step a TARGET_VERIFY of ``draft``
     tokens a row: n-gram drafts, padded by repeating the last token where the lookup finds
@@ -687,10 +703,9 @@ def variant_rows(model, c, args, rng, label: str) -> list[Row]:
         )
     if args.compile_only:  # a census of the decode executables only
         return rows
-    for spec in (s for s in args.verify.split(",") if s):
-        batch, draft = (int(v) for v in spec.split("x"))
+    for batch, draft in verify_specs(args.verify):
         measure(
-            f"verify {spec}",
+            f"verify {batch}x{draft}",
             lambda b=batch, d=draft: verify_row(model, c, b, d, args, rng, label),
         )
     for spec in (s for s in args.prefill.split(",") if s):
@@ -813,6 +828,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # tokamax logs every autotuning-cache miss as a warning; its heuristics choose the config.
     logging.getLogger("absl").setLevel(logging.ERROR)
+    try:
+        verify_specs(args.verify)
+    except ValueError as err:
+        parser.error(f"--verify {args.verify!r}: {err}")
     if args.smoke:
         args.preset = args.preset if args.preset.endswith("smoke") else "smoke"
         args.decode, args.prefill, args.verify = "2", "2x64", "2x3"

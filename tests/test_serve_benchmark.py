@@ -259,3 +259,11 @@ def test_a_profile_gives_its_note_and_three_tables(serve, tmp_path):
     assert len(table.with_suffix(".sequence.tsv").read_text().splitlines()) == 4
     host = table.with_suffix(".host.tsv").read_text().splitlines()
     assert host[2] == "4.5\t3\tpython\tDevicePut"
+
+
+@pytest.mark.parametrize("spec", ["1x", "0x4", "1x1", "1x9", "2-4"])
+def test_a_bad_verify_row_is_refused_before_any_model_is_built(serve, spec, capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["--verify", spec])  # refused before the default preset is built
+    err = capsys.readouterr().err
+    assert "--verify" in err and repr(spec) in err, err
