@@ -436,6 +436,25 @@ def _prompts(rng: np.random.Generator, n: int, length: int) -> list[list[int]]:
     return [rng.integers(1, 256, length).tolist() for _ in range(n)]
 
 
+def _file_row(kind: str, label: str) -> str:
+    """A row's file name stem: its kind and shape, then its label (rows of several variants
+    share an --out)."""
+    return f"{kind}_{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}"
+
+
+def _step_spread(engine: Engine, mode: ForwardMode) -> tuple[float, str]:
+    """The median step of ``mode`` (the first two, warming up, left out) and a note of its
+    spread and of how long the host took to launch a step."""
+    times = engine.step_times[mode][2:]
+    launches = engine.launch_times[mode][2:]
+    p10, p90 = np.percentile(times, [10, 90]) * 1e3
+    note = (
+        f"{len(times)} steps, 10th-90th percentile {p10:.3f}-{p90:.3f} ms; the host launched a "
+        f"step in {statistics.median(launches) * 1e3:.3f} ms (median)"
+    )
+    return statistics.median(times), note
+
+
 def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     steps = args.decode_steps
     budget = steps + 2 * args.profile_steps + 4  # measured, host-profiled, traced steps
@@ -447,8 +466,7 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     at = f" at {prompt // 1024}k" if prompt >= 1024 else ""
     at += f" in a bucket of {bucket}" if bucket > batch else ""
     name = f"decode B={batch}{at} ({label})"
-    # Files named by the row's label too: rows of several variants share an --out.
-    file_row = f"decode_b{batch}_{prompt}_{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}"
+    file_row = _file_row(f"decode_b{batch}_{prompt}", label)
     if args.compile_only:
         _write_hlo(engine, args, file_row)
         note = _decode_census(engine)
@@ -457,12 +475,7 @@ def decode_row(model, c, batch, prompt, args, rng, label) -> Row:
     ids = [engine.add_request(p, params) for p in _prompts(rng, batch, prompt)]
     while len(engine.step_times[ForwardMode.DECODE]) < steps:
         engine.step()
-    times = engine.step_times[ForwardMode.DECODE][2:]
-    step_s = statistics.median(times)
-    p10, p90 = np.percentile(times, [10, 90]) * 1e3
-    spread = f"{len(times)} steps, 10th-90th percentile {p10:.3f}-{p90:.3f} ms"
-    launches = engine.launch_times[ForwardMode.DECODE][2:]
-    spread += f"; the host launched a step in {statistics.median(launches) * 1e3:.3f} ms (median)"
+    step_s, spread = _step_spread(engine, ForwardMode.DECODE)
     if args.host_profile:
         _host_profile(engine, args.profile_steps, f"decode B={batch}")
     table = _kernel_table(args, file_row)
@@ -529,18 +542,13 @@ def verify_row(model, c, batch, draft, args, rng, label) -> Row:
         engine.step()
         if before == engine.speculative_stats.steps and not engine.has_work:
             raise RuntimeError(f"{name}: the requests ended after {len(verify)} verify steps")
-    times = verify[2:]
     stats = engine.speculative_stats
     kept = stats.emitted / max(stats.rows, 1)
-    step_s = statistics.median(times)
-    p10, p90 = np.percentile(times, [10, 90]) * 1e3
-    file_row = f"verify_b{batch}_d{draft}_{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}"
-    table = _kernel_table(args, file_row)
-    launch_s = statistics.median(engine.launch_times[ForwardMode.TARGET_VERIFY][2:])
+    step_s, spread = _step_spread(engine, ForwardMode.TARGET_VERIFY)
+    table = _kernel_table(args, _file_row(f"verify_b{batch}_d{draft}", label))
     parts = (
-        f"{len(times)} steps, 10th-90th percentile {p10:.3f}-{p90:.3f} ms; the host launched a "
-        f"step in {launch_s * 1e3:.3f} ms (median); {kept:.2f} tokens kept a row a step "
-        f"({step_s / kept * 1e3:.3f} ms a kept token)",
+        f"{spread}; {kept:.2f} tokens kept a row a step ({step_s / kept * 1e3:.3f} ms a kept "
+        "token)",
         _breakdown(engine, args.profile_steps, table),
         _memory(engine),
     )
