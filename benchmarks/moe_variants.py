@@ -100,6 +100,55 @@ def _paired_hidden_row(x, w, ids, real: int, label: str, limit_us: float) -> str
     )
 
 
+def _one_launch_rows(bucket: int, layers: int, rng: np.random.Generator) -> list[str]:
+    """A batch-1 decode bucket's experts over ``layers`` layers in one program (each layer
+    its own random experts, so few are in L2 from the layer before), as the hidden launch
+    and the down launch (with the shared expert's down product) against both in one
+    launch (``moe.expert_mlp``): device us a layer, kernels summed and first start to last
+    end, and whether the two forms give the same bits."""
+    keys = jax.random.split(jax.random.key(bucket * layers), 6)
+    up = moe.pair_halves(
+        jax.random.normal(keys[0], (EXPERTS, HIDDEN, 2 * WIDTH), jnp.bfloat16) * HIDDEN**-0.5
+    )
+    down = jax.random.normal(keys[1], (EXPERTS, WIDTH, HIDDEN), jnp.bfloat16) * WIDTH**-0.5
+    shared_down = jax.random.normal(keys[2], (WIDTH, HIDDEN), jnp.bfloat16) * WIDTH**-0.5
+    x = jax.random.normal(keys[3], (bucket, HIDDEN), jnp.bfloat16)
+    shared = jax.random.normal(keys[4], (bucket, WIDTH), jnp.bfloat16)
+    square_sum = jnp.full((bucket,), float(HIDDEN), jnp.float32)
+    ids = np.full((layers, bucket, TOP_K), EXPERTS, np.int32)
+    ids[:, 0] = [rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(layers)]
+    ids = jnp.asarray(ids)
+    kw = dict(row_scale=square_sum, rms_eps=1e-6, impl="pallas")
+
+    def two_launches(up, down, ids):
+        tiles = moe.expert_hidden(x, up, ids, tiles=True, **kw)
+        return moe.expert_matmul(
+            tiles, down, ids.reshape(-1, 1), dense=(shared, shared_down), impl="pallas"
+        )
+
+    def one_launch(up, down, ids):
+        return moe.expert_mlp(x, up, down, ids, dense=(shared, shared_down), **kw)
+
+    limit_us = (TOP_K * 3 * HIDDEN * WIDTH + WIDTH * HIDDEN) * 2 / 4.3e12 * 1e6
+    out, results = [], []
+    for label, form in (("hidden launch, then down launch", two_launches),
+                        ("one launch (expert_mlp)", one_launch)):  # fmt: skip
+        f = jax.jit(lambda up, down, ids, form=form: [form(up, down, i) for i in ids])
+        results.append(jax.device_get(f(up, down, ids)))
+        t = device_time(lambda f=f: f(up, down, ids), calls=5)
+        out.append(
+            f"| 1 of {bucket} | hidden + down, {layers} layers | {label} | "
+            f"{t.us / layers:.1f} (span {t.span_us / layers:.1f}) | {limit_us:.1f} | "
+            f"{limit_us * layers / t.span_us:.0%} | {t.breakdown(top=4)}"
+        )
+    same = all(
+        np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+        for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True)
+    )
+    out.append(f"| | | the two forms' outputs {'bit for bit equal' if same else 'DIFFER'} | | | |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="8192,64,1")
@@ -108,6 +157,11 @@ def main() -> None:
         help="tokamax configs to time, comma-separated",
     )  # fmt: skip
     parser.add_argument("--bucket", type=int, default=8, help="decode bucket of the by-id rows")
+    parser.add_argument(
+        "--mlp-layers", type=int, default=0,
+        help="also time a batch-1 bucket's hidden and down launches against one launch "
+        "(moe.expert_mlp) over this many layers; 0: not",
+    )  # fmt: skip
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     args = parser.parse_args()
     chosen = [c for c in args.configs.split(",") if c]
@@ -123,7 +177,11 @@ def main() -> None:
     ]
     print("\n".join(lines), flush=True)
     rng = np.random.default_rng(0)
-    for tokens in (int(t) for t in args.tokens.split(",")):
+    if args.mlp_layers:
+        for row in _one_launch_rows(args.bucket, args.mlp_layers, rng):
+            print(row, flush=True)
+            lines.append(row)
+    for tokens in (int(t) for t in args.tokens.split(",") if t):
         rows = tokens * TOP_K
         sizes = rng.multinomial(rows, np.ones(EXPERTS) / EXPERTS).astype(np.int32)
         touched = int((sizes > 0).sum())

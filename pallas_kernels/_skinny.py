@@ -201,7 +201,7 @@ def programs_per_sm(scratch_refs) -> int:
 def tile_product(
     x_rows, w_cols, out_rows, x_s, w_s, o_s, bars, *extra, steps: int,
     variant: ProductVariant, interpret: bool, row_scale=None,
-    rms: tuple[float, int] | None = None, halves: bool = False,
+    rms: tuple[float, int] | None = None, halves: bool = False, await_rows=None,
 ):  # fmt: skip
     """``out_rows = x_rows @ w_cols`` (float32 accumulation, stored in out's dtype); with
     ``row_scale`` (a GMEM view ``[R]``, float32) each row's sum times its scale before the
@@ -216,7 +216,10 @@ def tile_product(
     ``scratch`` was given); ``w_cols``: ``[K, BLOCK_N]``; ``out_rows``: ``[R, BLOCK_N]``;
     ``steps = K // BLOCK_K``; the SMEM buffers and barriers from ``scratch`` (with the same
     ``variant``, and ``row_scale=True`` for a scaled call, ``halves=True`` for a SwiGLU over
-    the halves: ``extra`` holds what those add).
+    the halves: ``extra`` holds what those add). With ``await_rows`` (a function of no
+    arguments) the ring's first weight blocks are requested before it is called and its
+    rows after it returns: rows that another program of the launch is still forming are
+    awaited there while the weights stream in.
     Waits for the previous call's store before reusing ``o_s``; the caller waits for this
     one's (``plgpu.wait_smem_to_gmem(0)``) before the kernel ends."""
     rows = x_rows.shape[0]
@@ -230,8 +233,9 @@ def tile_product(
                          f"scratch's rows; got {rows} rows, swap={swap}")  # fmt: skip
     ring = (x_s, w_s, bars)
     acc = _tile_sum(
-        x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret
-    )
+        x_rows, w_cols, *ring, steps=steps, variant=variant, swap=swap, interpret=interpret,
+        await_rows=await_rows,
+    )  # fmt: skip
     if row_scale is not None:
         plgpu.barrier_wait(scale_bar)
         scale = _row_scales(scale_s, held, swap, acc.shape, rms)
@@ -308,10 +312,11 @@ def unpair_halves(w: jax.Array) -> jax.Array:
 
 
 def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVariant,
-              swap: bool, interpret: bool):  # fmt: skip
+              swap: bool, interpret: bool, await_rows=None):  # fmt: skip
     """The float32 sum ``x_rows @ w_cols`` through the ring (WGMMA layout): ``[64,
     BLOCK_N]``, or transposed ``[BLOCK_N, rows]`` with ``swap`` (the rows rounded up to the
-    8-row groups that TMA moves). The ring is free again when it returns."""
+    8-row groups that TMA moves). The ring is free again when it returns. ``await_rows``:
+    see ``tile_product``."""
     rows = x_rows.shape[0]
     stages = min(variant.stages, steps)
     held = round_up(rows, ALIGN)
@@ -322,13 +327,27 @@ def _tile_sum(x_rows, w_cols, x_s, w_s, bars, *, steps: int, variant: ProductVar
             return w_s.at[stage].transpose((1, 0)), x_s.at[stage, pl.ds(0, held)].transpose((1, 0))
         return x_s.at[stage], w_s.at[stage]
 
-    def fill(j, stage):
+    def fill_rows(j, stage):
         ks = pl.ds(j * BLOCK_K, BLOCK_K)
         plgpu.copy_gmem_to_smem(x_rows.at[:, ks], x_s.at[stage, pl.ds(0, rows)], bars.at[stage])
+
+    def fill_weights(j, stage):
+        ks = pl.ds(j * BLOCK_K, BLOCK_K)
         plgpu.copy_gmem_to_smem(w_cols.at[ks], w_s.at[stage], bars.at[stage])
 
-    for j in range(stages):
-        fill(j, j)
+    def fill(j, stage):
+        fill_rows(j, stage)
+        fill_weights(j, stage)
+
+    if await_rows is None:
+        for j in range(stages):
+            fill(j, j)
+    else:  # a stage's barrier completes once both of its copies have landed
+        for j in range(stages):
+            fill_weights(j, j)
+        await_rows()
+        for j in range(stages):
+            fill_rows(j, j)
 
     def step(j, acc):
         stage = lax.rem(j, stages)

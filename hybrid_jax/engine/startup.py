@@ -56,6 +56,7 @@ _SWITCHES = {
     "hybrid_jax.layers.moe": (
         "BY_ID_MAX_PAIRS",
         "COMBINE_IN_LAUNCH",
+        "EXPERTS_IN_ONE_LAUNCH",
         "HIDDEN_IN_EXPERT_LAUNCH",
         "RANKED_TOP_K_TOKENS",
         "SHARED_DOWN_WITH_EXPERTS",

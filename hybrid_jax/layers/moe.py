@@ -32,6 +32,7 @@ from pallas_kernels.moe import softmax_of_exps, top_k_exps, top_k_softmax
 __all__ = [
     "BY_ID_MAX_PAIRS",
     "COMBINE_IN_LAUNCH",
+    "EXPERTS_IN_ONE_LAUNCH",
     "HIDDEN_IN_EXPERT_LAUNCH",
     "MLP",
     "RANKED_TOP_K_TOKENS",
@@ -84,6 +85,13 @@ COMBINE_IN_LAUNCH = True
 sums each new row's squares for the next norm (``SparseMoE.add_to``, ``moe.combine_pairs``),
 where XLA forms the combine and the next norm's square sums as two kernels (a kernel fewer
 per MoE block but a scan repeat's last: ``benchmarks/RESULTS_serve.md``, session 35)."""
+
+EXPERTS_IN_ONE_LAUNCH = False
+"""Whether a block whose hidden rows come from the experts' launches
+(``HIDDEN_IN_EXPERT_LAUNCH``) runs its experts' hidden rows and their down products (with
+the shared expert's) as one launch (``moe.expert_mlp``): the down programs' weights stream in
+while the hidden programs read theirs, and each pair's down programs start once its hidden
+tiles are stored, instead of a launch that starts after the hidden launch ends."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
@@ -331,8 +339,8 @@ class SparseMoE(nnx.Module):
         if hidden_in_launch:
             (shared_hidden,) = shared_products
             weights, experts = self.route(logits, real)
-            hidden = self._hidden_by_id(x, experts, impl)
-            routed, shared = self._down_by_id(hidden, shared_hidden, weights, experts, impl)
+            ys, shared = self._experts_launches(x, experts, shared_hidden, impl)
+            routed = self._weighted_choices(ys, weights, experts)
             return routed.astype(x.dtype) + shared_scale * shared
         shared_hidden = shared_mlp.hidden(shared_products)
         if self._runs_by_id(x, impl):
@@ -366,8 +374,7 @@ class SparseMoE(nnx.Module):
         weights, experts, exps = self._route(logits, real)
         if not exps:  # as ``route`` gives them (the combine divides exponentials itself)
             weights = weights.astype(logits.dtype)
-        hidden = self._hidden_by_id(x, experts, impl)
-        tiles, shared = self._down_launch(hidden, shared_hidden, experts, impl, tiles=True)
+        tiles, shared = self._experts_launches(x, experts, shared_hidden, impl, tiles=True)
         # The down launch's pairs are the (token, choice) pairs in order: the same tiles
         # read as each token's choices.
         pairs = moe.PairTiles(tiles.tiles, experts, tiles.num_experts, tiles.per_line)
@@ -511,10 +518,37 @@ class SparseMoE(nnx.Module):
         and summed over each token's choices; the shared expert's
         down product of ``shared_hidden``, in the experts' down launch with
         ``SHARED_DOWN_WITH_EXPERTS`` where the kernel takes it)."""
-        tokens, top_k = experts.shape
         ys, shared = self._down_launch(hidden, shared_hidden, experts, impl)
+        return self._weighted_choices(ys, weights, experts), shared
+
+    @staticmethod
+    def _weighted_choices(ys, weights, experts) -> jax.Array:
+        """float32 ``[T, hidden]``: the pairs' down products ``ys`` (``[T * top_k, 1, N]``)
+        weighted and summed over each token's choices."""
+        tokens, top_k = experts.shape
         ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
-        return short_sum(ys * weights.astype(jnp.float32)[..., None], 1), shared
+        return short_sum(ys * weights.astype(jnp.float32)[..., None], 1)
+
+    def _experts_launches(self, x, experts, shared_hidden, impl: str, *, tiles: bool = False):
+        """(the pairs' down products, as ``_down_launch`` gives them; the shared expert's
+        down product of ``shared_hidden``) from the routed hidden rows formed in the experts'
+        launch: with ``EXPERTS_IN_ONE_LAUNCH`` and the shared down in it, one
+        ``moe.expert_mlp`` launch; otherwise ``_hidden_by_id``'s launch and the down launch
+        after it."""
+        dense = (shared_hidden, self.shared_expert.down_proj.kernel[...])
+        up, down = self.gate_up_proj[...], self.down_proj[...]
+        rows = x.weighted() if isinstance(x, NormedRows) else x
+        if not (
+            EXPERTS_IN_ONE_LAUNCH
+            and SHARED_DOWN_WITH_EXPERTS
+            and moe.expert_mlp_unsupported_reason(rows, up, down, dense) is None
+        ):
+            hidden = self._hidden_by_id(x, experts, impl)
+            return self._down_launch(hidden, shared_hidden, experts, impl, tiles=tiles)
+        kw = dict(dense=dense, tiles=tiles, impl=impl)
+        if isinstance(x, NormedRows):
+            kw.update(row_scale=x.square_sum(), rms_eps=x.eps)
+        return moe.expert_mlp(rows, up, down, experts, **kw)
 
     def _down_launch(self, hidden, shared_hidden, experts, impl: str, *, tiles: bool = False):
         """(the pairs' down products of ``hidden`` read by id, as rows ``[T * top_k, 1, N]``

@@ -12,6 +12,7 @@ from pallas_kernels.moe.expert_matmul import (
     expert_hidden_reference,
     expert_matmul,
     expert_matmul_reference,
+    expert_mlp,
     pair_halves,
     paired_swiglu,
     unpair_halves,
@@ -19,6 +20,7 @@ from pallas_kernels.moe.expert_matmul import (
 from pallas_kernels.moe.expert_matmul import (
     hidden_unsupported_reason as expert_hidden_unsupported_reason,
 )
+from pallas_kernels.moe.expert_matmul import mlp_unsupported_reason as expert_mlp_unsupported_reason
 from pallas_kernels.moe.expert_matmul import unsupported_reason as expert_matmul_unsupported_reason
 from pallas_kernels.moe.grouped_matmul import grouped_matmul, unsupported_reason
 from pallas_kernels.moe.routing import ranked_top_k, softmax_of_exps, top_k_exps, top_k_softmax
@@ -35,6 +37,8 @@ __all__ = [
     "expert_matmul",
     "expert_matmul_reference",
     "expert_matmul_unsupported_reason",
+    "expert_mlp",
+    "expert_mlp_unsupported_reason",
     "grouped_matmul",
     "pair_halves",
     "paired_swiglu",

@@ -183,6 +183,31 @@ def programs_per_tile(pairs: int, col_tiles: int, per_sm: int = 1, reserved: int
     return max(1, min(pairs, (NUM_SMS * per_sm - reserved) // col_tiles))
 
 
+def _each_place(experts_ref, first, *, programs: int, per_program: int, pairs: int,
+                num_experts: int, run) -> None:  # fmt: skip
+    """Calls ``run(pair, expert)`` for each of program ``first``'s pairs ``first, first +
+    programs, ...`` whose expert id is in range. With the real rows first (a bucket's
+    padding last), the real pairs spread over all programs. A loop, not unrolled places:
+    each unrolled product is a copy of the ring for Mosaic GPU's layout inference and
+    ptxas, which took most of a step's compile. The ids load together before the loop, and
+    each pass selects its own (a load inside the loop would wait on memory every pass)."""
+    ids = [experts_ref[jnp.minimum(first + i * programs, pairs - 1)] for i in range(per_program)]
+
+    def expert_of(i):
+        return functools.reduce(
+            lambda chosen, j: jnp.where(i == j, ids[j], chosen), range(1, per_program), ids[0]
+        )
+
+    def place_product(i, carry):
+        place = first + i * programs
+        expert = expert_of(i)
+        valid = (place < pairs) & (expert >= 0) & (expert < num_experts)
+        pl.when(valid)(functools.partial(run, place, expert))
+        return carry
+
+    lax.fori_loop(0, per_program, place_product, None)
+
+
 @functools.partial(jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps"))
 def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVariant,
             interpret: bool, gated: bool = False, rms_eps: float | None = None):  # fmt: skip
@@ -245,40 +270,21 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
                 halves=gated,
             )  # fmt: skip
 
+        def pair_product(pair, expert):
+            """Pair ``pair``'s column tile: its row's 8-row group (or tile) times
+            ``w[expert]``."""
+            row = pair // choices
+            group = row if tiled else pl.ds((row // ALIGN) * ALIGN, ALIGN)
+            product(
+                x_ref.at[group], w_ref.at[expert, :, cols], o_ref.at[pair, :, out_cols],
+                scale=None if scale_ref is None else scale_ref.at[group],
+            )  # fmt: skip
+
         def pairs_of_this_program():
-            # This program's pairs are first, first + programs, ...: with the real rows first
-            # (a bucket's padding last), the real pairs spread over all programs. A loop, not
-            # unrolled places: each unrolled product is a copy of the ring for Mosaic GPU's
-            # layout inference and ptxas, which took most of a step's compile. The ids load
-            # together before the loop, and each pass selects its own (a load inside the loop
-            # would wait on memory every pass).
-            ids = [experts_ref[jnp.minimum(first + i * programs, pairs - 1)]
-                   for i in range(per_program)]  # fmt: skip
-
-            def expert_of(i):
-                return functools.reduce(
-                    lambda chosen, j: jnp.where(i == j, ids[j], chosen), range(1, per_program),
-                    ids[0],
-                )  # fmt: skip
-
-            def pair_product(pair, expert):
-                """Pair ``pair``'s column tile: its row's 8-row group (or tile) times
-                ``w[expert]``."""
-                row = pair // choices
-                group = row if tiled else pl.ds((row // ALIGN) * ALIGN, ALIGN)
-                product(
-                    x_ref.at[group], w_ref.at[expert, :, cols], o_ref.at[pair, :, out_cols],
-                    scale=None if scale_ref is None else scale_ref.at[group],
-                )  # fmt: skip
-
-            def place_product(i, carry):
-                place = first + i * programs
-                expert = expert_of(i)
-                valid = (place < pairs) & (expert >= 0) & (expert < num_experts)
-                pl.when(valid)(functools.partial(pair_product, place, expert))
-                return carry
-
-            lax.fori_loop(0, per_program, place_product, None)
+            _each_place(
+                experts_ref, first, programs=programs, per_program=per_program, pairs=pairs,
+                num_experts=num_experts, run=pair_product,
+            )  # fmt: skip
 
         if dense is None:
             pairs_of_this_program()
@@ -413,3 +419,207 @@ def expert_hidden(
         rms_eps=None if rms_eps is None else float(rms_eps),
     )  # fmt: skip
     return out if tiles else out.rows()
+
+
+def mlp_unsupported_reason(
+    x: jax.Array, w_up: jax.Array, w_down: jax.Array, dense=None
+) -> str | None:
+    """Why the Mosaic GPU kernel cannot take this ``expert_mlp`` call, or None."""
+    hidden = jax.ShapeDtypeStruct((x.shape[0], w_down.shape[1]), x.dtype)
+    return hidden_unsupported_reason(x, w_up) or unsupported_reason(hidden, w_down, dense)
+
+
+@functools.partial(jax.jit, static_argnames=("variant", "interpret", "rms_eps"))
+def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
+                variant: ProductVariant, interpret: bool, rms_eps=None):  # fmt: skip
+    """The launch of ``expert_mlp``: ``expert_hidden``'s programs, then the down launch's
+    (``expert_matmul`` over the hidden tiles, with ``dense``), one grid. Each hidden
+    program signals its pair's semaphore once its tile is stored; a down program requests
+    its weight blocks, then waits until all of its pair's hidden tiles are signalled
+    before requesting their rows. The down programs come after every hidden program in
+    launch order, so a waiting program never holds an SM that a hidden program still
+    needs. Returns (the hidden ``PairTiles``, the down ``PairTiles``, the dense rows)."""
+    rows, k_dim = x.shape
+    num_experts, _, up_cols = w_up.shape
+    hidden_n, down_n = up_cols // 2, w_down.shape[2]
+    choices = experts.shape[1]
+    pairs = rows * choices
+    up_steps, down_steps = k_dim // BLOCK_K, hidden_n // BLOCK_K
+    up_tiles, down_tiles = up_cols // BLOCK_N, down_n // BLOCK_N
+    dtype = x.dtype
+    padded = round_up(rows, ALIGN)
+    dense_steps, dense_rows = 0, ALIGN
+    if dense is not None:
+        dense_rows = round_up(dense[0].shape[0], ALIGN)
+        dense_steps = dense[0].shape[1] // BLOCK_K
+    scaled = row_scale is not None
+    ring_steps = max(up_steps, down_steps, dense_steps)
+    scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled, halves=True)
+    per_sm = programs_per_sm(scratch_types)
+    up_programs = programs_per_tile(pairs, up_tiles, per_sm)
+    down_programs = programs_per_tile(
+        pairs, down_tiles, per_sm, down_tiles if dense is not None else 0
+    )
+    up_per_program, down_per_program = -(-pairs // up_programs), -(-pairs // down_programs)
+    up_grid = up_tiles * up_programs
+    down_grid = down_tiles * (down_programs + (dense is not None))
+    out_types = [
+        jax.ShapeDtypeStruct((up_programs * up_per_program, ALIGN, hidden_n), dtype),
+        jax.ShapeDtypeStruct((down_programs * down_per_program, ALIGN, down_n), dtype),
+    ]
+    operands = [experts.reshape(-1), jnp.pad(x, ((0, padded - rows), (0, 0))), w_up, w_down]
+    if dense is not None:
+        dense_x, dense_w = dense
+        operands += [jnp.pad(dense_x, ((0, dense_rows - dense_x.shape[0]), (0, 0))), dense_w]
+        out_types.append(jax.ShapeDtypeStruct((dense_rows, down_n), dtype))
+    if scaled:
+        operands.append(jnp.pad(row_scale.astype(F32), (0, padded - rows), constant_values=1))
+    rms = None if rms_eps is None else (rms_eps, k_dim)
+    n_dense = 0 if dense is None else len(dense)
+
+    def body(*refs):
+        experts_ref, x_ref, up_ref, down_ref, refs = refs[0], refs[1], refs[2], refs[3], refs[4:]
+        dense_in, refs = refs[:n_dense], refs[n_dense:]
+        scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
+        hidden_ref, out_ref, refs = refs[0], refs[1], refs[2:]
+        dense_o_ref, refs = (refs[0], refs[1:]) if dense is not None else (None, refs)
+        scratch_refs = refs
+        # The interpreter runs the programs one after another in launch order (and has no
+        # semaphores): every hidden tile is stored before a down program reads it.
+        ready = None if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((pairs,)))
+        program = lax.axis_index("i")
+
+        def product(x_rows, w_tile, o_rows, *, steps, scale=None, halves=False, await_rows=None):
+            tile_product(
+                x_rows, w_tile, o_rows, *scratch_refs, steps=steps, variant=variant,
+                interpret=interpret, row_scale=scale, rms=rms if scale is not None else None,
+                halves=halves, await_rows=await_rows,
+            )  # fmt: skip
+
+        @pl.when(program < up_grid)
+        def _hidden():
+            first, col = program // up_tiles, lax.rem(program, up_tiles)
+
+            def pair_hidden(pair, expert):
+                group = pl.ds((pair // choices // ALIGN) * ALIGN, ALIGN)
+                product(
+                    x_ref.at[group], up_ref.at[expert, :, pl.ds(col * BLOCK_N, BLOCK_N)],
+                    hidden_ref.at[pair, :, pl.ds(col * PAIRED_UNITS, PAIRED_UNITS)],
+                    steps=up_steps, scale=None if scale_ref is None else scale_ref.at[group],
+                    halves=True,
+                )  # fmt: skip
+                if ready is not None:  # the tile has landed in GMEM before its signal
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                    plgpu.semaphore_signal(ready.at[pair], 1, memory_scope="gpu")
+
+            _each_place(
+                experts_ref, first, programs=up_programs, per_program=up_per_program,
+                pairs=pairs, num_experts=num_experts, run=pair_hidden,
+            )  # fmt: skip
+
+        @pl.when(program >= up_grid)
+        def _down():
+            first, col = (program - up_grid) // down_tiles, lax.rem(program - up_grid, down_tiles)
+            cols = pl.ds(col * BLOCK_N, BLOCK_N)
+
+            def pair_down(pair, expert):
+                def await_rows():
+                    if ready is not None:
+                        plgpu.semaphore_wait(
+                            ready.at[pair], up_tiles, decrement=False, memory_scope="gpu"
+                        )
+
+                product(
+                    hidden_ref.at[pair], down_ref.at[expert, :, cols], out_ref.at[pair, :, cols],
+                    steps=down_steps, await_rows=await_rows,
+                )  # fmt: skip
+
+            pl.when(first < down_programs)(
+                lambda: _each_place(
+                    experts_ref,
+                    first,
+                    programs=down_programs,
+                    per_program=down_per_program,
+                    pairs=pairs,
+                    num_experts=num_experts,
+                    run=pair_down,
+                )
+            )
+            if dense is not None:
+
+                @pl.when(first == down_programs)
+                def _dense():
+                    d_x, d_w = dense_in
+                    product(d_x, d_w.at[:, cols], dense_o_ref.at[:, cols], steps=dense_steps)
+
+        plgpu.wait_smem_to_gmem(0)
+
+    outs = plgpu.kernel(
+        body,
+        out_type=tuple(out_types),
+        scratch_types=scratch_types,
+        grid=(up_grid + down_grid,),
+        grid_names=("i",),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
+        interpret=interpret_params(interpret),
+        kernel_name="expert_mlp",
+    )(*operands)
+    hidden = PairTiles(outs[0], experts, num_experts, 1)
+    out = PairTiles(outs[1], experts.reshape(-1, 1), num_experts, choices)
+    return hidden, out, (outs[2][: dense[0].shape[0]] if dense is not None else None)
+
+
+def expert_mlp(
+    x: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    experts: jax.Array,
+    *,
+    dense: tuple[jax.Array, jax.Array] | None = None,
+    row_scale: jax.Array | None = None,
+    rms_eps: float | None = None,
+    tiles: bool = False,
+    impl: str = "auto",
+):
+    """A SwiGLU MLP by expert id in one launch: ``expert_hidden`` then the down
+    ``expert_matmul`` over its tiles, each pair's down programs reading its hidden tiles as
+    soon as the launch's hidden programs have stored them, their weights already streaming
+    in. The pairs' products are those of the two launches, bit for bit.
+
+    Args:
+      x: ``[R, K]`` rows.
+      w_up: ``[E, K, 2I]`` laid out by ``pair_halves``.
+      w_down: ``[E, I, N]``.
+      experts: int32 ``[R, C]``; an id outside ``0 .. E - 1`` gives a zero row.
+      dense: optional ``(xd [Rd, Kd], wd [Kd, N])``, a plain product with the down
+        projection's N run in the same launch (a MoE block's shared expert down).
+      row_scale, rms_eps: as ``expert_hidden``'s, for the hidden rows.
+      tiles: give the down products as the launch stored them (``PairTiles`` of the
+        ``R * C`` pairs, which ``combine_pairs`` reads in place); only where the kernel runs.
+      impl: ``"auto" | "pallas" | "interpret" | "reference"``.
+
+    Returns:
+      The pairs' down products ``[R * C, 1, N]`` in x's dtype (see ``tiles``); with
+      ``dense``, ``(that, xd @ wd)``.
+    """
+    _check_hidden(x, w_up, experts, row_scale, rms_eps)
+    hidden_shape = (x.shape[0] * experts.shape[1], w_up.shape[2] // 2)
+    _check(jax.ShapeDtypeStruct(hidden_shape, x.dtype), w_down, experts.reshape(-1, 1), dense)
+    reason = mlp_unsupported_reason(x, w_up, w_down, dense) if impl != "reference" else None
+    choice = resolve_impl(_OP, impl, reason)
+    if choice == "reference":
+        if tiles:
+            raise ValueError(
+                f"{_OP}: tiles=True needs the kernel; this call resolved to the reference"
+            )
+        hidden = expert_hidden_reference(x, w_up, experts, row_scale=row_scale, rms_eps=rms_eps)
+        return expert_matmul(
+            hidden.reshape(hidden_shape), w_down, experts.reshape(-1, 1), dense=dense,
+            impl="reference",
+        )  # fmt: skip
+    _, out, dense_out = _mlp_kernel(
+        x, w_up, w_down, experts, dense, row_scale, variant=current_variant(),
+        interpret=choice == "interpret", rms_eps=None if rms_eps is None else float(rms_eps),
+    )  # fmt: skip
+    out = out if tiles else out.rows()
+    return out if dense is None else (out, dense_out)

@@ -261,3 +261,48 @@ def test_a_decode_bucket_combined_in_one_launch_matches_the_reference_layer(monk
     got = np.asarray(fused.x, np.float64)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
     np.testing.assert_allclose(np.asarray(fused.square_sums), (got * got).sum(1), rtol=1e-5)
+
+
+@pytest.mark.parametrize("real", [1, 3, 8])
+def test_the_experts_in_one_launch_change_no_bit_on_the_gpu(real):
+    """``moe.expert_mlp`` at the 35B-like shapes (a bucket of 8 rows, top 8, the shared down
+    beside): the down products, dense rows included, equal the hidden launch followed by the
+    down launch bit for bit, in each of 50 launches: a down program that read its hidden
+    tiles before their semaphores said they were stored would differ in some launch."""
+    rng = np.random.default_rng(real + 60)
+    x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
+    up = jnp.asarray(
+        rng.standard_normal((256, 2048, 1024), np.float32) / np.sqrt(2048), jnp.bfloat16
+    )
+    down = jnp.asarray(
+        rng.standard_normal((256, 512, 2048), np.float32) / np.sqrt(512), jnp.bfloat16
+    )
+    shared = jnp.asarray(rng.standard_normal((8, 512)), jnp.bfloat16)
+    shared_down = jnp.asarray(rng.standard_normal((512, 2048)) / np.sqrt(512), jnp.bfloat16)
+    square_sum = jnp.asarray(rng.uniform(0.5, 2.0, 8) * 2048, jnp.float32)
+    ids = np.full((8, 8), 256, np.int32)
+    ids[:real] = np.stack([rng.choice(256, 8, replace=False) for _ in range(real)])
+    ids = jnp.asarray(ids)
+    kw = dict(row_scale=square_sum, rms_eps=1e-6)
+
+    @jax.jit
+    def two_launches(x, up, down, ids, shared, shared_down):
+        tiles = moe.expert_hidden(x, up, ids, tiles=True, impl="pallas", **kw)
+        return moe.expert_matmul(
+            tiles, down, ids.reshape(-1, 1), dense=(shared, shared_down), impl="pallas"
+        )
+
+    @jax.jit
+    def one_launch(x, up, down, ids, shared, shared_down):
+        return moe.expert_mlp(x, up, down, ids, dense=(shared, shared_down), impl="pallas", **kw)
+
+    args = (x, up, down, ids, shared, shared_down)
+    want, want_dense = (np.asarray(a) for a in two_launches(*args))
+    assert np.abs(want[: real * 8].astype(np.float32)).max() > 0
+    np.testing.assert_array_equal(want[real * 8 :].astype(np.float32), 0)
+    for _ in range(50):
+        got, got_dense = one_launch(*args)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16))
+        np.testing.assert_array_equal(
+            np.asarray(got_dense).view(np.uint16), want_dense.view(np.uint16)
+        )

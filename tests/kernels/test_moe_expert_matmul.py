@@ -285,3 +285,91 @@ def test_pair_halves_puts_each_tiles_gate_and_up_columns_side_by_side():
     np.testing.assert_array_equal(paired[0, 32:64], 128 + np.arange(32))
     np.testing.assert_array_equal(paired[1, 64:96], 256 + 32 + np.arange(32))
     chex.assert_trees_all_equal(unpair_halves(paired), w)
+
+
+def _mlp_case(seed, rows=5, k=256, width=128, n=192, experts=4):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    up = jnp.asarray(rng.standard_normal((experts, k, 2 * width)) / np.sqrt(k), jnp.bfloat16)
+    down = jnp.asarray(rng.standard_normal((experts, width, n)) / np.sqrt(width), jnp.bfloat16)
+    ids = rng.integers(0, experts, (rows, 2)).astype(np.int32)
+    ids[rows - 1] = experts  # a padding row
+    ids[1, 1] = -1
+    dense = (
+        jnp.asarray(rng.standard_normal((3, width)), jnp.bfloat16),
+        jnp.asarray(rng.standard_normal((width, n)) / np.sqrt(width), jnp.bfloat16),
+    )
+    square_sum = jnp.asarray(rng.uniform(0.5, 2.0, rows) * k, jnp.float32)
+    return x, up, down, jnp.asarray(ids), dense, square_sum
+
+
+def test_the_mlp_launch_gives_the_two_launches_products_bit_for_bit():
+    """``expert_mlp``: the hidden launch's programs and the down launch's in one grid give
+    the pairs' down products and the dense product of ``expert_hidden`` followed by
+    ``expert_matmul`` over its tiles, bit for bit (the interpreter runs the hidden programs
+    first, as the launch order on the GPU does), as tiles too."""
+    x, up, down, ids, dense, square_sum = _mlp_case(5)
+    paired = moe.pair_halves(up)
+    kw = dict(row_scale=square_sum, rms_eps=1e-6)
+    got, got_dense = moe.expert_mlp(x, paired, down, ids, dense=dense, impl="interpret", **kw)
+    hidden = moe.expert_hidden(x, paired, ids, tiles=True, impl="interpret", **kw)
+    pair_ids = ids.reshape(-1, 1)
+    two = moe.expert_matmul(hidden, down, pair_ids, dense=dense, impl="interpret")
+    chex.assert_trees_all_equal((got, got_dense), two)
+    chex.assert_shape(got, (10, 1, 192))
+    tiles, _ = moe.expert_mlp(x, paired, down, ids, dense=dense, tiles=True, impl="interpret", **kw)
+    assert isinstance(tiles, moe.PairTiles)
+    chex.assert_trees_all_equal(tiles.rows(), got)
+
+
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_the_mlp_launch_matches_the_float64_oracle(impl):
+    """Each pair's ``silu(gate) * up`` of its scaled row times its expert's down weight;
+    padding ids give zero rows, and the dense product rides along."""
+    x, up, down, ids, dense, square_sum = _mlp_case(6)
+    got, got_dense = moe.expert_mlp(
+        x, moe.pair_halves(up), down, ids, dense=dense, row_scale=square_sum, rms_eps=1e-6,
+        impl=impl,
+    )  # fmt: skip
+    x64 = (
+        np.asarray(x, np.float64)
+        / np.sqrt(np.asarray(square_sum, np.float64) / 256 + 1e-6)[:, None]
+    )
+    hidden = _hidden_oracle(x64, np.asarray(up, np.float64), np.asarray(ids))
+    want = _oracle(hidden.reshape(-1, 128), down, np.asarray(ids).reshape(-1, 1))
+    got64 = np.asarray(got, np.float64)
+    assert np.linalg.norm(got64 - want) / np.linalg.norm(want) < 2e-2
+    np.testing.assert_array_equal(got64[[3, 8, 9]], 0)  # ids -1 and the padding row's
+    dense_want = np.asarray(dense[0], np.float64) @ np.asarray(dense[1], np.float64)
+    dense64 = np.asarray(got_dense, np.float64)
+    assert np.linalg.norm(dense64 - dense_want) / np.linalg.norm(dense_want) < 1e-2
+
+
+def test_the_mlp_launch_lowers_for_cuda_at_the_35b_shapes_with_its_semaphores():
+    """One Mosaic GPU launch whose per-pair semaphores XLA zeroes before it."""
+    s = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+
+    def call(x, up, down, ids, shared, shared_down, square_sum):
+        return moe.expert_mlp(
+            x, up, down, ids, dense=(shared, shared_down), row_scale=square_sum, rms_eps=1e-6,
+            tiles=True, impl="pallas",
+        )  # fmt: skip
+
+    args = (s((8, 2048), bf16), s((256, 2048, 1024), bf16), s((256, 512, 2048), bf16),
+            s((8, 8), jnp.int32), s((8, 512), bf16), s((512, 2048), bf16),
+            s((8,), jnp.float32))  # fmt: skip
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert "tensor<64xi32>" in text  # a semaphore for each of the 64 pairs
+
+
+def test_mlp_calls_refuse_what_they_cannot_take():
+    x, up, down, ids, dense, _ = _mlp_case(7)
+    with pytest.raises(ValueError, match="tiles=True needs the kernel"):
+        moe.expert_mlp(x, moe.pair_halves(up), down, ids, tiles=True, impl="reference")
+    with pytest.raises(ValueError, match=r"x must be \[R, K\] and w \[E, K, N\]"):
+        moe.expert_mlp(x, moe.pair_halves(up), down[:, :64], ids)
+    assert moe.expert_mlp_unsupported_reason(x, up, down, dense) is None
+    odd = jnp.zeros((4, 128, 100), jnp.bfloat16)
+    assert "multiple of 64" in moe.expert_mlp_unsupported_reason(x, up, odd)
