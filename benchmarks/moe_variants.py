@@ -19,6 +19,9 @@ fused gate/up row is followed by the hidden rows formed in the launch from paire
 tiles (``moe.expert_hidden``). The by-id rows re-read the same few experts
 every call, which fit in the H200's 50 MB L2: they are warm-cache times, below what a step
 whose layers each read new experts takes (``benchmarks/RESULTS_serve.md``, session 31).
+``--mlp-layers L`` (with ``--tokens "" --configs ""`` alone) times a batch-1 bucket's hidden
+and down launches against both in one launch (``moe.expert_mlp``) over L layers of their own
+experts, and checks that the two give the same bits.
 """
 
 from __future__ import annotations

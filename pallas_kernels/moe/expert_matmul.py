@@ -19,6 +19,14 @@ more program per column tile of the same launch.
 ``pair_halves`` (each 64-column tile the gate and up columns of 32 hidden units): each
 program multiplies its pair's rows by one tile and stores ``silu(gate) * up``, the hidden
 rows the down projection reads, so no XLA kernel forms them between the two launches.
+
+``expert_mlp`` runs both launches' programs as one grid: the hidden programs first in launch
+order, then the down programs (and the dense product's). A hidden program signals its pair's
+GMEM semaphore once its tile is stored; a down program requests its weight blocks, waits
+until all of its pair's hidden tiles are signalled, then requests their rows
+(``tile_product(await_rows=)``). The down weights then stream while the hidden programs read
+theirs, where a down launch of its own starts reading only when the hidden launch has
+ended. Pallas zero-fills the semaphores before each launch.
 """
 
 from __future__ import annotations
@@ -455,10 +463,12 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
     scaled = row_scale is not None
     ring_steps = max(up_steps, down_steps, dense_steps)
     scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled, halves=True)
-    per_sm = programs_per_sm(scratch_types)
-    up_programs = programs_per_tile(pairs, up_tiles, per_sm)
+    # Each phase spreads its pairs over the programs its own launch would: at batch 1 every
+    # real pair's column tile has a program of its own in both phases.
+    up_programs = programs_per_tile(pairs, up_tiles, programs_per_sm(scratch_types))
+    down_alone = scratch(max(down_steps, dense_steps), dtype, variant, dense_rows)
     down_programs = programs_per_tile(
-        pairs, down_tiles, per_sm, down_tiles if dense is not None else 0
+        pairs, down_tiles, programs_per_sm(down_alone), down_tiles if dense is not None else 0
     )
     up_per_program, down_per_program = -(-pairs // up_programs), -(-pairs // down_programs)
     up_grid = up_tiles * up_programs
