@@ -240,10 +240,16 @@ def test_the_combine_launch_matches_the_oracle_at_the_35b_shapes(real):
     np.testing.assert_allclose(np.asarray(sums), (got * got).sum(1), rtol=1e-5)
 
 
-def test_a_decode_bucket_combined_in_one_launch_matches_the_reference_layer(monkeypatch):
+@pytest.mark.parametrize("experts_in_one_launch", [False, True])
+def test_a_decode_bucket_combined_in_one_launch_matches_the_reference_layer(
+    experts_in_one_launch, monkeypatch
+):
     """``SparseMoE.add_to`` with ``COMBINE_IN_LAUNCH`` at the 35B-like shapes: the residual
-    plus the block's output from the combine launch, against the reference layer's sum."""
+    plus the block's output from the combine launch, against the reference layer's sum (the
+    experts' hidden rows and down products in two launches or, ``EXPERTS_IN_ONE_LAUNCH``,
+    one)."""
     monkeypatch.setattr(moe_layer, "COMBINE_IN_LAUNCH", True)
+    monkeypatch.setattr(moe_layer, "EXPERTS_IN_ONE_LAUNCH", experts_in_one_launch)
     config = MoEConfig(hidden_size=2048, num_experts=256, top_k=8, intermediate_size=512,
                        shared_intermediate_size=512, dtype="bfloat16")  # fmt: skip
     layer = SparseMoE(config, rngs=nnx.Rngs(4))
