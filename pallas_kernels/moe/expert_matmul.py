@@ -445,13 +445,14 @@ def mlp_unsupported_reason(
 @functools.partial(jax.jit, static_argnames=("variant", "interpret", "rms_eps"))
 def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
                 variant: ProductVariant, interpret: bool, rms_eps=None):  # fmt: skip
-    """The launch of ``expert_mlp``: ``expert_hidden``'s programs, then the down launch's
-    (``expert_matmul`` over the hidden tiles, with ``dense``), one grid. Each hidden
-    program signals its pair's semaphore once its tile is stored; a down program requests
-    its weight blocks, then waits until all of its pair's hidden tiles are signalled
-    before requesting their rows. The down programs come after every hidden program in
-    launch order, so a waiting program never holds an SM that a hidden program still
-    needs. Returns (the hidden ``PairTiles``, the down ``PairTiles``, the dense rows)."""
+    """The launch of ``expert_mlp``: the ``dense`` product's programs, ``expert_hidden``'s,
+    then the down launch's pair programs (``expert_matmul`` over the hidden tiles), one
+    grid. Each hidden program signals its pair's semaphore once its tile is stored; a down
+    program requests its weight blocks, then waits until all of its pair's hidden tiles are
+    signalled before requesting their rows. The down programs come after every hidden
+    program in launch order, so a waiting program never holds an SM that a hidden program
+    still needs; the dense programs, which wait for nothing, come first, so none starts
+    last. Returns (the hidden ``PairTiles``, the down ``PairTiles``, the dense rows)."""
     rows, k_dim = x.shape
     num_experts, _, up_cols = w_up.shape
     hidden_n, down_n = up_cols // 2, w_down.shape[2]
@@ -476,8 +477,8 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
         pairs, down_tiles, programs_per_sm(down_alone), down_tiles if dense is not None else 0
     )
     up_per_program, down_per_program = -(-pairs // up_programs), -(-pairs // down_programs)
-    up_grid = up_tiles * up_programs
-    down_grid = down_tiles * (down_programs + (dense is not None))
+    dense_grid = down_tiles if dense is not None else 0
+    up_grid, down_grid = up_tiles * up_programs, down_tiles * down_programs
     out_types = [
         jax.ShapeDtypeStruct((up_programs * up_per_program, ALIGN, hidden_n), dtype),
         jax.ShapeDtypeStruct((down_programs * down_per_program, ALIGN, down_n), dtype),
@@ -511,9 +512,17 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
                 halves=halves, await_rows=await_rows,
             )  # fmt: skip
 
-        @pl.when(program < up_grid)
+        if dense is not None:  # first in launch order: they wait for nothing
+
+            @pl.when(program < dense_grid)
+            def _dense():
+                d_x, d_w = dense_in
+                cols = pl.ds(program * BLOCK_N, BLOCK_N)
+                product(d_x, d_w.at[:, cols], dense_o_ref.at[:, cols], steps=dense_steps)
+
+        @pl.when((program >= dense_grid) & (program < dense_grid + up_grid))
         def _hidden():
-            first, col = program // up_tiles, lax.rem(program, up_tiles)
+            first, col = (program - dense_grid) // up_tiles, lax.rem(program - dense_grid, up_tiles)
 
             def pair_hidden(pair, expert):
                 group = pl.ds((pair // choices // ALIGN) * ALIGN, ALIGN)
@@ -532,9 +541,10 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
                 pairs=pairs, num_experts=num_experts, run=pair_hidden,
             )  # fmt: skip
 
-        @pl.when(program >= up_grid)
+        @pl.when(program >= dense_grid + up_grid)
         def _down():
-            first, col = (program - up_grid) // down_tiles, lax.rem(program - up_grid, down_tiles)
+            place = program - dense_grid - up_grid
+            first, col = place // down_tiles, lax.rem(place, down_tiles)
             cols = pl.ds(col * BLOCK_N, BLOCK_N)
 
             def pair_down(pair, expert):
@@ -549,23 +559,10 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
                     steps=down_steps, await_rows=await_rows,
                 )  # fmt: skip
 
-            pl.when(first < down_programs)(
-                lambda: _each_place(
-                    experts_ref,
-                    first,
-                    programs=down_programs,
-                    per_program=down_per_program,
-                    pairs=pairs,
-                    num_experts=num_experts,
-                    run=pair_down,
-                )
-            )
-            if dense is not None:
-
-                @pl.when(first == down_programs)
-                def _dense():
-                    d_x, d_w = dense_in
-                    product(d_x, d_w.at[:, cols], dense_o_ref.at[:, cols], steps=dense_steps)
+            _each_place(
+                experts_ref, first, programs=down_programs, per_program=down_per_program,
+                pairs=pairs, num_experts=num_experts, run=pair_down,
+            )  # fmt: skip
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -573,7 +570,7 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
         body,
         out_type=tuple(out_types),
         scratch_types=scratch_types,
-        grid=(up_grid + down_grid,),
+        grid=(dense_grid + up_grid + down_grid,),
         grid_names=("i",),
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
