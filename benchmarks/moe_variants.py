@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import sys
 import traceback
 from pathlib import Path
@@ -42,8 +41,6 @@ from device_time import device_time  # noqa: E402
 
 from hybrid_jax.layers.moe import BY_ID_MAX_PAIRS  # noqa: E402
 from pallas_kernels import moe  # noqa: E402
-
-em_module = importlib.import_module("pallas_kernels.moe.expert_matmul")
 
 EXPERTS, HIDDEN, WIDTH, TOP_K = 256, 2048, 512, 8
 CONFIGS = {
@@ -137,11 +134,9 @@ def _one_launch_rows(bucket: int, layers: int, rng: np.random.Generator) -> list
 
     limit_us = (TOP_K * 3 * HIDDEN * WIDTH + WIDTH * HIDDEN) * 2 / 4.3e12 * 1e6
     out, results = [], []
-    forms = [("hidden launch, then down launch", two_launches, None)]
-    forms += [(f"one launch (expert_mlp), {s} stages", one_launch, s) for s in (3, 4)]
-    for label, form, stages in forms:
-        if stages is not None:
-            em_module.MLP_STAGES = stages
+    forms = [("hidden launch, then down launch", two_launches),
+             ("one launch (expert_mlp)", one_launch)]  # fmt: skip
+    for label, form in forms:
         f = jax.jit(lambda up, down, ids, form=form: [form(up, down, i) for i in ids])
         results.append(jax.device_get(f(up, down, ids)))
         t = device_time(lambda f=f: f(up, down, ids), calls=5)

@@ -80,11 +80,6 @@ __all__ = [
 
 _OP = "expert_matmul"
 
-MLP_STAGES = 3
-"""The ring depth of ``expert_mlp``'s programs (at most the product variant's): at 3 stages a
-batch-1 launch's programs fit three to an SM, so the down programs are resident, their
-weights streaming, while the hidden programs read theirs (at 4, two to an SM)."""
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -629,10 +624,8 @@ def expert_mlp(
             hidden.reshape(hidden_shape), w_down, experts.reshape(-1, 1), dense=dense,
             impl="reference",
         )  # fmt: skip
-    variant = current_variant()
-    variant = variant._replace(stages=min(variant.stages, MLP_STAGES))
     _, out, dense_out = _mlp_kernel(
-        x, w_up, w_down, experts, dense, row_scale, variant=variant,
+        x, w_up, w_down, experts, dense, row_scale, variant=current_variant(),
         interpret=choice == "interpret", rms_eps=None if rms_eps is None else float(rms_eps),
     )  # fmt: skip
     out = out if tiles else out.rows()
