@@ -91,7 +91,10 @@ EXPERTS_IN_ONE_LAUNCH = False
 (``HIDDEN_IN_EXPERT_LAUNCH``) runs its experts' hidden rows and their down products (with
 the shared expert's) as one launch (``moe.expert_mlp``): the down programs' weights stream in
 while the hidden programs read theirs, and each pair's down programs start once its hidden
-tiles are stored, instead of a launch that starts after the hidden launch ends."""
+tiles are stored, instead of a launch that starts after the hidden launch ends. Off: on the
+H100 at 20 layers the launch is 1.25 us a block shorter than the two, but the step keeps
+only 12 us, as XLA copies the zero-filled semaphores of a scan repeat's launches
+(``benchmarks/RESULTS_serve.md``, session 40)."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
