@@ -20,13 +20,13 @@ more program per column tile of the same launch.
 program multiplies its pair's rows by one tile and stores ``silu(gate) * up``, the hidden
 rows the down projection reads, so no XLA kernel forms them between the two launches.
 
-``expert_mlp`` runs both launches' programs as one grid: the hidden programs first in launch
-order, then the down programs (and the dense product's). A hidden program signals its pair's
-GMEM semaphore once its tile is stored; a down program requests its weight blocks, waits
-until all of its pair's hidden tiles are signalled, then requests their rows
-(``tile_product(await_rows=)``). The down weights then stream while the hidden programs read
-theirs, where a down launch of its own starts reading only when the hidden launch has
-ended. Pallas zero-fills the semaphores before each launch.
+``expert_mlp`` runs both launches' programs as one grid: in launch order the dense product's
+programs (they wait for nothing), the hidden programs, then the pairs' down programs. A hidden
+program signals its pair's GMEM semaphore once its tile is stored; a down program requests
+its weight blocks, waits until all of its pair's hidden tiles are signalled, then requests
+their rows (``tile_product(await_rows=)``). The down weights then stream while the hidden
+programs read theirs, where a down launch of its own starts reading only when the hidden
+launch has ended. Pallas zero-fills the semaphores before each launch.
 """
 
 from __future__ import annotations
