@@ -239,6 +239,9 @@ def main() -> None:
             for row in _by_id_rows(tokens, args.bucket, rng):
                 print(row, flush=True)
                 lines.append(row)
+    if not any(args.tokens.split(",")):  # the --mlp-layers rows alone: not the configs' table
+        print("no --tokens: RESULTS_moe_variants.md left as it is", flush=True)
+        return
     (Path(args.out) / "RESULTS_moe_variants.md").write_text("\n".join(lines) + "\n")
 
 
