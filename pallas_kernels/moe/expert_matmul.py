@@ -22,11 +22,14 @@ rows the down projection reads, so no XLA kernel forms them between the two laun
 
 ``expert_mlp`` runs both launches' programs as one grid: in launch order the dense product's
 programs (they wait for nothing), the hidden programs, then the pairs' down programs. A hidden
-program signals its pair's GMEM semaphore once its tile is stored; a down program requests
+program adds 1 to its pair's GMEM counter once its tile is stored; a down program requests
 its weight blocks, waits until all of its pair's hidden tiles are signalled, then requests
 their rows (``tile_product(await_rows=)``). The down weights then stream while the hidden
 programs read theirs, where a down launch of its own starts reading only when the hidden
-launch has ended. Pallas zero-fills the semaphores before each launch.
+launch has ended. The counters are an int32 operand the launch updates in place, zeros that
+XLA computes from the launch's own ids (``_zeros_of``): Pallas's own GMEM semaphores come
+zero-filled by a constant that XLA shares between a scan repeat's launches, copying it for
+each launch after the first.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.mosaic import gpu as mgpu
 
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
 from pallas_kernels._mgpu_chunks import ALIGN, F32
@@ -429,6 +433,40 @@ def expert_hidden(
     return out if tiles else out.rows()
 
 
+def _zeros_of(ids: jax.Array) -> jax.Array:
+    """int32 zeros of ``ids``' shape computed from them (no id is the least int32): XLA can
+    neither merge them with another launch's zeros nor fold them into a constant, so each
+    launch writes its own buffer in place, with no copy of a shared one before it."""
+    return (ids == jnp.iinfo(jnp.int32).min).astype(jnp.int32)
+
+
+def _signal(counter) -> None:
+    """Adds 1 to the GMEM int32 ``counter`` ``[1]`` (one lane, after the warpgroup's earlier
+    work: a release at GPU scope)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def signal(ctx, ref):
+        del ctx
+        mgpu.utils.warpgroup_barrier()
+        mgpu.utils.SemaphoreRef(mgpu.utils.memref_ptr(ref)).signal(1, memory_scope="gpu")
+
+    signal(counter)
+
+
+def _wait_for(counter, value: int) -> None:
+    """Waits until the GMEM int32 ``counter`` ``[1]`` is at least ``value`` (an acquire at
+    GPU scope; the counter is left as it is)."""
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+    def wait(ctx, ref):
+        del ctx
+        mgpu.utils.SemaphoreRef(mgpu.utils.memref_ptr(ref)).wait(
+            value, decrement=False, memory_scope="gpu"
+        )
+
+    wait(counter)
+
+
 def mlp_unsupported_reason(
     x: jax.Array, w_up: jax.Array, w_down: jax.Array, dense=None
 ) -> str | None:
@@ -442,7 +480,7 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
                 variant: ProductVariant, interpret: bool, rms_eps=None):  # fmt: skip
     """The launch of ``expert_mlp``: the ``dense`` product's programs, ``expert_hidden``'s,
     then the down launch's pair programs (``expert_matmul`` over the hidden tiles), one
-    grid. Each hidden program signals its pair's semaphore once its tile is stored; a down
+    grid. Each hidden program adds 1 to its pair's counter once its tile is stored; a down
     program requests its weight blocks, then waits until all of its pair's hidden tiles are
     signalled before requesting their rows. The down programs come after every hidden
     program in launch order, so a waiting program never holds an SM that a hidden program
@@ -485,6 +523,10 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
         out_types.append(jax.ShapeDtypeStruct((dense_rows, down_n), dtype))
     if scaled:
         operands.append(jnp.pad(row_scale.astype(F32), (0, padded - rows), constant_values=1))
+    if not interpret:
+        # The interpreter runs the programs one after another in launch order (and cannot
+        # run inline Mosaic GPU): every hidden tile is stored before a down program reads it.
+        operands.append(jax.new_ref(_zeros_of(experts.reshape(-1))))
     rms = None if rms_eps is None else (rms_eps, k_dim)
     n_dense = 0 if dense is None else len(dense)
 
@@ -492,12 +534,10 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
         experts_ref, x_ref, up_ref, down_ref, refs = refs[0], refs[1], refs[2], refs[3], refs[4:]
         dense_in, refs = refs[:n_dense], refs[n_dense:]
         scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
+        ready, refs = (None, refs) if interpret else (refs[0], refs[1:])
         hidden_ref, out_ref, refs = refs[0], refs[1], refs[2:]
         dense_o_ref, refs = (refs[0], refs[1:]) if dense is not None else (None, refs)
         scratch_refs = refs
-        # The interpreter runs the programs one after another in launch order (and has no
-        # semaphores): every hidden tile is stored before a down program reads it.
-        ready = None if interpret else pl.get_global(plgpu.SemaphoreType.REGULAR((pairs,)))
         program = lax.axis_index("i")
 
         def product(x_rows, w_tile, o_rows, *, steps, scale=None, halves=False, await_rows=None):
@@ -529,7 +569,7 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
                 )  # fmt: skip
                 if ready is not None:  # the tile has landed in GMEM before its signal
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    plgpu.semaphore_signal(ready.at[pair], 1, memory_scope="gpu")
+                    _signal(ready.at[pl.ds(pair, 1)])
 
             _each_place(
                 experts_ref, first, programs=up_programs, per_program=up_per_program,
@@ -545,9 +585,7 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
             def pair_down(pair, expert):
                 def await_rows():
                     if ready is not None:
-                        plgpu.semaphore_wait(
-                            ready.at[pair], up_tiles, decrement=False, memory_scope="gpu"
-                        )
+                        _wait_for(ready.at[pl.ds(pair, 1)], up_tiles)
 
                 product(
                     hidden_ref.at[pair], down_ref.at[expert, :, cols], out_ref.at[pair, :, cols],
