@@ -6,7 +6,8 @@ read from ``NPROC`` (default: the CPU count) when the CPU client is created. A w
 kernel (``pallas_kernels/gdn/_chunk_state.py``: three warpgroups, each blocked in barrier
 waits while another must run) deadlocks the interpreter on a 2-CPU machine with the default.
 This file is imported before every test module of the suite (also by each xdist worker), so
-setting the variables here precedes the first backend in any order of collection.
+setting the variables here precedes the first backend in any order of collection, and so
+does importing ``hybrid_jax``, which adds its serving flags to ``XLA_FLAGS``.
 
 On a machine without an NVIDIA GPU, XLA's CPU backend compiles at LLVM optimisation level 0:
 the suite's shapes are tiny, so compiling is most of its time (an engine's start-up is about
@@ -29,6 +30,11 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     ).strip()
+
+# hybrid_jax adds its serving flags to XLA_FLAGS when imported, unless a backend has already
+# started: imported here, it adds them whichever test module first starts one (a module that
+# imports only pallas_kernels would otherwise leave the later engine tests without them).
+import hybrid_jax  # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")
