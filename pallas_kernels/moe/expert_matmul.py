@@ -220,6 +220,20 @@ def _each_place(experts_ref, first, *, programs: int, per_program: int, pairs: i
     lax.fori_loop(0, per_program, place_product, None)
 
 
+def _dense_shape(dense) -> tuple[int, int]:
+    """(the rows a launch's ``dense`` product's input is padded to, its K blocks); ``(ALIGN,
+    0)`` without one."""
+    if dense is None:
+        return ALIGN, 0
+    return round_up(dense[0].shape[0], ALIGN), dense[0].shape[1] // BLOCK_K
+
+
+def _padded_rows(a: jax.Array, rows: int, value=0) -> jax.Array:
+    """``a`` with rows of ``value`` appended along its first axis up to ``rows``."""
+    widths = ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1)
+    return jnp.pad(a, widths, constant_values=value)
+
+
 @functools.partial(jax.jit, static_argnames=("variant", "interpret", "gated", "rms_eps"))
 def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVariant,
             interpret: bool, gated: bool = False, rms_eps: float | None = None):  # fmt: skip
@@ -240,10 +254,7 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
     out_n = BLOCK_N // 2 if gated else BLOCK_N  # a program's output columns
     dtype = x.dtype
     padded = round_up(rows, ALIGN)
-    dense_steps, dense_rows = 0, ALIGN
-    if dense is not None:
-        dense_rows = round_up(dense[0].shape[0], ALIGN)
-        dense_steps = dense[0].shape[1] // BLOCK_K
+    dense_rows, dense_steps = _dense_shape(dense)
     scaled = row_scale is not None
     ring_steps = max(steps, dense_steps)
     scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled, halves=gated)
@@ -251,16 +262,16 @@ def _kernel(x, w, experts, dense=None, row_scale=None, *, variant: ProductVarian
         pairs, col_tiles, programs_per_sm(scratch_types), col_tiles if dense is not None else 0
     )
     per_program = -(-pairs // programs)
-    xp = x.tiles if tiled else jnp.pad(x, ((0, padded - rows), (0, 0)))
+    xp = x.tiles if tiled else _padded_rows(x, padded)
     out_types = [jax.ShapeDtypeStruct((programs * per_program, ALIGN, n_dim), dtype)]
     # Unpadded: a program reads past the last pair as no pair (no pad op ahead of the launch).
     operands = [experts.reshape(-1), xp, w]
     if dense is not None:
         dense_x, dense_w = dense
-        operands += [jnp.pad(dense_x, ((0, dense_rows - dense_x.shape[0]), (0, 0))), dense_w]
+        operands += [_padded_rows(dense_x, dense_rows), dense_w]
         out_types.append(jax.ShapeDtypeStruct((dense_rows, n_dim), dtype))
     if scaled:
-        operands.append(jnp.pad(row_scale.astype(F32), (0, padded - rows), constant_values=1))
+        operands.append(_padded_rows(row_scale.astype(F32), padded, 1))
     rms = None if rms_eps is None else (rms_eps, k_dim)
     n_dense = 0 if dense is None else len(dense)
 
@@ -495,10 +506,7 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
     up_tiles, down_tiles = up_cols // BLOCK_N, down_n // BLOCK_N
     dtype = x.dtype
     padded = round_up(rows, ALIGN)
-    dense_steps, dense_rows = 0, ALIGN
-    if dense is not None:
-        dense_rows = round_up(dense[0].shape[0], ALIGN)
-        dense_steps = dense[0].shape[1] // BLOCK_K
+    dense_rows, dense_steps = _dense_shape(dense)
     scaled = row_scale is not None
     ring_steps = max(up_steps, down_steps, dense_steps)
     scratch_types = scratch(ring_steps, dtype, variant, dense_rows, row_scale=scaled, halves=True)
@@ -516,13 +524,13 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
         jax.ShapeDtypeStruct((up_programs * up_per_program, ALIGN, hidden_n), dtype),
         jax.ShapeDtypeStruct((down_programs * down_per_program, ALIGN, down_n), dtype),
     ]
-    operands = [experts.reshape(-1), jnp.pad(x, ((0, padded - rows), (0, 0))), w_up, w_down]
+    operands = [experts.reshape(-1), _padded_rows(x, padded), w_up, w_down]
     if dense is not None:
         dense_x, dense_w = dense
-        operands += [jnp.pad(dense_x, ((0, dense_rows - dense_x.shape[0]), (0, 0))), dense_w]
+        operands += [_padded_rows(dense_x, dense_rows), dense_w]
         out_types.append(jax.ShapeDtypeStruct((dense_rows, down_n), dtype))
     if scaled:
-        operands.append(jnp.pad(row_scale.astype(F32), (0, padded - rows), constant_values=1))
+        operands.append(_padded_rows(row_scale.astype(F32), padded, 1))
     if not interpret:
         # The interpreter runs the programs one after another in launch order (and cannot
         # run inline Mosaic GPU): every hidden tile is stored before a down program reads it.
