@@ -19,6 +19,7 @@ from hybrid_jax.engine.engine import model_for_steps
 from hybrid_jax.engine.lm_step import LastTokenLogits, ServingState
 from hybrid_jax.engine.step import StepFunctions
 from hybrid_jax.kv_cache import init_kv_cache
+from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.metadata import example_metadata
 from hybrid_jax.models.nemotron_h import NemotronH
 from hybrid_jax.models.qwen3_next import Qwen3Next
@@ -91,3 +92,20 @@ def test_the_gpu_tests_steps_lower_for_the_gpu_with_their_kernels(
     text = steps.lower(mode, state, x, meta, platforms=("cuda",)).as_text()
     missing = [name for name in kernels if name not in text]
     assert not missing, f"{mode.name} lowered without {missing}"
+
+
+def test_a_decode_step_with_the_experts_in_one_launch_carries_one_counters_buffer(monkeypatch):
+    """With ``EXPERTS_IN_ONE_LAUNCH`` each MoE block's ``expert_mlp`` launch counts in the
+    forward's one buffer (``LayerStates.counters``, 8 tokens x top 8), which the layer scan
+    carries: no launch computes zeros of its own."""
+    monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
+    monkeypatch.setattr(moe_layer, "EXPERTS_IN_ONE_LAUNCH", True)
+    # Steps of their own: the cached ones may hold a trace made with the switch off.
+    steps, state, policy = _steps_and_state.__wrapped__(_qwen3_next)
+    meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
+    x = jax.ShapeDtypeStruct((8,), jnp.int32)
+    text = steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
+    assert "expert_mlp" in text and "expert_hidden" not in text
+    assert "tensor<64xi1>) -> tensor<64xi32>" not in text
+    (loop,) = [line for line in text.splitlines() if "stablehlo.while" in line]
+    assert "tensor<64xi32>" in loop

@@ -365,19 +365,23 @@ class SparseMoE(nnx.Module):
 
     def add_to(
         self, residual: jax.Array, x: jax.Array | NormedRows, real: jax.Array | None = None,
-        *, impl: str = "auto",
+        *, impl: str = "auto", counters: jax.Ref | None = None,
     ) -> jax.Array | SummedRows:  # fmt: skip
         """``residual + self(x, real)``. Where the hidden rows come from the experts'
         launches and ``COMBINE_IN_LAUNCH``, one ``moe.combine_pairs`` launch forms the sum
         from the down launch's tiles and gives each new row's sum of squares with it
-        (``SummedRows``, which the next norm reads instead of reducing the rows again)."""
+        (``SummedRows``, which the next norm reads instead of reducing the rows again).
+        ``counters``: int32 zeros for the experts' one launch to count in
+        (``moe.expert_mlp``'s), shared by the forward's blocks (``LayerStates.counters``)."""
         if not (COMBINE_IN_LAUNCH and self._hidden_in_launch(x, impl)):
             return residual + self(x, real, impl=impl)
         logits, (shared_hidden,), gate_logits = self._router_launch(x, True, impl)
         weights, experts, exps = self._route(logits, real)
         if not exps:  # as ``route`` gives them (the combine divides exponentials itself)
             weights = weights.astype(logits.dtype)
-        tiles, shared = self._experts_launches(x, experts, shared_hidden, impl, tiles=True)
+        tiles, shared = self._experts_launches(
+            x, experts, shared_hidden, impl, tiles=True, counters=counters
+        )
         # The down launch's pairs are the (token, choice) pairs in order: the same tiles
         # read as each token's choices.
         pairs = moe.PairTiles(tiles.tiles, experts, tiles.num_experts, tiles.per_line)
@@ -532,7 +536,9 @@ class SparseMoE(nnx.Module):
         ys = ys.reshape(tokens, top_k, -1).astype(jnp.float32)
         return short_sum(ys * weights.astype(jnp.float32)[..., None], 1)
 
-    def _experts_launches(self, x, experts, shared_hidden, impl: str, *, tiles: bool = False):
+    def _experts_launches(
+        self, x, experts, shared_hidden, impl: str, *, tiles: bool = False, counters=None
+    ):
         """(the pairs' down products, as ``_down_launch`` gives them; the shared expert's
         down product of ``shared_hidden``) from the routed hidden rows formed in the experts'
         launch: with ``EXPERTS_IN_ONE_LAUNCH`` and the shared down in it, one
@@ -548,7 +554,7 @@ class SparseMoE(nnx.Module):
         ):
             hidden = self._hidden_by_id(x, experts, impl)
             return self._down_launch(hidden, shared_hidden, experts, impl, tiles=tiles)
-        kw = dict(dense=dense, tiles=tiles, impl=impl)
+        kw = dict(dense=dense, tiles=tiles, counters=counters, impl=impl)
         if isinstance(x, NormedRows):
             kw.update(row_scale=x.square_sum(), rms_eps=x.eps)
         return moe.expert_mlp(rows, up, down, experts, **kw)

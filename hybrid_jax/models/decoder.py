@@ -98,10 +98,12 @@ class LayerStates:
         num_linear: int,
         num_attention: int,
         linear_name: str,
+        pair_counters: int = 0,
     ):
         """``num_linear``/``num_attention``: the model's stateful layers; ``linear_name``
         names its linear layers in the error for a pool or cache of another layout. ``kv`` is
-        None for a model without attention layers."""
+        None for a model without attention layers. ``pair_counters``: how many int32 zeros
+        ``counters`` holds (none: no buffer)."""
         kv_layers = 0 if kv is None else kv.num_layers
         if pool.num_layers != num_linear or kv_layers != num_attention:
             raise ValueError(
@@ -117,6 +119,12 @@ class LayerStates:
         self._linear: jax.Array | int = 0
         self._attention: jax.Array | int = 0
         self._repeat: _RepeatMetadata | None = None
+        self.counters: jax.Ref | None = None
+        """int32 zeros shared by the forward's launches that count their programs' progress
+        in GMEM and leave the counts at zero (``moe.expert_mlp``): made once here, before
+        any scan, which then carries it, so no launch zero-fills a buffer of its own."""
+        if pair_counters:
+            self.counters = jax.new_ref(jnp.zeros((pair_counters,), jnp.int32))
 
     def linear(
         self,
@@ -258,6 +266,8 @@ class HybridCausalLM(nnx.Module):
 
     linear_name: str = "linear"
     output_type: type[DecoderOutput] = DecoderOutput
+    pair_counters_per_token: int = 0
+    """How many of ``LayerStates.counters`` each token needs (a MoE block's choices)."""
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
@@ -288,6 +298,7 @@ class HybridCausalLM(nnx.Module):
         states = LayerStates(
             pool, kv, num_linear=len(self.state_specs()), num_attention=len(self.kv_specs()),
             linear_name=self.linear_name,
+            pair_counters=tokens.shape[0] * self.pair_counters_per_token,
         )  # fmt: skip
         x = self.embed(tokens)
         for layer in self.layers:

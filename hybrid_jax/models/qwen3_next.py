@@ -337,7 +337,7 @@ class DecoderLayer(nnx.Module):
             x = x + states.attention(self.self_attn, h, meta, impl=impl)
         h = self._normed(self.post_attention_layernorm, x)
         if isinstance(self.mlp, SparseMoE) and tp_size() == 1:
-            return self.mlp.add_to(x, h, meta.real_tokens, impl=impl)
+            return self.mlp.add_to(x, h, meta.real_tokens, impl=impl, counters=states.counters)
         return x + run_block(self.mlp, h, meta.real_tokens, impl=impl)
 
     @staticmethod
@@ -409,6 +409,11 @@ class Qwen3Next(HybridCausalLM):
     """The Qwen3-Next causal LM over packed tokens, every forward mode through ``meta``."""
 
     output_type = Qwen3NextOutput
+
+    @property
+    def pair_counters_per_token(self) -> int:
+        """A token's (token, expert) pairs in a MoE block."""
+        return self.config.num_experts_per_tok if self.config.num_experts else 0
 
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
         c = config

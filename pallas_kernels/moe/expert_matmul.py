@@ -26,10 +26,12 @@ program adds 1 to its pair's GMEM counter once its tile is stored; a down progra
 its weight blocks, waits until all of its pair's hidden tiles are signalled, then requests
 their rows (``tile_product(await_rows=)``). The down weights then stream while the hidden
 programs read theirs, where a down launch of its own starts reading only when the hidden
-launch has ended. The counters are an int32 operand the launch updates in place, zeros that
-XLA computes from the launch's own ids (``_zeros_of``): Pallas's own GMEM semaphores come
-zero-filled by a constant that XLA shares between a scan repeat's launches, copying it for
-each launch after the first.
+launch has ended. The counters are an int32 operand the launch updates in place, and leaves
+at zero: each down program adds 1 once its wait is over, and the add that completes a pair's
+count sets it back to zero. So a caller may hand one buffer to every launch of a step
+(``counters``), which a layer scan carries, and no launch zero-fills its own; without one, a
+launch computes its zeros from its own ids (``_zeros_of``), which XLA can neither share
+between launches nor fold into a constant.
 """
 
 from __future__ import annotations
@@ -464,18 +466,43 @@ def _signal(counter) -> None:
     signal(counter)
 
 
-def _wait_for(counter, value: int) -> None:
-    """Waits until the GMEM int32 ``counter`` ``[1]`` is at least ``value`` (an acquire at
-    GPU scope; the counter is left as it is)."""
+def _wait_then_count(counter, ready: int, total: int) -> None:
+    """Waits until the GMEM int32 ``counter`` ``[1]`` is at least ``ready`` (an acquire at GPU
+    scope), then adds 1 to it; the add that makes it ``total`` (the last of the counter's
+    waiters, every signal and add in) sets it back to zero, so a launch leaves its counters
+    as it found them."""
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def wait(ctx, ref):
+    def wait_then_count(ctx, ref):
         del ctx
-        mgpu.utils.SemaphoreRef(mgpu.utils.memref_ptr(ref)).wait(
-            value, decrement=False, memory_scope="gpu"
-        )
+        ptr = mgpu.utils.memref_ptr(ref)
+        mgpu.utils.SemaphoreRef(ptr).wait(ready, decrement=False, memory_scope="gpu")
+        with mgpu.utils.single_thread(scope=mgpu.utils.ThreadSubset.WARPGROUP):
+            mgpu.utils.inline_ptx(
+                f"""{{
+                .reg .pred last;
+                .reg .b32 old, zero;
+                atom.relaxed.gpu.global.add.u32 old, [$0], 1;
+                setp.eq.u32 last, old, {total - 1};
+                mov.b32 zero, 0;
+                @last st.relaxed.gpu.global.u32 [$0], zero;
+                }}""",
+                ptr, has_side_effects=True,
+            )  # fmt: skip
 
-    wait(counter)
+    wait_then_count(counter)
+
+
+def _check_counters(counters, pairs: int) -> None:
+    if counters is None:
+        return
+    if not isinstance(counters, jax.Ref):
+        raise TypeError(f"{_OP}: counters must be a jax.Ref (jax.new_ref), got {type(counters)}")
+    if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < pairs:
+        raise ValueError(
+            f"{_OP}: counters must be int32 [n >= R * C = {pairs}]; got {counters.dtype} "
+            f"{counters.shape}"
+        )
 
 
 def mlp_unsupported_reason(
@@ -487,7 +514,7 @@ def mlp_unsupported_reason(
 
 
 @functools.partial(jax.jit, static_argnames=("variant", "interpret", "rms_eps"))
-def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
+def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=None, *,
                 variant: ProductVariant, interpret: bool, rms_eps=None):  # fmt: skip
     """The launch of ``expert_mlp``: the ``dense`` product's programs, ``expert_hidden``'s,
     then the down launch's pair programs (``expert_matmul`` over the hidden tiles), one
@@ -534,7 +561,9 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
     if not interpret:
         # The interpreter runs the programs one after another in launch order (and cannot
         # run inline Mosaic GPU): every hidden tile is stored before a down program reads it.
-        operands.append(jax.new_ref(_zeros_of(experts.reshape(-1))))
+        if counters is None:
+            counters = jax.new_ref(_zeros_of(experts.reshape(-1)))
+        operands.append(counters)
     rms = None if rms_eps is None else (rms_eps, k_dim)
     n_dense = 0 if dense is None else len(dense)
 
@@ -593,7 +622,7 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, *,
             def pair_down(pair, expert):
                 def await_rows():
                     if ready is not None:
-                        _wait_for(ready.at[pl.ds(pair, 1)], up_tiles)
+                        _wait_then_count(ready.at[pl.ds(pair, 1)], up_tiles, up_tiles + down_tiles)
 
                 product(
                     hidden_ref.at[pair], down_ref.at[expert, :, cols], out_ref.at[pair, :, cols],
@@ -632,6 +661,7 @@ def expert_mlp(
     row_scale: jax.Array | None = None,
     rms_eps: float | None = None,
     tiles: bool = False,
+    counters: jax.Ref | None = None,
     impl: str = "auto",
 ):
     """A SwiGLU MLP by expert id in one launch: ``expert_hidden`` then the down
@@ -649,6 +679,11 @@ def expert_mlp(
       row_scale, rms_eps: as ``expert_hidden``'s, for the hidden rows.
       tiles: give the down products as the launch stored them (``PairTiles`` of the
         ``R * C`` pairs, which ``combine_pairs`` reads in place); only where the kernel runs.
+      counters: optional int32 ``Ref`` ``[n >= R * C]`` of zeros, the per-pair counters
+        through which the down programs wait for the hidden tiles; the launch leaves them
+        at zero, so one buffer serves every launch of a step (a layer scan carries it) and
+        no launch zero-fills its own. Without it the launch makes its own. The interpreter
+        and the reference ignore it.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
@@ -656,6 +691,7 @@ def expert_mlp(
       ``dense``, ``(that, xd @ wd)``.
     """
     _check_hidden(x, w_up, experts, row_scale, rms_eps)
+    _check_counters(counters, experts.size)
     hidden_shape = (x.shape[0] * experts.shape[1], w_up.shape[2] // 2)
     _check(jax.ShapeDtypeStruct(hidden_shape, x.dtype), w_down, experts.reshape(-1, 1), dense)
     reason = mlp_unsupported_reason(x, w_up, w_down, dense) if impl != "reference" else None
@@ -671,7 +707,7 @@ def expert_mlp(
             impl="reference",
         )  # fmt: skip
     _, out, dense_out = _mlp_kernel(
-        x, w_up, w_down, experts, dense, row_scale, variant=current_variant(),
+        x, w_up, w_down, experts, dense, row_scale, counters, variant=current_variant(),
         interpret=choice == "interpret", rms_eps=None if rms_eps is None else float(rms_eps),
     )  # fmt: skip
     out = out if tiles else out.rows()

@@ -269,14 +269,9 @@ def test_a_decode_bucket_combined_in_one_launch_matches_the_reference_layer(
     np.testing.assert_allclose(np.asarray(fused.square_sums), (got * got).sum(1), rtol=1e-5)
 
 
-@pytest.mark.parametrize("real", [1, 3, 8])
-def test_the_experts_in_one_launch_change_no_bit_on_the_gpu(real):
-    """``moe.expert_mlp`` at the 35B-like shapes (a bucket of 8 rows, top 8, the shared down
-    beside): the down products, dense rows included, equal the hidden launch followed by the
-    down launch bit for bit, in each of 50 launches: a down program that read its hidden
-    tiles before their semaphores said they were stored would differ in some launch."""
-    rng = np.random.default_rng(real + 60)
-    x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
+def _mlp_shapes_35b(rng, real: int):
+    """``expert_mlp``'s operands at the 35B-like shapes (a bucket of 8 rows, top 8, the shared
+    down beside) with ``real`` rows routed."""
     up = jnp.asarray(
         rng.standard_normal((256, 2048, 1024), np.float32) / np.sqrt(2048), jnp.bfloat16
     )
@@ -288,7 +283,57 @@ def test_the_experts_in_one_launch_change_no_bit_on_the_gpu(real):
     square_sum = jnp.asarray(rng.uniform(0.5, 2.0, 8) * 2048, jnp.float32)
     ids = np.full((8, 8), 256, np.int32)
     ids[:real] = np.stack([rng.choice(256, 8, replace=False) for _ in range(real)])
-    ids = jnp.asarray(ids)
+    return up, down, jnp.asarray(ids), shared, shared_down, square_sum
+
+
+@pytest.mark.parametrize("real", [1, 8])
+def test_launches_sharing_one_counters_buffer_leave_it_at_zero(real):
+    """50 ``expert_mlp`` launches in a ``lax.scan`` that carries one ``counters`` buffer, on
+    other rows each: every launch's products equal the two launches' bit for bit (a launch
+    that found its counters already counted would let its down programs read the hidden
+    tiles the launch before stored), and the buffer is zero after them all."""
+    rng = np.random.default_rng(real + 70)
+    up, down, ids, shared, shared_down, square_sum = _mlp_shapes_35b(rng, real)
+    xs = jnp.asarray(rng.standard_normal((50, 8, 2048)), jnp.bfloat16)
+    kw = dict(row_scale=square_sum, rms_eps=1e-6, impl="pallas")
+
+    @jax.jit
+    def two_launches(xs):
+        def body(_, x):
+            tiles = moe.expert_hidden(x, up, ids, tiles=True, **kw)
+            return None, moe.expert_matmul(
+                tiles, down, ids.reshape(-1, 1), dense=(shared, shared_down), impl="pallas"
+            )
+
+        return jax.lax.scan(body, None, xs)[1]
+
+    @jax.jit
+    def shared_counters(xs):
+        counters = jax.new_ref(jnp.zeros((64,), jnp.int32))
+
+        def body(_, x):
+            dense = (shared, shared_down)
+            return None, moe.expert_mlp(x, up, down, ids, dense=dense, counters=counters, **kw)
+
+        outs = jax.lax.scan(body, None, xs)[1]
+        return outs, counters[...]
+
+    want = [np.asarray(a).view(np.uint16) for a in two_launches(xs)]
+    (got, got_dense), counters = shared_counters(xs)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want[0])
+    np.testing.assert_array_equal(np.asarray(got_dense).view(np.uint16), want[1])
+    np.testing.assert_array_equal(np.asarray(counters), 0)
+
+
+@pytest.mark.parametrize("real", [1, 3, 8])
+def test_the_experts_in_one_launch_change_no_bit_on_the_gpu(real):
+    """``moe.expert_mlp`` at the 35B-like shapes (a bucket of 8 rows, top 8, the shared down
+    beside): the down products, dense rows included, equal the hidden launch followed by the
+    down launch bit for bit, in each of 50 launches: a down program that read its hidden
+    tiles before their semaphores said they were stored would differ in some launch."""
+    rng = np.random.default_rng(real + 60)
+    x = jnp.asarray(rng.standard_normal((8, 2048)), jnp.bfloat16)
+    up, down, ids, shared, shared_down, square_sum = _mlp_shapes_35b(rng, real)
     kw = dict(row_scale=square_sum, rms_eps=1e-6)
 
     @jax.jit

@@ -367,6 +367,47 @@ def test_the_mlp_launch_lowers_for_cuda_at_the_35b_shapes_with_its_counters():
     assert "output_operand_aliases" in text
 
 
+def test_launches_in_a_scan_share_one_counters_buffer_without_zero_fills():
+    """Handed one ``counters`` buffer, each launch of a scan counts in it (the scan carries
+    it, the launch updates it in place) and computes no zeros of its own."""
+    s = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+
+    def call(xs, up, down, ids, shared, shared_down, square_sum):
+        counters = jax.new_ref(jnp.zeros((64,), jnp.int32))
+
+        def body(_, x):
+            return None, moe.expert_mlp(
+                x, up, down, ids, dense=(shared, shared_down), row_scale=square_sum,
+                rms_eps=1e-6, counters=counters, impl="pallas",
+            )  # fmt: skip
+
+        return jax.lax.scan(body, None, xs)[1]
+
+    args = (s((3, 8, 2048), bf16), s((256, 2048, 1024), bf16), s((256, 512, 2048), bf16),
+            s((8, 8), jnp.int32), s((8, 512), bf16), s((512, 2048), bf16),
+            s((8,), jnp.float32))  # fmt: skip
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert "tensor<64xi1>) -> tensor<64xi32>" not in text  # no zeros from the ids
+    (loop,) = [line for line in text.splitlines() if "stablehlo.while" in line]
+    assert "tensor<64xi32>" in loop  # the buffer, carried
+    assert "output_operand_aliases" in text
+
+
+def test_counters_of_the_wrong_kind_are_refused_naming_them():
+    x, up, down, ids, dense, _ = _mlp_case(8)
+    paired = moe.pair_halves(up)
+    with pytest.raises(TypeError, match="counters must be a jax.Ref"):
+        moe.expert_mlp(x, paired, down, ids, counters=jnp.zeros(16, jnp.int32))
+    short = jax.new_ref(jnp.zeros(ids.size - 1, jnp.int32))
+    with pytest.raises(ValueError, match=rf"int32 \[n >= R \* C = {ids.size}\]; got int32"):
+        moe.expert_mlp(x, paired, down, ids, counters=short)
+    wide = jax.new_ref(jnp.zeros(ids.size, jnp.float32))
+    with pytest.raises(ValueError, match="got float32"):
+        moe.expert_mlp(x, paired, down, ids, counters=wide)
+
+
 def test_mlp_calls_refuse_what_they_cannot_take():
     x, up, down, ids, dense, _ = _mlp_case(7)
     with pytest.raises(ValueError, match="tiles=True needs the kernel"):
