@@ -109,10 +109,10 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id takes the shared expert's down product in a "
         "launch of its own, not in the experts' down launch",
     ),
-    "--experts-in-one-launch": (
-        moe_layer, "EXPERTS_IN_ONE_LAUNCH", True,
+    "--no-experts-in-one-launch": (
+        moe_layer, "EXPERTS_IN_ONE_LAUNCH", False,
         "a MoE block whose experts run by id forms its hidden rows and their down products in "
-        "one launch (moe.expert_mlp), not a hidden launch and a down launch",
+        "a hidden launch and a down launch, not one launch (moe.expert_mlp)",
     ),
     "--no-combine-in-launch": (
         moe_layer, "COMBINE_IN_LAUNCH", False,

@@ -29,7 +29,7 @@ from pallas_kernels import _common
 
 BLOCK = ("linear_attention",) * 3 + ("full_attention",)
 DECODE_KERNELS = (
-    "attention_rows", "paged_decode_attention", "gdn_decode", "projections", "expert_hidden",
+    "attention_rows", "paged_decode_attention", "gdn_decode", "projections", "expert_mlp",
     "combine_pairs",
 )  # fmt: skip
 NEMOTRON_DECODE_KERNELS = (
@@ -100,7 +100,7 @@ def test_a_decode_step_with_the_experts_in_one_launch_carries_one_counters_buffe
     carries: no launch computes zeros of its own."""
     monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
     monkeypatch.setattr(moe_layer, "EXPERTS_IN_ONE_LAUNCH", True)
-    # Steps of their own: the cached ones may hold a trace made with the switch off.
+    # Steps of their own: the cached ones may hold a trace made with other switches.
     steps, state, policy = _steps_and_state.__wrapped__(_qwen3_next)
     meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
     x = jax.ShapeDtypeStruct((8,), jnp.int32)

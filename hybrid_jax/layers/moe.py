@@ -86,15 +86,14 @@ sums each new row's squares for the next norm (``SparseMoE.add_to``, ``moe.combi
 where XLA forms the combine and the next norm's square sums as two kernels (a kernel fewer
 per MoE block but a scan repeat's last: ``benchmarks/RESULTS_serve.md``, session 35)."""
 
-EXPERTS_IN_ONE_LAUNCH = False
+EXPERTS_IN_ONE_LAUNCH = True
 """Whether a block whose hidden rows come from the experts' launches
 (``HIDDEN_IN_EXPERT_LAUNCH``) runs its experts' hidden rows and their down products (with
 the shared expert's) as one launch (``moe.expert_mlp``): the down programs' weights stream in
 while the hidden programs read theirs, and each pair's down programs start once its hidden
-tiles are stored, instead of a launch that starts after the hidden launch ends. Off: on the
-H100 at 20 layers the launch is 1.25 us a block shorter than the two, but the step keeps
-only 12 us, as XLA copies the zero-filled semaphores of a scan repeat's launches
-(``benchmarks/RESULTS_serve.md``, session 40)."""
+tiles are stored, instead of a launch that starts after the hidden launch ends. The launches
+of a forward count in one buffer (``add_to``'s ``counters``), so none zero-fills its own (a
+kernel fewer per MoE block: ``benchmarks/RESULTS_serve.md``, session 41)."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
