@@ -159,6 +159,12 @@ TRIAL_SWITCHES = {
         linear_layer, "NORMS_IN_LAUNCH", False,
         "a decoder layer's norms run as their own kernels before the projections' launch",
     ),
+    "--add-in-output-launch": (
+        linear_layer, "ADD_IN_OUTPUT_LAUNCH", True,
+        "a split output projection that a layer adds to the residual stream sums its "
+        "partials, adds the residual and forms the next norm's square sums in its own "
+        "launch (projections.projection_add), not in an XLA kernel after it",
+    ),
     "--no-split-output-projections": (
         linear_layer, "SPLIT_OUTPUT_PROJECTIONS", False,
         "output projections at few rows as the layers' own products, not float32 partial "

@@ -114,28 +114,31 @@ def current_variant() -> ProductVariant:
 
 def filling_ring(
     variant: ProductVariant, programs: int, steps: int, dtype, rows: int = ROWS_PER_TILE,
-    out_dtype=None, *, row_scale: bool = False, halves: bool = False,
+    out_dtype=None, *, row_scale: bool = False, halves: bool = False, smem_bytes=SMEM_BYTES,
 ) -> ProductVariant:  # fmt: skip
     """The variant a launch of ``programs`` programs of ``steps`` blocks each runs: with
     ``variant.fill_sm`` and at most one program per SM, ``deepest_ring``; otherwise
     ``variant`` itself."""
     if not variant.fill_sm or programs > NUM_SMS:
         return variant
-    return deepest_ring(variant, steps, dtype, rows, out_dtype, row_scale=row_scale, halves=halves)
+    return deepest_ring(
+        variant, steps, dtype, rows, out_dtype, row_scale=row_scale, halves=halves,
+        smem_bytes=smem_bytes,
+    )  # fmt: skip
 
 
 def deepest_ring(
     variant: ProductVariant, steps: int, dtype, rows: int = ROWS_PER_TILE, out_dtype=None,
-    *, row_scale: bool = False, halves: bool = False,
+    *, row_scale: bool = False, halves: bool = False, smem_bytes=SMEM_BYTES,
 ) -> ProductVariant:  # fmt: skip
     """``variant`` with its ring as deep as the ``scratch`` of a block fits in
-    ``SMEM_BYTES`` (at most ``steps`` stages, never fewer than ``variant.stages``): for a
+    ``smem_bytes`` (at most ``steps`` stages, never fewer than ``variant.stages``): for a
     launch of one program per SM."""
 
     def fits(stages: int) -> bool:
         refs = scratch(steps, dtype, variant._replace(stages=stages), rows, out_dtype,
                        row_scale=row_scale, halves=halves)  # fmt: skip
-        return scratch_smem_bytes(refs) <= SMEM_BYTES
+        return scratch_smem_bytes(refs) <= smem_bytes
 
     stages = variant.stages
     while stages < steps and fits(stages + 1):

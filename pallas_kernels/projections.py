@@ -11,7 +11,10 @@ give its hidden rows ``silu(gate) * up`` instead of its product (``paired``): a 
 SwiGLU formed in the router's launch.
 
 ``projection_partials`` splits K too, for products of few column tiles: float32 partial
-products over parts of K, summed by the caller where it uses them.
+products over parts of K, summed by the caller where it uses them. ``projection_add`` sums
+them in the same launch, added to the residual stream with the new rows' square sums: its
+last programs, one a row, wait on a GMEM counter until every partial is stored
+(``_counters``).
 
 The Mosaic GPU kernel (sm_90): one program per (``BLOCK_N``-column tile of every weight, part
 of K) (the weights' tiles numbered one after another); each multiplies the rows by its tile,
@@ -21,6 +24,7 @@ streamed through a TMA ring (``_skinny.tile_product``). Rows: at most 64 (one wg
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Sequence
 
 import jax
@@ -29,7 +33,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
+from pallas_kernels import _counters
+from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params, resolve_impl, round_up
 from pallas_kernels._mgpu_chunks import ALIGN, F32
 from pallas_kernels._skinny import (
     BLOCK_K,
@@ -50,7 +55,10 @@ from pallas_kernels._skinny import (
 __all__ = [
     "COLUMN_TILE",
     "MAX_ROWS",
+    "add_unsupported_reason",
     "partial_splits",
+    "projection_add",
+    "projection_add_reference",
     "projection_partials",
     "projection_partials_reference",
     "projections",
@@ -61,6 +69,8 @@ __all__ = [
 _OP = "projections"
 MAX_ROWS = ROWS_PER_TILE
 COLUMN_TILE = BLOCK_N  # every weight's N is a multiple of it
+_ROW_THREADS = 128  # a row program's warpgroup, each thread whole pairs of the row's columns
+_ROW_SCRATCH = 4096  # the row programs' cross-warp reduction space
 
 
 def unsupported_reason(
@@ -288,5 +298,160 @@ def projection_partials(
         return projection_partials_reference(x, weights, splits)
     return _kernel(
         x, weights, splits=splits, partial=True, variant=current_variant(),
+        interpret=choice == "interpret",
+    )  # fmt: skip
+
+
+def add_unsupported_reason(x: jax.Array, w: jax.Array, residual: jax.Array) -> str | None:
+    """Why the Mosaic GPU kernel cannot take this ``projection_add`` call, or None."""
+    if residual.dtype != x.dtype:
+        return f"the residual's dtype {residual.dtype} must be x's {x.dtype}"
+    if w.shape[1] % (_ROW_THREADS * 2):
+        return f"N={w.shape[1]} must be a multiple of {_ROW_THREADS * 2} (whole pairs a thread)"
+    return unsupported_reason(x, [w])
+
+
+def projection_add_reference(
+    x: jax.Array, w: jax.Array, residual: jax.Array, splits: int
+) -> tuple[jax.Array, jax.Array]:
+    """The same in XLA: the partial products summed in split order, in x's dtype, added to
+    the residual; ``(out [R, N]``, float32 ``square_sums [R])``."""
+    (partial,) = projection_partials_reference(x, [w], splits)
+    product = functools.reduce(operator.add, list(partial))
+    out = residual + product.astype(x.dtype)
+    out32 = out.astype(F32)
+    return out, jnp.sum(out32 * out32, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "variant", "interpret"))
+def _add_kernel(x, w, residual, counters, *, splits: int, variant: ProductVariant,
+                interpret: bool):  # fmt: skip
+    """The launch of ``projection_add``: one program per (column tile, split) stores its
+    float32 partial product and signals, then one program a row waits for them all, sums
+    its row's partials in split order, adds the residual and stores the row and its square
+    sum."""
+    rows, k_dim = x.shape
+    n = w.shape[1]
+    dtype = x.dtype
+    steps = k_dim // BLOCK_K // splits
+    span = steps * BLOCK_K
+    held = round_up(rows, ALIGN)
+    tiles = n // BLOCK_N
+    partials = tiles * splits
+    # The row programs' square sums reduce across warps, through SMEM beside the ring.
+    variant = filling_ring(
+        variant, partials, steps, dtype, held, F32, smem_bytes=SMEM_BYTES - _ROW_SCRATCH
+    )
+    # Each thread loads 4 adjacent float32 partials (16 bytes) where the row has them.
+    lanes = plgpu.Layout.WG_STRIDED((n,), 4 if (n // _ROW_THREADS) % 4 == 0 else 2)
+    operands = [jnp.pad(x, ((0, held - rows), (0, 0))), w, residual]
+    if not interpret:
+        # The interpreter runs the programs one after another in launch order (and cannot
+        # run inline Mosaic GPU): every partial is stored before a row program reads it.
+        if counters is None:
+            counters = jax.new_ref(jnp.zeros((1,), jnp.int32))
+        operands.append(counters)
+
+    def body(x_ref, w_ref, residual_ref, *refs):
+        ready, refs = (None, refs) if interpret else (refs[0], refs[1:])
+        part_ref, o_ref, sums_ref, scratch_refs = refs[0], refs[1], refs[2], refs[3:]
+        program = lax.axis_index("i")
+
+        @pl.when(program < partials)
+        def _partial():
+            tile, split = program // splits, lax.rem(program, splits)
+            cols = pl.ds(tile * BLOCK_N, BLOCK_N)
+            ks = pl.ds(split * span, span)
+            tile_product(
+                x_ref.at[:, ks], w_ref.at[ks, cols], part_ref.at[split, :, cols],
+                *scratch_refs, steps=steps, variant=variant, interpret=interpret,
+            )  # fmt: skip
+            if ready is not None:  # the partial has landed in GMEM before its signal
+                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                _counters.signal(ready.at[pl.ds(0, 1)])
+
+        @pl.when(program >= partials)
+        def _row():
+            r = program - partials
+            if ready is not None:
+                _counters.wait_then_count(ready.at[pl.ds(0, 1)], partials, partials + rows)
+            product = plgpu.load(part_ref.at[0, r], layout=lanes)
+            for split in range(1, splits):
+                product = product + plgpu.load(part_ref.at[split, r], layout=lanes)
+            out = plgpu.load(residual_ref.at[r], layout=lanes) + product.astype(dtype)
+            o_ref[r] = out
+            out32 = out.astype(F32)
+            sums_ref[r] = jnp.sum(out32 * out32)
+
+        plgpu.wait_smem_to_gmem(0)
+
+    _, out, sums = plgpu.kernel(
+        body,
+        out_type=(
+            jax.ShapeDtypeStruct((splits, held, n), F32),
+            jax.ShapeDtypeStruct((rows, n), dtype),
+            jax.ShapeDtypeStruct((rows,), F32),
+        ),
+        scratch_types=scratch(steps, dtype, variant, held, F32),
+        grid=(partials + rows,),
+        grid_names=("i",),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=_ROW_SCRATCH),
+        interpret=interpret_params(interpret),
+        kernel_name="projection_add",
+    )(*operands)
+    return out, sums
+
+
+def projection_add(
+    x: jax.Array,
+    w: jax.Array,
+    residual: jax.Array,
+    *,
+    splits: int | None = None,
+    counters: jax.Ref | None = None,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """``residual + x @ w`` with each new row's float32 sum of squares, in one launch: an
+    output projection added to the residual stream, the next norm's square sums beside it.
+    The product is ``projection_partials``' over ``splits`` parts of K (its programs fill the
+    SMs where the weight has few column tiles), and the launch's last programs, one a row,
+    wait until every partial is stored, then sum their row's partials in split order, add
+    the residual and sum the new row's squares: no kernel of XLA's between the product and
+    the next layer's launch.
+
+    Args:
+      x: ``[R, K]`` rows (the kernel takes up to ``MAX_ROWS``).
+      w: ``[K, N]`` in x's dtype (read in place).
+      residual: ``[R, N]`` in x's dtype.
+      splits: parts of K (default ``partial_splits(K, [N])``); K must divide into them.
+      counters: optional int32 ``Ref`` ``[n >= 1]`` of zeros that the launch counts its
+        stored partials in and leaves at zero (``moe.expert_mlp``'s, shared by a step's
+        launches); without it the launch makes its own. The interpreter and the reference
+        ignore it.
+      impl: ``"auto" | "pallas" | "interpret" | "reference"``.
+
+    Returns:
+      ``(out [R, N]`` in x's dtype, float32 ``square_sums [R])``.
+    """
+    _check(x, [w])
+    if residual.shape != (x.shape[0], w.shape[1]):
+        raise ValueError(
+            f"{_OP}: the residual must be [R, N] = {(x.shape[0], w.shape[1])}; got {residual.shape}"
+        )
+    _counters.check_counters(_OP, counters, 1)
+    if splits is None:
+        splits = partial_splits(x.shape[1], [w.shape[1]])
+    if splits < 1 or x.shape[1] % splits:
+        raise ValueError(f"{_OP}: splits={splits} must be >= 1 and divide K={x.shape[1]}")
+    reason = None
+    if impl != "reference":
+        reason = add_unsupported_reason(x, w, residual)
+        if reason is None and x.shape[1] % (splits * BLOCK_K):
+            reason = f"K={x.shape[1]} must be a multiple of splits x {BLOCK_K}"
+    choice = resolve_impl(_OP, impl, reason)
+    if choice == "reference" or x.shape[0] == 0:
+        return projection_add_reference(x, w, residual, splits)
+    return _add_kernel(
+        x, w, residual, counters, splits=splits, variant=current_variant(),
         interpret=choice == "interpret",
     )  # fmt: skip

@@ -19,7 +19,9 @@ from flax import nnx
 
 from hybrid_jax.backend import GDNDims, gdn_mix
 from hybrid_jax.layers import gdn as gdn_layer
+from hybrid_jax.layers import linear
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
+from hybrid_jax.layers.norm import SummedRows
 from hybrid_jax.metadata import BucketPolicy, RowSpec, build_metadata, example_metadata
 from hybrid_jax.modes import ForwardMode
 from pallas_kernels import conv1d, gdn
@@ -207,3 +209,34 @@ def test_decode_step_lowers_for_cuda_with_the_pools_aliased():
     assert "stablehlo.logistic" not in text, "the gating's sigmoid ran outside the kernel"
     # The decode kernel reads q, k, v and b, a where the conv and the projection put them.
     assert "stablehlo.slice" not in text
+
+
+def test_a_residual_handed_to_the_layer_joins_it_in_the_output_launch(monkeypatch):
+    """A bf16 layer whose output projection splits (K = 512 in 4 parts): given the residual,
+    with ``ADD_IN_OUTPUT_LAUNCH`` its output is the residual plus its own output, bit for
+    bit, from the add launch, with the new rows' square sums (``SummedRows``)."""
+    config = GDNConfig(hidden_size=256, num_key_heads=1, num_value_heads=8, head_k_dim=64,
+                       head_v_dim=64, dtype="bfloat16")  # fmt: skip
+    layer = GatedDeltaNet(config, rngs=nnx.Rngs(2))
+    keys = jax.random.split(jax.random.key(3), 4)
+    spec = config.state_spec()
+    meta = build_metadata(ForwardMode.DECODE, ROWS, POLICY, num_slots=SLOTS)
+    x = jax.random.normal(keys[0], (meta.num_tokens, 256), jnp.bfloat16)
+    residual = jax.random.normal(keys[1], (meta.num_tokens, 256), jnp.bfloat16)
+    conv = jax.random.normal(keys[2], (SLOTS, *spec.conv_shape), jnp.bfloat16)
+    ssm = jax.random.normal(keys[3], (SLOTS, *spec.ssm_shape), jnp.float32) * 0.3
+    monkeypatch.setattr(linear, "SPLIT_OUTPUT_PROJECTIONS", True)
+    monkeypatch.setattr(linear, "ADD_IN_OUTPUT_LAUNCH", True)
+
+    def step(layer, x, residual, conv, ssm, meta):
+        kw = {} if residual is None else dict(residual=residual)
+        return layer(x, conv, ssm, meta, impl="interpret", **kw).y
+
+    alone = jax.jit(step)(layer, x, None, conv, ssm, meta)
+    added = jax.jit(step)(layer, x, residual, conv, ssm, meta)
+    assert isinstance(added, SummedRows)
+    np.testing.assert_array_equal(
+        np.asarray(added.x).view(np.uint16), np.asarray(residual + alone).view(np.uint16)
+    )
+    rows = np.asarray(added.x, np.float64)
+    np.testing.assert_allclose(np.asarray(added.square_sums), (rows * rows).sum(1), rtol=2e-3)

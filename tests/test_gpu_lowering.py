@@ -19,6 +19,7 @@ from hybrid_jax.engine.engine import model_for_steps
 from hybrid_jax.engine.lm_step import LastTokenLogits, ServingState
 from hybrid_jax.engine.step import StepFunctions
 from hybrid_jax.kv_cache import init_kv_cache
+from hybrid_jax.layers import linear
 from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.metadata import example_metadata
 from hybrid_jax.models.nemotron_h import NemotronH
@@ -109,3 +110,17 @@ def test_a_decode_step_with_the_experts_in_one_launch_carries_one_counters_buffe
     assert "tensor<64xi1>) -> tensor<64xi32>" not in text
     (loop,) = [line for line in text.splitlines() if "stablehlo.while" in line]
     assert "tensor<64xi32>" in loop
+
+
+def test_a_decode_step_adds_its_output_projections_in_their_launches(monkeypatch):
+    """With ``ADD_IN_OUTPUT_LAUNCH`` every split output projection of the step (GDN's and
+    attention's) adds the residual in its own launch: no partial products are left for XLA
+    to sum."""
+    monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
+    monkeypatch.setattr(linear, "ADD_IN_OUTPUT_LAUNCH", True)
+    # Steps of their own: the cached ones may hold a trace made with other switches.
+    steps, state, policy = _steps_and_state.__wrapped__(_qwen3_next)
+    meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
+    x = jax.ShapeDtypeStruct((8,), jnp.int32)
+    text = steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
+    assert "projection_add" in text and "projection_partials" not in text

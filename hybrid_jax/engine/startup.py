@@ -45,6 +45,7 @@ _VERSIONED = ("jax", "jaxlib", "flax", "tokamax")
 # other values is another program (a user or a benchmark may set them at run time).
 _SWITCHES = {
     "hybrid_jax.layers.linear": (
+        "ADD_IN_OUTPUT_LAUNCH",
         "ADDS_FOR_SHORT_SUMS",
         "FEW_ROWS",
         "MIN_SPLITS",

@@ -118,9 +118,12 @@ class Attention(nnx.Module):
         meta: ForwardMetadata,
         *,
         impl: str = "auto",
+        residual: jax.Array | None = None,
+        counters: jax.Ref | None = None,
     ) -> AttentionOutput:
         """x: ``[T, hidden]`` packed tokens of ``meta``; k_pages, v_pages:
-        ``[P, page_size, KVH, head_dim]``."""
+        ``[P, page_size, KVH, head_dim]``. With ``residual`` ``[T, hidden]`` the output is
+        ``residual`` plus the layer's, maybe with its square sums (``project_output``)."""
         c = self.config
         t = x.shape[0]  # explicit sizes: t == 0 when IDLE
         q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], impl=impl)
@@ -155,4 +158,5 @@ class Attention(nnx.Module):
         if c.gated:
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         out = out.reshape(t, c.num_heads * c.head_dim)
-        return AttentionOutput(project_output(out, self.o_proj, impl=impl), k_pages, v_pages)
+        out = project_output(out, self.o_proj, impl=impl, residual=residual, counters=counters)
+        return AttentionOutput(out, k_pages, v_pages)

@@ -178,9 +178,12 @@ class GatedDeltaNet(nnx.Module):
         meta: ForwardMetadata,
         *,
         impl: str = "auto",
+        residual: jax.Array | None = None,
+        counters: jax.Ref | None = None,
     ) -> LinearLayerOutput:
         """x: ``[T, hidden]`` packed tokens of ``meta``; conv_state ``[S, C, W-1]``;
-        ssm_state float32 ``[S, HV, K, V]``."""
+        ssm_state float32 ``[S, HV, K, V]``. With ``residual`` ``[T, hidden]`` the output is
+        ``residual`` plus the layer's, maybe with its square sums (``project_output``)."""
         mixed, z, ba = self._project(x, impl=impl)
         norm = None
         if NORM_IN_DECODE_KERNEL:
@@ -192,5 +195,5 @@ class GatedDeltaNet(nnx.Module):
         )  # fmt: skip
         out = mix.out if norm is not None else self.norm(mix.out, z)
         out = out.reshape(x.shape[0], self.config.dims.value_dim)
-        out = project_output(out, self.out_proj, impl=impl)
+        out = project_output(out, self.out_proj, impl=impl, residual=residual, counters=counters)
         return LinearLayerOutput(out, mix.conv_state, mix.ssm_state, mix.verify)

@@ -12,7 +12,8 @@ applies the norm's row scale to its sums, and no norm kernel runs before it.
 ``project_output`` is the same choice for a block's single output projection (GDN and Mamba2
 ``out_proj``, attention's ``o_proj``, an MLP's ``down_proj``): with ``SPLIT_OUTPUT_PROJECTIONS``
 (on) its weight is read by one program per (column tile, part of K), and the float32 partial
-products are summed where the result is used.
+products are summed where the result is used; given the residual they are added to, with
+``ADD_IN_OUTPUT_LAUNCH`` the launch sums and adds them itself.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from hybrid_jax.layers.norm import NormedRows, formed
+from hybrid_jax.layers.norm import NormedRows, SummedRows, formed
 from pallas_kernels import moe, projections, resolve_impl
 
 __all__ = [
     "ADDS_FOR_SHORT_SUMS",
+    "ADD_IN_OUTPUT_LAUNCH",
     "FEW_ROWS",
     "MIN_SPLITS",
     "NORMS_IN_LAUNCH",
@@ -49,6 +51,12 @@ SPLIT_OUTPUT_PROJECTIONS = True
 """Whether ``project_output`` splits K at few rows (``projections.projection_partials``): an
 output projection has few column tiles (2048 columns: 32 programs for 132 SMs), which the
 split multiplies (benchmarks/RESULTS_serve.md: the 35B-like batch-1 step)."""
+
+ADD_IN_OUTPUT_LAUNCH = False
+"""Whether an output projection split over parts of K (``SPLIT_OUTPUT_PROJECTIONS``) that a
+layer adds to the residual stream sums its partials, adds them to the residual and forms
+the new rows' square sums in its own launch (``projections.projection_add``), where XLA
+does that in a kernel of its own after the launch."""
 
 MIN_SPLITS = 4
 """The fewest parts of K a split takes: weights whose column tiles fill at most a quarter of
@@ -154,11 +162,18 @@ def _split_product(x: jax.Array, w: jax.Array, *, impl: str) -> jax.Array:
     return short_sum(partial, 0).astype(x.dtype)
 
 
-def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
-    """``layer(x)``; at few rows on the GPU with ``SPLIT_OUTPUT_PROJECTIONS``, float32 partial
-    products over parts of K from one launch, summed (XLA fuses the sum into its use)."""
+def project_output(
+    x: jax.Array, layer: nnx.Linear, *, impl: str, residual: jax.Array | None = None,
+    counters: jax.Ref | None = None,
+) -> jax.Array | SummedRows:  # fmt: skip
+    """``layer(x)``, or with ``residual`` ``residual + layer(x)``; at few rows on the GPU with
+    ``SPLIT_OUTPUT_PROJECTIONS``, float32 partial products over parts of K from one launch,
+    summed (XLA fuses the sum into its use). With ``residual`` and ``ADD_IN_OUTPUT_LAUNCH``
+    that launch sums them itself, adds them to the residual and gives the new rows with
+    their square sums (``projections.projection_add``: ``SummedRows``, which the next norm
+    reads), counting its stored partials in ``counters`` (``LayerStates.counters``)."""
     w = layer.kernel[...]
-    if (
+    if not (
         SPLIT_OUTPUT_PROJECTIONS
         and 0 < x.shape[0] <= FEW_ROWS
         and not layer.use_bias
@@ -166,5 +181,12 @@ def project_output(x: jax.Array, layer: nnx.Linear, *, impl: str) -> jax.Array:
         and _splits(x, [w]) > 1
         and resolve_impl("projections", impl, None) != "reference"
     ):
+        return layer(x) if residual is None else residual + layer(x)
+    if residual is None:
         return _split_product(x, w, impl=impl)
-    return layer(x)
+    if ADD_IN_OUTPUT_LAUNCH and projections.add_unsupported_reason(x, w, residual) is None:
+        out, sums = projections.projection_add(
+            x, w, residual, splits=_splits(x, [w]), counters=counters, impl=impl
+        )
+        return SummedRows(out, sums)
+    return residual + _split_product(x, w, impl=impl)

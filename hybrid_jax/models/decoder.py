@@ -22,9 +22,10 @@ from hybrid_jax.kv_cache import KVCache, KVCacheSpec
 from hybrid_jax.layers.attention import Attention
 from hybrid_jax.layers.gdn import GatedDeltaNet
 from hybrid_jax.layers.mamba2 import Mamba2Mixer
+from hybrid_jax.layers.norm import SummedRows
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.modes import LayerKind
-from hybrid_jax.parallel import run_block
+from hybrid_jax.parallel import run_block, tp_size
 from hybrid_jax.state_pool import StatePool
 
 __all__ = ["DecoderOutput", "HybridCausalLM", "LayerStates"]
@@ -98,12 +99,12 @@ class LayerStates:
         num_linear: int,
         num_attention: int,
         linear_name: str,
-        pair_counters: int = 0,
+        counters: int = 0,
     ):
         """``num_linear``/``num_attention``: the model's stateful layers; ``linear_name``
         names its linear layers in the error for a pool or cache of another layout. ``kv`` is
-        None for a model without attention layers. ``pair_counters``: how many int32 zeros
-        ``counters`` holds (none: no buffer)."""
+        None for a model without attention layers. ``counters``: how many int32 zeros
+        ``self.counters`` holds (none: no buffer)."""
         kv_layers = 0 if kv is None else kv.num_layers
         if pool.num_layers != num_linear or kv_layers != num_attention:
             raise ValueError(
@@ -121,10 +122,12 @@ class LayerStates:
         self._repeat: _RepeatMetadata | None = None
         self.counters: jax.Ref | None = None
         """int32 zeros shared by the forward's launches that count their programs' progress
-        in GMEM and leave the counts at zero (``moe.expert_mlp``): made once here, before
-        any scan, which then carries it, so no launch zero-fills a buffer of its own."""
-        if pair_counters:
-            self.counters = jax.new_ref(jnp.zeros((pair_counters,), jnp.int32))
+        in GMEM and leave the counts at zero (``moe.expert_mlp``,
+        ``projections.projection_add``; one launch runs after another, so each may count in
+        any of them): made once here, before any scan, which then carries it, so no launch
+        zero-fills a buffer of its own."""
+        if counters:
+            self.counters = jax.new_ref(jnp.zeros((counters,), jnp.int32))
 
     def linear(
         self,
@@ -133,20 +136,24 @@ class LayerStates:
         meta: ForwardMetadata,
         *,
         impl: str,
-    ) -> jax.Array:
+        residual: jax.Array | None = None,
+    ) -> jax.Array | SummedRows:
         """The next linear layer's mixer on normed ``h`` ``[T, hidden]`` and its pool rows;
-        returns its output ``[T, hidden]`` and keeps its new states (and verify states)."""
+        returns its output ``[T, hidden]`` and keeps its new states (and verify states). With
+        ``residual`` (a GDN mixer, one GPU) the mixer adds its output to it, maybe giving the
+        new rows' square sums too (``SummedRows``)."""
         i, self._linear = self._linear, self._linear + 1
         conv, ssm, *pages = self._arrays
         if self._repeat is None:
             meta = meta.at_linear_layer(i, self._pool.num_slots)
         else:  # in a scan: this repeat's slots, shifted before the scan
             meta = dataclasses.replace(meta, state_indices=self._repeat.next_slots())
-        out = run_block(mixer, h, conv, ssm, meta, impl=impl)
+        adding = self._adding(residual)
+        out = run_block(mixer, h, conv, ssm, meta, impl=impl, **adding)
         self._arrays = (out.conv_state, out.ssm_state, *pages)
         if out.verify:
             self._verify.append((i, out.verify))
-        return out.y
+        return out.y if adding or residual is None else residual + out.y
 
     def attention(
         self,
@@ -155,9 +162,11 @@ class LayerStates:
         meta: ForwardMetadata,
         *,
         impl: str,
-    ) -> jax.Array:
+        residual: jax.Array | None = None,
+    ) -> jax.Array | SummedRows:
         """The next full-attention layer's mixer on normed ``h`` ``[T, hidden]`` and its cache
-        pages; returns its output ``[T, hidden]`` and keeps its new pages."""
+        pages; returns its output ``[T, hidden]`` and keeps its new pages. ``residual``: as
+        ``linear``'s."""
         i, self._attention = self._attention, self._attention + 1
         conv, ssm, k, v = self._arrays
         if self._repeat is None:
@@ -165,9 +174,17 @@ class LayerStates:
         else:  # in a scan: this repeat's page table, shifted before the scan
             table = self._repeat.next_table()
             meta = dataclasses.replace(meta, pages=dataclasses.replace(meta.pages, table=table))
-        out = run_block(mixer, h, k, v, meta, impl=impl)
+        adding = self._adding(residual)
+        out = run_block(mixer, h, k, v, meta, impl=impl, **adding)
         self._arrays = (conv, ssm, out.k_pages, out.v_pages)
-        return out.y
+        return out.y if adding or residual is None else residual + out.y
+
+    def _adding(self, residual: jax.Array | None) -> dict[str, Any]:
+        """The mixer's arguments that have it add its output to ``residual`` itself: none
+        without one, or under tensor parallelism (each GPU's output is a partial sum)."""
+        if residual is None or tp_size() > 1:
+            return {}
+        return dict(residual=residual, counters=self.counters)
 
     def _stack_verify(self) -> None:
         for i, states in self._verify:  # outside a scan: static indices, one layer each
@@ -266,8 +283,9 @@ class HybridCausalLM(nnx.Module):
 
     linear_name: str = "linear"
     output_type: type[DecoderOutput] = DecoderOutput
-    pair_counters_per_token: int = 0
-    """How many of ``LayerStates.counters`` each token needs (a MoE block's choices)."""
+    counters_per_token: int = 0
+    """How many of ``LayerStates.counters`` each token needs (a MoE block's choices; 1 for
+    a model whose launches count in them at all)."""
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:
@@ -298,7 +316,7 @@ class HybridCausalLM(nnx.Module):
         states = LayerStates(
             pool, kv, num_linear=len(self.state_specs()), num_attention=len(self.kv_specs()),
             linear_name=self.linear_name,
-            pair_counters=tokens.shape[0] * self.pair_counters_per_token,
+            counters=tokens.shape[0] * self.counters_per_token,
         )  # fmt: skip
         x = self.embed(tokens)
         for layer in self.layers:

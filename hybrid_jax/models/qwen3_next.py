@@ -332,10 +332,11 @@ class DecoderLayer(nnx.Module):
         h = self._normed(self.input_layernorm, x)
         x = rows_of(x)
         if self.kind is LayerKind.GDN:
-            x = x + states.linear(self.linear_attn, h, meta, impl=impl)
+            x = states.linear(self.linear_attn, h, meta, impl=impl, residual=x)
         else:
-            x = x + states.attention(self.self_attn, h, meta, impl=impl)
+            x = states.attention(self.self_attn, h, meta, impl=impl, residual=x)
         h = self._normed(self.post_attention_layernorm, x)
+        x = rows_of(x)
         if isinstance(self.mlp, SparseMoE) and tp_size() == 1:
             return self.mlp.add_to(x, h, meta.real_tokens, impl=impl, counters=states.counters)
         return x + run_block(self.mlp, h, meta.real_tokens, impl=impl)
@@ -411,9 +412,10 @@ class Qwen3Next(HybridCausalLM):
     output_type = Qwen3NextOutput
 
     @property
-    def pair_counters_per_token(self) -> int:
-        """A token's (token, expert) pairs in a MoE block."""
-        return self.config.num_experts_per_tok if self.config.num_experts else 0
+    def counters_per_token(self) -> int:
+        """A token's (token, expert) pairs in a MoE block, at least 1 (an output projection's
+        launch counts in one)."""
+        return max(self.config.num_experts_per_tok if self.config.num_experts else 0, 1)
 
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
         c = config

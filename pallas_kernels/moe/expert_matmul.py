@@ -30,8 +30,7 @@ launch has ended. The counters are an int32 operand the launch updates in place,
 at zero: each down program adds 1 once its wait is over, and the add that completes a pair's
 count sets it back to zero. So a caller may hand one buffer to every launch of a step
 (``counters``), which a layer scan carries, and no launch zero-fills its own; without one, a
-launch computes its zeros from its own ids (``_zeros_of``), which XLA can neither share
-between launches nor fold into a constant.
+launch computes its zeros from its own ids (``_counters.own_zeros``).
 """
 
 from __future__ import annotations
@@ -44,8 +43,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.mosaic import gpu as mgpu
 
+from pallas_kernels import _counters
 from pallas_kernels._common import NUM_SMS, interpret_params, resolve_impl, round_up
 from pallas_kernels._mgpu_chunks import ALIGN, F32
 from pallas_kernels._skinny import (
@@ -446,65 +445,6 @@ def expert_hidden(
     return out if tiles else out.rows()
 
 
-def _zeros_of(ids: jax.Array) -> jax.Array:
-    """int32 zeros of ``ids``' shape computed from them (no id is the least int32): XLA can
-    neither merge them with another launch's zeros nor fold them into a constant, so each
-    launch writes its own buffer in place, with no copy of a shared one before it."""
-    return (ids == jnp.iinfo(jnp.int32).min).astype(jnp.int32)
-
-
-def _signal(counter) -> None:
-    """Adds 1 to the GMEM int32 ``counter`` ``[1]`` (one lane, after the warpgroup's earlier
-    work: a release at GPU scope)."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def signal(ctx, ref):
-        del ctx
-        mgpu.utils.warpgroup_barrier()
-        mgpu.utils.SemaphoreRef(mgpu.utils.memref_ptr(ref)).signal(1, memory_scope="gpu")
-
-    signal(counter)
-
-
-def _wait_then_count(counter, ready: int, total: int) -> None:
-    """Waits until the GMEM int32 ``counter`` ``[1]`` is at least ``ready`` (an acquire at GPU
-    scope), then adds 1 to it; the add that makes it ``total`` (the last of the counter's
-    waiters, every signal and add in) sets it back to zero, so a launch leaves its counters
-    as it found them."""
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-    def wait_then_count(ctx, ref):
-        del ctx
-        ptr = mgpu.utils.memref_ptr(ref)
-        mgpu.utils.SemaphoreRef(ptr).wait(ready, decrement=False, memory_scope="gpu")
-        with mgpu.utils.single_thread(scope=mgpu.utils.ThreadSubset.WARPGROUP):
-            mgpu.utils.inline_ptx(
-                f"""{{
-                .reg .pred last;
-                .reg .b32 old, zero;
-                atom.relaxed.gpu.global.add.u32 old, [$0], 1;
-                setp.eq.u32 last, old, {total - 1};
-                mov.b32 zero, 0;
-                @last st.relaxed.gpu.global.u32 [$0], zero;
-                }}""",
-                ptr, has_side_effects=True,
-            )  # fmt: skip
-
-    wait_then_count(counter)
-
-
-def _check_counters(counters, pairs: int) -> None:
-    if counters is None:
-        return
-    if not isinstance(counters, jax.Ref):
-        raise TypeError(f"{_OP}: counters must be a jax.Ref (jax.new_ref), got {type(counters)}")
-    if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < pairs:
-        raise ValueError(
-            f"{_OP}: counters must be int32 [n >= R * C = {pairs}]; got {counters.dtype} "
-            f"{counters.shape}"
-        )
-
-
 def mlp_unsupported_reason(
     x: jax.Array, w_up: jax.Array, w_down: jax.Array, dense=None
 ) -> str | None:
@@ -562,7 +502,7 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=N
         # The interpreter runs the programs one after another in launch order (and cannot
         # run inline Mosaic GPU): every hidden tile is stored before a down program reads it.
         if counters is None:
-            counters = jax.new_ref(_zeros_of(experts.reshape(-1)))
+            counters = _counters.own_zeros(experts.reshape(-1))
         operands.append(counters)
     rms = None if rms_eps is None else (rms_eps, k_dim)
     n_dense = 0 if dense is None else len(dense)
@@ -606,7 +546,7 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=N
                 )  # fmt: skip
                 if ready is not None:  # the tile has landed in GMEM before its signal
                     plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                    _signal(ready.at[pl.ds(pair, 1)])
+                    _counters.signal(ready.at[pl.ds(pair, 1)])
 
             _each_place(
                 experts_ref, first, programs=up_programs, per_program=up_per_program,
@@ -622,7 +562,9 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=N
             def pair_down(pair, expert):
                 def await_rows():
                     if ready is not None:
-                        _wait_then_count(ready.at[pl.ds(pair, 1)], up_tiles, up_tiles + down_tiles)
+                        _counters.wait_then_count(
+                            ready.at[pl.ds(pair, 1)], up_tiles, up_tiles + down_tiles
+                        )
 
                 product(
                     hidden_ref.at[pair], down_ref.at[expert, :, cols], out_ref.at[pair, :, cols],
@@ -691,7 +633,7 @@ def expert_mlp(
       ``dense``, ``(that, xd @ wd)``.
     """
     _check_hidden(x, w_up, experts, row_scale, rms_eps)
-    _check_counters(counters, experts.size)
+    _counters.check_counters(_OP, counters, experts.size)
     hidden_shape = (x.shape[0] * experts.shape[1], w_up.shape[2] // 2)
     _check(jax.ShapeDtypeStruct(hidden_shape, x.dtype), w_down, experts.reshape(-1, 1), dense)
     reason = mlp_unsupported_reason(x, w_up, w_down, dense) if impl != "reference" else None

@@ -151,3 +151,44 @@ def test_filled_rings_match_the_oracle(rows, k, widths, partial, monkeypatch):
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
         assert out64.shape == want.shape and np.isfinite(out64).all()
         assert np.linalg.norm(out64 - want) / np.linalg.norm(want) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_add_launches_sharing_one_counters_buffer_match_the_split_product(rows):
+    """``projection_add`` at the 35B-like output projection (``[4096, 2048]`` in 4 parts of
+    K), 50 launches in a ``lax.scan`` on other rows each, counting in one carried buffer:
+    each launch's rows equal the residual plus the partials summed by XLA bit for bit (a
+    row program that read a partial before it was stored would differ in some launch),
+    their square sums the rows', and the buffer is zero after them all."""
+    rng = np.random.default_rng(rows + 90)
+    xs = jnp.asarray(rng.standard_normal((50, rows, 4096)), jnp.bfloat16)
+    residuals = jnp.asarray(rng.standard_normal((50, rows, 2048)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4096, 2048)) / np.sqrt(4096), jnp.bfloat16)
+
+    @jax.jit
+    def apart(xs, residuals):
+        def body(_, xr):
+            (partial,) = projections.projection_partials(xr[0], [w], splits=4, impl="pallas")
+            product = partial[0] + partial[1] + partial[2] + partial[3]
+            return None, xr[1] + product.astype(jnp.bfloat16)
+
+        return jax.lax.scan(body, None, (xs, residuals))[1]
+
+    @jax.jit
+    def in_one_launch(xs, residuals):
+        counters = jax.new_ref(jnp.zeros((8,), jnp.int32))
+
+        def body(_, xr):
+            kw = dict(splits=4, counters=counters, impl="pallas")
+            return None, projections.projection_add(xr[0], w, xr[1], **kw)
+
+        outs = jax.lax.scan(body, None, (xs, residuals))[1]
+        return outs, counters[...]
+
+    want = np.asarray(apart(xs, residuals))
+    (got, sums), counters = in_one_launch(xs, residuals)
+    got = np.asarray(got)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    got32 = got.astype(np.float32)
+    np.testing.assert_allclose(np.asarray(sums), (got32 * got32).sum(-1), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(counters), 0)

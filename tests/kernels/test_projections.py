@@ -17,6 +17,7 @@ from hybrid_jax.layers import linear
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.layers.linear import FEW_ROWS, project, project_output
 from hybrid_jax.layers.moe import MLP
+from hybrid_jax.layers.norm import SummedRows
 from pallas_kernels import moe, projections
 from pallas_kernels._skinny import ProductVariant, current_variant, programs_per_sm, scratch
 
@@ -393,3 +394,87 @@ def test_filled_rings_lower_for_cuda_at_the_35b_router_shapes(monkeypatch):
     assert "mosaic_gpu" in filled
     monkeypatch.setattr(_skinny, "RING_FILLS_SM", False)
     assert lowered() != filled
+
+
+@pytest.mark.parametrize(("rows", "k", "n", "splits"), [(5, 1024, 512, 4), (8, 512, 256, 2)])
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_the_residual_plus_the_split_product_matches_the_float64_oracle(rows, k, n, splits, impl):
+    """``projection_add``: the residual plus the product, and the new rows' square sums."""
+    (x, (w,)), rng = _case(20 + rows, rows, k, (n,)), np.random.default_rng(rows)
+    residual = jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16)
+    out, sums = projections.projection_add(x, w, residual, splits=splits, impl=impl)
+    chex.assert_shape((out, sums), ((rows, n), (rows,)))
+    assert out.dtype == jnp.bfloat16 and sums.dtype == jnp.float32
+    want = np.asarray(residual, np.float64) + np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    got = np.asarray(out, np.float64)
+    np.testing.assert_allclose(got, want, atol=3e-2)
+    # The interpreter may keep the bf16 sum's excess precision (XLA on the CPU does).
+    np.testing.assert_allclose(np.asarray(sums), (got * got).sum(1), rtol=2e-3)
+
+
+def test_the_add_launch_sums_the_partials_as_the_reference_does():
+    """The interpreter's rows equal the XLA reference's bit for bit: the partials summed in
+    split order, then added to the residual in the rows' dtype."""
+    (x, (w,)), rng = _case(30, 6, 1024, (256,)), np.random.default_rng(31)
+    residual = jnp.asarray(rng.standard_normal((6, 256)), jnp.bfloat16)
+    got, _ = projections.projection_add(x, w, residual, splits=4, impl="interpret")
+    want, _ = projections.projection_add(x, w, residual, splits=4, impl="reference")
+    chex.assert_trees_all_equal(got, want)
+
+
+def test_the_add_launch_lowers_for_cuda_at_the_35b_output_shapes_counting_in_place():
+    """One Mosaic GPU launch, its counter a ``Ref`` updated in place: a scan's repeats count
+    in the one buffer it carries."""
+    s = jax.ShapeDtypeStruct
+
+    def call(xs, w, residual):
+        counters = jax.new_ref(jnp.zeros((8,), jnp.int32))
+
+        def body(r, x):
+            out, sums = projections.projection_add(x, w, r, counters=counters, impl="pallas")
+            return out, sums
+
+        return jax.lax.scan(body, residual, xs)
+
+    args = (s((3, 8, 4096), jnp.bfloat16), s((4096, 2048), jnp.bfloat16),
+            s((8, 2048), jnp.bfloat16))  # fmt: skip
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    (loop,) = [line for line in text.splitlines() if "stablehlo.while" in line]
+    assert "tensor<8xi32>" in loop
+    assert "output_operand_aliases" in text
+
+
+def test_add_calls_refuse_what_they_cannot_take():
+    x, (w,) = _case(32, 4, 512, (256,))
+    with pytest.raises(ValueError, match=r"the residual must be \[R, N\] = \(4, 256\)"):
+        projections.projection_add(x, w, jnp.zeros((4, 128), jnp.bfloat16))
+    with pytest.raises(TypeError, match="counters must be a jax.Ref"):
+        projections.projection_add(x, w, x[:, :256], counters=jnp.zeros(1, jnp.int32))
+    assert "residual's dtype float32" in projections.add_unsupported_reason(
+        x, w, jnp.zeros((4, 256), jnp.float32)
+    )
+    assert "multiple of 256" in projections.add_unsupported_reason(x, w[:, :128], x[:, :128])
+
+
+def test_project_output_adds_in_its_launch_when_switched_on(monkeypatch):
+    """With a residual and ``ADD_IN_OUTPUT_LAUNCH``, ``project_output`` gives ``SummedRows``
+    from the add launch; switched off, the residual plus the split product."""
+    (layer,) = _linears(1024, (256,))
+    rng = np.random.default_rng(33)
+    x = jnp.asarray(rng.standard_normal((3, 1024)), jnp.bfloat16)
+    residual = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    want = residual + layer(x)
+    monkeypatch.setattr(linear, "SPLIT_OUTPUT_PROJECTIONS", True)
+    monkeypatch.setattr(linear, "ADD_IN_OUTPUT_LAUNCH", False)
+    apart = project_output(x, layer, impl="interpret", residual=residual)
+    assert isinstance(apart, jax.Array)
+    monkeypatch.setattr(linear, "ADD_IN_OUTPUT_LAUNCH", True)
+    got = project_output(x, layer, impl="interpret", residual=residual)
+    assert isinstance(got, SummedRows)
+    chex.assert_trees_all_equal(got.x, apart)
+    chex.assert_trees_all_close(got.x, want, rtol=3e-2, atol=3e-2)
+    got32 = np.asarray(got.x, np.float32)
+    np.testing.assert_allclose(np.asarray(got.square_sums), (got32 * got32).sum(1), rtol=2e-3)
+    # Where the product is the layer's own, so is the sum.
+    chex.assert_trees_all_equal(project_output(x, layer, impl="reference", residual=residual), want)
