@@ -159,11 +159,11 @@ TRIAL_SWITCHES = {
         linear_layer, "NORMS_IN_LAUNCH", False,
         "a decoder layer's norms run as their own kernels before the projections' launch",
     ),
-    "--add-in-output-launch": (
-        linear_layer, "ADD_IN_OUTPUT_LAUNCH", True,
-        "a split output projection that a layer adds to the residual stream sums its "
-        "partials, adds the residual and forms the next norm's square sums in its own "
-        "launch (projections.projection_add), not in an XLA kernel after it",
+    "--no-add-in-output-launch": (
+        linear_layer, "ADD_IN_OUTPUT_LAUNCH", False,
+        "a split output projection that a layer adds to the residual stream leaves its "
+        "partials, the residual add and the next norm's square sums to an XLA kernel after "
+        "it, not to its own launch (projections.projection_add)",
     ),
     "--no-split-output-projections": (
         linear_layer, "SPLIT_OUTPUT_PROJECTIONS", False,

@@ -52,11 +52,12 @@ SPLIT_OUTPUT_PROJECTIONS = True
 output projection has few column tiles (2048 columns: 32 programs for 132 SMs), which the
 split multiplies (benchmarks/RESULTS_serve.md: the 35B-like batch-1 step)."""
 
-ADD_IN_OUTPUT_LAUNCH = False
+ADD_IN_OUTPUT_LAUNCH = True
 """Whether an output projection split over parts of K (``SPLIT_OUTPUT_PROJECTIONS``) that a
 layer adds to the residual stream sums its partials, adds them to the residual and forms
 the new rows' square sums in its own launch (``projections.projection_add``), where XLA
-does that in a kernel of its own after the launch."""
+does that in a kernel of its own after the launch (a kernel fewer per layer:
+``benchmarks/RESULTS_serve.md``, session 41)."""
 
 MIN_SPLITS = 4
 """The fewest parts of K a split takes: weights whose column tiles fill at most a quarter of
