@@ -140,8 +140,9 @@ class LayerStates:
     ) -> jax.Array | SummedRows:
         """The next linear layer's mixer on normed ``h`` ``[T, hidden]`` and its pool rows;
         returns its output ``[T, hidden]`` and keeps its new states (and verify states). With
-        ``residual`` (a GDN mixer, one GPU) the mixer adds its output to it, maybe giving the
-        new rows' square sums too (``SummedRows``)."""
+        ``residual`` it returns ``residual`` plus the output: on one GPU the mixer adds it
+        itself (a mixer that takes ``residual`` and ``counters``, as GDN's does), maybe giving
+        the new rows' square sums too (``SummedRows``)."""
         i, self._linear = self._linear, self._linear + 1
         conv, ssm, *pages = self._arrays
         if self._repeat is None:
