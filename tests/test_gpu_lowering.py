@@ -95,32 +95,22 @@ def test_the_gpu_tests_steps_lower_for_the_gpu_with_their_kernels(
     assert not missing, f"{mode.name} lowered without {missing}"
 
 
-def test_a_decode_step_with_the_experts_in_one_launch_carries_one_counters_buffer(monkeypatch):
-    """With ``EXPERTS_IN_ONE_LAUNCH`` each MoE block's ``expert_mlp`` launch counts in the
-    forward's one buffer (``LayerStates.counters``, 8 tokens x top 8), which the layer scan
-    carries: no launch computes zeros of its own."""
+def test_a_decode_step_s_launches_count_in_one_buffer_the_scan_carries(monkeypatch):
+    """With ``EXPERTS_IN_ONE_LAUNCH`` each MoE block's ``expert_mlp`` launch, and with
+    ``ADD_IN_OUTPUT_LAUNCH`` each split output projection's add launch (GDN's and
+    attention's: no partial products left for XLA to sum), counts in the forward's one
+    buffer (``LayerStates.counters``, 8 tokens x top 8), which the layer scan carries: no
+    launch computes zeros of its own."""
     monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
     monkeypatch.setattr(moe_layer, "EXPERTS_IN_ONE_LAUNCH", True)
-    # Steps of their own: the cached ones may hold a trace made with other switches.
-    steps, state, policy = _steps_and_state.__wrapped__(_qwen3_next)
-    meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
-    x = jax.ShapeDtypeStruct((8,), jnp.int32)
-    text = steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
-    assert "expert_mlp" in text and "expert_hidden" not in text
-    assert "tensor<64xi1>) -> tensor<64xi32>" not in text
-    (loop,) = [line for line in text.splitlines() if "stablehlo.while" in line]
-    assert "tensor<64xi32>" in loop
-
-
-def test_a_decode_step_adds_its_output_projections_in_their_launches(monkeypatch):
-    """With ``ADD_IN_OUTPUT_LAUNCH`` every split output projection of the step (GDN's and
-    attention's) adds the residual in its own launch: no partial products are left for XLA
-    to sum."""
-    monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
     monkeypatch.setattr(linear, "ADD_IN_OUTPUT_LAUNCH", True)
     # Steps of their own: the cached ones may hold a trace made with other switches.
     steps, state, policy = _steps_and_state.__wrapped__(_qwen3_next)
     meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
     x = jax.ShapeDtypeStruct((8,), jnp.int32)
     text = steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
+    assert "expert_mlp" in text and "expert_hidden" not in text
     assert "projection_add" in text and "projection_partials" not in text
+    assert "tensor<64xi1>) -> tensor<64xi32>" not in text
+    (loop,) = [line for line in text.splitlines() if "stablehlo.while" in line]
+    assert "tensor<64xi32>" in loop
