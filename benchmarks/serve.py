@@ -184,12 +184,17 @@ TRIAL_SWITCHES = {
 
 # ----------------------------------------------------------------------- device breakdown
 
+# A kernel's category is the first whose needles its name holds: our own Pallas kernels
+# (named by their ``kernel_name``) before the XLA and cuBLAS names they might share a word with
+# (``expert_matmul`` is MoE, not a dense matmul).
 _CATEGORIES = (
     (
         "GDN/Mamba2 kernels",
         ("gdn", "delta", "chunk", "recurrent", "conv1d", "ssd", "mamba", "state"),
     ),
-    ("MoE grouped matmul", ("ragged", "grouped", "gmm")),
+    ("attention", ("attention",)),
+    ("MoE (routed experts, combine)", ("ragged", "grouped", "gmm", "expert_", "combine_pairs")),
+    ("projections (Pallas)", ("projection",)),
     ("matmuls (XLA/cuBLAS)", ("gemm", "xmma", "cutlass", "nvjet", "dot", "matmul", "cublas")),
     ("sort/top-k", ("sort", "cub::", "topk", "top_k")),
     ("copies/transposes", ("memcpy", "memset", "copy", "transpose")),

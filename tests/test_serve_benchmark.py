@@ -267,3 +267,26 @@ def test_a_bad_verify_row_is_refused_before_any_model_is_built(serve, spec, caps
         serve.main(["--verify", spec])  # refused before the default preset is built
     err = capsys.readouterr().err
     assert "--verify" in err and repr(spec) in err, err
+
+
+@pytest.mark.parametrize(
+    ("kernel", "category"),
+    [
+        ("gdn_decode_ring_mosaic_gpu_kernel", "GDN/Mamba2 kernels"),
+        ("conv1d_update_mosaic_gpu_kernel", "GDN/Mamba2 kernels"),
+        ("paged_decode_attention_mosaic_gpu_kernel", "attention"),
+        ("attention_rows_mosaic_gpu_kernel", "attention"),
+        ("expert_mlp_mosaic_gpu_kernel", "MoE (routed experts, combine)"),
+        ("expert_matmul_mosaic_gpu_kernel", "MoE (routed experts, combine)"),
+        ("combine_pairs_mosaic_gpu_kernel", "MoE (routed experts, combine)"),
+        ("projection_add_mosaic_gpu_kernel", "projections (Pallas)"),
+        ("projections_mosaic_gpu_kernel", "projections (Pallas)"),
+        ("nvjet_sm90_tst_384x8_64x4_2x1_v_bz_NNT", "matmuls (XLA/cuBLAS)"),
+        ("memcpy32_post", "copies/transposes"),
+        ("input_reduce_fusion_7", "other fusions"),
+    ],
+)
+def test_each_kernel_of_a_step_falls_in_its_category(serve, kernel, category):
+    """Our own kernels by what they do: an expert product is MoE and an attention kernel
+    attention, not the matmuls or other fusions their names would otherwise fall in."""
+    assert serve._category(kernel) == category
