@@ -248,6 +248,22 @@ def partial_splits(k: int, widths: Sequence[int]) -> int:
     return max(s for s in (1, 2, 4, 8) if s == 1 or (tiles * s <= NUM_SMS and steps % s == 0))
 
 
+def _checked_splits(x: jax.Array, weights: Sequence[jax.Array], splits: int | None) -> int:
+    """``splits`` (default ``partial_splits``), raising unless it divides K."""
+    if splits is None:
+        splits = partial_splits(x.shape[1], [w.shape[1] for w in weights])
+    if splits < 1 or x.shape[1] % splits:
+        raise ValueError(f"{_OP}: splits={splits} must be >= 1 and divide K={x.shape[1]}")
+    return splits
+
+
+def _split_reason(x: jax.Array, splits: int) -> str | None:
+    """Why the kernel cannot split x's K into ``splits`` parts of whole blocks, or None."""
+    if x.shape[1] % (splits * BLOCK_K):
+        return f"K={x.shape[1]} must be a multiple of splits x {BLOCK_K}"
+    return None
+
+
 def projection_partials_reference(
     x: jax.Array, weights: Sequence[jax.Array], splits: int
 ) -> tuple[jax.Array, ...]:
@@ -284,15 +300,10 @@ def projection_partials(
     """
     weights = tuple(weights)
     _check(x, weights)
-    if splits is None:
-        splits = partial_splits(x.shape[1], [w.shape[1] for w in weights])
-    if splits < 1 or x.shape[1] % splits:
-        raise ValueError(f"{_OP}: splits={splits} must be >= 1 and divide K={x.shape[1]}")
+    splits = _checked_splits(x, weights, splits)
     reason = None
     if impl != "reference":
-        reason = unsupported_reason(x, weights)
-        if reason is None and x.shape[1] % (splits * BLOCK_K):
-            reason = f"K={x.shape[1]} must be a multiple of splits x {BLOCK_K}"
+        reason = unsupported_reason(x, weights) or _split_reason(x, splits)
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
         return projection_partials_reference(x, weights, splits)
@@ -439,15 +450,10 @@ def projection_add(
             f"{_OP}: the residual must be [R, N] = {(x.shape[0], w.shape[1])}; got {residual.shape}"
         )
     _counters.check_counters(_OP, counters, 1)
-    if splits is None:
-        splits = partial_splits(x.shape[1], [w.shape[1]])
-    if splits < 1 or x.shape[1] % splits:
-        raise ValueError(f"{_OP}: splits={splits} must be >= 1 and divide K={x.shape[1]}")
+    splits = _checked_splits(x, [w], splits)
     reason = None
     if impl != "reference":
-        reason = add_unsupported_reason(x, w, residual)
-        if reason is None and x.shape[1] % (splits * BLOCK_K):
-            reason = f"K={x.shape[1]} must be a multiple of splits x {BLOCK_K}"
+        reason = add_unsupported_reason(x, w, residual) or _split_reason(x, splits)
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
         return projection_add_reference(x, w, residual, splits)
