@@ -114,11 +114,6 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id forms its hidden rows and their down products in "
         "a hidden launch and a down launch, not one launch (moe.expert_mlp)",
     ),
-    "--combine-in-expert-launch": (
-        moe_layer, "COMBINE_IN_EXPERT_LAUNCH", True,
-        "a MoE block whose experts run in one launch (moe.expert_mlp) forms its combine in "
-        "that launch's last programs, one a row, not in a moe.combine_pairs launch after it",
-    ),
     "--no-combine-in-launch": (
         moe_layer, "COMBINE_IN_LAUNCH", False,
         "a MoE block whose hidden rows come from the experts' launches adds its output to the "

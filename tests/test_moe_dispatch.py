@@ -389,59 +389,34 @@ def test_add_to_combines_into_the_residual_in_one_launch_with_the_rows_square_su
     assert isinstance(sorted_sum, jax.Array) and "combine_pairs" not in sorted_program
 
 
-def _add_to_by_id(seed: int):
-    """A small by-id block laid out as an engine lays it out, a residual and normed rows
-    (one padding row), and ``run()``: ``add_to`` in the interpreter, with its program."""
-    config = MoEConfig(hidden_size=128, num_experts=64, top_k=2, intermediate_size=128,
-                       shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
-    moe = SparseMoE(config, rngs=nnx.Rngs(seed))
-    moe.widen_shared_gate()
-    moe.pair_halves()
-    rng = np.random.default_rng(seed + 8)
-    residual = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
-    scale = jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32)
-    x = NormedRows(jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16), scale, 1e-6)
-    real = jnp.arange(5) < 4
-
-    def run():
-        step = jax.jit(lambda m, res, a, r: m.add_to(res, a, r, impl="interpret"))
-        return step(moe, residual, x, real), str(jax.make_jaxpr(step)(moe, residual, x, real))
-
-    return run
-
-
 @pytest.mark.parametrize("combine", [True, False], ids=["combine-launch", "xla-combine"])
 def test_experts_in_one_launch_give_the_two_launches_block_bit_for_bit(combine, monkeypatch):
     """``EXPERTS_IN_ONE_LAUNCH``: a block whose experts run by id forms its hidden rows and
     their down products (with the shared expert's) in one ``expert_mlp`` launch, and its
     output (``add_to``, or the block itself without the combine launch) is that of the
     hidden and down launches, bit for bit."""
-    run = _add_to_by_id(4)
+    config = MoEConfig(hidden_size=128, num_experts=64, top_k=2, intermediate_size=128,
+                       shared_intermediate_size=128, dtype="bfloat16")  # fmt: skip
+    moe = SparseMoE(config, rngs=nnx.Rngs(4))
+    moe.widen_shared_gate()
+    moe.pair_halves()
+    rng = np.random.default_rng(12)
+    residual = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    scale = jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32)
+    x = NormedRows(jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16), scale, 1e-6)
+    real = jnp.arange(5) < 4
     monkeypatch.setattr(moe_layer, "COMBINE_IN_LAUNCH", combine)
+
+    def run():
+        step = jax.jit(lambda m, res, a, r: m.add_to(res, a, r, impl="interpret"))
+        return step(moe, residual, x, real), str(jax.make_jaxpr(step)(moe, residual, x, real))
+
     monkeypatch.setattr(moe_layer, "EXPERTS_IN_ONE_LAUNCH", False)
     apart, apart_program = run()
     assert "expert_mlp" not in apart_program and "expert_hidden" in apart_program
     monkeypatch.setattr(moe_layer, "EXPERTS_IN_ONE_LAUNCH", True)
     one, one_program = run()
     assert "expert_mlp" in one_program and "expert_hidden" not in one_program
-    chex.assert_trees_all_equal(one, apart)
-
-
-def test_the_combine_in_the_experts_launch_gives_the_combine_launch_s_rows_bit_for_bit(
-    monkeypatch,
-):
-    """``COMBINE_IN_EXPERT_LAUNCH``: a block whose experts run in one launch forms its
-    combine in that launch's row programs (no ``combine_pairs`` launch), and ``add_to``
-    gives the combine launch's rows and square sums bit for bit."""
-    run = _add_to_by_id(5)
-    monkeypatch.setattr(moe_layer, "EXPERTS_IN_ONE_LAUNCH", True)
-    monkeypatch.setattr(moe_layer, "COMBINE_IN_EXPERT_LAUNCH", False)
-    apart, apart_program = run()
-    assert "combine_pairs" in apart_program
-    monkeypatch.setattr(moe_layer, "COMBINE_IN_EXPERT_LAUNCH", True)
-    one, one_program = run()
-    assert "combine_pairs" not in one_program and "expert_mlp" in one_program
-    assert isinstance(one, SummedRows)
     chex.assert_trees_all_equal(one, apart)
 
 

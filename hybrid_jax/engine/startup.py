@@ -56,7 +56,6 @@ _SWITCHES = {
     "hybrid_jax.models.layer_scan": ("CARRY_SQUARE_SUMS",),
     "hybrid_jax.layers.moe": (
         "BY_ID_MAX_PAIRS",
-        "COMBINE_IN_EXPERT_LAUNCH",
         "COMBINE_IN_LAUNCH",
         "EXPERTS_IN_ONE_LAUNCH",
         "HIDDEN_IN_EXPERT_LAUNCH",

@@ -31,7 +31,6 @@ from pallas_kernels.moe import softmax_of_exps, top_k_exps, top_k_softmax
 
 __all__ = [
     "BY_ID_MAX_PAIRS",
-    "COMBINE_IN_EXPERT_LAUNCH",
     "COMBINE_IN_LAUNCH",
     "EXPERTS_IN_ONE_LAUNCH",
     "HIDDEN_IN_EXPERT_LAUNCH",
@@ -95,12 +94,6 @@ while the hidden programs read theirs, and each pair's down programs start once 
 tiles are stored, instead of a launch that starts after the hidden launch ends. The launches
 of a forward count in one buffer (``add_to``'s ``counters``), so none zero-fills its own (a
 kernel fewer per MoE block: ``benchmarks/RESULTS_serve.md``, session 41)."""
-
-COMBINE_IN_EXPERT_LAUNCH = False
-"""Whether a block that combines in a launch (``COMBINE_IN_LAUNCH``) and runs its experts in
-one (``EXPERTS_IN_ONE_LAUNCH``) forms the combine in that launch's last programs, one a row,
-once its products are stored (``moe.expert_mlp(combine=)``), instead of a
-``moe.combine_pairs`` launch after it."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
@@ -374,10 +367,9 @@ class SparseMoE(nnx.Module):
         *, impl: str = "auto", counters: jax.Ref | None = None,
     ) -> jax.Array | SummedRows:  # fmt: skip
         """``residual + self(x, real)``. Where the hidden rows come from the experts'
-        launches and ``COMBINE_IN_LAUNCH``, one ``moe.combine_pairs`` launch (or, with
-        ``COMBINE_IN_EXPERT_LAUNCH``, the experts' one launch) forms the sum from the down
-        products' tiles and gives each new row's sum of squares with it (``SummedRows``,
-        which the next norm reads instead of reducing the rows again).
+        launches and ``COMBINE_IN_LAUNCH``, one ``moe.combine_pairs`` launch forms the sum
+        from the down launch's tiles and gives each new row's sum of squares with it
+        (``SummedRows``, which the next norm reads instead of reducing the rows again).
         ``counters``: int32 zeros for the experts' one launch to count in
         (``moe.expert_mlp``'s), shared by the forward's blocks (``LayerStates.counters``)."""
         if not (COMBINE_IN_LAUNCH and self._hidden_in_launch(x, impl)):
@@ -386,21 +378,15 @@ class SparseMoE(nnx.Module):
         weights, experts, exps = self._route(logits, real)
         if not exps:  # as ``route`` gives them (the combine divides exponentials itself)
             weights = weights.astype(logits.dtype)
-        combine = moe.Combine(weights, gate_logits, residual, normalize=exps)
-        one_launch = self._one_launch(x, shared_hidden, combine=COMBINE_IN_EXPERT_LAUNCH)
-        if COMBINE_IN_EXPERT_LAUNCH and one_launch is not None:
-            rows, up, down, kw = one_launch
-            out, sums = moe.expert_mlp(
-                rows, up, down, experts, combine=combine, counters=counters, impl=impl, **kw
-            )
-            return SummedRows(out, sums)
         tiles, shared = self._experts_launches(
             x, experts, shared_hidden, impl, tiles=True, counters=counters
         )
         # The down launch's pairs are the (token, choice) pairs in order: the same tiles
         # read as each token's choices.
         pairs = moe.PairTiles(tiles.tiles, experts, tiles.num_experts, tiles.per_line)
-        out, sums = moe.combine_pairs(pairs, shared=shared, impl=impl, **combine._asdict())
+        out, sums = moe.combine_pairs(
+            pairs, weights, shared, gate_logits, residual, normalize=exps, impl=impl
+        )
         return SummedRows(out, sums)
 
     def _router_launch(self, x: jax.Array | NormedRows, hidden_in_launch: bool, impl: str):
@@ -557,32 +543,20 @@ class SparseMoE(nnx.Module):
         launch: with ``EXPERTS_IN_ONE_LAUNCH`` and the shared down in it, one
         ``moe.expert_mlp`` launch; otherwise ``_hidden_by_id``'s launch and the down launch
         after it."""
-        one_launch = self._one_launch(x, shared_hidden)
-        if one_launch is None:
-            hidden = self._hidden_by_id(x, experts, impl)
-            return self._down_launch(hidden, shared_hidden, experts, impl, tiles=tiles)
-        rows, up, down, kw = one_launch
-        return moe.expert_mlp(
-            rows, up, down, experts, tiles=tiles, counters=counters, impl=impl, **kw
-        )
-
-    def _one_launch(self, x, shared_hidden, *, combine: bool = False):
-        """(the rows, the gate/up and down weights, the other keywords) of the block's
-        ``moe.expert_mlp`` launch, with the shared down in it, where ``EXPERTS_IN_ONE_LAUNCH``
-        and the kernel (with a ``combine``) take it; None otherwise."""
         dense = (shared_hidden, self.shared_expert.down_proj.kernel[...])
         up, down = self.gate_up_proj[...], self.down_proj[...]
         rows = x.weighted() if isinstance(x, NormedRows) else x
         if not (
             EXPERTS_IN_ONE_LAUNCH
             and SHARED_DOWN_WITH_EXPERTS
-            and moe.expert_mlp_unsupported_reason(rows, up, down, dense, combine=combine) is None
+            and moe.expert_mlp_unsupported_reason(rows, up, down, dense) is None
         ):
-            return None
-        kw = dict(dense=dense)
+            hidden = self._hidden_by_id(x, experts, impl)
+            return self._down_launch(hidden, shared_hidden, experts, impl, tiles=tiles)
+        kw = dict(dense=dense, tiles=tiles, counters=counters, impl=impl)
         if isinstance(x, NormedRows):
             kw.update(row_scale=x.square_sum(), rms_eps=x.eps)
-        return rows, up, down, kw
+        return moe.expert_mlp(rows, up, down, experts, **kw)
 
     def _down_launch(self, hidden, shared_hidden, experts, impl: str, *, tiles: bool = False):
         """(the pairs' down products of ``hidden`` read by id, as rows ``[T * top_k, 1, N]``

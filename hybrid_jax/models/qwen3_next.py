@@ -413,10 +413,9 @@ class Qwen3Next(HybridCausalLM):
 
     @property
     def counters_per_token(self) -> int:
-        """A token's (token, expert) pairs in a MoE block, and one more: a launch's count of
-        its stored products (an output projection's partials, a MoE block's products before
-        its combine)."""
-        return (self.config.num_experts_per_tok if self.config.num_experts else 0) + 1
+        """A token's (token, expert) pairs in a MoE block, at least 1 (an output projection's
+        launch counts in one)."""
+        return max(self.config.num_experts_per_tok if self.config.num_experts else 0, 1)
 
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
         c = config

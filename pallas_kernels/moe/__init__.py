@@ -7,7 +7,6 @@ from pallas_kernels.moe.combine import combine_pairs, combine_pairs_reference
 from pallas_kernels.moe.combine import unsupported_reason as combine_pairs_unsupported_reason
 from pallas_kernels.moe.expert_matmul import (
     PAIRED_UNITS,
-    Combine,
     PairTiles,
     expert_hidden,
     expert_hidden_reference,
@@ -27,7 +26,6 @@ from pallas_kernels.moe.grouped_matmul import grouped_matmul, unsupported_reason
 from pallas_kernels.moe.routing import ranked_top_k, softmax_of_exps, top_k_exps, top_k_softmax
 
 __all__ = [
-    "Combine",
     "PAIRED_UNITS",
     "PairTiles",
     "combine_pairs",

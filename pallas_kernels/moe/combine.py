@@ -15,13 +15,17 @@ in it.
 The Mosaic GPU kernel (sm_90): one program a row. Each thread of the warpgroup owns pieces
 of up to 8 adjacent columns (``WG_STRIDED``); every array is read straight from GMEM into
 registers, so the whole combine is element-wise and the square sums one warpgroup reduction.
-XLA forms the same combine as a fusion and the next norm's square sums as a reduction of its
-own: this is one launch where XLA makes two.
+Only the residual's load names its layout; every other value's follows from it through the
+element-wise ops, which leaves Mosaic GPU's layout inference one unknown to search (a
+layout given to each load would be one each). XLA forms the same combine as a fusion and
+the next norm's square sums as a reduction of its own: this is one launch where XLA makes
+two.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -29,26 +33,23 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import interpret_params, resolve_impl
-from pallas_kernels._mgpu_chunks import F32
-from pallas_kernels.moe._combine_row import (
-    REDUCTION_SCRATCH,
-    THREADS,
-    combine_row,
-    combined_rows_reference,
-)
+from pallas_kernels._mgpu_chunks import ALIGN, F32
 from pallas_kernels.moe.expert_matmul import PairTiles
+from pallas_kernels.moe.routing import softmax_of_exps
 
 __all__ = ["combine_pairs", "combine_pairs_reference", "unsupported_reason"]
 
 _OP = "combine_pairs"
+_THREADS = 128
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_REDUCTION_SCRATCH = 4096
 
 
 def unsupported_reason(tiles: PairTiles, shared: jax.Array) -> str | None:
     """Why the Mosaic GPU kernel cannot take this call, or None when it can."""
     width = tiles.tiles.shape[2]
-    if width % THREADS:
-        return f"N={width} must be a multiple of {THREADS} (whole columns for each thread)"
+    if width % _THREADS:
+        return f"N={width} must be a multiple of {_THREADS} (whole columns for each thread)"
     if tiles.dtype not in _DTYPES or shared.dtype != tiles.dtype:
         return f"the rows must share a 16-bit float dtype (got {tiles.dtype} and {shared.dtype})"
     return None
@@ -73,9 +74,13 @@ def combine_pairs_reference(
     residual: jax.Array, *, normalize: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """The same in XLA: ``(out [R, N]``, float32 ``square_sums [R])``."""
-    return combined_rows_reference(
-        tiles.rows(), weights, shared, shared_gate, residual, normalize=normalize
-    )
+    w = softmax_of_exps(weights.astype(F32)) if normalize else weights.astype(F32)
+    ys = tiles.rows().astype(F32)  # [R, C, N], zeros for ids out of range
+    routed = functools.reduce(operator.add, (ys[:, c] * w[:, c, None] for c in range(ys.shape[1])))
+    scale = jax.nn.sigmoid(shared_gate[:, :1].astype(F32)).astype(shared.dtype)
+    out = residual + (routed.astype(shared.dtype) + scale * shared)
+    out32 = out.astype(F32)
+    return out, jnp.sum(out32 * out32, axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=("normalize", "interpret"))
@@ -83,15 +88,40 @@ def _kernel(tiles: PairTiles, weights, shared, shared_gate, residual, *, normali
             interpret: bool):  # fmt: skip
     rows, choices = tiles.experts.shape
     width = tiles.tiles.shape[2]
+    num_experts, per_line = tiles.num_experts, tiles.per_line
     dtype = shared.dtype
+    # Each thread loads up to 8 adjacent columns at once (16 bytes of a 16-bit dtype).
+    vec = next(v for v in (8, 4, 2, 1) if (width // _THREADS) % v == 0)
+    lanes = plgpu.Layout.WG_STRIDED((width,), vec)
 
     def body(tiles_ref, experts_ref, weights_ref, shared_ref, gate_ref, residual_ref, o_ref,
              sums_ref):  # fmt: skip
-        combine_row(
-            lax.axis_index("r"), tiles_ref, experts_ref, weights_ref, shared_ref, gate_ref,
-            residual_ref, o_ref, sums_ref, choices=choices, num_experts=tiles.num_experts,
-            per_line=tiles.per_line, normalize=normalize,
-        )  # fmt: skip
+        r = lax.axis_index("r")
+        w = [weights_ref[r, c].astype(F32) for c in range(choices)]
+        if normalize:
+            total = functools.reduce(operator.add, w)
+            w = [wc / total for wc in w]
+        residual_row = plgpu.load(residual_ref.at[r], layout=lanes)
+        routed = None
+        for c in range(choices):
+            pair = r * choices + c
+            expert = experts_ref[r, c]
+            valid = (expert >= 0) & (expert < num_experts)
+            # Every pair's row loads (no load waits behind a branch); an out-of-range pair's
+            # tile was never written, so its row is selected away, never scaled (its bits may
+            # be a NaN's).
+            row = plgpu.load(tiles_ref.at[pair, (pair // per_line) % ALIGN])
+            keep = lax.broadcast_in_dim(valid, (width,), ())
+            weight = lax.broadcast_in_dim(w[c], (width,), ())
+            term = jnp.where(keep, row.astype(F32) * weight, 0.0)
+            routed = term if routed is None else routed + term
+        gate = gate_ref[r, 0].astype(F32)
+        scale = (1.0 / (1.0 + jnp.exp(-gate))).astype(dtype)
+        shared_row = plgpu.load(shared_ref.at[r])
+        out = residual_row + (routed.astype(dtype) + scale * shared_row)
+        o_ref[r] = out
+        out32 = out.astype(F32)
+        sums_ref[r] = jnp.sum(out32 * out32)
 
     return plgpu.kernel(
         body,
@@ -101,10 +131,10 @@ def _kernel(tiles: PairTiles, weights, shared, shared_gate, residual, *, normali
         ),
         grid=(rows,),
         grid_names=("r",),
-        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=REDUCTION_SCRATCH),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=_REDUCTION_SCRATCH),
         interpret=interpret_params(interpret),
         kernel_name="combine_pairs",
-    )(tiles.tiles, tiles.experts.reshape(-1), weights.astype(F32), shared, shared_gate, residual)
+    )(tiles.tiles, tiles.experts, weights.astype(F32), shared, shared_gate, residual)
 
 
 def combine_pairs(

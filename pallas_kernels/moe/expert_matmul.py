@@ -31,19 +31,12 @@ at zero: each down program adds 1 once its wait is over, and the add that comple
 count sets it back to zero. So a caller may hand one buffer to every launch of a step
 (``counters``), which a layer scan carries, and no launch zero-fills its own; without one, a
 launch computes its zeros from its own ids (``_counters.own_zeros``).
-
-With a ``Combine``, the launch's last programs, one a row, add the block's output to the
-residual stream and sum the new rows' squares, as ``combine_pairs`` does (the same row
-body): each dense and down program adds 1 to one more counter once its products are stored,
-and the row programs wait until all of them have. The combine then needs no launch of its
-own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -71,12 +64,6 @@ from pallas_kernels._skinny import (
     scratch,
     tile_product,
     unpair_halves,
-)
-from pallas_kernels.moe._combine_row import (
-    REDUCTION_SCRATCH,
-    THREADS,
-    combine_row,
-    combined_rows_reference,
 )
 
 __all__ = [
@@ -458,55 +445,17 @@ def expert_hidden(
     return out if tiles else out.rows()
 
 
-class Combine(NamedTuple):
-    """What ``expert_mlp`` needs to add a MoE block's output to the residual stream in its
-    launch, as ``combine_pairs`` takes it: the routing ``weights`` ``[R, C]`` (divided by
-    their sum first with ``normalize``: a softmax's exponentials), the shared expert's gate
-    logit in column 0 of ``shared_gate`` ``[R, G]`` and the ``residual`` ``[R, N]``."""
-
-    weights: jax.Array
-    shared_gate: jax.Array
-    residual: jax.Array
-    normalize: bool = False
-
-
-def _check_combine(combine: Combine, experts_shape, width: int, dense, dtype) -> None:
-    rows, choices = experts_shape
-    if dense is None or dense[0].shape[0] != rows:
-        raise ValueError(
-            f"{_OP}: combine needs dense with a row for each of the R={rows} rows (the shared "
-            f"expert's down product); got {None if dense is None else dense[0].shape}"
-        )
-    if combine.weights.shape != (rows, choices):
-        raise ValueError(
-            f"{_OP}: combine.weights must be [R={rows}, C={choices}]; got {combine.weights.shape}"
-        )
-    if combine.residual.shape != (rows, width) or combine.residual.dtype != dtype:
-        raise ValueError(
-            f"{_OP}: combine.residual must be {dtype} [R={rows}, N={width}]; got "
-            f"{combine.residual.dtype} {combine.residual.shape}"
-        )
-    gate = combine.shared_gate
-    if gate.ndim != 2 or gate.shape[0] != rows or gate.shape[1] < 1:
-        raise ValueError(f"{_OP}: combine.shared_gate must be [R={rows}, G >= 1]; got {gate.shape}")
-
-
 def mlp_unsupported_reason(
-    x: jax.Array, w_up: jax.Array, w_down: jax.Array, dense=None, *, combine: bool = False
+    x: jax.Array, w_up: jax.Array, w_down: jax.Array, dense=None
 ) -> str | None:
-    """Why the Mosaic GPU kernel cannot take this ``expert_mlp`` call (with a ``combine``
-    or not), or None."""
+    """Why the Mosaic GPU kernel cannot take this ``expert_mlp`` call, or None."""
     hidden = jax.ShapeDtypeStruct((x.shape[0], w_down.shape[1]), x.dtype)
-    reason = hidden_unsupported_reason(x, w_up) or unsupported_reason(hidden, w_down, dense)
-    if reason is None and combine and w_down.shape[2] % THREADS:
-        reason = f"N={w_down.shape[2]} must be a multiple of {THREADS} to combine the rows"
-    return reason
+    return hidden_unsupported_reason(x, w_up) or unsupported_reason(hidden, w_down, dense)
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "interpret", "rms_eps", "normalize"))
-def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=None,
-                combine=None, *, variant: ProductVariant, interpret: bool, rms_eps=None,
-                normalize: bool = False):  # fmt: skip
+@functools.partial(jax.jit, static_argnames=("variant", "interpret", "rms_eps"))
+def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=None, *,
+                variant: ProductVariant, interpret: bool, rms_eps=None):  # fmt: skip
     """The launch of ``expert_mlp``: the ``dense`` product's programs, ``expert_hidden``'s,
     then the down launch's pair programs (``expert_matmul`` over the hidden tiles), one
     grid. Each hidden program adds 1 to its pair's counter once its tile is stored; a down
@@ -542,9 +491,6 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=N
         jax.ShapeDtypeStruct((up_programs * up_per_program, ALIGN, hidden_n), dtype),
         jax.ShapeDtypeStruct((down_programs * down_per_program, ALIGN, down_n), dtype),
     ]
-    # With ``combine``, one program a row after all others: the block's output rows.
-    combine_grid = rows if combine is not None else 0
-    stored = dense_grid + down_grid  # the programs whose products a row program reads
     operands = [experts.reshape(-1), _padded_rows(x, padded), w_up, w_down]
     if dense is not None:
         dense_x, dense_w = dense
@@ -552,19 +498,11 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=N
         out_types.append(jax.ShapeDtypeStruct((dense_rows, down_n), dtype))
     if scaled:
         operands.append(_padded_rows(row_scale.astype(F32), padded, 1))
-    if combine is not None:
-        weights, shared_gate, residual = combine
-        operands += [weights.astype(F32), shared_gate, residual]
-        out_types += [
-            jax.ShapeDtypeStruct((rows, down_n), dtype),
-            jax.ShapeDtypeStruct((rows,), F32),
-        ]
     if not interpret:
         # The interpreter runs the programs one after another in launch order (and cannot
         # run inline Mosaic GPU): every hidden tile is stored before a down program reads it.
-        if counters is None:  # a counter a pair (and one for the stored products)
-            ids = experts.reshape(-1)
-            counters = _counters.own_zeros(ids if combine is None else jnp.append(ids, ids[0]))
+        if counters is None:
+            counters = _counters.own_zeros(experts.reshape(-1))
         operands.append(counters)
     rms = None if rms_eps is None else (rms_eps, k_dim)
     n_dense = 0 if dense is None else len(dense)
@@ -573,20 +511,11 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=N
         experts_ref, x_ref, up_ref, down_ref, refs = refs[0], refs[1], refs[2], refs[3], refs[4:]
         dense_in, refs = refs[:n_dense], refs[n_dense:]
         scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
-        combine_in, refs = (refs[:3], refs[3:]) if combine is not None else ((), refs)
         ready, refs = (None, refs) if interpret else (refs[0], refs[1:])
         hidden_ref, out_ref, refs = refs[0], refs[1], refs[2:]
         dense_o_ref, refs = (refs[0], refs[1:]) if dense is not None else (None, refs)
-        combine_out, refs = (refs[:2], refs[2:]) if combine is not None else ((), refs)
         scratch_refs = refs
         program = lax.axis_index("i")
-
-        def stored_products():
-            """A dense or down program's products are in GMEM: one more for the row
-            programs to wait for."""
-            if ready is not None and combine is not None:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
-                _counters.signal(ready.at[pl.ds(pairs, 1)])
 
         def product(x_rows, w_tile, o_rows, *, steps, scale=None, halves=False, await_rows=None):
             tile_product(
@@ -595,21 +524,6 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=N
                 halves=halves, await_rows=await_rows,
             )  # fmt: skip
 
-        if combine is not None:  # last in launch order: they wait for every product
-
-            @pl.when(program >= dense_grid + up_grid + down_grid)
-            def _combine():
-                r = program - dense_grid - up_grid - down_grid
-                if ready is not None:
-                    _counters.wait_then_count(
-                        ready.at[pl.ds(pairs, 1)], stored, stored + combine_grid
-                    )
-                combine_row(
-                    r, out_ref, experts_ref, *combine_in[:1], dense_o_ref, *combine_in[1:],
-                    *combine_out, choices=choices, num_experts=num_experts, per_line=choices,
-                    normalize=normalize,
-                )  # fmt: skip
-
         if dense is not None:  # first in launch order: they wait for nothing
 
             @pl.when(program < dense_grid)
@@ -617,7 +531,6 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=N
                 d_x, d_w = dense_in
                 cols = pl.ds(program * BLOCK_N, BLOCK_N)
                 product(d_x, d_w.at[:, cols], dense_o_ref.at[:, cols], steps=dense_steps)
-                stored_products()
 
         @pl.when((program >= dense_grid) & (program < dense_grid + up_grid))
         def _hidden():
@@ -640,7 +553,7 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=N
                 pairs=pairs, num_experts=num_experts, run=pair_hidden,
             )  # fmt: skip
 
-        @pl.when((program >= dense_grid + up_grid) & (program < dense_grid + up_grid + down_grid))
+        @pl.when(program >= dense_grid + up_grid)
         def _down():
             place = program - dense_grid - up_grid
             first, col = place // down_tiles, lax.rem(place, down_tiles)
@@ -662,7 +575,6 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=N
                 experts_ref, first, programs=down_programs, per_program=down_per_program,
                 pairs=pairs, num_experts=num_experts, run=pair_down,
             )  # fmt: skip
-            stored_products()
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -670,18 +582,14 @@ def _mlp_kernel(x, w_up, w_down, experts, dense=None, row_scale=None, counters=N
         body,
         out_type=tuple(out_types),
         scratch_types=scratch_types,
-        grid=(dense_grid + up_grid + down_grid + combine_grid,),
+        grid=(dense_grid + up_grid + down_grid,),
         grid_names=("i",),
-        compiler_params=plgpu.CompilerParams(
-            reduction_scratch_bytes=REDUCTION_SCRATCH if combine is not None else 0
-        ),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
         kernel_name="expert_mlp",
     )(*operands)
     hidden = PairTiles(outs[0], experts, num_experts, 1)
     out = PairTiles(outs[1], experts.reshape(-1, 1), num_experts, choices)
-    if combine is not None:
-        return hidden, out, tuple(outs[-2:])
     return hidden, out, (outs[2][: dense[0].shape[0]] if dense is not None else None)
 
 
@@ -696,7 +604,6 @@ def expert_mlp(
     rms_eps: float | None = None,
     tiles: bool = False,
     counters: jax.Ref | None = None,
-    combine: Combine | None = None,
     impl: str = "auto",
 ):
     """A SwiGLU MLP by expert id in one launch: ``expert_hidden`` then the down
@@ -714,33 +621,22 @@ def expert_mlp(
       row_scale, rms_eps: as ``expert_hidden``'s, for the hidden rows.
       tiles: give the down products as the launch stored them (``PairTiles`` of the
         ``R * C`` pairs, which ``combine_pairs`` reads in place); only where the kernel runs.
-      counters: optional int32 ``Ref`` ``[n >= R * C + 1]`` of zeros, the per-pair counters
-        through which the down programs wait for the hidden tiles (and one through which
-        ``combine``'s programs wait for the products); the launch leaves them at zero, so
-        one buffer serves every launch of a step (a layer scan carries it) and no launch
-        zero-fills its own. Without it the launch makes its own. The interpreter and the
-        reference ignore it.
-      combine: optional ``Combine``: the block's output added to the residual stream, as
-        ``combine_pairs`` forms it from the down products and the shared rows (``dense``,
-        needed), by the launch's last programs, one a row, once every product is stored.
+      counters: optional int32 ``Ref`` ``[n >= R * C]`` of zeros, the per-pair counters
+        through which the down programs wait for the hidden tiles; the launch leaves them
+        at zero, so one buffer serves every launch of a step (a layer scan carries it) and
+        no launch zero-fills its own. Without it the launch makes its own. The interpreter
+        and the reference ignore it.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
       The pairs' down products ``[R * C, 1, N]`` in x's dtype (see ``tiles``); with
-      ``dense``, ``(that, xd @ wd)``; with ``combine``, ``combine_pairs``' ``(out [R, N]``,
-      float32 ``square_sums [R])``.
+      ``dense``, ``(that, xd @ wd)``.
     """
     _check_hidden(x, w_up, experts, row_scale, rms_eps)
-    _counters.check_counters(_OP, counters, experts.size + (combine is not None))
-    if combine is not None:
-        _check_combine(combine, experts.shape, w_down.shape[2], dense, x.dtype)
+    _counters.check_counters(_OP, counters, experts.size)
     hidden_shape = (x.shape[0] * experts.shape[1], w_up.shape[2] // 2)
     _check(jax.ShapeDtypeStruct(hidden_shape, x.dtype), w_down, experts.reshape(-1, 1), dense)
-    if combine is not None and tiles:
-        raise ValueError(f"{_OP}: combine gives the combined rows; tiles=True asks for products")
-    reason = None
-    if impl != "reference":
-        reason = mlp_unsupported_reason(x, w_up, w_down, dense, combine=combine is not None)
+    reason = mlp_unsupported_reason(x, w_up, w_down, dense) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference":
         if tiles:
@@ -748,25 +644,13 @@ def expert_mlp(
                 f"{_OP}: tiles=True needs the kernel; this call resolved to the reference"
             )
         hidden = expert_hidden_reference(x, w_up, experts, row_scale=row_scale, rms_eps=rms_eps)
-        products = expert_matmul(
+        return expert_matmul(
             hidden.reshape(hidden_shape), w_down, experts.reshape(-1, 1), dense=dense,
             impl="reference",
         )  # fmt: skip
-        if combine is None:
-            return products
-        out, shared = products  # combine comes with dense
-        return combined_rows_reference(
-            out.reshape(*experts.shape, -1), combine.weights, shared, combine.shared_gate,
-            combine.residual, normalize=combine.normalize,
-        )  # fmt: skip
-    combined = None if combine is None else combine[:3]
     _, out, dense_out = _mlp_kernel(
-        x, w_up, w_down, experts, dense, row_scale, counters, combined,
-        variant=current_variant(), interpret=choice == "interpret",
-        rms_eps=None if rms_eps is None else float(rms_eps),
-        normalize=combine is not None and bool(combine.normalize),
+        x, w_up, w_down, experts, dense, row_scale, counters, variant=current_variant(),
+        interpret=choice == "interpret", rms_eps=None if rms_eps is None else float(rms_eps),
     )  # fmt: skip
-    if combine is not None:
-        return dense_out
     out = out if tiles else out.rows()
     return out if dense is None else (out, dense_out)

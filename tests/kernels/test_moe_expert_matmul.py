@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import moe
-from pallas_kernels._skinny import current_variant, unpair_halves
+from pallas_kernels._skinny import current_variant
 
 # The module, not the function of the same name that the package re-exports.
 em_module = importlib.import_module("pallas_kernels.moe.expert_matmul")
@@ -277,6 +277,7 @@ def test_the_down_launch_over_hidden_tiles_lowers_for_cuda_at_the_35b_shapes():
 def test_pair_halves_puts_each_tiles_gate_and_up_columns_side_by_side():
     """Tile t of a paired weight: gate columns 32t .. 32t + 31, then the same up columns;
     ``unpair_halves`` gives the weight back."""
+    from pallas_kernels._skinny import unpair_halves
 
     w = jnp.arange(2 * 256, dtype=jnp.int32).reshape(2, 256)  # gate 0..127, up 128..255
     paired = moe.pair_halves(w)
@@ -416,115 +417,3 @@ def test_mlp_calls_refuse_what_they_cannot_take():
     assert moe.expert_mlp_unsupported_reason(x, up, down, dense) is None
     odd = jnp.zeros((4, 128, 100), jnp.bfloat16)
     assert "multiple of 64" in moe.expert_mlp_unsupported_reason(x, up, odd)
-
-
-def _combine_case(seed, rows=5, n=256):
-    """``_mlp_case`` with the shared expert's rows for each row and what the combine adds."""
-    x, up, down, ids, _, square_sum = _mlp_case(seed, rows=rows, n=n)
-    rng = np.random.default_rng(seed + 100)
-    dense = (
-        jnp.asarray(rng.standard_normal((rows, 128)), jnp.bfloat16),
-        jnp.asarray(rng.standard_normal((128, n)) / np.sqrt(128), jnp.bfloat16),
-    )
-    combine = dict(
-        weights=jnp.asarray(rng.random((rows, 2)) + 0.05, jnp.float32),
-        shared_gate=jnp.asarray(rng.standard_normal((rows, 64)), jnp.bfloat16),
-        residual=jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16),
-    )
-    return x, moe.pair_halves(up), down, ids, dense, square_sum, combine
-
-
-@pytest.mark.parametrize("normalize", [True, False])
-def test_the_mlp_launch_combines_its_rows_as_combine_pairs_does_bit_for_bit(normalize):
-    """With a ``Combine`` the launch's row programs give ``combine_pairs``' rows and square
-    sums over the same launch's tiles, bit for bit (a padding row and a pair out of range
-    among them)."""
-    x, up, down, ids, dense, square_sum, c = _combine_case(9)
-    kw = dict(dense=dense, row_scale=square_sum, rms_eps=1e-6, impl="interpret")
-    combine = moe.Combine(**c, normalize=normalize)
-    got = moe.expert_mlp(x, up, down, ids, combine=combine, **kw)
-    tiles, shared = moe.expert_mlp(x, up, down, ids, tiles=True, **kw)
-    pairs = moe.PairTiles(tiles.tiles, ids, tiles.num_experts, tiles.per_line)
-    want = moe.combine_pairs(pairs, shared=shared, normalize=normalize, impl="interpret", **c)
-    chex.assert_trees_all_equal(got, want)
-    chex.assert_shape(got, ((5, 256), (5,)))
-
-
-@pytest.mark.parametrize("impl", ["interpret", "reference"])
-def test_the_combined_rows_match_the_float64_oracle(impl):
-    """``residual + sum_c w[r, c] y[r, c] / sum_c w[r, c] + sigmoid(g[r]) shared[r]`` of the
-    oracle's products, and each row's float32 square sum of the rows as stored."""
-    x, up, down, ids, dense, square_sum, c = _combine_case(10)
-    out, sums = moe.expert_mlp(
-        x, up, down, ids, dense=dense, row_scale=square_sum, rms_eps=1e-6,
-        combine=moe.Combine(**c, normalize=True), impl=impl,
-    )  # fmt: skip
-    x64 = (
-        np.asarray(x, np.float64)
-        / np.sqrt(np.asarray(square_sum, np.float64) / 256 + 1e-6)[:, None]
-    )
-    hidden = _hidden_oracle(x64, np.asarray(unpair_halves(up), np.float64), np.asarray(ids))
-    ys = _oracle(hidden.reshape(-1, 128), down, np.asarray(ids).reshape(-1, 1))
-    ys = ys.reshape(5, 2, -1)
-    w = np.asarray(c["weights"], np.float64)
-    w = w / w.sum(1, keepdims=True)
-    shared = np.asarray(dense[0], np.float64) @ np.asarray(dense[1], np.float64)
-    gate = np.asarray(c["shared_gate"][:, 0].astype(jnp.float32), np.float64)
-    want = (
-        np.asarray(c["residual"], np.float64)
-        + (w[..., None] * ys).sum(1)
-        + shared / (1 + np.exp(-gate))[:, None]
-    )
-    got = np.asarray(out, np.float64)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
-    np.testing.assert_allclose(np.asarray(sums), (got * got).sum(1), rtol=2e-3)
-
-
-def test_combining_launches_in_a_scan_lower_as_one_launch_each_with_one_buffer():
-    """At the 35B shapes, in a scan carrying one buffer of a counter a pair and one more:
-    one Mosaic GPU launch a repeat and no zeros of its own."""
-    s = jax.ShapeDtypeStruct
-    bf16 = jnp.bfloat16
-
-    def call(xs, up, down, ids, shared, shared_down, square_sum, weights, gate):
-        counters = jax.new_ref(jnp.zeros((65,), jnp.int32))
-
-        def body(residual, x):
-            out, _ = moe.expert_mlp(
-                x, up, down, ids, dense=(shared, shared_down), row_scale=square_sum,
-                rms_eps=1e-6, counters=counters, impl="pallas",
-                combine=moe.Combine(weights, gate, residual, normalize=True),
-            )  # fmt: skip
-            return out, None
-
-        return jax.lax.scan(body, xs[0], xs)[0]
-
-    args = (s((3, 8, 2048), bf16), s((256, 2048, 1024), bf16), s((256, 512, 2048), bf16),
-            s((8, 8), jnp.int32), s((8, 512), bf16), s((512, 2048), bf16),
-            s((8,), jnp.float32), s((8, 8), jnp.float32), s((8, 64), bf16))  # fmt: skip
-    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-    assert "tensor<65xi1>) -> tensor<65xi32>" not in text  # no zeros from the ids
-    (loop,) = [line for line in text.splitlines() if "stablehlo.while" in line]
-    assert "tensor<65xi32>" in loop
-
-
-def test_combine_calls_refuse_what_they_cannot_take():
-    x, up, down, ids, dense, square_sum, c = _combine_case(11)
-    combine = moe.Combine(**c)
-    with pytest.raises(ValueError, match="combine needs dense with a row for each of the R=5"):
-        moe.expert_mlp(x, up, down, ids, combine=combine)
-    with pytest.raises(ValueError, match="tiles=True asks for products"):
-        moe.expert_mlp(x, up, down, ids, dense=dense, combine=combine, tiles=True)
-    bad = moe.Combine(c["weights"][:, :1], c["shared_gate"], c["residual"])
-    with pytest.raises(ValueError, match=r"combine.weights must be \[R=5, C=2\]"):
-        moe.expert_mlp(x, up, down, ids, dense=dense, combine=bad)
-    bad = moe.Combine(c["weights"], c["shared_gate"], c["residual"].astype(jnp.float32))
-    with pytest.raises(ValueError, match=r"combine.residual must be bfloat16 \[R=5, N=256\]"):
-        moe.expert_mlp(x, up, down, ids, dense=dense, combine=bad)
-    short = jax.new_ref(jnp.zeros(ids.size, jnp.int32))  # no counter for the stored products
-    with pytest.raises(ValueError, match=rf"int32 \[n >= {ids.size + 1}\]"):
-        moe.expert_mlp(x, up, down, ids, dense=dense, combine=combine, counters=short)
-    narrow = _combine_case(12, n=192)
-    reason = moe.expert_mlp_unsupported_reason(*narrow[:3], narrow[4], combine=True)
-    assert "multiple of 128 to combine the rows" in reason
