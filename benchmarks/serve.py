@@ -120,6 +120,11 @@ TRIAL_SWITCHES = {
         "residual stream in XLA, the next norm's square sums a reduction of their own, not in "
         "one launch",
     ),
+    "--decode-scan-unroll": (
+        layer_scan, "DECODE_SCAN_UNROLL", 2,
+        "a decode step's layer scan runs two repeats a pass of its loop, not one "
+        "(lax.scan(unroll=2)): half the loop's counters and input slices",
+    ),
     "--no-carry-square-sums": (
         layer_scan, "CARRY_SQUARE_SUMS", False,
         "a scan of Qwen3-Next blocks carries the rows alone: each repeat's first norm reduces "

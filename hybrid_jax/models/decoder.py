@@ -202,13 +202,15 @@ class LayerStates:
         repeats: int,
         linear_per_repeat: int,
         attention_per_repeat: int,
+        unroll: int = 1,
     ) -> Any:
         """``x = block(x, weights[r])`` for r in ``range(repeats)`` under ``lax.scan``, the
         pool and cache carried (``x`` the rows, or a pytree of arrays such as ``SummedRows``);
         ``weights``: a pytree of arrays stacked on a leading ``repeats`` axis. Each repeat
         runs ``linear_per_repeat`` linear and ``attention_per_repeat`` attention layers (in
         that count, any order), on ``meta`` shifted to their pool rows and cache pages before
-        the scan (``_RepeatMetadata``): the loop body holds no index arithmetic of its own."""
+        the scan (``_RepeatMetadata``): the loop body holds no index arithmetic of its own.
+        ``unroll``: repeats a pass of the loop holds (``lax.scan``'s)."""
         self._stack_verify()
         linear0, attention0 = self._linear, self._attention
         shifted = _RepeatMetadata(
@@ -234,7 +236,10 @@ class LayerStates:
             return (x, self._arrays), verify
 
         (x, self._arrays), verify = jax.lax.scan(
-            step, (x, self._arrays), (jnp.arange(repeats, dtype=jnp.int32), weights, shifted)
+            step,
+            (x, self._arrays),
+            (jnp.arange(repeats, dtype=jnp.int32), weights, shifted),
+            unroll=unroll,
         )
         self._linear = linear0 + repeats * linear_per_repeat
         self._attention = attention0 + repeats * attention_per_repeat

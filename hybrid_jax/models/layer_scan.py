@@ -23,10 +23,11 @@ from flax import nnx
 
 from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers.norm import rows_of, summed
-from hybrid_jax.modes import LayerKind
+from hybrid_jax.modes import ForwardMode, LayerKind
 
 __all__ = [
     "CARRY_SQUARE_SUMS",
+    "DECODE_SCAN_UNROLL",
     "LayerRun",
     "ScannedRun",
     "fold_scanned_norms",
@@ -41,6 +42,11 @@ CARRY_SQUARE_SUMS = True
 """Whether a scan whose layers' norms read square sums (``reads_square_sums``, with the norms
 left to their products' launches) carries the rows with their sums (``ScannedRun``). Read
 while tracing a step."""
+
+DECODE_SCAN_UNROLL = 1
+"""How many repeats of a scanned run one pass of a DECODE step's loop holds
+(``lax.scan(unroll=)``): each pass costs the loop's counter and the slices of its inputs, and
+each repeat of a pass adds its block to the executable. Read while tracing a step."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +155,7 @@ class ScannedRun(nnx.Module):
             block, x, tuple(weights), meta, repeats=self.repeats,
             linear_per_repeat=self.linear_per_repeat,
             attention_per_repeat=self.attention_per_repeat,
+            unroll=DECODE_SCAN_UNROLL if meta.mode is ForwardMode.DECODE else 1,
         )  # fmt: skip
 
 
