@@ -125,6 +125,11 @@ TRIAL_SWITCHES = {
         "a decode step's layer scan runs two repeats a pass of its loop, not one "
         "(lax.scan(unroll=2)): half the loop's counters and input slices",
     ),
+    "--decode-scan-unrolled": (
+        layer_scan, "DECODE_SCAN_UNROLL", True,
+        "a decode step's layer scan unrolled whole (lax.scan(unroll=True)): no loop, its "
+        "counter and input slices gone, every repeat's block in the executable",
+    ),
     "--no-carry-square-sums": (
         layer_scan, "CARRY_SQUARE_SUMS", False,
         "a scan of Qwen3-Next blocks carries the rows alone: each repeat's first norm reduces "

@@ -240,10 +240,13 @@ def test_the_scanned_step_traces_one_block_whatever_the_depth():
     assert _decode_equations(deep) > _decode_equations(shallow)  # unrolled: grows with depth
 
 
-def test_a_decode_step_s_scan_holds_decode_scan_unroll_repeats_a_pass(monkeypatch):
+@pytest.mark.parametrize(("unroll", "per_pass"), [(2, 2), (True, 3)], ids=["two", "all"])
+def test_a_decode_step_s_scan_holds_decode_scan_unroll_repeats_a_pass(
+    unroll, per_pass, monkeypatch
+):
     """``DECODE_SCAN_UNROLL``: a DECODE step's scan runs that many repeats a pass of its loop
-    (3 repeats at 2 a pass: one pass and one left over) and gives the logits, pool and cache
-    of one a pass, bit for bit; other modes keep one a pass."""
+    (3 repeats at 2 a pass: one pass and one left over; True: all three, no loop) and gives
+    the logits, pool and cache of one a pass, bit for bit."""
     model = scan_layers(qwen3_next(3))
 
     def scan_unroll(jaxpr):
@@ -255,8 +258,8 @@ def test_a_decode_step_s_scan_holds_decode_scan_unroll_repeats_a_pass(monkeypatc
     tokens = np.asarray([5, 9])
     one = run.step(M.DECODE, rows, tokens, *run.fresh(seed=4))
     assert scan_unroll(_decode_jaxpr(model)[0]) == 1
-    monkeypatch.setattr(layer_scan, "DECODE_SCAN_UNROLL", 2)
-    assert scan_unroll(_decode_jaxpr(model)[0]) == 2
+    monkeypatch.setattr(layer_scan, "DECODE_SCAN_UNROLL", unroll)
+    assert scan_unroll(_decode_jaxpr(model)[0]) == per_pass
     two = parity.Runner(model).step(M.DECODE, rows, tokens, *run.fresh(seed=4))
     chex.assert_trees_all_equal(two[0], one[0])
     chex.assert_trees_all_equal((two[1].pool, two[1].kv), (one[1].pool, one[1].kv))

@@ -43,10 +43,11 @@ CARRY_SQUARE_SUMS = True
 left to their products' launches) carries the rows with their sums (``ScannedRun``). Read
 while tracing a step."""
 
-DECODE_SCAN_UNROLL = 1
+DECODE_SCAN_UNROLL: int | bool = 1
 """How many repeats of a scanned run one pass of a DECODE step's loop holds
-(``lax.scan(unroll=)``): each pass costs the loop's counter and the slices of its inputs, and
-each repeat of a pass adds its block to the executable. Read while tracing a step."""
+(``lax.scan(unroll=)``; True: all of them, no loop): each pass costs the loop's counter and
+the slices of its inputs, and each repeat of a pass adds its block to the executable (the
+kernels are lowered once either way). Read while tracing a step."""
 
 
 @dataclasses.dataclass(frozen=True)
