@@ -120,13 +120,8 @@ TRIAL_SWITCHES = {
         "residual stream in XLA, the next norm's square sums a reduction of their own, not in "
         "one launch",
     ),
-    "--decode-scan-unroll": (
-        layer_scan, "DECODE_SCAN_UNROLL", 2,
-        "a decode step's layer scan runs two repeats a pass of its loop, not one "
-        "(lax.scan(unroll=2)): half the loop's counters and input slices",
-    ),
     "--decode-scan-unrolled": (
-        layer_scan, "DECODE_SCAN_UNROLL", True,
+        layer_scan, "DECODE_SCAN_UNROLLED", True,
         "a decode step's layer scan unrolled whole (lax.scan(unroll=True)): no loop, its "
         "counter and input slices gone, every repeat's block in the executable",
     ),

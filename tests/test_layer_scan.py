@@ -240,13 +240,9 @@ def test_the_scanned_step_traces_one_block_whatever_the_depth():
     assert _decode_equations(deep) > _decode_equations(shallow)  # unrolled: grows with depth
 
 
-@pytest.mark.parametrize(("unroll", "per_pass"), [(2, 2), (True, 3)], ids=["two", "all"])
-def test_a_decode_step_s_scan_holds_decode_scan_unroll_repeats_a_pass(
-    unroll, per_pass, monkeypatch
-):
-    """``DECODE_SCAN_UNROLL``: a DECODE step's scan runs that many repeats a pass of its loop
-    (3 repeats at 2 a pass: one pass and one left over; True: all three, no loop) and gives
-    the logits, pool and cache of one a pass, bit for bit."""
+def test_a_decode_step_unrolled_gives_the_loop_s_results_bit_for_bit(monkeypatch):
+    """``DECODE_SCAN_UNROLLED``: a DECODE step's scan runs its three repeats unrolled (no
+    loop) and gives the loop's logits, pool and cache bit for bit."""
     model = scan_layers(qwen3_next(3))
 
     def scan_unroll(jaxpr):
@@ -256,13 +252,13 @@ def test_a_decode_step_s_scan_holds_decode_scan_unroll_repeats_a_pass(
     run = parity.Runner(model)
     rows = [RowSpec(1, 5, 1, (3, 7)), RowSpec(3, 7, 1, (1, 12))]
     tokens = np.asarray([5, 9])
-    one = run.step(M.DECODE, rows, tokens, *run.fresh(seed=4))
+    looped = run.step(M.DECODE, rows, tokens, *run.fresh(seed=4))
     assert scan_unroll(_decode_jaxpr(model)[0]) == 1
-    monkeypatch.setattr(layer_scan, "DECODE_SCAN_UNROLL", unroll)
-    assert scan_unroll(_decode_jaxpr(model)[0]) == per_pass
-    two = parity.Runner(model).step(M.DECODE, rows, tokens, *run.fresh(seed=4))
-    chex.assert_trees_all_equal(two[0], one[0])
-    chex.assert_trees_all_equal((two[1].pool, two[1].kv), (one[1].pool, one[1].kv))
+    monkeypatch.setattr(layer_scan, "DECODE_SCAN_UNROLLED", True)
+    assert scan_unroll(_decode_jaxpr(model)[0]) == 3
+    unrolled = parity.Runner(model).step(M.DECODE, rows, tokens, *run.fresh(seed=4))
+    chex.assert_trees_all_equal(unrolled[0], looped[0])
+    chex.assert_trees_all_equal((unrolled[1].pool, unrolled[1].kv), (looped[1].pool, looped[1].kv))
 
 
 @pytest.mark.parametrize(

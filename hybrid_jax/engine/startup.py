@@ -53,7 +53,7 @@ _SWITCHES = {
         "SPLIT_OUTPUT_PROJECTIONS",
     ),
     "hybrid_jax.layers.gdn": ("NORM_IN_DECODE_KERNEL",),
-    "hybrid_jax.models.layer_scan": ("CARRY_SQUARE_SUMS", "DECODE_SCAN_UNROLL"),
+    "hybrid_jax.models.layer_scan": ("CARRY_SQUARE_SUMS", "DECODE_SCAN_UNROLLED"),
     "hybrid_jax.layers.moe": (
         "BY_ID_MAX_PAIRS",
         "COMBINE_IN_LAUNCH",

@@ -202,7 +202,7 @@ class LayerStates:
         repeats: int,
         linear_per_repeat: int,
         attention_per_repeat: int,
-        unroll: int | bool = 1,
+        unroll: bool = False,
     ) -> Any:
         """``x = block(x, weights[r])`` for r in ``range(repeats)`` under ``lax.scan``, the
         pool and cache carried (``x`` the rows, or a pytree of arrays such as ``SummedRows``);
@@ -210,7 +210,7 @@ class LayerStates:
         runs ``linear_per_repeat`` linear and ``attention_per_repeat`` attention layers (in
         that count, any order), on ``meta`` shifted to their pool rows and cache pages before
         the scan (``_RepeatMetadata``): the loop body holds no index arithmetic of its own.
-        ``unroll``: repeats a pass of the loop holds (``lax.scan``'s; True: all)."""
+        ``unroll``: the repeats unrolled, no loop (``lax.scan(unroll=True)``)."""
         self._stack_verify()
         linear0, attention0 = self._linear, self._attention
         shifted = _RepeatMetadata(

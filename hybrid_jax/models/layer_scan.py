@@ -27,7 +27,7 @@ from hybrid_jax.modes import ForwardMode, LayerKind
 
 __all__ = [
     "CARRY_SQUARE_SUMS",
-    "DECODE_SCAN_UNROLL",
+    "DECODE_SCAN_UNROLLED",
     "LayerRun",
     "ScannedRun",
     "fold_scanned_norms",
@@ -43,11 +43,11 @@ CARRY_SQUARE_SUMS = True
 left to their products' launches) carries the rows with their sums (``ScannedRun``). Read
 while tracing a step."""
 
-DECODE_SCAN_UNROLL: int | bool = 1
-"""How many repeats of a scanned run one pass of a DECODE step's loop holds
-(``lax.scan(unroll=)``; True: all of them, no loop): each pass costs the loop's counter and
-the slices of its inputs, and each repeat of a pass adds its block to the executable (the
-kernels are lowered once either way). Read while tracing a step."""
+DECODE_SCAN_UNROLLED = False
+"""Whether a DECODE step runs a scanned run's repeats unrolled (``lax.scan(unroll=True)``):
+no loop, so no loop counter and no per-repeat slices of the scan's inputs, each a kernel of
+its own each repeat; every repeat's block is in the executable, its kernels lowered once
+(``benchmarks/RESULTS_serve.md``, session 42). Read while tracing a step."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +156,7 @@ class ScannedRun(nnx.Module):
             block, x, tuple(weights), meta, repeats=self.repeats,
             linear_per_repeat=self.linear_per_repeat,
             attention_per_repeat=self.attention_per_repeat,
-            unroll=DECODE_SCAN_UNROLL if meta.mode is ForwardMode.DECODE else 1,
+            unroll=DECODE_SCAN_UNROLLED and meta.mode is ForwardMode.DECODE,
         )  # fmt: skip
 
 
