@@ -74,6 +74,7 @@ from switches import switches_set  # noqa: E402
 
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams, xla_flags  # noqa: E402
 from hybrid_jax.backend import attention as attention_backend  # noqa: E402
+from hybrid_jax.backend import gdn as gdn_backend  # noqa: E402
 from hybrid_jax.engine.speculative import SpeculativeConfig  # noqa: E402
 from hybrid_jax.layers import gdn as gdn_layer  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
@@ -134,6 +135,11 @@ TRIAL_SWITCHES = {
         moe_layer, "SHARED_HIDDEN_WITH_EXPERTS", False,
         "a MoE block whose experts run by id forms its shared expert's SiLU product apart "
         "from its experts' (a fusion each)",
+    ),
+    "--conv-in-decode-kernel": (
+        gdn_backend, "CONV_IN_DECODE_KERNEL", True,
+        "a GDN layer's decode step forms its causal conv1d in the decode kernel, not in a "
+        "conv launch of its own before it",
     ),
     "--no-norm-in-decode-kernel": (
         gdn_layer, "NORM_IN_DECODE_KERNEL", False,

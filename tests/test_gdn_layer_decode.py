@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 from flax import nnx
 
 from hybrid_jax.backend import GDNDims, gdn_mix
+from hybrid_jax.backend import gdn as gdn_backend
 from hybrid_jax.layers import gdn as gdn_layer
 from hybrid_jax.layers import linear
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
@@ -240,3 +242,84 @@ def test_a_residual_handed_to_the_layer_joins_it_in_the_output_launch(monkeypatc
     )
     rows = np.asarray(added.x, np.float64)
     np.testing.assert_allclose(np.asarray(added.square_sums), (rows * rows).sum(1), rtol=2e-3)
+
+
+def _conv_case(seed, dtype):
+    """A layer of 2 key / 4 value heads of 128 (the conv in the decode kernel takes heads of
+    one channel a thread), its decode inputs and pools (every slot random)."""
+    config = GDNConfig(hidden_size=64, num_key_heads=2, num_value_heads=4, head_k_dim=128,
+                       head_v_dim=128, dtype=dtype)  # fmt: skip
+    layer = GatedDeltaNet(config, rngs=nnx.Rngs(seed))
+    keys = jax.random.split(jax.random.key(seed), 3)
+    spec = config.state_spec()
+    meta = build_metadata(ForwardMode.DECODE, ROWS, POLICY, num_slots=SLOTS)
+    x = jax.random.normal(keys[0], (meta.num_tokens, config.hidden_size), dtype)
+    conv = jax.random.normal(keys[1], (SLOTS, *spec.conv_shape), dtype)
+    ssm = jax.random.normal(keys[2], (SLOTS, *spec.ssm_shape), jnp.float32) * 0.3
+    return layer, x, conv, ssm, meta
+
+
+@pytest.mark.parametrize("norm_in_kernel", [False, True], ids=["norm-after", "norm-in-kernel"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_conv_in_the_decode_kernel_gives_the_conv_launch_s_step_bit_for_bit(
+    dtype, norm_in_kernel, monkeypatch
+):
+    """``CONV_IN_DECODE_KERNEL``: the decode kernel convolves its heads' channels itself (a
+    key head's q and k for each of its two value heads, their windows written once): the
+    same windows, outputs and states as the conv launch before the kernel (bit for bit where
+    both take whole heads, with the norm in the kernel; else within float32 rounding), one
+    launch fewer, and the pad slot and the slots no row names untouched."""
+    monkeypatch.setattr(gdn_layer, "NORM_IN_DECODE_KERNEL", norm_in_kernel)
+    layer, x, conv, ssm, meta = _conv_case(4, dtype)
+    step = jax.jit(functools.partial(_fused_decode, layer, impl="interpret"))
+    want = step(x, conv, ssm, meta)
+    monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL", True)
+    got = jax.jit(functools.partial(_fused_decode, layer, impl="interpret"))(x, conv, ssm, meta)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))  # the windows
+    for a, b in ((got[0], want[0]), (got[2], want[2])):
+        if norm_in_kernel:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        else:  # whole-head items sum in another order than the narrower column blocks
+            chex.assert_trees_all_close(a, b, rtol=1e-5, atol=1e-6)
+    named = np.array([row.slot for row in ROWS])
+    others = np.setdiff1d(np.arange(SLOTS), named)  # the pad slot 0 among them
+    np.testing.assert_array_equal(np.asarray(got[1])[others], np.asarray(conv)[others])
+    assert (np.asarray(got[1])[named] != np.asarray(conv)[named]).any(axis=(1, 2)).all()
+    # One kernel where there were two: the conv runs inside the decode kernel.
+    launches = {}
+    for on in (False, True):
+        monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL", on)
+        jaxpr = jax.make_jaxpr(functools.partial(_fused_decode, layer, impl="interpret"))
+        launches[on] = _primitives_outside_kernels(jaxpr(x, conv, ssm, meta).jaxpr)[1]
+    assert launches[True] == launches[False] - 1
+
+
+def test_the_conv_in_the_decode_kernel_lowers_for_cuda_with_both_pools_aliased(monkeypatch):
+    """Qwen3.5's heads (16 key / 32 value heads of 128, bf16) at buckets of 1 and 64 rows:
+    one Mosaic GPU call, which updates both pools in place."""
+    monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL", True)
+    h, hv, kd, slots = 16, 32, 128, 80
+    channels = 2 * h * kd + hv * kd
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    for bs in (1, 64):
+        meta = example_metadata(ForwardMode.DECODE, bs, bs, BucketPolicy(batch_buckets=(bs,)))
+        shapes = (
+            jax.ShapeDtypeStruct((bs, channels), bf16),
+            jax.ShapeDtypeStruct((channels, 4), bf16),
+            jax.ShapeDtypeStruct((2, hv), f32),
+            jax.ShapeDtypeStruct((bs, 2 * hv), bf16),
+            jax.ShapeDtypeStruct((slots, channels, 3), bf16),
+            jax.ShapeDtypeStruct((slots, hv, kd, kd), f32),
+        )
+
+        def step(mixed, conv_weight, gate_params, ba, conv, ssm, meta):
+            mix = gdn_mix(mixed, conv_weight, gate_params, ba, conv, ssm, meta,
+                          GDNDims(h, hv, kd, kd), impl="pallas")  # fmt: skip
+            return mix.out, mix.conv_state, mix.ssm_state
+
+        traced = jax.jit(step, donate_argnums=(4, 5)).trace(*shapes, meta)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        main = next(line for line in text.splitlines() if "func.func public @main" in line)
+        assert re.search(rf"tensor<{slots}x{channels}x3xbf16> {{tf.aliasing_output = 1 ", main)
+        assert re.search(rf"tensor<{slots}x{hv}x{kd}x{kd}xf32> {{tf.aliasing_output = 2 ", main)
+        assert text.count("gdn_conv_decode_ring") >= 1 and "conv1d_update" not in text

@@ -24,9 +24,14 @@ from hybrid_jax.backend.linear import LinearMixResult, VerifyStates, mix_path, r
 from hybrid_jax.metadata import ForwardMetadata
 from hybrid_jax.modes import LayerKind, TokenLayout
 from pallas_kernels import conv1d, gdn
+from pallas_kernels.gdn import decode_mgpu
 from pallas_kernels.gdn import reference as gdn_reference
 
-__all__ = ["GDNDims", "gdn_mix"]
+__all__ = ["CONV_IN_DECODE_KERNEL", "GDNDims", "gdn_mix"]
+
+CONV_IN_DECODE_KERNEL = False
+"""Whether a DECODE step forms the conv in the decode kernel (``packed_gating_...(conv=)``)
+where the kernel can take it, instead of a conv launch of its own before it."""
 
 
 class GDNDims(NamedTuple):
@@ -108,19 +113,35 @@ def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl,
     return _normed(LinearMixResult(out, conv_state, ssm_state, ()), norm)
 
 
+def _conv_in_kernel(mixed, conv_weight, conv_state, ssm_state, slots) -> bool:
+    """Whether the decode kernel forms the conv on these rows (``CONV_IN_DECODE_KERNEL``, and
+    the kernel takes them; the reference forms it either way)."""
+    if not CONV_IN_DECODE_KERNEL:
+        return False
+    reason = decode_mgpu.conv_unsupported_reason(mixed, ssm_state, slots, conv_weight, conv_state)
+    return reason is None
+
+
 def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
     slots = meta.state_indices
-    mixed, conv_state = conv1d.causal_conv1d_update(
-        rows(mixed, meta), conv_weight, None, conv_state, slots, impl=impl
-    )
-    # The kernel reads q, k, v and b, a where the conv and the projection put them, and forms
-    # the output norm when it is given one.
+    mixed = rows(mixed, meta)
+    conv = None
+    if _conv_in_kernel(mixed, conv_weight, conv_state, ssm_state, slots):
+        conv = gdn.InputConv(conv_weight, conv_state)
+    else:
+        mixed, conv_state = conv1d.causal_conv1d_update(
+            mixed, conv_weight, None, conv_state, slots, impl=impl
+        )
+    # The kernel reads q, k, v and b, a where the projection (or the conv) put them, and forms
+    # the conv and the output norm when it is given them.
     if norm is not None:
         norm = dataclasses.replace(norm, z=rows(norm.z, meta))
-    out, ssm_state = gdn.packed_gating_recurrent_gated_delta_rule(
+    out, ssm_state, *conv_pool = gdn.packed_gating_recurrent_gated_delta_rule(
         mixed, rows(gating.ba, meta), gating.params, ssm_state, slots, output_norm=norm,
-        impl=impl,
+        conv=conv, impl=impl,
     )  # fmt: skip
+    if conv is not None:
+        (conv_state,) = conv_pool
     ssm_state = _stored_slots(ssm_state, slots, dims)
     return LinearMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, ())
 

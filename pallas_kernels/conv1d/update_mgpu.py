@@ -30,13 +30,43 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import interpret_params
 
-__all__ = ["causal_conv1d_update", "causal_conv1d_verify", "unsupported_reason"]
+__all__ = [
+    "LANE",
+    "causal_conv1d_update",
+    "causal_conv1d_verify",
+    "load_lane",
+    "outputs_of_window",
+    "unsupported_reason",
+]
 
 BLOCK_C = 128  # one channel per thread of the warpgroup
 MAX_TOKENS = 16
 MAX_WIDTH = 8
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-_LANE = plgpu.Layout.WG_STRIDED((BLOCK_C,), 1)
+LANE = plgpu.Layout.WG_STRIDED((BLOCK_C,), 1)
+"""One channel per thread of the warpgroup: the layout every array of the convolution takes."""
+
+
+def load_lane(ref) -> jax.Array:
+    """``ref`` ``[BLOCK_C]`` (GMEM or SMEM, any stride) in float32, one channel a thread."""
+    return plgpu.load(ref, layout=LANE).astype(jnp.float32)
+
+
+def outputs_of_window(ext, taps, bias, activation: str | None) -> list[jax.Array]:
+    """The outputs of the tokens after a saved window, one channel a thread: ``ext`` the
+    ``W-1`` window entries then the tokens' inputs (oldest first), ``taps`` the ``W`` weights,
+    ``bias`` one value or None, all float32 ``[BLOCK_C]`` in ``LANE``."""
+    width = len(taps)
+    outs = []
+    for t in range(len(ext) - width + 1):
+        acc = bias
+        for w in range(width):
+            term = taps[w] * ext[t + w]
+            acc = term if acc is None else acc + term
+        if activation == "silu":
+            acc = acc / (1.0 + jnp.exp(-acc))
+        outs.append(acc)
+    return outs
 
 
 def unsupported_reason(
@@ -114,17 +144,7 @@ def _rows(
     has_bias = bias is not None
     tree = parents is not None
 
-    def load(ref) -> jax.Array:
-        return plgpu.load(ref, layout=_LANE).astype(jnp.float32)
-
-    def conv(taps, window, x_t, bias_t):
-        acc = bias_t
-        for w in range(width):
-            term = taps[w] * (window[w] if w < width - 1 else x_t)
-            acc = term if acc is None else acc + term
-        if activation == "silu":
-            acc = acc / (1.0 + jnp.exp(-acc))
-        return acc
+    load = load_lane
 
     def body(*refs):
         parents_ref = None
@@ -160,7 +180,8 @@ def _rows(
                     parent = parents_ref[n * n_tokens + t]
                     window = [load(win_ref.at[n, parent, chans, w]) for w in range(width - 1)]
                 x_t = load(x_ref.at[n, t, chans])
-                y_ref[n, t, chans] = conv(taps, window, x_t, bias_t).astype(y_ref.dtype)
+                (y_t,) = outputs_of_window([*window, x_t], taps, bias_t, activation)
+                y_ref[n, t, chans] = y_t.astype(y_ref.dtype)
                 window = [*window[1:], x_t]
                 for w in range(width - 1):
                     win_ref[n, t, chans, w] = window[w].astype(win_ref.dtype)
@@ -173,20 +194,15 @@ def _rows(
             ext = [load(pool_ref.at[slot, chans, w]) for w in range(width - 1)]
             ext += [load(x_ref.at[n, t, chans]) for t in range(n_tokens)]
             taps = [load(w_ref.at[chans, w]) for w in range(width)]
-            for t in range(n_tokens):
-                acc = load(b_ref.at[chans]) if has_bias else None
-                for w in range(width):
-                    term = taps[w] * ext[t + w]
-                    acc = term if acc is None else acc + term
-                if activation == "silu":
-                    acc = acc / (1.0 + jnp.exp(-acc))
-                y_ref[n, t, chans] = acc.astype(y_ref.dtype)
+            bias_t = load(b_ref.at[chans]) if has_bias else None
+            for t, y_t in enumerate(outputs_of_window(ext, taps, bias_t, activation)):
+                y_ref[n, t, chans] = y_t.astype(y_ref.dtype)
             store_windows(ext)
 
         @pl.when(slot == 0)
         def _padded_row():
             # Padded rows all name slot 0: no pool access, zeros out (and no race on slot 0).
-            zeros = plgpu.layout_cast(jnp.zeros((BLOCK_C,), jnp.float32), _LANE)
+            zeros = plgpu.layout_cast(jnp.zeros((BLOCK_C,), jnp.float32), LANE)
             for t in range(n_tokens):
                 y_ref[n, t, chans] = zeros.astype(y_ref.dtype)
             if not write_pool:

@@ -3,6 +3,7 @@
 from pallas_kernels.gdn.chunk import chunk_gated_delta_rule
 from pallas_kernels.gdn.commit import commit_states
 from pallas_kernels.gdn.fused_recurrent import (
+    InputConv,
     OutputNorm,
     fused_gating_recurrent_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
@@ -15,6 +16,7 @@ from pallas_kernels.gdn.fused_recurrent import (
 from pallas_kernels.gdn.gating import gdn_gating
 
 __all__ = [
+    "InputConv",
     "OutputNorm",
     "chunk_gated_delta_rule",
     "commit_states",

@@ -38,12 +38,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params
 from pallas_kernels._mgpu_chunks import SMEM_PER_SM, columns_over_warps
+from pallas_kernels.conv1d import update_mgpu as conv_kernels
 
 __all__ = [
     "VEC",
     "Columns",
     "DecodeVariant",
     "Heads",
+    "conv_lanes",
     "load_token",
     "normed_variant",
     "one_item_per_program",
@@ -340,37 +342,58 @@ def _stage_rows(n_tokens: int, bv: int, dtype) -> int:
 
 
 def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, scale, l2,
-               interpret, out_norm=None):  # fmt: skip
+               interpret, out_norm=None, conv=None):  # fmt: skip
     """Persistent grid; each program walks items ``c, c + P, c + 2P, ...`` (``P`` programs)
     through a ring of ``stages`` SMEM tiles, loads running ``stages - 1`` items ahead. With
     ``out_norm`` ``(z, weight, eps)`` (z ``[N, D, HV V]``, weight float32 ``[V]``; items of
-    whole heads, ``bv == V``) the output is gated-normed (``_update``)."""
+    whole heads, ``bv == V``) the output is gated-normed (``_update``).
+
+    With ``conv`` ``(weight [C, W], conv_pool Ref [S, C, W-1])`` q, k, v are the inputs of
+    the layer's causal conv1d (``C = 2 H K + H V``, channels ``[Q | K | V]`` at ``cols``) and
+    each item convolves its heads' channels (SiLU, rounded to the inputs' dtype, as the conv
+    op) before the delta rule, one channel a thread (``K = V = 128``, whole heads). The
+    ``group`` value heads of a key head read its q and k windows, so a program takes all of
+    them, one after another: items ``(row, key head)`` walked as ``group`` items each, the
+    last of which writes the q and k windows back, after every read of them."""
     n_rows, n_tokens = q.shape[:2]
     h, k_dim, hv, v_dim = heads
     v_rows = _stage_rows(n_tokens, bv, v.dtype)
     group = hv // h
     n_blocks = v_dim // bv
     n_items = n_rows * hv * n_blocks
-    n_progs = min(n_items, variant.programs)
+    # The units a program takes whole: key heads' groups with the conv, else single items.
+    per_unit = group if conv is not None else 1
+    n_units = n_items // per_unit
+    n_progs = min(n_units, variant.programs)
     stages = variant.stages
     layouts = _layouts(variant, bv)
+    if conv is not None and not (bv == v_dim == k_dim == conv_lanes()):
+        raise ValueError(f"the conv in the decode kernel takes whole heads of K = V = "
+                         f"{conv_lanes()}; got K={k_dim}, V={v_dim}, block_v={bv}")  # fmt: skip
 
     n_gates = len(gates_in)
     raw = n_gates > 2
     normed = out_norm is not None
     norm_in = tuple(out_norm[:2]) if normed else ()
+    conv_in = (conv[0],) if conv is not None else ()
+    conv_pool_in = (conv[1],) if conv is not None else ()
 
     def body(idx_ref, q_ref, k_ref, v_ref, *refs):
         gate_refs, refs = refs[:n_gates], refs[n_gates:]
         z_ref, weight_ref = refs[:2] if normed else (None, None)
         refs = refs[len(norm_in) :]
-        pool, o_ref, state_smem, q_smem, k_smem, v_smem, o_smem, bars, *norm_smem = refs
+        conv_w_ref, refs = (refs[0], refs[1:]) if conv is not None else (None, refs)
+        pool, refs = refs[0], refs[1:]
+        conv_pool, refs = (refs[0], refs[1:]) if conv is not None else (None, refs)
+        o_ref, state_smem, q_smem, k_smem, v_smem, o_smem, bars, *norm_smem = refs
         prog = lax.axis_index("c")
-        count = (n_items - prog + n_progs - 1) // n_progs  # this program's items
+        # This program's items.
+        count = per_unit * ((n_units - prog + n_progs - 1) // n_progs)
 
         def coords(i):
             """(row, head, columns) of this program's item i (clamped into range)."""
-            item = jnp.minimum(prog + i * n_progs, n_items - 1)
+            unit = jnp.minimum(prog + (i // per_unit) * n_progs, n_units - 1)
+            item = unit * per_unit + i % per_unit
             return item // (hv * n_blocks), (item // n_blocks) % hv, item % n_blocks
 
         def slot_of(i):
@@ -424,7 +447,13 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
 
             @pl.when(slot != 0)
             def _real_row():
+                convolve = None
+                if conv is not None:  # the windows' loads in flight with the item's copies
+                    convolve = _conv_item(conv_w_ref, conv_pool, slot, head, group, cols,
+                                          heads, n_tokens)  # fmt: skip
                 plgpu.barrier_wait(bars.at[s])
+                if convolve is not None:
+                    convolve(q_smem.at[s], k_smem.at[s], v_smem.at[s])
                 state = plgpu.load(state_smem.at[s], layout=layouts[0])
                 item_norm = None
                 if normed:  # the weight loaded per item: registers are held by the state
@@ -480,6 +509,48 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
         ],  # fmt: skip
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=_REDUCTION_SCRATCH),
         interpret=interpret_params(interpret),
-        kernel_name="gdn_decode_ring",
+        kernel_name="gdn_conv_decode_ring" if conv is not None else "gdn_decode_ring",
     )
-    return kernel(idx, q, k, v, *gates_in, *norm_in, pool_ref)
+    return kernel(idx, q, k, v, *gates_in, *norm_in, *conv_in, pool_ref, *conv_pool_in)
+
+
+def conv_lanes() -> int:
+    """The head dims the conv in the decode kernel takes: one channel a thread."""
+    return conv_kernels.BLOCK_C
+
+
+def _conv_item(w_ref, conv_pool, slot, head, group: int, cols: Columns, heads: Heads,
+               n_tokens: int):  # fmt: skip
+    """Starts loading the conv windows and taps of item (``slot``, value ``head``) into
+    registers; returns the function that, once the item's inputs are in SMEM, replaces them
+    by the conv's outputs (rounded to their dtype) and writes the windows that move on: the
+    value head's always, its key head's q and k only from the group's last member (the
+    program has read them for every member by then)."""
+    key = head // group
+    chans = (
+        pl.ds(cols.q + key * heads.k_dim, heads.k_dim),
+        pl.ds(cols.k + key * heads.k_dim, heads.k_dim),
+        pl.ds(cols.v + head * heads.v_dim, heads.v_dim),
+    )
+    width = w_ref.shape[1]
+    load = conv_kernels.load_lane
+    windows = [[load(conv_pool.at[slot, c, w]) for w in range(width - 1)] for c in chans]
+    taps = [[load(w_ref.at[c, w]) for w in range(width)] for c in chans]
+
+    def store_windows(c, ext):
+        for w in range(width - 1):
+            conv_pool[slot, c, w] = ext[n_tokens + w].astype(conv_pool.dtype)
+
+    def convolve(*inputs_smem):
+        parts = zip(chans, windows, taps, inputs_smem, strict=True)
+        for part, (c, window, taps_c, x_smem) in enumerate(parts):
+            ext = [*window, *(load(x_smem.at[t]) for t in range(n_tokens))]
+            for t, y_t in enumerate(conv_kernels.outputs_of_window(ext, taps_c, None, "silu")):
+                x_smem[t] = y_t.astype(x_smem.dtype)
+            if part == 2:  # the value head's channels: this item's alone
+                store_windows(c, ext)
+            else:
+                last = head % group == group - 1
+                pl.when(last)(lambda c=c, ext=ext: store_windows(c, ext))
+
+    return convolve

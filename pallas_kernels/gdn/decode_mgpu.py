@@ -25,12 +25,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import NUM_SMS
+from pallas_kernels.conv1d import update_mgpu as conv_kernels
 from pallas_kernels.gdn._checks import check_gated_rows, check_packed_rows, packed_stand_ins
 from pallas_kernels.gdn._decode_grids import (
     VEC,
     Columns,
     DecodeVariant,
     Heads,
+    conv_lanes,
     normed_variant,
     one_item_per_program,
     pipelined,
@@ -41,6 +43,7 @@ __all__ = [
     "MAX_TOKENS",
     "VARIANTS",
     "DecodeVariant",
+    "conv_unsupported_reason",
     "fused_gating_recurrent_gated_delta_rule",
     "fused_gating_unsupported_reason",
     "fused_recurrent_gated_delta_rule",
@@ -240,6 +243,19 @@ def packed_gating_unsupported_reason(
     )  # fmt: skip
 
 
+def conv_unsupported_reason(
+    qkv: jax.Array, ssm_pool: jax.Array, state_indices: jax.Array, weight: jax.Array,
+    conv_pool: jax.Array,
+) -> str | None:  # fmt: skip
+    """Why ``packed_gating_recurrent_gated_delta_rule`` cannot form the layer's causal conv1d
+    (``conv=``) on these inputs, or None: the conv kernel's rules for ``qkv`` as its input
+    (no bias, SiLU) and heads of ``conv_lanes()`` dims, one channel a thread."""
+    lanes = conv_lanes()
+    if ssm_pool.ndim == 4 and ssm_pool.shape[2:] != (lanes, lanes):
+        return f"K, V = {ssm_pool.shape[2:]}: the conv in the decode kernel takes K = V = {lanes}"
+    return conv_kernels.unsupported_reason(qkv, weight, None, conv_pool, state_indices)
+
+
 def packed_gating_recurrent_gated_delta_rule(
     qkv: jax.Array,
     ba: jax.Array,
@@ -252,7 +268,8 @@ def packed_gating_recurrent_gated_delta_rule(
     interpret: bool = False,
     variant: DecodeVariant | str = DEFAULT,
     output_norm: tuple[jax.Array, jax.Array, float] | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    conv: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, ...]:
     """``fused_gating_recurrent_gated_delta_rule`` reading q, k, v from the conv's output
     ``qkv`` ``[N, D, H K + H K + HV V]`` (``[Q | K | V]``) and b, a from ``ba``
     ``[N, D, 2 HV]`` (``[b | a]``) where they sit: no slice of either is written first. A_log
@@ -260,9 +277,14 @@ def packed_gating_recurrent_gated_delta_rule(
     ``(z [N, D, HV V], weight float32 [V], eps)`` the output is
     ``reference.gated_output_norm(o, z, weight, eps)``, formed in the kernel (its items are
     then whole heads, in the pipelined grid); the caller checks it
-    (``_checks.check_output_norm``)."""
+    (``_checks.check_output_norm``). With ``conv`` ``(weight [C, W], conv_pool [S, C, W-1])``
+    ``qkv`` is the conv's input and the kernel forms the conv (``causal_conv1d_update``
+    with SiLU, no bias) on it; the result is then ``(o, ssm_pool, conv_pool)``, the conv pool
+    updated in place under ``jit`` when donated (``conv_unsupported_reason``)."""
     check_packed_rows(_PACKED_OP, qkv, ba, gate_params, ssm_pool, state_indices)
     reason = packed_gating_unsupported_reason(qkv, ba, gate_params, ssm_pool, state_indices)
+    if reason is None and conv is not None:
+        reason = conv_unsupported_reason(qkv, ssm_pool, state_indices, *conv)
     if reason is not None:
         raise ValueError(reason)
     q, _, v, _, _ = packed_stand_ins(qkv, ba, ssm_pool)
@@ -272,7 +294,7 @@ def packed_gating_recurrent_gated_delta_rule(
     return _launch(
         qkv, qkv, qkv, (gate_params, ba, ba), ssm_pool, state_indices, heads=heads,
         cols=cols, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
-        variant=variant, out_norm=output_norm,
+        variant=variant, out_norm=output_norm, conv=conv,
     )  # fmt: skip
 
 
@@ -285,9 +307,10 @@ def _launch_separate(q, k, v, gates_in, ssm_pool, state_indices, **options):
 
 
 def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, use_qk_l2norm,
-            interpret, variant, out_norm=None):  # fmt: skip
+            interpret, variant, out_norm=None, conv=None):  # fmt: skip
     """The entries' launch, after their checks: variant, block and scale, then the kernel.
-    q, k, v ``[N, D, width]`` with their heads at ``cols``."""
+    q, k, v ``[N, D, width]`` with their heads at ``cols``; with ``conv`` (weight, pool) the
+    conv pool is a third result."""
     if isinstance(variant, str):
         if variant not in VARIANTS:
             raise ValueError(f"variant {variant!r} is not one of {sorted(VARIANTS)}")
@@ -295,12 +318,14 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
     n_rows = q.shape[0]
     bv = variant.block_v or pick_block_v(n_rows, heads.hv, heads.v_dim)
     options = {}
-    if out_norm is not None:
+    if out_norm is not None or conv is not None:
         if not variant.stages:
-            raise ValueError("the output norm runs in the pipelined grid (variant.stages >= 2)")
-        # The norm reads a whole head: one item per head.
+            what = "the output norm" if out_norm is not None else "the conv"
+            raise ValueError(f"{what} runs in the pipelined grid (variant.stages >= 2)")
+        # The norm reads a whole head, and so does the conv (one channel a thread).
         variant = normed_variant(variant, q.shape[1], heads, q.dtype)
         bv = variant.block_v
+    if out_norm is not None:
         options["out_norm"] = out_norm
     if heads.v_dim % bv or bv < 4 * VEC:
         raise ValueError(f"block_v={bv} must divide V={heads.v_dim} and be at least {4 * VEC}")
@@ -310,8 +335,15 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
     else:
         run = one_item_per_program
     pool_ref = jax.new_ref(ssm_pool)
+    conv_ref = None
+    if conv is not None:
+        weight, conv_pool = conv
+        conv_ref = jax.new_ref(conv_pool)
+        options["conv"] = (weight, conv_ref)
     o = run(
         q, k, v, gates_in, pool_ref, state_indices, heads=heads, cols=cols,
         bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret, **options,
     )  # fmt: skip
-    return o, jax.freeze(pool_ref)
+    if conv_ref is None:
+        return o, jax.freeze(pool_ref)
+    return o, jax.freeze(pool_ref), jax.freeze(conv_ref)

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 
 from pallas_kernels._common import resolve_impl
 from pallas_kernels._tree import check_parents
+from pallas_kernels.conv1d import reference as conv1d_reference
+from pallas_kernels.conv1d._checks import check_rows as check_conv_rows
 from pallas_kernels.gdn import decode_mgpu, recurrent_mgpu, reference
 from pallas_kernels.gdn._checks import (
     check_gated_rows,
@@ -31,6 +33,7 @@ from pallas_kernels.gdn._checks import (
 from pallas_kernels.gdn.gating import gdn_gating
 
 __all__ = [
+    "InputConv",
     "OutputNorm",
     "fused_gating_recurrent_gated_delta_rule",
     "fused_recurrent_gated_delta_rule",
@@ -169,6 +172,17 @@ class OutputNorm:
     eps: float = dataclasses.field(metadata=dict(static=True))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class InputConv:
+    """A GDN layer's causal conv1d for the packed decode op to form on its input
+    (``conv1d.causal_conv1d_update`` with SiLU and no bias): ``weight`` ``[C, W]`` and the
+    rows' windows ``pool`` ``[S, C, W-1]`` in the input's dtype, C the input's width."""
+
+    weight: jax.Array
+    pool: jax.Array
+
+
 def packed_gating_recurrent_gated_delta_rule(
     qkv: jax.Array,
     ba: jax.Array,
@@ -179,8 +193,9 @@ def packed_gating_recurrent_gated_delta_rule(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
     output_norm: OutputNorm | None = None,
+    conv: InputConv | None = None,
     impl: str = "auto",
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """``fused_gating_recurrent_gated_delta_rule`` on the inputs as a GDN layer keeps them:
     the kernel reads each head where it sits, so no slice of q, k, v, a or b is written
     before it, and takes A_log and dt_bias as one array (a layer's slice of scanned weights
@@ -197,23 +212,42 @@ def packed_gating_recurrent_gated_delta_rule(
       output_norm: optional ``OutputNorm``: o comes out gated-normed
         (``reference.gated_output_norm`` of each head), formed in the kernel, where the
         layer's norm would be a kernel (or two) of its own after it.
+      conv: optional ``InputConv``: ``qkv`` is then the conv's input (the projection's
+        output), convolved in the kernel, where the conv would be a launch of its own
+        before it.
 
     Returns:
-      o ``[N, D, HV, V]`` in qkv's dtype, and the pool with each row's final state in its slot.
+      o ``[N, D, HV, V]`` in qkv's dtype, and the pool with each row's final state in its
+      slot; with ``conv`` also the conv pool with each row's window after its last token.
     """
     op = "packed_gating_recurrent_gated_delta_rule"
     check_packed_rows(op, qkv, ba, gate_params, ssm_pool, state_indices)
     if output_norm is not None:
         check_output_norm(op, qkv, ssm_pool, output_norm.z, output_norm.weight)
+    if conv is not None:
+        check_conv_rows(op, qkv, conv.weight, None, conv.pool, state_indices, "silu")
     _, kd, vd = ssm_pool.shape[1:]
     options = {"scale": default_scale(op, kd, scale), "use_qk_l2norm": use_qk_l2norm}
     args = (qkv, ba, gate_params, ssm_pool, state_indices)
-    which = resolve_impl(op, impl, decode_mgpu.packed_gating_unsupported_reason(*args, **options))
+    reason = decode_mgpu.packed_gating_unsupported_reason(*args, **options)
+    if reason is None and conv is not None:
+        reason = decode_mgpu.conv_unsupported_reason(qkv, ssm_pool, state_indices, conv.weight,
+                                                     conv.pool)  # fmt: skip
+    which = resolve_impl(op, impl, reason)
     if which != "reference":
         return decode_mgpu.packed_gating_recurrent_gated_delta_rule(
             *args, **options, interpret=which == "interpret",
             output_norm=None if output_norm is None else dataclasses.astuple(output_norm),
+            conv=None if conv is None else dataclasses.astuple(conv),
         )  # fmt: skip
+    if conv is not None:
+        qkv, conv_pool = conv1d_reference.causal_conv1d_update(
+            qkv, conv.weight, None, conv.pool, state_indices, activation="silu"
+        )
+        o, pool = packed_gating_recurrent_gated_delta_rule(
+            qkv, *args[1:], **options, output_norm=output_norm, impl="reference"
+        )
+        return o, pool, conv_pool
     h = packed_stand_ins(qkv, ba, ssm_pool)[0].shape[2]
     q, k, v = split_qkv(qkv, h, kd, vd)
     b, a = split_ba(ba)

@@ -247,6 +247,72 @@ def test_gdn_packed_decode_with_the_output_norm_on_gpu_matches_oracle(n, n_padde
     _check_pool(pool, pool_ref, idx, before)
 
 
+# The batch-1 step's bucket (8 rows, one real), 64 rows, and three value heads a key head.
+@pytest.mark.parametrize(
+    "n, n_padded, hv", [(8, 7, HV), (64, 4, HV), (8, 5, 48)], ids=["b8-1", "b64", "b8-ratio3"]
+)
+def test_gdn_decode_with_the_conv_on_gpu_equals_the_conv_launch_then_the_op(n, n_padded, hv):
+    """20 decode steps in a scan, each the packed op forming the conv in its kernel
+    (``conv=``), against the conv launch then the packed op: the same windows bit for bit
+    (raw inputs), outputs and states within a rounding of a conv output, both pools updated
+    in place (donated) and every slot no row names untouched."""
+    steps, channels = 20, 2 * H * K + hv * V
+    rng = np.random.default_rng(7)
+    idx = _slots(rng, n, n_padded)
+    bf16 = jnp.bfloat16
+    ssm = _poisoned(rng.standard_normal((SLOTS, hv, K, V), np.float32) * 0.3, idx)
+    windows = _poisoned(rng.standard_normal((SLOTS, channels, WIDTH - 1)).astype(np.float32), idx)
+    inputs = (
+        jnp.asarray(rng.standard_normal((steps, n, 1, channels)), bf16),
+        jnp.asarray(rng.standard_normal((steps, n, 1, 2 * hv)) * 2, bf16),
+        jnp.asarray(rng.standard_normal((steps, n, 1, hv * V)) * 2, bf16),
+    )
+    conv_weight = jnp.asarray(rng.standard_normal((channels, WIDTH)) * 0.5, bf16)
+    gate_params = jnp.asarray(rng.standard_normal((2, hv)), jnp.float32)
+    norm_weight = jnp.asarray(rng.uniform(0.5, 1.5, V), jnp.float32)
+    slots = jnp.asarray(idx)
+    op = functools.partial(gdn.packed_gating_recurrent_gated_delta_rule, impl="pallas")
+
+    def run(in_kernel, ssm, windows):
+        def step(pools, xs):
+            ssm, windows = pools
+            qkv, ba, z = xs
+            norm = gdn.OutputNorm(z, norm_weight, 1e-6)
+            if in_kernel:
+                conv = gdn.InputConv(conv_weight, windows)
+                o, ssm, windows = op(qkv, ba, gate_params, ssm, slots, output_norm=norm,
+                                     conv=conv)  # fmt: skip
+            else:
+                qkv, windows = update_mgpu.causal_conv1d_update(
+                    qkv, conv_weight, None, windows, slots
+                )
+                o, ssm = op(qkv, ba, gate_params, ssm, slots, output_norm=norm)
+            return (ssm, windows), o
+
+        return jax.lax.scan(step, (ssm, windows), inputs)
+
+    results = {}
+    for in_kernel in (False, True):
+        pools = (jnp.asarray(ssm), jnp.asarray(windows, bf16))
+        pointers = [x.unsafe_buffer_pointer() for x in pools]
+        (ssm_out, windows_out), o = jax.jit(run, static_argnums=0, donate_argnums=(1, 2))(
+            in_kernel, *pools
+        )
+        assert [ssm_out.unsafe_buffer_pointer(), windows_out.unsafe_buffer_pointer()] == pointers
+        results[in_kernel] = tuple(np.asarray(x) for x in (o, ssm_out, windows_out))
+    (o, ssm_out, windows_out), (o_ref, ssm_ref, windows_ref) = results[True], results[False]
+    np.testing.assert_array_equal(bits(windows_out), bits(windows_ref))
+    real, named = idx != 0, idx[idx != 0]
+    assert np.isfinite(o.astype(np.float32)).all() and not o[:, ~real].astype(np.float32).any()
+    assert rel(o[:, real], o_ref[:, real]) < 1e-3
+    assert rel(ssm_out[named], ssm_ref[named]) < 1e-5
+    others = np.setdiff1d(np.arange(SLOTS), named)
+    np.testing.assert_array_equal(bits(ssm_out[others]), bits(ssm[others]))
+    before = np.asarray(jnp.asarray(windows, bf16))
+    np.testing.assert_array_equal(bits(windows_out[others]), bits(before[others]))
+    assert (bits(windows_out[named]) != bits(before[named])).any(axis=(1, 2)).all()
+
+
 @pytest.mark.parametrize("n", [16, 64])
 def test_gdn_verify_on_gpu_matches_oracle_and_leaves_pool(n):
     args, idx = _gdn_case(1, n, 4, 3)
