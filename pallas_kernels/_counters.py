@@ -18,8 +18,11 @@ import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import memref
 
-__all__ = ["check_counters", "own_zeros", "signal", "wait_then_count"]
+__all__ = ["check_counters", "count_arrival", "own_zeros", "signal", "wait_then_count"]
 
 
 def own_zeros(like: jax.Array) -> jax.Array:
@@ -79,3 +82,42 @@ def wait_then_count(counter, ready: int, total: int) -> None:
             )  # fmt: skip
 
     wait_and_count(counter)
+
+
+def count_arrival(counter, total: int, before_smem, *, interpret: bool) -> jax.Array:
+    """Adds 1 to the GMEM int32 ``counter`` ``[1]`` once the warpgroup's earlier work is done
+    (an acquire-release at GPU scope) and returns the count before the add, the same for
+    every thread: the arrival that returns ``total - 1`` is the last of ``total`` and sets
+    the counter back to zero. ``before_smem``: an SMEM int32 ``[1]`` through which the count
+    reaches the warpgroup. No waiting: the last arrival acts for all (a program that reads
+    what the others' programs read writes it only once every one of them has read it).
+
+    The interpreter runs a launch's programs one after another and cannot run inline Mosaic
+    GPU: there the count is a plain read and write of the counter."""
+    if interpret:
+        before = counter[0]
+        counter[0] = jnp.where(before == total - 1, 0, before + 1)
+        return before
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
+    def arrive(ctx, ref, smem):
+        del ctx
+        mgpu_utils.warpgroup_barrier()
+        i32 = ir.IntegerType.get_signless(32)
+        with mgpu_utils.single_thread(scope=mgpu_utils.ThreadSubset.WARPGROUP):
+            before = mgpu_utils.inline_ptx(
+                f"""{{
+                .reg .pred last;
+                .reg .b32 zero;
+                atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;
+                setp.eq.u32 last, $0, {total - 1};
+                mov.b32 zero, 0;
+                @last st.relaxed.gpu.global.u32 [$1], zero;
+                }}""",
+                mgpu_utils.memref_ptr(ref), result_types=i32, has_side_effects=True,
+            )  # fmt: skip
+            memref.store(before, smem, [mgpu_utils.c(0, ir.IndexType.get())])
+        mgpu_utils.warpgroup_barrier()
+
+    arrive(counter, before_smem)
+    return before_smem[0]

@@ -97,7 +97,9 @@ def _normed(mix: LinearMixResult, norm: gdn.OutputNorm | None) -> LinearMixResul
     return mix._replace(out=gdn_reference.gated_output_norm(mix.out, z, norm.weight, norm.eps))
 
 
-def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
+def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm,
+            counters):  # fmt: skip
+    del counters  # only the decode kernel's conv counts
     g, beta = gating.gates()
     qsl, slots, has_init = meta.query_start_loc, meta.state_indices, meta.has_initial_state
     mixed, conv_state = conv1d.causal_conv1d(
@@ -122,7 +124,8 @@ def _conv_in_kernel(mixed, conv_weight, conv_state, ssm_state, slots) -> bool:
     return reason is None
 
 
-def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
+def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm,
+            counters):  # fmt: skip
     slots = meta.state_indices
     mixed = rows(mixed, meta)
     conv = None
@@ -138,7 +141,7 @@ def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl,
         norm = dataclasses.replace(norm, z=rows(norm.z, meta))
     out, ssm_state, *conv_pool = gdn.packed_gating_recurrent_gated_delta_rule(
         mixed, rows(gating.ba, meta), gating.params, ssm_state, slots, output_norm=norm,
-        conv=conv, impl=impl,
+        conv=conv, counters=counters if conv is not None else None, impl=impl,
     )  # fmt: skip
     if conv is not None:
         (conv_state,) = conv_pool
@@ -146,7 +149,9 @@ def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl,
     return LinearMixResult(out.reshape(-1, *out.shape[2:]), conv_state, ssm_state, ())
 
 
-def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
+def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm,
+            counters):  # fmt: skip
+    del counters
     g, beta = gating.gates()
     slots = meta.state_indices
     mixed, windows = conv1d.causal_conv1d_verify(
@@ -161,8 +166,9 @@ def _verify(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl,
     return _normed(LinearMixResult(out, conv_state, ssm_state, verify), norm)
 
 
-def _idle(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm):
-    del norm  # no tokens: zeros either way
+def _idle(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, norm,
+          counters):  # fmt: skip
+    del norm, counters  # no tokens: zeros either way
     out = jnp.zeros((mixed.shape[0], dims.num_value_heads, dims.head_v_dim), mixed.dtype)
     return LinearMixResult(out, conv_state, ssm_state, ())
 
@@ -186,6 +192,7 @@ def gdn_mix(
     dims: GDNDims,
     *,
     output_norm: gdn.OutputNorm | None = None,
+    counters: jax.Ref | None = None,
     impl: str = "auto",
 ) -> LinearMixResult:
     """Causal conv1d + SiLU, the gating, then the gated delta rule, for one GDN layer in
@@ -199,9 +206,12 @@ def gdn_mix(
     ``[S, HV, K, V]`` (states written at ``dims.state_dtype``'s precision). Returns the
     delta rule's output ``[T, HV, V]`` and the pools (see ``LinearMixResult``). Raises
     ``UnsupportedForwardModeError`` while tracing when GDN layers have no path for the mode.
+    ``counters``: int32 zeros the decode kernel's conv may count in
+    (``packed_gating_recurrent_gated_delta_rule``'s), shared by a forward's launches.
     """
     path = mix_path(LayerKind.GDN, _PATHS, meta)
     gating = _Gating(gate_params, ba)
     return path(
-        mixed_qkv, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, output_norm
-    )
+        mixed_qkv, conv_weight, gating, conv_state, ssm_state, meta, dims, impl, output_norm,
+        counters,
+    )  # fmt: skip

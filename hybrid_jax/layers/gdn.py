@@ -191,7 +191,7 @@ class GatedDeltaNet(nnx.Module):
             norm = gdn_kernels.OutputNorm(flat, self.norm.weight[...], self.norm.eps)
         mix = gdn_mix(
             mixed, self.conv_weight[...], self.gate_params[...], ba, conv_state, ssm_state,
-            meta, self.config.dims, output_norm=norm, impl=impl,
+            meta, self.config.dims, output_norm=norm, counters=counters, impl=impl,
         )  # fmt: skip
         out = mix.out if norm is not None else self.norm(mix.out, z)
         out = out.reshape(x.shape[0], self.config.dims.value_dim)

@@ -413,9 +413,10 @@ class Qwen3Next(HybridCausalLM):
 
     @property
     def counters_per_token(self) -> int:
-        """A token's (token, expert) pairs in a MoE block, at least 1 (an output projection's
-        launch counts in one)."""
-        return max(self.config.num_experts_per_tok if self.config.num_experts else 0, 1)
+        """The most a launch counts per token: a MoE block's (token, expert) pairs, a GDN
+        decode kernel's key heads (its conv), at least 1 (an output projection's launch)."""
+        c = self.config
+        return max(c.num_experts_per_tok if c.num_experts else 0, c.linear_num_key_heads, 1)
 
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
         c = config

@@ -28,6 +28,7 @@ says which pays:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -36,6 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import _counters
 from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params
 from pallas_kernels._mgpu_chunks import SMEM_PER_SM, columns_over_warps
 from pallas_kernels.conv1d import update_mgpu as conv_kernels
@@ -348,23 +350,21 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
     ``out_norm`` ``(z, weight, eps)`` (z ``[N, D, HV V]``, weight float32 ``[V]``; items of
     whole heads, ``bv == V``) the output is gated-normed (``_update``).
 
-    With ``conv`` ``(weight [C, W], conv_pool Ref [S, C, W-1])`` q, k, v are the inputs of
-    the layer's causal conv1d (``C = 2 H K + H V``, channels ``[Q | K | V]`` at ``cols``) and
-    each item convolves its heads' channels (SiLU, rounded to the inputs' dtype, as the conv
-    op) before the delta rule, one channel a thread (``K = V = 128``, whole heads). The
-    ``group`` value heads of a key head read its q and k windows, so a program takes all of
-    them, one after another: items ``(row, key head)`` walked as ``group`` items each, the
-    last of which writes the q and k windows back, after every read of them."""
+    With ``conv`` ``(weight [C, W], conv_pool Ref [S, C, W-1], counters Ref int32
+    [>= N H])`` q, k, v are the inputs of the layer's causal conv1d (``C = 2 H K + H V``,
+    channels ``[Q | K | V]`` at ``cols``) and each item convolves its heads' channels (SiLU,
+    rounded to the inputs' dtype, as the conv op) before the delta rule, one channel a
+    thread (``K = V = 128``, whole heads). The ``group`` value heads of a key head all read
+    its q and k windows: each item counts its arrival on the (row, key head)'s counter once
+    it has read them, and the last to arrive writes them back (``_counters.count_arrival``),
+    leaving the counter at zero."""
     n_rows, n_tokens = q.shape[:2]
     h, k_dim, hv, v_dim = heads
     v_rows = _stage_rows(n_tokens, bv, v.dtype)
     group = hv // h
     n_blocks = v_dim // bv
     n_items = n_rows * hv * n_blocks
-    # The units a program takes whole: key heads' groups with the conv, else single items.
-    per_unit = group if conv is not None else 1
-    n_units = n_items // per_unit
-    n_progs = min(n_units, variant.programs)
+    n_progs = min(n_items, variant.programs)
     stages = variant.stages
     layouts = _layouts(variant, bv)
     if conv is not None and not (bv == v_dim == k_dim == conv_lanes()):
@@ -376,24 +376,26 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
     normed = out_norm is not None
     norm_in = tuple(out_norm[:2]) if normed else ()
     conv_in = (conv[0],) if conv is not None else ()
-    conv_pool_in = (conv[1],) if conv is not None else ()
+    conv_refs = tuple(conv[1:]) if conv is not None else ()
 
     def body(idx_ref, q_ref, k_ref, v_ref, *refs):
         gate_refs, refs = refs[:n_gates], refs[n_gates:]
         z_ref, weight_ref = refs[:2] if normed else (None, None)
         refs = refs[len(norm_in) :]
-        conv_w_ref, refs = (refs[0], refs[1:]) if conv is not None else (None, refs)
+        conv_w_ref, conv_pool, counters = None, None, None
+        if conv is not None:
+            conv_w_ref, refs = refs[0], refs[1:]
         pool, refs = refs[0], refs[1:]
-        conv_pool, refs = (refs[0], refs[1:]) if conv is not None else (None, refs)
-        o_ref, state_smem, q_smem, k_smem, v_smem, o_smem, bars, *norm_smem = refs
+        if conv is not None:
+            (conv_pool, counters), refs = refs[:2], refs[2:]
+        o_ref, state_smem, q_smem, k_smem, v_smem, o_smem, bars, *extra_smem = refs
+        norm_smem, count_smem = (extra_smem[:3], extra_smem[3:]) if normed else ((), extra_smem)
         prog = lax.axis_index("c")
-        # This program's items.
-        count = per_unit * ((n_units - prog + n_progs - 1) // n_progs)
+        count = (n_items - prog + n_progs - 1) // n_progs  # this program's items
 
         def coords(i):
             """(row, head, columns) of this program's item i (clamped into range)."""
-            unit = jnp.minimum(prog + (i // per_unit) * n_progs, n_units - 1)
-            item = unit * per_unit + i % per_unit
+            item = jnp.minimum(prog + i * n_progs, n_items - 1)
             return item // (hv * n_blocks), (item // n_blocks) % hv, item % n_blocks
 
         def slot_of(i):
@@ -449,8 +451,11 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
             def _real_row():
                 convolve = None
                 if conv is not None:  # the windows' loads in flight with the item's copies
+                    key_counter = counters.at[pl.ds(n * h + head // group, 1)]
+                    arrive = functools.partial(_counters.count_arrival, key_counter, group,
+                                               count_smem[0], interpret=interpret)  # fmt: skip
                     convolve = _conv_item(conv_w_ref, conv_pool, slot, head, group, cols,
-                                          heads, n_tokens)  # fmt: skip
+                                          heads, n_tokens, arrive)  # fmt: skip
                 plgpu.barrier_wait(bars.at[s])
                 if convolve is not None:
                     convolve(q_smem.at[s], k_smem.at[s], v_smem.at[s])
@@ -506,12 +511,13 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
                 if normed
                 else []
             ),
+            *([plgpu.SMEM((1,), jnp.int32)] if conv is not None else []),
         ],  # fmt: skip
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=_REDUCTION_SCRATCH),
         interpret=interpret_params(interpret),
         kernel_name="gdn_conv_decode_ring" if conv is not None else "gdn_decode_ring",
     )
-    return kernel(idx, q, k, v, *gates_in, *norm_in, *conv_in, pool_ref, *conv_pool_in)
+    return kernel(idx, q, k, v, *gates_in, *norm_in, *conv_in, pool_ref, *conv_refs)
 
 
 def conv_lanes() -> int:
@@ -520,12 +526,12 @@ def conv_lanes() -> int:
 
 
 def _conv_item(w_ref, conv_pool, slot, head, group: int, cols: Columns, heads: Heads,
-               n_tokens: int):  # fmt: skip
+               n_tokens: int, arrive):  # fmt: skip
     """Starts loading the conv windows and taps of item (``slot``, value ``head``) into
     registers; returns the function that, once the item's inputs are in SMEM, replaces them
     by the conv's outputs (rounded to their dtype) and writes the windows that move on: the
-    value head's always, its key head's q and k only from the group's last member (the
-    program has read them for every member by then)."""
+    value head's always, its key head's q and k only from the last of the key head's items
+    to ``arrive()`` (which returns how many arrived before it) once it has read them."""
     key = head // group
     chans = (
         pl.ds(cols.q + key * heads.k_dim, heads.k_dim),
@@ -542,15 +548,21 @@ def _conv_item(w_ref, conv_pool, slot, head, group: int, cols: Columns, heads: H
             conv_pool[slot, c, w] = ext[n_tokens + w].astype(conv_pool.dtype)
 
     def convolve(*inputs_smem):
-        parts = zip(chans, windows, taps, inputs_smem, strict=True)
-        for part, (c, window, taps_c, x_smem) in enumerate(parts):
+        exts = []
+        for window, taps_c, x_smem in zip(windows, taps, inputs_smem, strict=True):
             ext = [*window, *(load(x_smem.at[t]) for t in range(n_tokens))]
             for t, y_t in enumerate(conv_kernels.outputs_of_window(ext, taps_c, None, "silu")):
                 x_smem[t] = y_t.astype(x_smem.dtype)
-            if part == 2:  # the value head's channels: this item's alone
-                store_windows(c, ext)
-            else:
-                last = head % group == group - 1
-                pl.when(last)(lambda c=c, ext=ext: store_windows(c, ext))
+            exts.append(ext)
+        store_windows(chans[2], exts[2])  # the value head's channels: this item's alone
+
+        def store_key_windows():
+            store_windows(chans[0], exts[0])
+            store_windows(chans[1], exts[1])
+
+        if group == 1:
+            store_key_windows()
+        else:  # every thread's window reads are done: their values are stored above
+            pl.when(arrive() == group - 1)(store_key_windows)
 
     return convolve

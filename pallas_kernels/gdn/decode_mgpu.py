@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _counters
 from pallas_kernels._common import NUM_SMS
 from pallas_kernels.conv1d import update_mgpu as conv_kernels
 from pallas_kernels.gdn._checks import check_gated_rows, check_packed_rows, packed_stand_ins
@@ -269,6 +270,7 @@ def packed_gating_recurrent_gated_delta_rule(
     variant: DecodeVariant | str = DEFAULT,
     output_norm: tuple[jax.Array, jax.Array, float] | None = None,
     conv: tuple[jax.Array, jax.Array] | None = None,
+    counters: jax.Ref | None = None,
 ) -> tuple[jax.Array, ...]:
     """``fused_gating_recurrent_gated_delta_rule`` reading q, k, v from the conv's output
     ``qkv`` ``[N, D, H K + H K + HV V]`` (``[Q | K | V]``) and b, a from ``ba``
@@ -280,8 +282,12 @@ def packed_gating_recurrent_gated_delta_rule(
     (``_checks.check_output_norm``). With ``conv`` ``(weight [C, W], conv_pool [S, C, W-1])``
     ``qkv`` is the conv's input and the kernel forms the conv (``causal_conv1d_update``
     with SiLU, no bias) on it; the result is then ``(o, ssm_pool, conv_pool)``, the conv pool
-    updated in place under ``jit`` when donated (``conv_unsupported_reason``)."""
+    updated in place under ``jit`` when donated (``conv_unsupported_reason``). The conv's
+    items count on ``counters`` (an int32 ``Ref`` of at least ``N H`` zeros, left at zero,
+    which launches may share; without it the launch makes its own)."""
     check_packed_rows(_PACKED_OP, qkv, ba, gate_params, ssm_pool, state_indices)
+    if conv is not None:
+        _counters.check_counters(_PACKED_OP, counters, qkv.shape[0] * _key_heads(qkv, ssm_pool))
     reason = packed_gating_unsupported_reason(qkv, ba, gate_params, ssm_pool, state_indices)
     if reason is None and conv is not None:
         reason = conv_unsupported_reason(qkv, ssm_pool, state_indices, *conv)
@@ -294,8 +300,13 @@ def packed_gating_recurrent_gated_delta_rule(
     return _launch(
         qkv, qkv, qkv, (gate_params, ba, ba), ssm_pool, state_indices, heads=heads,
         cols=cols, scale=scale, use_qk_l2norm=use_qk_l2norm, interpret=interpret,
-        variant=variant, out_norm=output_norm, conv=conv,
+        variant=variant, out_norm=output_norm,
+        conv=None if conv is None else (*conv, counters),
     )  # fmt: skip
+
+
+def _key_heads(qkv: jax.Array, ssm_pool: jax.Array) -> int:
+    return packed_stand_ins(qkv, qkv, ssm_pool)[0].shape[2]
 
 
 def _launch_separate(q, k, v, gates_in, ssm_pool, state_indices, **options):
@@ -309,8 +320,8 @@ def _launch_separate(q, k, v, gates_in, ssm_pool, state_indices, **options):
 def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, use_qk_l2norm,
             interpret, variant, out_norm=None, conv=None):  # fmt: skip
     """The entries' launch, after their checks: variant, block and scale, then the kernel.
-    q, k, v ``[N, D, width]`` with their heads at ``cols``; with ``conv`` (weight, pool) the
-    conv pool is a third result."""
+    q, k, v ``[N, D, width]`` with their heads at ``cols``; with ``conv`` (weight, pool,
+    counters or None) the conv pool is a third result."""
     if isinstance(variant, str):
         if variant not in VARIANTS:
             raise ValueError(f"variant {variant!r} is not one of {sorted(VARIANTS)}")
@@ -337,9 +348,11 @@ def _launch(q, k, v, gates_in, ssm_pool, state_indices, *, heads, cols, scale, u
     pool_ref = jax.new_ref(ssm_pool)
     conv_ref = None
     if conv is not None:
-        weight, conv_pool = conv
+        weight, conv_pool, counters = conv
         conv_ref = jax.new_ref(conv_pool)
-        options["conv"] = (weight, conv_ref)
+        if counters is None:
+            counters = jax.new_ref(jnp.zeros((q.shape[0] * heads.h,), jnp.int32))
+        options["conv"] = (weight, conv_ref, counters)
     o = run(
         q, k, v, gates_in, pool_ref, state_indices, heads=heads, cols=cols,
         bv=bv, variant=variant, scale=scale, l2=use_qk_l2norm, interpret=interpret, **options,

@@ -194,6 +194,7 @@ def packed_gating_recurrent_gated_delta_rule(
     use_qk_l2norm: bool = True,
     output_norm: OutputNorm | None = None,
     conv: InputConv | None = None,
+    counters: jax.Ref | None = None,
     impl: str = "auto",
 ) -> tuple[jax.Array, ...]:
     """``fused_gating_recurrent_gated_delta_rule`` on the inputs as a GDN layer keeps them:
@@ -215,6 +216,9 @@ def packed_gating_recurrent_gated_delta_rule(
       conv: optional ``InputConv``: ``qkv`` is then the conv's input (the projection's
         output), convolved in the kernel, where the conv would be a launch of its own
         before it.
+      counters: optional int32 ``Ref`` ``[n >= N H]`` of zeros for the kernel's conv to
+        count in (a key head's value heads share its windows), left at zero, so launches
+        may share it; without it the launch makes its own. The reference does not use it.
 
     Returns:
       o ``[N, D, HV, V]`` in qkv's dtype, and the pool with each row's final state in its
@@ -238,7 +242,7 @@ def packed_gating_recurrent_gated_delta_rule(
         return decode_mgpu.packed_gating_recurrent_gated_delta_rule(
             *args, **options, interpret=which == "interpret",
             output_norm=None if output_norm is None else dataclasses.astuple(output_norm),
-            conv=None if conv is None else dataclasses.astuple(conv),
+            conv=None if conv is None else dataclasses.astuple(conv), counters=counters,
         )  # fmt: skip
     if conv is not None:
         qkv, conv_pool = conv1d_reference.causal_conv1d_update(

@@ -253,9 +253,10 @@ def test_gdn_packed_decode_with_the_output_norm_on_gpu_matches_oracle(n, n_padde
 )
 def test_gdn_decode_with_the_conv_on_gpu_equals_the_conv_launch_then_the_op(n, n_padded, hv):
     """20 decode steps in a scan, each the packed op forming the conv in its kernel
-    (``conv=``), against the conv launch then the packed op: the same windows bit for bit
-    (raw inputs), outputs and states within a rounding of a conv output, both pools updated
-    in place (donated) and every slot no row names untouched."""
+    (``conv=``, the launches counting in one buffer), against the conv launch then the packed
+    op: the same windows bit for bit (raw inputs), outputs and states within a rounding of a
+    conv output, both pools updated in place (donated), every slot no row names untouched,
+    and the counters back at zero."""
     steps, channels = 20, 2 * H * K + hv * V
     rng = np.random.default_rng(7)
     idx = _slots(rng, n, n_padded)
@@ -274,6 +275,8 @@ def test_gdn_decode_with_the_conv_on_gpu_equals_the_conv_launch_then_the_op(n, n
     op = functools.partial(gdn.packed_gating_recurrent_gated_delta_rule, impl="pallas")
 
     def run(in_kernel, ssm, windows):
+        counters = jax.new_ref(jnp.zeros((n * H,), jnp.int32))  # shared by the launches
+
         def step(pools, xs):
             ssm, windows = pools
             qkv, ba, z = xs
@@ -281,7 +284,7 @@ def test_gdn_decode_with_the_conv_on_gpu_equals_the_conv_launch_then_the_op(n, n
             if in_kernel:
                 conv = gdn.InputConv(conv_weight, windows)
                 o, ssm, windows = op(qkv, ba, gate_params, ssm, slots, output_norm=norm,
-                                     conv=conv)  # fmt: skip
+                                     conv=conv, counters=counters)  # fmt: skip
             else:
                 qkv, windows = update_mgpu.causal_conv1d_update(
                     qkv, conv_weight, None, windows, slots
@@ -289,16 +292,17 @@ def test_gdn_decode_with_the_conv_on_gpu_equals_the_conv_launch_then_the_op(n, n
                 o, ssm = op(qkv, ba, gate_params, ssm, slots, output_norm=norm)
             return (ssm, windows), o
 
-        return jax.lax.scan(step, (ssm, windows), inputs)
+        return jax.lax.scan(step, (ssm, windows), inputs), counters[...]
 
     results = {}
     for in_kernel in (False, True):
         pools = (jnp.asarray(ssm), jnp.asarray(windows, bf16))
         pointers = [x.unsafe_buffer_pointer() for x in pools]
-        (ssm_out, windows_out), o = jax.jit(run, static_argnums=0, donate_argnums=(1, 2))(
+        ((ssm_out, windows_out), o), counts = jax.jit(run, static_argnums=0, donate_argnums=(1, 2))(
             in_kernel, *pools
         )
         assert [ssm_out.unsafe_buffer_pointer(), windows_out.unsafe_buffer_pointer()] == pointers
+        assert not np.asarray(counts).any(), "the launches left a counter off zero"
         results[in_kernel] = tuple(np.asarray(x) for x in (o, ssm_out, windows_out))
     (o, ssm_out, windows_out), (o_ref, ssm_ref, windows_ref) = results[True], results[False]
     np.testing.assert_array_equal(bits(windows_out), bits(windows_ref))

@@ -112,9 +112,10 @@ def test_the_kernel_equals_the_conv_op_then_the_packed_op_bit_for_bit():
 
 
 @pytest.mark.parametrize("programs", [1, 3])
-def test_programs_walking_several_key_heads_give_what_one_each_gives(programs):
-    """5 rows of 2 key heads: 10 (row, key head) units on 1 or 3 programs, each walking its
-    units' value heads through the ring (padded rows among them)."""
+def test_programs_walking_several_items_give_what_one_each_gives(programs):
+    """5 rows of 4 value heads on 1 or 3 programs, each walking its items through the ring
+    (padded rows among them), the two value heads of a key head on different programs or
+    one after another on the same."""
     args, conv, norm, _ = _case(3, n=5, d=2, padded=(2,))
     norm_in = (norm.z, norm.weight, norm.eps)
 
@@ -129,6 +130,22 @@ def test_programs_walking_several_key_heads_give_what_one_each_gives(programs):
     each = run(decode_mgpu.VARIANTS[decode_mgpu.DEFAULT])
     for got, want in zip(few, each, strict=True):
         np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_the_conv_counts_in_the_counters_it_is_given_and_leaves_them_at_zero():
+    """A key head's last value head to read its q and k windows writes them (the others
+    count their reads on the row's key-head counter): the counters handed in end at zero,
+    as the next launch sharing them needs, and a buffer shorter than N H is named."""
+    args, conv, norm, _ = _case(6, n=3, padded=())
+    counters = jax.new_ref(jnp.zeros((3 * H + 5,), jnp.int32))
+    o, pool, windows = _op("interpret")(**args, output_norm=norm, conv=conv, counters=counters)
+    want = _op("interpret")(**args, output_norm=norm, conv=conv)
+    for got, expected in zip((o, pool, windows), want, strict=True):
+        np.testing.assert_array_equal(bits(got), bits(expected))
+    assert not np.asarray(counters[...]).any()
+    short = jax.new_ref(jnp.zeros((3 * H - 1,), jnp.int32))
+    with pytest.raises(ValueError, match=re.escape(f"counters must be int32 [n >= {3 * H}]")):
+        _op("interpret")(**args, conv=conv, counters=short)
 
 
 def test_heads_the_conv_cannot_take_are_named():
