@@ -15,6 +15,7 @@ from _kernel_sized import kernel_sized_nemotron_h_config, kernel_sized_qwen3_nex
 from flax import nnx
 
 from hybrid_jax import EngineConfig
+from hybrid_jax.backend import gdn as gdn_backend
 from hybrid_jax.engine.engine import model_for_steps
 from hybrid_jax.engine.lm_step import LastTokenLogits, ServingState
 from hybrid_jax.engine.step import StepFunctions
@@ -95,15 +96,19 @@ def test_the_gpu_tests_steps_lower_for_the_gpu_with_their_kernels(
     assert not missing, f"{mode.name} lowered without {missing}"
 
 
-def test_a_decode_step_s_launches_count_in_one_buffer_the_scan_carries(monkeypatch):
-    """With ``EXPERTS_IN_ONE_LAUNCH`` each MoE block's ``expert_mlp`` launch, and with
+@pytest.mark.parametrize("conv_in_kernel", [False, True], ids=["conv-launch", "conv-in-kernel"])
+def test_a_decode_step_s_launches_count_in_one_buffer_the_scan_carries(monkeypatch, conv_in_kernel):
+    """With ``EXPERTS_IN_ONE_LAUNCH`` each MoE block's ``expert_mlp`` launch, with
     ``ADD_IN_OUTPUT_LAUNCH`` each split output projection's add launch (GDN's and
-    attention's: no partial products left for XLA to sum), counts in the forward's one
-    buffer (``LayerStates.counters``, 8 tokens x top 8), which the layer scan carries: no
-    launch computes zeros of its own."""
+    attention's: no partial products left for XLA to sum), and with
+    ``CONV_IN_DECODE_KERNEL`` each GDN decode kernel forming its conv, counts in the
+    forward's one buffer (``LayerStates.counters``, 8 tokens x 16, the GDN layers' key
+    heads, more than the top 8), which the layer scan carries: no launch makes zeros of its
+    own."""
     monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
     monkeypatch.setattr(moe_layer, "EXPERTS_IN_ONE_LAUNCH", True)
     monkeypatch.setattr(linear, "ADD_IN_OUTPUT_LAUNCH", True)
+    monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL", conv_in_kernel)
     # Steps of their own: the cached ones may hold a trace made with other switches.
     steps, state, policy = _steps_and_state.__wrapped__(_qwen3_next)
     meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
@@ -111,6 +116,10 @@ def test_a_decode_step_s_launches_count_in_one_buffer_the_scan_carries(monkeypat
     text = steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
     assert "expert_mlp" in text and "expert_hidden" not in text
     assert "projection_add" in text and "projection_partials" not in text
-    assert "tensor<64xi1>) -> tensor<64xi32>" not in text
+    assert "tensor<128xi1>) -> tensor<128xi32>" not in text
+    zeros = [line for line in text.splitlines() if "(tensor<i32>) -> tensor<128xi32>" in line]
+    assert len(zeros) == 1, "the forward's buffer, and no launch's own"
     (loop,) = [line for line in text.splitlines() if "stablehlo.while" in line]
-    assert "tensor<64xi32>" in loop
+    assert "tensor<128xi32>" in loop
+    assert ("gdn_conv_decode_ring" in text) == conv_in_kernel
+    assert ("conv1d_update" in text) != conv_in_kernel
