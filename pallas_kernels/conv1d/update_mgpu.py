@@ -34,9 +34,11 @@ __all__ = [
     "LANE",
     "causal_conv1d_update",
     "causal_conv1d_verify",
+    "finish_outputs",
     "load_lane",
     "outputs_of_window",
     "unsupported_reason",
+    "window_sums",
 ]
 
 BLOCK_C = 128  # one channel per thread of the warpgroup
@@ -52,21 +54,41 @@ def load_lane(ref) -> jax.Array:
     return plgpu.load(ref, layout=LANE).astype(jnp.float32)
 
 
-def outputs_of_window(ext, taps, bias, activation: str | None) -> list[jax.Array]:
-    """The outputs of the tokens after a saved window, one channel a thread: ``ext`` the
-    ``W-1`` window entries then the tokens' inputs (oldest first), ``taps`` the ``W`` weights,
-    ``bias`` one value or None, all float32 ``[BLOCK_C]`` in ``LANE``."""
-    width = len(taps)
-    outs = []
-    for t in range(len(ext) - width + 1):
+def window_sums(window, taps, bias, n_tokens: int) -> list[jax.Array | None]:
+    """Per token, ``bias`` plus its taps on the saved window's entries (None where neither):
+    the part of each output that needs none of the tokens' inputs, summed in the conv's
+    order (``outputs_of_window``). ``window``: the ``W-1`` entries, oldest first; ``taps``
+    the ``W`` weights; all float32 ``[BLOCK_C]`` in ``LANE``."""
+    sums = []
+    for t in range(n_tokens):
         acc = bias
-        for w in range(width):
-            term = taps[w] * ext[t + w]
+        for w in range(len(taps) - 1 - t):  # entries window[t + w], t + w < W-1
+            term = taps[w] * window[t + w]
+            acc = term if acc is None else acc + term
+        sums.append(acc)
+    return sums
+
+
+def finish_outputs(sums, inputs, taps, activation: str | None) -> list[jax.Array]:
+    """The tokens' outputs from their ``window_sums`` and their ``inputs`` (oldest first)."""
+    width, outs = len(taps), []
+    for t, acc in enumerate(sums):
+        for w in range(max(0, width - 1 - t), width):
+            term = taps[w] * inputs[t + w - (width - 1)]
             acc = term if acc is None else acc + term
         if activation == "silu":
             acc = acc / (1.0 + jnp.exp(-acc))
         outs.append(acc)
     return outs
+
+
+def outputs_of_window(ext, taps, bias, activation: str | None) -> list[jax.Array]:
+    """The outputs of the tokens after a saved window, one channel a thread: ``ext`` the
+    ``W-1`` window entries then the tokens' inputs (oldest first), ``taps`` the ``W`` weights,
+    ``bias`` one value or None, all float32 ``[BLOCK_C]`` in ``LANE``."""
+    width = len(taps)
+    sums = window_sums(ext[: width - 1], taps, bias, len(ext) - width + 1)
+    return finish_outputs(sums, ext[width - 1 :], taps, activation)
 
 
 def unsupported_reason(

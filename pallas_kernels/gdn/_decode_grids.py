@@ -527,11 +527,12 @@ def conv_lanes() -> int:
 
 def _conv_item(w_ref, conv_pool, slot, head, group: int, cols: Columns, heads: Heads,
                n_tokens: int, arrive):  # fmt: skip
-    """Starts loading the conv windows and taps of item (``slot``, value ``head``) into
-    registers; returns the function that, once the item's inputs are in SMEM, replaces them
-    by the conv's outputs (rounded to their dtype) and writes the windows that move on: the
-    value head's always, its key head's q and k only from the last of the key head's items
-    to ``arrive()`` (which returns how many arrived before it) once it has read them."""
+    """Loads the conv windows and taps of item (``slot``, value ``head``) into registers and
+    sums the taps on the windows (``window_sums``), all before the item's inputs arrive;
+    returns the function that, once they are in SMEM, replaces them by the conv's outputs
+    (rounded to their dtype) and writes the windows that move on: the value head's always,
+    its key head's q and k only from the last of the key head's items to ``arrive()``
+    (which returns how many arrived before it), called here, once the windows are read."""
     key = head // group
     chans = (
         pl.ds(cols.q + key * heads.k_dim, heads.k_dim),
@@ -542,6 +543,12 @@ def _conv_item(w_ref, conv_pool, slot, head, group: int, cols: Columns, heads: H
     load = conv_kernels.load_lane
     windows = [[load(conv_pool.at[slot, c, w]) for w in range(width - 1)] for c in chans]
     taps = [[load(w_ref.at[c, w]) for w in range(width)] for c in chans]
+    sums = [
+        conv_kernels.window_sums(window, taps_c, None, n_tokens)
+        for window, taps_c in zip(windows, taps, strict=True)
+    ]
+    # Every thread's window reads are done (their values are summed): the count may go on.
+    last = None if group == 1 else arrive() == group - 1
 
     def store_windows(c, ext):
         for w in range(width - 1):
@@ -549,20 +556,21 @@ def _conv_item(w_ref, conv_pool, slot, head, group: int, cols: Columns, heads: H
 
     def convolve(*inputs_smem):
         exts = []
-        for window, taps_c, x_smem in zip(windows, taps, inputs_smem, strict=True):
-            ext = [*window, *(load(x_smem.at[t]) for t in range(n_tokens))]
-            for t, y_t in enumerate(conv_kernels.outputs_of_window(ext, taps_c, None, "silu")):
+        parts = zip(windows, taps, sums, inputs_smem, strict=True)
+        for window, taps_c, sums_c, x_smem in parts:
+            inputs = [load(x_smem.at[t]) for t in range(n_tokens)]
+            for t, y_t in enumerate(conv_kernels.finish_outputs(sums_c, inputs, taps_c, "silu")):
                 x_smem[t] = y_t.astype(x_smem.dtype)
-            exts.append(ext)
+            exts.append([*window, *inputs])
         store_windows(chans[2], exts[2])  # the value head's channels: this item's alone
 
         def store_key_windows():
             store_windows(chans[0], exts[0])
             store_windows(chans[1], exts[1])
 
-        if group == 1:
+        if last is None:
             store_key_windows()
-        else:  # every thread's window reads are done: their values are stored above
-            pl.when(arrive() == group - 1)(store_key_windows)
+        else:
+            pl.when(last)(store_key_windows)
 
     return convolve
