@@ -136,10 +136,10 @@ TRIAL_SWITCHES = {
         "a MoE block whose experts run by id forms its shared expert's SiLU product apart "
         "from its experts' (a fusion each)",
     ),
-    "--conv-in-decode-kernel": (
-        gdn_backend, "CONV_IN_DECODE_KERNEL", True,
-        "a GDN layer's decode step forms its causal conv1d in the decode kernel, not in a "
-        "conv launch of its own before it",
+    "--no-conv-in-decode-kernel": (
+        gdn_backend, "CONV_IN_DECODE_KERNEL", False,
+        "a GDN layer's decode step forms its causal conv1d in a conv launch of its own "
+        "before the decode kernel, not in the decode kernel",
     ),
     "--no-norm-in-decode-kernel": (
         gdn_layer, "NORM_IN_DECODE_KERNEL", False,

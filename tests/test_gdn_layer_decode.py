@@ -181,9 +181,14 @@ def test_the_output_norm_handed_to_the_mix_runs_inside_the_decode_kernel(layer):
     assert norm_ops <= _primitives_outside_kernels(formed.jaxpr)[0]
 
 
-def test_decode_step_lowers_for_cuda_with_the_pools_aliased():
-    """Qwen3-Next shapes (H=16, HV=32, K=V=128, bf16 activations) at a bucket of 8 rows."""
-    h, hv, kd, slots, bs = 16, 32, 128, 64, 8
+@pytest.mark.parametrize("bs", [1, 8, 64])
+@pytest.mark.parametrize("conv_in_kernel", [False, True], ids=["conv-launch", "conv-in-kernel"])
+def test_decode_step_lowers_for_cuda_with_the_pools_aliased(conv_in_kernel, bs, monkeypatch):
+    """Qwen3-Next shapes (H=16, HV=32, K=V=128, bf16 activations) at buckets of 1 to 64 rows,
+    the conv in its own launch or in the decode kernel (``CONV_IN_DECODE_KERNEL``): both
+    pools updated in place."""
+    monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL", conv_in_kernel)
+    h, hv, kd, slots = 16, 32, 128, 80
     dims = (h, hv, kd, kd)
     meta = example_metadata(ForwardMode.DECODE, bs, bs, BucketPolicy(batch_buckets=(bs,)))
     channels = 2 * h * kd + hv * kd
@@ -211,6 +216,8 @@ def test_decode_step_lowers_for_cuda_with_the_pools_aliased():
     assert "stablehlo.logistic" not in text, "the gating's sigmoid ran outside the kernel"
     # The decode kernel reads q, k, v and b, a where the conv and the projection put them.
     assert "stablehlo.slice" not in text
+    assert ("gdn_decode_ring_conv" in text) == conv_in_kernel
+    assert ("conv1d_update" in text) != conv_in_kernel
 
 
 def test_a_residual_handed_to_the_layer_joins_it_in_the_output_launch(monkeypatch):
@@ -271,6 +278,7 @@ def test_the_conv_in_the_decode_kernel_gives_the_conv_launch_s_step_bit_for_bit(
     launch fewer, and the pad slot and the slots no row names untouched."""
     monkeypatch.setattr(gdn_layer, "NORM_IN_DECODE_KERNEL", norm_in_kernel)
     layer, x, conv, ssm, meta = _conv_case(4, dtype)
+    monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL", False)
     step = jax.jit(functools.partial(_fused_decode, layer, impl="interpret"))
     want = step(x, conv, ssm, meta)
     monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL", True)
@@ -292,34 +300,3 @@ def test_the_conv_in_the_decode_kernel_gives_the_conv_launch_s_step_bit_for_bit(
         jaxpr = jax.make_jaxpr(functools.partial(_fused_decode, layer, impl="interpret"))
         launches[on] = _primitives_outside_kernels(jaxpr(x, conv, ssm, meta).jaxpr)[1]
     assert launches[True] == launches[False] - 1
-
-
-def test_the_conv_in_the_decode_kernel_lowers_for_cuda_with_both_pools_aliased(monkeypatch):
-    """Qwen3.5's heads (16 key / 32 value heads of 128, bf16) at buckets of 1 and 64 rows:
-    one Mosaic GPU call, which updates both pools in place."""
-    monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL", True)
-    h, hv, kd, slots = 16, 32, 128, 80
-    channels = 2 * h * kd + hv * kd
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    for bs in (1, 64):
-        meta = example_metadata(ForwardMode.DECODE, bs, bs, BucketPolicy(batch_buckets=(bs,)))
-        shapes = (
-            jax.ShapeDtypeStruct((bs, channels), bf16),
-            jax.ShapeDtypeStruct((channels, 4), bf16),
-            jax.ShapeDtypeStruct((2, hv), f32),
-            jax.ShapeDtypeStruct((bs, 2 * hv), bf16),
-            jax.ShapeDtypeStruct((slots, channels, 3), bf16),
-            jax.ShapeDtypeStruct((slots, hv, kd, kd), f32),
-        )
-
-        def step(mixed, conv_weight, gate_params, ba, conv, ssm, meta):
-            mix = gdn_mix(mixed, conv_weight, gate_params, ba, conv, ssm, meta,
-                          GDNDims(h, hv, kd, kd), impl="pallas")  # fmt: skip
-            return mix.out, mix.conv_state, mix.ssm_state
-
-        traced = jax.jit(step, donate_argnums=(4, 5)).trace(*shapes, meta)
-        text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        main = next(line for line in text.splitlines() if "func.func public @main" in line)
-        assert re.search(rf"tensor<{slots}x{channels}x3xbf16> {{tf.aliasing_output = 1 ", main)
-        assert re.search(rf"tensor<{slots}x{hv}x{kd}x{kd}xf32> {{tf.aliasing_output = 2 ", main)
-        assert text.count("gdn_conv_decode_ring") >= 1 and "conv1d_update" not in text

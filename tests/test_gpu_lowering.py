@@ -121,5 +121,5 @@ def test_a_decode_step_s_launches_count_in_one_buffer_the_scan_carries(monkeypat
     assert len(zeros) == 1, "the forward's buffer, and no launch's own"
     (loop,) = [line for line in text.splitlines() if "stablehlo.while" in line]
     assert "tensor<128xi32>" in loop
-    assert ("gdn_conv_decode_ring" in text) == conv_in_kernel
+    assert ("gdn_decode_ring_conv" in text) == conv_in_kernel
     assert ("conv1d_update" in text) != conv_in_kernel

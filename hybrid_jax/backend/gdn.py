@@ -29,9 +29,10 @@ from pallas_kernels.gdn import reference as gdn_reference
 
 __all__ = ["CONV_IN_DECODE_KERNEL", "GDNDims", "gdn_mix"]
 
-CONV_IN_DECODE_KERNEL = False
+CONV_IN_DECODE_KERNEL = True
 """Whether a DECODE step forms the conv in the decode kernel (``packed_gating_...(conv=)``)
-where the kernel can take it, instead of a conv launch of its own before it."""
+where the kernel can take it, instead of a conv launch of its own before it (one launch
+fewer a GDN layer, for the same device time: ``benchmarks/RESULTS_serve.md``)."""
 
 
 class GDNDims(NamedTuple):

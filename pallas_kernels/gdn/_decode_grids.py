@@ -515,7 +515,7 @@ def pipelined(q, k, v, gates_in, pool_ref, idx, *, heads, cols, bv, variant, sca
         ],  # fmt: skip
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=_REDUCTION_SCRATCH),
         interpret=interpret_params(interpret),
-        kernel_name="gdn_conv_decode_ring" if conv is not None else "gdn_decode_ring",
+        kernel_name="gdn_decode_ring_conv" if conv is not None else "gdn_decode_ring",
     )
     return kernel(idx, q, k, v, *gates_in, *norm_in, *conv_in, pool_ref, *conv_refs)
 
