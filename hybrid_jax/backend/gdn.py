@@ -142,7 +142,7 @@ def _decode(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl,
         norm = dataclasses.replace(norm, z=rows(norm.z, meta))
     out, ssm_state, *conv_pool = gdn.packed_gating_recurrent_gated_delta_rule(
         mixed, rows(gating.ba, meta), gating.params, ssm_state, slots, output_norm=norm,
-        conv=conv, counters=counters if conv is not None else None, impl=impl,
+        conv=conv, counters=counters, impl=impl,
     )  # fmt: skip
     if conv is not None:
         (conv_state,) = conv_pool

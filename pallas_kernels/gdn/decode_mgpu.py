@@ -286,8 +286,6 @@ def packed_gating_recurrent_gated_delta_rule(
     items count on ``counters`` (an int32 ``Ref`` of at least ``N H`` zeros, left at zero,
     which launches may share; without it the launch makes its own)."""
     check_packed_rows(_PACKED_OP, qkv, ba, gate_params, ssm_pool, state_indices)
-    if conv is not None:
-        _counters.check_counters(_PACKED_OP, counters, qkv.shape[0] * _key_heads(qkv, ssm_pool))
     reason = packed_gating_unsupported_reason(qkv, ba, gate_params, ssm_pool, state_indices)
     if reason is None and conv is not None:
         reason = conv_unsupported_reason(qkv, ssm_pool, state_indices, *conv)
@@ -295,6 +293,8 @@ def packed_gating_recurrent_gated_delta_rule(
         raise ValueError(reason)
     q, _, v, _, _ = packed_stand_ins(qkv, ba, ssm_pool)
     heads = Heads(*q.shape[2:], *v.shape[2:])
+    if conv is not None:
+        _counters.check_counters(_PACKED_OP, counters, qkv.shape[0] * heads.h)
     key_dim = heads.h * heads.k_dim
     cols = Columns(q=0, k=key_dim, v=2 * key_dim, gate_first=heads.hv, gate_second=0)
     return _launch(
@@ -303,10 +303,6 @@ def packed_gating_recurrent_gated_delta_rule(
         variant=variant, out_norm=output_norm,
         conv=None if conv is None else (*conv, counters),
     )  # fmt: skip
-
-
-def _key_heads(qkv: jax.Array, ssm_pool: jax.Array) -> int:
-    return packed_stand_ins(qkv, qkv, ssm_pool)[0].shape[2]
 
 
 def _launch_separate(q, k, v, gates_in, ssm_pool, state_indices, **options):
