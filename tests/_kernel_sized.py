@@ -22,6 +22,17 @@ def kernel_sized_qwen3_next_config(**changes) -> Qwen3NextConfig:
     return dataclasses.replace(config, **changes)
 
 
+def repeated_moe_qwen3_next_config(**changes) -> Qwen3NextConfig:
+    """``kernel_sized_qwen3_next_config`` as two repeats of Qwen3-Next's block (three GDN
+    layers, then attention), each layer's MLP a MoE of 64 experts top 8: what a scan stacks
+    and the by-id MoE launches run; then ``changes``."""
+    block = ("linear_attention",) * 3 + ("full_attention",)
+    return kernel_sized_qwen3_next_config(
+        num_experts=64, num_experts_per_tok=8, num_hidden_layers=8, mlp_only_layers=(),
+        layer_types=block * 2, **changes,
+    )  # fmt: skip
+
+
 def kernel_sized_nemotron_h_config(**changes) -> NemotronHConfig:
     """bf16, hidden 1024, Nemotron-H-8B's head shapes (Mamba2 heads of 64 with a state of 128
     in 8 groups, attention heads of 128 with 4 query heads a KV head) at fewer heads, its

@@ -1,8 +1,10 @@
 """Tensor parallelism measured on four host CPU devices: run by tests/test_tensor_parallel.py
 in a process of its own (the device count is fixed when JAX starts), it prints one JSON object
-of what it saw and the test module asserts on it.
+of what it saw and the test module asserts on it. With ``lowering`` (run by
+tests/test_gpu_lowering.py) it lowers the GPU tests' models' steps cut over two devices for
+the GPU instead, with their kernels, and prints the kernels each step holds.
 
-    python tests/_tp_checks.py     # XLA_FLAGS gets --xla_force_host_platform_device_count=4
+    python tests/_tp_checks.py [lowering]  # XLA_FLAGS: --xla_force_host_platform_device_count=4
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
+import sys  # noqa: E402
+from traceback import format_exception  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -220,6 +224,60 @@ def checkpoint_checks() -> dict:
     }
 
 
+def lowering_checks() -> dict:
+    """For each GPU-test model cut over two devices, and each of its DECODE and EXTEND steps
+    lowered for the GPU with ``impl="auto"`` deciding as on an H200: the Pallas kernels the
+    step holds, or the error that stopped it."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from _kernel_sized import (  # noqa: PLC0415
+        kernel_sized_nemotron_h_config,
+        repeated_moe_qwen3_next_config,
+    )
+
+    from pallas_kernels import _common  # noqa: PLC0415
+
+    _common.on_hopper_gpu = lambda: True
+    builds = {
+        "qwen": lambda: Qwen3Next(repeated_moe_qwen3_next_config(), rngs=nnx.Rngs(0)),
+        "nemotron": lambda: NemotronH(kernel_sized_nemotron_h_config(), rngs=nnx.Rngs(0)),
+    }
+    policy = BucketPolicy(batch_buckets=(8,), token_buckets=(64,), max_context=256, page_size=16)
+    slots, pages = 9, 64
+    result = {}
+    for name, build in builds.items():
+        # Lowering reads shapes only: zero weights spare the random initialisation's time.
+        graphdef, shapes = nnx.split(nnx.eval_shape(build))
+        zeros = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
+        mesh = parallel.make_mesh(2)
+        model = scan_layers(parallel.shard_model(zeros, mesh))
+        pool = parallel.shard_pool(init_state_pool(model.state_specs(), slots), mesh)
+        kv = parallel.shard_kv_cache(init_kv_cache(model.kv_specs(), pages, 16), mesh)
+        graphdef, params = nnx.split(model)
+
+        @jax.jit
+        def forward(params, tokens, pool, kv, meta, graphdef=graphdef):
+            return nnx.merge(graphdef, params)(tokens, pool, kv, meta, impl="auto")
+
+        steps = ((M.DECODE, RowSpec(1, 7, 1, (1,))), (M.EXTEND, RowSpec(1, 0, 40, (1, 2, 3))))
+        for mode, row in steps:
+            with parallel.on_mesh(mesh):
+                meta = build_metadata(mode, [row], policy, num_slots=slots, num_pages=pages)
+                tokens = jnp.zeros((meta.num_tokens,), jnp.int32)
+                try:
+                    traced = forward.trace(params, tokens, pool, kv, meta)
+                    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+                except Exception as error:  # the test shows what stopped the step
+                    result[f"{name}_{mode.name}"] = "".join(format_exception(error))[-3000:]
+                    continue
+            # A kernel's module names its function ``\00<kernel>_mosaic_gpu\00``.
+            found = re.findall(r"\\00([a-z0-9_]+?)_mosaic_gpu\\00", text)
+            result[f"{name}_{mode.name}"] = sorted(set(found))
+    return result
+
+
 if __name__ == "__main__":
-    checks = {**forward_checks(), **engine_checks(), **checkpoint_checks()}
+    if sys.argv[1:] == ["lowering"]:
+        checks = lowering_checks()
+    else:
+        checks = {**forward_checks(), **engine_checks(), **checkpoint_checks()}
     print(json.dumps({"devices": jax.device_count(), **checks}))

@@ -7,11 +7,15 @@ reach (a half-turned attention head of 256 with 2 KV heads once found no layout 
 from __future__ import annotations
 
 import functools
+import json
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
-from _kernel_sized import kernel_sized_nemotron_h_config, kernel_sized_qwen3_next_config
+from _kernel_sized import kernel_sized_nemotron_h_config, repeated_moe_qwen3_next_config
 from flax import nnx
 
 from hybrid_jax import EngineConfig
@@ -29,7 +33,6 @@ from hybrid_jax.modes import ForwardMode
 from hybrid_jax.state_pool import init_state_pool
 from pallas_kernels import _common
 
-BLOCK = ("linear_attention",) * 3 + ("full_attention",)
 DECODE_KERNELS = (
     "attention_rows", "paged_decode_attention", "gdn_decode", "projections", "expert_mlp",
     "combine_pairs",
@@ -44,11 +47,7 @@ ENGINE = EngineConfig(max_batch=8, max_tokens=64, max_context=256, cache_dir=Non
 def _qwen3_next() -> Qwen3Next:
     """The model of ``tests/gpu/test_norms_in_launch_gpu.py``: two scanned repeats of a
     block, 64 experts top 8."""
-    config = kernel_sized_qwen3_next_config(
-        num_experts=64, num_experts_per_tok=8, num_hidden_layers=8, mlp_only_layers=(),
-        layer_types=BLOCK * 2,
-    )  # fmt: skip
-    return Qwen3Next(config, rngs=nnx.Rngs(0))
+    return Qwen3Next(repeated_moe_qwen3_next_config(), rngs=nnx.Rngs(0))
 
 
 def _nemotron_h() -> NemotronH:
@@ -123,3 +122,33 @@ def test_a_decode_step_s_launches_count_in_one_buffer_the_scan_carries(monkeypat
     assert "tensor<128xi32>" in loop
     assert ("gdn_decode_ring_conv" in text) == conv_in_kernel
     assert ("conv1d_update" in text) != conv_in_kernel
+
+
+# The kernels each step of a model cut over two GPUs holds (on one GPU a Qwen3-Next decode
+# step's MoE blocks run ``expert_mlp`` and its attention rows their own launch; cut, each
+# GPU's MoE slice runs by id and the rows of its one KV head of 2, a rotary of 128, in XLA).
+TP_KERNELS = {
+    "qwen_DECODE": {"gdn_decode_ring_conv", "paged_decode_attention", "projections",
+                    "expert_matmul"},
+    "qwen_EXTEND": {"projections", "conv1d_prefill", "gdn_chunk_intra"},
+    "nemotron_DECODE": {"attention_rows", "paged_decode_attention", "conv1d_update",
+                        "mamba2_state_update", "projections"},
+    "nemotron_EXTEND": {"conv1d_prefill", "mamba2_ssd_chunk_scan"},
+}  # fmt: skip
+
+
+def test_steps_cut_over_two_gpus_lower_for_the_gpu_with_their_kernels():
+    """Under tensor parallelism each GPU's slice of a block runs inside ``shard_map``, where
+    the kernels see their share of the heads (one KV head of two) and a constant evaluated
+    while tracing must not take the mesh's manual axes: both models' DECODE and EXTEND steps,
+    cut over two devices, lower for the GPU with their kernels (in a process of its own with
+    four host devices: ``tests/_tp_checks.py lowering``)."""
+    script = pathlib.Path(__file__).with_name("_tp_checks.py")
+    done = subprocess.run(
+        [sys.executable, str(script), "lowering"], capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    for step, kernels in TP_KERNELS.items():
+        assert isinstance(seen[step], list), f"{step}: {seen[step]}"
+        assert kernels <= set(seen[step]), f"{step} lowered without {kernels - set(seen[step])}"

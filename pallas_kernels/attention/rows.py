@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Callable
 
 import jax
 import jax.experimental.pallas as pl
@@ -74,6 +75,12 @@ def unsupported_reason(
         )
     if heads > 64:
         return f"H={heads} query heads are over 64"
+    # Mosaic GPU's layout inference finds no solution for these (jax 0.11.2).
+    if piece < 32:
+        return f"rotary_dim={rotary_dim}: its half ({piece}) is under 32 features"
+    kv_heads = k.shape[1]
+    if piece == 64 and kv_heads % 2:
+        return f"rotary_dim={rotary_dim} (pieces of 64) needs an even KVH, not {kv_heads}"
     return None
 
 
@@ -119,6 +126,15 @@ def _check(q, k, v, k_pages, v_pages, page_table, positions, q_scale, k_scale, r
 def inverse_frequencies(rotary_dim: int, theta: float) -> jax.Array:
     """float32 ``[rotary_dim / 2]``: ``theta ** (-2 i / rotary_dim)``."""
     return 1.0 / theta ** (jnp.arange(0, rotary_dim, 2, dtype=_F32) / rotary_dim)
+
+
+def _constant(make: Callable[[], jax.Array]) -> jax.Array:
+    """``make()`` evaluated now, a constant of the program rather than a kernel. Under no
+    mesh: inside ``shard_map`` (tensor parallelism) the traced mesh's manual axes would
+    otherwise reach the eager computation, which cannot place its result on them."""
+    empty = jax.sharding.AbstractMesh((), ())
+    with jax.sharding.use_abstract_mesh(empty), jax.ensure_compile_time_eval():
+        return make()
 
 
 def apply_rotary(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
@@ -206,8 +222,9 @@ def attention_rows(
     # Each a few rows of the program's constants, copied in by a TMA of its own: a
     # concatenation of them would be a kernel before the launch.
     scales = [s.astype(_F32).reshape(pieces, piece) for s in (q_scale, k_scale) if s is not None]
-    with jax.ensure_compile_time_eval():  # a constant of the program, not a kernel
-        freqs = inverse_frequencies(rotary_dim, theta) if rotary_dim else jnp.zeros(piece, _F32)
+    freqs = _constant(
+        lambda: inverse_frequencies(rotary_dim, theta) if rotary_dim else jnp.zeros(piece, _F32)
+    )
     k_ref, v_ref = jax.new_ref(k_pages), jax.new_ref(v_pages)
     q_out = _kernel(
         q, k, v, (*scales, freqs[None]), page_table, positions, k_ref, v_ref, piece=piece,

@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from _kernel_sized import kernel_sized_qwen3_next_config
+from _kernel_sized import repeated_moe_qwen3_next_config
 from flax import nnx
 
 from benchmarks.switches import switches_set
@@ -41,14 +41,8 @@ PARAMS = SamplingParams(max_new_tokens=4, logprobs=MAX_TOP_LOGPROBS)
 PROMPT_LENGTHS = (9, 12, 4, 7, 5, 11, 3, 6, 10, 8, 5, 12, 4, 9, 6, 7)
 
 
-BLOCK = ("linear_attention",) * 3 + ("full_attention",)
-
-
 def _generate(dtype: str, norms_in_launch: bool, fold: bool) -> list:
-    config = kernel_sized_qwen3_next_config(
-        num_experts=64, num_experts_per_tok=8, num_hidden_layers=8, mlp_only_layers=(),
-        layer_types=BLOCK * 2,
-    )  # fmt: skip
+    config = repeated_moe_qwen3_next_config()
     model = Qwen3Next(config, rngs=nnx.Rngs(0))
     if dtype != "bfloat16":  # the bf16 weights, computed wider
         wide = Qwen3Next(dataclasses.replace(config, dtype=dtype), rngs=nnx.Rngs(0))

@@ -18,11 +18,11 @@ from pallas_kernels.attention import rows as ar
 
 SHAPES = [
     # (rows, heads, kv_heads, head_dim, rotary_dim, gated, normed): Qwen3-Next's attention,
-    # the same half turned (pieces of 64), a GQA ratio of 4 at head_dim 128 with a quarter
+    # the same half turned (pieces of 64), a GQA ratio of 4 at head_dim 128 with half
     # turned, and Nemotron-H's plain rows.
     (4, 16, 2, 256, 64, True, True),
     (2, 16, 2, 256, 128, True, True),
-    (3, 8, 2, 128, 32, False, True),
+    (3, 8, 2, 128, 64, False, True),
     (3, 8, 8, 128, 0, False, False),
 ]
 
@@ -92,10 +92,45 @@ def test_kernel_lowers_for_the_gpu_at_the_qwen_shape(rows, scale_offset, rotary_
     assert "mosaic_gpu" in text
 
 
+# (heads, kv_heads, head_dim, rotary_dim): the models' shapes and a tensor-parallel GPU's
+# share of them (1 KV head of 2 on two GPUs), with and without rotary.
+LOWERING_GRID = [
+    (16, 2, 256, 64), (8, 1, 256, 64), (4, 1, 256, 64), (16, 4, 256, 64), (8, 1, 128, 64),
+    (16, 2, 256, 128), (8, 2, 256, 128), (2, 2, 256, 128), (16, 8, 256, 128), (1, 1, 256, 0),
+    (32, 8, 128, 0), (8, 1, 64, 0),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "rotary_dim"), LOWERING_GRID, ids=str)
+def test_every_shape_the_kernel_takes_lowers_for_the_gpu(heads, kv_heads, head_dim, rotary_dim):
+    """What ``unsupported_reason`` accepts lowers: ``auto`` on a GPU runs the kernel on it
+    (a shape Mosaic GPU's layout inference cannot place fails at compile time)."""
+    spec = jax.ShapeDtypeStruct
+    bf16 = jnp.bfloat16
+    pages = spec((40, 16, kv_heads, head_dim), bf16)
+    kv = spec((8, kv_heads, head_dim), bf16)
+    q = spec((8, heads, 2 * head_dim), bf16)
+    assert ar.unsupported_reason(q, kv, pages, rotary_dim) is None
+    call = functools.partial(ar.attention_rows, eps=EPS, rotary_dim=rotary_dim, theta=1e7,
+                             scale_offset=1.0, impl="pallas")  # fmt: skip
+    scale = spec((head_dim,), jnp.float32)
+    with jax.default_device(jax.devices("cpu")[0]):
+        traced = jax.jit(call).trace(
+            q, kv, kv, pages, pages, spec((8, 8), jnp.int32), spec((8,), jnp.int32),
+            q_scale=scale, k_scale=scale,
+        )  # fmt: skip
+        assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_unsupported_calls_and_bad_arguments_say_why():
     case = make_case(1, rows=2, heads=16, kv_heads=2, head_dim=256)
     q, k, pages = case["q"], case["k"], case["k_pages"]
     assert "rotary_dim=48" in ar.unsupported_reason(q, k, pages, 48)
+    # Shapes whose kernel Mosaic GPU cannot lay out: pieces of 16, and pieces of 64 over an
+    # odd number of KV heads (one of two on each of two GPUs).
+    assert "half (16) is under 32" in ar.unsupported_reason(q[:, :, :128], k[..., :128], pages, 32)
+    one = k[:, :1]
+    assert "even KVH, not 1" in ar.unsupported_reason(q[:, :8], one, pages[:, :, :1], 128)
     assert "16-bit float" in ar.unsupported_reason(q.astype(jnp.float32), k, pages, 64)
     options = dict(eps=EPS, rotary_dim=64, theta=1e4)
     with pytest.raises(NotImplementedError, match="rotary_dim=48"):
