@@ -521,23 +521,23 @@ def test_sparse_moe_computes_the_experts_of_real_tokens_only():
 
 def test_decode_rows_kernel_writes_what_the_layer_writes_in_jnp():
     """A gated attention layer with q/k norms and a half-turned head (bf16, 8 query / 2 KV
-    heads of 64): its DECODE step under ``impl="interpret"`` forms the norms, the rotary and
+    heads of 128): its DECODE step under ``impl="interpret"`` forms the norms, the rotary and
     the page writes in the rows kernel (``decode_rows``) and agrees with ``reference``; the
     pages are NaN wherever neither wrote. Other layouts and ``reference`` keep jnp."""
     from hybrid_jax.layers.attention import Attention, AttentionConfig
 
-    config = AttentionConfig(64, 8, 2, 64, partial_rotary_factor=0.5, dtype="bfloat16")
+    config = AttentionConfig(64, 8, 2, 128, partial_rotary_factor=0.5, dtype="bfloat16")
     layer = Attention(config, rngs=nnx.Rngs(3))
     rng = np.random.default_rng(4)
     for norm in (layer.q_norm, layer.k_norm):
-        norm.weight.set_value(jnp.asarray(0.3 * rng.standard_normal(64), jnp.float32))
+        norm.weight.set_value(jnp.asarray(0.3 * rng.standard_normal(128), jnp.float32))
     policy = BucketPolicy(batch_buckets=(4,), token_buckets=(4,), page_size=16, max_context=64)
     rows = [RowSpec(1, 40, 1, (3, 7, 1)), RowSpec(2, 12, 1, (9,)), RowSpec(3, 0, 1, (5,))]
-    meta, _, _, _, k_pages, v_pages = _bf16_step(M.DECODE, rows, policy, num_pages=12)
+    meta, _, _, _, k_pages, v_pages = _bf16_step(M.DECODE, rows, policy, num_pages=12, dim=128)
     x = jnp.asarray(rng.standard_normal((meta.num_tokens, 64)), jnp.bfloat16)
-    q = jnp.zeros((4, 8, 128), jnp.bfloat16)
-    kv = jnp.zeros((4, 2, 64), jnp.bfloat16)
-    options = dict(q_scale=None, k_scale=None, eps=1e-6, rotary_dim=32, theta=1e4)
+    q = jnp.zeros((4, 8, 256), jnp.bfloat16)
+    kv = jnp.zeros((4, 2, 128), jnp.bfloat16)
+    options = dict(q_scale=None, k_scale=None, eps=1e-6, rotary_dim=64, theta=1e4)
     assert attention_backend.decode_rows(q, kv, kv, k_pages, v_pages, meta, **options,
                                          impl="reference") is None  # fmt: skip
     assert attention_backend.decode_rows(q, kv, kv, k_pages, v_pages, meta, **options,
