@@ -5,6 +5,11 @@ module: the tests import it by its bare name, ``tests`` being on ``sys.path``)."
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from hybrid_jax.models.nemotron_h import NemotronHConfig
 from hybrid_jax.models.qwen3_next import Qwen3NextConfig, tiny_qwen3_next_config
@@ -45,3 +50,10 @@ def kernel_sized_nemotron_h_config(**changes) -> NemotronHConfig:
         max_position_embeddings=4096, dtype="bfloat16",
     )  # fmt: skip
     return dataclasses.replace(config, **changes)
+
+
+def with_zero_weights[Model: nnx.Module](build: Callable[[], Model]) -> Model:
+    """The model ``build`` makes, its weights zeros: lowering reads shapes only, and zeros
+    spare the random initialisation's time."""
+    graphdef, shapes = nnx.split(nnx.eval_shape(build))
+    return nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))

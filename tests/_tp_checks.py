@@ -232,6 +232,7 @@ def lowering_checks() -> dict:
     from _kernel_sized import (  # noqa: PLC0415
         kernel_sized_nemotron_h_config,
         repeated_moe_qwen3_next_config,
+        with_zero_weights,
     )
 
     from pallas_kernels import _common  # noqa: PLC0415
@@ -245,11 +246,8 @@ def lowering_checks() -> dict:
     slots, pages = 9, 64
     result = {}
     for name, build in builds.items():
-        # Lowering reads shapes only: zero weights spare the random initialisation's time.
-        graphdef, shapes = nnx.split(nnx.eval_shape(build))
-        zeros = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
         mesh = parallel.make_mesh(2)
-        model = scan_layers(parallel.shard_model(zeros, mesh))
+        model = scan_layers(parallel.shard_model(with_zero_weights(build), mesh))
         pool = parallel.shard_pool(init_state_pool(model.state_specs(), slots), mesh)
         kv = parallel.shard_kv_cache(init_kv_cache(model.kv_specs(), pages, 16), mesh)
         graphdef, params = nnx.split(model)

@@ -15,7 +15,11 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from _kernel_sized import kernel_sized_nemotron_h_config, repeated_moe_qwen3_next_config
+from _kernel_sized import (
+    kernel_sized_nemotron_h_config,
+    repeated_moe_qwen3_next_config,
+    with_zero_weights,
+)
 from flax import nnx
 
 from hybrid_jax import EngineConfig
@@ -57,10 +61,7 @@ def _nemotron_h() -> NemotronH:
 @functools.cache
 def _steps_and_state(build):
     """The model ``build`` makes, as an engine prepares it, and its serving state's shapes."""
-    # Lowering reads shapes only: zero weights spare the random initialisation's time.
-    graphdef, shapes = nnx.split(nnx.eval_shape(build))
-    zeros = nnx.merge(graphdef, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
-    model = model_for_steps(zeros, ENGINE, None, donate_weights=True)
+    model = model_for_steps(with_zero_weights(build), ENGINE, None, donate_weights=True)
     policy = ENGINE.policy(model.config.max_position_embeddings)
     state = jax.eval_shape(
         lambda: ServingState(
