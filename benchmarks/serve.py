@@ -161,6 +161,11 @@ TRIAL_SWITCHES = {
         "XLA; the gate/up weights are not paired by moe.pair_halves unless an earlier row of "
         "the run paired them (those rows split the paired products in XLA)",
     ),
+    "--ranking-in-router-launch": (
+        moe_layer, "RANKING_IN_ROUTER_LAUNCH", True,
+        "a MoE block that ranks its experts ranks them in the router's launch (one more "
+        "program a token: projections.ranked_projections), not in two XLA reductions",
+    ),
     "--no-softmax-in-ranking": (
         moe_layer, "SOFTMAX_IN_RANKING", False,
         "a MoE block that ranks its experts forms the chosen experts' softmax after the "

@@ -155,11 +155,14 @@ def swapped(out_dtype, variant: ProductVariant) -> bool:
 
 def scratch(
     steps: int, dtype, variant: ProductVariant, rows: int = ROWS_PER_TILE, out_dtype=None,
-    *, row_scale: bool = False, halves: bool = False,
+    *, row_scale: bool = False, halves: bool = False, declared_tiling: bool = False,
 ) -> list:  # fmt: skip
     """The ring (rows and weight tiles), the output tile (``out_dtype``, default ``dtype``)
     and the ring's barriers, for calls of up to ``rows`` rows; with ``row_scale``, a float32
-    vector of the rows' scales and its barrier after them (``tile_product(row_scale=)``);
+    vector of the rows' scales and its barrier after them (``tile_product(row_scale=)``),
+    tiled by 8 with ``declared_tiling`` (a transform Mosaic GPU's layout search need not
+    look for: in a launch that also ranks, ``projections.ranked_projections``, that search
+    runs out of its budget);
     with ``halves``, the float32 sum and the hidden tile of a SwiGLU over a tile's halves
     (``tile_product(halves=True)``, swapped products of exactly ``rows`` rows)."""
     stages = min(variant.stages, steps)
@@ -171,7 +174,9 @@ def scratch(
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
     ]
     if row_scale:
-        refs += [plgpu.SMEM((ROWS_PER_TILE,), F32), plgpu.Barrier(num_arrivals=1)]
+        tiled = (plgpu.TilingTransform((ALIGN,)),) if declared_tiling else ()
+        refs += [plgpu.SMEM((ROWS_PER_TILE,), F32, transforms=tiled),
+                 plgpu.Barrier(num_arrivals=1)]  # fmt: skip
     if halves:
         refs += [plgpu.SMEM((BLOCK_N, held), F32), plgpu.SMEM((held, BLOCK_N // 2), dtype)]
     return refs

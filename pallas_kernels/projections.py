@@ -14,7 +14,9 @@ SwiGLU formed in the router's launch.
 products over parts of K, summed by the caller where it uses them. ``projection_add`` sums
 them in the same launch, added to the residual stream with the new rows' square sums: its
 last programs, one a row, wait on a GMEM counter until every partial is stored
-(``_counters``).
+(``_counters``). ``ranked_projections`` ranks each row of the first product (a MoE router's
+logits) the same way: one more program a row waits for that weight's tiles, then picks the
+row's top-k experts (``moe.routing_mgpu``).
 
 The Mosaic GPU kernel (sm_90): one program per (``BLOCK_N``-column tile of every weight, part
 of K) (the weights' tiles numbered one after another); each multiplies the rows by its tile,
@@ -35,7 +37,7 @@ from jax import lax
 
 from pallas_kernels import _counters
 from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params, resolve_impl, round_up
-from pallas_kernels._mgpu_chunks import ALIGN, F32
+from pallas_kernels._mgpu_chunks import ALIGN, F32, scratch_smem_bytes
 from pallas_kernels._skinny import (
     BLOCK_K,
     BLOCK_N,
@@ -51,6 +53,7 @@ from pallas_kernels._skinny import (
     scratch,
     tile_product,
 )
+from pallas_kernels.moe import routing, routing_mgpu
 
 __all__ = [
     "COLUMN_TILE",
@@ -63,6 +66,8 @@ __all__ = [
     "projection_partials_reference",
     "projections",
     "projections_reference",
+    "ranked_projections",
+    "ranked_unsupported_reason",
     "unsupported_reason",
 ]
 
@@ -127,23 +132,30 @@ def projections_reference(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("splits", "partial", "variant", "interpret", "rms_eps", "paired"),
+    static_argnames=("splits", "partial", "variant", "interpret", "rms_eps", "paired", "top_k"),
 )
 def _kernel(
-    x: jax.Array, weights: tuple[jax.Array, ...], row_scale: jax.Array | None = None, *,
-    splits: int, partial: bool, variant: ProductVariant, interpret: bool,
-    rms_eps: float | None = None, paired: tuple[bool, ...] = (),
+    x: jax.Array, weights: tuple[jax.Array, ...], row_scale: jax.Array | None = None,
+    valid: jax.Array | None = None, counters: jax.Ref | None = None, *, splits: int,
+    partial: bool, variant: ProductVariant, interpret: bool, rms_eps: float | None = None,
+    paired: tuple[bool, ...] = (), top_k: int | None = None,
 ):  # fmt: skip
     """Every weight's products over ``splits`` parts of K: ``[splits, R, N_i]`` each, float32
     when ``partial``, else in x's dtype; each row times its ``row_scale`` when given (or
     ``1 / sqrt(row_scale / K + rms_eps)`` with the whole K, ``tile_product``); a ``paired``
-    weight's ``[1, R, N_i / 2]`` SwiGLU hidden rows (``tile_product(halves=True)``)."""
+    weight's ``[1, R, N_i / 2]`` SwiGLU hidden rows (``tile_product(halves=True)``).
+
+    With ``top_k`` (one split, not partial) also each row of the first product ranked
+    (``routing_mgpu.rank_row``): float32 exponentials and int32 ids ``[R, top_k]`` after the
+    products. The first weight's programs signal a counter once their tile is stored, and
+    one more program a row, launched after every tile's, waits for them, then ranks."""
     rows, k_dim = x.shape
     steps = k_dim // BLOCK_K // splits
     span = steps * BLOCK_K
     held = round_up(rows, ALIGN)
     xp = jnp.pad(x, ((0, held - rows), (0, 0)))
     scaled = row_scale is not None
+    ranked = top_k is not None
     operands = [xp, *weights]
     if scaled:
         operands.append(jnp.pad(row_scale.astype(F32), (0, held - rows), constant_values=1))
@@ -152,19 +164,41 @@ def _kernel(
     halves = any(paired)
     tiles = [w.shape[1] // BLOCK_N for w in weights]
     starts = [sum(tiles[:i]) for i in range(len(tiles))]
+    entries = weights[0].shape[1]
+    rank_scratch = routing_mgpu.scratch(entries, x.dtype) if ranked else []
+    smem_bytes = SMEM_BYTES
+    if ranked:
+        valid = jnp.ones((rows,), bool) if valid is None else valid
+        operands.append(valid.astype(jnp.int32))
+        if not interpret:  # the interpreter runs the row programs after every tile's
+            counters = jax.new_ref(jnp.zeros((1,), jnp.int32)) if counters is None else counters
+            operands.append(counters)
+        smem_bytes -= routing_mgpu.REDUCTION_SCRATCH_BYTES + scratch_smem_bytes(rank_scratch)
     variant = filling_ring(
         variant, sum(tiles) * splits, steps, x.dtype, held, out_dtype, row_scale=scaled,
-        halves=halves,
+        halves=halves, smem_bytes=smem_bytes,
+    )  # fmt: skip
+    product_scratch = scratch(
+        steps, x.dtype, variant, held, out_dtype, row_scale=scaled, halves=halves,
+        declared_tiling=ranked,
     )  # fmt: skip
 
     def body(x_ref, *refs):
         w_refs, refs = refs[: len(weights)], refs[len(weights) :]
         scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
-        o_refs, scratch_refs = refs[: len(weights)], refs[len(weights) :]
+        valid_ref = ready = None
+        if ranked:
+            valid_ref, refs = refs[0], refs[1:]
+            if not interpret:
+                ready, refs = refs[0].at[pl.ds(0, 1)], refs[1:]
+        o_refs, refs = refs[: len(weights)], refs[len(weights) :]
+        if ranked:
+            exps_ref, ids_ref, refs = refs[0], refs[1], refs[2:]
+        scratch_refs, rank_refs = refs[: len(product_scratch)], refs[len(product_scratch) :]
         tile, split = lax.axis_index("t"), lax.axis_index("s")
         ks = pl.ds(split * span, span)
 
-        def product(w_ref, o_ref, start, swiglu):
+        def product(w_ref, o_ref, start, swiglu, signal):
             cols = pl.ds((tile - start) * BLOCK_N, BLOCK_N)
             out_n = BLOCK_N // 2 if swiglu else BLOCK_N
             tile_product(
@@ -173,29 +207,55 @@ def _kernel(
                 steps=steps, variant=variant, interpret=interpret, row_scale=scale_ref,
                 rms=None if rms_eps is None else (rms_eps, k_dim), halves=swiglu,
             )  # fmt: skip
+            if signal and ready is not None:  # the tile has landed in GMEM before its signal
+                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                _counters.signal(ready)
+
+        if ranked:
+            # Traced before the products: Mosaic GPU's layout search then settles the
+            # ranking's layouts first and backtracks within the products' alone (after
+            # them, beside a paired weight's SwiGLU, it runs out of its budget).
+
+            @pl.when(tile >= sum(tiles))
+            def _rank():
+                r = tile - sum(tiles)
+                if ready is not None:
+                    _counters.wait_then_count(ready, tiles[0], tiles[0] + rows)
+                routing_mgpu.rank_row(
+                    o_refs[0].at[0, r], exps_ref.at[r], ids_ref.at[r], *rank_refs, k=top_k,
+                    valid=valid_ref[r] != 0,
+                )  # fmt: skip
 
         mine = zip(w_refs, o_refs, starts, tiles, paired, strict=True)
-        for w_ref, o_ref, start, count, swiglu in mine:
+        for i, (w_ref, o_ref, start, count, swiglu) in enumerate(mine):
             ours = (tile >= start) & (tile < start + count)
-            pl.when(ours)(functools.partial(product, w_ref, o_ref, start, swiglu))
+            signal = ranked and i == 0  # the ranking waits for the first weight's tiles
+            pl.when(ours)(functools.partial(product, w_ref, o_ref, start, swiglu, signal))
         plgpu.wait_smem_to_gmem(0)
 
+    out_type = [
+        jax.ShapeDtypeStruct((splits, held, w.shape[1] // (1 + p)), out_dtype)
+        for w, p in zip(weights, paired, strict=True)
+    ]
+    if ranked:
+        out_type += [jax.ShapeDtypeStruct((rows, top_k), F32),
+                     jax.ShapeDtypeStruct((rows, top_k), jnp.int32)]  # fmt: skip
     outs = plgpu.kernel(
         body,
-        out_type=tuple(
-            jax.ShapeDtypeStruct((splits, held, w.shape[1] // (1 + p)), out_dtype)
-            for w, p in zip(weights, paired, strict=True)
-        ),
-        scratch_types=scratch(
-            steps, x.dtype, variant, held, out_dtype, row_scale=scaled, halves=halves
-        ),
-        grid=(sum(tiles), splits),
+        out_type=tuple(out_type),
+        scratch_types=(*product_scratch, *rank_scratch),
+        grid=(sum(tiles) + (rows if ranked else 0), splits),
         grid_names=("t", "s"),
-        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
+        compiler_params=plgpu.CompilerParams(
+            reduction_scratch_bytes=routing_mgpu.REDUCTION_SCRATCH_BYTES if ranked else 0
+        ),
         interpret=interpret_params(interpret),
-        kernel_name="projection_partials" if partial else "projections",
+        kernel_name="projections_ranked"
+        if ranked
+        else ("projection_partials" if partial else "projections"),
     )(*operands)
-    return tuple(out[:, :rows] for out in outs)
+    products = tuple(out[:, :rows] for out in outs[: len(weights)])
+    return (*products, *outs[len(weights) :])
 
 
 def projections(
@@ -238,6 +298,62 @@ def projections(
         paired=paired,
     )  # fmt: skip
     return tuple(out[0] for out in outs)
+
+
+def ranked_unsupported_reason(
+    x: jax.Array, weights: Sequence[jax.Array], top_k: int, paired: Sequence[bool] = ()
+) -> str | None:
+    """Why the Mosaic GPU kernel cannot take this ``ranked_projections`` call, or None."""
+    if paired and paired[0]:
+        return "the ranked product (the first weight) cannot be paired"
+    reason = unsupported_reason(x, weights, paired)
+    return reason or routing_mgpu.unsupported_reason(weights[0].shape[1], top_k, x.dtype)
+
+
+def ranked_projections(
+    x: jax.Array,
+    weights: Sequence[jax.Array],
+    *,
+    top_k: int,
+    valid: jax.Array | None = None,
+    row_scale: jax.Array | None = None,
+    rms_eps: float | None = None,
+    paired: Sequence[bool] = (),
+    counters: jax.Ref | None = None,
+    impl: str = "auto",
+) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
+    """``projections(x, weights, ...)`` with each row of the first product (a MoE router's
+    logits) ranked in the same launch, as ``moe.top_k_exps`` ranks it: the products, then
+    each row's ``top_k`` largest entries as ``exp(value - max)`` (float32 ``[R, top_k]``,
+    largest first) and their int32 indices ``[R, top_k]``, index ``N_0`` (no entry) in rows
+    where ``valid`` (bool ``[R]``) is False. The ranking reads the product as stored, in
+    x's dtype: the launch hands a MoE block's experts their ids with no XLA reductions in
+    between.
+
+    ``counters``: optional int32 ``Ref`` ``[n >= 1]`` of zeros that the launch counts the
+    first weight's stored tiles in and leaves at zero (``moe.expert_mlp``'s, shared by a
+    step's launches); without it the launch makes its own. The interpreter and the
+    reference ignore it. The other arguments are ``projections``'."""
+    weights, paired = tuple(weights), tuple(bool(p) for p in paired)
+    _check(x, weights, row_scale, rms_eps, paired)
+    if valid is not None and tuple(valid.shape) != (x.shape[0],):
+        raise ValueError(f"{_OP}: valid {tuple(valid.shape)} must be [R] = [{x.shape[0]}]")
+    if not 0 < top_k <= weights[0].shape[1]:
+        raise ValueError(f"{_OP}: top_k={top_k} must be in 1..{weights[0].shape[1]} (N_0)")
+    _counters.check_counters(_OP, counters, 1)
+    reason = None
+    if impl != "reference":
+        reason = ranked_unsupported_reason(x, weights, top_k, paired)
+    choice = resolve_impl(_OP, impl, reason)
+    if choice == "reference" or x.shape[0] == 0:
+        products = projections_reference(x, weights, row_scale, rms_eps, paired)
+        return (products, *routing.top_k_exps(products[0].astype(F32), top_k, valid))
+    *outs, exps, ids = _kernel(
+        x, weights, row_scale, valid, counters, splits=1, partial=False,
+        variant=current_variant(), interpret=choice == "interpret",
+        rms_eps=None if rms_eps is None else float(rms_eps), paired=paired, top_k=top_k,
+    )  # fmt: skip
+    return tuple(out[0] for out in outs), exps, ids
 
 
 def partial_splits(k: int, widths: Sequence[int]) -> int:

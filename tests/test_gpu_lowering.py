@@ -125,6 +125,21 @@ def test_a_decode_step_s_launches_count_in_one_buffer_the_scan_carries(monkeypat
     assert ("conv1d_update" in text) != conv_in_kernel
 
 
+def test_a_decode_step_ranks_its_experts_in_the_router_launch_when_switched_on(monkeypatch):
+    """With ``RANKING_IN_ROUTER_LAUNCH`` each MoE block's router launch ranks its logits
+    (``projections_ranked``, its router's 64 experts beside the paired shared gate/up),
+    counting in the forward's one buffer, and lowers for the GPU."""
+    monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
+    monkeypatch.setattr(moe_layer, "RANKING_IN_ROUTER_LAUNCH", True)
+    steps, state, policy = _steps_and_state.__wrapped__(_qwen3_next)
+    meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
+    x = jax.ShapeDtypeStruct((8,), jnp.int32)
+    text = steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
+    assert "projections_ranked" in text and "expert_mlp" in text
+    zeros = [line for line in text.splitlines() if "(tensor<i32>) -> tensor<128xi32>" in line]
+    assert len(zeros) == 1, "the forward's buffer, and no launch's own"
+
+
 # The kernels each step of a model cut over two GPUs holds (on one GPU a Qwen3-Next decode
 # step's MoE blocks run ``expert_mlp`` and its attention rows their own launch; cut, each
 # GPU's MoE slice runs by id and the rows of its one KV head of 2, a rotary of 128, in XLA).

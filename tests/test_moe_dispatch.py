@@ -346,22 +346,17 @@ def test_softmax_in_ranking_routes_as_the_softmax_after_it_with_no_reduce_of_its
     assert 2 in ranks_after and set(ranks_in) == {3}
 
 
-@pytest.mark.parametrize("normed,norm_topk_prob", [(False, True), (True, True), (False, False)])
-def test_add_to_combines_into_the_residual_in_one_launch_with_the_rows_square_sums(
-    normed, norm_topk_prob, monkeypatch
-):
-    """``SparseMoE.add_to`` with ``COMBINE_IN_LAUNCH``: the residual plus the block's output
-    from one ``combine_pairs`` launch (the routing's softmax divided there, or, without
-    ``norm_topk_prob``, the weights as ``route`` gives them), within bf16 rounding of
-    ``residual + block(x)``, as ``SummedRows`` whose sums are the new rows' squares; with the
-    switch off, or on the sorted path, ``residual + block(x)`` itself."""
-    config = MoEConfig(hidden_size=128, num_experts=64, top_k=2, intermediate_size=128,
+def _paired_block(experts, top_k, seed, *, normed, norm_topk_prob=True):
+    """(a MoE block laid out as an engine lays out its blocks, 5 rows of residual and input,
+    the input as ``NormedRows`` when ``normed``, the first 4 rows real) and ``run(impl)``:
+    its jitted ``add_to`` of them, with the traced program's text."""
+    config = MoEConfig(hidden_size=128, num_experts=experts, top_k=top_k, intermediate_size=128,
                        shared_intermediate_size=128, dtype="bfloat16",
                        norm_topk_prob=norm_topk_prob)  # fmt: skip
-    moe = SparseMoE(config, rngs=nnx.Rngs(3))
+    moe = SparseMoE(config, rngs=nnx.Rngs(seed))
     moe.widen_shared_gate()
     moe.pair_halves()
-    rng = np.random.default_rng(9)
+    rng = np.random.default_rng(seed + 6)
     residual = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
     if normed:
@@ -371,6 +366,21 @@ def test_add_to_combines_into_the_residual_in_one_launch_with_the_rows_square_su
     def run(impl="interpret"):
         step = jax.jit(lambda m, res, a, r: m.add_to(res, a, r, impl=impl))
         return step(moe, residual, x, real), str(jax.make_jaxpr(step)(moe, residual, x, real))
+
+    return (moe, residual, x, real), run
+
+
+@pytest.mark.parametrize("normed,norm_topk_prob", [(False, True), (True, True), (False, False)])
+def test_add_to_combines_into_the_residual_in_one_launch_with_the_rows_square_sums(
+    normed, norm_topk_prob, monkeypatch
+):
+    """``SparseMoE.add_to`` with ``COMBINE_IN_LAUNCH``: the residual plus the block's output
+    from one ``combine_pairs`` launch (the routing's softmax divided there, or, without
+    ``norm_topk_prob``, the weights as ``route`` gives them), within bf16 rounding of
+    ``residual + block(x)``, as ``SummedRows`` whose sums are the new rows' squares; with the
+    switch off, or on the sorted path, ``residual + block(x)`` itself."""
+    (moe, residual, x, real), run = _paired_block(64, 2, 3, normed=normed,
+                                                   norm_topk_prob=norm_topk_prob)  # fmt: skip
 
     plain = np.asarray(jax.jit(lambda m, a, r: m(a, r, impl="interpret"))(moe, x, real))
     want = np.asarray(residual, np.float64) + np.asarray(plain, np.float64)
@@ -418,6 +428,26 @@ def test_experts_in_one_launch_give_the_two_launches_block_bit_for_bit(combine, 
     one, one_program = run()
     assert "expert_mlp" in one_program and "expert_hidden" not in one_program
     chex.assert_trees_all_equal(one, apart)
+
+
+@pytest.mark.parametrize("normed", [False, True], ids=["rows", "normed-rows"])
+def test_ranking_in_the_router_launch_gives_the_block_bit_for_bit(normed, monkeypatch):
+    """``RANKING_IN_ROUTER_LAUNCH``: a block that ranks its experts ranks them in the
+    router's launch (``projections_ranked``, no XLA reductions between it and the experts'
+    launch), and ``add_to`` gives what the two reductions give, bit for bit, padding rows
+    included; with the reference (the CPU's ``auto``) the switch changes nothing."""
+    _, run = _paired_block(128, 4, 5, normed=normed)
+    monkeypatch.setattr(moe_layer, "RANKING_IN_ROUTER_LAUNCH", False)
+    apart, apart_program = run()
+    reference, _ = run("reference")
+    assert "projections_ranked" not in apart_program
+    monkeypatch.setattr(moe_layer, "RANKING_IN_ROUTER_LAUNCH", True)
+    ranked, ranked_program = run()
+    assert "projections_ranked" in ranked_program
+    chex.assert_trees_all_equal(ranked, apart)
+    on_reference, reference_program = run("reference")
+    assert "projections_ranked" not in reference_program
+    chex.assert_trees_all_equal(on_reference, reference)
 
 
 def test_softmax_of_exps_divides_each_row_by_its_sum_and_top_k_softmax_uses_it():

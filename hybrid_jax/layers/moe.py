@@ -36,6 +36,7 @@ __all__ = [
     "HIDDEN_IN_EXPERT_LAUNCH",
     "MLP",
     "RANKED_TOP_K_TOKENS",
+    "RANKING_IN_ROUTER_LAUNCH",
     "SHARED_DOWN_WITH_EXPERTS",
     "SHARED_HIDDEN_WITH_EXPERTS",
     "SOFTMAX_IN_RANKING",
@@ -94,6 +95,13 @@ while the hidden programs read theirs, and each pair's down programs start once 
 tiles are stored, instead of a launch that starts after the hidden launch ends. The launches
 of a forward count in one buffer (``add_to``'s ``counters``), so none zero-fills its own (a
 kernel fewer per MoE block: ``benchmarks/RESULTS_serve.md``, session 41)."""
+
+RANKING_IN_ROUTER_LAUNCH = False
+"""Whether a block that ranks its tokens' experts with the softmax in the ranking
+(``SOFTMAX_IN_RANKING``) and adds its output in one launch (``COMBINE_IN_LAUNCH``) ranks them
+in the router's launch (``projections.ranked_projections``: one more program a token, which
+waits for the router's tiles), instead of the two XLA reductions between the router's launch
+and the experts'. Off until measured on the H200."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with
@@ -374,10 +382,15 @@ class SparseMoE(nnx.Module):
         (``moe.expert_mlp``'s), shared by the forward's blocks (``LayerStates.counters``)."""
         if not (COMBINE_IN_LAUNCH and self._hidden_in_launch(x, impl)):
             return residual + self(x, real, impl=impl)
-        logits, (shared_hidden,), gate_logits = self._router_launch(x, True, impl)
-        weights, experts, exps = self._route(logits, real)
-        if not exps:  # as ``route`` gives them (the combine divides exponentials itself)
-            weights = weights.astype(logits.dtype)
+        ranked = self._ranked_router_launch(x, real, impl, counters)
+        if ranked is not None:
+            shared_hidden, gate_logits, weights, experts = ranked
+            exps = True
+        else:
+            logits, (shared_hidden,), gate_logits = self._router_launch(x, True, impl)
+            weights, experts, exps = self._route(logits, real)
+            if not exps:  # as ``route`` gives them (the combine divides exponentials itself)
+                weights = weights.astype(logits.dtype)
         tiles, shared = self._experts_launches(
             x, experts, shared_hidden, impl, tiles=True, counters=counters
         )
@@ -408,6 +421,39 @@ class SparseMoE(nnx.Module):
         else:
             gate_logits = self._shared_gate_logit(x)
         return logits, shared_products, gate_logits
+
+    def _ranked_router_launch(self, x: jax.Array | NormedRows, real, impl: str, counters):
+        """(the shared expert's hidden rows; its gate logits ``[T, G]``, the logit in column
+        0; the chosen experts' softmax exponentials, float32 ``[T, top_k]``; the experts,
+        int32, out of range for padding tokens) from one router launch that ranks the
+        logits itself (``RANKING_IN_ROUTER_LAUNCH``), or None where it does not: the
+        ranking as ``_route`` ranks with ``SOFTMAX_IN_RANKING``, from the logits the launch
+        stores."""
+        c = self.config
+        ranks = x.shape[0] <= RANKED_TOP_K_TOKENS and c.norm_topk_prob and SOFTMAX_IN_RANKING
+        if not (RANKING_IN_ROUTER_LAUNCH and ranks):
+            return None
+        inputs = [self.gate, *self._shared_inputs()]
+        paired = [False] + [True] * (len(inputs) - 1)
+        gate_in_launch = self._shared_gate_in_launch()
+        if gate_in_launch:
+            inputs.append(self.shared_expert_gate)
+            paired.append(False)
+        rows = x.weighted() if isinstance(x, NormedRows) else x
+        weights = [layer.kernel[...] for layer in inputs]
+        reason = projections.ranked_unsupported_reason(rows, weights, c.top_k, paired)
+        if any(layer.use_bias for layer in inputs) or reason is not None:
+            return None
+        if resolve_impl("projections", impl, reason) == "reference":
+            return None  # the blocks' XLA products and ranking
+        kw = dict(row_scale=x.square_sum(), rms_eps=x.eps) if isinstance(x, NormedRows) else {}
+        products, exps, experts = projections.ranked_projections(
+            rows, weights, top_k=c.top_k, valid=real, paired=paired, counters=counters,
+            impl=impl, **kw,
+        )  # fmt: skip
+        shared_hidden = products[1]
+        gate_logits = products[-1] if gate_in_launch else self._shared_gate_logit(x)
+        return shared_hidden, gate_logits, exps, experts
 
     def _shared_gate_logit(self, x: jax.Array | NormedRows) -> jax.Array:
         """``shared_expert_gate(x)`` ``[T, 1]``; of ``NormedRows``, the product of the

@@ -192,3 +192,64 @@ def test_add_launches_sharing_one_counters_buffer_match_the_split_product(rows):
     got32 = got.astype(np.float32)
     np.testing.assert_allclose(np.asarray(sums), (got32 * got32).sum(-1), rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(counters), 0)
+
+
+@pytest.mark.parametrize(
+    ("rows", "experts", "top_k"),
+    [(1, 256, 8), (8, 256, 8), (8, 512, 10), (8, 64, 8)],
+    ids=["35b-1-row", "35b-8-rows", "qwen3-next", "64-experts"],
+)
+def test_ranked_launches_sharing_one_counters_buffer_rank_what_they_store(rows, experts, top_k):
+    """``ranked_projections`` at a router's shapes (the 35B-like router, its paired shared
+    gate/up and widened gate, rows scaled by their inverse RMS), 50 launches in a
+    ``lax.scan`` on other rows each, counting in one carried buffer: each launch's products
+    equal the plain launch's bit for bit, its ids are ``moe.top_k_exps`` of the logits it
+    stored (a row program that ranked before every router tile landed would differ in some
+    launch; a third of the router's columns repeat others, so equal logits tie), its
+    exponentials theirs within float32 rounding, padding rows get no expert, and the buffer
+    is zero after them all."""
+    rng = np.random.default_rng(rows + experts)
+    k = 2048
+    xs = jnp.asarray(rng.standard_normal((50, rows, k)), jnp.bfloat16)
+    sums = jnp.asarray(rng.uniform(0.05, 4.0, (50, rows)) * k, jnp.float32)
+    router = rng.standard_normal((k, experts)) / np.sqrt(k)
+    router[:, 2::3] = router[:, 1::3][:, : router[:, 2::3].shape[1]]
+    ws = [jnp.asarray(w, jnp.bfloat16) for w in
+          (router, rng.standard_normal((k, 1024)) / np.sqrt(k),
+           rng.standard_normal((k, 64)) / np.sqrt(k))]  # fmt: skip
+    ws[1] = moe.pair_halves(ws[1])
+    valid = jnp.arange(rows) < max(1, rows - 3)
+    kw = dict(rms_eps=1e-6, paired=(False, True, False), impl="pallas")
+
+    @jax.jit
+    def plain(xs, sums):
+        def body(_, xs_):
+            return None, projections.projections(xs_[0], ws, row_scale=xs_[1], **kw)
+
+        return jax.lax.scan(body, None, (xs, sums))[1]
+
+    @jax.jit
+    def ranked(xs, sums):
+        counters = jax.new_ref(jnp.zeros((8,), jnp.int32))
+
+        def body(_, xs_):
+            return None, projections.ranked_projections(
+                xs_[0], ws, top_k=top_k, valid=valid, row_scale=xs_[1], counters=counters, **kw
+            )
+
+        outs = jax.lax.scan(body, None, (xs, sums))[1]
+        return outs, counters[...]
+
+    want = plain(xs, sums)
+    (products, exps, ids), counters = ranked(xs, sums)
+    for got, expected in zip(products, want, strict=True):
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint16), np.asarray(expected).view(np.uint16)
+        )
+    want_exps, want_ids = jax.vmap(
+        lambda logits: moe.top_k_exps(logits.astype(jnp.float32), top_k, valid)
+    )(products[0])
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    assert (np.asarray(ids)[:, ~np.asarray(valid)] == experts).all()
+    np.testing.assert_allclose(np.asarray(exps), np.asarray(want_exps), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(counters), 0)

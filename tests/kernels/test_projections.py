@@ -478,3 +478,94 @@ def test_project_output_adds_in_its_launch_when_switched_on(monkeypatch):
     np.testing.assert_allclose(np.asarray(got.square_sums), (got32 * got32).sum(1), rtol=2e-3)
     # Where the product is the layer's own, so is the sum.
     chex.assert_trees_all_equal(project_output(x, layer, impl="reference", residual=residual), want)
+
+
+def _ranking64(logits, top_k, valid):
+    """The float64 oracle of a ranking: each row's ``top_k`` entries of largest logit, equal
+    logits by the lower index (a stable sort), their ``exp(logit - max)``; index N in rows
+    that ``valid`` marks False."""
+    logits = np.asarray(logits, np.float64)
+    order = np.argsort(-logits, axis=1, kind="stable")[:, :top_k]
+    picked = np.take_along_axis(logits, order, axis=1)
+    exps = np.exp(picked - logits.max(axis=1, keepdims=True))
+    return exps, np.where(np.asarray(valid)[:, None], order, logits.shape[1])
+
+
+@pytest.mark.parametrize(
+    ("rows", "widths", "top_k", "normed"),
+    [(8, (256, 256, 64), 8, True), (3, (128,), 10, False), (5, (64, 128), 64, False)],
+    ids=["router-paired-gate", "one-weight", "every-entry"],
+)
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_the_ranked_launch_ranks_the_router_logits_it_stores(rows, widths, top_k, normed, impl):
+    """``ranked_projections``: the products as ``projections`` gives them (the first case's
+    second weight paired, rows scaled by their inverse RMS), and each row of the first
+    ranked as the float64 oracle ranks the stored logits, a third of whose columns repeat
+    others (equal logits tie, the lower index first) and some of which are zero; the last
+    row is padding, with no expert."""
+    k = 128
+    x, ws = _case(rows * 31 + top_k, rows, k, widths)
+    router = np.asarray(ws[0], np.float32)
+    router[:, 2::3] = router[:, 1::3][:, : router[:, 2::3].shape[1]]
+    router[:, 5::16] = 0
+    ws[0] = jnp.asarray(router, jnp.bfloat16)
+    paired = (False, True, False) if normed else ()
+    if normed:
+        ws[1] = moe.pair_halves(ws[1])
+    rng = np.random.default_rng(rows)
+    scale = jnp.asarray(rng.uniform(1, 30, rows), jnp.float32) if normed else None
+    valid = jnp.arange(rows) < rows - 1
+    kw = dict(row_scale=scale, rms_eps=0.25 if normed else None, paired=paired)
+    products, exps, ids = projections.ranked_projections(
+        x, ws, top_k=top_k, valid=valid, impl=impl, **kw
+    )
+    chex.assert_trees_all_equal(products, projections.projections(x, ws, impl=impl, **kw))
+    chex.assert_shape((exps, ids), (rows, top_k))
+    assert exps.dtype == jnp.float32 and ids.dtype == jnp.int32
+    want_exps, want_ids = _ranking64(products[0], top_k, valid)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(exps), want_exps, rtol=1e-6)
+    logits = np.asarray(products[0], np.float32)
+    assert any(len(set(row)) < len(row) for row in logits[:, :top_k])  # ties were ranked
+
+
+@pytest.mark.parametrize(
+    ("rows", "experts", "top_k"), [(8, 256, 8), (1, 256, 8), (8, 512, 10), (8, 64, 8)]
+)
+def test_the_ranked_launch_lowers_for_cuda_at_the_routers_shapes(rows, experts, top_k):
+    """The 35B-like router (256 experts top 8) with its paired shared gate/up and widened
+    gate, Qwen3-Next's (512 top 10) and a test model's (64 top 8), rows normed in launch and
+    counting in a shared buffer."""
+    spec = jax.ShapeDtypeStruct
+    x = spec((rows, 2048), jnp.bfloat16)
+    ws = tuple(spec((2048, n), jnp.bfloat16) for n in (experts, 1024, 64))
+
+    def call(x, ws, scale, valid):
+        counters = jax.new_ref(jnp.zeros((4,), jnp.int32))
+        return projections.ranked_projections(
+            x, ws, top_k=top_k, valid=valid, row_scale=scale, rms_eps=1e-6,
+            paired=(False, True, False), counters=counters, impl="pallas",
+        )  # fmt: skip
+
+    traced = jax.jit(call).trace(x, ws, spec((rows,), jnp.float32), spec((rows,), bool))
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "projections_ranked" in text
+
+
+def test_ranked_calls_refuse_what_the_ranking_cannot_take():
+    x = jnp.zeros((8, 128), jnp.bfloat16)
+    router, other = jnp.zeros((128, 256), jnp.bfloat16), jnp.zeros((128, 128), jnp.bfloat16)
+    reason = projections.ranked_unsupported_reason
+    assert reason(x, [router, other], 8) is None
+    assert "multiple of 64" in reason(x, [jnp.zeros((128, 192 + 32), jnp.bfloat16)], 8)
+    assert "k=65 must be in 1..64" in reason(x, [router], 65)
+    assert "cannot be paired" in reason(x, [router, other], 8, (True, False))
+    assert "16-bit float" in reason(x.astype(jnp.float32), [router.astype(jnp.float32)], 8)
+    with pytest.raises(ValueError, match=r"valid \(7,\) must be \[R\] = \[8\]"):
+        projections.ranked_projections(x, [router], top_k=8, valid=jnp.ones(7, bool))
+    with pytest.raises(ValueError, match=r"top_k=257 must be in 1..256"):
+        projections.ranked_projections(x, [router], top_k=257)
+    with pytest.raises(ValueError, match="counters must be int32"):
+        projections.ranked_projections(
+            x, [router], top_k=8, counters=jax.new_ref(jnp.zeros((2,), jnp.float32))
+        )

@@ -1,0 +1,126 @@
+"""A row's routing ranked inside a Mosaic GPU launch (sm_90): one warpgroup program takes a
+row of router logits, already in GMEM, and stores its ``k`` experts and their softmax
+exponentials exactly as ``routing.top_k_exps`` gives them. The launch that forms the logits
+then hands the experts' launch their ids itself, with no XLA reductions between the two.
+
+Each entry gets an int32 key that orders entries as the ranking does: the logit's 16-bit
+pattern made monotonic (a negative float's magnitude bits flipped, ``-0`` read as ``+0``) in
+the high half, ``0xFFFF - index`` in the low half (equal logits: the lower index first).
+Keys are distinct, so an entry's rank is the count of larger keys: blocks of comparisons
+``[64 entries, 128 entries]`` (columns of 64 where the row is not whole blocks of 128; one
+warpgroup's WGMMA register layout) summed down their rows give each column entry's rank.
+Choice ``c``'s entry is the one of rank ``c``: blocks ``[64 choices, 128 entries]`` sum its
+index and exponential out of each row, and the ``k`` choices go out as scalars through SMEM.
+
+The row's logits reach SMEM by TMA and sit there tiled by 64, a transform declared rather
+than left to Mosaic GPU's layout search: beside a launch's SwiGLU over a tile's halves
+(``projections``' paired weights) the search for an undeclared one runs out of its budget.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["DTYPES", "MAX_ENTRIES", "MAX_K", "rank_row", "scratch", "unsupported_reason"]
+
+_BLOCK = plgpu.Layout.WGMMA  # [64, n] in one warpgroup's registers
+_ENTRIES = _BLOCK.reduce(0)  # [n]: an entry a column
+_CHOICES = _BLOCK.reduce(1)  # [64]: an entry (or a choice) a row
+_ROWS = 64  # a WGMMA block's rows: the entries ranked at once, and the most choices
+MAX_K = _ROWS
+MAX_ENTRIES = 1 << 16  # the key's low half holds 0xFFFF - index
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+REDUCTION_SCRATCH_BYTES = 2048  # the ranks' sums across warps
+_LOW = 0xFFFF
+
+
+def unsupported_reason(entries: int, k: int, dtype) -> str | None:
+    """Why ``rank_row`` cannot rank rows of ``entries`` logits of this dtype, or None."""
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"the logits must be 16-bit floats (got {jnp.dtype(dtype)})"
+    if entries % _ROWS or entries > MAX_ENTRIES:
+        return f"entries={entries} must be a multiple of {_ROWS} and at most {MAX_ENTRIES}"
+    if not 0 < k <= min(MAX_K, entries):
+        return f"k={k} must be in 1..{min(MAX_K, entries)}"
+    return None
+
+
+def scratch(entries: int, dtype) -> tuple:
+    """The SMEM ``rank_row`` takes: the row's logits and their barrier, the choices' ids and
+    exponentials."""
+    return (
+        plgpu.SMEM((entries,), dtype, transforms=(plgpu.TilingTransform((_ROWS,)),)),
+        plgpu.Barrier(num_arrivals=1),
+        plgpu.SMEM((_ROWS,), jnp.int32),
+        plgpu.SMEM((_ROWS,), jnp.float32),
+    )
+
+
+def _keys(x: jax.Array, index: jax.Array) -> jax.Array:
+    """int32 keys of 16-bit floats ``x`` at ``index`` (same shape and layout): larger for an
+    entry that ranks earlier."""
+    bits = lax.bitcast_convert_type(x, jnp.int16).astype(jnp.int32)
+    bits = jnp.where(bits == -32768, 0, bits)  # -0 ties with +0, as the float comparison
+    ordered = bits ^ (lax.shift_right_arithmetic(bits, 31) & 0x7FFF)
+    return lax.shift_left(ordered, 16) | (_LOW - index)
+
+
+def rank_row(logits, exps_out, ids_out, logits_s, logits_bar, ids_s, exps_s, *,
+             k: int, valid=None) -> None:  # fmt: skip
+    """Stores the ``k`` entries of largest logit of ``logits`` (a GMEM row ``[n]`` of 16-bit
+    floats), largest first, equal logits by the lower index: their indices in ``ids_out``
+    (int32 ``[k]``; all ``n`` where ``valid``, a traced bool, is False) and ``exp(logit -
+    max)`` in ``exps_out`` (float32 ``[k]``), as ``routing.top_k_exps``. The SMEM buffers
+    are ``scratch``'s; the launch's ``reduction_scratch_bytes`` at least
+    ``REDUCTION_SCRATCH_BYTES``."""
+    n = logits.shape[0]
+    cols = 128 if n % 128 == 0 else _ROWS  # the entries each block compares against
+    plgpu.copy_gmem_to_smem(logits, logits_s, logits_bar)
+    plgpu.barrier_wait(logits_bar)
+
+    def entries(start: int):
+        """The logits, keys and indices of entries ``start .. start + cols`` (columns)."""
+        x = plgpu.load(logits_s.at[pl.ds(start, cols)], layout=_ENTRIES)
+        index = plgpu.broadcasted_iota(jnp.int32, (cols,), 0, layout=_ENTRIES) + start
+        return x, _keys(x, index), index
+
+    def wide(a: jax.Array) -> jax.Array:
+        return lax.broadcast_in_dim(a, (_ROWS, cols), (1,))
+
+    def ahead_of(keys: jax.Array) -> jax.Array:
+        """The rank of each column entry: the larger keys among all entries, counted in
+        ``[64, cols]`` blocks of 64 entries (rows) each and summed down the rows (across
+        the warpgroup's warps)."""
+        count = None
+        for start in range(0, n, _ROWS):
+            x = plgpu.load(logits_s.at[pl.ds(start, _ROWS)], layout=_CHOICES)
+            index = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=_CHOICES) + start
+            theirs = lax.broadcast_in_dim(_keys(x, index), (_ROWS, cols), (0,))
+            ahead = (theirs > wide(keys)).astype(jnp.int32)
+            count = ahead if count is None else count + ahead
+        return jnp.sum(count, axis=0)
+
+    column_blocks = [entries(start) for start in range(0, n, cols)]
+    ranks = [ahead_of(keys) for _, keys, _ in column_blocks]
+
+    maxima = [jnp.max(x.astype(jnp.float32)) for x, _, _ in column_blocks]
+    top = functools.reduce(jnp.maximum, maxima)
+    choice = plgpu.broadcasted_iota(jnp.int32, (_ROWS, cols), 0, layout=_BLOCK)
+    ids, exps = [], []
+    for rank, (x, _, index) in zip(ranks, column_blocks, strict=True):
+        chosen = wide(rank) == choice
+        ids.append(jnp.sum(jnp.where(chosen, wide(index), 0), axis=1))
+        exps.append(jnp.sum(jnp.where(chosen, wide(jnp.exp(x.astype(jnp.float32) - top)), 0.0),
+                            axis=1))  # fmt: skip
+    ids_s[...] = sum(ids[1:], ids[0])
+    exps_s[...] = sum(exps[1:], exps[0])
+    plgpu.commit_smem()  # every choice's entry, read back as scalars
+    for c in range(k):
+        ids_out[c] = ids_s[c] if valid is None else jnp.where(valid, ids_s[c], n)
+        exps_out[c] = exps_s[c]
