@@ -182,12 +182,20 @@ def test_the_output_norm_handed_to_the_mix_runs_inside_the_decode_kernel(layer):
 
 
 @pytest.mark.parametrize("bs", [1, 8, 64])
-@pytest.mark.parametrize("conv_in_kernel", [False, True], ids=["conv-launch", "conv-in-kernel"])
+@pytest.mark.parametrize(
+    "conv_in_kernel", [False, True, "up-to-8-rows"],
+    ids=["conv-launch", "conv-in-kernel", "conv-in-kernel-up-to-8-rows"],
+)  # fmt: skip
 def test_decode_step_lowers_for_cuda_with_the_pools_aliased(conv_in_kernel, bs, monkeypatch):
     """Qwen3-Next shapes (H=16, HV=32, K=V=128, bf16 activations) at buckets of 1 to 64 rows,
-    the conv in its own launch or in the decode kernel (``CONV_IN_DECODE_KERNEL``): both
-    pools updated in place."""
-    monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL", conv_in_kernel)
+    the conv in its own launch or in the decode kernel (``CONV_IN_DECODE_KERNEL``, at any
+    rows, or as it is set, up to ``CONV_IN_DECODE_KERNEL_MAX_ROWS``): both pools updated in
+    place."""
+    monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL", bool(conv_in_kernel))
+    if conv_in_kernel is True:
+        monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL_MAX_ROWS", 64)
+    else:
+        conv_in_kernel = conv_in_kernel and bs <= gdn_backend.CONV_IN_DECODE_KERNEL_MAX_ROWS
     h, hv, kd, slots = 16, 32, 128, 80
     dims = (h, hv, kd, kd)
     meta = example_metadata(ForwardMode.DECODE, bs, bs, BucketPolicy(batch_buckets=(bs,)))

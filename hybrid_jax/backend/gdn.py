@@ -27,12 +27,19 @@ from pallas_kernels import conv1d, gdn
 from pallas_kernels.gdn import decode_mgpu
 from pallas_kernels.gdn import reference as gdn_reference
 
-__all__ = ["CONV_IN_DECODE_KERNEL", "GDNDims", "gdn_mix"]
+__all__ = ["CONV_IN_DECODE_KERNEL", "CONV_IN_DECODE_KERNEL_MAX_ROWS", "GDNDims", "gdn_mix"]
 
 CONV_IN_DECODE_KERNEL = True
-"""Whether a DECODE step forms the conv in the decode kernel (``packed_gating_...(conv=)``)
-where the kernel can take it, instead of a conv launch of its own before it (one launch
-fewer a GDN layer, for the same device time: ``benchmarks/RESULTS_serve.md``)."""
+"""Whether a DECODE step of up to ``CONV_IN_DECODE_KERNEL_MAX_ROWS`` rows forms the conv in
+the decode kernel (``packed_gating_...(conv=)``) where the kernel can take it, instead of a
+conv launch of its own before it (one launch fewer a GDN layer, for the same device time:
+``benchmarks/RESULTS_serve.md``)."""
+
+CONV_IN_DECODE_KERNEL_MAX_ROWS = 8
+"""Rows up to which ``CONV_IN_DECODE_KERNEL`` applies: at a batch-1 bucket of 8 the conv in
+the kernel saves a launch and its gap, but at 64 and 256 rows the kernel's per-item conv
+costs more than the conv launch (the 9B-like decode step 4-6% slower on the H100:
+``benchmarks/RESULTS_serve.md``, session 45)."""
 
 
 class GDNDims(NamedTuple):
@@ -117,9 +124,10 @@ def _ragged(mixed, conv_weight, gating, conv_state, ssm_state, meta, dims, impl,
 
 
 def _conv_in_kernel(mixed, conv_weight, conv_state, ssm_state, slots) -> bool:
-    """Whether the decode kernel forms the conv on these rows (``CONV_IN_DECODE_KERNEL``, and
-    the kernel takes them; the reference forms it either way)."""
-    if not CONV_IN_DECODE_KERNEL:
+    """Whether the decode kernel forms the conv on these rows (``CONV_IN_DECODE_KERNEL`` at up
+    to ``CONV_IN_DECODE_KERNEL_MAX_ROWS`` rows, and the kernel takes them; the reference
+    forms it either way)."""
+    if not CONV_IN_DECODE_KERNEL or mixed.shape[0] > CONV_IN_DECODE_KERNEL_MAX_ROWS:
         return False
     reason = decode_mgpu.conv_unsupported_reason(mixed, ssm_state, slots, conv_weight, conv_state)
     return reason is None

@@ -1,0 +1,84 @@
+"""What ranking a MoE block's router logits costs a decode step: the router's launch alone
+(the 35B-like router, its paired shared gate/up and widened gate, rows normed in the launch),
+the launch with the two XLA reductions of ``moe.top_k_exps`` after it, and the launch that
+ranks the logits itself (``projections.ranked_projections``; ``benchmarks/RESULTS_serve.md``,
+session 45).
+
+Each case runs 400 launches on fresh rows in one jitted ``lax.scan`` whose carry sums every
+output (so none is dead code); a launch's cost is the best of 5 wall times over 400, gaps
+between kernels included, as a step pays them. Usage: ``python3 benchmarks/router_ranking.py``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import moe, projections
+
+CASES = ((8, 256, 8), (1, 256, 8), (8, 512, 10))  # (rows, experts, top k)
+LAUNCHES, HIDDEN = 400, 2048
+
+
+def _best_time(f, *args, repeats: int = 5) -> float:
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _looped(step):
+    """``step(rows, square_sums)`` over the scanned inputs, every output summed."""
+
+    @jax.jit
+    def run(xs, sums):
+        def body(total, inputs):
+            outs = jax.tree.leaves(step(*inputs))
+            return total + sum(jnp.sum(o.astype(jnp.float32)) for o in outs), None
+
+        return jax.lax.scan(body, jnp.float32(0), (xs, sums))[0]
+
+    return run
+
+
+def _steps(rows: int, experts: int, top_k: int, ws) -> dict:
+    """The three ways of one case, each a function of (rows, square sums)."""
+    valid = jnp.arange(rows) < 1
+    kw = dict(rms_eps=1e-6, paired=(False, True, False), impl="pallas")
+
+    def launch(x, s):
+        return projections.projections(x, ws, row_scale=s, **kw)
+
+    def launch_then_xla(x, s):
+        products = launch(x, s)
+        return products, moe.top_k_exps(products[0].astype(jnp.float32), top_k, valid)
+
+    def ranked(x, s):
+        return projections.ranked_projections(x, ws, top_k=top_k, valid=valid, row_scale=s, **kw)
+
+    return {"router launch": launch, "+ XLA ranking": launch_then_xla, "ranked launch": ranked}
+
+
+def main() -> None:
+    print(jax.devices()[0].device_kind)
+    for rows, experts, top_k in CASES:
+        rng = np.random.default_rng(rows + experts)
+        xs = jnp.asarray(rng.standard_normal((LAUNCHES, rows, HIDDEN)), jnp.bfloat16)
+        sums = jnp.asarray(rng.uniform(0.05, 4.0, (LAUNCHES, rows)) * HIDDEN, jnp.float32)
+        ws = [jnp.asarray(rng.standard_normal((HIDDEN, n)) / np.sqrt(HIDDEN), jnp.bfloat16)
+              for n in (experts, 1024, 64)]  # fmt: skip
+        ws[1] = moe.pair_halves(ws[1])
+        for name, step in _steps(rows, experts, top_k, ws).items():
+            seconds = _best_time(_looped(step), xs, sums) / LAUNCHES
+            print(f"{rows} rows, {experts} experts, top {top_k}: {name:14s} "
+                  f"{seconds * 1e6:7.2f} us a launch", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
