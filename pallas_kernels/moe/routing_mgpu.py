@@ -1,7 +1,9 @@
 """A row's routing ranked inside a Mosaic GPU launch (sm_90): one warpgroup program takes a
-row of router logits, already in GMEM, and stores its ``k`` experts and their softmax
-exponentials exactly as ``routing.top_k_exps`` gives them. The launch that forms the logits
-then hands the experts' launch their ids itself, with no XLA reductions between the two.
+row of router logits, already in GMEM, and stores its ``k`` experts as ``routing.top_k_exps``
+gives them and their softmax exponentials within float32 rounding of its. The launch that
+forms the logits then hands the experts' launch their ids itself, with no XLA reductions
+between the two. (As built it is slower than those reductions: ``benchmarks/RESULTS_serve.md``,
+session 45.)
 
 Each entry gets an int32 key that orders entries as the ranking does: the logit's 16-bit
 pattern made monotonic (a negative float's magnitude bits flipped, ``-0`` read as ``+0``) in
