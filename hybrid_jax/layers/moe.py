@@ -408,6 +408,17 @@ class SparseMoE(nnx.Module):
         """(the router's logits ``[T, E]``; the shared expert's input products, its hidden
         rows alone with ``hidden_in_launch``; its gate logits ``[T, G]``, the logit in column
         0) from the launch of the products that read the block's input."""
+        inputs, paired, gate_in_launch = self._router_inputs(hidden_in_launch)
+        logits, *shared_products = project(x, inputs, impl=impl, paired=paired)
+        if gate_in_launch:
+            *shared_products, gate_logits = shared_products
+        else:
+            gate_logits = self._shared_gate_logit(x)
+        return logits, shared_products, gate_logits
+
+    def _router_inputs(self, hidden_in_launch: bool):
+        """(the router's launch's layers: the router, the shared expert's input products and,
+        widened, its gate; whether each is paired; whether the gate is among them)."""
         shared_inputs = self._shared_inputs()
         inputs = [self.gate, *shared_inputs]
         # With the hidden rows formed in the launches, the router's forms the shared
@@ -417,12 +428,7 @@ class SparseMoE(nnx.Module):
         if gate_in_launch:
             inputs.append(self.shared_expert_gate)
             paired.append(False)
-        logits, *shared_products = project(x, inputs, impl=impl, paired=paired)
-        if gate_in_launch:
-            *shared_products, gate_logits = shared_products
-        else:
-            gate_logits = self._shared_gate_logit(x)
-        return logits, shared_products, gate_logits
+        return inputs, paired, gate_in_launch
 
     def _ranked_router_launch(self, x: jax.Array | NormedRows, real, impl: str, counters):
         """(the shared expert's hidden rows; its gate logits ``[T, G]``, the logit in column
@@ -435,12 +441,7 @@ class SparseMoE(nnx.Module):
         ranks = x.shape[0] <= RANKED_TOP_K_TOKENS and c.norm_topk_prob and SOFTMAX_IN_RANKING
         if not (RANKING_IN_ROUTER_LAUNCH and ranks):
             return None
-        inputs = [self.gate, *self._shared_inputs()]
-        paired = [False] + [True] * (len(inputs) - 1)
-        gate_in_launch = self._shared_gate_in_launch()
-        if gate_in_launch:
-            inputs.append(self.shared_expert_gate)
-            paired.append(False)
+        inputs, paired, gate_in_launch = self._router_inputs(True)
         rows = x.weighted() if isinstance(x, NormedRows) else x
         weights = [layer.kernel[...] for layer in inputs]
         reason = projections.ranked_unsupported_reason(rows, weights, c.top_k, paired)

@@ -74,7 +74,7 @@ def _keys(x: jax.Array, index: jax.Array) -> jax.Array:
 
 
 def rank_row(logits, exps_out, ids_out, logits_s, logits_bar, ids_s, exps_s, *,
-             k: int, valid=None) -> None:  # fmt: skip
+             k: int, valid) -> None:  # fmt: skip
     """Stores the ``k`` entries of largest logit of ``logits`` (a GMEM row ``[n]`` of 16-bit
     floats), largest first, equal logits by the lower index: their indices in ``ids_out``
     (int32 ``[k]``; all ``n`` where ``valid``, a traced bool, is False) and ``exp(logit -
@@ -124,5 +124,5 @@ def rank_row(logits, exps_out, ids_out, logits_s, logits_bar, ids_s, exps_s, *,
     exps_s[...] = sum(exps[1:], exps[0])
     plgpu.commit_smem()  # every choice's entry, read back as scalars
     for c in range(k):
-        ids_out[c] = ids_s[c] if valid is None else jnp.where(valid, ids_s[c], n)
+        ids_out[c] = jnp.where(valid, ids_s[c], n)
         exps_out[c] = exps_s[c]
