@@ -101,9 +101,7 @@ RANKING_IN_ROUTER_LAUNCH = False
 (``SOFTMAX_IN_RANKING``) and adds its output in one launch (``COMBINE_IN_LAUNCH``) ranks them
 in the router's launch (``projections.ranked_projections``: one more program a token, which
 waits for the router's tiles), instead of the two XLA reductions between the router's launch
-and the experts'. Off: its one warpgroup a token takes ~9.5 us to rank 256 logits, where the
-reductions and their gaps take ~4 (the 35B-like batch-1 step 12% slower on the H100:
-``benchmarks/RESULTS_serve.md``, session 45)."""
+and the experts'. Off until measured faster end to end (``benchmarks/RESULTS_serve.md``)."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with

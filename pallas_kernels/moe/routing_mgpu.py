@@ -2,17 +2,14 @@
 row of router logits, already in GMEM, and stores its ``k`` experts as ``routing.top_k_exps``
 gives them and their softmax exponentials within float32 rounding of its. The launch that
 forms the logits then hands the experts' launch their ids itself, with no XLA reductions
-between the two. (As built it is slower than those reductions: ``benchmarks/RESULTS_serve.md``,
-session 45.)
+between the two (``benchmarks/router_ranking.py`` times it against those reductions).
 
 Each entry gets an int32 key that orders entries as the ranking does: the logit's 16-bit
 pattern made monotonic (a negative float's magnitude bits flipped, ``-0`` read as ``+0``) in
 the high half, ``0xFFFF - index`` in the low half (equal logits: the lower index first).
-Keys are distinct, so an entry's rank is the count of larger keys: blocks of comparisons
-``[64 entries, 128 entries]`` (columns of 64 where the row is not whole blocks of 128; one
-warpgroup's WGMMA register layout) summed down their rows give each column entry's rank.
-Choice ``c``'s entry is the one of rank ``c``: blocks ``[64 choices, 128 entries]`` sum its
-index and exponential out of each row, and the ``k`` choices go out as scalars through SMEM.
+Keys are distinct, so the ``k`` choices are ``k`` rounds of one max over the row's keys
+(held as ``[64]`` blocks in one warpgroup's registers), each round's key taken out of its
+block before the next; a choice's key holds both its index and its logit.
 
 The row's logits reach SMEM by TMA and sit there tiled by 64, a transform declared rather
 than left to Mosaic GPU's layout search: beside a launch's SwiGLU over a tile's halves
@@ -40,6 +37,7 @@ MAX_ENTRIES = 1 << 16  # the key's low half holds 0xFFFF - index
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 REDUCTION_SCRATCH_BYTES = 2048  # the ranks' sums across warps
 _LOW = 0xFFFF
+_TAKEN = -(1 << 31)  # below every key: an entry already chosen
 
 
 def unsupported_reason(entries: int, k: int, dtype) -> str | None:
@@ -82,46 +80,27 @@ def rank_row(logits, exps_out, ids_out, logits_s, logits_bar, ids_s, exps_s, *,
     are ``scratch``'s; the launch's ``reduction_scratch_bytes`` at least
     ``REDUCTION_SCRATCH_BYTES``."""
     n = logits.shape[0]
-    cols = 128 if n % 128 == 0 else _ROWS  # the entries each block compares against
+    dtype = logits.dtype
     plgpu.copy_gmem_to_smem(logits, logits_s, logits_bar)
     plgpu.barrier_wait(logits_bar)
-
-    def entries(start: int):
-        """The logits, keys and indices of entries ``start .. start + cols`` (columns)."""
-        x = plgpu.load(logits_s.at[pl.ds(start, cols)], layout=_ENTRIES)
-        index = plgpu.broadcasted_iota(jnp.int32, (cols,), 0, layout=_ENTRIES) + start
-        return x, _keys(x, index), index
-
-    def wide(a: jax.Array) -> jax.Array:
-        return lax.broadcast_in_dim(a, (_ROWS, cols), (1,))
-
-    def ahead_of(keys: jax.Array) -> jax.Array:
-        """The rank of each column entry: the larger keys among all entries, counted in
-        ``[64, cols]`` blocks of 64 entries (rows) each and summed down the rows (across
-        the warpgroup's warps)."""
-        count = None
-        for start in range(0, n, _ROWS):
-            x = plgpu.load(logits_s.at[pl.ds(start, _ROWS)], layout=_CHOICES)
-            index = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=_CHOICES) + start
-            theirs = lax.broadcast_in_dim(_keys(x, index), (_ROWS, cols), (0,))
-            ahead = (theirs > wide(keys)).astype(jnp.int32)
-            count = ahead if count is None else count + ahead
-        return jnp.sum(count, axis=0)
-
-    column_blocks = [entries(start) for start in range(0, n, cols)]
-    ranks = [ahead_of(keys) for _, keys, _ in column_blocks]
-
-    maxima = [jnp.max(x.astype(jnp.float32)) for x, _, _ in column_blocks]
-    top = functools.reduce(jnp.maximum, maxima)
-    choice = plgpu.broadcasted_iota(jnp.int32, (_ROWS, cols), 0, layout=_BLOCK)
-    ids, exps = [], []
-    for rank, (x, _, index) in zip(ranks, column_blocks, strict=True):
-        chosen = wide(rank) == choice
-        ids.append(jnp.sum(jnp.where(chosen, wide(index), 0), axis=1))
-        exps.append(jnp.sum(jnp.where(chosen, wide(jnp.exp(x.astype(jnp.float32) - top)), 0.0),
-                            axis=1))  # fmt: skip
-    ids_s[...] = sum(ids[1:], ids[0])
-    exps_s[...] = sum(exps[1:], exps[0])
+    slot = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=_CHOICES)
+    blocks = [
+        _keys(plgpu.load(logits_s.at[pl.ds(start, _ROWS)], layout=_CHOICES), slot + start)
+        for start in range(0, n, _ROWS)
+    ]
+    # Keys are distinct: the largest one left is the next choice, and a compare against it
+    # takes it out of its block.
+    chosen = jnp.zeros((_ROWS,), jnp.int32)
+    for c in range(k):
+        top = functools.reduce(jnp.maximum, [jnp.max(block) for block in blocks])
+        blocks = [jnp.where(block == top, _TAKEN, block) for block in blocks]
+        chosen = jnp.where(slot == c, top, chosen)
+    ordered = lax.shift_right_arithmetic(chosen, 16)
+    bits = ordered ^ (lax.shift_right_arithmetic(ordered, 31) & 0x7FFF)
+    logit = lax.bitcast_convert_type(bits.astype(jnp.int16), dtype).astype(jnp.float32)
+    logit = jnp.where(slot < k, logit, -jnp.inf)
+    ids_s[...] = _LOW - (chosen & _LOW)
+    exps_s[...] = jnp.exp(logit - jnp.max(logit))
     plgpu.commit_smem()  # every choice's entry, read back as scalars
     for c in range(k):
         ids_out[c] = jnp.where(valid, ids_s[c], n)
