@@ -28,14 +28,12 @@ from jax import lax
 
 __all__ = ["DTYPES", "MAX_ENTRIES", "MAX_K", "rank_row", "scratch", "unsupported_reason"]
 
-_BLOCK = plgpu.Layout.WGMMA  # [64, n] in one warpgroup's registers
-_ENTRIES = _BLOCK.reduce(0)  # [n]: an entry a column
-_CHOICES = _BLOCK.reduce(1)  # [64]: an entry (or a choice) a row
-_ROWS = 64  # a WGMMA block's rows: the entries ranked at once, and the most choices
+_CHOICES = plgpu.Layout.WGMMA.reduce(1)  # [64]: a WGMMA tile's rows, a block of entries
+_ROWS = 64  # the entries of a block, and the most choices
 MAX_K = _ROWS
 MAX_ENTRIES = 1 << 16  # the key's low half holds 0xFFFF - index
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-REDUCTION_SCRATCH_BYTES = 2048  # the ranks' sums across warps
+REDUCTION_SCRATCH_BYTES = 2048  # each round's max across warps
 _LOW = 0xFFFF
 _TAKEN = -(1 << 31)  # below every key: an entry already chosen
 
