@@ -26,6 +26,7 @@ streamed through a TMA ring (``_skinny.tile_product``). Rows: at most 64 (one wg
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Sequence
 
@@ -258,6 +259,199 @@ def _kernel(
     return (*products, *outs[len(weights) :])
 
 
+def combined_unsupported_reason(
+    x: jax.Array, weights: Sequence[jax.Array], splits: int, paired: Sequence[bool] = ()
+) -> str | None:
+    """Why the Mosaic GPU kernel cannot take these products over ``splits`` parts of K
+    combined in the launch (``projections(splits=)``), or None."""
+    flags = paired or (False,) * len(weights)
+    for w, p in zip(weights, flags, strict=True):
+        width = w.shape[1] // 2 if p else w.shape[1]
+        if width % _ROW_THREADS:
+            return (
+                f"a product's {'hidden ' if p else ''}width {width} must be a multiple of "
+                f"{_ROW_THREADS} (a row program's threads)"
+            )
+    return unsupported_reason(x, weights, paired) or _split_reason(x, splits)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("splits", "variant", "interpret", "rms_eps", "paired", "top_k")
+)
+def _combined_kernel(x, weights, row_scale, valid, counters, *, splits: int,
+                     variant: ProductVariant, interpret: bool, rms_eps: float | None,
+                     paired: tuple[bool, ...], top_k: int | None):  # fmt: skip
+    """The launch of ``projections`` over ``splits`` parts of K: one program per (column
+    tile, split) stores its float32 partial product and signals, then one program a row
+    waits for them all, sums its row's partials in split order, scales the sums, forms a
+    paired weight's SwiGLU, stores each product in x's dtype and, with ``top_k``, ranks the
+    first (``routing_mgpu.rank_values``)."""
+    rows, k_dim = x.shape
+    dtype = x.dtype
+    steps = k_dim // BLOCK_K // splits
+    span = steps * BLOCK_K
+    held = round_up(rows, ALIGN)
+    tiles = [w.shape[1] // BLOCK_N for w in weights]
+    starts = [sum(tiles[:i]) for i in range(len(tiles))]
+    partials = sum(tiles) * splits
+    scaled, ranked = row_scale is not None, top_k is not None
+    rank_scratch = list(routing_mgpu.values_scratch()) if ranked else []
+    variant = filling_ring(
+        variant, partials, steps, dtype, held, F32,
+        smem_bytes=SMEM_BYTES - _ROW_SCRATCH - scratch_smem_bytes(rank_scratch),
+    )  # fmt: skip
+    operands = [jnp.pad(x, ((0, held - rows), (0, 0))), *weights]
+    if scaled:
+        operands.append(row_scale.astype(F32))
+    if ranked:
+        operands.append((jnp.ones((rows,), bool) if valid is None else valid).astype(jnp.int32))
+    if not interpret:
+        # The interpreter runs the programs one after another in launch order (and cannot
+        # run inline Mosaic GPU): every partial is stored before a row program reads it.
+        if counters is None:
+            counters = jax.new_ref(jnp.zeros((1,), jnp.int32))
+        operands.append(counters)
+    # A paired weight's partials keep its tiles apart ([tile, gate columns | up columns]),
+    # so a row program reads each half as a strided view in one layout.
+    part_shapes = [
+        (splits, held, t, BLOCK_N) if p else (splits, held, t * BLOCK_N)
+        for t, p in zip(tiles, paired, strict=True)
+    ]
+    out_shapes = [
+        (rows, t, BLOCK_N // 2) if p else (rows, t * BLOCK_N)
+        for t, p in zip(tiles, paired, strict=True)
+    ]
+    n_weights = len(weights)
+
+    def body(x_ref, *refs):
+        w_refs, refs = refs[:n_weights], refs[n_weights:]
+        scale_ref, refs = (refs[0], refs[1:]) if scaled else (None, refs)
+        valid_ref, refs = (refs[0], refs[1:]) if ranked else (None, refs)
+        ready, refs = (None, refs) if interpret else (refs[0].at[pl.ds(0, 1)], refs[1:])
+        part_refs, refs = refs[:n_weights], refs[n_weights:]
+        o_refs, refs = refs[:n_weights], refs[n_weights:]
+        if ranked:
+            exps_ref, ids_ref, refs = refs[0], refs[1], refs[2:]
+        product_refs, rank_refs = (
+            refs[: len(refs) - len(rank_scratch)],
+            refs[len(refs) - len(rank_scratch) :],
+        )
+        program = lax.axis_index("i")
+
+        def partial(w_ref, part_ref, start, swiglu):
+            tile = program // splits - start
+            split = lax.rem(program, splits)
+            ks = pl.ds(split * span, span)
+            if swiglu:
+                out = part_ref.at[split, :, tile]
+            else:
+                out = part_ref.at[split, :, pl.ds(tile * BLOCK_N, BLOCK_N)]
+            tile_product(
+                x_ref.at[:, ks], w_ref.at[ks, pl.ds(tile * BLOCK_N, BLOCK_N)], out,
+                *product_refs, steps=steps, variant=variant, interpret=interpret,
+            )  # fmt: skip
+            if ready is not None:  # the partial has landed in GMEM before its signal
+                plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+                _counters.signal(ready)
+
+        for w_ref, part_ref, start, count, swiglu in zip(
+            w_refs, part_refs, starts, tiles, paired, strict=True
+        ):
+            ours = (program >= start * splits) & (program < (start + count) * splits)
+            pl.when(ours)(functools.partial(partial, w_ref, part_ref, start, swiglu))
+
+        @pl.when(program >= partials)
+        def _row():
+            r = program - partials
+            if ready is not None:
+                _counters.wait_then_count(ready, partials, partials + rows)
+            scale = None
+            if scaled:
+                scale = scale_ref[r]
+                if rms_eps is not None:
+                    scale = lax.rsqrt(scale * (1.0 / k_dim) + rms_eps)
+
+            def summed(views):
+                """The views' float32 partials summed in split order, times the scale."""
+                shape = views[0].shape
+                layout = plgpu.Layout.WG_STRIDED(shape, _row_vec(math.prod(shape)))
+                total = functools.reduce(
+                    operator.add, [plgpu.load(v, layout=layout) for v in views]
+                )
+                return total if scale is None else total * scale
+
+            for i, (part_ref, o_ref, swiglu) in enumerate(
+                zip(part_refs, o_refs, paired, strict=True)
+            ):
+                if swiglu:
+                    half = BLOCK_N // 2
+                    gate = summed([part_ref.at[s, r, :, pl.ds(0, half)] for s in range(splits)])
+                    up = summed([part_ref.at[s, r, :, pl.ds(half, half)] for s in range(splits)])
+                    o_ref[r] = (gate / (1.0 + jnp.exp(-gate)) * up).astype(dtype)
+                    continue
+                out = summed([part_ref.at[s, r] for s in range(splits)]).astype(dtype)
+                o_ref[r] = out
+                if ranked and i == 0:
+                    routing_mgpu.rank_values(
+                        out, exps_ref.at[r], ids_ref.at[r], *rank_refs, k=top_k,
+                        valid=valid_ref[r] != 0,
+                    )  # fmt: skip
+
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = [jax.ShapeDtypeStruct(shape, F32) for shape in part_shapes]
+    out_type += [jax.ShapeDtypeStruct(shape, dtype) for shape in out_shapes]
+    if ranked:
+        out_type += [jax.ShapeDtypeStruct((rows, top_k), F32),
+                     jax.ShapeDtypeStruct((rows, top_k), jnp.int32)]  # fmt: skip
+    outs = plgpu.kernel(
+        body,
+        out_type=tuple(out_type),
+        scratch_types=(*scratch(steps, dtype, variant, held, F32), *rank_scratch),
+        grid=(partials + rows,),
+        grid_names=("i",),
+        compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=_ROW_SCRATCH),
+        interpret=interpret_params(interpret),
+        kernel_name="projections_combined",
+    )(*operands)
+    products = tuple(out.reshape(rows, -1) for out in outs[n_weights : 2 * n_weights])
+    return (*products, *outs[2 * n_weights :])
+
+
+def _row_vec(size: int) -> int:
+    """Adjacent values a row program's thread loads at once (up to 16 bytes of float32)."""
+    return next(v for v in (4, 2, 1) if size % (_ROW_THREADS * v) == 0)
+
+
+def combined_reference(
+    x: jax.Array, weights: Sequence[jax.Array], splits: int, row_scale=None, rms_eps=None,
+    paired: Sequence[bool] = (),
+) -> tuple[jax.Array, ...]:  # fmt: skip
+    """``projections(splits=)`` in XLA: each weight's float32 partial products over
+    ``splits`` parts of K summed in split order, then scaled, a paired weight's SwiGLU
+    formed, cast to x's dtype."""
+    scale = rms_row_scale(row_scale, rms_eps, x.shape[1])
+    flags = paired or (False,) * len(weights)
+    partials = projection_partials_reference(x, weights, splits)
+
+    def combined(partial: jax.Array, swiglu: bool) -> jax.Array:
+        y = functools.reduce(operator.add, list(partial))
+        y = y if scale is None else y * scale[:, None]
+        return (paired_swiglu(y) if swiglu else y).astype(x.dtype)
+
+    return tuple(combined(p, f) for p, f in zip(partials, flags, strict=True))
+
+
+def _check_combined(x: jax.Array, splits: int, counters) -> None:
+    if splits < 1 or x.shape[1] % splits:
+        raise ValueError(f"{_OP}: splits={splits} must be >= 1 and divide K={x.shape[1]}")
+    _counters.check_counters(_OP, counters, 1)
+
+
+def _eps(rms_eps: float | None) -> float | None:
+    return None if rms_eps is None else float(rms_eps)
+
+
 def projections(
     x: jax.Array,
     weights: Sequence[jax.Array],
@@ -265,6 +459,8 @@ def projections(
     row_scale: jax.Array | None = None,
     rms_eps: float | None = None,
     paired: Sequence[bool] = (),
+    splits: int = 1,
+    counters: jax.Ref | None = None,
     impl: str = "auto",
 ) -> tuple[jax.Array, ...]:
     """``x @ w`` for every ``w`` of ``weights`` (float32 accumulation), each row's sum times
@@ -281,6 +477,14 @@ def projections(
       paired: one flag per weight (default none): a flagged weight holds a SwiGLU's gate
         and up columns laid out by ``pair_halves``, and its entry is ``silu(gate) * up``
         ``[R, N_i / 2]`` of the scaled float32 sums, formed in the launch's epilogue.
+      splits: parts of K (K must divide into them): with more than one, a program per
+        (column tile, part) stores a float32 partial product, and one more program a row
+        waits on a GMEM counter until every partial is stored, then sums, scales and forms
+        its row's products (``combined_reference``): more programs for weights of few
+        column tiles, each reading less, at the cost of the partials' round trip.
+      counters: with ``splits``, optional int32 ``Ref`` ``[n >= 1]`` of zeros that the
+        launch counts its stored partials in and leaves at zero (a step's shared buffer);
+        without it the launch makes its own. The interpreter and the reference ignore it.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
     Returns:
@@ -288,6 +492,18 @@ def projections(
     """
     weights, paired = tuple(weights), tuple(bool(p) for p in paired)
     _check(x, weights, row_scale, rms_eps, paired)
+    _check_combined(x, splits, counters)
+    if splits > 1:
+        reason = None
+        if impl != "reference":
+            reason = combined_unsupported_reason(x, weights, splits, paired)
+        choice = resolve_impl(_OP, impl, reason)
+        if choice == "reference" or x.shape[0] == 0:
+            return combined_reference(x, weights, splits, row_scale, rms_eps, paired)
+        return _combined_kernel(
+            x, weights, row_scale, None, counters, splits=splits, variant=current_variant(),
+            interpret=choice == "interpret", rms_eps=_eps(rms_eps), paired=paired, top_k=None,
+        )  # fmt: skip
     reason = unsupported_reason(x, weights, paired) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
@@ -319,6 +535,7 @@ def ranked_projections(
     row_scale: jax.Array | None = None,
     rms_eps: float | None = None,
     paired: Sequence[bool] = (),
+    splits: int = 1,
     counters: jax.Ref | None = None,
     impl: str = "auto",
 ) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
@@ -331,23 +548,36 @@ def ranked_projections(
     between.
 
     ``counters``: optional int32 ``Ref`` ``[n >= 1]`` of zeros that the launch counts the
-    first weight's stored tiles in and leaves at zero (``moe.expert_mlp``'s, shared by a
-    step's launches); without it the launch makes its own. The interpreter and the
-    reference ignore it. The other arguments are ``projections``'."""
+    first weight's stored tiles (or with ``splits`` every stored partial) in and leaves at
+    zero (``moe.expert_mlp``'s, shared by a step's launches); without it the launch makes
+    its own. The interpreter and the reference ignore it. The other arguments are
+    ``projections``': with ``splits`` the row programs that combine the partials rank
+    their row from registers."""
     weights, paired = tuple(weights), tuple(bool(p) for p in paired)
     _check(x, weights, row_scale, rms_eps, paired)
+    _check_combined(x, splits, counters)
     if valid is not None and tuple(valid.shape) != (x.shape[0],):
         raise ValueError(f"{_OP}: valid {tuple(valid.shape)} must be [R] = [{x.shape[0]}]")
     if not 0 < top_k <= weights[0].shape[1]:
         raise ValueError(f"{_OP}: top_k={top_k} must be in 1..{weights[0].shape[1]} (N_0)")
-    _counters.check_counters(_OP, counters, 1)
     reason = None
     if impl != "reference":
         reason = ranked_unsupported_reason(x, weights, top_k, paired)
+        if splits > 1:
+            reason = reason or combined_unsupported_reason(x, weights, splits, paired)
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference" or x.shape[0] == 0:
-        products = projections_reference(x, weights, row_scale, rms_eps, paired)
+        if splits > 1:
+            products = combined_reference(x, weights, splits, row_scale, rms_eps, paired)
+        else:
+            products = projections_reference(x, weights, row_scale, rms_eps, paired)
         return (products, *routing.top_k_exps(products[0].astype(F32), top_k, valid))
+    if splits > 1:
+        *outs, exps, ids = _combined_kernel(
+            x, weights, row_scale, valid, counters, splits=splits, variant=current_variant(),
+            interpret=choice == "interpret", rms_eps=_eps(rms_eps), paired=paired, top_k=top_k,
+        )  # fmt: skip
+        return tuple(outs), exps, ids
     *outs, exps, ids = _kernel(
         x, weights, row_scale, valid, counters, splits=1, partial=False,
         variant=current_variant(), interpret=choice == "interpret",

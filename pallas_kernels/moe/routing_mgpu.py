@@ -26,7 +26,17 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["DTYPES", "MAX_ENTRIES", "MAX_K", "rank_row", "scratch", "unsupported_reason"]
+__all__ = [
+    "DTYPES",
+    "MAX_ENTRIES",
+    "MAX_K",
+    "rank_row",
+    "rank_values",
+    "scratch",
+    "strided_layout",
+    "unsupported_reason",
+    "values_scratch",
+]
 
 _CHOICES = plgpu.Layout.WGMMA.reduce(1)  # [64]: a WGMMA tile's rows, a block of entries
 _ROWS = 64  # the entries of a block, and the most choices
@@ -35,6 +45,7 @@ MAX_ENTRIES = 1 << 16  # the key's low half holds 0xFFFF - index
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 REDUCTION_SCRATCH_BYTES = 2048  # each round's max across warps
 _LOW = 0xFFFF
+_THREADS = 128  # a warpgroup
 _TAKEN = -(1 << 31)  # below every key: an entry already chosen
 
 
@@ -78,7 +89,6 @@ def rank_row(logits, exps_out, ids_out, logits_s, logits_bar, ids_s, exps_s, *,
     are ``scratch``'s; the launch's ``reduction_scratch_bytes`` at least
     ``REDUCTION_SCRATCH_BYTES``."""
     n = logits.shape[0]
-    dtype = logits.dtype
     plgpu.copy_gmem_to_smem(logits, logits_s, logits_bar)
     plgpu.barrier_wait(logits_bar)
     slot = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=_CHOICES)
@@ -86,12 +96,49 @@ def rank_row(logits, exps_out, ids_out, logits_s, logits_bar, ids_s, exps_s, *,
         _keys(plgpu.load(logits_s.at[pl.ds(start, _ROWS)], layout=_CHOICES), slot + start)
         for start in range(0, n, _ROWS)
     ]
-    # Keys are distinct: the largest one left is the next choice, and a compare against it
-    # takes it out of its block.
-    chosen = jnp.zeros((_ROWS,), jnp.int32)
-    for c in range(k):
+    _store_choices(_choose(blocks, k), logits.dtype, n, exps_out, ids_out, ids_s, exps_s,
+                   valid=valid)  # fmt: skip
+
+
+def rank_values(values, exps_out, ids_out, ids_s, exps_s, *, k: int, valid) -> None:
+    """``rank_row`` of a row held in registers: ``values`` ``[n]`` 16-bit floats in a
+    ``WG_STRIDED`` layout. SMEM: ``values_scratch``'s."""
+    n = values.shape[0]
+    index = plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=strided_layout(n))
+    _store_choices(_choose([_keys(values, index)], k), values.dtype, n, exps_out, ids_out,
+                   ids_s, exps_s, valid=valid)  # fmt: skip
+
+
+def values_scratch() -> tuple:
+    """The SMEM ``rank_values`` takes: the choices' ids and exponentials."""
+    return plgpu.SMEM((_ROWS,), jnp.int32), plgpu.SMEM((_ROWS,), jnp.float32)
+
+
+def strided_layout(n: int):
+    """The ``WG_STRIDED`` layout of a row of ``n`` (a multiple of 128) that ``rank_values``
+    takes: each thread up to 4 adjacent entries."""
+    vec = next(v for v in (4, 2, 1) if n % (_THREADS * v) == 0)
+    return plgpu.Layout.WG_STRIDED((n,), vec)
+
+
+def _choose(blocks: list, k: int) -> list:
+    """The ``k`` largest of distinct keys held in ``blocks`` (int32 arrays), largest first,
+    as scalars: each round's largest is taken out of its block by a compare against it."""
+    tops = []
+    for _ in range(k):
         top = functools.reduce(jnp.maximum, [jnp.max(block) for block in blocks])
         blocks = [jnp.where(block == top, _TAKEN, block) for block in blocks]
+        tops.append(top)
+    return tops
+
+
+def _store_choices(tops, dtype, n: int, exps_out, ids_out, ids_s, exps_s, *, valid) -> None:
+    """Each chosen key's index and ``exp(logit - max)`` into ``ids_out`` / ``exps_out``
+    (``[k]``), decoded side by side in a ``[64]`` block and read back as scalars."""
+    k = len(tops)
+    slot = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=_CHOICES)
+    chosen = jnp.zeros((_ROWS,), jnp.int32)
+    for c, top in enumerate(tops):
         chosen = jnp.where(slot == c, top, chosen)
     ordered = lax.shift_right_arithmetic(chosen, 16)
     bits = ordered ^ (lax.shift_right_arithmetic(ordered, 31) & 0x7FFF)
