@@ -161,6 +161,11 @@ TRIAL_SWITCHES = {
         "XLA; the gate/up weights are not paired by moe.pair_halves unless an earlier row of "
         "the run paired them (those rows split the paired products in XLA)",
     ),
+    "--split-router-launch": (
+        moe_layer, "SPLIT_ROUTER_LAUNCH", True,
+        "a MoE block's router launch runs over parts of K, combined by one program a token "
+        "(projections(splits=))",
+    ),
     "--ranking-in-router-launch": (
         moe_layer, "RANKING_IN_ROUTER_LAUNCH", True,
         "a MoE block that ranks its experts ranks them in the router's launch (one more "
@@ -851,7 +856,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--each-switch", default="",
         help="trial switches (flag names without the dashes, comma-separated) to run the rows "
-        "with one at a time, after the rows with none, in one process (one model build)",
+        "with one at a time, after the rows with none, in one process (one model build); "
+        "switches joined by '+' make one trial",
     )  # fmt: skip
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--flops", type=float, default=7.9e14)
@@ -887,8 +893,12 @@ def main(argv: list[str] | None = None) -> int:
         for flag, (module, name, value, _) in TRIAL_SWITCHES.items()
         if getattr(args, flag[2:].replace("-", "_"))
     }
-    each = [f"--{name.strip()}" for name in args.each_switch.split(",") if name.strip()]
-    unknown = [flag for flag in each if flag not in TRIAL_SWITCHES]
+    each = [
+        tuple(f"--{name.strip()}" for name in trial.split("+"))
+        for trial in args.each_switch.split(",")
+        if trial.strip()
+    ]
+    unknown = [flag for trial in each for flag in trial if flag not in TRIAL_SWITCHES]
     if unknown:
         parser.error(
             f"--each-switch {args.each_switch!r}: {unknown} are not trial switches "
@@ -948,8 +958,8 @@ def main(argv: list[str] | None = None) -> int:
             label += ", norm weights not folded"
         for trial in [None, *each]:
             trial_settings = dict(variant_settings)
-            if trial is not None:
-                module, name, value, _ = TRIAL_SWITCHES[trial]
+            for flag in trial or ():
+                module, name, value, _ = TRIAL_SWITCHES[flag]
                 trial_settings[module, name] = value
             hidden_switch = (moe_layer, "HIDDEN_IN_EXPERT_LAUNCH")
             if not args.unrolled and trial_settings.get(hidden_switch, getattr(*hidden_switch)):
@@ -957,7 +967,8 @@ def main(argv: list[str] | None = None) -> int:
                 # later rows, which split the paired products in XLA.
                 pair_scanned_swiglu(model)
             with switches_set(trial_settings):
-                rows += variant_rows(model, c, args, rng, f"{label}, {trial}" if trial else label)
+                row_label = f"{label}, {' '.join(trial)}" if trial else label
+                rows += variant_rows(model, c, args, rng, row_label)
         if not getattr(c, "num_experts", 0):
             break
     title = f"{args.preset}, {c.num_hidden_layers} layers"

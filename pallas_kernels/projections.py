@@ -58,6 +58,7 @@ from pallas_kernels.moe import routing, routing_mgpu
 
 __all__ = [
     "COLUMN_TILE",
+    "COMBINED_WIDTH",
     "MAX_ROWS",
     "add_unsupported_reason",
     "partial_splits",
@@ -76,6 +77,7 @@ _OP = "projections"
 MAX_ROWS = ROWS_PER_TILE
 COLUMN_TILE = BLOCK_N  # every weight's N is a multiple of it
 _ROW_THREADS = 128  # a row program's warpgroup, each thread whole pairs of the row's columns
+COMBINED_WIDTH = _ROW_THREADS  # a combined launch's products (hidden rows) are whole multiples
 _ROW_SCRATCH = 4096  # the row programs' cross-warp reduction space
 
 
@@ -267,10 +269,10 @@ def combined_unsupported_reason(
     flags = paired or (False,) * len(weights)
     for w, p in zip(weights, flags, strict=True):
         width = w.shape[1] // 2 if p else w.shape[1]
-        if width % _ROW_THREADS:
+        if width % COMBINED_WIDTH:
             return (
                 f"a product's {'hidden ' if p else ''}width {width} must be a multiple of "
-                f"{_ROW_THREADS} (a row program's threads)"
+                f"{COMBINED_WIDTH} (a row program's threads)"
             )
     return unsupported_reason(x, weights, paired) or _split_reason(x, splits)
 

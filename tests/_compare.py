@@ -11,7 +11,18 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import pytest
 
-__all__ = ["bits", "check_impl_refusals", "query_start_loc", "rel", "replace"]
+__all__ = [
+    "KERNEL_CALL",
+    "bits",
+    "check_impl_refusals",
+    "primitives_outside_kernels",
+    "query_start_loc",
+    "rel",
+    "replace",
+]
+
+# How a Pallas Mosaic GPU kernel appears in a jaxpr in JAX 0.11.2 (interpreted or not).
+KERNEL_CALL = "custom_vmap_call"
 
 
 def rel(x, ref) -> float:
@@ -43,3 +54,21 @@ def check_impl_refusals(calls: Mapping[str, Callable[[], object]], impl: str) ->
             NotImplementedError, match=f"{op}: impl='{impl}' cannot take this call: "
         ):
             call()
+
+
+def primitives_outside_kernels(jaxpr) -> tuple[set[str], int]:
+    """Primitive names of ``jaxpr`` and its sub-jaxprs, not looking inside kernel calls, and the
+    number of kernel calls."""
+    names, kernels = set(), 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == KERNEL_CALL:
+            kernels += 1
+            continue
+        names.add(eqn.primitive.name)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                if hasattr(sub, "eqns"):
+                    sub_names, sub_kernels = primitives_outside_kernels(sub)
+                    names, kernels = names | sub_names, kernels + sub_kernels
+    return names, kernels

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import primitives_outside_kernels
 from flax import nnx
 
 from hybrid_jax.backend import GDNDims, gdn_mix
@@ -35,8 +36,6 @@ POLICY = BucketPolicy(batch_buckets=(4,), token_buckets=(8,))
 ROWS = (RowSpec(5, 3, 1), RowSpec(2, 9, 1), RowSpec(6, 1, 1))
 # The elementwise ops of the gating; none of them may run outside a kernel in DECODE.
 GATING_PRIMITIVES = frozenset({"exp", "log", "log1p", "logistic"})
-# How a Pallas Mosaic GPU kernel appears in a jaxpr in JAX 0.11.2 (interpreted or not).
-KERNEL_CALL = "custom_vmap_call"
 
 
 def _bits(x) -> np.ndarray:
@@ -121,24 +120,6 @@ def test_decode_step_equals_the_unfused_path_and_writes_only_its_rows(
     assert (ssm_out[named] != ssm[named]).any(axis=(1, 2, 3)).all(), "a real slot was not written"
 
 
-def _primitives_outside_kernels(jaxpr) -> tuple[set[str], int]:
-    """Primitive names of ``jaxpr`` and its sub-jaxprs, not looking inside kernel calls, and the
-    number of kernel calls."""
-    names, kernels = set(), 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == KERNEL_CALL:
-            kernels += 1
-            continue
-        names.add(eqn.primitive.name)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple | list) else (param,):
-                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-                if hasattr(sub, "eqns"):
-                    sub_names, sub_kernels = _primitives_outside_kernels(sub)
-                    names, kernels = names | sub_names, kernels + sub_kernels
-    return names, kernels
-
-
 def _mix_args(layer, x, conv, ssm, meta):
     mixed, _, ba = layer._project(x)
     return mixed, layer.conv_weight[...], layer.gate_params[...], ba, conv, ssm
@@ -153,12 +134,12 @@ def test_decode_step_gates_only_inside_the_kernel(layer):
             mixed, conv_weight, gate_params, ba, conv, ssm, meta, CONFIG.dims, impl="interpret"
         )
 
-    names, kernels = _primitives_outside_kernels(jax.make_jaxpr(fused)(*args).jaxpr)
+    names, kernels = primitives_outside_kernels(jax.make_jaxpr(fused)(*args).jaxpr)
     assert kernels == 2, "the conv update and the decode kernel"
     assert not names & GATING_PRIMITIVES, f"gating outside the kernel: {names & GATING_PRIMITIVES}"
     # The check sees gating where it is: the unfused path gates in XLA.
     unfused = functools.partial(_unfused_decode, layer, meta=meta, impl="interpret")
-    names, kernels = _primitives_outside_kernels(jax.make_jaxpr(unfused)(x, conv, ssm).jaxpr)
+    names, kernels = primitives_outside_kernels(jax.make_jaxpr(unfused)(x, conv, ssm).jaxpr)
     assert kernels == 2 and {"exp", "logistic"} <= names
 
 
@@ -171,14 +152,14 @@ def test_the_output_norm_handed_to_the_mix_runs_inside_the_decode_kernel(layer):
         return gdn_mix(*args, meta, CONFIG.dims, output_norm=norm, impl="interpret").out
 
     norm_ops = {"rsqrt", "logistic"}
-    names, kernels = _primitives_outside_kernels(
+    names, kernels = primitives_outside_kernels(
         jax.make_jaxpr(mix)(*_mix_args(layer, x, conv, ssm, meta)).jaxpr
     )
     assert kernels == 2 and not names & norm_ops, f"the norm outside the kernel: {names}"
     # The check sees the norm where it is: formed in XLA it holds both.
     out = jnp.zeros((meta.num_tokens, 2, 64), jnp.float32)
     formed = jax.make_jaxpr(layer.norm)(out, z)
-    assert norm_ops <= _primitives_outside_kernels(formed.jaxpr)[0]
+    assert norm_ops <= primitives_outside_kernels(formed.jaxpr)[0]
 
 
 @pytest.mark.parametrize("bs", [1, 8, 64])
@@ -306,5 +287,5 @@ def test_the_conv_in_the_decode_kernel_gives_the_conv_launch_s_step_bit_for_bit(
     for on in (False, True):
         monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL", on)
         jaxpr = jax.make_jaxpr(functools.partial(_fused_decode, layer, impl="interpret"))
-        launches[on] = _primitives_outside_kernels(jaxpr(x, conv, ssm, meta).jaxpr)[1]
+        launches[on] = primitives_outside_kernels(jaxpr(x, conv, ssm, meta).jaxpr)[1]
     assert launches[True] == launches[False] - 1

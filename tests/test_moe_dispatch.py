@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import primitives_outside_kernels
 from flax import nnx
 
 from hybrid_jax.layers import linear as linear_layer
@@ -346,21 +347,22 @@ def test_softmax_in_ranking_routes_as_the_softmax_after_it_with_no_reduce_of_its
     assert 2 in ranks_after and set(ranks_in) == {3}
 
 
-def _paired_block(experts, top_k, seed, *, normed, norm_topk_prob=True):
+def _paired_block(experts, top_k, seed, *, normed, norm_topk_prob=True, hidden=128):
     """(a MoE block laid out as an engine lays out its blocks, 5 rows of residual and input,
     the input as ``NormedRows`` when ``normed``, the first 4 rows real) and ``run(impl)``:
     its jitted ``add_to`` of them, with the traced program's text."""
-    config = MoEConfig(hidden_size=128, num_experts=experts, top_k=top_k, intermediate_size=128,
-                       shared_intermediate_size=128, dtype="bfloat16",
+    config = MoEConfig(hidden_size=hidden, num_experts=experts, top_k=top_k,
+                       intermediate_size=128, shared_intermediate_size=128, dtype="bfloat16",
                        norm_topk_prob=norm_topk_prob)  # fmt: skip
     moe = SparseMoE(config, rngs=nnx.Rngs(seed))
     moe.widen_shared_gate()
     moe.pair_halves()
     rng = np.random.default_rng(seed + 6)
-    residual = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((5, 128)), jnp.bfloat16)
+    residual = jnp.asarray(rng.standard_normal((5, hidden)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((5, hidden)), jnp.bfloat16)
     if normed:
-        x = NormedRows(x, jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.float32), 1e-6)
+        scale = jnp.asarray(1 + 0.1 * rng.standard_normal(hidden), jnp.float32)
+        x = NormedRows(x, scale, 1e-6)
     real = jnp.arange(5) < 4
 
     def run(impl="interpret"):
@@ -447,6 +449,44 @@ def test_ranking_in_the_router_launch_gives_the_block_bit_for_bit(normed, monkey
     chex.assert_trees_all_equal(ranked, apart)
     on_reference, reference_program = run("reference")
     assert "projections_ranked" not in reference_program
+    chex.assert_trees_all_equal(on_reference, reference)
+
+
+@pytest.mark.parametrize("normed", [False, True], ids=["rows", "normed-rows"])
+def test_a_router_launch_over_parts_of_k_gives_the_block_and_ranks_as_xla(normed, monkeypatch):
+    """``SPLIT_ROUTER_LAUNCH``: the router's launch over parts of K combined by its row
+    programs (``projections_combined``) gives the block within bf16 rounding of the whole-K
+    launch, and ranking in it (``RANKING_IN_ROUTER_LAUNCH``) gives what the XLA reductions
+    of its stored logits give, bit for bit; the reference (the CPU's ``auto``) is
+    unchanged by the switch. K = 512 (4 parts), 128 experts, the gate widened to 128."""
+    block = _paired_block(128, 4, 7, normed=normed, hidden=512)
+    run = block[1]
+    monkeypatch.setattr(moe_layer, "RANKING_IN_ROUTER_LAUNCH", False)
+    whole, whole_program = run()
+    reference, _ = run("reference")
+    assert "projections_combined" not in whole_program
+    monkeypatch.setattr(moe_layer, "SPLIT_ROUTER_LAUNCH", True)
+    split, split_program = run()
+    assert "projections_combined" in split_program and "projections_ranked" not in split_program
+    rows, want = np.asarray(split.x, np.float64), np.asarray(whole.x, np.float64)
+    assert np.linalg.norm(rows - want) / np.linalg.norm(want) < 1e-2
+    monkeypatch.setattr(moe_layer, "RANKING_IN_ROUTER_LAUNCH", True)
+    ranked, ranked_program = run()
+    assert "projections_combined" in ranked_program
+    chex.assert_trees_all_equal(ranked, split)
+    # The XLA reductions of the ranking (its max among them) are gone.
+    (moe, residual, x, real), _ = block
+
+    def primitives():  # a new function each time: a traced one is cached with its switches
+        step = jax.make_jaxpr(lambda m, res, a, r: m.add_to(res, a, r, impl="interpret"))
+        return primitives_outside_kernels(step(moe, residual, x, real).jaxpr)[0]
+
+    in_launch = primitives()
+    monkeypatch.setattr(moe_layer, "RANKING_IN_ROUTER_LAUNCH", False)
+    in_xla = primitives()
+    assert "reduce_max" in in_xla - in_launch and in_launch <= in_xla
+    on_reference, reference_program = run("reference")
+    assert "projections_combined" not in reference_program
     chex.assert_trees_all_equal(on_reference, reference)
 
 

@@ -77,15 +77,17 @@ def test_each_switch_runs_the_rows_again_with_one_switch_at_a_time(
     rows = serve.variant_rows
 
     def recording(model, c, args, rng, label):
-        seen.append((label, moe.SHARED_HIDDEN_WITH_EXPERTS))
+        seen.append((label, moe.SHARED_HIDDEN_WITH_EXPERTS, moe.SPLIT_ROUTER_LAUNCH))
         return rows(model, c, args, rng, label)
 
     flags = ["--smoke", "--compile-only", "--out", str(tmp_path)]
     monkeypatch.setattr(serve, "variant_rows", recording)
-    assert serve.main([*flags, "--each-switch", "no-shared-hidden-with-experts"]) == 0
-    trial = "MoE ragged_dot, --no-shared-hidden-with-experts"
-    assert seen == [("MoE ragged_dot", True), (trial, False)]
-    assert moe.SHARED_HIDDEN_WITH_EXPERTS is True
+    trials = "no-shared-hidden-with-experts,split-router-launch+no-shared-hidden-with-experts"
+    assert serve.main([*flags, "--each-switch", trials]) == 0
+    one = "MoE ragged_dot, --no-shared-hidden-with-experts"
+    both = "MoE ragged_dot, --split-router-launch --no-shared-hidden-with-experts"
+    assert seen == [("MoE ragged_dot", True, False), (one, False, False), (both, False, True)]
+    assert moe.SHARED_HIDDEN_WITH_EXPERTS is True and moe.SPLIT_ROUTER_LAUNCH is False
     with pytest.raises(SystemExit):
         serve.main([*flags, "--each-switch", "no-such-switch"])
     assert "'--no-such-switch'] are not trial switches" in capsys.readouterr().err

@@ -64,6 +64,7 @@ _SWITCHES = {
         "SHARED_DOWN_WITH_EXPERTS",
         "SHARED_HIDDEN_WITH_EXPERTS",
         "SOFTMAX_IN_RANKING",
+        "SPLIT_ROUTER_LAUNCH",
     ),
     "hybrid_jax.backend.attention": ("ROWS_IN_KERNEL", "TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
     "hybrid_jax.backend.gdn": ("CONV_IN_DECODE_KERNEL", "CONV_IN_DECODE_KERNEL_MAX_ROWS"),

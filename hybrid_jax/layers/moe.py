@@ -38,6 +38,7 @@ __all__ = [
     "RANKED_TOP_K_TOKENS",
     "RANKING_IN_ROUTER_LAUNCH",
     "SHARED_DOWN_WITH_EXPERTS",
+    "SPLIT_ROUTER_LAUNCH",
     "SHARED_HIDDEN_WITH_EXPERTS",
     "SOFTMAX_IN_RANKING",
     "ExpertDispatch",
@@ -95,6 +96,15 @@ while the hidden programs read theirs, and each pair's down programs start once 
 tiles are stored, instead of a launch that starts after the hidden launch ends. The launches
 of a forward count in one buffer (``add_to``'s ``counters``), so none zero-fills its own (a
 kernel fewer per MoE block: ``benchmarks/RESULTS_serve.md``, session 41)."""
+
+SPLIT_ROUTER_LAUNCH = False
+"""Whether a block whose hidden rows come from the experts' launches splits its router's
+launch over parts of K (``projections(splits=)``, ``projections.partial_splits``'s count): a
+program per (column tile, part) instead of a few programs that each stream a whole K (the
+35B-like router, shared gate/up and gate are 22 column tiles), and one more program a token
+that sums its partials, forms the norm's scale and the shared expert's SwiGLU (and with
+``RANKING_IN_ROUTER_LAUNCH`` ranks the logits from its registers). Off until measured
+faster end to end (``benchmarks/RESULTS_serve.md``)."""
 
 RANKING_IN_ROUTER_LAUNCH = False
 """Whether a block that ranks its tokens' experts with the softmax in the ranking
@@ -283,6 +293,14 @@ def _expert_weights(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype) ->
     return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * shape[1] ** -0.5)
 
 
+def _launch_rows(x: jax.Array | NormedRows, layers) -> tuple[jax.Array, list, dict]:
+    """(the rows a launch reads, the layers' weights, the norm's arguments: each row's
+    square sum and eps where ``x`` is a norm's rows, which the launch scales by)."""
+    rows = x.weighted() if isinstance(x, NormedRows) else x
+    norm = dict(row_scale=x.square_sum(), rms_eps=x.eps) if isinstance(x, NormedRows) else {}
+    return rows, [layer.kernel[...] for layer in layers], norm
+
+
 class SparseMoE(nnx.Module):
     """Top-k routed experts plus a sigmoid-gated shared expert; x ``[T, hidden]`` -> same;
     ``impl`` chooses the experts' grouped matmul (``moe.grouped_matmul``)."""
@@ -387,7 +405,9 @@ class SparseMoE(nnx.Module):
             shared_hidden, gate_logits, weights, experts = ranked
             exps = True
         else:
-            logits, (shared_hidden,), gate_logits = self._router_launch(x, True, impl)
+            logits, (shared_hidden,), gate_logits = self._router_launch(
+                x, True, impl, counters=counters
+            )
             weights, experts, exps = self._route(logits, real)
             if not exps:  # as ``route`` gives them (the combine divides exponentials itself)
                 weights = weights.astype(logits.dtype)
@@ -402,12 +422,22 @@ class SparseMoE(nnx.Module):
         )
         return SummedRows(out, sums)
 
-    def _router_launch(self, x: jax.Array | NormedRows, hidden_in_launch: bool, impl: str):
+    def _router_launch(self, x: jax.Array | NormedRows, hidden_in_launch: bool, impl: str,
+                       counters: jax.Ref | None = None):  # fmt: skip
         """(the router's logits ``[T, E]``; the shared expert's input products, its hidden
         rows alone with ``hidden_in_launch``; its gate logits ``[T, G]``, the logit in column
-        0) from the launch of the products that read the block's input."""
+        0) from the launch of the products that read the block's input, over parts of K
+        where ``_router_splits`` splits it (counting in ``counters``)."""
         inputs, paired, gate_in_launch = self._router_inputs(hidden_in_launch)
-        logits, *shared_products = project(x, inputs, impl=impl, paired=paired)
+        rows, weights, norm = _launch_rows(x, inputs)
+        splits = self._router_splits(rows, weights, paired, impl) if hidden_in_launch else 1
+        if splits > 1:
+            logits, *shared_products = projections.projections(
+                rows, weights, paired=paired, splits=splits, counters=counters, impl=impl,
+                **norm,
+            )  # fmt: skip
+        else:
+            logits, *shared_products = project(x, inputs, impl=impl, paired=paired)
         if gate_in_launch:
             *shared_products, gate_logits = shared_products
         else:
@@ -440,21 +470,33 @@ class SparseMoE(nnx.Module):
         if not (RANKING_IN_ROUTER_LAUNCH and ranks):
             return None
         inputs, paired, gate_in_launch = self._router_inputs(True)
-        rows = x.weighted() if isinstance(x, NormedRows) else x
-        weights = [layer.kernel[...] for layer in inputs]
+        rows, weights, norm = _launch_rows(x, inputs)
         reason = projections.ranked_unsupported_reason(rows, weights, c.top_k, paired)
         if any(layer.use_bias for layer in inputs) or reason is not None:
             return None
         if resolve_impl("projections", impl, reason) == "reference":
             return None  # the blocks' XLA products and ranking
-        kw = dict(row_scale=x.square_sum(), rms_eps=x.eps) if isinstance(x, NormedRows) else {}
         products, exps, experts = projections.ranked_projections(
-            rows, weights, top_k=c.top_k, valid=real, paired=paired, counters=counters,
-            impl=impl, **kw,
+            rows, weights, top_k=c.top_k, valid=real, paired=paired,
+            splits=self._router_splits(rows, weights, paired, impl), counters=counters,
+            impl=impl, **norm,
         )  # fmt: skip
         shared_hidden = products[1]
         gate_logits = products[-1] if gate_in_launch else self._shared_gate_logit(x)
         return shared_hidden, gate_logits, exps, experts
+
+    def _router_splits(self, rows: jax.Array, weights, paired, impl: str) -> int:
+        """The parts of K the router's launch takes: ``projections.partial_splits``' count
+        with ``SPLIT_ROUTER_LAUNCH`` where the launch combines those (on the GPU: no
+        biases, widths its row programs take), else 1."""
+        if not SPLIT_ROUTER_LAUNCH or not 0 < rows.shape[0] <= linear_layer.FEW_ROWS:
+            return 1
+        splits = projections.partial_splits(rows.shape[1], [w.shape[1] for w in weights])
+        layers = self._router_inputs(True)[0]
+        reason = projections.combined_unsupported_reason(rows, weights, splits, paired)
+        if splits == 1 or reason is not None or any(layer.use_bias for layer in layers):
+            return 1
+        return splits if resolve_impl("projections", impl, reason) != "reference" else 1
 
     def _shared_gate_logit(self, x: jax.Array | NormedRows) -> jax.Array:
         """``shared_expert_gate(x)`` ``[T, 1]``; of ``NormedRows``, the product of the
@@ -476,15 +518,17 @@ class SparseMoE(nnx.Module):
         return [self.gate.kernel, *shared, self.gate_up_proj]
 
     def widen_shared_gate(self) -> None:
-        """Give the shared expert's gate ``[hidden, 1]`` zero columns up to a column tile of
-        the projections' launch, which then forms its logit beside the router's (the other
+        """Give the shared expert's gate ``[hidden, 1]`` zero columns up to a width the
+        projections' launch takes, which then forms its logit beside the router's (the other
         columns are never read). For a block whose input norm is folded into its readers
         (``ZeroCenteredRMSNorm.fold_into``): the launch's rows are then the input itself,
         and the gate alone would be a product of its own over them."""
         kernel = self.shared_expert_gate.kernel
         width = kernel.shape[-1]
-        if width % projections.COLUMN_TILE:
-            pad = projections.COLUMN_TILE - width % projections.COLUMN_TILE
+        # Wide enough for a launch combined by rows too (``SPLIT_ROUTER_LAUNCH``).
+        multiple = max(projections.COLUMN_TILE, projections.COMBINED_WIDTH)
+        if width % multiple:
+            pad = multiple - width % multiple
             widths = [(0, 0)] * (len(kernel.shape) - 1) + [(0, pad)]
             kernel.set_value(jnp.pad(kernel.get_value(), widths))
 
