@@ -32,10 +32,8 @@ def repeated_moe_qwen3_next_config(**changes) -> Qwen3NextConfig:
     layers, then attention), each layer's MLP a MoE of 64 experts top 8: what a scan stacks
     and the by-id MoE launches run; then ``changes``."""
     block = ("linear_attention",) * 3 + ("full_attention",)
-    return kernel_sized_qwen3_next_config(
-        num_experts=64, num_experts_per_tok=8, num_hidden_layers=8, mlp_only_layers=(),
-        layer_types=block * 2, **changes,
-    )  # fmt: skip
+    moe = dict(num_experts=64, num_experts_per_tok=8, num_hidden_layers=8, mlp_only_layers=())
+    return kernel_sized_qwen3_next_config(**{**moe, "layer_types": block * 2, **changes})
 
 
 def kernel_sized_nemotron_h_config(**changes) -> NemotronHConfig:

@@ -140,6 +140,29 @@ def test_a_decode_step_ranks_its_experts_in_the_router_launch_when_switched_on(m
     assert len(zeros) == 1, "the forward's buffer, and no launch's own"
 
 
+def _qwen3_next_128_experts() -> Qwen3Next:
+    """``_qwen3_next`` with 128 experts: a router launch its row programs can combine."""
+    return Qwen3Next(repeated_moe_qwen3_next_config(num_experts=128), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("ranked", [False, True], ids=["xla-ranking", "ranked-in-launch"])
+def test_a_decode_step_splits_its_router_launch_when_switched_on(monkeypatch, ranked):
+    """With ``SPLIT_ROUTER_LAUNCH`` each MoE block's router launch runs over parts of K and
+    combines them by row (``projections_combined``; with ``RANKING_IN_ROUTER_LAUNCH`` it
+    ranks there too, and no launch is ``projections_ranked``), counting in the forward's one
+    buffer, and lowers for the GPU."""
+    monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
+    monkeypatch.setattr(moe_layer, "SPLIT_ROUTER_LAUNCH", True)
+    monkeypatch.setattr(moe_layer, "RANKING_IN_ROUTER_LAUNCH", ranked)
+    steps, state, policy = _steps_and_state.__wrapped__(_qwen3_next_128_experts)
+    meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
+    x = jax.ShapeDtypeStruct((8,), jnp.int32)
+    text = steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
+    assert "projections_combined" in text and "projections_ranked" not in text
+    zeros = [line for line in text.splitlines() if "(tensor<i32>) -> tensor<128xi32>" in line]
+    assert len(zeros) == 1, "the forward's buffer, and no launch's own"
+
+
 # The kernels each step of a model cut over two GPUs holds (on one GPU a Qwen3-Next decode
 # step's MoE blocks run ``expert_mlp`` and its attention rows their own launch; cut, each
 # GPU's MoE slice runs by id and the rows of its one KV head of 2, a rotary of 128, in XLA).
