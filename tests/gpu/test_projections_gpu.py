@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import rel
 
 from pallas_kernels import moe, projections
 from pallas_kernels._common import on_hopper_gpu
@@ -194,39 +195,50 @@ def test_add_launches_sharing_one_counters_buffer_match_the_split_product(rows):
     np.testing.assert_array_equal(np.asarray(counters), 0)
 
 
+@pytest.mark.parametrize("splits", [1, 4], ids=["whole-k", "4-parts"])
 @pytest.mark.parametrize(
     ("rows", "experts", "top_k"),
     [(1, 256, 8), (8, 256, 8), (8, 512, 10), (8, 64, 8)],
     ids=["35b-1-row", "35b-8-rows", "qwen3-next", "64-experts"],
 )
-def test_ranked_launches_sharing_one_counters_buffer_rank_what_they_store(rows, experts, top_k):
+def test_ranked_launches_sharing_one_counters_buffer_rank_what_they_store(
+    rows, experts, top_k, splits
+):
     """``ranked_projections`` at a router's shapes (the 35B-like router, its paired shared
     gate/up and widened gate, rows scaled by their inverse RMS), 50 launches in a
     ``lax.scan`` on other rows each, counting in one carried buffer: each launch's products
-    equal the plain launch's bit for bit, its ids are ``moe.top_k_exps`` of the logits it
-    stored (a row program that ranked before every router tile landed would differ in some
-    launch; a third of the router's columns repeat others, so equal logits tie), its
-    exponentials theirs within float32 rounding, padding rows get no expert, and the buffer
-    is zero after them all."""
+    equal the unranked launch's bit for bit (over parts of K, ``splits``: both within the
+    float64 oracle's 1e-2), its ids are ``moe.top_k_exps`` of the logits it stored (a row
+    program that ranked before every tile or partial landed would differ in some launch; a
+    third of the router's columns repeat others, so equal logits tie), its exponentials
+    theirs within float32 rounding, padding rows get no expert, and the buffer is zero
+    after them all."""
+    if splits > 1 and experts % projections.COMBINED_WIDTH:
+        pytest.skip(f"a combined launch takes widths of whole {projections.COMBINED_WIDTH}")
     rng = np.random.default_rng(rows + experts)
     k = 2048
     xs = jnp.asarray(rng.standard_normal((50, rows, k)), jnp.bfloat16)
     sums = jnp.asarray(rng.uniform(0.05, 4.0, (50, rows)) * k, jnp.float32)
     router = rng.standard_normal((k, experts)) / np.sqrt(k)
     router[:, 2::3] = router[:, 1::3][:, : router[:, 2::3].shape[1]]
+    gate_width = 64 if splits == 1 else projections.COMBINED_WIDTH
     ws = [jnp.asarray(w, jnp.bfloat16) for w in
           (router, rng.standard_normal((k, 1024)) / np.sqrt(k),
-           rng.standard_normal((k, 64)) / np.sqrt(k))]  # fmt: skip
+           rng.standard_normal((k, gate_width)) / np.sqrt(k))]  # fmt: skip
     ws[1] = moe.pair_halves(ws[1])
     valid = jnp.arange(rows) < max(1, rows - 3)
-    kw = dict(rms_eps=1e-6, paired=(False, True, False), impl="pallas")
+    kw = dict(rms_eps=1e-6, paired=(False, True, False), splits=splits, impl="pallas")
 
     @jax.jit
     def plain(xs, sums):
-        def body(_, xs_):
-            return None, projections.projections(xs_[0], ws, row_scale=xs_[1], **kw)
+        counters = jax.new_ref(jnp.zeros((8,), jnp.int32))
 
-        return jax.lax.scan(body, None, (xs, sums))[1]
+        def body(_, xs_):
+            return None, projections.projections(
+                xs_[0], ws, row_scale=xs_[1], counters=counters if splits > 1 else None, **kw
+            )
+
+        return jax.lax.scan(body, None, (xs, sums))[1], counters[...]
 
     @jax.jit
     def ranked(xs, sums):
@@ -240,12 +252,15 @@ def test_ranked_launches_sharing_one_counters_buffer_rank_what_they_store(rows, 
         outs = jax.lax.scan(body, None, (xs, sums))[1]
         return outs, counters[...]
 
-    want = plain(xs, sums)
+    want, plain_counters = plain(xs, sums)
     (products, exps, ids), counters = ranked(xs, sums)
     for got, expected in zip(products, want, strict=True):
         np.testing.assert_array_equal(
             np.asarray(got).view(np.uint16), np.asarray(expected).view(np.uint16)
         )
+    scale = 1 / np.sqrt(np.asarray(sums, np.float64) / k + 1e-6)
+    logits64 = np.einsum("lrk,kn->lrn", np.asarray(xs, np.float64), np.asarray(ws[0], np.float64))
+    assert rel(products[0], logits64 * scale[..., None]) < 1e-2
     want_exps, want_ids = jax.vmap(
         lambda logits: moe.top_k_exps(logits.astype(jnp.float32), top_k, valid)
     )(products[0])
@@ -253,3 +268,4 @@ def test_ranked_launches_sharing_one_counters_buffer_rank_what_they_store(rows, 
     assert (np.asarray(ids)[:, ~np.asarray(valid)] == experts).all()
     np.testing.assert_allclose(np.asarray(exps), np.asarray(want_exps), rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(counters), 0)
+    np.testing.assert_array_equal(np.asarray(plain_counters), 0)
