@@ -14,9 +14,12 @@ SwiGLU formed in the router's launch.
 products over parts of K, summed by the caller where it uses them. ``projection_add`` sums
 them in the same launch, added to the residual stream with the new rows' square sums: its
 last programs, one a row, wait on a GMEM counter until every partial is stored
-(``_counters``). ``ranked_projections`` ranks each row of the first product (a MoE router's
-logits) the same way: one more program a row waits for that weight's tiles, then picks the
-row's top-k experts (``moe.routing_mgpu``).
+(``_counters``). ``projections(splits=)`` does the same for whole products: its row
+programs sum the partials, scale them and form a paired weight's SwiGLU, so weights of few
+column tiles (a MoE router's launch) take more programs, each reading less.
+``ranked_projections`` ranks each row of the first product (a MoE router's logits) too: one
+more program a row waits for that weight's tiles, then picks the row's top-k experts (or,
+over parts of K, the row program ranks the row it formed; ``moe.routing_mgpu``).
 
 The Mosaic GPU kernel (sm_90): one program per (``BLOCK_N``-column tile of every weight, part
 of K) (the weights' tiles numbered one after another); each multiplies the rows by its tile,
