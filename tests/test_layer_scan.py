@@ -190,7 +190,7 @@ def test_scanned_layers_with_their_norms_folded_step_as_the_layer_by_layer_model
     block = folded.layers[0].blocks[0]
     assert block.input_layernorm.folded and block.post_attention_layernorm.folded
     assert not np.asarray(block.post_attention_layernorm.weight.get_value()).any()
-    assert block.mlp.shared_expert_gate.kernel.get_value().shape[-1] == 64
+    assert block.mlp.shared_expert_gate.kernel.get_value().shape[-1] == moe_layer.SHARED_GATE_WIDTH
     if paired:
         pair_scanned_swiglu(folded)
         assert block.mlp.paired and block.mlp.gate_up_proj.get_value().shape[1:] == experts.shape

@@ -38,6 +38,7 @@ __all__ = [
     "RANKED_TOP_K_TOKENS",
     "RANKING_IN_ROUTER_LAUNCH",
     "SHARED_DOWN_WITH_EXPERTS",
+    "SHARED_GATE_WIDTH",
     "SPLIT_ROUTER_LAUNCH",
     "SHARED_HIDDEN_WITH_EXPERTS",
     "SOFTMAX_IN_RANKING",
@@ -96,6 +97,10 @@ while the hidden programs read theirs, and each pair's down programs start once 
 tiles are stored, instead of a launch that starts after the hidden launch ends. The launches
 of a forward count in one buffer (``add_to``'s ``counters``), so none zero-fills its own (a
 kernel fewer per MoE block: ``benchmarks/RESULTS_serve.md``, session 41)."""
+
+SHARED_GATE_WIDTH = max(projections.COLUMN_TILE, projections.COMBINED_WIDTH)
+"""The columns a widened shared expert gate has (``SparseMoE.widen_shared_gate``): a width the
+router's launch takes, whole-K or combined by rows (``SPLIT_ROUTER_LAUNCH``)."""
 
 SPLIT_ROUTER_LAUNCH = False
 """Whether a block whose hidden rows come from the experts' launches splits its router's
@@ -525,10 +530,8 @@ class SparseMoE(nnx.Module):
         and the gate alone would be a product of its own over them."""
         kernel = self.shared_expert_gate.kernel
         width = kernel.shape[-1]
-        # Wide enough for a launch combined by rows too (``SPLIT_ROUTER_LAUNCH``).
-        multiple = max(projections.COLUMN_TILE, projections.COMBINED_WIDTH)
-        if width % multiple:
-            pad = multiple - width % multiple
+        if width % SHARED_GATE_WIDTH:
+            pad = SHARED_GATE_WIDTH - width % SHARED_GATE_WIDTH
             widths = [(0, 0)] * (len(kernel.shape) - 1) + [(0, pad)]
             kernel.set_value(jnp.pad(kernel.get_value(), widths))
 
