@@ -447,12 +447,6 @@ def combined_reference(
     return tuple(combined(p, f) for p, f in zip(partials, flags, strict=True))
 
 
-def _check_combined(x: jax.Array, splits: int, counters) -> None:
-    if splits < 1 or x.shape[1] % splits:
-        raise ValueError(f"{_OP}: splits={splits} must be >= 1 and divide K={x.shape[1]}")
-    _counters.check_counters(_OP, counters, 1)
-
-
 def _eps(rms_eps: float | None) -> float | None:
     return None if rms_eps is None else float(rms_eps)
 
@@ -497,7 +491,8 @@ def projections(
     """
     weights, paired = tuple(weights), tuple(bool(p) for p in paired)
     _check(x, weights, row_scale, rms_eps, paired)
-    _check_combined(x, splits, counters)
+    splits = _checked_splits(x, weights, splits)
+    _counters.check_counters(_OP, counters, 1)
     if splits > 1:
         reason = None
         if impl != "reference":
@@ -560,7 +555,8 @@ def ranked_projections(
     their row from registers."""
     weights, paired = tuple(weights), tuple(bool(p) for p in paired)
     _check(x, weights, row_scale, rms_eps, paired)
-    _check_combined(x, splits, counters)
+    splits = _checked_splits(x, weights, splits)
+    _counters.check_counters(_OP, counters, 1)
     if valid is not None and tuple(valid.shape) != (x.shape[0],):
         raise ValueError(f"{_OP}: valid {tuple(valid.shape)} must be [R] = [{x.shape[0]}]")
     if not 0 < top_k <= weights[0].shape[1]:

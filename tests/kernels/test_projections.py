@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _compare import rel
 from flax import nnx
 
 from hybrid_jax.layers import linear
@@ -569,3 +570,63 @@ def test_ranked_calls_refuse_what_the_ranking_cannot_take():
         projections.ranked_projections(
             x, [router], top_k=8, counters=jax.new_ref(jnp.zeros((2,), jnp.float32))
         )
+
+
+@pytest.mark.parametrize(
+    ("rows", "splits", "widths", "paired", "top_k"),
+    [
+        (8, 4, (256, 1024, 128), (False, True, False), 8),  # the 35B-like router's launch
+        (3, 2, (128, 256), (False, False), None),
+        (1, 4, (512,), (False,), 10),
+    ],
+    ids=["router-paired-ranked", "two-weights", "one-row-ranked"],
+)
+@pytest.mark.parametrize("impl", ["interpret", "reference"])
+def test_a_launch_over_parts_of_k_combines_them_by_row(rows, splits, widths, paired, top_k,
+                                                       impl):  # fmt: skip
+    """``projections(splits=)``: each product is ``combined_reference``'s bit for bit (the
+    partials summed in split order, then the rows' inverse RMS; a paired weight's SwiGLU
+    within float32 rounding) and within the float64 oracle's bf16 rounding; with ``top_k``
+    the rows are ranked as the oracle ranks the stored logits (one of them padding)."""
+    k = 512
+    x, ws = _case(rows * 7 + splits, rows, k, widths)
+    ws = [moe.pair_halves(w) if p else w for w, p in zip(ws, paired, strict=True)]
+    rng = np.random.default_rng(rows)
+    scale = jnp.asarray(rng.uniform(1, 30, rows), jnp.float32)
+    kw = dict(row_scale=scale, rms_eps=0.25, paired=paired, splits=splits, impl=impl)
+    if top_k is None:
+        got = projections.projections(x, ws, **kw)
+    else:
+        valid = jnp.arange(rows) < max(1, rows - 1)
+        got, exps, ids = projections.ranked_projections(x, ws, top_k=top_k, valid=valid, **kw)
+        want_exps, want_ids = _ranking64(got[0], top_k, valid)
+        np.testing.assert_array_equal(np.asarray(ids), want_ids)
+        np.testing.assert_allclose(np.asarray(exps), want_exps, rtol=1e-6)
+    want = projections.combined_reference(x, ws, splits, scale, 0.25, paired)
+    for out, expected, p in zip(got, want, paired, strict=True):
+        if p:  # the SwiGLU's exponential: its own formula, within float32 rounding
+            chex.assert_trees_all_close(out, expected, rtol=1e-2, atol=1e-5)
+        else:
+            chex.assert_trees_all_equal(out, expected)
+    inverse_rms = 1 / np.sqrt(np.asarray(scale, np.float64) / k + 0.25)
+    for out, w, p in zip(got, ws, paired, strict=True):
+        y = (np.asarray(x, np.float64) @ np.asarray(w, np.float64)) * inverse_rms[:, None]
+        if p:
+            gate, up = np.split(np.asarray(moe.unpair_halves(jnp.asarray(y)), np.float64), 2, -1)
+            y = gate / (1 + np.exp(-gate)) * up
+        assert rel(out, y) < 1e-2
+
+
+def test_a_launch_over_parts_of_k_refuses_what_its_rows_cannot_take():
+    x = jnp.zeros((8, 512), jnp.bfloat16)
+    router, gate = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((512, 64), jnp.bfloat16)
+    reason = projections.combined_unsupported_reason
+    assert reason(x, [router], 4) is None
+    assert "width 64 must be a multiple of 128" in reason(x, [router, gate], 4)
+    assert reason(x, [jnp.zeros((512, 256), jnp.bfloat16)], 4, (True,)) is None
+    assert "hidden width 64" in reason(x, [jnp.zeros((512, 128), jnp.bfloat16)], 4, (True,))
+    assert "splits x 128" in reason(x, [router], 8)
+    with pytest.raises(NotImplementedError, match="width 64 must be a multiple of 128"):
+        projections.projections(x, [router, gate], splits=4, impl="pallas")
+    with pytest.raises(ValueError, match=r"splits=3 must be >= 1 and divide K=512"):
+        projections.projections(x, [router], splits=3)
