@@ -244,8 +244,7 @@ def _kernel(
         for w, p in zip(weights, paired, strict=True)
     ]
     if ranked:
-        out_type += [jax.ShapeDtypeStruct((rows, top_k), F32),
-                     jax.ShapeDtypeStruct((rows, top_k), jnp.int32)]  # fmt: skip
+        out_type += _ranking_types(rows, top_k)
     outs = plgpu.kernel(
         body,
         out_type=tuple(out_type),
@@ -262,6 +261,14 @@ def _kernel(
     )(*operands)
     products = tuple(out[:, :rows] for out in outs[: len(weights)])
     return (*products, *outs[len(weights) :])
+
+
+def _ranking_types(rows: int, top_k: int) -> list[jax.ShapeDtypeStruct]:
+    """A ranked launch's last outputs: the chosen exponentials and ids ``[R, top_k]``."""
+    return [
+        jax.ShapeDtypeStruct((rows, top_k), F32),
+        jax.ShapeDtypeStruct((rows, top_k), jnp.int32),
+    ]
 
 
 def combined_unsupported_reason(
@@ -407,8 +414,7 @@ def _combined_kernel(x, weights, row_scale, valid, counters, *, splits: int,
     out_type = [jax.ShapeDtypeStruct(shape, F32) for shape in part_shapes]
     out_type += [jax.ShapeDtypeStruct(shape, dtype) for shape in out_shapes]
     if ranked:
-        out_type += [jax.ShapeDtypeStruct((rows, top_k), F32),
-                     jax.ShapeDtypeStruct((rows, top_k), jnp.int32)]  # fmt: skip
+        out_type += _ranking_types(rows, top_k)
     outs = plgpu.kernel(
         body,
         out_type=tuple(out_type),

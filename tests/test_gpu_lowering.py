@@ -125,40 +125,37 @@ def test_a_decode_step_s_launches_count_in_one_buffer_the_scan_carries(monkeypat
     assert ("conv1d_update" in text) != conv_in_kernel
 
 
-def test_a_decode_step_ranks_its_experts_in_the_router_launch_when_switched_on(monkeypatch):
-    """With ``RANKING_IN_ROUTER_LAUNCH`` each MoE block's router launch ranks its logits
-    (``projections_ranked``, its router's 64 experts beside the paired shared gate/up),
-    counting in the forward's one buffer, and lowers for the GPU."""
-    monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
-    monkeypatch.setattr(moe_layer, "RANKING_IN_ROUTER_LAUNCH", True)
-    steps, state, policy = _steps_and_state.__wrapped__(_qwen3_next)
-    meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
-    x = jax.ShapeDtypeStruct((8,), jnp.int32)
-    text = steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
-    assert "projections_ranked" in text and "expert_mlp" in text
-    zeros = [line for line in text.splitlines() if "(tensor<i32>) -> tensor<128xi32>" in line]
-    assert len(zeros) == 1, "the forward's buffer, and no launch's own"
-
-
 def _qwen3_next_128_experts() -> Qwen3Next:
     """``_qwen3_next`` with 128 experts: a router launch its row programs can combine."""
     return Qwen3Next(repeated_moe_qwen3_next_config(num_experts=128), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("ranked", [False, True], ids=["xla-ranking", "ranked-in-launch"])
-def test_a_decode_step_splits_its_router_launch_when_switched_on(monkeypatch, ranked):
-    """With ``SPLIT_ROUTER_LAUNCH`` each MoE block's router launch runs over parts of K and
-    combines them by row (``projections_combined``; with ``RANKING_IN_ROUTER_LAUNCH`` it
-    ranks there too, and no launch is ``projections_ranked``), counting in the forward's one
-    buffer, and lowers for the GPU."""
+@pytest.mark.parametrize(
+    ("build", "split", "ranked", "launch"),
+    [
+        (_qwen3_next, False, True, "projections_ranked"),
+        (_qwen3_next_128_experts, True, False, "projections_combined"),
+        (_qwen3_next_128_experts, True, True, "projections_combined"),
+    ],
+    ids=["ranked", "split", "split-ranked"],
+)
+def test_a_decode_step_s_router_launch_as_switched_lowers(monkeypatch, build, split, ranked,
+                                                          launch):  # fmt: skip
+    """With ``RANKING_IN_ROUTER_LAUNCH`` each MoE block's router launch ranks its logits
+    (``projections_ranked``: 64 experts beside the paired shared gate/up); with
+    ``SPLIT_ROUTER_LAUNCH`` it runs over parts of K, combined by row
+    (``projections_combined``, 128 experts; ranking there too where both are on). Either
+    way it counts in the forward's one buffer and lowers for the GPU."""
     monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
-    monkeypatch.setattr(moe_layer, "SPLIT_ROUTER_LAUNCH", True)
     monkeypatch.setattr(moe_layer, "RANKING_IN_ROUTER_LAUNCH", ranked)
-    steps, state, policy = _steps_and_state.__wrapped__(_qwen3_next_128_experts)
+    monkeypatch.setattr(moe_layer, "SPLIT_ROUTER_LAUNCH", split)
+    steps, state, policy = _steps_and_state.__wrapped__(build)
     meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
     x = jax.ShapeDtypeStruct((8,), jnp.int32)
     text = steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
-    assert "projections_combined" in text and "projections_ranked" not in text
+    assert launch in text and "expert_mlp" in text
+    others = {"projections_ranked", "projections_combined"} - {launch}
+    assert not any(other in text for other in others)
     zeros = [line for line in text.splitlines() if "(tensor<i32>) -> tensor<128xi32>" in line]
     assert len(zeros) == 1, "the forward's buffer, and no launch's own"
 
