@@ -42,6 +42,7 @@ __all__ = [
     "scratch_smem_bytes",
     "sequence_layout",
     "smem",
+    "strided",
     "token_axis",
 ]
 
@@ -56,6 +57,15 @@ SMEM_LIMIT = 227 * 1024  # dynamic SMEM per CTA on sm_90 (what Mosaic GPU checks
 SMEM_PER_SM = 228 * 1024  # an SM's shared memory; each resident CTA also takes 1 KB of it
 _SMEM_ALIGN = 1024  # Mosaic GPU aligns each scratch buffer to this
 _BARRIER_BYTES = 8
+
+
+def strided(shape: tuple[int, ...]) -> plgpu.Layout:
+    """The ``WG_STRIDED`` layout of an array of ``shape`` (its size a multiple of 128) in which
+    each thread holds up to 4 adjacent values: rows that one warpgroup forms, reads or ranks
+    element by element."""
+    size = math.prod(shape)
+    vec = next(v for v in (4, 2, 1) if size % (128 * v) == 0)
+    return plgpu.Layout.WG_STRIDED(tuple(shape), vec)
 
 
 def columns_over_warps(width: int, vec: int = 2) -> tuple[plgpu.Layout, int]:

@@ -29,7 +29,6 @@ streamed through a TMA ring (``_skinny.tile_product``). Rows: at most 64 (one wg
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from collections.abc import Sequence
 
@@ -41,7 +40,7 @@ from jax import lax
 
 from pallas_kernels import _counters
 from pallas_kernels._common import NUM_SMS, SMEM_BYTES, interpret_params, resolve_impl, round_up
-from pallas_kernels._mgpu_chunks import ALIGN, F32, scratch_smem_bytes
+from pallas_kernels._mgpu_chunks import ALIGN, F32, scratch_smem_bytes, strided
 from pallas_kernels._skinny import (
     BLOCK_K,
     BLOCK_N,
@@ -386,7 +385,7 @@ def _combined_kernel(x, weights, row_scale, valid, counters, *, splits: int,
             def summed(views):
                 """The views' float32 partials summed in split order, times the scale."""
                 shape = views[0].shape
-                layout = plgpu.Layout.WG_STRIDED(shape, _row_vec(math.prod(shape)))
+                layout = strided(shape)
                 total = functools.reduce(
                     operator.add, [plgpu.load(v, layout=layout) for v in views]
                 )
@@ -427,11 +426,6 @@ def _combined_kernel(x, weights, row_scale, valid, counters, *, splits: int,
     )(*operands)
     products = tuple(out.reshape(rows, -1) for out in outs[n_weights : 2 * n_weights])
     return (*products, *outs[2 * n_weights :])
-
-
-def _row_vec(size: int) -> int:
-    """Adjacent values a row program's thread loads at once (up to 16 bytes of float32)."""
-    return next(v for v in (4, 2, 1) if size % (_ROW_THREADS * v) == 0)
 
 
 def combined_reference(

@@ -26,6 +26,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._mgpu_chunks import strided
+
 __all__ = [
     "DTYPES",
     "MAX_ENTRIES",
@@ -33,7 +35,6 @@ __all__ = [
     "rank_row",
     "rank_values",
     "scratch",
-    "strided_layout",
     "unsupported_reason",
     "values_scratch",
 ]
@@ -45,7 +46,6 @@ MAX_ENTRIES = 1 << 16  # the key's low half holds 0xFFFF - index
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 REDUCTION_SCRATCH_BYTES = 2048  # each round's max across warps
 _LOW = 0xFFFF
-_THREADS = 128  # a warpgroup
 _TAKEN = -(1 << 31)  # below every key: an entry already chosen
 
 
@@ -101,10 +101,10 @@ def rank_row(logits, exps_out, ids_out, logits_s, logits_bar, ids_s, exps_s, *,
 
 
 def rank_values(values, exps_out, ids_out, ids_s, exps_s, *, k: int, valid) -> None:
-    """``rank_row`` of a row held in registers: ``values`` ``[n]`` 16-bit floats in a
-    ``WG_STRIDED`` layout. SMEM: ``values_scratch``'s."""
+    """``rank_row`` of a row held in registers: ``values`` ``[n]`` 16-bit floats in the
+    ``_mgpu_chunks.strided`` layout. SMEM: ``values_scratch``'s."""
     n = values.shape[0]
-    index = plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=strided_layout(n))
+    index = plgpu.broadcasted_iota(jnp.int32, (n,), 0, layout=strided((n,)))
     _store_choices(_choose([_keys(values, index)], k), values.dtype, n, exps_out, ids_out,
                    ids_s, exps_s, valid=valid)  # fmt: skip
 
@@ -112,13 +112,6 @@ def rank_values(values, exps_out, ids_out, ids_s, exps_s, *, k: int, valid) -> N
 def values_scratch() -> tuple:
     """The SMEM ``rank_values`` takes: the choices' ids and exponentials."""
     return plgpu.SMEM((_ROWS,), jnp.int32), plgpu.SMEM((_ROWS,), jnp.float32)
-
-
-def strided_layout(n: int):
-    """The ``WG_STRIDED`` layout of a row of ``n`` (a multiple of 128) that ``rank_values``
-    takes: each thread up to 4 adjacent entries."""
-    vec = next(v for v in (4, 2, 1) if n % (_THREADS * v) == 0)
-    return plgpu.Layout.WG_STRIDED((n,), vec)
 
 
 def _choose(blocks: list, k: int) -> list:
