@@ -305,6 +305,7 @@ def _combined_kernel(x, weights, row_scale, valid, counters, *, splits: int,
     tiles = [w.shape[1] // BLOCK_N for w in weights]
     starts = [sum(tiles[:i]) for i in range(len(tiles))]
     partials = sum(tiles) * splits
+    paired = paired or (False,) * len(weights)
     scaled, ranked = row_scale is not None, top_k is not None
     rank_scratch = list(routing_mgpu.values_scratch()) if ranked else []
     variant = filling_ring(

@@ -576,7 +576,7 @@ def test_ranked_calls_refuse_what_the_ranking_cannot_take():
     ("rows", "splits", "widths", "paired", "top_k"),
     [
         (8, 4, (256, 1024, 128), (False, True, False), 8),  # the 35B-like router's launch
-        (3, 2, (128, 256), (False, False), None),
+        (3, 2, (128, 256), (), None),  # no flags: none paired
         (1, 4, (512,), (False,), 10),
     ],
     ids=["router-paired-ranked", "two-weights", "one-row-ranked"],
@@ -590,7 +590,8 @@ def test_a_launch_over_parts_of_k_combines_them_by_row(rows, splits, widths, pai
     the rows are ranked as the oracle ranks the stored logits (one of them padding)."""
     k = 512
     x, ws = _case(rows * 7 + splits, rows, k, widths)
-    ws = [moe.pair_halves(w) if p else w for w, p in zip(ws, paired, strict=True)]
+    flags = paired or (False,) * len(ws)
+    ws = [moe.pair_halves(w) if p else w for w, p in zip(ws, flags, strict=True)]
     rng = np.random.default_rng(rows)
     scale = jnp.asarray(rng.uniform(1, 30, rows), jnp.float32)
     kw = dict(row_scale=scale, rms_eps=0.25, paired=paired, splits=splits, impl=impl)
@@ -603,13 +604,13 @@ def test_a_launch_over_parts_of_k_combines_them_by_row(rows, splits, widths, pai
         np.testing.assert_array_equal(np.asarray(ids), want_ids)
         np.testing.assert_allclose(np.asarray(exps), want_exps, rtol=1e-6)
     want = projections.combined_reference(x, ws, splits, scale, 0.25, paired)
-    for out, expected, p in zip(got, want, paired, strict=True):
+    for out, expected, p in zip(got, want, flags, strict=True):
         if p:  # the SwiGLU's exponential: its own formula, within float32 rounding
             chex.assert_trees_all_close(out, expected, rtol=1e-2, atol=1e-5)
         else:
             chex.assert_trees_all_equal(out, expected)
     inverse_rms = 1 / np.sqrt(np.asarray(scale, np.float64) / k + 0.25)
-    for out, w, p in zip(got, ws, paired, strict=True):
+    for out, w, p in zip(got, ws, flags, strict=True):
         y = (np.asarray(x, np.float64) @ np.asarray(w, np.float64)) * inverse_rms[:, None]
         if p:
             gate, up = np.split(np.asarray(moe.unpair_halves(jnp.asarray(y)), np.float64), 2, -1)
