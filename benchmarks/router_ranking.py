@@ -75,7 +75,7 @@ def _steps(rows: int, experts: int, top_k: int, ws) -> dict:
                 **kw,
             )  # fmt: skip
 
-        ways[f"{name}"] = launch
+        ways[name] = launch
         ways[f"{name} + XLA ranking"] = launch_then_xla
         ways[f"{name}, ranked"] = ranked
     return ways

@@ -511,7 +511,7 @@ def projections(
         return projections_reference(x, weights, row_scale, rms_eps, paired)
     outs = _kernel(
         x, weights, row_scale, splits=1, partial=False, variant=current_variant(),
-        interpret=choice == "interpret", rms_eps=None if rms_eps is None else float(rms_eps),
+        interpret=choice == "interpret", rms_eps=_eps(rms_eps),
         paired=paired,
     )  # fmt: skip
     return tuple(out[0] for out in outs)
@@ -583,7 +583,7 @@ def ranked_projections(
     *outs, exps, ids = _kernel(
         x, weights, row_scale, valid, counters, splits=1, partial=False,
         variant=current_variant(), interpret=choice == "interpret",
-        rms_eps=None if rms_eps is None else float(rms_eps), paired=paired, top_k=top_k,
+        rms_eps=_eps(rms_eps), paired=paired, top_k=top_k,
     )  # fmt: skip
     return tuple(out[0] for out in outs), exps, ids
 

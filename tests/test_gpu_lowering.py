@@ -96,6 +96,15 @@ def test_the_gpu_tests_steps_lower_for_the_gpu_with_their_kernels(
     assert not missing, f"{mode.name} lowered without {missing}"
 
 
+def _switched_decode_text(build) -> str:
+    """The CUDA lowering of a DECODE step of 8 rows of the model ``build`` makes, from steps
+    of their own: the cached ones may hold a trace made with other switches."""
+    steps, state, policy = _steps_and_state.__wrapped__(build)
+    meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
+    x = jax.ShapeDtypeStruct((8,), jnp.int32)
+    return steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("conv_in_kernel", [False, True], ids=["conv-launch", "conv-in-kernel"])
 def test_a_decode_step_s_launches_count_in_one_buffer_the_scan_carries(monkeypatch, conv_in_kernel):
     """With ``EXPERTS_IN_ONE_LAUNCH`` each MoE block's ``expert_mlp`` launch, with
@@ -109,11 +118,7 @@ def test_a_decode_step_s_launches_count_in_one_buffer_the_scan_carries(monkeypat
     monkeypatch.setattr(moe_layer, "EXPERTS_IN_ONE_LAUNCH", True)
     monkeypatch.setattr(linear, "ADD_IN_OUTPUT_LAUNCH", True)
     monkeypatch.setattr(gdn_backend, "CONV_IN_DECODE_KERNEL", conv_in_kernel)
-    # Steps of their own: the cached ones may hold a trace made with other switches.
-    steps, state, policy = _steps_and_state.__wrapped__(_qwen3_next)
-    meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
-    x = jax.ShapeDtypeStruct((8,), jnp.int32)
-    text = steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
+    text = _switched_decode_text(_qwen3_next)
     assert "expert_mlp" in text and "expert_hidden" not in text
     assert "projection_add" in text and "projection_partials" not in text
     assert "tensor<128xi1>) -> tensor<128xi32>" not in text
@@ -149,10 +154,7 @@ def test_a_decode_step_s_router_launch_as_switched_lowers(monkeypatch, build, sp
     monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
     monkeypatch.setattr(moe_layer, "RANKING_IN_ROUTER_LAUNCH", ranked)
     monkeypatch.setattr(moe_layer, "SPLIT_ROUTER_LAUNCH", split)
-    steps, state, policy = _steps_and_state.__wrapped__(build)
-    meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
-    x = jax.ShapeDtypeStruct((8,), jnp.int32)
-    text = steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
+    text = _switched_decode_text(build)
     assert launch in text and "expert_mlp" in text
     others = {"projections_ranked", "projections_combined"} - {launch}
     assert not any(other in text for other in others)

@@ -435,7 +435,7 @@ class SparseMoE(nnx.Module):
         where ``_router_splits`` splits it (counting in ``counters``)."""
         inputs, paired, gate_in_launch = self._router_inputs(hidden_in_launch)
         rows, weights, norm = _launch_rows(x, inputs)
-        splits = self._router_splits(rows, weights, paired, impl) if hidden_in_launch else 1
+        splits = self._router_splits(rows, inputs, weights, paired, impl) if hidden_in_launch else 1
         if splits > 1:
             logits, *shared_products = projections.projections(
                 rows, weights, paired=paired, splits=splits, counters=counters, impl=impl,
@@ -483,21 +483,21 @@ class SparseMoE(nnx.Module):
             return None  # the blocks' XLA products and ranking
         products, exps, experts = projections.ranked_projections(
             rows, weights, top_k=c.top_k, valid=real, paired=paired,
-            splits=self._router_splits(rows, weights, paired, impl), counters=counters,
+            splits=self._router_splits(rows, inputs, weights, paired, impl), counters=counters,
             impl=impl, **norm,
         )  # fmt: skip
         shared_hidden = products[1]
         gate_logits = products[-1] if gate_in_launch else self._shared_gate_logit(x)
         return shared_hidden, gate_logits, exps, experts
 
-    def _router_splits(self, rows: jax.Array, weights, paired, impl: str) -> int:
-        """The parts of K the router's launch takes: ``projections.partial_splits``' count
-        with ``SPLIT_ROUTER_LAUNCH`` where the launch combines those (on the GPU: no
-        biases, widths its row programs take), else 1."""
+    @staticmethod
+    def _router_splits(rows: jax.Array, layers, weights, paired, impl: str) -> int:
+        """The parts of K the router's launch (``layers``, their ``weights``) takes:
+        ``projections.partial_splits``' count with ``SPLIT_ROUTER_LAUNCH`` where the launch
+        combines those (on the GPU: no biases, widths its row programs take), else 1."""
         if not SPLIT_ROUTER_LAUNCH or not 0 < rows.shape[0] <= linear_layer.FEW_ROWS:
             return 1
         splits = projections.partial_splits(rows.shape[1], [w.shape[1] for w in weights])
-        layers = self._router_inputs(True)[0]
         reason = projections.combined_unsupported_reason(rows, weights, splits, paired)
         if splits == 1 or reason is not None or any(layer.use_bias for layer in layers):
             return 1
