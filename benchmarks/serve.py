@@ -161,6 +161,11 @@ TRIAL_SWITCHES = {
         "XLA; the gate/up weights are not paired by moe.pair_halves unless an earlier row of "
         "the run paired them (those rows split the paired products in XLA)",
     ),
+    "--merge-attention-in-launch": (
+        attention_backend, "MERGE_IN_LAUNCH", True,
+        "a decode step's paged attention kernel merges its splits and applies the output gate "
+        "itself (the last of a (row, KV head)'s programs), not in an XLA fusion after it",
+    ),
     "--split-router-launch": (
         moe_layer, "SPLIT_ROUTER_LAUNCH", True,
         "a MoE block's router launch runs over parts of K, combined by one program a token "

@@ -23,6 +23,7 @@ from _kernel_sized import (
 from flax import nnx
 
 from hybrid_jax import EngineConfig
+from hybrid_jax.backend import attention as attention_backend
 from hybrid_jax.backend import gdn as gdn_backend
 from hybrid_jax.engine.engine import model_for_steps
 from hybrid_jax.engine.lm_step import LastTokenLogits, ServingState
@@ -158,6 +159,25 @@ def test_a_decode_step_s_router_launch_as_switched_lowers(monkeypatch, build, sp
     assert launch in text and "expert_mlp" in text
     others = {"projections_ranked", "projections_combined"} - {launch}
     assert not any(other in text for other in others)
+    zeros = [line for line in text.splitlines() if "(tensor<i32>) -> tensor<128xi32>" in line]
+    assert len(zeros) == 1, "the forward's buffer, and no launch's own"
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["merge-after", "merge-in-launch"])
+def test_a_decode_step_s_attention_merges_its_splits_as_switched(monkeypatch, merged):
+    """With ``MERGE_IN_LAUNCH`` the paged decode kernel of a DECODE step of 8 rows (2 KV
+    heads of 256, split over the page table's blocks) takes the attention's packed ``[q |
+    gate]`` rows and the forward's one counters buffer, and gives the merged, gated rows
+    itself; off, its splits and their log-sum-exps alone."""
+    monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
+    monkeypatch.setattr(attention_backend, "MERGE_IN_LAUNCH", merged)
+    text = _switched_decode_text(_qwen3_next)
+    (call,) = [line for line in text.splitlines() if "paged_decode_attention" in line]
+    results = call.rsplit("->", 1)[1]
+    merged_rows = "tensor<8x2x8x256xbf16>"  # [rows, KV heads, tile rows, head_dim]
+    assert (merged_rows in results) == merged
+    assert ("tensor<8x1x16x512xbf16>" in call) == merged  # the packed [q | gate] rows
+    assert ("tensor<128xi32>" in results) == merged
     zeros = [line for line in text.splitlines() if "(tensor<i32>) -> tensor<128xi32>" in line]
     assert len(zeros) == 1, "the forward's buffer, and no launch's own"
 

@@ -49,13 +49,25 @@ from pallas_kernels import resolve_impl
 from pallas_kernels.attention import paged_decode
 from pallas_kernels.attention import rows as attention_rows
 
-__all__ = ["ROWS_IN_KERNEL", "decode_rows", "paged_attention", "tree_ancestors", "write_pages"]
+__all__ = [
+    "MERGE_IN_LAUNCH",
+    "ROWS_IN_KERNEL",
+    "decode_rows",
+    "paged_attention",
+    "tree_ancestors",
+    "write_pages",
+]
 
 ROWS_IN_KERNEL = True
 """Whether a DECODE step forms its attention rows in one launch (``decode_rows``: the q/k
 norms, the rotary and both page writes) where the kernel takes the step, instead of XLA's
 fusions, scatters and copies of the norm weights (nine kernels a layer on the H200, ~13 us
 against the launch's ~4: ``benchmarks/RESULTS_serve.md``)."""
+
+MERGE_IN_LAUNCH = False
+"""Whether a DECODE step's paged decode kernel merges its splits and applies the output gate
+itself (``paged_decode_attention(merge_in_launch=True)``) where it can, instead of one XLA
+fusion after the launch."""
 
 # Tree-draft tokens attended per vectorised batch: bounds their gathered keys to
 # TOKEN_BLOCK x (max_pages * page_size) x KVH x head_dim.
@@ -447,18 +459,23 @@ def paged_attention(
     meta: ForwardMetadata,
     *,
     scale: float,
+    gate: jax.Array | None = None,
     impl: str = "auto",
     written: bool = False,
+    counters: jax.Ref | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Writes this step's keys and values (unless ``written``: ``decode_rows`` did), then
     causal grouped-query attention per row.
 
     q: ``[T, H, hd]``; k, v: ``[T, KVH, hd]`` with ``H % KVH == 0`` (query head h reads key
-    head ``h // (H // KVH)``); k_pages, v_pages: ``[P, page_size, KVH, hd]``. Returns
-    ``(out [T, H, hd], k_pages, v_pages)``; out is zero at padded tokens. Scores and softmax
-    are float32 (q's dtype when wider). Raises ``UnsupportedForwardModeError`` while tracing
-    for a mode that full attention has no path for, and ``ValueError`` when the metadata
-    carries no page table.
+    head ``h // (H // KVH)``); k_pages, v_pages: ``[P, page_size, KVH, hd]``; ``gate``: None
+    or ``[T, H, w >= hd]``, each head's output times the sigmoid of its last ``hd`` values
+    (a gated attention's ``[q | gate]`` projection as it comes), in float32 before the
+    output's rounding; ``counters``: the forward's int32 zeros (``[n >= B KVH]``) that a
+    kernel merging its splits counts on. Returns ``(out [T, H, hd], k_pages, v_pages)``; out
+    is zero at padded tokens. Scores and softmax are float32 (q's dtype when wider). Raises
+    ``UnsupportedForwardModeError`` while tracing for a mode that full attention has no path
+    for, and ``ValueError`` when the metadata carries no page table.
     """
     check_supported(LayerKind.FULL_ATTENTION, meta.mode)
     num_tokens, num_heads, head_dim = q.shape
@@ -475,6 +492,10 @@ def paged_attention(
         )
     if num_tokens == 0:
         return jnp.zeros_like(q), k_pages, v_pages
+    if gate is not None and (gate.shape[:2] != q.shape[:2] or gate.shape[2] < head_dim):
+        raise ValueError(
+            f"gate must be [T={num_tokens}, H={num_heads}, w >= {head_dim}]; got {gate.shape}"
+        )
     token_pages = _token_pages(meta)
     tree = _tree_tokens(meta) if meta.tree else None
     store = None if tree is None else tree.store
@@ -495,13 +516,32 @@ def paged_attention(
         decode = _decode_kernel(impl, rows_q, k_pages, meta.tree)
     if decode is not None:
         # A row's tokens are the last of its context, causal among themselves or along the
-        # row's tree (padded rows have no context: zeros).
+        # row's tree; padded rows have no context (zeros), so a step of one token a row
+        # needs no mask after the kernel.
         dtype = k_pages.dtype
+        rows_q = rows_q.astype(dtype)
+        table = jnp.asarray(meta.pages.table)
+        parents = meta.parents if meta.tree else None
+        rows_gate = None if gate is None else gate.reshape(*rows_q.shape[:3], gate.shape[-1])
+        merged = (
+            MERGE_IN_LAUNCH
+            and parents is None
+            and (
+                paged_decode.merge_unsupported_reason(
+                    rows_q, num_kv_heads, paged_decode.call_splits(rows_q, k_pages, table)
+                )
+                is None
+            )
+        )
         out = paged_decode.paged_decode_attention(
-            rows_q.astype(dtype), k_pages, v_pages, jnp.asarray(meta.pages.table),
-            jnp.asarray(meta.context_lens).astype(jnp.int32), scale=scale,
-            parents=meta.parents if meta.tree else None, impl=decode,
+            rows_q, k_pages, v_pages, table, jnp.asarray(meta.context_lens).astype(jnp.int32),
+            scale=scale, parents=parents, gate=rows_gate, merge_in_launch=merged,
+            counters=counters if merged else None, impl=decode,
         ).reshape(q.shape)  # fmt: skip
+        if meta.token_layout is TokenLayout.ONE_PER_ROW:
+            return out.astype(q.dtype), k_pages, v_pages
+        out = jnp.where(meta.real_tokens[:, None, None], out, 0)
+        return out.astype(q.dtype), k_pages, v_pages
     elif tree is not None:
         out = _tree_tokens_attention(q, k_flat, v_flat, token_pages, meta, tree, scale, acc)
     elif kernel is None:
@@ -536,4 +576,5 @@ def paged_attention(
         )
         out = _merge([fresh, cached])
     real = meta.real_tokens[:, None, None]
+    out = paged_decode.gated(out, gate)
     return jnp.where(real, out, 0).astype(q.dtype), k_pages, v_pages

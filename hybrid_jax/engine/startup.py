@@ -66,7 +66,13 @@ _SWITCHES = {
         "SOFTMAX_IN_RANKING",
         "SPLIT_ROUTER_LAUNCH",
     ),
-    "hybrid_jax.backend.attention": ("ROWS_IN_KERNEL", "TOKEN_BLOCK", "QUERY_BLOCK", "KEY_CHUNK"),
+    "hybrid_jax.backend.attention": (
+        "MERGE_IN_LAUNCH",
+        "ROWS_IN_KERNEL",
+        "TOKEN_BLOCK",
+        "QUERY_BLOCK",
+        "KEY_CHUNK",
+    ),
     "hybrid_jax.backend.gdn": ("CONV_IN_DECODE_KERNEL", "CONV_IN_DECODE_KERNEL_MAX_ROWS"),
     "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS", "RING_FILLS_SM"),
 }

@@ -128,7 +128,7 @@ class Attention(nnx.Module):
         t = x.shape[0]  # explicit sizes: t == 0 when IDLE
         q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], impl=impl)
         q = q.reshape(t, c.num_heads, (1 + c.gated) * c.head_dim)
-        gate = q[..., c.head_dim :]  # [T, H, 0] when not gated
+        gate = q if c.gated else None  # each head's last head_dim values: paged_attention
         k = k.reshape(t, c.num_kv_heads, c.head_dim)
         v = v.reshape(t, c.num_kv_heads, c.head_dim)
         norms = (self.q_norm, self.k_norm) if c.qk_norm else ()
@@ -152,11 +152,9 @@ class Attention(nnx.Module):
         else:
             q, k_pages, v_pages = rows
         out, k_pages, v_pages = paged_attention(
-            q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5, impl=impl,
-            written=rows is not None,
+            q, k, v, k_pages, v_pages, meta, scale=c.head_dim**-0.5, gate=gate, impl=impl,
+            written=rows is not None, counters=counters,
         )  # fmt: skip
-        if c.gated:
-            out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         out = out.reshape(t, c.num_heads * c.head_dim)
         out = project_output(out, self.o_proj, impl=impl, residual=residual, counters=counters)
         return AttentionOutput(out, k_pages, v_pages)

@@ -414,9 +414,11 @@ class Qwen3Next(HybridCausalLM):
     @property
     def counters_per_token(self) -> int:
         """The most a launch counts per token: a MoE block's (token, expert) pairs, a GDN
-        decode kernel's key heads (its conv), at least 1 (an output projection's launch)."""
+        decode kernel's key heads (its conv), a paged decode kernel's KV heads (its splits'
+        merge), at least 1 (an output projection's launch)."""
         c = self.config
-        return max(c.num_experts_per_tok if c.num_experts else 0, c.linear_num_key_heads, 1)
+        experts = c.num_experts_per_tok if c.num_experts else 0
+        return max(experts, c.linear_num_key_heads, c.num_key_value_heads, 1)
 
     def __init__(self, config: Qwen3NextConfig, *, rngs: nnx.Rngs):
         c = config

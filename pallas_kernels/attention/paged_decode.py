@@ -23,7 +23,10 @@ while this one's scores, online softmax and ``p @ v`` run on the tensor cores (`
 from registers). The page ids of the block a stage takes next load from the table one step
 early, under the wait. The last block's values past the row's length are zeroed in SMEM
 before ``p @ v`` (a zero weight times a NaN would be NaN). Long rows split their blocks over
-``num_splits`` programs; the splits' outputs merge by their log-sum-exps in XLA.
+``num_splits`` programs; the splits' outputs merge by their log-sum-exps in XLA, or, with
+``merge_in_launch``, in the last of a (row, KV head)'s programs to finish, which counts the
+others' arrivals on a GMEM counter (``_counters``), reads their rows back and stores the
+merged (and gated) output: no launch after the kernel.
 The prefix op runs the same kernel without the causal tail over "tile rows" of up to
 ``64 // (H // KVH)`` consecutive tokens of one row each (``prefix_tiles``), so a prompt chunk
 of thousands of tokens is many programs, each reading its row's prefix once for its tokens.
@@ -32,6 +35,7 @@ of thousands of tokens is many programs, each reading its row's prefix once for 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import NamedTuple
 
 import jax
@@ -40,6 +44,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import _counters
 from pallas_kernels._common import (
     NUM_SMS,
     SMEM_BYTES,
@@ -47,13 +52,26 @@ from pallas_kernels._common import (
     resolve_impl,
     round_up,
 )
-from pallas_kernels._mgpu_chunks import F32, ROWS, WG, along_rows, matmul, matmul_into, smem
+from pallas_kernels._mgpu_chunks import (
+    F32,
+    ROWS,
+    WG,
+    along_rows,
+    matmul,
+    matmul_into,
+    smem,
+    strided,
+)
 from pallas_kernels._tree import check_parents
 
 __all__ = [
     "MAX_TREE_NODES",
+    "MERGE_LOADS",
     "PrefixTiles",
     "STAGES",
+    "call_splits",
+    "gated",
+    "merge_unsupported_reason",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "paged_prefix_attention",
@@ -204,15 +222,16 @@ def _reference(q, k_pages, v_pages, page_table, lengths, *, scale: float, causal
 
 
 def paged_decode_attention_reference(
-    q, k_pages, v_pages, page_table, context_lens, *, scale: float, parents=None
+    q, k_pages, v_pages, page_table, context_lens, *, scale: float, parents=None, gate=None
 ) -> jax.Array:
-    """jnp ``paged_decode_attention`` (``_reference``, causal or a tree). Float32 at least."""
+    """jnp ``paged_decode_attention`` (``_reference``, causal or a tree, maybe gated), in
+    float32 at least, rounded to q's dtype."""
     q4 = q if q.ndim == 4 else q[:, None]
     out, _ = _reference(
         q4, k_pages, v_pages, page_table, context_lens, scale=scale, causal=True,
         parents=parents,
     )  # fmt: skip
-    return out.reshape(q.shape).astype(q.dtype)
+    return gated(out.reshape(q.shape), gate).astype(q.dtype)
 
 
 # A program's start (its query tile, the first loads of its ring, the output store) costs
@@ -237,8 +256,8 @@ def pick_num_splits(batch: int, kv_heads: int, max_blocks: int) -> int:
     return min(options, key=cost)
 
 
-def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, scale,
-                 num_splits, tokens, groups, causal, stages, interpret):  # fmt: skip
+def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, merge=None, *,
+                 scale, num_splits, tokens, groups, causal, stages, interpret):  # fmt: skip
     """The kernel over query tiles ``[B, KVH, R, hd]`` (tile row ``r``: token ``r // groups``,
     query head ``r % groups`` of the KV head; ``R`` a multiple of 8 up to 64, the rows past
     ``tokens * groups`` zero): per split, its output rows (q's dtype) and float32
@@ -248,7 +267,13 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
     ``causal``: token t sees positions below ``length - tokens + 1 + t``; else every token
     sees all ``length`` positions. ``paths`` (tree drafts, with ``causal``): int32 ``[B, 64]``,
     each tile row's root-path bits (``root_paths``): it sees the positions before the
-    ``tokens`` draft positions and the draft positions whose bit is set."""
+    ``tokens`` draft positions and the draft positions whose bit is set.
+
+    ``merge`` ``(gate, counters)``: the last of a pair's programs to store its split
+    (``_counters.count_arrival`` on ``counters[pair]``, int32 ``[n >= B KVH]`` of zeros, left
+    at zero) merges the pair's splits (``_merged_rows``) into a third result ``[B, KVH, R,
+    hd]`` (q's dtype; the rows past ``tokens * groups`` unwritten), gated by ``gate`` ``[B,
+    tokens, H, w]`` when given."""
     batch, kv_heads, held, head_dim = q_tiles.shape
     pairs = batch * kv_heads  # (row, KV head) pairs
     page_size = k_pages.shape[1]
@@ -259,14 +284,20 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
     dtype = q_tiles.dtype
 
     tree = paths is not None
+    merging = merge is not None
+    gate, counters = merge if merging else (None, None)
+    gated = gate is not None
 
     def body(table_ref, lens_ref, q_ref, k_ref, v_ref, *refs):
-        if tree:
-            paths_ref, o_ref, lse_ref, q_s, k_s, v_s, lse_s, paths_s, q_bar, k_bar, v_bar, *p_s = (
-                refs
-            )
-        else:
-            o_ref, lse_ref, q_s, k_s, v_s, lse_s, q_bar, k_bar, v_bar, *p_s = refs
+        paths_ref, refs = (refs[0], refs[1:]) if tree else (None, refs)
+        gate_ref, refs = (refs[0], refs[1:]) if gated else (None, refs)
+        counters_ref, refs = (refs[0], refs[1:]) if merging else (None, refs)
+        o_ref, lse_ref, refs = refs[0], refs[1], refs[2:]
+        merged_ref, refs = (refs[0], refs[1:]) if merging else (None, refs)
+        q_s, k_s, v_s, lse_s, refs = refs[0], refs[1], refs[2], refs[3], refs[4:]
+        paths_s, refs = (refs[0], refs[1:]) if tree else (None, refs)
+        count_s, refs = (refs[0], refs[1:]) if merging else (None, refs)
+        q_bar, k_bar, v_bar, *p_s = refs
         # Program p takes split p // pairs of pair p % pairs = row * KVH + head. The kernel
         # on a 1-D grid runs 1-2% faster on the H200 than on a (split, head, row) grid of
         # the same programs (benchmarks/RESULTS_attention.md).
@@ -372,21 +403,37 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s.at[pl.ds(0, held)], o_ref.at[split, row, head])
         plgpu.copy_smem_to_gmem(lse_s.at[pl.ds(0, held)], lse_ref.at[split, row, head])
-        plgpu.wait_smem_to_gmem(0)
+        if not merging:
+            plgpu.wait_smem_to_gmem(0)
+            return
+        # The split has landed in GMEM before its arrival counts.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+        counter = counters_ref.at[pl.ds(pair, 1)]
+        before = _counters.count_arrival(counter, num_splits, count_s, interpret=interpret)
 
-    out_type = (
+        @pl.when(before == num_splits - 1)
+        def _merge_the_pair():
+            _merged_rows(o_ref, lse_ref, gate_ref, merged_ref, row, head, rows=tokens * groups,
+                         groups=groups)  # fmt: skip
+
+    out_type = [
         jax.ShapeDtypeStruct((num_splits, batch, kv_heads, held, head_dim), dtype),
         jax.ShapeDtypeStruct((num_splits, batch, kv_heads, held), F32),
-    )
+    ]
+    if merging:
+        out_type.append(jax.ShapeDtypeStruct((batch, kv_heads, held, head_dim), dtype))
     scratch = [
         smem(tile, dtype),
         smem((stages, BLOCK, head_dim), dtype),
         smem((stages, BLOCK, head_dim), dtype),
         plgpu.SMEM((ROWS_PER_TILE,), F32),
     ]
-    trees = (paths,) if tree else ()
+    extra = (paths,) if tree else ()
     if tree:
         scratch.append(plgpu.SMEM((ROWS_PER_TILE,), jnp.int32))
+    if merging:
+        extra += ((gate,) if gated else ()) + (counters,)
+        scratch.append(plgpu.SMEM((1,), jnp.int32))
     scratch += [
         plgpu.Barrier(num_arrivals=1 + tree),
         plgpu.Barrier(num_arrivals=pages_per_block, num_barriers=stages),
@@ -396,7 +443,7 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         scratch.append(smem(scores, dtype))
     return plgpu.kernel(
         body,
-        out_type=out_type,
+        out_type=tuple(out_type),
         scratch_types=scratch,
         grid=(num_splits * pairs,),
         grid_names=("p",),
@@ -405,7 +452,36 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, *, 
         compiler_params=plgpu.CompilerParams(reduction_scratch_bytes=0),
         interpret=interpret_params(interpret),
         kernel_name="paged_decode_attention",
-    )(page_table, context_lens, q_tiles, k_pages, v_pages, *trees)
+    )(page_table, context_lens, q_tiles, k_pages, v_pages, *extra)
+
+
+def _merged_rows(o_ref, lse_ref, gate_ref, merged_ref, row, head, *, rows: int, groups: int):
+    """One (row, KV head)'s splits ``o_ref[:, row, head]`` merged by their log-sum-exps into
+    ``merged_ref[row, head]``, tile row by tile row (``rows`` of them), as ``_merge``; with
+    ``gate_ref`` each tile row r (token ``r // groups``, query head ``head * groups + r %
+    groups``) times the sigmoid of that head's last ``hd`` gate values. Every load is issued
+    before the sums that wait on it: the rows and splits are few (``merge_unsupported_reason``)."""
+    num_splits, head_dim = o_ref.shape[0], o_ref.shape[-1]
+    layout = strided((head_dim,))
+    for r in range(rows):
+        lses = [lse_ref[s, row, head, r] for s in range(num_splits)]
+        parts = [plgpu.load(o_ref.at[s, row, head, r], layout=layout) for s in range(num_splits)]
+        gate = None
+        if gate_ref is not None:
+            width = gate_ref.shape[-1]
+            view = gate_ref.at[row, r // groups, head * groups + r % groups]
+            gate = plgpu.load(view.at[pl.ds(width - head_dim, head_dim)], layout=layout)
+        peak = functools.reduce(jnp.maximum, lses)
+        peak = jnp.where(peak > -jnp.inf, peak, 0.0)  # no split saw anything: weights 0
+        weights = [jnp.exp(lse - peak) for lse in lses]
+        total = functools.reduce(operator.add, weights)
+        out = functools.reduce(
+            operator.add, [w * p.astype(F32) for w, p in zip(weights, parts, strict=True)]
+        )
+        out = out / jnp.where(total > 0, total, 1.0)
+        if gate is not None:
+            out = out / (1.0 + jnp.exp(-gate.astype(F32)))
+        merged_ref[row, head, r] = out.astype(merged_ref.dtype)
 
 
 def _merge(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -421,6 +497,28 @@ def _merge(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
     return merged / safe[..., None], jnp.where(seen, peak + jnp.log(safe), -jnp.inf)
 
 
+def _tiles(q: jax.Array, kv_heads: int) -> tuple[jax.Array, int]:
+    """q ``[B, D, H, hd]`` as the kernel's query tiles ``[B, KVH, R, hd]`` (tile row r: token
+    ``r // groups``, query head ``r % groups`` of the KV head; the rows past ``D * groups``
+    zero, up to a multiple of 8: TMA moves whole 8-row groups of the swizzled tile), and
+    ``D * groups``."""
+    batch, tokens, heads, head_dim = q.shape
+    groups = heads // kv_heads
+    rows = tokens * groups
+    tiles = q.reshape(batch, tokens, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
+    tiles = tiles.reshape(batch, kv_heads, rows, head_dim)
+    return jnp.pad(tiles, ((0, 0), (0, 0), (0, round_up(rows, 8) - rows), (0, 0))), rows
+
+
+def _untiled(x: jax.Array, shape: tuple[int, ...], kv_heads: int) -> jax.Array:
+    """Tile rows ``[B, KVH, R, ...]`` (``_tiles``) back as ``[B, D, H, ...]`` of ``shape``
+    ``(B, D, H)``."""
+    batch, tokens, heads = shape
+    groups = heads // kv_heads
+    x = x[:, :, : tokens * groups].reshape(batch, kv_heads, tokens, groups, *x.shape[3:])
+    return jnp.swapaxes(x, 1, 2).reshape(batch, tokens, heads, *x.shape[4:])
+
+
 @functools.partial(
     jax.jit, static_argnames=("scale", "num_splits", "causal", "stages", "interpret")
 )
@@ -428,28 +526,58 @@ def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, *, scal
             causal, interpret, stages=STAGES):  # fmt: skip
     """float32 ``(out, lse)``: out ``[B, D, H, hd]``, lse ``[B, D, H]``; ``parents``: tree
     drafts (with ``causal``)."""
-    batch, tokens, heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
-    groups = heads // kv_heads
-    rows = tokens * groups
-    held = round_up(rows, 8)  # TMA moves whole 8-row groups of the swizzled tile
-    tiles = q.reshape(batch, tokens, kv_heads, groups, head_dim).transpose(0, 2, 1, 3, 4)
-    tiles = tiles.reshape(batch, kv_heads, rows, head_dim)
-    tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, held - rows), (0, 0)))
+    tiles, rows = _tiles(q, kv_heads)
+    groups = q.shape[2] // kv_heads
     paths = None
     if parents is not None:  # tile row r is token r // groups; padding rows see no draft
         paths = jnp.repeat(root_paths(parents), groups, axis=1)
         paths = jnp.pad(paths, ((0, 0), (0, ROWS_PER_TILE - rows)))
     out, lse = _kernel_call(
         tiles, k_pages, v_pages, page_table, context_lens, paths, scale=scale,
-        num_splits=num_splits, tokens=tokens, groups=groups, causal=causal, stages=stages,
+        num_splits=num_splits, tokens=q.shape[1], groups=groups, causal=causal, stages=stages,
         interpret=interpret,
     )  # fmt: skip
     out, lse = out[:, :, :, :rows], lse[:, :, :, :rows]
     out, lse = (out[0].astype(F32), lse[0]) if num_splits == 1 else _merge(out, lse)
-    out = out.reshape(batch, kv_heads, tokens, groups, head_dim).transpose(0, 2, 1, 3, 4)
-    lse = lse.reshape(batch, kv_heads, tokens, groups).transpose(0, 2, 1, 3)
-    return out.reshape(q.shape), lse.reshape(batch, tokens, heads)
+    return _untiled(out, q.shape[:3], kv_heads), _untiled(lse, q.shape[:3], kv_heads)
+
+
+# The most (tile row, split) pairs whose partial rows a program merges, every load in flight
+# at once (``_merged_rows``).
+MERGE_LOADS = 64
+
+
+def merge_unsupported_reason(q: jax.Array, kv_heads: int, num_splits: int) -> str | None:
+    """Why the kernel cannot merge the splits of this decode call itself (``merge_in_launch``),
+    or None when it can."""
+    head_dim = q.shape[-1]
+    tokens = q.shape[1] if q.ndim == 4 else 1
+    rows = tokens * (q.shape[-2] // kv_heads)
+    if head_dim % 128:
+        return f"head_dim={head_dim} is not a multiple of 128 (a warpgroup's row)"
+    if rows * num_splits > MERGE_LOADS:
+        return (
+            f"{rows} tile rows x {num_splits} splits are more than the {MERGE_LOADS} partial "
+            f"rows one program merges"
+        )
+    return None
+
+
+def _merged_kernel(q, k_pages, v_pages, page_table, context_lens, gate, counters, *, scale,
+                   num_splits, stages, interpret):  # fmt: skip
+    """q's dtype ``[B, D, H, hd]``: the causal chain, its splits merged (and gated) in the
+    launch."""
+    kv_heads = k_pages.shape[2]
+    tiles, _ = _tiles(q, kv_heads)
+    if counters is None:
+        counters = jax.new_ref(jnp.zeros((q.shape[0] * kv_heads,), jnp.int32))
+    _, _, merged = _kernel_call(
+        tiles, k_pages, v_pages, page_table, context_lens, None, (gate, counters),
+        scale=scale, num_splits=num_splits, tokens=q.shape[1], groups=q.shape[2] // kv_heads,
+        causal=True, stages=stages, interpret=interpret,
+    )  # fmt: skip
+    return _untiled(merged, q.shape[:3], kv_heads)
 
 
 def _stages(op: str, q: jax.Array, stages: int) -> int:
@@ -460,7 +588,9 @@ def _stages(op: str, q: jax.Array, stages: int) -> int:
     return int(stages)
 
 
-def _splits(q, k_pages, page_table, num_splits) -> int:
+def call_splits(q, k_pages, page_table, num_splits: int | None = None) -> int:
+    """The splits a call takes: ``num_splits``, or when None ``pick_num_splits`` for the
+    call's rows, KV heads and the blocks its page table can hold."""
     if num_splits is not None:
         return int(num_splits)
     max_blocks = -(-page_table.shape[1] * k_pages.shape[1] // BLOCK)
@@ -477,6 +607,9 @@ def paged_decode_attention(
     scale: float,
     num_splits: int | None = None,
     parents: jax.Array | None = None,
+    gate: jax.Array | None = None,
+    merge_in_launch: bool = False,
+    counters: jax.Ref | None = None,
     stages: int = STAGES,
     impl: str = "auto",
 ) -> jax.Array:
@@ -493,6 +626,15 @@ def paged_decode_attention(
       parents: None (a chain) or int32 ``[B, D]`` tree drafts (D <= 31): token t's parent
         among the D, ``-1`` at the root, topological; token t sees the positions before the
         D and those of its root path.
+      gate: None or q's leading shape with a last axis ``w >= hd``: each head's output is
+        multiplied by the sigmoid of the head's last ``hd`` gate values (so a gated
+        attention's ``[q | gate]`` projection is passed as it comes), in float32 before the
+        output's rounding.
+      merge_in_launch: the kernel merges the splits (and gates) itself, the last of a (row,
+        KV head)'s programs reading the others' rows (``merge_unsupported_reason`` says
+        when it cannot); else XLA merges them after the launch.
+      counters: with ``merge_in_launch``, optional int32 ``Ref`` ``[n >= B KVH]`` of zeros
+        that the launch counts its programs on and leaves at zero (None: its own).
       stages: the kernel's ring of key and value buffers.
       impl: ``"auto" | "pallas" | "interpret" | "reference"``.
 
@@ -505,20 +647,57 @@ def paged_decode_attention(
     tree_reason = None if parents is None else tree_unsupported_reason(tokens)
     if tree_reason is not None:
         raise ValueError(f"{_OP}: {tree_reason}")
+    _check_gate(q, gate)
     reason = unsupported_reason(q, k_pages) if impl != "reference" else None
     choice = resolve_impl(_OP, impl, reason)
     if choice == "reference":
         return paged_decode_attention_reference(
-            q, k_pages, v_pages, page_table, context_lens, scale=scale, parents=parents
-        )
+            q, k_pages, v_pages, page_table, context_lens, scale=scale, parents=parents,
+            gate=gate,
+        )  # fmt: skip
     q4 = q if q.ndim == 4 else q[:, None]
     stages = _stages(_OP, q, stages)
+    splits = call_splits(q, k_pages, page_table, num_splits)
+    if merge_in_launch:
+        kv_heads = k_pages.shape[2]
+        reason = merge_unsupported_reason(q, kv_heads, splits)
+        if reason is None and parents is not None:
+            reason = "tree drafts merge their splits in XLA"
+        if reason is not None:
+            raise ValueError(f"{_OP}: merge_in_launch: {reason}")
+        _counters.check_counters(_OP, counters, q.shape[0] * kv_heads)
+        gate4 = None if gate is None else gate.reshape(*q4.shape[:3], gate.shape[-1])
+        out = _merged_kernel(
+            q4, k_pages, v_pages, page_table, context_lens, gate4, counters,
+            scale=float(scale), num_splits=splits, stages=stages,
+            interpret=choice == "interpret",
+        )  # fmt: skip
+        return out.reshape(q.shape)
     out, _ = _kernel(
         q4, k_pages, v_pages, page_table, context_lens, parents, scale=float(scale),
-        num_splits=_splits(q, k_pages, page_table, num_splits), causal=True,
-        stages=stages, interpret=choice == "interpret",
+        num_splits=splits, causal=True, stages=stages, interpret=choice == "interpret",
     )  # fmt: skip
-    return out.reshape(q.shape).astype(q.dtype)
+    return gated(out.reshape(q.shape), gate).astype(q.dtype)
+
+
+def _check_gate(q: jax.Array, gate: jax.Array | None) -> None:
+    if gate is None:
+        return
+    if gate.shape[:-1] != q.shape[:-1] or gate.shape[-1] < q.shape[-1]:
+        raise ValueError(
+            f"{_OP}: gate must be q's leading shape {q.shape[:-1]} with a last axis of at "
+            f"least head_dim={q.shape[-1]}; got {gate.shape}"
+        )
+
+
+def gated(out: jax.Array, gate: jax.Array | None) -> jax.Array:
+    """``out`` times the sigmoid of each head's last ``hd`` gate values, in float32 at least,
+    rounded to ``out``'s dtype."""
+    if gate is None:
+        return out
+    acc = jnp.promote_types(out.dtype, F32)
+    gate = gate[..., gate.shape[-1] - out.shape[-1] :].astype(acc)
+    return (out.astype(acc) * jax.nn.sigmoid(gate)).astype(out.dtype)
 
 
 def tokens_per_tile(heads: int, kv_heads: int) -> int:
@@ -611,6 +790,6 @@ def paged_prefix_attention(
     stages = _stages(_PREFIX_OP, q, stages)
     return _kernel(
         q, k_pages, v_pages, page_table, prefix_lens, scale=float(scale),
-        num_splits=_splits(q, k_pages, page_table, num_splits), causal=False,
+        num_splits=call_splits(q, k_pages, page_table, num_splits), causal=False,
         stages=stages, interpret=choice == "interpret",
     )  # fmt: skip

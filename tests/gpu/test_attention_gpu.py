@@ -140,6 +140,55 @@ def test_paged_decode_kernel_matches_its_reference_with_poisoned_pages(
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
+@pytest.mark.parametrize("batch", [1, 8, 64])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "page_size"),
+    [(16, 2, 256, 16), (16, 4, 256, 64), (32, 8, 128, 32)],
+    ids=["qwen", "9b-like", "nemotron-like"],
+)
+def test_splits_merged_and_gated_in_the_launch_over_one_counters_buffer(
+    batch, heads, kv_heads, dim, page_size
+):
+    """20 decode launches in a scan, each merging its splits (as many as the call takes, at
+    most ``MERGE_LOADS`` partial rows) and gating them itself, counting on one buffer: each
+    output within bf16 rounding of the gated reference, empty rows zero, the buffer zero
+    after them."""
+    from pallas_kernels.attention import paged_decode as pd
+
+    k, v, table, lens = _poisoned_cache(batch, kv_heads, dim, page_size, dim + batch)
+    keys = jax.random.split(jax.random.key(5), 2)
+    qs = jax.random.normal(keys[0], (20, batch, heads, dim), jnp.bfloat16)
+    gates = jax.random.normal(keys[1], (20, batch, heads, 2 * dim), jnp.bfloat16)
+    rows = heads // kv_heads
+    splits = min(pd.call_splits(qs[0], k, table), pd.MERGE_LOADS // rows)
+    assert pd.merge_unsupported_reason(qs[0], kv_heads, splits) is None
+    args = (k, v, table, jnp.asarray(lens))
+    call = dict(scale=dim**-0.5, num_splits=splits)
+
+    @jax.jit
+    def merged(qs, gates):
+        counters = jax.new_ref(jnp.zeros((batch * kv_heads,), jnp.int32))
+
+        def body(_, qg):
+            out = pd.paged_decode_attention(
+                qg[0], *args, **call, gate=qg[1], merge_in_launch=True, counters=counters,
+                impl="pallas",
+            )  # fmt: skip
+            return None, out
+
+        outs = jax.lax.scan(body, None, (qs, gates))[1]
+        return outs, counters[...]
+
+    outs, counters = merged(qs, gates)
+    assert not np.asarray(counters).any(), "the launches leave their counters at zero"
+    for i in (0, 7, 19):
+        want = pd.paged_decode_attention(qs[i], *args, **call, gate=gates[i], impl="reference")
+        got, want = np.asarray(outs[i], np.float32), np.asarray(want, np.float32)
+        assert np.isfinite(got).all(), "an entry no row holds reached the output"
+        assert not got[lens == 0].any()
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
 @SHAPES
 def test_paged_decode_kernel_takes_tree_drafts(batch, heads, kv_heads, dim, page_size):
     """Random topological trees of as many nodes as a tile holds (up to 31), rows of at

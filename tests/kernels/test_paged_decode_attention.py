@@ -119,6 +119,77 @@ def test_reference_matches_the_oracle(name):
     assert rel(got, _oracle(**args)) < 1e-12
 
 
+def _gate(seed: int, q: jax.Array) -> jax.Array:
+    """A gated attention's packed ``[q | gate]`` rows: random, the gate in each head's last
+    ``hd`` values."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal((*q.shape[:-1], 2 * q.shape[-1])), jnp.bfloat16)
+
+
+MERGE_CASES = {
+    # (case, splits): up to 64 partial rows a (row, KV head), 8 tile rows x 8 splits at most
+    "gqa8-d128-p16-s1": ("gqa8-d128-p16", 1),
+    "gqa8-d128-p16-s3": ("gqa8-d128-p16", 3),
+    "gqa8-d128-p16-s8": ("gqa8-d128-p16", 8),
+    "verify4-gqa4-s4": ("verify4-gqa4", 4),
+    "qwen-d256-s5": (dict(batch=3, heads=16, kv_heads=2, head_dim=256, page_size=32,
+                          max_pages=8, lens=[0, 250, 17]), 5),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+@pytest.mark.parametrize("name", list(MERGE_CASES))
+def test_splits_merged_in_the_launch_match_the_oracle_and_the_merge_after_it(name, gated):
+    """The last of a (row, KV head)'s programs merges the splits (and gates them) itself:
+    bit for bit the output of the XLA merge after the launch, within bf16 rounding of the
+    float64 oracle, zeros for empty rows, and the shared counters left at zero."""
+    case, num_splits = MERGE_CASES[name]
+    args = _case(3, **(CASES[case] if isinstance(case, str) else case))
+    q, kv_heads = args["q"], args["k_pages"].shape[2]
+    assert pd.merge_unsupported_reason(q, kv_heads, num_splits) is None
+    gate = _gate(4, q) if gated else None
+    want = _oracle(**args)
+    if gated:
+        want = want / (1 + np.exp(-np.asarray(gate[..., q.shape[-1] :], np.float64)))
+    counters = jax.new_ref(jnp.zeros((q.shape[0] * kv_heads + 3,), jnp.int32))
+    call = functools.partial(
+        pd.paged_decode_attention, **args, scale=SCALE, num_splits=num_splits, gate=gate,
+        impl="interpret",
+    )  # fmt: skip
+    got = call(merge_in_launch=True, counters=counters)
+    after = call(merge_in_launch=False)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(after, np.float32))
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all()
+    assert not got[np.asarray(args["context_lens"]) == 0].any(), "empty rows get zeros"
+    assert rel(got, want) < 1e-2
+    assert not np.asarray(counters[...]).any(), "the launch leaves its counters at zero"
+
+
+def test_a_merge_in_the_launch_it_cannot_take_says_why():
+    pages = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
+    table, lens = jnp.zeros((2, 3), jnp.int32), jnp.zeros((2,), jnp.int32)
+    q = jnp.zeros((2, 16, 128), jnp.bfloat16)  # 8 tile rows a KV head
+    call = functools.partial(pd.paged_decode_attention, k_pages=pages, v_pages=pages,
+                             page_table=table, context_lens=lens, scale=1.0,
+                             merge_in_launch=True, impl="interpret")  # fmt: skip
+    assert pd.merge_unsupported_reason(q, 2, 8) is None
+    assert "8 tile rows x 9 splits are more than the 64" in pd.merge_unsupported_reason(q, 2, 9)
+    with pytest.raises(ValueError, match=r"merge_in_launch: 8 tile rows x 9 splits"):
+        call(q, num_splits=9)
+    narrow = jnp.zeros((4, 16, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"merge_in_launch: head_dim=64 is not a multiple of"):
+        pd.paged_decode_attention(q[..., :64], narrow, narrow, table, lens, scale=1.0,
+                                  merge_in_launch=True, impl="interpret")  # fmt: skip
+    with pytest.raises(ValueError, match=r"merge_in_launch: tree drafts merge their splits"):
+        call(q.reshape(2, 2, 8, 128), num_splits=2, parents=jnp.array([[-1, 0]] * 2))
+    with pytest.raises(ValueError, match=r"counters must be int32 \[n >= 4\]"):
+        call(q, num_splits=2, counters=jax.new_ref(jnp.zeros((3,), jnp.int32)))
+    with pytest.raises(ValueError, match=r"gate must be q's leading shape \(2, 16\)"):
+        call(q, num_splits=2, gate=jnp.zeros((2, 16, 64), jnp.bfloat16))
+
+
 @pytest.mark.parametrize(
     "batch, heads, kv_heads, head_dim, page_size, splits, tokens",
     [
@@ -148,6 +219,18 @@ def test_kernel_lowers_for_the_gpu_at_production_shapes(
         )  # fmt: skip
         text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+    q = args[0]
+    if pd.merge_unsupported_reason(q, kv_heads, splits) is None:  # merged and gated
+
+        def merged(q, k_pages, v_pages, table, lens, gate):
+            return pd.paged_decode_attention(
+                q, k_pages, v_pages, table, lens, scale=0.0625, num_splits=splits, gate=gate,
+                merge_in_launch=True, impl="pallas",
+            )  # fmt: skip
+
+        gate = spec((*q.shape[:-1], 2 * head_dim), jnp.bfloat16)
+        lowered = jax.jit(merged).trace(*args, gate).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_the_ring_fits_shared_memory_and_a_bad_one_says_why():
