@@ -62,7 +62,7 @@ SLOTS = 1024
 STATE_BYTES = HV * K * V * 4
 CONV_C, CONV_W = 2 * H * K + HV * V, 4
 DECODE_BATCHES = (1, 16, 64, 256)
-CONV_BATCHES = (1, 256)
+CONV_BATCHES = (1, 64, 256)
 CONV_PREFILL = (("8x2048", 8, 2048),)
 VERIFY = ((16, 4), (64, 4))
 PREFILL = (("1x8192", 1, 8192), ("1x32768", 1, 32768), ("4x8192", 4, 8192),
@@ -570,8 +570,14 @@ def bench_conv() -> None:
     for n in CONV_BATCHES:
         x = jnp.asarray(rng.standard_normal((n, 1, CONV_C)), jnp.bfloat16)
         traffic = n * CONV_C * 2 * (2 * (CONV_W - 1) + 2)
-        for impl, fn in (("ours (Mosaic GPU)", update_mgpu.causal_conv1d_update),
-                         ("jnp reference", conv_reference.causal_conv1d_update)):  # fmt: skip
+        # Rows a program of ours takes (update_mgpu.ROWS_PER_PROGRAM by default), side by side.
+        ours = [("ours (Mosaic GPU)", update_mgpu.causal_conv1d_update)]
+        ours += [
+            (f"ours, {r} rows a program", functools.partial(update_mgpu.causal_conv1d_update,
+                                                           rows_per_program=r))
+            for r in (2, 4, 8) if r < n
+        ]  # fmt: skip
+        for impl, fn in (*ours, ("jnp reference", conv_reference.causal_conv1d_update)):
 
             def step(pool, idx, fn=fn, x=x):
                 y, pool = fn(x, weight, bias, pool, idx)

@@ -1,11 +1,12 @@
 """Causal depthwise conv1d on rows of D tokens (decode and verify) as Mosaic GPU kernels (sm_90).
 
-One program per (row ``n``, block of 128 channels): thread ``i`` of the warpgroup owns channel
-``c0 + i``. It loads the row's saved window ``pool[idx[n], c, :]``, its D inputs, the W taps
-and the bias straight from GMEM into registers (every array in the same one-value-per-thread
-``WG_STRIDED`` layout, so the whole convolution is element-wise), computes the D outputs and
-stores them, then stores the shifted window back into the pool (update) or every window to
-``windows`` (verify).
+One program per (``rows_per_program`` rows from ``n``, block of 128 channels): thread ``i`` of
+the warpgroup owns channel ``c0 + i``. It loads each row's saved window ``pool[idx[n], c,
+:]`` and its D inputs, and the W taps and the bias once, straight from GMEM into registers
+(every array in the same one-value-per-thread ``WG_STRIDED`` layout, so the whole convolution
+is element-wise), all before the first sum waits on them; then per row it computes the D
+outputs and stores them, and stores the shifted window back into the pool (update) or every
+window to ``windows`` (verify).
 
 Why no TMA here: the window axis is innermost and only ``W-1`` (3) elements long, so a
 channel block of the pool is a ``[128, 3]`` box whose rows are 6 bytes, under TMA's 16-byte
@@ -16,11 +17,13 @@ Tree drafts (verify with ``parents``): token ``t``'s window is the one its paren
 ``windows[n, parents[n, t]]``, which the same thread stored a moment before (a thread owns
 its channel in every array, so it reads back only its own writes); the root's is the pool's.
 
-Padded rows (``state_indices[n] == 0``) read and write no pool memory; their outputs (and
-windows) are zeros, as the reference does.
+Padded rows (``state_indices[n] == 0``) read the pad slot and write no pool memory; their
+outputs (and windows) are zeros, as the reference does.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +35,7 @@ from pallas_kernels._common import interpret_params
 
 __all__ = [
     "LANE",
+    "ROWS_PER_PROGRAM",
     "causal_conv1d_update",
     "causal_conv1d_verify",
     "finish_outputs",
@@ -45,6 +49,8 @@ BLOCK_C = 128  # one channel per thread of the warpgroup
 MAX_TOKENS = 16
 MAX_WIDTH = 8
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# Rows a program takes: each of its rows' loads in flight at once, the taps read once.
+ROWS_PER_PROGRAM = 1
 LANE = plgpu.Layout.WG_STRIDED((BLOCK_C,), 1)
 """One channel per thread of the warpgroup: the layout every array of the convolution takes."""
 
@@ -156,12 +162,14 @@ def _rows(
     activation: str | None,
     write_pool: bool,
     interpret: bool,
+    rows_per_program: int,
     parents: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The kernel call: ``y`` (update; the pool is a mutable ref written in place) or
     ``(y, windows)`` (verify; the pool is only read; ``parents`` int32 ``[N, D]`` for tree
-    drafts)."""
+    drafts, one row a program)."""
     n_rows, n_tokens, channels = x.shape
+    rows_per_program = 1 if parents is not None else rows_per_program
     width = weight.shape[1]
     has_bias = bias is not None
     tree = parents is not None
@@ -179,21 +187,53 @@ def _rows(
         pool_ref, y_ref = refs[:2]
         win_ref = None if write_pool else refs[2]
 
-        n = lax.axis_index("n")
+        first = lax.axis_index("n") * rows_per_program
         chans = pl.ds(lax.axis_index("c") * BLOCK_C, BLOCK_C)
-        slot = idx_ref[n]
 
-        def store_windows(ext):
-            """ext: the W-1+D inputs of the row, oldest first (the window, then x)."""
-            if write_pool:
+        def store_windows(n, ext):
+            """Row n's windows after its tokens into ``windows`` (verify); ext: the W-1+D
+            inputs of the row, oldest first (the window, then x)."""
+            for t in range(n_tokens):
                 for w in range(width - 1):
-                    pool_ref[slot, chans, w] = ext[n_tokens + w].astype(pool_ref.dtype)
-            else:
-                for t in range(n_tokens):
-                    for w in range(width - 1):
-                        win_ref[n, t, chans, w] = ext[t + 1 + w].astype(win_ref.dtype)
+                    win_ref[n, t, chans, w] = ext[t + 1 + w].astype(win_ref.dtype)
 
-        def tree_row():
+        def chain_rows():
+            """The program's rows, every load issued before any row's sums wait on it (a
+            padded row reads the pad slot and stores zeros; a row past the call is skipped)."""
+            rows = [jnp.minimum(first + r, n_rows - 1) for r in range(rows_per_program)]
+            slots = [idx_ref[row] for row in rows]
+            exts = [
+                [load(pool_ref.at[slot, chans, w]) for w in range(width - 1)]
+                + [load(x_ref.at[row, t, chans]) for t in range(n_tokens)]
+                for row, slot in zip(rows, slots, strict=True)
+            ]
+            taps = [load(w_ref.at[chans, w]) for w in range(width)]
+            bias_t = load(b_ref.at[chans]) if has_bias else None
+            for r, (row, slot, ext) in enumerate(zip(rows, slots, exts, strict=True)):
+                ys = outputs_of_window(ext, taps, bias_t, activation)
+                in_call = first + r < n_rows
+
+                @pl.when(in_call & (slot != 0))
+                def _real_row(row=row, slot=slot, ext=ext, ys=ys):
+                    for t, y_t in enumerate(ys):
+                        y_ref[row, t, chans] = y_t.astype(y_ref.dtype)
+                    if not write_pool:
+                        store_windows(row, ext)
+                        return
+                    for w in range(width - 1):
+                        pool_ref[slot, chans, w] = ext[n_tokens + w].astype(pool_ref.dtype)
+
+                # Padded rows all name slot 0: no pool write, zeros out (no race on slot 0).
+                pl.when(in_call & (slot == 0))(functools.partial(padded_row, row))
+
+        def padded_row(n):
+            zeros = plgpu.layout_cast(jnp.zeros((BLOCK_C,), jnp.float32), LANE)
+            for t in range(n_tokens):
+                y_ref[n, t, chans] = zeros.astype(y_ref.dtype)
+            if not write_pool:
+                store_windows(n, [zeros] * (width - 1 + n_tokens))
+
+        def tree_row(n, slot):
             taps = [load(w_ref.at[chans, w]) for w in range(width)]
             bias_t = load(b_ref.at[chans]) if has_bias else None
             window = [load(pool_ref.at[slot, chans, w]) for w in range(width - 1)]
@@ -208,27 +248,12 @@ def _rows(
                 for w in range(width - 1):
                     win_ref[n, t, chans, w] = window[w].astype(win_ref.dtype)
 
-        @pl.when(slot != 0)
-        def _real_row():
-            if tree:
-                tree_row()
-                return
-            ext = [load(pool_ref.at[slot, chans, w]) for w in range(width - 1)]
-            ext += [load(x_ref.at[n, t, chans]) for t in range(n_tokens)]
-            taps = [load(w_ref.at[chans, w]) for w in range(width)]
-            bias_t = load(b_ref.at[chans]) if has_bias else None
-            for t, y_t in enumerate(outputs_of_window(ext, taps, bias_t, activation)):
-                y_ref[n, t, chans] = y_t.astype(y_ref.dtype)
-            store_windows(ext)
-
-        @pl.when(slot == 0)
-        def _padded_row():
-            # Padded rows all name slot 0: no pool access, zeros out (and no race on slot 0).
-            zeros = plgpu.layout_cast(jnp.zeros((BLOCK_C,), jnp.float32), LANE)
-            for t in range(n_tokens):
-                y_ref[n, t, chans] = zeros.astype(y_ref.dtype)
-            if not write_pool:
-                store_windows([zeros] * (width - 1 + n_tokens))
+        if not tree:
+            chain_rows()
+            return
+        slot = idx_ref[first]  # one row a program
+        pl.when(slot != 0)(functools.partial(tree_row, first, slot))
+        pl.when(slot == 0)(functools.partial(padded_row, first))
 
     y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
     out_type = y_type
@@ -238,7 +263,7 @@ def _rows(
     kernel = plgpu.kernel(
         body,
         out_type=out_type,
-        grid=(n_rows, channels // BLOCK_C),
+        grid=(-(-n_rows // rows_per_program), channels // BLOCK_C),
         grid_names=("n", "c"),
         interpret=interpret_params(interpret),
         kernel_name="conv1d_update",
@@ -258,19 +283,21 @@ def causal_conv1d_update(
     *,
     activation: str | None = "silu",
     interpret: bool = False,
+    rows_per_program: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """D tokens per row after the row's saved window; the window moves on by D tokens.
 
     x ``[N, D, C]``; weight ``[C, W]``; bias ``[C]`` or None; conv_pool ``[S, C, W-1]`` in x's
     dtype; state_indices int32 ``[N]`` (0 = padded row). Returns (y ``[N, D, C]`` in x's
     dtype, zeros on padded rows; conv_pool). Under ``jit`` with the pool donated the update is
-    in place; slot 0 is never touched.
+    in place; slot 0 is never written. ``rows_per_program``: rows a program takes (None:
+    ``ROWS_PER_PROGRAM``).
     """
     _check(unsupported_reason(x, weight, bias, conv_pool, state_indices, activation=activation))
     pool_ref = jax.new_ref(conv_pool)
     y = _rows(
         x, weight, bias, pool_ref, state_indices, activation=activation, write_pool=True,
-        interpret=interpret,
+        interpret=interpret, rows_per_program=_rows_per_program(rows_per_program),
     )  # fmt: skip
     return y, jax.freeze(pool_ref)
 
@@ -285,11 +312,13 @@ def causal_conv1d_verify(
     parents: jax.Array | None = None,
     activation: str | None = "silu",
     interpret: bool = False,
+    rows_per_program: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """D draft tokens per row, pool read-only.
 
     Arguments as ``causal_conv1d_update``, plus ``parents``: None (a chain) or int32
-    ``[N, D]`` tree drafts, token t continuing the window after token ``parents[n, t]``.
+    ``[N, D]`` tree drafts (one row a program), token t continuing the window after token
+    ``parents[n, t]``.
     Returns (y ``[N, D, C]``; windows ``[N, D, C, W-1]`` in the pool's dtype,
     ``windows[n, t]`` = the window after token ``t``); both zeros on padded rows.
     """
@@ -300,4 +329,13 @@ def causal_conv1d_verify(
     return _rows(
         x, weight, bias, conv_pool, state_indices,
         activation=activation, write_pool=False, interpret=interpret, parents=parents,
+        rows_per_program=_rows_per_program(rows_per_program),
     )  # fmt: skip
+
+
+def _rows_per_program(rows_per_program: int | None) -> int:
+    if rows_per_program is None:
+        return ROWS_PER_PROGRAM
+    if rows_per_program < 1:
+        raise ValueError(f"rows_per_program={rows_per_program} must be at least 1")
+    return int(rows_per_program)

@@ -64,10 +64,19 @@ def _check_rows(y, y_ref, idx, tol):
     ],
     ids=["bf16-D1-W4-silu", "f32-D3-W3-nobias"],
 )
-def test_update_matches_oracle_and_moves_only_named_windows(dtype, d, width, bias, activation, tol):
+@pytest.mark.parametrize("rows_per_program", [1, 3], ids=["row-a-program", "3-rows-a-program"])
+def test_update_matches_oracle_and_moves_only_named_windows(
+    dtype, d, width, bias, activation, tol, rows_per_program
+):
+    """With 3 rows a program the second program's last two rows lie past the call's 4."""
     args, idx = _case(0, n=4, d=d, c=256, width=width, slots=7, dtype=dtype, padded=[1], bias=bias)
     y, pool = jax.jit(
-        functools.partial(update_mgpu.causal_conv1d_update, activation=activation, interpret=True)
+        functools.partial(
+            update_mgpu.causal_conv1d_update,
+            activation=activation,
+            interpret=True,
+            rows_per_program=rows_per_program,
+        )  # fmt: skip
     )(**args)
     y_ref, pool_ref = _oracle(conv_reference.causal_conv1d_update, args, activation)
     _check_rows(y, y_ref, idx, tol)
@@ -78,12 +87,14 @@ def test_update_matches_oracle_and_moves_only_named_windows(dtype, d, width, bia
     np.testing.assert_array_equal(bits(pool[others]), bits(args["conv_pool"][others]))
 
 
-def test_verify_returns_window_after_every_token_and_leaves_pool_untouched():
+@pytest.mark.parametrize("rows_per_program", [1, 2], ids=["row-a-program", "2-rows-a-program"])
+def test_verify_returns_window_after_every_token_and_leaves_pool_untouched(rows_per_program):
     args, idx = _case(1, n=3, d=4, c=128, width=4, slots=6, dtype=jnp.bfloat16, padded=[2])
     before = bits(args["conv_pool"]).copy()
-    y, windows = jax.jit(functools.partial(update_mgpu.causal_conv1d_verify, interpret=True))(
-        **args
+    verify = functools.partial(
+        update_mgpu.causal_conv1d_verify, interpret=True, rows_per_program=rows_per_program
     )
+    y, windows = jax.jit(verify)(**args)
     y_ref, windows_ref = _oracle(conv_reference.causal_conv1d_verify, args, "silu")
     _check_rows(y, y_ref, idx, 1e-2)
     real = idx != 0
@@ -103,11 +114,16 @@ def _production(n, d, c=8192, width=4, dtype=jnp.bfloat16, bias=True):
     )
 
 
-@pytest.mark.parametrize("n, d, bias", [(1, 1, True), (256, 1, False), (16, 4, True)], ids=str)
-def test_update_lowers_for_cuda_with_the_pool_aliased(n, d, bias):
+@pytest.mark.parametrize(
+    "n, d, bias, rows_per_program",
+    [(1, 1, True, 1), (256, 1, False, 1), (256, 1, True, 8), (16, 4, True, 2)],
+    ids=str,
+)
+def test_update_lowers_for_cuda_with_the_pool_aliased(n, d, bias, rows_per_program):
     args = _production(n, d, bias=bias)
+    update = functools.partial(update_mgpu.causal_conv1d_update, rows_per_program=rows_per_program)
     text = (
-        jax.jit(update_mgpu.causal_conv1d_update, donate_argnames=("conv_pool",))
+        jax.jit(update, donate_argnames=("conv_pool",))
         .trace(**args)
         .lower(lowering_platforms=("cuda",))
         .as_text()
