@@ -166,15 +166,15 @@ TRIAL_SWITCHES = {
         "a decode step's paged attention kernel merges its splits and applies the output gate "
         "itself (the last of a (row, KV head)'s programs), not in an XLA fusion after it",
     ),
-    "--split-router-launch": (
-        moe_layer, "SPLIT_ROUTER_LAUNCH", True,
-        "a MoE block's router launch runs over parts of K, combined by one program a token "
-        "(projections(splits=))",
+    "--no-split-router-launch": (
+        moe_layer, "SPLIT_ROUTER_LAUNCH", False,
+        "a MoE block's router launch streams a whole K a program, not parts of K combined by "
+        "one program a token (projections(splits=))",
     ),
-    "--ranking-in-router-launch": (
-        moe_layer, "RANKING_IN_ROUTER_LAUNCH", True,
-        "a MoE block that ranks its experts ranks them in the router's launch (one more "
-        "program a token: projections.ranked_projections), not in two XLA reductions",
+    "--no-ranking-in-router-launch": (
+        moe_layer, "RANKING_IN_ROUTER_LAUNCH", False,
+        "a MoE block that ranks its experts ranks them in two XLA reductions after the "
+        "router's launch, not in that launch (projections.ranked_projections)",
     ),
     "--no-softmax-in-ranking": (
         moe_layer, "SOFTMAX_IN_RANKING", False,

@@ -462,6 +462,7 @@ def test_a_router_launch_over_parts_of_k_gives_the_block_and_ranks_as_xla(normed
     block = _paired_block(128, 4, 7, normed=normed, hidden=512)
     run = block[1]
     monkeypatch.setattr(moe_layer, "RANKING_IN_ROUTER_LAUNCH", False)
+    monkeypatch.setattr(moe_layer, "SPLIT_ROUTER_LAUNCH", False)
     whole, whole_program = run()
     reference, _ = run("reference")
     assert "projections_combined" not in whole_program

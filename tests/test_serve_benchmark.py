@@ -82,12 +82,12 @@ def test_each_switch_runs_the_rows_again_with_one_switch_at_a_time(
 
     flags = ["--smoke", "--compile-only", "--out", str(tmp_path)]
     monkeypatch.setattr(serve, "variant_rows", recording)
-    trials = "no-shared-hidden-with-experts,split-router-launch+no-shared-hidden-with-experts"
+    trials = "no-shared-hidden-with-experts,no-split-router-launch+no-shared-hidden-with-experts"
     assert serve.main([*flags, "--each-switch", trials]) == 0
     one = "MoE ragged_dot, --no-shared-hidden-with-experts"
-    both = "MoE ragged_dot, --split-router-launch --no-shared-hidden-with-experts"
-    assert seen == [("MoE ragged_dot", True, False), (one, False, False), (both, False, True)]
-    assert moe.SHARED_HIDDEN_WITH_EXPERTS is True and moe.SPLIT_ROUTER_LAUNCH is False
+    both = "MoE ragged_dot, --no-split-router-launch --no-shared-hidden-with-experts"
+    assert seen == [("MoE ragged_dot", True, True), (one, False, True), (both, False, False)]
+    assert moe.SHARED_HIDDEN_WITH_EXPERTS is True and moe.SPLIT_ROUTER_LAUNCH is True
     with pytest.raises(SystemExit):
         serve.main([*flags, "--each-switch", "no-such-switch"])
     assert "'--no-such-switch'] are not trial switches" in capsys.readouterr().err

@@ -67,7 +67,8 @@ against the launch's ~4: ``benchmarks/RESULTS_serve.md``)."""
 MERGE_IN_LAUNCH = False
 """Whether a DECODE step's paged decode kernel merges its splits and applies the output gate
 itself (``paged_decode_attention(merge_in_launch=True)``) where it can, instead of one XLA
-fusion after the launch."""
+fusion after the launch. Off: at batch 1 the last program's merge adds ~2.2 us to the launch,
+where XLA's fusion takes ~1.3 us (``benchmarks/RESULTS_serve.md``)."""
 
 # Tree-draft tokens attended per vectorised batch: bounds their gathered keys to
 # TOKEN_BLOCK x (max_pages * page_size) x KVH x head_dim.

@@ -102,21 +102,21 @@ SHARED_GATE_WIDTH = max(projections.COLUMN_TILE, projections.COMBINED_WIDTH)
 """The columns a widened shared expert gate has (``SparseMoE.widen_shared_gate``): a width the
 router's launch takes, whole-K or combined by rows (``SPLIT_ROUTER_LAUNCH``)."""
 
-SPLIT_ROUTER_LAUNCH = False
+SPLIT_ROUTER_LAUNCH = True
 """Whether a block whose hidden rows come from the experts' launches splits its router's
 launch over parts of K (``projections(splits=)``, ``projections.partial_splits``'s count): a
 program per (column tile, part) instead of a few programs that each stream a whole K (the
 35B-like router, shared gate/up and gate are 22 column tiles), and one more program a token
 that sums its partials, forms the norm's scale and the shared expert's SwiGLU (and with
-``RANKING_IN_ROUTER_LAUNCH`` ranks the logits from its registers). Off until measured
-faster end to end (``benchmarks/RESULTS_serve.md``)."""
+``RANKING_IN_ROUTER_LAUNCH`` ranks the logits from its registers). With the ranking, ~2 us
+and 2 kernels fewer a MoE block of a batch-1 step (``benchmarks/RESULTS_serve.md``)."""
 
-RANKING_IN_ROUTER_LAUNCH = False
+RANKING_IN_ROUTER_LAUNCH = True
 """Whether a block that ranks its tokens' experts with the softmax in the ranking
 (``SOFTMAX_IN_RANKING``) and adds its output in one launch (``COMBINE_IN_LAUNCH``) ranks them
 in the router's launch (``projections.ranked_projections``: one more program a token, which
 waits for the router's tiles), instead of the two XLA reductions between the router's launch
-and the experts'. Off until measured faster end to end (``benchmarks/RESULTS_serve.md``)."""
+and the experts' (measured with ``SPLIT_ROUTER_LAUNCH``: ``benchmarks/RESULTS_serve.md``)."""
 
 SOFTMAX_IN_RANKING = True
 """Whether a block that ranks its tokens' experts (``RANKED_TOP_K_TOKENS``, with

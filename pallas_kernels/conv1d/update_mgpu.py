@@ -49,7 +49,8 @@ BLOCK_C = 128  # one channel per thread of the warpgroup
 MAX_TOKENS = 16
 MAX_WIDTH = 8
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-# Rows a program takes: each of its rows' loads in flight at once, the taps read once.
+# Rows a program takes: each of its rows' loads in flight at once, the taps read once. More
+# than one moved a launch by under 7% either way (benchmarks/RESULTS.md).
 ROWS_PER_PROGRAM = 1
 LANE = plgpu.Layout.WG_STRIDED((BLOCK_C,), 1)
 """One channel per thread of the warpgroup: the layout every array of the convolution takes."""
