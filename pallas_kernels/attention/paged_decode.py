@@ -286,11 +286,11 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, mer
     tree = paths is not None
     merging = merge is not None
     gate, counters = merge if merging else (None, None)
-    gated = gate is not None
+    has_gate = gate is not None
 
     def body(table_ref, lens_ref, q_ref, k_ref, v_ref, *refs):
         paths_ref, refs = (refs[0], refs[1:]) if tree else (None, refs)
-        gate_ref, refs = (refs[0], refs[1:]) if gated else (None, refs)
+        gate_ref, refs = (refs[0], refs[1:]) if has_gate else (None, refs)
         counters_ref, refs = (refs[0], refs[1:]) if merging else (None, refs)
         o_ref, lse_ref, refs = refs[0], refs[1], refs[2:]
         merged_ref, refs = (refs[0], refs[1:]) if merging else (None, refs)
@@ -432,7 +432,7 @@ def _kernel_call(q_tiles, k_pages, v_pages, page_table, context_lens, paths, mer
     if tree:
         scratch.append(plgpu.SMEM((ROWS_PER_TILE,), jnp.int32))
     if merging:
-        extra += ((gate,) if gated else ()) + (counters,)
+        extra += ((gate,) if has_gate else ()) + (counters,)
         scratch.append(plgpu.SMEM((1,), jnp.int32))
     scratch += [
         plgpu.Barrier(num_arrivals=1 + tree),
