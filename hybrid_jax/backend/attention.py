@@ -524,15 +524,9 @@ def paged_attention(
         table = jnp.asarray(meta.pages.table)
         parents = meta.parents if meta.tree else None
         rows_gate = None if gate is None else gate.reshape(*rows_q.shape[:3], gate.shape[-1])
-        merged = (
-            MERGE_IN_LAUNCH
-            and parents is None
-            and (
-                paged_decode.merge_unsupported_reason(
-                    rows_q, num_kv_heads, paged_decode.call_splits(rows_q, k_pages, table)
-                )
-                is None
-            )
+        splits = paged_decode.call_splits(rows_q, k_pages, table)
+        merged = MERGE_IN_LAUNCH and (
+            paged_decode.merge_unsupported_reason(rows_q, num_kv_heads, splits, parents) is None
         )
         out = paged_decode.paged_decode_attention(
             rows_q, k_pages, v_pages, table, jnp.asarray(meta.context_lens).astype(jnp.int32),

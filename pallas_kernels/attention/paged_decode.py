@@ -548,9 +548,13 @@ def _kernel(q, k_pages, v_pages, page_table, context_lens, parents=None, *, scal
 MERGE_LOADS = 64
 
 
-def merge_unsupported_reason(q: jax.Array, kv_heads: int, num_splits: int) -> str | None:
+def merge_unsupported_reason(
+    q: jax.Array, kv_heads: int, num_splits: int, parents: jax.Array | None = None
+) -> str | None:
     """Why the kernel cannot merge the splits of this decode call itself (``merge_in_launch``),
     or None when it can."""
+    if parents is not None:
+        return "tree drafts merge their splits in XLA"
     head_dim = q.shape[-1]
     tokens = q.shape[1] if q.ndim == 4 else 1
     rows = tokens * (q.shape[-2] // kv_heads)
@@ -660,9 +664,7 @@ def paged_decode_attention(
     splits = call_splits(q, k_pages, page_table, num_splits)
     if merge_in_launch:
         kv_heads = k_pages.shape[2]
-        reason = merge_unsupported_reason(q, kv_heads, splits)
-        if reason is None and parents is not None:
-            reason = "tree drafts merge their splits in XLA"
+        reason = merge_unsupported_reason(q, kv_heads, splits, parents)
         if reason is not None:
             raise ValueError(f"{_OP}: merge_in_launch: {reason}")
         _counters.check_counters(_OP, counters, q.shape[0] * kv_heads)

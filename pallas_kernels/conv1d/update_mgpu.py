@@ -295,10 +295,11 @@ def causal_conv1d_update(
     ``ROWS_PER_PROGRAM``).
     """
     _check(unsupported_reason(x, weight, bias, conv_pool, state_indices, activation=activation))
+    rows_per_program = _rows_per_program(rows_per_program)
     pool_ref = jax.new_ref(conv_pool)
     y = _rows(
         x, weight, bias, pool_ref, state_indices, activation=activation, write_pool=True,
-        interpret=interpret, rows_per_program=_rows_per_program(rows_per_program),
+        interpret=interpret, rows_per_program=rows_per_program,
     )  # fmt: skip
     return y, jax.freeze(pool_ref)
 

@@ -171,6 +171,13 @@ def test_unsupported_reason_names_the_rule(change, words):
         update_mgpu.causal_conv1d_update(**args, activation=activation, interpret=True)
 
 
+def test_rows_a_program_below_one_is_refused_by_name():
+    args, _ = _case(2, n=2, d=1, c=128, width=4, slots=4, dtype=jnp.bfloat16, padded=[])
+    for op in (update_mgpu.causal_conv1d_update, update_mgpu.causal_conv1d_verify):
+        with pytest.raises(ValueError, match=r"rows_per_program=0 must be at least 1"):
+            op(**args, interpret=True, rows_per_program=0)
+
+
 def _varlen_case(seed, lengths, *, c, width, slots, dtype, has_init, extra_tokens):
     """Packed sequences of the given lengths (0 = empty, slot 0) and ``extra_tokens`` of
     padding after them. Slots without an initial state, slot 0 and unnamed slots hold NaN."""

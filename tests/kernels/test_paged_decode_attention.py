@@ -182,6 +182,8 @@ def test_a_merge_in_the_launch_it_cannot_take_says_why():
     with pytest.raises(ValueError, match=r"merge_in_launch: head_dim=64 is not a multiple of"):
         pd.paged_decode_attention(q[..., :64], narrow, narrow, table, lens, scale=1.0,
                                   merge_in_launch=True, impl="interpret")  # fmt: skip
+    tree = jnp.array([[-1, 0]] * 2)
+    assert "tree drafts" in pd.merge_unsupported_reason(q.reshape(2, 2, 8, 128), 2, 2, tree)
     with pytest.raises(ValueError, match=r"merge_in_launch: tree drafts merge their splits"):
         call(q.reshape(2, 2, 8, 128), num_splits=2, parents=jnp.array([[-1, 0]] * 2))
     with pytest.raises(ValueError, match=r"counters must be int32 \[n >= 4\]"):
