@@ -544,7 +544,8 @@ def ranked_projections(
     logits) ranked in the same launch, as ``moe.top_k_exps`` ranks it: the products, then
     each row's ``top_k`` largest entries as ``exp(value - max)`` (float32 ``[R, top_k]``,
     largest first) and their int32 indices ``[R, top_k]``, index ``N_0`` (no entry) in rows
-    where ``valid`` (bool ``[R]``) is False. The ranking reads the product as stored, in
+    where ``valid`` (bool ``[R]``, or int32 flags: 0 for False) is False. The ranking reads
+    the product as stored, in
     x's dtype: the launch hands a MoE block's experts their ids with no XLA reductions in
     between.
 
@@ -558,8 +559,13 @@ def ranked_projections(
     _check(x, weights, row_scale, rms_eps, paired)
     splits = _checked_splits(x, weights, splits)
     _counters.check_counters(_OP, counters, 1)
-    if valid is not None and tuple(valid.shape) != (x.shape[0],):
-        raise ValueError(f"{_OP}: valid {tuple(valid.shape)} must be [R] = [{x.shape[0]}]")
+    if valid is not None and (
+        tuple(valid.shape) != (x.shape[0],) or valid.dtype not in (jnp.bool_, jnp.int32)
+    ):
+        raise ValueError(
+            f"{_OP}: valid {valid.dtype}{list(valid.shape)} must be bool or int32 [R] = "
+            f"[{x.shape[0]}]"
+        )
     if not 0 < top_k <= weights[0].shape[1]:
         raise ValueError(f"{_OP}: top_k={top_k} must be in 1..{weights[0].shape[1]} (N_0)")
     reason = None

@@ -182,6 +182,22 @@ def test_a_decode_step_s_attention_merges_its_splits_as_switched(monkeypatch, me
     assert len(zeros) == 1, "the forward's buffer, and no launch's own"
 
 
+def test_a_decode_step_converts_its_rows_validity_once_before_the_layer_scan(monkeypatch):
+    """The MoE blocks' ranked router launches read the tokens' validity as int32: the
+    forward converts it once, before the layer scan (``LayerStates.real_flags``), so the
+    scan's body holds neither the comparison nor the conversion, each of which XLA would
+    run as a launch every repeat."""
+    monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)
+    monkeypatch.setattr(moe_layer, "RANKING_IN_ROUTER_LAUNCH", True)
+    lines = _switched_decode_text(_qwen3_next).splitlines()
+    assert any("projections_ranked" in line or "projections_combined" in line for line in lines)
+    (loop,) = [i for i, line in enumerate(lines) if "stablehlo.while" in line]
+    converts = [i for i, line in enumerate(lines) if "tensor<8xi1>) -> tensor<8xi32>" in line]
+    assert len(converts) == 1 and converts[0] < loop, converts
+    in_body = [line for line in lines if "compare" in line and "%iterArg" in line]
+    assert all("tensor<8xi32>" not in line for line in in_body), in_body
+
+
 # The kernels each step of a model cut over two GPUs holds (on one GPU a Qwen3-Next decode
 # step's MoE blocks run ``expert_mlp`` and its attention rows their own launch; cut, each
 # GPU's MoE slice runs by id and the rows of its one KV head of 2, a rotary of 128, in XLA).

@@ -156,10 +156,11 @@ def _softmax_of_ordered(x: jax.Array) -> jax.Array:
 class MLP(nnx.Module):
     """``down(silu(gate(x)) * up(x))``; x: ``[T, hidden]`` -> ``[T, hidden]``.
 
-    A feed-forward block takes ``(x, real)``: ``real`` (bool ``[T]``) marks the tokens of real
-    rows, which lets a MoE skip the padding, and ``impl`` chooses its kernels; a dense MLP
-    does the same work for every token and uses ``impl`` for its gate and up projections
-    (``project``: one launch at few rows)."""
+    A feed-forward block takes ``(x, real)``: ``real`` (bool ``[T]``, or int32 flags, 0 at
+    padding: ``LayerStates.real_flags``) marks the tokens of real rows, which lets a MoE skip
+    the padding, and ``impl`` chooses its kernels; a dense MLP does the same work for every
+    token and uses ``impl`` for its gate and up projections (``project``: one launch at few
+    rows)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: str, rngs: nnx.Rngs):
         dt = jnp.dtype(dtype)

@@ -100,11 +100,13 @@ class LayerStates:
         num_attention: int,
         linear_name: str,
         counters: int = 0,
+        real_tokens: jax.Array | None = None,
     ):
         """``num_linear``/``num_attention``: the model's stateful layers; ``linear_name``
         names its linear layers in the error for a pool or cache of another layout. ``kv`` is
         None for a model without attention layers. ``counters``: how many int32 zeros
-        ``self.counters`` holds (none: no buffer)."""
+        ``self.counters`` holds (none: no buffer). ``real_tokens``: the forward's
+        ``ForwardMetadata.real_tokens``, for ``self.real_flags``."""
         kv_layers = 0 if kv is None else kv.num_layers
         if pool.num_layers != num_linear or kv_layers != num_attention:
             raise ValueError(
@@ -128,6 +130,13 @@ class LayerStates:
         zero-fills a buffer of its own."""
         if counters:
             self.counters = jax.new_ref(jnp.zeros((counters,), jnp.int32))
+        self.real_flags: jax.Array | None = None
+        """int32 ``[T]``, 1 at the tokens of real rows, 0 at padding, for the blocks whose
+        launches read them as int32 (a MoE block's ranked router launch): made once here,
+        before any scan, where a conversion inside a scan's body would be a launch of its
+        own every repeat (XLA does not hoist it)."""
+        if real_tokens is not None:
+            self.real_flags = real_tokens.astype(jnp.int32)
 
     def linear(
         self,
@@ -322,7 +331,7 @@ class HybridCausalLM(nnx.Module):
         states = LayerStates(
             pool, kv, num_linear=len(self.state_specs()), num_attention=len(self.kv_specs()),
             linear_name=self.linear_name,
-            counters=tokens.shape[0] * self.counters_per_token,
+            counters=tokens.shape[0] * self.counters_per_token, real_tokens=meta.real_tokens,
         )  # fmt: skip
         x = self.embed(tokens)
         for layer in self.layers:

@@ -338,7 +338,8 @@ class DecoderLayer(nnx.Module):
         h = self._normed(self.post_attention_layernorm, x)
         x = rows_of(x)
         if isinstance(self.mlp, SparseMoE) and tp_size() == 1:
-            return self.mlp.add_to(x, h, meta.real_tokens, impl=impl, counters=states.counters)
+            real = meta.real_tokens if states.real_flags is None else states.real_flags
+            return self.mlp.add_to(x, h, real, impl=impl, counters=states.counters)
         return x + run_block(self.mlp, h, meta.real_tokens, impl=impl)
 
     @staticmethod

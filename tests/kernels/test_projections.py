@@ -530,6 +530,18 @@ def test_the_ranked_launch_ranks_the_router_logits_it_stores(rows, widths, top_k
     assert any(len(set(row)) < len(row) for row in logits[:, :top_k])  # ties were ranked
 
 
+def test_the_ranked_launch_reads_int32_validity_flags_as_their_bools():
+    """``valid`` as int32 flags (``LayerStates.real_flags``: 0 at padding) ranks as the
+    same bools do: padding rows get no expert, the others theirs."""
+    x, ws = _case(5, 8, 128, (256, 128))
+    flags = jnp.asarray([1, 1, 0, 1, 0, 1, 1, 0], jnp.int32)
+    got = projections.ranked_projections(x, ws, top_k=8, valid=flags, impl="interpret")
+    want = projections.ranked_projections(x, ws, top_k=8, valid=flags != 0, impl="interpret")
+    chex.assert_trees_all_equal(got, want)
+    ids = np.asarray(got[2])
+    assert (ids[np.asarray(flags) == 0] == 256).all() and (ids[np.asarray(flags) != 0] < 256).all()
+
+
 @pytest.mark.parametrize(
     ("rows", "experts", "top_k"), [(8, 256, 8), (1, 256, 8), (8, 512, 10), (8, 64, 8)]
 )
@@ -562,8 +574,10 @@ def test_ranked_calls_refuse_what_the_ranking_cannot_take():
     assert "k=65 must be in 1..64" in reason(x, [router], 65)
     assert "cannot be paired" in reason(x, [router, other], 8, (True, False))
     assert "16-bit float" in reason(x.astype(jnp.float32), [router.astype(jnp.float32)], 8)
-    with pytest.raises(ValueError, match=r"valid \(7,\) must be \[R\] = \[8\]"):
+    with pytest.raises(ValueError, match=r"valid bool\[7\] must be bool or int32 \[R\] = \[8\]"):
         projections.ranked_projections(x, [router], top_k=8, valid=jnp.ones(7, bool))
+    with pytest.raises(ValueError, match=r"valid float32\[8\] must be bool or int32"):
+        projections.ranked_projections(x, [router], top_k=8, valid=jnp.ones(8, jnp.float32))
     with pytest.raises(ValueError, match=r"top_k=257 must be in 1..256"):
         projections.ranked_projections(x, [router], top_k=257)
     with pytest.raises(ValueError, match="counters must be int32"):
