@@ -161,6 +161,12 @@ TRIAL_SWITCHES = {
         "XLA; the gate/up weights are not paired by moe.pair_halves unless an earlier row of "
         "the run paired them (those rows split the paired products in XLA)",
     ),
+    "--pair-dense-swiglu": (
+        moe_layer, "PAIR_DENSE_SWIGLU", True,
+        "a dense MLP's gate and up weights paired by moe.pair_halves: the projections' launch "
+        "forms the SwiGLU in its epilogue at few rows, one product above; the layout stays "
+        "for any later rows of the run",
+    ),
     "--merge-attention-in-launch": (
         attention_backend, "MERGE_IN_LAUNCH", True,
         "a decode step's paged attention kernel merges its splits and applies the output gate "
@@ -966,12 +972,12 @@ def main(argv: list[str] | None = None) -> int:
             for flag in trial or ():
                 module, name, value, _ = TRIAL_SWITCHES[flag]
                 trial_settings[module, name] = value
-            hidden_switch = (moe_layer, "HIDDEN_IN_EXPERT_LAUNCH")
-            if not args.unrolled and trial_settings.get(hidden_switch, getattr(*hidden_switch)):
-                # As an engine does with the layers it stacks; the layout stays for any
-                # later rows, which split the paired products in XLA.
-                pair_scanned_swiglu(model)
             with switches_set(trial_settings):
+                if not args.unrolled:
+                    # As an engine does with the layers it stacks (each layer as its switch
+                    # says); the layout stays for any later rows, which split the paired
+                    # products in XLA.
+                    pair_scanned_swiglu(model)
                 row_label = f"{label}, {' '.join(trial)}" if trial else label
                 rows += variant_rows(model, c, args, rng, row_label)
         if not getattr(c, "num_experts", 0):

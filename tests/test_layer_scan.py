@@ -169,6 +169,22 @@ def test_scanned_qwen3_next_steps_equal_the_layer_by_layer_model():
     _check_same_steps(qwen3_next(2))
 
 
+def test_scanned_dense_mlps_with_paired_gate_up_step_as_the_layer_by_layer_model(monkeypatch):
+    """With ``PAIR_DENSE_SWIGLU`` ``pair_scanned_swiglu`` makes each scanned dense MLP's gate
+    and up one weight (``MLP.pair_halves``), whose product gives the hidden rows: the same
+    steps as the unpaired layers; off, the layers keep their two weights."""
+    model = qwen3_next(2)
+    scanned = scan_layers(model)
+    pair_scanned_swiglu(scanned)  # off: nothing changes
+    assert not any(block.mlp.paired for block in scanned.layers[0].blocks)
+    monkeypatch.setattr(moe_layer, "PAIR_DENSE_SWIGLU", True)
+    pair_scanned_swiglu(scanned)
+    for block in scanned.layers[0].blocks:
+        assert block.mlp.paired and not hasattr(block.mlp, "up_proj")
+    assert not model.layers[0].mlp.paired  # the layer-by-layer model keeps its weights
+    _check_same_steps(model, scanned)
+
+
 @pytest.mark.parametrize("paired", [False, True], ids=["folded", "folded-and-paired"])
 def test_scanned_layers_with_their_norms_folded_step_as_the_layer_by_layer_model(paired):
     """Each scanned layer's norm weights folded into the products that read them (a MoE

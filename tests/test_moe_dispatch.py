@@ -15,6 +15,7 @@ from hybrid_jax.layers import linear as linear_layer
 from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.layers.moe import (
     BY_ID_MAX_PAIRS,
+    MLP,
     RANKED_TOP_K_TOKENS,
     ExpertDispatch,
     MoEConfig,
@@ -503,3 +504,30 @@ def test_softmax_of_exps_divides_each_row_by_its_sum_and_top_k_softmax_uses_it()
     np.testing.assert_array_equal(
         np.asarray(weights), np.asarray(moe_kernels.softmax_of_exps(picked))
     )
+
+
+def test_a_paired_dense_mlp_forms_its_hidden_rows_in_the_launch():
+    """``MLP.pair_halves``: at few rows the projections' launch (interpreted) forms the SwiGLU
+    hidden rows in its epilogue, so no sigmoid is left outside it; the outputs are the
+    unpaired MLP's to bf16 rounding, above few rows too (one XLA product, split after)."""
+    rng = np.random.default_rng(7)
+    mlp = MLP(128, 256, dtype="bfloat16", rngs=nnx.Rngs(0))
+    for layer in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        shape = layer.kernel.get_value().shape
+        layer.kernel.set_value(
+            jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), jnp.bfloat16)
+        )
+    few = jnp.asarray(rng.standard_normal((8, 128)), jnp.bfloat16)
+    many = jnp.asarray(rng.standard_normal((linear_layer.FEW_ROWS + 8, 128)), jnp.bfloat16)
+
+    def run(x, impl="interpret"):
+        step = jax.jit(lambda m, a: m(a, impl=impl))
+        return np.asarray(step(mlp, x), np.float64), str(jax.make_jaxpr(step)(mlp, x))
+
+    apart = [run(x) for x in (few, many)]
+    mlp.pair_halves()
+    assert mlp.paired and not hasattr(mlp, "up_proj")
+    together = [run(x) for x in (few, many)]
+    for (got, _), (want, _) in zip(together, apart, strict=True):
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    assert apart[0][1].count("logistic") == 1 and together[0][1].count("logistic") == 0

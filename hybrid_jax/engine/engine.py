@@ -81,7 +81,6 @@ from hybrid_jax.engine.speculative_serving import SpeculativeServing
 from hybrid_jax.engine.startup import use_compilation_cache
 from hybrid_jax.engine.step import CompileRecord, StepFunctions
 from hybrid_jax.kv_cache import PageAllocator, init_kv_cache
-from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.layers import norm as norm_layer
 from hybrid_jax.metadata import ForwardMetadata, build_metadata, example_metadata
 from hybrid_jax.models.auto import load_checkpoint
@@ -126,7 +125,7 @@ def model_for_steps(
         # came keeps its weights.
         if norm_layer.FOLD_NORM_WEIGHTS:
             fold_scanned_norms(scanned)
-        if moe_layer.HIDDEN_IN_EXPERT_LAUNCH and mesh is None:
+        if mesh is None:  # each layer pairs as its switch says
             pair_scanned_swiglu(scanned)
     return scanned
 

@@ -35,6 +35,7 @@ __all__ = [
     "EXPERTS_IN_ONE_LAUNCH",
     "HIDDEN_IN_EXPERT_LAUNCH",
     "MLP",
+    "PAIR_DENSE_SWIGLU",
     "RANKED_TOP_K_TOKENS",
     "RANKING_IN_ROUTER_LAUNCH",
     "SHARED_DOWN_WITH_EXPERTS",
@@ -81,6 +82,12 @@ expert's in the router's (``project(paired=)``), instead of gate/up products and
 fusion for both SiLU products. Other steps split the paired products in XLA. On the H200 the
 35B-like batch-1 step drops a kernel per MoE block and ~80 us
 (``benchmarks/RESULTS_serve.md``, session 31)."""
+
+PAIR_DENSE_SWIGLU = False
+"""Whether an engine lays out its stacked dense MLPs' gate and up weights as one weight by
+``moe.pair_halves`` (``MLP.pair_halves``): at few rows the projections' launch then forms the
+SwiGLU hidden rows in its epilogue (no XLA fusion after it), and above them cuBLAS runs one
+product twice as wide instead of two. Read when the engine stacks its layers."""
 
 COMBINE_IN_LAUNCH = True
 """Whether a block whose hidden rows come from the experts' launches
@@ -174,7 +181,11 @@ class MLP(nnx.Module):
         self, x: jax.Array, real: jax.Array | None = None, *, impl: str = "auto"
     ) -> jax.Array:
         del real
-        return self.down(self.hidden(project(x, self.inputs(), impl=impl)), impl=impl)
+        if self.paired:  # the launch's epilogue forms the hidden rows where it takes them
+            (hidden,) = project(x, self.inputs(), impl=impl, paired=(True,))
+        else:
+            hidden = self.hidden(project(x, self.inputs(), impl=impl))
+        return self.down(hidden, impl=impl)
 
     def inputs(self) -> list[nnx.Linear]:
         """The products of the block's input: the gate and up projections, or the one

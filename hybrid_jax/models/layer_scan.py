@@ -197,7 +197,8 @@ def fold_scanned_norms(model: nnx.Module) -> None:
 def pair_scanned_swiglu(model: nnx.Module) -> None:
     """Lay out the SwiGLU gate/up weights of every scanned run's layers for a launch that
     forms the hidden rows in its epilogue, in place (each layer's ``pair_swiglu_halves``,
-    where its kind has one); like ``fold_scanned_norms``, on a scanned model's own copy."""
+    where its kind has one, as its switch says); like ``fold_scanned_norms``, on a scanned
+    model's own copy."""
     _call_scanned_blocks(model, "pair_swiglu_halves")
 
 

@@ -35,6 +35,7 @@ from flax import nnx
 
 from hybrid_jax.kv_cache import KVCache, KVCacheSpec
 from hybrid_jax.layers import linear as linear_layer
+from hybrid_jax.layers import moe as moe_layer
 from hybrid_jax.layers.attention import Attention, AttentionConfig
 from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.layers.moe import MLP, MoEConfig, SparseMoE
@@ -359,10 +360,13 @@ class DecoderLayer(nnx.Module):
             self.mlp.widen_shared_gate()
 
     def pair_swiglu_halves(self) -> None:
-        """A MoE block's gate/up weights laid out for the launch that forms its hidden rows
-        (``SparseMoE.pair_halves``), in place; like ``fold_norm_weights``, for a copy the
-        caller owns."""
-        if isinstance(self.mlp, SparseMoE):
+        """The block's gate/up weights laid out for the launch that forms its hidden rows
+        (``pair_halves``), in place: a MoE block's with ``HIDDEN_IN_EXPERT_LAUNCH``, a dense
+        MLP's with ``PAIR_DENSE_SWIGLU``; like ``fold_norm_weights``, for a copy the caller
+        owns."""
+        if isinstance(self.mlp, SparseMoE) and moe_layer.HIDDEN_IN_EXPERT_LAUNCH:
+            self.mlp.pair_halves()
+        elif isinstance(self.mlp, MLP) and moe_layer.PAIR_DENSE_SWIGLU:
             self.mlp.pair_halves()
 
 
