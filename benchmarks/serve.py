@@ -161,11 +161,10 @@ TRIAL_SWITCHES = {
         "XLA; the gate/up weights are not paired by moe.pair_halves unless an earlier row of "
         "the run paired them (those rows split the paired products in XLA)",
     ),
-    "--pair-dense-swiglu": (
-        moe_layer, "PAIR_DENSE_SWIGLU", True,
-        "a dense MLP's gate and up weights paired by moe.pair_halves: the projections' launch "
-        "forms the SwiGLU in its epilogue at few rows, one product above; the layout stays "
-        "for any later rows of the run",
+    "--no-pair-dense-swiglu": (
+        moe_layer, "PAIR_DENSE_SWIGLU", False,
+        "a dense MLP keeps its gate and up weights apart (two products, the SwiGLU in XLA), "
+        "unless an earlier row of the run paired them",
     ),
     "--merge-attention-in-launch": (
         attention_backend, "MERGE_IN_LAUNCH", True,

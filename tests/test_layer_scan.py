@@ -175,6 +175,7 @@ def test_scanned_dense_mlps_with_paired_gate_up_step_as_the_layer_by_layer_model
     steps as the unpaired layers; off, the layers keep their two weights."""
     model = qwen3_next(2)
     scanned = scan_layers(model)
+    monkeypatch.setattr(moe_layer, "PAIR_DENSE_SWIGLU", False)
     pair_scanned_swiglu(scanned)  # off: nothing changes
     assert not any(block.mlp.paired for block in scanned.layers[0].blocks)
     monkeypatch.setattr(moe_layer, "PAIR_DENSE_SWIGLU", True)

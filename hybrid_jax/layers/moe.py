@@ -83,11 +83,12 @@ fusion for both SiLU products. Other steps split the paired products in XLA. On 
 35B-like batch-1 step drops a kernel per MoE block and ~80 us
 (``benchmarks/RESULTS_serve.md``, session 31)."""
 
-PAIR_DENSE_SWIGLU = False
+PAIR_DENSE_SWIGLU = True
 """Whether an engine lays out its stacked dense MLPs' gate and up weights as one weight by
 ``moe.pair_halves`` (``MLP.pair_halves``): at few rows the projections' launch then forms the
 SwiGLU hidden rows in its epilogue (no XLA fusion after it), and above them cuBLAS runs one
-product twice as wide instead of two. Read when the engine stacks its layers."""
+product twice as wide instead of two. Read when the engine stacks its layers. A kernel fewer
+per dense layer (``benchmarks/RESULTS_serve.md``, session 48)."""
 
 COMBINE_IN_LAUNCH = True
 """Whether a block whose hidden rows come from the experts' launches
