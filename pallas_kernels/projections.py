@@ -545,9 +545,8 @@ def ranked_projections(
     each row's ``top_k`` largest entries as ``exp(value - max)`` (float32 ``[R, top_k]``,
     largest first) and their int32 indices ``[R, top_k]``, index ``N_0`` (no entry) in rows
     where ``valid`` (bool ``[R]``, or int32 flags: 0 for False) is False. The ranking reads
-    the product as stored, in
-    x's dtype: the launch hands a MoE block's experts their ids with no XLA reductions in
-    between.
+    the product as stored, in x's dtype: the launch hands a MoE block's experts their ids
+    with no XLA reductions in between.
 
     ``counters``: optional int32 ``Ref`` ``[n >= 1]`` of zeros that the launch counts the
     first weight's stored tiles (or with ``splits`` every stored partial) in and leaves at
