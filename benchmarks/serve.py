@@ -75,6 +75,7 @@ from switches import switches_set  # noqa: E402
 from hybrid_jax import Engine, EngineConfig, ForwardMode, SamplingParams, xla_flags  # noqa: E402
 from hybrid_jax.backend import attention as attention_backend  # noqa: E402
 from hybrid_jax.backend import gdn as gdn_backend  # noqa: E402
+from hybrid_jax.engine import sampling  # noqa: E402
 from hybrid_jax.engine.speculative import SpeculativeConfig  # noqa: E402
 from hybrid_jax.layers import gdn as gdn_layer  # noqa: E402
 from hybrid_jax.layers import linear as linear_layer  # noqa: E402
@@ -165,6 +166,11 @@ TRIAL_SWITCHES = {
         moe_layer, "PAIR_DENSE_SWIGLU", False,
         "a dense MLP keeps its gate and up weights apart (two products, the SwiGLU in XLA), "
         "unless an earlier row of the run paired them",
+    ),
+    "--no-one-pass-greedy": (
+        sampling, "ONE_PASS_GREEDY", False,
+        "a step's greedy rows take an argmax and a log-sum-exp, two reads of the logits, not "
+        "one reduction (sampling.greedy_reduction)",
     ),
     "--merge-attention-in-launch": (
         attention_backend, "MERGE_IN_LAUNCH", True,

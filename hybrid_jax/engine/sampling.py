@@ -28,12 +28,14 @@ __all__ = [
     "EVERY_STAGE",
     "MAX_TOP_LOGPROBS",
     "NON_FINITE_TOKEN",
+    "ONE_PASS_GREEDY",
     "VARIANTS",
     "Filters",
     "Sampler",
     "SamplingBatch",
     "SamplingParams",
     "SamplingParamsError",
+    "greedy_reduction",
     "greedy_tokens",
     "pack_rows",
     "record_tokens",
@@ -52,6 +54,12 @@ MAX_TOP_LOGPROBS = 20
 NON_FINITE_TOKEN = -1
 """The token ``Sampler`` returns for a row whose logits hold inf or NaN (no token is drawn:
 the request ends with ``FinishReason.NON_FINITE``)."""
+
+
+ONE_PASS_GREEDY = True
+"""Whether a batch of greedy rows finds each row's argmax, its log-probability and whether its
+logits are finite in one reduction over the vocabulary (``greedy_reduction``) instead of an
+argmax and a log-sum-exp that read the logits twice. Read while tracing."""
 
 
 class SamplingParamsError(ValueError):
@@ -298,12 +306,62 @@ def record_tokens(
     return jnp.where(finite, tokens, NON_FINITE_TOKEN), logprobs, kept
 
 
+_GREEDY_CHUNK = 2048
+"""The longest run of a row's logits ``greedy_reduction`` reduces before it combines the
+runs: a float32 sum accumulated in order over a whole vocabulary (as the CPU reduces) loses
+~1e-4 of its value; over runs of at most this many, then over the runs, ~1e-6."""
+
+
+def greedy_reduction(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each row's argmax (int32 ``[B]``, the first among equal values), its float32
+    log-probability and whether the row's logits are all finite (bool ``[B]``), from one read
+    of ``logits`` ``[B, V]`` (traceable). Where a row is not finite its argmax and
+    log-probability are meaningless.
+
+    The reduction carries a running maximum, the sum of ``exp(logit - maximum)`` rescaled
+    whenever the maximum moves, the maximum's index and an all-finite flag; the argmax's
+    log-probability is then ``-log(sum)``. It reduces runs of the row (the longest divisor of
+    V up to ``_GREEDY_CHUNK``), then the runs' results: one pass over the logits and a
+    reduction of ``[B, V / run]`` after it."""
+    x = logits.astype(jnp.float32)
+    rows, vocab = x.shape
+    run = max(d for d in range(1, min(vocab, _GREEDY_CHUNK) + 1) if vocab % d == 0)
+
+    def combine(a, b):
+        (max_a, sum_a, at_a, finite_a), (max_b, sum_b, at_b, finite_b) = a, b
+        b_wins = (max_b > max_a) | ((max_b == max_a) & (at_b < at_a))
+        top = jnp.where(b_wins, max_b, max_a)
+        low = jnp.where(b_wins, max_a, max_b)
+        # Two -inf maxima (the reduction's start values) would give exp(nan).
+        scale = jnp.where(low == top, 1.0, jnp.exp(low - top))
+        total = jnp.where(b_wins, sum_b + sum_a * scale, sum_a + sum_b * scale)
+        return top, total, jnp.where(b_wins, at_b, at_a), finite_a & finite_b
+
+    start = (
+        jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(jnp.iinfo(jnp.int32).max),
+        jnp.bool_(True),
+    )  # fmt: skip
+    shape = (rows, vocab // run, run)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1).reshape(shape)
+    x = x.reshape(shape)
+    operands = (x, jnp.ones(shape, jnp.float32), index, jnp.isfinite(x))
+    runs = jax.lax.reduce(operands, start, combine, (2,))
+    _, total, argmax, finite = jax.lax.reduce(runs, start, combine, (1,))
+    return argmax, -jnp.log(total), finite
+
+
 def greedy_tokens(
     logits: jax.Array, last_tokens: jax.Array, slots: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``record_tokens`` of each row's argmax: what ``Sampler`` returns for a batch whose rows
-    are all greedy (traceable, so a step can draw its own greedy tokens)."""
-    return record_tokens(logits, _argmax(logits), last_tokens, slots)
+    are all greedy (traceable, so a step can draw its own greedy tokens). A row whose logits
+    are not finite gets ``NON_FINITE_TOKEN``, a NaN log-probability and 0 in the buffer."""
+    if not ONE_PASS_GREEDY:
+        return record_tokens(logits, _argmax(logits), last_tokens, slots)
+    argmax, logprobs, finite = greedy_reduction(logits)
+    kept = last_tokens.at[slots].set(jnp.where(finite, argmax, 0))
+    tokens = jnp.where(finite, argmax, NON_FINITE_TOKEN)
+    return tokens, jnp.where(finite, logprobs, jnp.nan), kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,6 +472,8 @@ class Sampler:
     def _traced(self, logits, rows, last_tokens, filters):
         self.trace_count += 1
         temperature, top_k, top_p, seeds, steps, slots = unpack_rows(rows)
+        if not filters.draws:
+            return greedy_tokens(logits, last_tokens, slots)
         tokens = sample(logits, temperature, top_k, top_p, seeds, steps, filters)
         return record_tokens(logits, tokens, last_tokens, slots)
 

@@ -75,6 +75,7 @@ _SWITCHES = {
         "KEY_CHUNK",
     ),
     "hybrid_jax.backend.gdn": ("CONV_IN_DECODE_KERNEL", "CONV_IN_DECODE_KERNEL_MAX_ROWS"),
+    "hybrid_jax.engine.sampling": ("ONE_PASS_GREEDY",),
     "pallas_kernels._skinny": ("STAGES", "OVERLAP_PRODUCTS", "SWAP_OPERANDS", "RING_FILLS_SM"),
 }
 
