@@ -135,6 +135,11 @@ def projections_reference(
     return tuple(product(w, p) for w, p in zip(weights, flags, strict=True))
 
 
+def _valid_flags(valid: jax.Array | None, rows: int) -> jax.Array:
+    """The ranked launches' int32 operand of the rows' validity (every row when None)."""
+    return jnp.ones((rows,), jnp.int32) if valid is None else valid.astype(jnp.int32)
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("splits", "partial", "variant", "interpret", "rms_eps", "paired", "top_k"),
@@ -173,8 +178,7 @@ def _kernel(
     rank_scratch = routing_mgpu.scratch(entries, x.dtype) if ranked else []
     smem_bytes = SMEM_BYTES
     if ranked:
-        valid = jnp.ones((rows,), bool) if valid is None else valid
-        operands.append(valid.astype(jnp.int32))
+        operands.append(_valid_flags(valid, rows))
         if not interpret:  # the interpreter runs the row programs after every tile's
             counters = jax.new_ref(jnp.zeros((1,), jnp.int32)) if counters is None else counters
             operands.append(counters)
@@ -316,7 +320,7 @@ def _combined_kernel(x, weights, row_scale, valid, counters, *, splits: int,
     if scaled:
         operands.append(row_scale.astype(F32))
     if ranked:
-        operands.append((jnp.ones((rows,), bool) if valid is None else valid).astype(jnp.int32))
+        operands.append(_valid_flags(valid, rows))
     if not interpret:
         # The interpreter runs the programs one after another in launch order (and cannot
         # run inline Mosaic GPU): every partial is stored before a row program reads it.
