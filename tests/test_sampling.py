@@ -18,8 +18,8 @@ from hybrid_jax.engine.sampling import (
     SamplingBatch,
     SamplingParams,
     SamplingParamsError,
-    greedy_reduction,
     greedy_tokens,
+    logit_stats,
     record_tokens,
     sample,
     top_k_mask,
@@ -187,8 +187,8 @@ def test_sampler_records_tokens_per_slot_and_does_not_retrace_once_compiled():
 def test_greedy_tokens_are_what_the_sampler_returns_for_a_greedy_batch(monkeypatch, one_pass):
     """The step's own greedy draw (``greedy_tokens``) against the sampler's greedy variant and
     against each row's argmax recorded as a drawn token (``record_tokens``): the same
-    tokens and buffer, a non-finite row included, and the same log-probabilities (to float32
-    rounding when one reduction forms them)."""
+    tokens, log-probabilities and buffer bit for bit, a non-finite row included; and the
+    most likely of a row's top log-probabilities is its greedy token's, bit for bit."""
     monkeypatch.setattr(sampling, "ONE_PASS_GREEDY", one_pass)
     x = logits(4, seed=3)
     x[2, 5] = np.nan
@@ -196,38 +196,49 @@ def test_greedy_tokens_are_what_the_sampler_returns_for_a_greedy_batch(monkeypat
     start = jnp.asarray(np.random.default_rng(4).integers(0, V, 8), jnp.int32)
     sampler = Sampler()
     batch = SamplingBatch.pack([SamplingParams()] * 3, [0, 0, 0], [0, 0, 0], 4)
-    # A fresh function: jit's cache does not know the switch.
+    # Fresh functions: jit's cache does not know the switch.
     got = jax.jit(lambda *args: greedy_tokens(*args))(jnp.asarray(x), start, slots)
     chex.assert_trees_all_equal(sampler(jnp.asarray(x), batch, jnp.array(start), slots), got)
     argmax = jnp.argmax(jnp.asarray(x), axis=-1).astype(jnp.int32)
-    recorded = jax.jit(record_tokens)(jnp.asarray(x), argmax, start, slots)
-    chex.assert_trees_all_equal((got[0], got[2]), (recorded[0], recorded[2]))
-    chex.assert_trees_all_close(got[1], recorded[1], rtol=1e-6, atol=1e-6)
+    recorded = jax.jit(lambda *args: record_tokens(*args))(jnp.asarray(x), argmax, start, slots)
+    chex.assert_trees_all_equal(recorded, got)
+    top_values, top_ids = sampler.top_logprobs(jnp.asarray(x))
+    for row in (0, 1, 3):
+        assert int(top_ids[row, 0]) == int(got[0][row])
+        assert float(top_values[row, 0]) == float(got[1][row])
     assert int(got[0][2]) == NON_FINITE_TOKEN and int(got[2][6]) == 0 and np.isnan(got[1][2])
+    assert np.isnan(np.asarray(top_values)[2]).all()
     np.testing.assert_array_equal(np.asarray(got[0])[[0, 1, 3]], x[[0, 1, 3]].argmax(-1))
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("vocab", [1009, 6000, 248320])
-def test_greedy_reduction_matches_a_float64_oracle(vocab):
-    """One reduction's argmax (the first of equal maxima), log-probability and finiteness
-    against float64 on fresh logits: a prime vocabulary (one run), one of several runs and
-    the 35B-like model's, whose float32 sum over runs stays within 1e-6 of float64."""
+def test_logit_stats_match_a_float64_oracle(monkeypatch, one_pass, vocab):
+    """Each row's argmax (the first of equal maxima), log-probabilities and finiteness
+    against float64 on fresh logits, in one reduction and in XLA's two: a prime vocabulary
+    (one run), one of several runs and the 35B-like model's, whose float32 sum over runs
+    stays within 1e-6 of float64."""
+    monkeypatch.setattr(sampling, "ONE_PASS_GREEDY", one_pass)
     rng = np.random.default_rng(vocab)
     x = (rng.standard_normal((7, vocab)) * rng.uniform(1, 8, (7, 1))).astype(np.float32)
     x[1, [vocab // 3, vocab - 1]] = x[1].max() + 0.5  # a tie: the lower index wins
     x[2, vocab // 2] = 60.0  # one logit far above the rest: a log-probability near 0
-    x[3] = x[3] * 0.01  # a flat row: a log-probability near -log(V)
+    x[3] = x[3] * 0.01  # a flat row: log-probabilities near -log(V)
     x[4, 0] = np.nan
     x[5, vocab - 1] = np.inf
     x[6, 7] = -np.inf
-    argmax, logprobs, finite = jax.jit(greedy_reduction)(jnp.asarray(x))
-    np.testing.assert_array_equal(np.asarray(finite), [True] * 4 + [False] * 3)
+    stats, logprobs = jax.jit(lambda z: (logit_stats(z), logit_stats(z).logprobs(z)))(
+        jnp.asarray(x)
+    )
+    np.testing.assert_array_equal(np.asarray(stats.finite), [True] * 4 + [False] * 3)
+    assert np.isnan(np.asarray(logprobs)[4:]).all()
     wide = x[:4].astype(np.float64)
-    np.testing.assert_array_equal(np.asarray(argmax)[:4], wide.argmax(-1))
-    assert int(argmax[1]) == vocab // 3
+    np.testing.assert_array_equal(np.asarray(stats.argmax)[:4], wide.argmax(-1))
+    assert int(stats.argmax[1]) == vocab // 3
     top = wide.max(-1, keepdims=True)
-    want = -np.log(np.exp(wide - top).sum(-1))
-    np.testing.assert_allclose(np.asarray(logprobs)[:4], want, rtol=1e-6, atol=1e-6)
+    want = wide - top - np.log(np.exp(wide - top).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(-stats.log_sum)[:4], want.max(-1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(logprobs)[:4], want, rtol=1e-6, atol=1e-5)
 
 
 def _primitives(jaxpr) -> set[str]:

@@ -35,8 +35,9 @@ __all__ = [
     "SamplingBatch",
     "SamplingParams",
     "SamplingParamsError",
-    "greedy_reduction",
+    "LogitStats",
     "greedy_tokens",
+    "logit_stats",
     "pack_rows",
     "record_tokens",
     "rows_spec",
@@ -58,8 +59,9 @@ the request ends with ``FinishReason.NON_FINITE``)."""
 
 ONE_PASS_GREEDY = True
 """Whether a batch of greedy rows finds each row's argmax, its log-probability and whether its
-logits are finite in one reduction over the vocabulary (``greedy_reduction``) instead of an
-argmax and a log-sum-exp that read the logits twice. Read while tracing."""
+logits are finite in one reduction over the vocabulary (``logit_stats``) instead of an
+argmax and a log-sum-exp that read the logits twice; every log-probability the sampler
+reports is formed from the same statistics. Read while tracing."""
 
 
 class SamplingParamsError(ValueError):
@@ -289,41 +291,44 @@ def sample(
     return jnp.where(temperature > 0, drawn, greedy)
 
 
-def record_tokens(
-    logits: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """What a step reports of the tokens drawn from ``logits`` ``[B, V]`` (traceable): the
-    tokens ``[B]`` (``NON_FINITE_TOKEN`` for a row whose logits hold inf or NaN), their
-    float32 log-probabilities under the model, and ``last_tokens`` with each row's token at
-    its slot (0 for a non-finite row)."""
-    finite = jnp.isfinite(logits).all(axis=-1)
-    # The buffer keeps a valid id: a step dispatched before this one is read back may feed
-    # it, and that row's output is dropped when the request ends.
-    kept = last_tokens.at[slots].set(jnp.where(finite, tokens, 0))
-    logits = logits.astype(jnp.float32)
-    chosen = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
-    logprobs = chosen - jax.nn.logsumexp(logits, axis=-1)
-    return jnp.where(finite, tokens, NON_FINITE_TOKEN), logprobs, kept
+class LogitStats(NamedTuple):
+    """What each row's log-probabilities are formed from (``logit_stats``), float32 or int32
+    ``[B]`` each: a token's log-probability is ``(logit - maximum) - log_sum``, so the most
+    likely token's is ``-log_sum`` exactly, wherever it is formed."""
+
+    maximum: jax.Array
+    log_sum: jax.Array  # log(sum(exp(logits - maximum)))
+    argmax: jax.Array  # the first of equal maxima
+    finite: jax.Array  # bool: every logit of the row is finite
+
+    def logprobs(self, logits: jax.Array) -> jax.Array:
+        """The log-probabilities of ``logits`` ``[B, ...]`` (values taken from the rows these
+        statistics describe); NaN on a row that is not finite."""
+        shape = (-1,) + (1,) * (logits.ndim - 1)
+        values = (logits.astype(jnp.float32) - self.maximum.reshape(shape)) - self.log_sum.reshape(
+            shape
+        )
+        return jnp.where(self.finite.reshape(shape), values, jnp.nan)
 
 
 _GREEDY_CHUNK = 2048
-"""The longest run of a row's logits ``greedy_reduction`` reduces before it combines the
-runs: a float32 sum accumulated in order over a whole vocabulary (as the CPU reduces) loses
-~1e-4 of its value; over runs of at most this many, then over the runs, ~1e-6."""
+"""The longest run of a row's logits ``logit_stats`` reduces before it combines the runs: a
+float32 sum accumulated in order over a whole vocabulary (as the CPU reduces) loses ~1e-4 of
+its value; over runs of at most this many, then over the runs, ~1e-6."""
 
 
-def greedy_reduction(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each row's argmax (int32 ``[B]``, the first among equal values), its float32
-    log-probability and whether the row's logits are all finite (bool ``[B]``), from one read
-    of ``logits`` ``[B, V]`` (traceable). Where a row is not finite its argmax and
-    log-probability are meaningless.
-
-    The reduction carries a running maximum, the sum of ``exp(logit - maximum)`` rescaled
-    whenever the maximum moves, the maximum's index and an all-finite flag; the argmax's
-    log-probability is then ``-log(sum)``. It reduces runs of the row (the longest divisor of
-    V up to ``_GREEDY_CHUNK``), then the runs' results: one pass over the logits and a
-    reduction of ``[B, V / run]`` after it."""
+def logit_stats(logits: jax.Array) -> LogitStats:
+    """``LogitStats`` of ``logits`` ``[B, V]`` (traceable). With ``ONE_PASS_GREEDY`` from one
+    read of the logits: a reduction carries a running maximum, the sum of
+    ``exp(logit - maximum)`` rescaled whenever the maximum moves, the maximum's index and an
+    all-finite flag, over runs of the row (the longest divisor of V up to ``_GREEDY_CHUNK``)
+    and then over the runs' results. Otherwise XLA's argmax and log-sum-exp, each a read of
+    the logits. Where a row is not finite its statistics are meaningless."""
     x = logits.astype(jnp.float32)
+    if not ONE_PASS_GREEDY:
+        maximum = jnp.max(x, axis=-1)
+        log_sum = jnp.log(jnp.sum(jnp.exp(x - maximum[:, None]), axis=-1))
+        return LogitStats(maximum, log_sum, _argmax(x), jnp.isfinite(x).all(axis=-1))
     rows, vocab = x.shape
     run = max(d for d in range(1, min(vocab, _GREEDY_CHUNK) + 1) if vocab % d == 0)
 
@@ -346,22 +351,37 @@ def greedy_reduction(logits: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array
     x = x.reshape(shape)
     operands = (x, jnp.ones(shape, jnp.float32), index, jnp.isfinite(x))
     runs = jax.lax.reduce(operands, start, combine, (2,))
-    _, total, argmax, finite = jax.lax.reduce(runs, start, combine, (1,))
-    return argmax, -jnp.log(total), finite
+    maximum, total, argmax, finite = jax.lax.reduce(runs, start, combine, (1,))
+    return LogitStats(maximum, jnp.log(total), argmax, finite)
+
+
+def record_tokens(
+    logits: jax.Array, tokens: jax.Array, last_tokens: jax.Array, slots: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What a step reports of the tokens drawn from ``logits`` ``[B, V]`` (traceable): the
+    tokens ``[B]`` (``NON_FINITE_TOKEN`` for a row whose logits hold inf or NaN), their
+    float32 log-probabilities under the model (NaN for such a row), and ``last_tokens`` with
+    each row's token at its slot (0 for a non-finite row)."""
+    stats = logit_stats(logits)
+    chosen = jnp.take_along_axis(logits, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
+    return _recorded(stats, tokens, stats.logprobs(chosen), last_tokens, slots)
+
+
+def _recorded(stats, tokens, logprobs, last_tokens, slots):
+    # The buffer keeps a valid id: a step dispatched before this one is read back may feed
+    # it, and that row's output is dropped when the request ends.
+    kept = last_tokens.at[slots].set(jnp.where(stats.finite, tokens, 0))
+    return jnp.where(stats.finite, tokens, NON_FINITE_TOKEN), logprobs, kept
 
 
 def greedy_tokens(
     logits: jax.Array, last_tokens: jax.Array, slots: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``record_tokens`` of each row's argmax: what ``Sampler`` returns for a batch whose rows
-    are all greedy (traceable, so a step can draw its own greedy tokens). A row whose logits
-    are not finite gets ``NON_FINITE_TOKEN``, a NaN log-probability and 0 in the buffer."""
-    if not ONE_PASS_GREEDY:
-        return record_tokens(logits, _argmax(logits), last_tokens, slots)
-    argmax, logprobs, finite = greedy_reduction(logits)
-    kept = last_tokens.at[slots].set(jnp.where(finite, argmax, 0))
-    tokens = jnp.where(finite, argmax, NON_FINITE_TOKEN)
-    return tokens, jnp.where(finite, logprobs, jnp.nan), kept
+    are all greedy (traceable, so a step can draw its own greedy tokens)."""
+    stats = logit_stats(logits)
+    logprobs = jnp.where(stats.finite, -stats.log_sum, jnp.nan)  # the maximum's, exactly
+    return _recorded(stats, stats.argmax, logprobs, last_tokens, slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -481,7 +501,7 @@ class Sampler:
         self.trace_count += 1
         logits = logits.astype(jnp.float32)
         values, ids = jax.lax.top_k(logits, min(MAX_TOP_LOGPROBS, logits.shape[-1]))
-        return values - jax.nn.logsumexp(logits, axis=-1, keepdims=True), ids.astype(jnp.int32)
+        return logit_stats(logits).logprobs(values), ids.astype(jnp.int32)
 
     def compile(
         self, batch_size: int, vocab_size: int, num_slots: int, *, greedy: bool = True
