@@ -7,6 +7,7 @@ import json
 import pathlib
 import re
 import threading
+import types
 
 import jax
 import numpy as np
@@ -560,6 +561,21 @@ def test_logprobs_are_reported_only_for_the_requests_that_ask(engine, alone):
     events = [e for _, e in engine.stream([prompts[1]], only_chosen)]
     assert [e.logprob for e in events] == events[-1].result.logprobs
     assert all(e.top_logprobs is None for e in events)
+
+
+def test_a_token_among_its_alternatives_is_reported_with_the_alternatives_value():
+    """The step and the top log-probabilities' executable each form a row's log-probabilities
+    (on the GPU their reductions may round apart by an ulp): a token among the alternatives
+    is reported with its alternative's value, in the event and on the result; one that asks
+    no alternatives keeps the step's."""
+    top = ([[-0.25, -1.5, -2.0]], [[7, 3, 9]])  # values, ids: one row
+    for asked, token, want in ((2, 7, -0.25), (2, 9, -2.0), (2, 4, -0.5), (0, 7, -0.5)):
+        tracked = types.SimpleNamespace(
+            params=SamplingParams(logprobs=asked), logprobs=[], top_logprobs=[]
+        )
+        logprob, alternatives = Engine._logprobs(tracked, token, -0.5, top, 0)
+        assert logprob == want and tracked.logprobs == [want]
+        assert alternatives == (((7, -0.25), (3, -1.5)) if asked else None)
 
 
 def test_generation_config_sets_the_default_sampling_and_adds_stop_ids(engine, alone, tmp_path):

@@ -650,7 +650,7 @@ class Engine(SpeculativeServing):
                 continue  # an earlier prompt chunk, or a request already finished or aborted
             tracked = self._tracked[rid]
             tracked.token_times.append(now)
-            logprob, alternatives = self._logprobs(tracked, logprobs[i], top, i)
+            logprob, alternatives = self._logprobs(tracked, token, logprobs[i], top, i)
             done = rid in finished
             text = self._new_text(tracked, done)
             result = self._result(self._tracked.pop(rid), now) if done else None
@@ -658,18 +658,22 @@ class Engine(SpeculativeServing):
         return events
 
     @staticmethod
-    def _logprobs(tracked: Tracked, logprob: float | None, top: list, row: int):
+    def _logprobs(tracked: Tracked, token: int, logprob: float | None, top: list, row: int):
         """The event's log-probabilities for ``tracked`` (recorded on it too): its token's,
         and its ``params.logprobs`` most likely tokens'."""
         asked = tracked.params.logprobs
         if asked is None:
             return None, None
+        alternatives = None
+        if asked:
+            values, ids = top
+            # The token's own value and the alternatives' come from two executables whose
+            # reductions may round apart by an ulp: one number is reported for the token.
+            if token in ids[row]:
+                logprob = values[row][ids[row].index(token)]
+            alternatives = tuple(zip(ids[row][:asked], values[row][:asked], strict=True))
+            tracked.top_logprobs.append(list(alternatives))
         tracked.logprobs.append(logprob)
-        if not asked:
-            return logprob, None
-        values, ids = top
-        alternatives = tuple(zip(ids[row][:asked], values[row][:asked], strict=True))
-        tracked.top_logprobs.append(list(alternatives))
         return logprob, alternatives
 
     def step(self) -> list[StepEvent]:
