@@ -305,13 +305,12 @@ class LogitStats(NamedTuple):
         """The log-probabilities of ``logits`` ``[B, ...]`` (values taken from the rows these
         statistics describe); NaN on a row that is not finite."""
         shape = (-1,) + (1,) * (logits.ndim - 1)
-        values = (logits.astype(jnp.float32) - self.maximum.reshape(shape)) - self.log_sum.reshape(
-            shape
-        )
+        maximum, log_sum = self.maximum.reshape(shape), self.log_sum.reshape(shape)
+        values = (logits.astype(jnp.float32) - maximum) - log_sum
         return jnp.where(self.finite.reshape(shape), values, jnp.nan)
 
 
-_GREEDY_CHUNK = 2048
+_LONGEST_RUN = 2048
 """The longest run of a row's logits ``logit_stats`` reduces before it combines the runs: a
 float32 sum accumulated in order over a whole vocabulary (as the CPU reduces) loses ~1e-4 of
 its value; over runs of at most this many, then over the runs, ~1e-6."""
@@ -321,7 +320,7 @@ def logit_stats(logits: jax.Array) -> LogitStats:
     """``LogitStats`` of ``logits`` ``[B, V]`` (traceable). With ``ONE_PASS_GREEDY`` from one
     read of the logits: a reduction carries a running maximum, the sum of
     ``exp(logit - maximum)`` rescaled whenever the maximum moves, the maximum's index and an
-    all-finite flag, over runs of the row (the longest divisor of V up to ``_GREEDY_CHUNK``)
+    all-finite flag, over runs of the row (the longest divisor of V up to ``_LONGEST_RUN``)
     and then over the runs' results. Otherwise XLA's argmax and log-sum-exp, each a read of
     the logits. Where a row is not finite its statistics are meaningless."""
     x = logits.astype(jnp.float32)
@@ -330,7 +329,7 @@ def logit_stats(logits: jax.Array) -> LogitStats:
         log_sum = jnp.log(jnp.sum(jnp.exp(x - maximum[:, None]), axis=-1))
         return LogitStats(maximum, log_sum, _argmax(x), jnp.isfinite(x).all(axis=-1))
     rows, vocab = x.shape
-    run = max(d for d in range(1, min(vocab, _GREEDY_CHUNK) + 1) if vocab % d == 0)
+    run = max(d for d in range(1, min(vocab, _LONGEST_RUN) + 1) if vocab % d == 0)
 
     def combine(a, b):
         (max_a, sum_a, at_a, finite_a), (max_b, sum_b, at_b, finite_b) = a, b
@@ -367,7 +366,10 @@ def record_tokens(
     return _recorded(stats, tokens, stats.logprobs(chosen), last_tokens, slots)
 
 
-def _recorded(stats, tokens, logprobs, last_tokens, slots):
+def _recorded(
+    stats: LogitStats, tokens: jax.Array, logprobs: jax.Array, last_tokens: jax.Array,
+    slots: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
     # The buffer keeps a valid id: a step dispatched before this one is read back may feed
     # it, and that row's output is dropped when the request ends.
     kept = last_tokens.at[slots].set(jnp.where(stats.finite, tokens, 0))
