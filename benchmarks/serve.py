@@ -170,7 +170,7 @@ TRIAL_SWITCHES = {
     "--no-one-pass-greedy": (
         sampling, "ONE_PASS_GREEDY", False,
         "a step's greedy rows take an argmax and a log-sum-exp, two reads of the logits, not "
-        "one reduction (sampling.greedy_reduction)",
+        "one reduction (sampling.logit_stats)",
     ),
     "--merge-attention-in-launch": (
         attention_backend, "MERGE_IN_LAUNCH", True,

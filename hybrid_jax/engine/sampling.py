@@ -274,9 +274,11 @@ def sample(
     the next step.
     """
     logits = logits.astype(jnp.float32)
-    greedy = _argmax(logits)
     if not filters.draws:
-        return greedy
+        return _argmax(logits)
+    # The greedy rows' tokens from the reduction record_tokens' statistics take: XLA forms it
+    # once for both.
+    greedy = logit_stats(logits).argmax
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     if filters.top_k:
         scaled = jnp.where(top_k_mask(scaled, top_k), scaled, -jnp.inf)
@@ -292,9 +294,9 @@ def sample(
 
 
 class LogitStats(NamedTuple):
-    """What each row's log-probabilities are formed from (``logit_stats``), float32 or int32
-    ``[B]`` each: a token's log-probability is ``(logit - maximum) - log_sum``, so the most
-    likely token's is ``-log_sum`` exactly, wherever it is formed."""
+    """What each row's log-probabilities are formed from (``logit_stats``), ``[B]`` each
+    (float32, int32 or bool): a token's log-probability is ``(logit - maximum) - log_sum``,
+    so the most likely token's is ``-log_sum`` exactly, wherever it is formed."""
 
     maximum: jax.Array
     log_sum: jax.Array  # log(sum(exp(logits - maximum)))
