@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -239,6 +241,13 @@ def test_logit_stats_match_a_float64_oracle(monkeypatch, one_pass, vocab):
     want = wide - top - np.log(np.exp(wide - top).sum(-1, keepdims=True))
     np.testing.assert_allclose(np.asarray(-stats.log_sum)[:4], want.max(-1), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(logprobs)[:4], want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 0), (2, 3, 4)])
+def test_logit_stats_refuse_logits_that_are_not_rows_by_vocabulary(shape):
+    want = re.escape(f"logits must be [B, V] with V >= 1; got {shape}")
+    with pytest.raises(ValueError, match=want):
+        logit_stats(jnp.zeros(shape, jnp.float32))
 
 
 def _primitives(jaxpr) -> set[str]:

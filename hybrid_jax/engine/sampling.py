@@ -325,6 +325,8 @@ def logit_stats(logits: jax.Array) -> LogitStats:
     all-finite flag, over runs of the row (the longest divisor of V up to ``_LONGEST_RUN``)
     and then over the runs' results. Otherwise XLA's argmax and log-sum-exp, each a read of
     the logits. Where a row is not finite its statistics are meaningless."""
+    if logits.ndim != 2 or logits.shape[1] == 0:
+        raise ValueError(f"logit_stats: logits must be [B, V] with V >= 1; got {logits.shape}")
     x = logits.astype(jnp.float32)
     if not ONE_PASS_GREEDY:
         maximum = jnp.max(x, axis=-1)
