@@ -10,21 +10,29 @@ import threading
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from _kernel_sized import kernel_sized_nemotron_h_config, with_zero_weights
+from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
 from hybrid_jax import Engine, EngineConfig
+from hybrid_jax.engine.lm_step import LastTokenLogits, ServingState
 from hybrid_jax.engine.sampling import Sampler, SamplingParams, SamplingParamsError
 from hybrid_jax.engine.scheduler import FinishReason, RequestError
 from hybrid_jax.engine.startup import ProgramStore, tracing_switches
+from hybrid_jax.kv_cache import init_kv_cache
 from hybrid_jax.layers import linear, moe
 from hybrid_jax.metadata import example_metadata, pack_metadata
 from hybrid_jax.models.checkpoint import CheckpointError
+from hybrid_jax.models.nemotron_h import NemotronH
+from hybrid_jax.models.qwen3_next import tiny_qwen3_next
 from hybrid_jax.models.qwen3_next_loading import save_checkpoint
 from hybrid_jax.models.safetensors_io import read_header
 from hybrid_jax.models.tokenizer import ByteTokenizer
 from hybrid_jax.modes import ForwardMode, program_mode
+from hybrid_jax.state_pool import init_state_pool
 from pallas_kernels import _skinny
 
 M = ForwardMode
@@ -637,3 +645,32 @@ def test_under_tensor_parallelism_each_device_needs_its_share_and_the_fullest_de
     free[1] = gib
     with pytest.raises(ValueError, match=r"\(1/2 of each on every device\), but device 1 has 1.0"):
         check(2 * gib, 1 * gib, 5, 9, mesh)
+
+
+def _bfloat16_nemotron_h() -> NemotronH:
+    return with_zero_weights(lambda: NemotronH(kernel_sized_nemotron_h_config(), rngs=nnx.Rngs(0)))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [lambda: tiny_qwen3_next(seed=3, dtype="bfloat16"), _bfloat16_nemotron_h],
+    ids=["qwen3-next", "nemotron-h"],
+)
+def test_a_bfloat16_model_s_steps_give_logits_in_the_dtype_its_engine_compiles_samplers_for(
+    build,
+):
+    """The LM head's product leaves the step as it is, never widened to a float32 copy, and
+    in the dtype ``Engine.logits_dtype`` takes from the model, for which the engine compiles
+    its samplers (``test_sampling``: they then draw as from the float32 widening)."""
+    model = build()
+    policy = CONFIG.policy(model.config.max_position_embeddings)
+    state = ServingState(
+        init_state_pool(model.state_specs(), 5),
+        init_kv_cache(model.kv_specs(), 17, 8),
+        jnp.zeros(5, jnp.int32),
+    )
+    meta = example_metadata(M.DECODE, 2, 2, policy)
+    x = jnp.zeros(2, jnp.int32)
+    out = jax.eval_shape(lambda: LastTokenLogits(model)(x, state, meta, impl="reference"))
+    assert out.logits.shape == (2, model.config.vocab_size)
+    assert out.logits.dtype == jnp.bfloat16 == jnp.dtype(model.config.dtype)

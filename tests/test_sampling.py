@@ -368,3 +368,24 @@ def test_a_sampler_compiled_without_greedy_leaves_only_greedy_batches_to_trace()
     tokens, _, _ = sampler(x, greedy, jnp.zeros(4, jnp.int32), slots)
     assert sampler.trace_count == traces + 1
     np.testing.assert_array_equal(np.asarray(tokens), logits(2).argmax(-1))
+
+
+def test_a_sampler_compiled_for_bfloat16_logits_draws_as_from_their_float32_widening():
+    """A serving step gives its logits in the model's dtype; the sampler compiled for that
+    dtype takes them without tracing and draws, scores and ranks exactly as from the same
+    values in float32."""
+    vocab = 300
+    narrow = jnp.asarray(np.random.default_rng(5).standard_normal((3, vocab)) * 4, jnp.bfloat16)
+    widened = narrow.astype(jnp.float32)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=5), SamplingParams(top_p=0.9)]
+    batch = SamplingBatch.pack(params, [0, 4, 9], [0, 2, 3], 3)
+    results = []
+    for x in (narrow, widened):
+        sampler = Sampler()
+        sampler.compile(3, vocab, 4, dtype=x.dtype)
+        traces = sampler.trace_count
+        drawn = sampler(x, batch, jnp.zeros(4, jnp.int32), jnp.arange(1, 4))
+        top = sampler.top_logprobs(x)
+        assert sampler.trace_count == traces, f"{x.dtype} logits traced again"
+        results.append((drawn, top))
+    chex.assert_trees_all_equal(*results)

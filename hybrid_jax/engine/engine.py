@@ -208,6 +208,7 @@ class Engine(SpeculativeServing):
         self.tokenizer = tokenizer
         self.config = config
         self.vocab_size = model.config.vocab_size
+        self.logits_dtype = jnp.dtype(model.config.dtype)  # as the steps give them
         self.eos_token_ids = frozenset(model.config.eos_token_id)
         self.generation_config: dict[str, float | int] = {}
         # A vision-language checkpoint's image and video placeholders: text only here.
@@ -392,7 +393,7 @@ class Engine(SpeculativeServing):
         for bs in batch_sizes:
             # A greedy batch's tokens come from its step: no greedy sampler variant.
             self.sampler_compile_ms[bs] = self._sampler.compile(
-                bs, self.vocab_size, self.slots.num_slots, greedy=False
+                bs, self.vocab_size, self.slots.num_slots, greedy=False, dtype=self.logits_dtype
             )
             bar(f"sampler {bs}")
         # Run every executable once on all-padding metadata (it writes only the pad slot and

@@ -15,6 +15,7 @@ from typing import NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from hybrid_jax.backend.linear import VerifyStates
 from hybrid_jax.engine.sampling import greedy_tokens
@@ -34,6 +35,7 @@ class HybridLMConfig(Protocol):
     vocab_size: int
     eos_token_id: tuple[int, ...]
     max_position_embeddings: int
+    dtype: str  # of the weights, the activations and the LM head's product
 
 
 class HybridLM(Protocol):
@@ -54,7 +56,7 @@ class HybridLM(Protocol):
         impl: str = "auto",
     ) -> tuple[jax.Array, StatePool, KVCache, tuple[VerifyStates, ...]]: ...  # fmt: skip
 
-    def logits(self, hidden: jax.Array) -> jax.Array: ...
+    def logits(self, hidden: jax.Array, dtype: DTypeLike | None = jnp.float32) -> jax.Array: ...
 
 
 @jax.tree_util.register_dataclass
@@ -69,8 +71,9 @@ class ServingState:
 
 
 class StepOutput(NamedTuple):
-    """logits: float32 ``[bs, vocab]`` at each row's last token, or ``[bs, D, vocab]`` at
-    every token for TARGET_VERIFY (padded rows: garbage); verify: the per-layer verify
+    """logits: ``[bs, vocab]`` at each row's last token, or ``[bs, D, vocab]`` at every token
+    for TARGET_VERIFY (padded rows: garbage), in the model's dtype (the LM head's product,
+    ``decoder.as_logits``; their readers widen them to float32); verify: the per-layer verify
     states of TARGET_VERIFY (else empty); hidden: the final-normed hidden states ``[T,
     hidden]`` of every token when the step keeps them (for the MTP head), else empty;
     greedy: what ``Sampler`` returns for these logits when every row is greedy (tokens and
@@ -114,11 +117,12 @@ class LastTokenLogits(nnx.Module):
         # Under tensor parallelism the sampler reads the logits whole on every GPU.
         last_tokens = replicated(state.last_tokens)
         if meta.mode is ForwardMode.TARGET_VERIFY:
-            logits = self.model.logits(hidden).reshape(meta.batch_size, meta.num_draft_tokens, -1)
+            logits = self.model.logits(hidden, dtype=None)
+            logits = logits.reshape(meta.batch_size, meta.num_draft_tokens, -1)
             return StepOutput(replicated(logits), ServingState(pool, kv, last_tokens), verify, kept)
         # A padded row repeats the previous boundary; clipping keeps its index in range.
         last = jnp.clip(meta.query_start_loc[1:] - 1, 0, hidden.shape[0] - 1)
-        logits = replicated(self.model.logits(hidden[last]))
+        logits = replicated(self.model.logits(hidden[last], dtype=None))
         # Every row's argmax costs one pass over the logits here, and saves a batch of
         # greedy rows the sampler's own executable and its launch.
         tokens, logprobs, last_tokens = greedy_tokens(logits, last_tokens, meta.state_indices)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 __all__ = [
     "EVERY_STAGE",
@@ -483,17 +484,17 @@ class Sampler:
     and their log-probabilities. A serving loop keeps the buffer on the device
     and its next decode step reads each request's input token from there, without waiting
     for this step's tokens to reach the host. Padded rows name slot 0, the pad slot.
-    ``compile(batch_size, vocab_size, num_slots)`` before serving; a call with a shape that
-    was not compiled traces (``trace_count`` goes up), which a serving loop treats as a
-    retrace.
+    ``compile(batch_size, vocab_size, num_slots, dtype=)`` before serving; a call with a
+    shape or dtype that was not compiled traces (``trace_count`` goes up), which a serving
+    loop treats as a retrace.
     """
 
     def __init__(self) -> None:
         self.trace_count = 0
         self._jitted = jax.jit(self._traced, donate_argnums=2, static_argnums=3)
-        self._compiled: dict[tuple[int, int, int, Filters], Any] = {}
+        self._compiled: dict[tuple[int, int, jnp.dtype, int, Filters], Any] = {}
         self._top_jitted = jax.jit(self._traced_top)
-        self._top_compiled: dict[tuple[int, int], Any] = {}
+        self._top_compiled: dict[tuple[int, int, jnp.dtype], Any] = {}
 
     def _traced(self, logits, rows, last_tokens, filters):
         self.trace_count += 1
@@ -510,24 +511,27 @@ class Sampler:
         return logit_stats(logits).logprobs(values), ids.astype(jnp.int32)
 
     def compile(
-        self, batch_size: int, vocab_size: int, num_slots: int, *, greedy: bool = True
-    ) -> float:
-        """Compiles every variant for ``[batch_size, vocab_size]`` float32 logits and a buffer
-        of ``num_slots`` (without ``greedy``, only those whose rows draw: a serving step draws
-        a greedy batch's tokens itself, ``greedy_tokens``); returns the milliseconds it took."""
-        b, spec = batch_size, jax.ShapeDtypeStruct
+        self, batch_size: int, vocab_size: int, num_slots: int, *, greedy: bool = True,
+        dtype: DTypeLike = jnp.float32,
+    ) -> float:  # fmt: skip
+        """Compiles every variant for ``[batch_size, vocab_size]`` logits of ``dtype`` (a
+        serving step's are in its model's dtype) and a buffer of ``num_slots`` (without
+        ``greedy``, only those whose rows draw: a serving step draws a greedy batch's tokens
+        itself, ``greedy_tokens``); returns the milliseconds it took."""
+        b, spec, dtype = batch_size, jax.ShapeDtypeStruct, jnp.dtype(dtype)
         args = (
-            spec((b, vocab_size), jnp.float32),
+            spec((b, vocab_size), dtype),
             rows_spec(b),
             spec((num_slots,), jnp.int32),
         )
         start = time.perf_counter()
         for filters in (f for f in VARIANTS if greedy or f.draws):
-            key = (batch_size, vocab_size, num_slots, filters)
+            key = (batch_size, vocab_size, dtype, num_slots, filters)
             if key not in self._compiled:
                 self._compiled[key] = self._jitted.lower(*args, filters).compile()
-        if (batch_size, vocab_size) not in self._top_compiled:
-            self._top_compiled[batch_size, vocab_size] = self._top_jitted.lower(args[0]).compile()
+        if (batch_size, vocab_size, dtype) not in self._top_compiled:
+            top = self._top_jitted.lower(args[0]).compile()
+            self._top_compiled[batch_size, vocab_size, dtype] = top
         return 1e3 * (time.perf_counter() - start)
 
     def __call__(
@@ -537,7 +541,8 @@ class Sampler:
         the updated buffer (dispatched, not waited for; ``last_tokens`` is donated)."""
         rows = pack_rows(batch, slots)
         filters = batch.filters
-        compiled = self._compiled.get((*logits.shape, last_tokens.shape[0], filters))
+        key = (*logits.shape, logits.dtype, last_tokens.shape[0], filters)
+        compiled = self._compiled.get(key)
         if compiled is not None:
             return compiled(logits, rows, last_tokens)
         return self._jitted(logits, rows, last_tokens, filters)
@@ -546,7 +551,7 @@ class Sampler:
         """float32 ``[B, N]`` log-probabilities, descending, and int32 ``[B, N]`` token ids of
         each row's N = ``min(MAX_TOP_LOGPROBS, V)`` most likely tokens (dispatched, not waited
         for); a row whose logits are not finite gets NaN values."""
-        compiled = self._top_compiled.get(tuple(logits.shape))
+        compiled = self._top_compiled.get((*logits.shape, logits.dtype))
         if compiled is not None:
             return compiled(logits)
         return self._top_jitted(logits)

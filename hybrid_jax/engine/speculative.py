@@ -527,13 +527,13 @@ class Verifier:
     def compile(self, logits: Any, pool: Any, verify: Any) -> float:
         """Compiles for logits ``[B, D, V]`` and the pool/verify shapes (ShapeDtypeStructs or
         arrays) of one batch bucket; returns the milliseconds it took."""
-        b, d, v = logits.shape
+        b, d, _ = logits.shape
         start = time.perf_counter()
         if logits.shape not in self._compiled:
             spec = jax.ShapeDtypeStruct
             shapes = jax.tree.map(spec_of, (pool, verify))
             self._compiled[logits.shape] = self._jit.lower(
-                spec((b, d, v), jnp.float32), spec((b, d), jnp.int32), rows_spec(b), *shapes
+                spec_of(logits), spec((b, d), jnp.int32), rows_spec(b), *shapes
             ).compile()
         return 1e3 * (time.perf_counter() - start)
 
@@ -578,14 +578,14 @@ class TreeVerifier:
     def compile(self, logits: Any, pool: Any, kv: Any, verify: Any, meta: Any) -> float:
         """Compiles for logits ``[B, D, V]``, the pool, cache and verify states, and the
         metadata of one batch bucket; returns the milliseconds it took."""
-        b, d, v = logits.shape
+        b, d, _ = logits.shape
         start = time.perf_counter()
         if logits.shape not in self._compiled:
             spec = jax.ShapeDtypeStruct
             layout, packed = pack_metadata(meta)
             pool, kv, verify = jax.tree.map(spec_of, (pool, kv, verify))
             self._compiled[logits.shape] = self._jit.lower(
-                spec((b, d, v), jnp.float32), spec((b, d), jnp.int32), rows_spec(b), pool, kv,
+                spec_of(logits), spec((b, d), jnp.int32), rows_spec(b), pool, kv,
                 layout, spec_of(packed), verify,
             ).compile()  # fmt: skip
         return 1e3 * (time.perf_counter() - start)

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from hybrid_jax.backend import VerifyStack, VerifyStates
 from hybrid_jax.kv_cache import KVCache, KVCacheSpec
@@ -28,7 +29,14 @@ from hybrid_jax.modes import LayerKind
 from hybrid_jax.parallel import run_block, tp_size
 from hybrid_jax.state_pool import StatePool
 
-__all__ = ["DecoderOutput", "HybridCausalLM", "LayerStates"]
+__all__ = ["DecoderOutput", "HybridCausalLM", "LayerStates", "as_logits"]
+
+
+def as_logits(product: jax.Array, dtype: DTypeLike | None) -> jax.Array:
+    """The LM head's ``product`` as logits in ``dtype``, or as it is where ``dtype`` is None:
+    a serving step keeps a 16-bit product's dtype, since a float32 copy of ``[B, vocab]``
+    logits costs a write of twice the product's bytes every step and holds the same values."""
+    return product if dtype is None else product.astype(dtype)
 
 
 @jax.tree_util.register_pytree_node_class

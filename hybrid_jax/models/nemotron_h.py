@@ -26,11 +26,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.typing import DTypeLike
 
 from hybrid_jax.layers.attention import Attention, AttentionConfig
 from hybrid_jax.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from hybrid_jax.metadata import ForwardMetadata
-from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates
+from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates, as_logits
 from hybrid_jax.models.hf_config import (
     ConfigError,
     HFConfig,
@@ -334,6 +335,7 @@ class NemotronH(HybridCausalLM):
         """``[T, hidden]`` -> the same; the module keeps its checkpoint name (``norm_f``)."""
         return self.norm_f(x)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """float32 ``[T, vocab]`` logits of final hidden states ``[T, hidden]``."""
-        return self.lm_head(hidden).astype(jnp.float32)
+    def logits(self, hidden: jax.Array, dtype: DTypeLike | None = jnp.float32) -> jax.Array:
+        """``[T, vocab]`` logits of final hidden states ``[T, hidden]`` in ``dtype`` (None:
+        the LM head's product as it is, in the weights' dtype)."""
+        return as_logits(self.lm_head(hidden), dtype)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
 from hybrid_jax.kv_cache import KVCache, KVCacheSpec
 from hybrid_jax.layers import linear as linear_layer
@@ -41,7 +42,7 @@ from hybrid_jax.layers.gdn import GatedDeltaNet, GDNConfig
 from hybrid_jax.layers.moe import MLP, MoEConfig, SparseMoE
 from hybrid_jax.layers.norm import NormedRows, SummedRows, ZeroCenteredRMSNorm, rows_of
 from hybrid_jax.metadata import ForwardMetadata
-from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates
+from hybrid_jax.models.decoder import DecoderOutput, HybridCausalLM, LayerStates, as_logits
 from hybrid_jax.models.hf_config import (
     ConfigError,
     HFConfig,
@@ -491,11 +492,12 @@ class Qwen3Next(HybridCausalLM):
         reduced again); the module keeps its checkpoint name (``model.norm``)."""
         return self.norm(x)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """float32 ``[T, vocab]`` logits of final hidden states ``[T, hidden]``."""
+    def logits(self, hidden: jax.Array, dtype: DTypeLike | None = jnp.float32) -> jax.Array:
+        """``[T, vocab]`` logits of final hidden states ``[T, hidden]`` in ``dtype`` (None:
+        the LM head's product as it is, in the weights' dtype)."""
         if self.config.tie_word_embeddings:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+            return as_logits(self.embed_tokens.attend(hidden), dtype)
+        return as_logits(self.lm_head(hidden), dtype)
 
 
 def _seeded_value(path: tuple, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
