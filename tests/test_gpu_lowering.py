@@ -81,7 +81,13 @@ def _steps_and_state(build):
         # 8 x 64 pairs are the grouped product's (tokamax's, not installed here).
         (_qwen3_next, ForwardMode.EXTEND, 64, ("projections", "conv1d_prefill", "gdn_chunk_intra")),
         (_nemotron_h, ForwardMode.DECODE, 8, NEMOTRON_DECODE_KERNELS),
-        (_nemotron_h, ForwardMode.EXTEND, 64, ("conv1d_prefill", "mamba2_ssd_chunk_scan")),
+        pytest.param(
+            _nemotron_h,
+            ForwardMode.EXTEND,
+            64,
+            ("conv1d_prefill", "mamba2_ssd_chunk_scan"),
+            marks=pytest.mark.slow,  # a minute on two cores; its kernels' own tests lower them
+        ),
     ],
     ids=["qwen3-next-decode", "qwen3-next-extend", "nemotron-h-decode", "nemotron-h-extend"],
 )
@@ -106,7 +112,11 @@ def _switched_decode_text(build) -> str:
     return steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("conv_in_kernel", [False, True], ids=["conv-launch", "conv-in-kernel"])
+@pytest.mark.parametrize(
+    "conv_in_kernel",
+    [pytest.param(False, marks=pytest.mark.slow), True],  # slow: the switch's other value
+    ids=["conv-launch", "conv-in-kernel"],
+)
 def test_a_decode_step_s_launches_count_in_one_buffer_the_scan_carries(monkeypatch, conv_in_kernel):
     """With ``EXPERTS_IN_ONE_LAUNCH`` each MoE block's ``expert_mlp`` launch, with
     ``ADD_IN_OUTPUT_LAUNCH`` each split output projection's add launch (GDN's and
@@ -140,7 +150,9 @@ def _qwen3_next_128_experts() -> Qwen3Next:
     ("build", "split", "ranked", "launch"),
     [
         (_qwen3_next, False, True, "projections_ranked"),
-        (_qwen3_next_128_experts, True, False, "projections_combined"),
+        pytest.param(  # slow: the default ranks in the launch (the next row)
+            _qwen3_next_128_experts, True, False, "projections_combined", marks=pytest.mark.slow
+        ),
         (_qwen3_next_128_experts, True, True, "projections_combined"),
     ],
     ids=["ranked", "split", "split-ranked"],
@@ -163,7 +175,11 @@ def test_a_decode_step_s_router_launch_as_switched_lowers(monkeypatch, build, sp
     assert len(zeros) == 1, "the forward's buffer, and no launch's own"
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["merge-after", "merge-in-launch"])
+@pytest.mark.parametrize(
+    "merged",
+    [False, pytest.param(True, marks=pytest.mark.slow)],  # slow: the switch's other value
+    ids=["merge-after", "merge-in-launch"],
+)
 def test_a_decode_step_s_attention_merges_its_splits_as_switched(monkeypatch, merged):
     """With ``MERGE_IN_LAUNCH`` the paged decode kernel of a DECODE step of 8 rows (2 KV
     heads of 256, split over the page table's blocks) takes the attention's packed ``[q |
@@ -211,6 +227,7 @@ TP_KERNELS = {
 }  # fmt: skip
 
 
+@pytest.mark.slow  # two to three minutes on two cores, in a process of its own
 def test_steps_cut_over_two_gpus_lower_for_the_gpu_with_their_kernels():
     """Under tensor parallelism each GPU's slice of a block runs inside ``shard_map``, where
     the kernels see their share of the heads (one KV head of two) and a constant evaluated

@@ -186,7 +186,11 @@ def test_scanned_dense_mlps_with_paired_gate_up_step_as_the_layer_by_layer_model
     _check_same_steps(model, scanned)
 
 
-@pytest.mark.parametrize("paired", [False, True], ids=["folded", "folded-and-paired"])
+@pytest.mark.parametrize(
+    "paired",
+    [pytest.param(False, marks=pytest.mark.slow), True],  # slow: the default pairs them too
+    ids=["folded", "folded-and-paired"],
+)
 def test_scanned_layers_with_their_norms_folded_step_as_the_layer_by_layer_model(paired):
     """Each scanned layer's norm weights folded into the products that read them (a MoE
     block's experts, router, shared expert and its gate too), and with ``paired`` its MoE

@@ -453,7 +453,11 @@ def test_ranking_in_the_router_launch_gives_the_block_bit_for_bit(normed, monkey
     chex.assert_trees_all_equal(on_reference, reference)
 
 
-@pytest.mark.parametrize("normed", [False, True], ids=["rows", "normed-rows"])
+@pytest.mark.parametrize(
+    "normed",
+    [pytest.param(False, marks=pytest.mark.slow), True],  # slow: a minute; normed is the default
+    ids=["rows", "normed-rows"],
+)
 def test_a_router_launch_over_parts_of_k_gives_the_block_and_ranks_as_xla(normed, monkeypatch):
     """``SPLIT_ROUTER_LAUNCH``: the router's launch over parts of K combined by its row
     programs (``projections_combined``) gives the block within bf16 rounding of the whole-K

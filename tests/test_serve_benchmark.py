@@ -122,6 +122,7 @@ def test_a_trial_switch_holds_for_the_rows_and_is_put_back_after(serve, tmp_path
     assert seen == [False] and linear.NORMS_IN_LAUNCH is True
 
 
+@pytest.mark.slow  # under a minute on two cores; the Qwen presets' rows run by default
 def test_the_nemotron_h_preset_runs_and_its_limit_follows_the_model(serve, presets, tmp_path):
     assert serve.main(["--smoke", "--preset", "nemotron-smoke", "--out", str(tmp_path)]) == 0
     text = (tmp_path / "RESULTS_serve_smoke.md").read_text()

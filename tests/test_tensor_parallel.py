@@ -20,14 +20,26 @@ CHECKS = pathlib.Path(__file__).with_name("_tp_checks.py")
 ALL_REDUCES = {"qwen": 4 + 4 + 1, "nemotron": 5 + 1}
 
 
-@pytest.fixture(scope="module")
-def seen():
-    # The child keeps the suite's XLA_FLAGS (conftest.py) and adds its device count.
+def _child(*args: str) -> dict:
+    """What ``_tp_checks.py`` reports, run with ``args`` in a process of its own (it keeps
+    the suite's XLA_FLAGS, conftest.py, and adds its device count)."""
     done = subprocess.run(
-        [sys.executable, str(CHECKS)], capture_output=True, text=True, timeout=900
+        [sys.executable, str(CHECKS), *args], capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def seen():
+    return _child()
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """Five engines compiled in the child (one device, four, and two with each kind of
+    drafts): minutes on two cores, so their test is slow."""
+    return _child("engines")
 
 
 @pytest.mark.parametrize("model", ["qwen", "nemotron"])
@@ -52,17 +64,18 @@ def test_scanned_layers_with_their_norms_folded_compute_across_devices_what_one_
     assert got["all_gather_shapes"] == []
 
 
-def test_an_engine_cut_over_devices_serves_the_tokens_of_one_device(seen):
-    want = seen["tp1"]["tokens"]
+@pytest.mark.slow
+def test_an_engine_cut_over_devices_serves_the_tokens_of_one_device(engines):
+    want = engines["tp1"]["tokens"]
     assert len(want) == 2 and all(len(t) == 8 for t in want)
     for name, devices in (("tp4", 4), ("tp2_ngram", 2), ("tp2_mtp", 2), ("tp2_mtp_tree", 2)):
-        got = seen[name]
+        got = engines[name]
         assert got["tokens"] == want, name
         assert got["retraces"] == 0 and got["pool_devices"] == devices
     # Drafts (n-gram, the MTP head's chain and tree) verified and committed under TP.
     for name in ("tp2_ngram", "tp2_mtp", "tp2_mtp_tree"):
-        assert seen[name]["verify_steps"] > 0, name
-    assert seen["tp2_mtp"]["head_kv_devices"] == 2  # the head's cache cut like the target's
+        assert engines[name]["verify_steps"] > 0, name
+    assert engines["tp2_mtp"]["head_kv_devices"] == 2  # the head's cache cut like the target's
 
 
 def test_a_checkpoint_loads_onto_the_devices_in_slices(seen):
