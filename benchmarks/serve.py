@@ -167,6 +167,11 @@ TRIAL_SWITCHES = {
         "a dense MLP keeps its gate and up weights apart (two products, the SwiGLU in XLA), "
         "unless an earlier row of the run paired them",
     ),
+    "--no-residual-in-product": (
+        linear_layer, "RESIDUAL_IN_PRODUCT", False,
+        "an output projection XLA runs (above 64 rows) stores its product and adds the "
+        "residual in a fusion of its own, not in cuBLAS's epilogue",
+    ),
     "--no-one-pass-greedy": (
         sampling, "ONE_PASS_GREEDY", False,
         "a step's greedy rows take an argmax and a log-sum-exp, two reads of the logits, not "

@@ -50,6 +50,7 @@ _SWITCHES = {
         "FEW_ROWS",
         "MIN_SPLITS",
         "NORMS_IN_LAUNCH",
+        "RESIDUAL_IN_PRODUCT",
         "SPLIT_OUTPUT_PROJECTIONS",
     ),
     "hybrid_jax.layers.gdn": ("NORM_IN_DECODE_KERNEL",),

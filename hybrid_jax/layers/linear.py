@@ -35,6 +35,7 @@ __all__ = [
     "FEW_ROWS",
     "MIN_SPLITS",
     "NORMS_IN_LAUNCH",
+    "RESIDUAL_IN_PRODUCT",
     "SPLIT_OUTPUT_PROJECTIONS",
     "project",
     "project_output",
@@ -78,6 +79,12 @@ XLA may fuse into whatever reads the sum, where a reduce is a fusion that other 
 do not take in. On the H200 the steps keep their kernels, and the residual adds that sum the
 output projections' parts and the MoE combine run shorter (``benchmarks/RESULTS_serve.md``,
 session 28)."""
+
+
+RESIDUAL_IN_PRODUCT = True
+"""Whether a product XLA runs (``project_output`` above ``FEW_ROWS``, or where its kernel
+does not run) may take the residual it is added to into cuBLAS's epilogue; without it the
+product is stored as it is and the add is a fusion of its own."""
 
 
 def short_sum(x: jax.Array, axis: int) -> jax.Array:
@@ -182,7 +189,8 @@ def project_output(
         and _splits(x, [w]) > 1
         and resolve_impl("projections", impl, None) != "reference"
     ):
-        return layer(x) if residual is None else residual + layer(x)
+        y = layer(x) if RESIDUAL_IN_PRODUCT else jax.lax.optimization_barrier(layer(x))
+        return y if residual is None else residual + y
     if residual is None:
         return _split_product(x, w, impl=impl)
     if ADD_IN_OUTPUT_LAUNCH and projections.add_unsupported_reason(x, w, residual) is None:
