@@ -240,6 +240,29 @@ def test_a_residual_handed_to_the_layer_joins_it_in_the_output_launch(monkeypatc
     np.testing.assert_allclose(np.asarray(added.square_sums), (rows * rows).sum(1), rtol=2e-3)
 
 
+@pytest.mark.parametrize("in_product", [True, False], ids=["in-product", "add-apart"])
+def test_an_output_projection_xla_runs_adds_its_residual_as_switched_with_the_same_bits(
+    in_product, monkeypatch
+):
+    """Above ``FEW_ROWS`` XLA runs the output projection: with ``RESIDUAL_IN_PRODUCT`` off
+    the product is stored behind a barrier (cuBLAS cannot take the add into its epilogue)
+    and the add is XLA's own; the sum is the same bits either way."""
+    rows = linear.FEW_ROWS + 16
+    layer = nnx.Linear(256, 128, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                       rngs=nnx.Rngs(4))  # fmt: skip
+    keys = jax.random.split(jax.random.key(5))
+    x = jax.random.normal(keys[0], (rows, 256), jnp.bfloat16)
+    residual = jax.random.normal(keys[1], (rows, 128), jnp.bfloat16)
+    monkeypatch.setattr(linear, "RESIDUAL_IN_PRODUCT", in_product)
+
+    def added(x, residual):
+        return linear.project_output(x, layer, impl="auto", residual=residual)
+
+    chex.assert_trees_all_equal(jax.jit(added)(x, residual), residual + layer(x))
+    barriers = "optimization_barrier" in str(jax.make_jaxpr(added)(x, residual))
+    assert barriers == (not in_product)
+
+
 def _conv_case(seed, dtype):
     """A layer of 2 key / 4 value heads of 128 (the conv in the decode kernel takes heads of
     one channel a thread), its decode inputs and pools (every slot random)."""
