@@ -84,7 +84,8 @@ session 28)."""
 RESIDUAL_IN_PRODUCT = True
 """Whether a product XLA runs (``project_output`` above ``FEW_ROWS``, or where its kernel
 does not run) may take the residual it is added to into cuBLAS's epilogue; without it the
-product is stored as it is and the add is a fusion of its own."""
+product is stored as it is and the add is a fusion of its own (cuBLAS keeps its tiles, and
+the step at 256 rows its time: ``benchmarks/RESULTS_serve.md``, session 50)."""
 
 
 def short_sum(x: jax.Array, axis: int) -> jax.Array:
