@@ -175,7 +175,9 @@ class Engine(SpeculativeServing):
     checkpoint's ``generation_config.json`` may add more). ``generation_config``: the
     sampling defaults a checkpoint's ``generation_config.json`` sets (``SamplingParams``
     fields; empty for a preset); ``default_params``, the sampling of calls that give none, is
-    ``SamplingParams`` with them. ``compile_records`` (one per step executable),
+    ``SamplingParams`` with them. ``logits_dtype``: the dtype a step gives its logits in (the
+    model's: the LM head's product as it is), which the samplers are compiled for.
+    ``compile_records`` (one per step executable),
     ``sampler_compile_ms``, ``compile_s``, ``step_times`` (seconds per step, by mode;
     under MTP drafts, DRAFT_EXTEND holds the head's whole drafting chain after each step) and
     ``launch_times`` (the host's seconds to launch each step, by mode: its metadata and its
@@ -208,7 +210,7 @@ class Engine(SpeculativeServing):
         self.tokenizer = tokenizer
         self.config = config
         self.vocab_size = model.config.vocab_size
-        self.logits_dtype = jnp.dtype(model.config.dtype)  # as the steps give them
+        self.logits_dtype = jnp.dtype(model.config.dtype)
         self.eos_token_ids = frozenset(model.config.eos_token_id)
         self.generation_config: dict[str, float | int] = {}
         # A vision-language checkpoint's image and video placeholders: text only here.
