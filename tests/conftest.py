@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import pytest
 
@@ -30,6 +31,16 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     ).strip()
+
+# One persistent compilation cache for the whole run: the xdist workers (started after this
+# file is imported in the controller, they inherit its environment) and the child processes
+# share it, so an executable that several modules build (the tiny engines' samplers and
+# steps, a kernel's call) compiles once. Its key is the compiled program and its options, so
+# a monkeypatched switch that changes the program is a miss, never a stale hit. Engines given
+# a cache_dir of their own point JAX there while they build (and the tests put it back).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybrid_jax_tests_xla_")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 # hybrid_jax adds its serving flags to XLA_FLAGS when imported, unless a backend has already
 # started: imported here, it adds them whichever test module first starts one (a module that
