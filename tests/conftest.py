@@ -18,6 +18,7 @@ the same flag would also apply to the GPU kernels XLA emits.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -39,8 +40,11 @@ if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not i
 # a monkeypatched switch that changes the program is a miss, never a stale hit. Engines given
 # a cache_dir of their own point JAX there while they build (and the tests put it back).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybrid_jax_tests_xla_")
+    _run_cache = tempfile.mkdtemp(prefix="hybrid_jax_tests_xla_")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _run_cache
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    # The process that made it (the controller under xdist) exits after everything using it.
+    atexit.register(shutil.rmtree, _run_cache, ignore_errors=True)
 
 # hybrid_jax adds its serving flags to XLA_FLAGS when imported, unless a backend has already
 # started: imported here, it adds them whichever test module first starts one (a module that
