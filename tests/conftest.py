@@ -46,6 +46,42 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # The process that made it (the controller under xdist) exits after everything using it.
     atexit.register(shutil.rmtree, _run_cache, ignore_errors=True)
 
+
+def _interpreter_callbacks_on_host_arrays() -> None:
+    """Hands the Mosaic GPU interpreter's host callbacks XLA's NumPy arrays as they come.
+
+    The interpreter runs every load, store, barrier and TMA copy of a kernel as an
+    ``io_callback``, tens of thousands a kernel test. JAX's ``io_callback_impl`` first
+    ``device_put``s each callback's arguments onto the CPU device, which costs more than the
+    callback's own work: most of an interpreted kernel's time goes there (numbers in
+    ``benchmarks/README.md``, "The test suite's time"). The callbacks only read their
+    arguments on the host, so they take the NumPy arrays XLA passes instead; the one place
+    that insists on a ``jax.Array`` (the interpreter's ``_to_int``, for the scalar ids of a
+    thread or device) gets NumPy scalars too. What a kernel computes is unchanged: its
+    arithmetic runs in XLA either way, and the callbacks move the same bytes. jax is pinned
+    (``pyproject.toml``), so these two private names are those of the version tested.
+    """
+    import numpy as np
+    from jax._src import callback as jax_callback
+    from jax._src import tree_util
+    from jax._src.pallas.mosaic_gpu.interpret import shared_memory
+
+    def io_callback_impl(*args, result_avals, callback, sharding, ordered):
+        del result_avals, sharding, ordered
+        return tree_util.tree_map(np.asarray, callback(*args))
+
+    array_to_int = shared_memory._to_int
+
+    def to_int(x):
+        return x.item() if isinstance(x, np.ndarray | np.generic) else array_to_int(x)
+
+    jax_callback.io_callback_impl = io_callback_impl
+    shared_memory._to_int = to_int
+
+
+if shutil.which("nvidia-smi") is None:
+    _interpreter_callbacks_on_host_arrays()
+
 # hybrid_jax adds its serving flags to XLA_FLAGS when imported, unless a backend has already
 # started: imported here, it adds them whichever test module first starts one (a module that
 # imports only pallas_kernels would otherwise leave the later engine tests without them).
