@@ -59,7 +59,6 @@ def _nemotron_h() -> NemotronH:
     return NemotronH(kernel_sized_nemotron_h_config(), rngs=nnx.Rngs(0))
 
 
-@functools.cache
 def _steps_and_state(build):
     """The model ``build`` makes, as an engine prepares it, and its serving state's shapes."""
     model = model_for_steps(with_zero_weights(build), ENGINE, None, donate_weights=True)
@@ -94,22 +93,37 @@ def _steps_and_state(build):
 def test_the_gpu_tests_steps_lower_for_the_gpu_with_their_kernels(
     build, mode, tokens, kernels, monkeypatch
 ):
-    steps, state, policy = _steps_and_state(build)
     monkeypatch.setattr(_common, "on_hopper_gpu", lambda: True)  # "auto" decides as on a GPU
-    meta = example_metadata(mode, 8, tokens, policy)
-    x = jax.ShapeDtypeStruct((tokens,), jnp.int32)
-    text = steps.lower(mode, state, x, meta, platforms=("cuda",)).as_text()
+    text = _step_text(build, mode, tokens, _switches())
     missing = [name for name in kernels if name not in text]
     assert not missing, f"{mode.name} lowered without {missing}"
 
 
+def _switches() -> tuple:
+    """The values of the switches these tests set, as the lowering reads them now."""
+    return (
+        _common.on_hopper_gpu(), moe_layer.EXPERTS_IN_ONE_LAUNCH, moe_layer.SPLIT_ROUTER_LAUNCH,
+        moe_layer.RANKING_IN_ROUTER_LAUNCH, linear.ADD_IN_OUTPUT_LAUNCH,
+        gdn_backend.CONV_IN_DECODE_KERNEL, attention_backend.MERGE_IN_LAUNCH,
+    )  # fmt: skip
+
+
+@functools.cache
+def _step_text(build, mode: ForwardMode, tokens: int, switches: tuple) -> str:
+    """The CUDA lowering of a ``mode`` step of 8 rows and ``tokens`` tokens of the model
+    ``build`` makes, with the ``switches`` in force (``_switches()``), from steps of their
+    own: steps cache their traces, which hold the switches they were made with. Tests that
+    set the same switches share one lowering."""
+    assert switches == _switches()
+    steps, state, policy = _steps_and_state(build)
+    meta = example_metadata(mode, 8, tokens, policy)
+    x = jax.ShapeDtypeStruct((tokens,), jnp.int32)
+    return steps.lower(mode, state, x, meta, platforms=("cuda",)).as_text()
+
+
 def _switched_decode_text(build) -> str:
-    """The CUDA lowering of a DECODE step of 8 rows of the model ``build`` makes, from steps
-    of their own: the cached ones may hold a trace made with other switches."""
-    steps, state, policy = _steps_and_state.__wrapped__(build)
-    meta = example_metadata(ForwardMode.DECODE, 8, 8, policy)
-    x = jax.ShapeDtypeStruct((8,), jnp.int32)
-    return steps.lower(ForwardMode.DECODE, state, x, meta, platforms=("cuda",)).as_text()
+    """``_step_text`` of a DECODE step of 8 rows, with the switches the test has set."""
+    return _step_text(build, ForwardMode.DECODE, 8, _switches())
 
 
 @pytest.mark.parametrize(
@@ -149,7 +163,8 @@ def _qwen3_next_128_experts() -> Qwen3Next:
 @pytest.mark.parametrize(
     ("build", "split", "ranked", "launch"),
     [
-        (_qwen3_next, False, True, "projections_ranked"),
+        # 64 experts: widths the row programs cannot combine, so the launch stays whole-K.
+        (_qwen3_next, True, True, "projections_ranked"),
         pytest.param(  # slow: the default ranks in the launch (the next row)
             _qwen3_next_128_experts, True, False, "projections_combined", marks=pytest.mark.slow
         ),
