@@ -53,8 +53,7 @@ def _interpreter_callbacks_on_host_arrays() -> None:
     The interpreter runs every load, store, barrier and TMA copy of a kernel as an
     ``io_callback``, tens of thousands a kernel test. JAX's ``io_callback_impl`` first
     ``device_put``s each callback's arguments onto the CPU device, which costs more than the
-    callback's own work: most of an interpreted kernel's time goes there (numbers in
-    ``benchmarks/README.md``, "The test suite's time"). The callbacks only read their
+    callback's own work (``benchmarks/RESULTS_test_suite.md``). The callbacks only read their
     arguments on the host, so they take the NumPy arrays XLA passes instead; the one place
     that insists on a ``jax.Array`` (the interpreter's ``_to_int``, for the scalar ids of a
     thread or device) gets NumPy scalars too. What a kernel computes is unchanged: its
