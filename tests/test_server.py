@@ -350,15 +350,20 @@ def test_serve_cli_refuses_bad_flags_by_name(capsys):
         assert needle in capsys.readouterr().err
 
 
-def test_serve_cli_exits_cleanly_on_sigterm_with_a_stream_in_flight(tmp_path):
+def test_serve_cli_exits_cleanly_on_sigterm_with_a_stream_in_flight(server):
     import signal
     import subprocess
     import sys
 
+    # The module server's configuration and cache: the child loads the programs the server's
+    # engine stored instead of compiling its own.
+    _, _, engine = server
     port = _free_port()
     cmd = [sys.executable, "-c", "from hybrid_jax.cli import main; main()", "serve",
-           "--port", str(port), "--max-batch", "2", "--max-tokens", "32", "--max-context", "128",
-           "--impl", "reference", "--cache-dir", str(tmp_path), "--drain-s", "1"]  # fmt: skip
+           "--port", str(port), "--max-batch", str(CONFIG.max_batch),
+           "--max-tokens", str(CONFIG.max_tokens), "--max-context", str(CONFIG.max_context),
+           "--impl", "reference", "--cache-dir", engine.config.cache_dir,
+           "--drain-s", "1"] + ["--batch-invariant"] * CONFIG.batch_invariant  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
