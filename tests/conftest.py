@@ -23,12 +23,12 @@ import os
 import shutil
 import tempfile
 
+import _jax_speedups
 import pytest
 
 os.environ.setdefault("NPROC", "16")
-if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
+optimising = "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
+if _jax_speedups.WITHOUT_NVIDIA_GPU and not optimising:
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     ).strip()
@@ -47,39 +47,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _run_cache, ignore_errors=True)
 
 
-def _interpreter_callbacks_on_host_arrays() -> None:
-    """Hands the Mosaic GPU interpreter's host callbacks XLA's NumPy arrays as they come.
-
-    The interpreter runs every load, store, barrier and TMA copy of a kernel as an
-    ``io_callback``, tens of thousands a kernel test. JAX's ``io_callback_impl`` first
-    ``device_put``s each callback's arguments onto the CPU device, which costs more than the
-    callback's own work (``benchmarks/RESULTS_test_suite.md``). The callbacks only read their
-    arguments on the host, so they take the NumPy arrays XLA passes instead; the one place
-    that insists on a ``jax.Array`` (the interpreter's ``_to_int``, for the scalar ids of a
-    thread or device) gets NumPy scalars too. What a kernel computes is unchanged: its
-    arithmetic runs in XLA either way, and the callbacks move the same bytes. jax is pinned
-    (``pyproject.toml``), so these two private names are those of the version tested.
-    """
-    import numpy as np
-    from jax._src import callback as jax_callback
-    from jax._src import tree_util
-    from jax._src.pallas.mosaic_gpu.interpret import shared_memory
-
-    def io_callback_impl(*args, result_avals, callback, sharding, ordered):
-        del result_avals, sharding, ordered
-        return tree_util.tree_map(np.asarray, callback(*args))
-
-    array_to_int = shared_memory._to_int
-
-    def to_int(x):
-        return x.item() if isinstance(x, np.ndarray | np.generic) else array_to_int(x)
-
-    jax_callback.io_callback_impl = io_callback_impl
-    shared_memory._to_int = to_int
-
-
-if shutil.which("nvidia-smi") is None:
-    _interpreter_callbacks_on_host_arrays()
+# Faster JAX internals, the same results (tests/_jax_speedups.py).
+_jax_speedups.apply()
 
 # hybrid_jax adds its serving flags to XLA_FLAGS when imported, unless a backend has already
 # started: imported here, it adds them whichever test module first starts one (a module that
@@ -88,12 +57,14 @@ import hybrid_jax  # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """JAX's persistent cache for a module's engines (a process-wide setting, restored)."""
+def cache_dir():
+    """The run's persistent cache for a module's engines, its program store included, so
+    that engines of one configuration in several modules compile once (the engine sets
+    JAX's cache options process-wide: they are restored after the module)."""
     from _engine_helpers import restored_cache_options
 
     with restored_cache_options():
-        yield str(tmp_path_factory.mktemp("xla_cache"))
+        yield os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 # Modules whose tests take minutes together (a child process, a served engine, notebooks).

@@ -17,7 +17,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+TESTS = Path(__file__).resolve().parent
+NOTEBOOKS = TESTS.parent / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 KERNEL = "hybrid-jax-test"
 # A notebook is written to run in well under two minutes on one laptop core; the margin is for
@@ -39,7 +40,13 @@ def kernel_env(tmp_path, monkeypatch):
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
-    # No user profile or startup scripts in the kernel.
+    # No user profile in the kernel; one startup file: the suite's JAX speed-ups.
+    startup = tmp_path / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True)
+    (startup / "00-jax-speedups.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
+        f"import _jax_speedups\n_jax_speedups.apply()\nsys.path.remove({str(TESTS)!r})\n"
+    )
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     monkeypatch.setenv("MPLBACKEND", "Agg")
 
