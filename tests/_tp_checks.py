@@ -108,8 +108,8 @@ def _steps(
         rows = [RowSpec(1, 7, 1, (1,)), RowSpec(2, 5, 1, (2,))]
         meta = build_metadata(M.DECODE, rows, POLICY, num_slots=SLOTS, num_pages=PAGES)
         args = (params, jnp.asarray([3, 4], jnp.int32), out.pool, out.kv, meta)
-        hlo = forward.lower(*args).compile().as_text()
-        out2 = forward(*args)
+        decode = forward.lower(*args).compile()
+        hlo, out2 = decode.as_text(), decode(*args)
     logits = [np.asarray(out.logits)[:12], np.asarray(out2.logits)[:2]]
     return logits, np.asarray(out2.pool.ssm), hlo
 

@@ -502,7 +502,7 @@ def test_a_call_with_a_prompt_the_cache_cannot_hold_queues_nothing(tmp_path):
     assert len(small.generate([prompt(5, 0)], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
 
 
-def test_a_request_whose_logits_turn_non_finite_ends_saying_so(tmp_path):
+def test_a_request_whose_logits_turn_non_finite_ends_saying_so(engine):
     from flax import nnx
 
     from hybrid_jax.models.qwen3_next import Qwen3Next, tiny_qwen3_next_config
@@ -510,7 +510,8 @@ def test_a_request_whose_logits_turn_non_finite_ends_saying_so(tmp_path):
     model = Qwen3Next(tiny_qwen3_next_config(), rngs=nnx.Rngs(0))
     table = model.embed_tokens.embedding
     table.set_value(table.get_value().at[7].set(float("nan")))  # token 7 poisons its request
-    config = dataclasses.replace(CONFIG, cache_dir=str(tmp_path))
+    # The module engine's programs: the same model graph and sizes, other weights.
+    config = dataclasses.replace(CONFIG, cache_dir=engine.config.cache_dir)
     poisoned = Engine(model, ByteTokenizer(), config, progress=False, donate_weights=True)
     clean = [prompt(6, 3), prompt(9, 4)]
     assert 7 not in clean[0] + clean[1]
