@@ -1,6 +1,6 @@
 """Whether XLA runs a product beside a GDN decode kernel when JAX puts it on a second stream
 (``jax.experimental.compute_on``, ``gpu_stream:1``; XLA flag
-``--xla_gpu_experimental_stream_annotation``). H200; ``benchmarks/RESULTS_serve.md``.
+``--xla_gpu_experimental_stream_annotation``), on the H200.
 
 At 256 decoding rows a GDN layer's decode kernel is bound by the states it reads and writes,
 and the layer's ``z`` product (the output gate's input, 4096 x 4096 at the 9B-like model) by
@@ -59,7 +59,6 @@ def run(on_second_stream: bool) -> None:
         else z_product
     )
 
-    @jax.jit
     def layers(pool, x):
         h = x
         for layer in range(LAYERS):

@@ -4,7 +4,6 @@ its limits follow the model's dimensions."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import pathlib
 import sys
 
@@ -13,9 +12,6 @@ import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# The run's persistent cache (conftest.py), for the tests whose rows build the same engines:
-# each would otherwise start from serve.py's default, a new empty folder.
-SHARED_CACHE = ("--cache-dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +35,11 @@ def presets(serve):
     return sys.modules["serve_presets"]
 
 
-def test_smoke_rows_all_measure_and_write_results(serve, tmp_path):
-    assert serve.main(["--smoke", "--hlo", "--out", str(tmp_path), *SHARED_CACHE]) == 0
+def test_smoke_rows_all_measure_and_write_results(serve, tmp_path, cache_dir):
+    # The run's cache (serve.py's default is a new empty folder): the compile-only tests below
+    # load the engines these rows build.
+    flags = ["--smoke", "--hlo", "--out", str(tmp_path), "--cache-dir", cache_dir]
+    assert serve.main(flags) == 0
     text = (tmp_path / "RESULTS_serve_smoke.md").read_text()
     rows = [
         line for line in text.splitlines() if line.startswith(("| decode", "| prefill", "| stream"))
@@ -61,8 +60,8 @@ def test_smoke_rows_all_measure_and_write_results(serve, tmp_path):
     assert hlo.read_text().startswith("HloModule")
 
 
-def test_compile_only_rows_report_the_kernel_census_of_their_hlo(serve, tmp_path):
-    flags = ["--smoke", "--compile-only", "--hlo", "--out", str(tmp_path), *SHARED_CACHE]
+def test_compile_only_rows_report_the_kernel_census_of_their_hlo(serve, tmp_path, cache_dir):
+    flags = ["--smoke", "--compile-only", "--hlo", "--out", str(tmp_path), "--cache-dir", cache_dir]
     assert serve.main(flags) == 0
     text = (tmp_path / "RESULTS_serve_smoke.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| ")][2:]
@@ -74,7 +73,7 @@ def test_compile_only_rows_report_the_kernel_census_of_their_hlo(serve, tmp_path
 
 
 def test_each_switch_runs_the_rows_again_with_one_switch_at_a_time(
-    serve, tmp_path, capsys, monkeypatch
+    serve, tmp_path, capsys, monkeypatch, cache_dir
 ):
     from hybrid_jax.layers import moe
 
@@ -85,7 +84,7 @@ def test_each_switch_runs_the_rows_again_with_one_switch_at_a_time(
         seen.append((label, moe.SHARED_HIDDEN_WITH_EXPERTS, moe.SPLIT_ROUTER_LAUNCH))
         return rows(model, c, args, rng, label)
 
-    flags = ["--smoke", "--compile-only", "--out", str(tmp_path), *SHARED_CACHE]
+    flags = ["--smoke", "--compile-only", "--out", str(tmp_path), "--cache-dir", cache_dir]
     monkeypatch.setattr(serve, "variant_rows", recording)
     trials = "no-shared-hidden-with-experts,no-split-router-launch+no-shared-hidden-with-experts"
     assert serve.main([*flags, "--each-switch", trials]) == 0
